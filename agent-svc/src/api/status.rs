@@ -1,0 +1,27 @@
+//! The one mapping from agent-svc errors to gRPC status codes (A-10). Handlers return
+//! [`ApiError`]; nothing else builds a `Status`.
+
+use tonic::Status;
+
+use crate::store::StoreError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error(
+        "{rpc} is not implemented yet in this build of agent-svc (tracked as issue #{issue}); \
+         nothing was done"
+    )]
+    Unimplemented { rpc: &'static str, issue: u32 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<ApiError> for Status {
+    fn from(e: ApiError) -> Self {
+        let message = e.to_string();
+        match e {
+            ApiError::Unimplemented { .. } => Status::unimplemented(message),
+            ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
+        }
+    }
+}

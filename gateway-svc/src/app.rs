@@ -1,0 +1,91 @@
+//! Assembles gateway-svc from its config: store, API, server. `build` does everything that can
+//! fail before serving (bind, connect, migrate), so a bad start exits before it reports ready.
+
+use std::{future::Future, net::SocketAddr, sync::Arc};
+
+use steward_proto::{
+    GATEWAY_SERVICE_NAME, gateway::v1::gateway_service_server::GatewayServiceServer,
+};
+use tokio::net::TcpListener;
+use tonic::service::Routes;
+
+use crate::{
+    api::GatewayApi,
+    config::Config,
+    store::{SharedStore, memory::MemoryStore, postgres::PgStore},
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot open the store: {0}")]
+    Store(#[from] crate::store::StoreError),
+    #[error(transparent)]
+    Serve(#[from] svc_kit::grpc::ServeError),
+}
+
+pub struct App {
+    config: Config,
+    listener: TcpListener,
+    store: SharedStore,
+}
+
+impl App {
+    pub async fn build(config: Config) -> Result<Self, StartError> {
+        let store: SharedStore = match &config.server.database {
+            Some(db) => Arc::new(PgStore::connect(db).await?),
+            None => Arc::new(MemoryStore::new()),
+        };
+        let addr = config.server.listen_addr;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::Bind { addr, source })?;
+        tracing::info!(
+            addr = %listener.local_addr().unwrap_or(addr),
+            store = store.backend(),
+            "gateway-svc listening"
+        );
+        Ok(Self {
+            config,
+            listener,
+            store,
+        })
+    }
+
+    /// The bound address (useful when the config asked for port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .unwrap_or(self.config.server.listen_addr)
+    }
+
+    /// Serves until `shutdown` resolves, then drains.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), StartError> {
+        let max = self.config.server.max_message_bytes;
+        let api = GatewayServiceServer::new(GatewayApi::new(self.store.clone()))
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max);
+        let store = self.store;
+        let probe = move || {
+            let store = store.clone();
+            async move { store.ping().await }
+        };
+        svc_kit::grpc::run(
+            self.listener,
+            GATEWAY_SERVICE_NAME,
+            Routes::new(api),
+            &self.config.server,
+            probe,
+            shutdown,
+        )
+        .await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,11 @@
+//! gateway-svc: owns every integration (Gmail, Google Calendar, Slack, memory, tasks, reminders)
+//! and enforces in one place argument validation, metadata-only search, result caps, per-user
+//! rate limits, credential handling and error-to-string. See docs/ARCHITECTURE.md.
+
+pub mod api;
+pub mod app;
+pub mod config;
+pub mod store;
+
+pub use app::{App, StartError};
+pub use config::Config;

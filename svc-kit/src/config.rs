@@ -1,0 +1,302 @@
+//! Typed configuration from environment-style key/value lookups.
+//!
+//! Services read their settings through [`Vars`], which takes any lookup function so tests can
+//! build a configuration from a map without touching the process environment. Every error names
+//! the variable, the offending value and what a good value looks like.
+
+use std::{collections::HashMap, fmt, net::SocketAddr, str::FromStr, time::Duration};
+
+/// A configuration value that could not be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{var}: {problem}")]
+pub struct ConfigError {
+    /// The environment variable at fault.
+    pub var: String,
+    /// What is wrong and how to fix it.
+    pub problem: String,
+}
+
+impl ConfigError {
+    pub fn new(var: &str, problem: impl Into<String>) -> Self {
+        Self {
+            var: var.to_owned(),
+            problem: problem.into(),
+        }
+    }
+}
+
+/// All the problems found in one configuration, so an operator fixes them in one pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "invalid configuration:")?;
+        for e in &self.0 {
+            writeln!(f, "  - {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+type Lookup<'a> = Box<dyn Fn(&str) -> Option<String> + 'a>;
+
+/// Reads variables and collects every error instead of stopping at the first.
+pub struct Vars<'a> {
+    lookup: Lookup<'a>,
+    errors: Vec<ConfigError>,
+}
+
+impl<'a> Vars<'a> {
+    /// Variables from the process environment.
+    pub fn from_env() -> Vars<'static> {
+        Vars::new(|k| std::env::var(k).ok())
+    }
+
+    /// Variables from a map, for tests.
+    pub fn from_map(map: &'a HashMap<String, String>) -> Self {
+        Vars::new(move |k| map.get(k).cloned())
+    }
+
+    pub fn new(lookup: impl Fn(&str) -> Option<String> + 'a) -> Self {
+        Self {
+            lookup: Box::new(lookup),
+            errors: Vec::new(),
+        }
+    }
+
+    /// The raw value; empty and whitespace-only values count as unset.
+    pub fn raw(&self, var: &str) -> Option<String> {
+        (self.lookup)(var)
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+    }
+
+    /// Records a problem found while validating a combination of values.
+    pub fn error(&mut self, var: &str, problem: impl Into<String>) {
+        self.errors.push(ConfigError::new(var, problem));
+    }
+
+    /// Parses a value with `FromStr`, or returns the default when unset. On error the default is
+    /// returned too (so loading can go on and report every problem) and the error is recorded.
+    pub fn parse<T>(&mut self, var: &str, default: T, expected: &str) -> T
+    where
+        T: FromStr,
+    {
+        match self.raw(var) {
+            None => default,
+            Some(v) => match v.parse() {
+                Ok(parsed) => parsed,
+                Err(_) => {
+                    self.error(var, format!("{v:?} is not {expected}"));
+                    default
+                }
+            },
+        }
+    }
+
+    pub fn optional_string(&self, var: &str) -> Option<String> {
+        self.raw(var)
+    }
+
+    pub fn string(&self, var: &str, default: &str) -> String {
+        self.raw(var).unwrap_or_else(|| default.to_owned())
+    }
+
+    pub fn socket_addr(&mut self, var: &str, default: SocketAddr) -> SocketAddr {
+        self.parse(
+            var,
+            default,
+            "a socket address such as 0.0.0.0:50051 or [::1]:50051",
+        )
+    }
+
+    /// A boolean: true/false, 1/0, yes/no, on/off.
+    pub fn bool(&mut self, var: &str, default: bool) -> bool {
+        match self.raw(var).map(|v| v.to_ascii_lowercase()) {
+            None => default,
+            Some(v) => match v.as_str() {
+                "true" | "1" | "yes" | "on" => true,
+                "false" | "0" | "no" | "off" => false,
+                _ => {
+                    self.error(var, format!("{v:?} is not a boolean (use true or false)"));
+                    default
+                }
+            },
+        }
+    }
+
+    /// An integer in `min..=max`.
+    pub fn int_in<T>(&mut self, var: &str, default: T, min: T, max: T) -> T
+    where
+        T: FromStr + PartialOrd + Copy + fmt::Display,
+    {
+        let expected = format!("a whole number from {min} to {max}");
+        let value = self.parse(var, default, &expected);
+        if value < min || value > max {
+            self.error(var, format!("{value} is out of range: use {expected}"));
+            return default;
+        }
+        value
+    }
+
+    /// A duration such as `500ms`, `30s`, `30m`, `2h` or a bare number of seconds, within bounds.
+    pub fn duration_in(
+        &mut self,
+        var: &str,
+        default: Duration,
+        min: Duration,
+        max: Duration,
+    ) -> Duration {
+        let Some(raw) = self.raw(var) else {
+            return default;
+        };
+        match parse_duration(&raw) {
+            Some(d) if d >= min && d <= max => d,
+            Some(_) => {
+                self.error(
+                    var,
+                    format!("{raw:?} is out of range: use a duration from {min:?} to {max:?}"),
+                );
+                default
+            }
+            None => {
+                self.error(
+                    var,
+                    format!("{raw:?} is not a duration (use e.g. 500ms, 30s, 30m, 2h or seconds)"),
+                );
+                default
+            }
+        }
+    }
+
+    /// A size in bytes such as `4MiB`, `512KiB` or a bare number of bytes, within bounds.
+    pub fn bytes_in(&mut self, var: &str, default: usize, min: usize, max: usize) -> usize {
+        let Some(raw) = self.raw(var) else {
+            return default;
+        };
+        match parse_bytes(&raw) {
+            Some(b) if b >= min && b <= max => b,
+            Some(_) => {
+                self.error(
+                    var,
+                    format!("{raw:?} is out of range: use {min} to {max} bytes"),
+                );
+                default
+            }
+            None => {
+                self.error(
+                    var,
+                    format!("{raw:?} is not a size (use e.g. 4MiB, 512KiB or bytes)"),
+                );
+                default
+            }
+        }
+    }
+
+    /// Finishes loading: the value when every variable was good, else every problem found.
+    pub fn finish<T>(self, value: T) -> Result<T, ConfigErrors> {
+        if self.errors.is_empty() {
+            Ok(value)
+        } else {
+            Err(ConfigErrors(self.errors))
+        }
+    }
+}
+
+fn parse_duration(raw: &str) -> Option<Duration> {
+    let raw = raw.trim();
+    let split = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
+    let (num, unit) = raw.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let secs = |mult: u64| n.checked_mul(mult).map(Duration::from_secs);
+    match unit.trim() {
+        "" | "s" => secs(1),
+        "ms" => Some(Duration::from_millis(n)),
+        "m" | "min" => secs(60),
+        "h" => secs(3600),
+        _ => None,
+    }
+}
+
+fn parse_bytes(raw: &str) -> Option<usize> {
+    let raw = raw.trim();
+    let split = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
+    let (num, unit) = raw.split_at(split);
+    let n: usize = num.parse().ok()?;
+    let mult = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" | "KB" => 1 << 10,
+        "MiB" | "M" | "MB" => 1 << 20,
+        "GiB" | "G" | "GB" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn unset_and_blank_values_take_the_default() {
+        let map = vars(&[("A", "  ")]);
+        let mut v = Vars::from_map(&map);
+        assert_eq!(v.int_in("A", 7u32, 1, 10), 7);
+        assert_eq!(v.int_in("B", 8u32, 1, 10), 8);
+        assert!(v.finish(()).is_ok());
+    }
+
+    #[test]
+    fn every_bad_value_is_reported_by_name() {
+        let map = vars(&[("PORT_ADDR", "nope"), ("STEPS", "99"), ("FLAG", "maybe")]);
+        let mut v = Vars::from_map(&map);
+        v.socket_addr("PORT_ADDR", "0.0.0.0:1".parse().unwrap());
+        v.int_in("STEPS", 8u32, 1, 15);
+        v.bool("FLAG", true);
+        let err = v.finish(()).unwrap_err();
+        let names: Vec<_> = err.0.iter().map(|e| e.var.as_str()).collect();
+        assert_eq!(names, ["PORT_ADDR", "STEPS", "FLAG"]);
+        let text = err.to_string();
+        assert!(
+            text.contains("STEPS: 99 is out of range: use a whole number from 1 to 15"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn durations_and_sizes_accept_units() {
+        assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30"), Some(Duration::from_secs(30)));
+        assert_eq!(parse_duration("30m"), Some(Duration::from_secs(1800)));
+        assert_eq!(parse_duration("2h"), Some(Duration::from_secs(7200)));
+        assert_eq!(parse_duration("2 weeks"), None);
+        assert_eq!(parse_duration("99999999999999999999h"), None);
+        assert_eq!(parse_bytes("4MiB"), Some(4 << 20));
+        assert_eq!(parse_bytes("512"), Some(512));
+        assert_eq!(parse_bytes("lots"), None);
+    }
+
+    #[test]
+    fn out_of_range_duration_is_refused() {
+        let map = vars(&[("DRAIN", "2h")]);
+        let mut v = Vars::from_map(&map);
+        let d = v.duration_in(
+            "DRAIN",
+            Duration::from_secs(5),
+            Duration::ZERO,
+            Duration::from_secs(60),
+        );
+        assert_eq!(d, Duration::from_secs(5));
+        assert_eq!(v.finish(()).unwrap_err().0[0].var, "DRAIN");
+    }
+}

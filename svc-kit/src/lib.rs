@@ -1,0 +1,12 @@
+//! Server plumbing that agent-svc and gateway-svc share, written once: typed environment
+//! configuration with errors that name the variable, JSON logs, the gRPC serving loop with
+//! health, reflection and a bounded graceful drain, and the PostgreSQL pool with migrations
+//! applied under an advisory lock.
+
+pub mod config;
+pub mod grpc;
+pub mod health;
+pub mod pg;
+pub mod server_config;
+pub mod shutdown;
+pub mod telemetry;

@@ -1,0 +1,90 @@
+//! PostgreSQL: a deadpool pool for the service, and embedded migrations applied at start-up on a
+//! dedicated connection under a PostgreSQL advisory lock, so replicas starting together apply each
+//! migration exactly once and the losers wait for the winner instead of failing.
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+
+pub use deadpool_postgres::Pool as PgPool;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PgError {
+    #[error("DATABASE_URL is not a valid PostgreSQL connection string: {0}")]
+    BadUrl(tokio_postgres::Error),
+    #[error("cannot connect to PostgreSQL: {0}")]
+    Connect(tokio_postgres::Error),
+    #[error("cannot build the connection pool: {0}")]
+    Pool(String),
+    #[error("PostgreSQL query failed: {0}")]
+    Query(#[from] tokio_postgres::Error),
+    #[error("migration failed: {0}")]
+    Migration(#[from] refinery::Error),
+    #[error("no pooled connection: {0}")]
+    Checkout(#[from] deadpool_postgres::PoolError),
+}
+
+/// Pool settings, from each service's config.
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    pub max_connections: usize,
+    /// How long a caller waits for a free connection before getting an error.
+    pub acquire_timeout: Duration,
+}
+
+/// Builds the pool. Connections are opened lazily; call [`ping`] to check the server answers.
+pub fn pool(url: &str, options: &PoolOptions) -> Result<Pool, PgError> {
+    let pg_config: tokio_postgres::Config = url.parse().map_err(PgError::BadUrl)?;
+    let manager = Manager::from_config(
+        pg_config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(options.max_connections)
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(options.acquire_timeout))
+        .create_timeout(Some(options.acquire_timeout))
+        .recycle_timeout(Some(options.acquire_timeout))
+        .build()
+        .map_err(|e| PgError::Pool(e.to_string()))
+}
+
+/// One round trip through the pool: what readiness means for a database-backed service.
+pub async fn ping(pool: &Pool) -> Result<(), PgError> {
+    let client = pool.get().await?;
+    client.simple_query("SELECT 1").await?;
+    Ok(())
+}
+
+/// Applies `runner`'s migrations while holding advisory lock `lock_key` (one key per service,
+/// so the two services never wait on each other).
+pub async fn migrate(url: &str, runner: refinery::Runner, lock_key: i64) -> Result<(), PgError> {
+    let (mut client, connection) = tokio_postgres::connect(url, NoTls)
+        .await
+        .map_err(PgError::Connect)?;
+    let connection = tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::warn!(error = %e, "migration connection closed with an error");
+        }
+    });
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&lock_key])
+        .await?;
+    let result = runner.run_async(&mut client).await;
+    // Unlock explicitly; closing the session would release it too, but this frees waiters now.
+    let unlock = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&lock_key])
+        .await;
+    drop(client);
+    let _ = connection.await;
+    let report = result?;
+    unlock?;
+    for m in report.applied_migrations() {
+        tracing::info!(version = m.version(), name = m.name(), "applied migration");
+    }
+    Ok(())
+}

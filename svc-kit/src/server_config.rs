@@ -1,0 +1,110 @@
+//! The settings every Steward server has, read the same way by both services.
+
+use std::{net::SocketAddr, time::Duration};
+
+use crate::{config::Vars, grpc::ServeOptions, pg::PoolOptions};
+
+/// PostgreSQL settings; present only when `DATABASE_URL` is set.
+#[derive(Debug, Clone)]
+pub struct DatabaseConfig {
+    pub url: String,
+    pub pool: PoolOptions,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// `<PREFIX>_LISTEN_ADDR`.
+    pub listen_addr: SocketAddr,
+    /// `DATABASE_URL`; `None` selects the embedded in-memory store.
+    pub database: Option<DatabaseConfig>,
+    /// `GRPC_MAX_MESSAGE_BYTES`: the largest request or response message, either direction.
+    pub max_message_bytes: usize,
+    /// `HEALTH_PROBE_INTERVAL`: how often readiness re-checks the store.
+    pub health_probe_interval: Duration,
+    pub serve: ServeOptions,
+}
+
+impl ServerConfig {
+    /// Reads the shared settings; `prefix` names the listen variable (e.g. `AGENT` reads
+    /// `AGENT_LISTEN_ADDR`).
+    pub fn load(vars: &mut Vars<'_>, prefix: &str, default_listen: SocketAddr) -> Self {
+        let listen_addr = vars.socket_addr(&format!("{prefix}_LISTEN_ADDR"), default_listen);
+        let database = vars.optional_string("DATABASE_URL").and_then(|url| {
+            if let Err(e) = url.parse::<tokio_postgres::Config>() {
+                vars.error(
+                    "DATABASE_URL",
+                    format!("not a PostgreSQL connection string ({e}); use e.g. postgres://user@host:5432/db"),
+                );
+                return None;
+            }
+            let max_connections = vars.int_in("DATABASE_MAX_CONNECTIONS", 16usize, 1, 1000);
+            let acquire_timeout = vars.duration_in(
+                "DATABASE_ACQUIRE_TIMEOUT",
+                Duration::from_secs(5),
+                Duration::from_millis(100),
+                Duration::from_secs(300),
+            );
+            Some(DatabaseConfig { url, pool: PoolOptions { max_connections, acquire_timeout } })
+        });
+        let max_message_bytes =
+            vars.bytes_in("GRPC_MAX_MESSAGE_BYTES", 4 << 20, 64 << 10, 64 << 20);
+        let health_probe_interval = vars.duration_in(
+            "HEALTH_PROBE_INTERVAL",
+            Duration::from_secs(5),
+            Duration::from_millis(100),
+            Duration::from_secs(300),
+        );
+        let drain_timeout = vars.duration_in(
+            "SHUTDOWN_DRAIN_TIMEOUT",
+            Duration::from_secs(20),
+            Duration::ZERO,
+            Duration::from_secs(600),
+        );
+        let keepalive_interval = vars.duration_in(
+            "GRPC_KEEPALIVE_INTERVAL",
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+            Duration::from_secs(3600),
+        );
+        Self {
+            listen_addr,
+            database,
+            max_message_bytes,
+            health_probe_interval,
+            serve: ServeOptions {
+                drain_timeout,
+                keepalive_interval,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    #[test]
+    fn defaults_select_the_in_memory_store_on_the_default_port() {
+        let map = HashMap::new();
+        let mut vars = Vars::from_map(&map);
+        let cfg = ServerConfig::load(&mut vars, "AGENT", "0.0.0.0:50051".parse().unwrap());
+        assert!(vars.finish(()).is_ok());
+        assert!(cfg.database.is_none());
+        assert_eq!(cfg.listen_addr.port(), 50051);
+        assert_eq!(cfg.max_message_bytes, 4 << 20);
+    }
+
+    #[test]
+    fn a_malformed_database_url_is_named() {
+        let map = HashMap::from([(
+            "DATABASE_URL".to_owned(),
+            "postgres://x:notaport/db".to_owned(),
+        )]);
+        let mut vars = Vars::from_map(&map);
+        ServerConfig::load(&mut vars, "GATEWAY", "0.0.0.0:50052".parse().unwrap());
+        let errors = vars.finish(()).unwrap_err();
+        assert_eq!(errors.0[0].var, "DATABASE_URL");
+    }
+}

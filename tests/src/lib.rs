@@ -1,0 +1,16 @@
+//! The end-to-end harness (the zero-to-production `spawn_app` pattern): both services start
+//! in-process on 127.0.0.1 port 0 against a fresh PostgreSQL database per test, which is dropped
+//! afterwards, and the test gets typed clients.
+//!
+//! PostgreSQL comes from `STEWARD_TEST_DATABASE_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/postgres`, the machine's trust-auth server). Logs are
+//! printed only with `TEST_LOG=1`.
+
+pub mod db;
+pub mod spawn;
+
+pub use db::TestDb;
+pub use spawn::{
+    Backend, RunningService, TestApp, channel, spawn_app, spawn_app_with, start_agent,
+    start_gateway, wait_for_status,
+};

@@ -1,0 +1,222 @@
+//! Starting both services in-process, the way production wires them: gateway-svc first, then
+//! agent-svc pointed at it over loopback gRPC.
+
+use std::{collections::HashMap, net::SocketAddr, time::Duration};
+
+use steward_proto::{
+    AGENT_SERVICE_NAME, GATEWAY_SERVICE_NAME, agent::v1::agent_service_client::AgentServiceClient,
+    gateway::v1::gateway_service_client::GatewayServiceClient,
+};
+use svc_kit::config::Vars;
+use tokio::{sync::oneshot, task::JoinHandle};
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+use crate::TestDb;
+
+/// How long a test waits for a service to become ready before failing.
+const READY_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Which store the services run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// A fresh PostgreSQL database, dropped when the app is.
+    Postgres,
+    /// The embedded in-memory stores.
+    Memory,
+}
+
+type ServeResult = Result<(), String>;
+
+/// One running service: its address, its stop button and its task.
+pub struct RunningService {
+    pub addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<ServeResult>,
+}
+
+impl RunningService {
+    /// Signals shutdown and waits for the server to finish draining.
+    pub async fn stop(&mut self) -> ServeResult {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match tokio::time::timeout(Duration::from_secs(10), &mut self.task).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(join)) => Err(format!("server task for {} panicked: {join}", self.addr)),
+            Err(_) => Err(format!("server at {} did not stop within 10 s", self.addr)),
+        }
+    }
+}
+
+pub struct TestApp {
+    pub agent_addr: SocketAddr,
+    pub gateway_addr: SocketAddr,
+    pub agent: AgentServiceClient<Channel>,
+    pub gateway: GatewayServiceClient<Channel>,
+    /// The test database, when the backend is PostgreSQL.
+    pub db: Option<TestDb>,
+    services: Vec<RunningService>,
+}
+
+/// Both services on a fresh PostgreSQL database.
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(Backend::Postgres, &[]).await
+}
+
+/// Both services on `backend`, with extra environment-style settings for both.
+pub async fn spawn_app_with(backend: Backend, extra: &[(&str, &str)]) -> TestApp {
+    init_test_logs();
+    let db = match backend {
+        Backend::Postgres => Some(TestDb::create().await.expect("create the test database")),
+        Backend::Memory => None,
+    };
+    let mut env: HashMap<String, String> = HashMap::from([
+        ("AGENT_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
+        ("GATEWAY_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
+        // Fast probes so readiness follows outages within a test's patience.
+        ("HEALTH_PROBE_INTERVAL".into(), "100ms".into()),
+        ("SHUTDOWN_DRAIN_TIMEOUT".into(), "2s".into()),
+    ]);
+    if let Some(db) = &db {
+        env.insert("DATABASE_URL".into(), db.url().to_owned());
+    }
+    for (k, v) in extra {
+        env.insert((*k).to_owned(), (*v).to_owned());
+    }
+
+    let gateway = start_gateway(&env).await.expect("start gateway-svc");
+    env.insert("GATEWAY_URL".into(), format!("http://{}", gateway.addr));
+    let agent = start_agent(&env).await.expect("start agent-svc");
+
+    let gateway_channel = channel(gateway.addr).await;
+    let agent_channel = channel(agent.addr).await;
+    wait_for_status(
+        gateway_channel.clone(),
+        GATEWAY_SERVICE_NAME,
+        ServingStatus::Serving,
+    )
+    .await;
+    wait_for_status(
+        agent_channel.clone(),
+        AGENT_SERVICE_NAME,
+        ServingStatus::Serving,
+    )
+    .await;
+
+    TestApp {
+        agent_addr: agent.addr,
+        gateway_addr: gateway.addr,
+        agent: AgentServiceClient::new(agent_channel),
+        gateway: GatewayServiceClient::new(gateway_channel),
+        db,
+        services: vec![agent, gateway],
+    }
+}
+
+/// Starts one gateway-svc with `env`; for tests that need several replicas.
+pub async fn start_gateway(env: &HashMap<String, String>) -> Result<RunningService, String> {
+    let config = gateway_svc::Config::load(Vars::from_map(env)).map_err(|e| e.to_string())?;
+    let app = gateway_svc::App::build(config)
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = app.local_addr();
+    Ok(spawn_running(addr, |stop| async move {
+        app.run(stop).await.map_err(|e| e.to_string())
+    }))
+}
+
+/// Starts one agent-svc with `env`; for tests that need several replicas.
+pub async fn start_agent(env: &HashMap<String, String>) -> Result<RunningService, String> {
+    let config = agent_svc::Config::load(Vars::from_map(env)).map_err(|e| e.to_string())?;
+    let app = agent_svc::App::build(config)
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = app.local_addr();
+    Ok(spawn_running(addr, |stop| async move {
+        app.run(stop).await.map_err(|e| e.to_string())
+    }))
+}
+
+fn spawn_running<F, Fut>(addr: SocketAddr, run: F) -> RunningService
+where
+    F: FnOnce(std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>) -> Fut,
+    Fut: std::future::Future<Output = ServeResult> + Send + 'static,
+{
+    let (tx, rx) = oneshot::channel::<()>();
+    let stop = Box::pin(async move {
+        let _ = rx.await;
+    });
+    RunningService {
+        addr,
+        stop: Some(tx),
+        task: tokio::spawn(run(stop)),
+    }
+}
+
+impl TestApp {
+    /// The health status of `service` ("" for the whole server) on `addr`.
+    pub async fn health(
+        &self,
+        addr: SocketAddr,
+        service: &str,
+    ) -> Result<ServingStatus, tonic::Status> {
+        let mut client = HealthClient::new(channel(addr).await);
+        let resp = client
+            .check(HealthCheckRequest {
+                service: service.to_owned(),
+            })
+            .await?;
+        Ok(resp.into_inner().status())
+    }
+
+    /// Stops both services, agent first (it depends on the gateway), and reports how each ended.
+    pub async fn shutdown(mut self) -> Vec<ServeResult> {
+        let mut results = Vec::new();
+        for running in &mut self.services {
+            results.push(running.stop().await);
+        }
+        results
+    }
+}
+
+/// A lazily connecting channel to a loopback address.
+pub async fn channel(addr: SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .expect("loopback URL")
+        .connect_timeout(Duration::from_secs(5))
+        .connect_lazy()
+}
+
+/// Waits, by following the health Watch stream (no polling, no sleeps), until `service` reports
+/// `want`; panics after [`READY_TIMEOUT`].
+pub async fn wait_for_status(channel: Channel, service: &str, want: ServingStatus) {
+    let watch = async {
+        let mut client = HealthClient::new(channel);
+        let mut stream = client
+            .watch(HealthCheckRequest {
+                service: service.to_owned(),
+            })
+            .await
+            .expect("health Watch starts")
+            .into_inner();
+        while let Some(update) = stream.next().await {
+            if update.expect("health update").status() == want {
+                return;
+            }
+        }
+        panic!("health stream for {service} ended before it reported {want:?}");
+    };
+    tokio::time::timeout(READY_TIMEOUT, watch)
+        .await
+        .unwrap_or_else(|_| panic!("{service} did not report {want:?} within {READY_TIMEOUT:?}"));
+}
+
+fn init_test_logs() {
+    if std::env::var_os("TEST_LOG").is_some() {
+        svc_kit::telemetry::init("steward-tests");
+    }
+}

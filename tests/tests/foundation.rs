@@ -1,0 +1,259 @@
+//! Foundation: both services serve health and reflection, report readiness honestly, apply
+//! migrations safely across replicas, refuse what they cannot do yet, and drain on shutdown.
+
+use std::collections::HashMap;
+
+use steward_proto::{
+    AGENT_SERVICE_NAME, GATEWAY_SERVICE_NAME, agent::v1 as agent_pb, gateway::v1 as gateway_pb,
+};
+use steward_tests::{
+    Backend, TestDb, channel, spawn_app, spawn_app_with, start_agent, start_gateway,
+    wait_for_status,
+};
+use tokio_stream::StreamExt;
+use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_reflection::pb::v1alpha::{
+    ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+    server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+};
+
+#[tokio::test]
+async fn both_services_report_serving_on_postgres() {
+    let app = spawn_app().await;
+    for (addr, name) in [
+        (app.agent_addr, AGENT_SERVICE_NAME),
+        (app.gateway_addr, GATEWAY_SERVICE_NAME),
+    ] {
+        assert_eq!(
+            app.health(addr, name).await.unwrap(),
+            ServingStatus::Serving
+        );
+        assert_eq!(app.health(addr, "").await.unwrap(), ServingStatus::Serving);
+    }
+    assert!(app.shutdown().await.iter().all(Result::is_ok));
+}
+
+#[tokio::test]
+async fn both_services_report_serving_on_the_embedded_store() {
+    let app = spawn_app_with(Backend::Memory, &[]).await;
+    assert_eq!(
+        app.health(app.agent_addr, AGENT_SERVICE_NAME)
+            .await
+            .unwrap(),
+        ServingStatus::Serving
+    );
+    assert_eq!(
+        app.health(app.gateway_addr, GATEWAY_SERVICE_NAME)
+            .await
+            .unwrap(),
+        ServingStatus::Serving
+    );
+    assert!(app.shutdown().await.iter().all(Result::is_ok));
+}
+
+#[tokio::test]
+async fn an_unknown_service_name_is_not_found_by_health() {
+    let app = spawn_app_with(Backend::Memory, &[]).await;
+    let err = app
+        .health(app.agent_addr, "steward.nope.v1.Nope")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+}
+
+async fn listed_services(addr: std::net::SocketAddr) -> Vec<String> {
+    let mut client = ServerReflectionClient::new(channel(addr).await);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = client
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .expect("reflection answers")
+        .into_inner();
+    let response = responses
+        .next()
+        .await
+        .expect("one response")
+        .expect("no error");
+    match response.message_response {
+        Some(MessageResponse::ListServicesResponse(list)) => {
+            let mut names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+            names.sort();
+            names
+        }
+        other => panic!("expected a service list, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn reflection_lists_the_contract_health_and_reflection_on_both_ports() {
+    let app = spawn_app_with(Backend::Memory, &[]).await;
+    for (addr, own) in [
+        (app.agent_addr, AGENT_SERVICE_NAME),
+        (app.gateway_addr, GATEWAY_SERVICE_NAME),
+    ] {
+        let names = listed_services(addr).await;
+        for want in [
+            own,
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        ] {
+            assert!(
+                names.iter().any(|n| n == want),
+                "{want} missing from {names:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn rpcs_not_built_yet_answer_unimplemented_and_say_which_issue_delivers_them() {
+    let mut app = spawn_app_with(Backend::Memory, &[]).await;
+    let err = app
+        .agent
+        .run(agent_pb::RunRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented);
+    assert!(
+        err.message().contains("Run is not implemented yet"),
+        "{}",
+        err.message()
+    );
+    assert!(err.message().contains("issue #7"), "{}", err.message());
+
+    let err = app
+        .gateway
+        .list_tools(gateway_pb::ListToolsRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented);
+    assert!(
+        err.message().contains("ListTools") && err.message().contains("issue #3"),
+        "{}",
+        err.message()
+    );
+}
+
+#[tokio::test]
+async fn readiness_drops_to_not_serving_when_the_database_goes_away() {
+    let app = spawn_app().await;
+    app.db
+        .as_ref()
+        .expect("postgres backend")
+        .drop_now()
+        .await
+        .expect("drop the database");
+    wait_for_status(
+        channel(app.gateway_addr).await,
+        GATEWAY_SERVICE_NAME,
+        ServingStatus::NotServing,
+    )
+    .await;
+    wait_for_status(
+        channel(app.agent_addr).await,
+        AGENT_SERVICE_NAME,
+        ServingStatus::NotServing,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn replicas_starting_together_apply_each_migration_exactly_once() {
+    let db = TestDb::create().await.unwrap();
+    let env: HashMap<String, String> = HashMap::from([
+        ("DATABASE_URL".into(), db.url().to_owned()),
+        ("AGENT_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
+        ("GATEWAY_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
+    ]);
+    let (g1, g2, g3, a1, a2, a3) = tokio::join!(
+        start_gateway(&env),
+        start_gateway(&env),
+        start_gateway(&env),
+        start_agent(&env),
+        start_agent(&env),
+        start_agent(&env)
+    );
+    let mut started = vec![
+        g1.unwrap(),
+        g2.unwrap(),
+        g3.unwrap(),
+        a1.unwrap(),
+        a2.unwrap(),
+        a3.unwrap(),
+    ];
+
+    let (client, conn) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    for table in ["agent_schema_history", "gateway_schema_history"] {
+        let rows = client
+            .query(&format!("SELECT version FROM {table}"), &[])
+            .await
+            .unwrap();
+        assert_eq!(rows.len(), 1, "{table} should record V1 once");
+    }
+    for schema in ["agent", "gateway"] {
+        let n: i64 = client
+            .query_one(
+                "SELECT count(*) FROM information_schema.schemata WHERE schema_name = $1",
+                &[&schema],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(n, 1, "schema {schema} exists");
+    }
+    drop(client);
+    let _ = conn.await;
+    for s in &mut started {
+        s.stop().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn shutdown_reports_not_serving_and_drains_cleanly() {
+    let app = spawn_app_with(Backend::Memory, &[]).await;
+    let agent = channel(app.agent_addr).await;
+    let mut watch = tonic_health::pb::health_client::HealthClient::new(agent)
+        .watch(tonic_health::pb::HealthCheckRequest {
+            service: AGENT_SERVICE_NAME.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        watch.next().await.unwrap().unwrap().status(),
+        ServingStatus::Serving
+    );
+
+    // The open Watch stream is an in-flight call: the drain waits for it up to its deadline,
+    // and it hears NOT_SERVING first so a load balancer stops routing here.
+    let results = app.shutdown().await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let update = tokio::time::timeout(std::time::Duration::from_secs(5), watch.next())
+        .await
+        .expect("an update after shutdown")
+        .expect("stream still open")
+        .expect("no error");
+    assert_eq!(update.status(), ServingStatus::NotServing);
+}
+
+#[tokio::test]
+async fn an_unreachable_database_fails_start_up_with_a_clear_error() {
+    let env: HashMap<String, String> = HashMap::from([
+        (
+            "DATABASE_URL".into(),
+            "postgres://postgres@127.0.0.1:1/none".into(),
+        ),
+        ("GATEWAY_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
+    ]);
+    let Err(err) = start_gateway(&env).await else {
+        panic!("gateway started without a database")
+    };
+    assert!(err.contains("cannot connect to PostgreSQL"), "{err}");
+}
