@@ -5,6 +5,7 @@ use agent_svc::{App, Config};
 #[tokio::main]
 async fn main() -> ExitCode {
     svc_kit::telemetry::init("agent-svc");
+    let shutdown = svc_kit::shutdown::signal();
     let config = match Config::from_env() {
         Ok(config) => config,
         Err(errors) => {
@@ -23,7 +24,7 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match app.run(svc_kit::shutdown::signal()).await {
+    match app.run(shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "server failed");

@@ -10,3 +10,5 @@ pub mod pg;
 pub mod server_config;
 pub mod shutdown;
 pub mod telemetry;
+#[cfg(feature = "testing")]
+pub mod testing;

@@ -3,42 +3,60 @@
 
 use std::future::Future;
 
-/// Resolves on the first SIGTERM or SIGINT, and arms a watcher that exits the process on the
-/// next one.
+/// Installs the handlers now (call it first thing in `main`, so a signal during start-up is not
+/// fatal) and returns a future that resolves on the first SIGTERM or SIGINT. After that, the next
+/// signal exits the process immediately.
 pub fn signal() -> impl Future<Output = ()> + Send + 'static {
-    async {
-        wait_for_signal().await;
+    let mut signals = Signals::install();
+    async move {
+        signals.recv().await;
         tracing::info!("shutdown signal received; draining (send it again to exit at once)");
-        tokio::spawn(async {
-            wait_for_signal().await;
+        tokio::spawn(async move {
+            signals.recv().await;
             tracing::warn!("second shutdown signal; exiting without draining");
             std::process::exit(130);
         });
     }
 }
 
-async fn wait_for_signal() {
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) {
-            (Ok(mut term), Ok(mut int)) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = int.recv() => {}
+    unix: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl Signals {
+    fn install() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            match (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) {
+                (Ok(term), Ok(int)) => Self {
+                    unix: Some((term, int)),
+                },
+                _ => {
+                    tracing::error!("cannot install signal handlers; falling back to ctrl-c only");
+                    Self { unix: None }
                 }
             }
-            _ => {
-                tracing::error!("cannot install signal handlers; falling back to ctrl-c only");
-                let _ = tokio::signal::ctrl_c().await;
-            }
+        }
+        #[cfg(not(unix))]
+        {
+            Self {}
         }
     }
-    #[cfg(not(unix))]
-    {
+
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        if let Some((term, int)) = &mut self.unix {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            return;
+        }
         let _ = tokio::signal::ctrl_c().await;
     }
 }

@@ -1,0 +1,41 @@
+//! The agent-svc binary as an operator runs it: it refuses bad configuration by name and stops
+//! gracefully on SIGTERM.
+
+use std::time::Duration;
+
+use svc_kit::testing::{ServerProcess, run_to_exit};
+
+const BIN: &str = env!("CARGO_BIN_EXE_agent-svc");
+
+#[test]
+fn a_bad_config_value_exits_non_zero_naming_the_variable_and_the_fix() {
+    let exit = run_to_exit(
+        BIN,
+        &[
+            ("AGENT_LISTEN_ADDR", "127.0.0.1:0"),
+            ("SHUTDOWN_DRAIN_TIMEOUT", "forever"),
+        ],
+        Duration::from_secs(20),
+    );
+    assert_eq!(exit.status.code(), Some(2), "{}", exit.stderr);
+    assert!(
+        exit.stderr
+            .contains("SHUTDOWN_DRAIN_TIMEOUT: \"forever\" is not a duration"),
+        "{}",
+        exit.stderr
+    );
+}
+
+#[test]
+fn sigterm_drains_and_exits_zero() {
+    let server = ServerProcess::start(BIN, &[("AGENT_LISTEN_ADDR", "127.0.0.1:0")]);
+    assert!(server.addr.port() != 0);
+    server.terminate();
+    let exit = server.wait(Duration::from_secs(20));
+    assert!(exit.status.success(), "{:?}\n{}", exit.status, exit.stderr);
+    assert!(
+        exit.stderr.contains("shutdown signal received"),
+        "{}",
+        exit.stderr
+    );
+}

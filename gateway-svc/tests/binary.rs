@@ -1,0 +1,41 @@
+//! The gateway-svc binary as an operator runs it: it refuses bad configuration by name and stops
+//! gracefully on SIGTERM.
+
+use std::time::Duration;
+
+use svc_kit::testing::{ServerProcess, run_to_exit};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gateway-svc");
+
+#[test]
+fn a_bad_config_value_exits_non_zero_naming_the_variable_and_the_fix() {
+    let exit = run_to_exit(
+        BIN,
+        &[
+            ("GATEWAY_LISTEN_ADDR", "127.0.0.1:0"),
+            ("GRPC_MAX_MESSAGE_BYTES", "lots"),
+        ],
+        Duration::from_secs(20),
+    );
+    assert_eq!(exit.status.code(), Some(2), "{}", exit.stderr);
+    assert!(
+        exit.stderr
+            .contains("GRPC_MAX_MESSAGE_BYTES: \"lots\" is not a size"),
+        "{}",
+        exit.stderr
+    );
+}
+
+#[test]
+fn sigterm_drains_and_exits_zero() {
+    let server = ServerProcess::start(BIN, &[("GATEWAY_LISTEN_ADDR", "127.0.0.1:0")]);
+    assert!(server.addr.port() != 0);
+    server.terminate();
+    let exit = server.wait(Duration::from_secs(20));
+    assert!(exit.status.success(), "{:?}\n{}", exit.status, exit.stderr);
+    assert!(
+        exit.stderr.contains("shutdown signal received"),
+        "{}",
+        exit.stderr
+    );
+}
