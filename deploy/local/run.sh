@@ -9,6 +9,8 @@ cd "$(dirname "$0")/../.."
 cargo build --bins -p gateway-svc -p agent-svc
 bin="${CARGO_TARGET_DIR:-target}/debug"
 export LOG_FORMAT="${LOG_FORMAT:-pretty}"
+# The secret agent-svc presents to gateway-svc; a fixed local value so grpcurl users can use it.
+export GATEWAY_SERVICE_TOKEN="${GATEWAY_SERVICE_TOKEN:-local-dev-service-token}"
 
 "$bin/gateway-svc" &
 gateway=$!
@@ -21,6 +23,8 @@ cat <<MSG
 Steward is starting: agent-svc on 127.0.0.1:50051, gateway-svc on 127.0.0.1:50052.
 Try:  grpcurl -plaintext 127.0.0.1:50051 list
       grpcurl -plaintext 127.0.0.1:50051 grpc.health.v1.Health/Check
+      grpcurl -plaintext -H "authorization: Bearer $GATEWAY_SERVICE_TOKEN" -H 'x-steward-user-id: me' \
+        127.0.0.1:50052 steward.gateway.v1.GatewayService/ListTools
 Ctrl-C stops both.
 MSG
 # Whichever exits first (a crash, or Ctrl-C) takes the other down with it.

@@ -1,7 +1,8 @@
-//! Assembles gateway-svc from its config: store, API, server. `build` does everything that can
-//! fail before serving (bind, connect, migrate), so a bad start exits before it reports ready.
+//! Assembles gateway-svc from its config: stores, credentials, rate limiter, tool registry,
+//! engine, API, server. `build` does everything that can fail before serving (connect, migrate,
+//! key checks, bind), so a bad start exits before it reports ready.
 
-use std::{future::Future, net::SocketAddr, sync::Arc};
+use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
 use steward_proto::{
     GATEWAY_SERVICE_NAME, gateway::v1::gateway_service_server::GatewayServiceServer,
@@ -11,8 +12,13 @@ use tonic::service::Routes;
 
 use crate::{
     api::GatewayApi,
-    config::Config,
-    store::{SharedStore, memory::MemoryStore, postgres::PgStore},
+    config::{Config, RateLimitBackendKind},
+    context::Services,
+    credentials::{Credentials, cipher::TokenCipher},
+    engine::{Engine, EngineConfig},
+    ratelimit::{RateLimitBackend, RateLimiter, memory::MemoryRateLimits},
+    registry::{Registry, RegistryError, Tool},
+    store::{Stores, memory::MemoryStore, postgres::PgStore},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -24,35 +30,122 @@ pub enum StartError {
     },
     #[error("cannot open the store: {0}")]
     Store(#[from] crate::store::StoreError),
+    #[error(
+        "{0} connected account(s) are stored but CREDENTIALS_KEY is not set, so their tokens cannot be \
+         read; set CREDENTIALS_KEY to the key they were stored with"
+    )]
+    MissingCredentialsKey(u64),
+    #[error("the tool registry is inconsistent: {0}")]
+    Registry(#[from] RegistryError),
+    #[error("cannot build the HTTP client: {0}")]
+    Http(String),
     #[error(transparent)]
     Serve(#[from] svc_kit::grpc::ServeError),
+}
+
+/// The tools this build ships. Integrations register here as they are built.
+pub fn builtin_tools(_config: &Config) -> Vec<Arc<dyn Tool>> {
+    Vec::new()
 }
 
 pub struct App {
     config: Config,
     listener: TcpListener,
-    store: SharedStore,
+    stores: Stores,
+    api: GatewayApi,
 }
 
 impl App {
     pub async fn build(config: Config) -> Result<Self, StartError> {
-        let store: SharedStore = match &config.server.database {
-            Some(db) => Arc::new(PgStore::connect(db).await?),
-            None => Arc::new(MemoryStore::new()),
+        let tools = builtin_tools(&config);
+        Self::build_with_tools(config, tools).await
+    }
+
+    /// Builds with an explicit tool list (tests add tools that exercise the enforcement path).
+    pub async fn build_with_tools(
+        config: Config,
+        tools: Vec<Arc<dyn Tool>>,
+    ) -> Result<Self, StartError> {
+        let stores = match &config.server.database {
+            Some(db) => PgStore::connect(db).await?.stores(),
+            None => MemoryStore::stores(),
         };
+        let cipher = match (&config.credentials_key, stores.backend) {
+            (Some(key), _) => Some(key.clone()),
+            (None, "memory") => {
+                tracing::info!(
+                    "CREDENTIALS_KEY not set: using a random key; tokens live only as long as this process"
+                );
+                Some(TokenCipher::ephemeral())
+            }
+            (None, _) => match stores.accounts.count_accounts().await? {
+                0 => {
+                    tracing::warn!(
+                        "CREDENTIALS_KEY not set: ConnectAccount is refused until it is"
+                    );
+                    None
+                }
+                n => return Err(StartError::MissingCredentialsKey(n)),
+            },
+        };
+        let http = reqwest::Client::builder()
+            .timeout(config.upstream_timeout)
+            .connect_timeout(Duration::from_secs(5))
+            .user_agent(concat!("steward-gateway/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| StartError::Http(e.to_string()))?;
+        let credentials = Credentials::new(
+            stores.accounts.clone(),
+            cipher,
+            config.google_oauth.clone(),
+            http.clone(),
+        );
+        let backend: Arc<dyn RateLimitBackend> =
+            match (config.rate_limit_backend, &stores.shared_rate_limits) {
+                (RateLimitBackendKind::Postgres, Some(shared)) => shared.clone(),
+                _ => Arc::new(MemoryRateLimits::default()),
+            };
+        let limits_config = config.clone();
+        let limiter = RateLimiter::new(backend, move |i| limits_config.limits_for(i));
+        let services = Arc::new(Services {
+            credentials: credentials.clone(),
+            limiter,
+            http,
+            audit: stores.audit.clone(),
+            max_body_bytes: config.max_body_bytes,
+        });
+        let engine = Engine {
+            registry: Arc::new(Registry::new(tools)?),
+            services,
+            idempotency: stores.idempotency.clone(),
+            config: EngineConfig {
+                max_result_chars: config.max_result_chars,
+                default_timeout: config.call_timeout,
+                max_timeout: config.call_max_timeout,
+            },
+        };
+        let api = GatewayApi::new(engine, credentials, config.auth.clone());
+
         let addr = config.server.listen_addr;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| StartError::Bind { addr, source })?;
+        if matches!(config.auth, crate::config::CallerAuth::InsecureDev) {
+            tracing::warn!(
+                "GATEWAY_ALLOW_INSECURE_DEV_AUTH: any caller may act as any user; never use this in production"
+            );
+        }
         tracing::info!(
             addr = %listener.local_addr().unwrap_or(addr),
-            store = store.backend(),
+            store = stores.backend,
+            rate_limits = ?config.rate_limit_backend,
             "gateway-svc listening"
         );
         Ok(Self {
             config,
             listener,
-            store,
+            stores,
+            api,
         })
     }
 
@@ -63,19 +156,24 @@ impl App {
             .unwrap_or(self.config.server.listen_addr)
     }
 
+    /// The stores this instance uses (tests read the audit trail through them).
+    pub fn stores(&self) -> &Stores {
+        &self.stores
+    }
+
     /// Serves until `shutdown` resolves, then drains.
     pub async fn run(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), StartError> {
         let max = self.config.server.max_message_bytes;
-        let api = GatewayServiceServer::new(GatewayApi::new(self.store.clone()))
+        let api = GatewayServiceServer::new(self.api)
             .max_decoding_message_size(max)
             .max_encoding_message_size(max);
-        let store = self.store;
+        let ping = self.stores.ping.clone();
         let probe = move || {
-            let store = store.clone();
-            async move { store.ping().await }
+            let ping = ping.clone();
+            async move { ping.ping().await }
         };
         svc_kit::grpc::run(
             self.listener,

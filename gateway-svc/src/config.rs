@@ -1,17 +1,60 @@
 //! gateway-svc configuration, loaded once from the environment and validated at start.
 
-use std::net::SocketAddr;
+use std::{net::SocketAddr, time::Duration};
 
 use svc_kit::{
     config::{ConfigErrors, Vars},
     server_config::ServerConfig,
 };
 
+use crate::{
+    credentials::{cipher::TokenCipher, oauth::OAuthClient},
+    domain::Integration,
+    ratelimit::Limits,
+};
+
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:50052";
+pub const DEFAULT_GOOGLE_TOKEN_URL: &str = "https://oauth2.googleapis.com/token";
+
+/// Where rate-limit counters live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateLimitBackendKind {
+    /// In this process (the default): exact per replica.
+    Memory,
+    /// In PostgreSQL: exact across every replica.
+    Postgres,
+}
+
+/// How callers prove they are agent-svc (or an operator).
+#[derive(Debug, Clone)]
+pub enum CallerAuth {
+    /// `authorization: Bearer <token>` must match.
+    ServiceToken(String),
+    /// Opt-in for local runs only: any caller is trusted with the user id it names.
+    InsecureDev,
+}
 
 #[derive(Debug, Clone)]
 pub struct Config {
     pub server: ServerConfig,
+    pub auth: CallerAuth,
+    /// `MAX_TOOL_RESULT_CHARS`
+    pub max_result_chars: usize,
+    /// `UPSTREAM_MAX_BODY_BYTES`
+    pub max_body_bytes: usize,
+    /// `UPSTREAM_TIMEOUT`: one HTTP request upstream.
+    pub upstream_timeout: Duration,
+    /// `TOOL_CALL_TIMEOUT`: a whole tool call when the caller sets none.
+    pub call_timeout: Duration,
+    /// `TOOL_CALL_MAX_TIMEOUT`: the most a caller may ask for.
+    pub call_max_timeout: Duration,
+    pub rate_limit_backend: RateLimitBackendKind,
+    /// `RATE_LIMITS_GMAIL`, `RATE_LIMITS_GOOGLE_CALENDAR`, `RATE_LIMITS_SLACK`.
+    pub rate_limits: Vec<(Integration, Limits)>,
+    /// `CREDENTIALS_KEY`
+    pub credentials_key: Option<TokenCipher>,
+    /// `GOOGLE_OAUTH_TOKEN_URL`, `GOOGLE_CLIENT_ID`, `GOOGLE_CLIENT_SECRET`
+    pub google_oauth: Option<OAuthClient>,
 }
 
 impl Config {
@@ -22,7 +65,133 @@ impl Config {
     pub fn load(mut vars: Vars<'_>) -> Result<Self, ConfigErrors> {
         let default_listen: SocketAddr = DEFAULT_LISTEN.parse().expect("constant address");
         let server = ServerConfig::load(&mut vars, "GATEWAY", default_listen);
-        vars.finish(Self { server })
+
+        let insecure = vars.bool("GATEWAY_ALLOW_INSECURE_DEV_AUTH", false);
+        let auth = match (vars.optional_string("GATEWAY_SERVICE_TOKEN"), insecure) {
+            (Some(token), _) if token.len() < 16 => {
+                vars.error(
+                    "GATEWAY_SERVICE_TOKEN",
+                    "is shorter than 16 characters; use a long random secret",
+                );
+                CallerAuth::InsecureDev
+            }
+            (Some(token), _) => CallerAuth::ServiceToken(token),
+            (None, true) => CallerAuth::InsecureDev,
+            (None, false) => {
+                vars.error(
+                    "GATEWAY_SERVICE_TOKEN",
+                    "is required: the secret agent-svc presents as `authorization: Bearer <token>` \
+                     (or set GATEWAY_ALLOW_INSECURE_DEV_AUTH=true for a local run)",
+                );
+                CallerAuth::InsecureDev
+            }
+        };
+
+        let max_result_chars = vars.int_in("MAX_TOOL_RESULT_CHARS", 6000usize, 200, 1_000_000);
+        let max_body_bytes =
+            vars.bytes_in("UPSTREAM_MAX_BODY_BYTES", 10 << 20, 64 << 10, 256 << 20);
+        let upstream_timeout = vars.duration_in(
+            "UPSTREAM_TIMEOUT",
+            Duration::from_secs(20),
+            Duration::from_millis(100),
+            Duration::from_secs(300),
+        );
+        let call_timeout = vars.duration_in(
+            "TOOL_CALL_TIMEOUT",
+            Duration::from_secs(30),
+            Duration::from_millis(100),
+            Duration::from_secs(600),
+        );
+        let call_max_timeout = vars.duration_in(
+            "TOOL_CALL_MAX_TIMEOUT",
+            Duration::from_secs(120),
+            Duration::from_millis(100),
+            Duration::from_secs(3600),
+        );
+        if call_max_timeout < call_timeout {
+            vars.error("TOOL_CALL_MAX_TIMEOUT", "is shorter than TOOL_CALL_TIMEOUT");
+        }
+
+        let rate_limit_backend = match vars.string("RATE_LIMIT_BACKEND", "memory").as_str() {
+            "memory" => RateLimitBackendKind::Memory,
+            "postgres" if server.database.is_some() => RateLimitBackendKind::Postgres,
+            "postgres" => {
+                vars.error(
+                    "RATE_LIMIT_BACKEND",
+                    "postgres needs DATABASE_URL to be set",
+                );
+                RateLimitBackendKind::Memory
+            }
+            other => {
+                vars.error(
+                    "RATE_LIMIT_BACKEND",
+                    format!("{other:?} is not memory or postgres"),
+                );
+                RateLimitBackendKind::Memory
+            }
+        };
+        let mut rate_limits = Vec::new();
+        for integration in [
+            Integration::Gmail,
+            Integration::GoogleCalendar,
+            Integration::Slack,
+        ] {
+            let var = format!("RATE_LIMITS_{}", integration.key().to_ascii_uppercase());
+            let default = Limits::google_default();
+            let limits = match vars.raw(&var) {
+                None => default,
+                Some(raw) => raw.parse().unwrap_or_else(|e| {
+                    vars.error(&var, format!("{e}; use e.g. 30/minute,500/hour,5000/day"));
+                    default
+                }),
+            };
+            rate_limits.push((integration, limits));
+        }
+
+        let credentials_key = vars.optional_string("CREDENTIALS_KEY").and_then(|k| {
+            TokenCipher::from_base64(&k)
+                .map_err(|e| vars.error("CREDENTIALS_KEY", e))
+                .ok()
+        });
+        let google_oauth = match (
+            vars.optional_string("GOOGLE_CLIENT_ID"),
+            vars.optional_string("GOOGLE_CLIENT_SECRET"),
+        ) {
+            (Some(client_id), Some(client_secret)) => Some(OAuthClient {
+                token_url: vars.string("GOOGLE_OAUTH_TOKEN_URL", DEFAULT_GOOGLE_TOKEN_URL),
+                client_id,
+                client_secret,
+            }),
+            (None, None) => None,
+            _ => {
+                vars.error(
+                    "GOOGLE_CLIENT_ID",
+                    "GOOGLE_CLIENT_ID and GOOGLE_CLIENT_SECRET must be set together",
+                );
+                None
+            }
+        };
+
+        vars.finish(Self {
+            server,
+            auth,
+            max_result_chars,
+            max_body_bytes,
+            upstream_timeout,
+            call_timeout,
+            call_max_timeout,
+            rate_limit_backend,
+            rate_limits,
+            credentials_key,
+            google_oauth,
+        })
+    }
+
+    pub fn limits_for(&self, integration: Integration) -> Option<Limits> {
+        self.rate_limits
+            .iter()
+            .find(|(i, _)| *i == integration)
+            .map(|(_, l)| l.clone())
     }
 }
 
@@ -32,17 +201,58 @@ mod tests {
 
     use super::*;
 
-    #[test]
-    fn an_empty_environment_listens_on_50052_with_the_in_memory_store() {
-        let cfg = Config::load(Vars::from_map(&HashMap::new())).unwrap();
-        assert_eq!(cfg.server.listen_addr.to_string(), DEFAULT_LISTEN);
-        assert!(cfg.server.database.is_none());
+    fn load(pairs: &[(&str, &str)]) -> Result<Config, ConfigErrors> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        Config::load(Vars::from_map(&map))
     }
 
     #[test]
-    fn a_message_limit_out_of_range_is_refused_by_name() {
-        let map = HashMap::from([("GRPC_MAX_MESSAGE_BYTES".to_owned(), "1GiB".to_owned())]);
-        let err = Config::load(Vars::from_map(&map)).unwrap_err();
-        assert_eq!(err.0[0].var, "GRPC_MAX_MESSAGE_BYTES");
+    fn a_local_run_listens_on_50052_with_the_in_memory_store_and_spec_defaults() {
+        let cfg = load(&[("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true")]).unwrap();
+        assert_eq!(cfg.server.listen_addr.to_string(), DEFAULT_LISTEN);
+        assert!(cfg.server.database.is_none());
+        assert_eq!(cfg.max_result_chars, 6000);
+        assert_eq!(
+            cfg.limits_for(Integration::Gmail).unwrap().to_string(),
+            "30/minute,500/hour,5000/day"
+        );
+        assert!(cfg.limits_for(Integration::Tasks).is_none());
+    }
+
+    #[test]
+    fn the_service_token_is_required_unless_insecure_dev_auth_is_chosen() {
+        let err = load(&[]).unwrap_err();
+        assert_eq!(err.0[0].var, "GATEWAY_SERVICE_TOKEN");
+        assert!(matches!(
+            load(&[("GATEWAY_SERVICE_TOKEN", "0123456789abcdef0")])
+                .unwrap()
+                .auth,
+            CallerAuth::ServiceToken(_)
+        ));
+    }
+
+    #[test]
+    fn bad_limits_keys_and_sizes_are_each_named() {
+        let err = load(&[
+            ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
+            ("GRPC_MAX_MESSAGE_BYTES", "1GiB"),
+            ("RATE_LIMITS_GMAIL", "30/fortnight"),
+            ("CREDENTIALS_KEY", "short"),
+            ("RATE_LIMIT_BACKEND", "postgres"),
+        ])
+        .unwrap_err();
+        let vars: Vec<_> = err.0.iter().map(|e| e.var.as_str()).collect();
+        assert_eq!(
+            vars,
+            [
+                "GRPC_MAX_MESSAGE_BYTES",
+                "RATE_LIMIT_BACKEND",
+                "RATE_LIMITS_GMAIL",
+                "CREDENTIALS_KEY"
+            ]
+        );
     }
 }

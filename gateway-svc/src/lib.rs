@@ -5,6 +5,13 @@
 pub mod api;
 pub mod app;
 pub mod config;
+pub mod context;
+pub mod credentials;
+pub mod domain;
+pub mod enforce;
+pub mod engine;
+pub mod ratelimit;
+pub mod registry;
 pub mod store;
 
 pub use app::{App, StartError};

@@ -7,10 +7,13 @@
 //! printed only with `TEST_LOG=1`.
 
 pub mod db;
+pub mod fakes;
+pub mod probe_tools;
 pub mod spawn;
 
 pub use db::TestDb;
 pub use spawn::{
-    Backend, RunningService, TestApp, channel, spawn_app, spawn_app_with, start_agent,
-    start_gateway, wait_for_status,
+    Backend, Options, RunningService, SERVICE_TOKEN, TestApp, UserGateway, channel, gateway_as,
+    spawn, spawn_app, spawn_app_with, start_agent, start_gateway, start_gateway_with,
+    wait_for_status,
 };

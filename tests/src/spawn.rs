@@ -17,6 +17,19 @@ use tonic_health::pb::{
 
 use crate::TestDb;
 
+/// The service token every test gateway expects and every test client presents.
+pub const SERVICE_TOKEN: &str = "test-service-token-0123456789";
+
+/// What to start.
+#[derive(Default)]
+pub struct Options {
+    pub backend: Option<Backend>,
+    /// Extra environment-style settings for both services.
+    pub env: Vec<(String, String)>,
+    /// Tools registered in gateway-svc beside the built-in ones.
+    pub gateway_tools: Vec<std::sync::Arc<dyn gateway_svc::registry::Tool>>,
+}
+
 /// How long a test waits for a service to become ready before failing.
 const READY_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -69,7 +82,21 @@ pub async fn spawn_app() -> TestApp {
 
 /// Both services on `backend`, with extra environment-style settings for both.
 pub async fn spawn_app_with(backend: Backend, extra: &[(&str, &str)]) -> TestApp {
+    spawn(Options {
+        backend: Some(backend),
+        env: extra
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+        gateway_tools: Vec::new(),
+    })
+    .await
+}
+
+/// Both services as `options` say.
+pub async fn spawn(options: Options) -> TestApp {
     init_test_logs();
+    let backend = options.backend.unwrap_or(Backend::Postgres);
     let db = match backend {
         Backend::Postgres => Some(TestDb::create().await.expect("create the test database")),
         Backend::Memory => None,
@@ -80,15 +107,16 @@ pub async fn spawn_app_with(backend: Backend, extra: &[(&str, &str)]) -> TestApp
         // Fast probes so readiness follows outages within a test's patience.
         ("HEALTH_PROBE_INTERVAL".into(), "100ms".into()),
         ("SHUTDOWN_DRAIN_TIMEOUT".into(), "2s".into()),
+        ("GATEWAY_SERVICE_TOKEN".into(), SERVICE_TOKEN.into()),
     ]);
     if let Some(db) = &db {
         env.insert("DATABASE_URL".into(), db.url().to_owned());
     }
-    for (k, v) in extra {
-        env.insert((*k).to_owned(), (*v).to_owned());
-    }
+    env.extend(options.env);
 
-    let gateway = start_gateway(&env).await.expect("start gateway-svc");
+    let gateway = start_gateway_with(&env, options.gateway_tools)
+        .await
+        .expect("start gateway-svc");
     env.insert("GATEWAY_URL".into(), format!("http://{}", gateway.addr));
     let agent = start_agent(&env).await.expect("start agent-svc");
 
@@ -119,8 +147,20 @@ pub async fn spawn_app_with(backend: Backend, extra: &[(&str, &str)]) -> TestApp
 
 /// Starts one gateway-svc with `env`; for tests that need several replicas.
 pub async fn start_gateway(env: &HashMap<String, String>) -> Result<RunningService, String> {
-    let config = gateway_svc::Config::load(Vars::from_map(env)).map_err(|e| e.to_string())?;
-    let app = gateway_svc::App::build(config)
+    start_gateway_with(env, Vec::new()).await
+}
+
+/// Starts one gateway-svc with `env` and extra tools. `GATEWAY_SERVICE_TOKEN` defaults to
+/// [`SERVICE_TOKEN`].
+pub async fn start_gateway_with(
+    env: &HashMap<String, String>,
+    tools: Vec<std::sync::Arc<dyn gateway_svc::registry::Tool>>,
+) -> Result<RunningService, String> {
+    let mut env = env.clone();
+    env.entry("GATEWAY_SERVICE_TOKEN".into())
+        .or_insert_with(|| SERVICE_TOKEN.into());
+    let config = gateway_svc::Config::load(Vars::from_map(&env)).map_err(|e| e.to_string())?;
+    let app = gateway_svc::App::build_with_tools(config, tools)
         .await
         .map_err(|e| e.to_string())?;
     let addr = app.local_addr();
@@ -157,7 +197,48 @@ where
     }
 }
 
+/// Adds the service token and the user id to every gateway call, as agent-svc does.
+#[derive(Clone)]
+pub struct AsUser {
+    user: tonic::metadata::MetadataValue<tonic::metadata::Ascii>,
+    auth: tonic::metadata::MetadataValue<tonic::metadata::Ascii>,
+}
+
+impl tonic::service::Interceptor for AsUser {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        request
+            .metadata_mut()
+            .insert("x-steward-user-id", self.user.clone());
+        request
+            .metadata_mut()
+            .insert("authorization", self.auth.clone());
+        Ok(request)
+    }
+}
+
+pub type UserGateway =
+    GatewayServiceClient<tonic::service::interceptor::InterceptedService<Channel, AsUser>>;
+
+/// A gateway client acting for `user` on the gateway at `addr`.
+pub async fn gateway_as(addr: SocketAddr, user: &str) -> UserGateway {
+    let interceptor = AsUser {
+        user: user.parse().expect("ASCII user id"),
+        auth: format!("Bearer {SERVICE_TOKEN}")
+            .parse()
+            .expect("ASCII token"),
+    };
+    GatewayServiceClient::with_interceptor(channel(addr).await, interceptor)
+}
+
 impl TestApp {
+    /// A gateway client acting for `user`.
+    pub async fn gateway_as(&self, user: &str) -> UserGateway {
+        gateway_as(self.gateway_addr, user).await
+    }
+
     /// The health status of `service` ("" for the whole server) on `addr`.
     pub async fn health(
         &self,

@@ -125,14 +125,14 @@ async fn rpcs_not_built_yet_answer_unimplemented_and_say_which_issue_delivers_th
     );
     assert!(err.message().contains("issue #7"), "{}", err.message());
 
-    let err = app
-        .gateway
-        .list_tools(gateway_pb::ListToolsRequest::default())
+    let mut gateway = app.gateway_as("u1").await;
+    let err = gateway
+        .get_bootstrap_context(gateway_pb::GetBootstrapContextRequest::default())
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Unimplemented);
     assert!(
-        err.message().contains("ListTools") && err.message().contains("issue #3"),
+        err.message().contains("GetBootstrapContext") && err.message().contains("issue #5"),
         "{}",
         err.message()
     );
@@ -190,12 +190,21 @@ async fn replicas_starting_together_apply_each_migration_exactly_once() {
         .await
         .unwrap();
     let conn = tokio::spawn(conn);
-    for table in ["agent_schema_history", "gateway_schema_history"] {
+    for (table, dir) in [
+        ("agent_schema_history", "../agent-svc/migrations"),
+        ("gateway_schema_history", "../gateway-svc/migrations"),
+    ] {
+        let shipped = std::fs::read_dir(dir).unwrap().count();
         let rows = client
-            .query(&format!("SELECT version FROM {table}"), &[])
+            .query(
+                &format!("SELECT version FROM {table} ORDER BY version"),
+                &[],
+            )
             .await
             .unwrap();
-        assert_eq!(rows.len(), 1, "{table} should record V1 once");
+        let versions: Vec<i32> = rows.iter().map(|r| r.get(0)).collect();
+        let expected: Vec<i32> = (1..=shipped as i32).collect();
+        assert_eq!(versions, expected, "{table} records each migration once");
     }
     for schema in ["agent", "gateway"] {
         let n: i64 = client

@@ -1,35 +1,74 @@
-//! The gRPC edge of gateway-svc: authenticate the caller, validate, convert proto to domain
-//! types, call in, convert back. Nothing proto-shaped goes deeper than this module.
+//! The gRPC edge of gateway-svc: authenticate the caller, validate and convert the request,
+//! hand it to the engine or the credential store, convert back. Nothing proto-shaped goes
+//! deeper than this module.
 
+mod auth;
+pub mod convert;
 mod status;
 
-use std::pin::Pin;
+use std::{collections::HashMap, pin::Pin, sync::Arc};
 
 use steward_proto::gateway::v1::{self as pb, gateway_service_server::GatewayService};
-use tokio_stream::Stream;
+use tokio::{sync::mpsc, task::JoinSet};
+use tokio_stream::{Stream, wrappers::ReceiverStream};
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 pub use status::ApiError;
 
-use crate::store::SharedStore;
+use crate::{
+    config::CallerAuth,
+    credentials::{Credentials, NewAccount},
+    domain::{CallOutcome, UserId},
+    engine::Engine,
+    store::AccountStatus,
+};
 
 type ResultStream = Pin<Box<dyn Stream<Item = Result<pb::ExecuteResponse, Status>> + Send>>;
 
+/// How many results may wait for a slow reader before tool tasks pause.
+const RESULT_BUFFER: usize = 64;
+
 /// The GatewayService implementation.
 pub struct GatewayApi {
-    #[allow(dead_code)] // read by the RPCs as they are implemented
-    store: SharedStore,
+    engine: Engine,
+    credentials: Credentials,
+    auth: CallerAuth,
 }
 
 impl GatewayApi {
-    pub fn new(store: SharedStore) -> Self {
-        Self { store }
+    pub fn new(engine: Engine, credentials: Credentials, auth: CallerAuth) -> Self {
+        Self {
+            engine,
+            credentials,
+            auth,
+        }
+    }
+
+    fn user<T>(&self, request: &Request<T>) -> Result<UserId, ApiError> {
+        auth::authenticate(&self.auth, request.metadata())
     }
 }
 
-/// The issues that will implement each RPC, so an UNIMPLEMENTED answer says when to expect it.
-const CORE_ISSUE: u32 = 3;
+/// The issue that will implement the bootstrap RPC, so its UNIMPLEMENTED answer says when.
 const BOOTSTRAP_ISSUE: u32 = 5;
+
+fn rejected_outcome(r: convert::Rejected) -> CallOutcome {
+    CallOutcome {
+        call_id: r.call_id,
+        tool: r.tool,
+        error_kind: Some(r.error.kind()),
+        text: r.error.to_string(),
+        truncated: false,
+        original_chars: 0,
+        retry_after_secs: 0,
+        display: None,
+        upstream_calls: 0,
+        account: None,
+        latency: std::time::Duration::ZERO,
+        replayed: false,
+    }
+}
 
 #[tonic::async_trait]
 impl GatewayService for GatewayApi {
@@ -37,35 +76,70 @@ impl GatewayService for GatewayApi {
 
     async fn list_tools(
         &self,
-        _: Request<pb::ListToolsRequest>,
+        request: Request<pb::ListToolsRequest>,
     ) -> Result<Response<pb::ListToolsResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "ListTools",
-            issue: CORE_ISSUE,
-        }
-        .into())
+        let user = self.user(&request)?;
+        let accounts = self.credentials.list(&user).await.map_err(ApiError::from)?;
+        let tools = self
+            .engine
+            .registry
+            .all()
+            .filter_map(|t| {
+                let spec = &t.spec;
+                if spec.integration.provider().is_none() {
+                    return Some(convert::tool_spec(spec, pb::ToolAvailability::Ok));
+                }
+                let mine: Vec<_> = accounts
+                    .iter()
+                    .filter(|a| a.integration == spec.integration)
+                    .collect();
+                if mine.is_empty() {
+                    // Not offered: the model cannot use what the user has not connected.
+                    return None;
+                }
+                let availability = if mine.iter().any(|a| a.status == AccountStatus::Connected) {
+                    pb::ToolAvailability::Ok
+                } else {
+                    pb::ToolAvailability::SourceUnavailable
+                };
+                Some(convert::tool_spec(spec, availability))
+            })
+            .collect();
+        Ok(Response::new(pb::ListToolsResponse { tools }))
     }
 
     async fn execute(
         &self,
-        _: Request<Streaming<pb::ExecuteRequest>>,
+        request: Request<Streaming<pb::ExecuteRequest>>,
     ) -> Result<Response<Self::ExecuteStream>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "Execute",
-            issue: CORE_ISSUE,
-        }
-        .into())
+        let user = self.user(&request)?;
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(RESULT_BUFFER);
+        tokio::spawn(serve_execute_stream(self.engine.clone(), user, inbound, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn execute_tool(
         &self,
-        _: Request<pb::ExecuteToolRequest>,
+        request: Request<pb::ExecuteToolRequest>,
     ) -> Result<Response<pb::ExecuteToolResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "ExecuteTool",
-            issue: CORE_ISSUE,
-        }
-        .into())
+        let user = self.user(&request)?;
+        let call = request
+            .into_inner()
+            .call
+            .ok_or_else(|| ApiError::InvalidArgument("call is required".into()))?;
+        let outcome = match convert::call_request(call) {
+            Ok(call) => {
+                // A unary caller that goes away drops this future, which cancels the call.
+                self.engine
+                    .execute(&user, call, CancellationToken::new())
+                    .await
+            }
+            Err(rejected) => rejected_outcome(rejected),
+        };
+        Ok(Response::new(pb::ExecuteToolResponse {
+            result: Some(convert::tool_result(outcome)),
+        }))
     }
 
     async fn get_bootstrap_context(
@@ -81,34 +155,164 @@ impl GatewayService for GatewayApi {
 
     async fn connect_account(
         &self,
-        _: Request<pb::ConnectAccountRequest>,
+        request: Request<pb::ConnectAccountRequest>,
     ) -> Result<Response<pb::ConnectAccountResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "ConnectAccount",
-            issue: CORE_ISSUE,
+        let user = self.user(&request)?;
+        let r = request.into_inner();
+        let integration = convert::integration_from_pb(r.integration).ok_or_else(|| {
+            ApiError::InvalidArgument("integration must be set (e.g. INTEGRATION_GMAIL)".into())
+        })?;
+        if r.account.is_empty() || r.account.len() > 320 {
+            return Err(ApiError::InvalidArgument(
+                "account must be 1 to 320 bytes (the address or team id)".into(),
+            )
+            .into());
         }
-        .into())
+        if r.access_token.is_empty() {
+            return Err(ApiError::InvalidArgument("access_token is required".into()).into());
+        }
+        let new = NewAccount {
+            integration,
+            account: r.account,
+            access_token: r.access_token,
+            refresh_token: Some(r.refresh_token).filter(|t| !t.is_empty()),
+            expires_at: r.expires_at.as_ref().and_then(convert::system_time),
+            scopes: r.scopes,
+        };
+        let info = self
+            .credentials
+            .connect(&user, new)
+            .await
+            .map_err(ApiError::from)?;
+        tracing::info!(user = %user, integration = integration.key(), account = %info.account, "account connected");
+        Ok(Response::new(pb::ConnectAccountResponse {
+            account: Some(convert::account(&info)),
+        }))
     }
 
     async fn list_accounts(
         &self,
-        _: Request<pb::ListAccountsRequest>,
+        request: Request<pb::ListAccountsRequest>,
     ) -> Result<Response<pb::ListAccountsResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "ListAccounts",
-            issue: CORE_ISSUE,
-        }
-        .into())
+        let user = self.user(&request)?;
+        let accounts = self.credentials.list(&user).await.map_err(ApiError::from)?;
+        Ok(Response::new(pb::ListAccountsResponse {
+            accounts: accounts.iter().map(convert::account).collect(),
+        }))
     }
 
     async fn disconnect_account(
         &self,
-        _: Request<pb::DisconnectAccountRequest>,
+        request: Request<pb::DisconnectAccountRequest>,
     ) -> Result<Response<pb::DisconnectAccountResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "DisconnectAccount",
-            issue: CORE_ISSUE,
+        let user = self.user(&request)?;
+        let r = request.into_inner();
+        let integration = convert::integration_from_pb(r.integration).ok_or_else(|| {
+            ApiError::InvalidArgument("integration must be set (e.g. INTEGRATION_GMAIL)".into())
+        })?;
+        if !self
+            .credentials
+            .disconnect(&user, integration, &r.account)
+            .await
+            .map_err(ApiError::from)?
+        {
+            return Err(ApiError::NotFound(format!(
+                "no {} account {:?} is connected",
+                integration.label(),
+                r.account
+            ))
+            .into());
         }
-        .into())
+        Ok(Response::new(pb::DisconnectAccountResponse {}))
     }
+}
+
+/// Runs one Execute stream: every call in its own task, results sent as they finish. A
+/// half-closed request side lets in-flight calls finish; a dropped stream (the caller went away
+/// or cancelled) cancels them.
+async fn serve_execute_stream(
+    engine: Engine,
+    user: UserId,
+    mut inbound: Streaming<pb::ExecuteRequest>,
+    tx: mpsc::Sender<Result<pb::ExecuteResponse, Status>>,
+) {
+    let stream_cancel = CancellationToken::new();
+    let mut inflight: HashMap<String, CancellationToken> = HashMap::new();
+    let mut tasks: JoinSet<String> = JoinSet::new();
+    let user = Arc::new(user);
+    let send = |tx: mpsc::Sender<Result<pb::ExecuteResponse, Status>>, outcome: CallOutcome| async move {
+        let _ = tx
+            .send(Ok(pb::ExecuteResponse {
+                result: Some(convert::tool_result(outcome)),
+            }))
+            .await;
+    };
+
+    let mut reading = true;
+    loop {
+        tokio::select! {
+            message = inbound.message(), if reading => match message {
+                Ok(Some(pb::ExecuteRequest { kind: Some(pb::execute_request::Kind::Call(call)) })) => {
+                    let call = match convert::call_request(call) {
+                        Ok(call) => call,
+                        Err(rejected) => {
+                            send(tx.clone(), rejected_outcome(rejected)).await;
+                            continue;
+                        }
+                    };
+                    if inflight.contains_key(&call.call_id) {
+                        let rejected = convert::Rejected {
+                            error: crate::enforce::ToolError::InvalidArguments {
+                                tool: call.tool.clone(),
+                                detail: format!("call_id {:?} is already in flight on this stream", call.call_id),
+                            },
+                            call_id: call.call_id,
+                            tool: call.tool,
+                        };
+                        send(tx.clone(), rejected_outcome(rejected)).await;
+                        continue;
+                    }
+                    let token = stream_cancel.child_token();
+                    inflight.insert(call.call_id.clone(), token.clone());
+                    let (engine, user, tx) = (engine.clone(), user.clone(), tx.clone());
+                    tasks.spawn(async move {
+                        let call_id = call.call_id.clone();
+                        let outcome = engine.execute(&user, call, token).await;
+                        send(tx, outcome).await;
+                        call_id
+                    });
+                }
+                Ok(Some(pb::ExecuteRequest { kind: Some(pb::execute_request::Kind::Cancel(c)) })) => {
+                    if let Some(token) = inflight.get(&c.call_id) {
+                        token.cancel();
+                    }
+                }
+                Ok(Some(pb::ExecuteRequest { kind: None })) => {}
+                Ok(None) => reading = false,
+                Err(status) => {
+                    tracing::info!(code = ?status.code(), "execute stream broke; cancelling its calls");
+                    stream_cancel.cancel();
+                    break;
+                }
+            },
+            Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                if let Ok(call_id) = done {
+                    inflight.remove(&call_id);
+                }
+                if !reading && tasks.is_empty() {
+                    break;
+                }
+            },
+            () = tx.closed() => {
+                tracing::info!("execute stream dropped by the caller; cancelling its calls");
+                stream_cancel.cancel();
+                break;
+            }
+        }
+        if !reading && tasks.is_empty() {
+            break;
+        }
+    }
+    // Cancelled calls still finish (with ERROR_KIND_CANCELLED) and are audited.
+    while tasks.join_next().await.is_some() {}
 }

@@ -1,9 +1,9 @@
-//! The one mapping from gateway-svc errors to gRPC status codes (A-10). Handlers return
-//! [`ApiError`]; nothing else builds a `Status`.
+//! The one mapping from gateway-svc errors to gRPC status codes. Tool failures are never here:
+//! they are results (G-4). Only transport, authentication and malformed requests are RPC errors.
 
 use tonic::Status;
 
-use crate::store::StoreError;
+use crate::{credentials::CredentialError, store::StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -12,8 +12,26 @@ pub enum ApiError {
          nothing was done"
     )]
     Unimplemented { rpc: &'static str, issue: u32 },
+    #[error("{0}")]
+    Unauthenticated(&'static str),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl From<CredentialError> for ApiError {
+    fn from(e: CredentialError) -> Self {
+        match e {
+            CredentialError::Store(s) => ApiError::Store(s),
+            CredentialError::Invalid(m) => ApiError::InvalidArgument(m),
+            CredentialError::NoKey => ApiError::FailedPrecondition(e.to_string()),
+        }
+    }
 }
 
 impl From<ApiError> for Status {
@@ -21,6 +39,10 @@ impl From<ApiError> for Status {
         let message = e.to_string();
         match e {
             ApiError::Unimplemented { .. } => Status::unimplemented(message),
+            ApiError::Unauthenticated(_) => Status::unauthenticated(message),
+            ApiError::InvalidArgument(_) => Status::invalid_argument(message),
+            ApiError::NotFound(_) => Status::not_found(message),
+            ApiError::FailedPrecondition(_) => Status::failed_precondition(message),
             ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
         }
     }

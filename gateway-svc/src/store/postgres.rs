@@ -1,9 +1,25 @@
 //! The PostgreSQL store. gateway-svc owns the `gateway` schema; its migrations live in
 //! `gateway-svc/migrations` and are embedded in the binary.
+//!
+//! Locks that must outlive one statement (the account row during a token refresh, an
+//! idempotency key during a side-effect call) are held by an open transaction on a pooled
+//! connection; if the holder is dropped without finishing, the connection is rolled back before
+//! it returns to the pool.
 
+use std::sync::Arc;
+
+use deadpool_postgres::Object;
 use svc_kit::{pg, server_config::DatabaseConfig};
+use tokio_postgres::Row;
 
-use super::{GatewayStore, StoreError};
+use super::{
+    AccountLock, AccountStatus, AccountStore, AuditLog, AuditRecord, IdempotencyClaim,
+    IdempotencyStore, Ping, StoreError, StoredAccount, StoredResult, Stores,
+};
+use crate::{
+    domain::{Integration, UserId},
+    ratelimit::postgres::PgRateLimits,
+};
 
 mod embedded {
     refinery::embed_migrations!("migrations");
@@ -25,15 +41,357 @@ impl PgStore {
         let pool = pg::pool(&config.url, &config.pool)?;
         Ok(Self { pool })
     }
+
+    /// Every store trait served from this database, rate limits included.
+    pub fn stores(self) -> Stores {
+        let limits = Arc::new(PgRateLimits::new(self.pool.clone()));
+        let store = Arc::new(self);
+        Stores {
+            backend: "postgres",
+            accounts: store.clone(),
+            idempotency: store.clone(),
+            audit: store.clone(),
+            shared_rate_limits: Some(limits),
+            ping: store,
+        }
+    }
+
+    async fn client(&self) -> Result<Object, StoreError> {
+        self.pool.get().await.map_err(StoreError::unavailable)
+    }
+}
+
+fn db(e: tokio_postgres::Error) -> StoreError {
+    StoreError::db(e)
 }
 
 #[async_trait::async_trait]
-impl GatewayStore for PgStore {
-    fn backend(&self) -> &'static str {
-        "postgres"
-    }
-
+impl Ping for PgStore {
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(pg::ping(&self.pool).await?)
+    }
+}
+
+const ACCOUNT_COLUMNS: &str = "user_id, integration, account, access_token, refresh_token, expires_at, scopes, status, connected_at";
+
+fn account_from_row(row: &Row) -> Result<StoredAccount, StoreError> {
+    let integration: String = row.get(1);
+    Ok(StoredAccount {
+        user: UserId::parse(row.get(0)).map_err(StoreError::unavailable)?,
+        integration: Integration::from_key(&integration).ok_or_else(|| {
+            StoreError::unavailable(format!(
+                "unknown integration {integration:?} in gateway.accounts"
+            ))
+        })?,
+        account: row.get(2),
+        access_token: row.get(3),
+        refresh_token: row.get(4),
+        expires_at: row.get(5),
+        scopes: row.get(6),
+        status: AccountStatus::from_key(row.get(7)),
+        connected_at: row.get(8),
+    })
+}
+
+async fn upsert(client: &Object, a: &StoredAccount) -> Result<(), StoreError> {
+    client
+        .execute(
+            "INSERT INTO gateway.accounts \
+               (user_id, integration, account, access_token, refresh_token, expires_at, scopes, status, connected_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+             ON CONFLICT (user_id, integration, account) DO UPDATE SET \
+               access_token = EXCLUDED.access_token, refresh_token = EXCLUDED.refresh_token, \
+               expires_at = EXCLUDED.expires_at, scopes = EXCLUDED.scopes, status = EXCLUDED.status, \
+               connected_at = EXCLUDED.connected_at, updated_at = now()",
+            &[
+                &a.user.as_str(),
+                &a.integration.key(),
+                &a.account,
+                &a.access_token,
+                &a.refresh_token,
+                &a.expires_at,
+                &a.scopes,
+                &a.status.key(),
+                &a.connected_at,
+            ],
+        )
+        .await
+        .map_err(db)?;
+    Ok(())
+}
+
+#[async_trait::async_trait]
+impl AccountStore for PgStore {
+    async fn upsert_account(&self, account: StoredAccount) -> Result<(), StoreError> {
+        upsert(&self.client().await?, &account).await
+    }
+
+    async fn list_accounts(&self, user: &UserId) -> Result<Vec<StoredAccount>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                &format!(
+                    "SELECT {ACCOUNT_COLUMNS} FROM gateway.accounts WHERE user_id = $1 ORDER BY integration, account"
+                ),
+                &[&user.as_str()],
+            )
+            .await
+            .map_err(db)?;
+        rows.iter().map(account_from_row).collect()
+    }
+
+    async fn get_account(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+    ) -> Result<Option<StoredAccount>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!(
+                    "SELECT {ACCOUNT_COLUMNS} FROM gateway.accounts \
+                     WHERE user_id = $1 AND integration = $2 AND account = $3"
+                ),
+                &[&user.as_str(), &integration.key(), &account],
+            )
+            .await
+            .map_err(db)?;
+        row.as_ref().map(account_from_row).transpose()
+    }
+
+    async fn delete_account(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+    ) -> Result<bool, StoreError> {
+        let n = self
+            .client()
+            .await?
+            .execute(
+                "DELETE FROM gateway.accounts WHERE user_id = $1 AND integration = $2 AND account = $3",
+                &[&user.as_str(), &integration.key(), &account],
+            )
+            .await
+            .map_err(db)?;
+        Ok(n > 0)
+    }
+
+    async fn count_accounts(&self) -> Result<u64, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_one("SELECT count(*) FROM gateway.accounts", &[])
+            .await
+            .map_err(db)?;
+        Ok(row.get::<_, i64>(0) as u64)
+    }
+
+    async fn lock_account(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+    ) -> Result<Box<dyn AccountLock>, StoreError> {
+        let tx = OpenTx::begin(self.client().await?).await?;
+        let row = tx
+            .client()
+            .query_opt(
+                &format!(
+                    "SELECT {ACCOUNT_COLUMNS} FROM gateway.accounts \
+                     WHERE user_id = $1 AND integration = $2 AND account = $3 FOR UPDATE"
+                ),
+                &[&user.as_str(), &integration.key(), &account],
+            )
+            .await
+            .map_err(db)?;
+        let current = row.as_ref().map(account_from_row).transpose()?;
+        Ok(Box::new(PgAccountLock { tx, current }))
+    }
+}
+
+/// A transaction on a pooled connection that rolls back if dropped unfinished.
+struct OpenTx {
+    client: Option<Object>,
+}
+
+impl OpenTx {
+    async fn begin(client: Object) -> Result<Self, StoreError> {
+        client.batch_execute("BEGIN").await.map_err(db)?;
+        Ok(Self {
+            client: Some(client),
+        })
+    }
+
+    fn client(&self) -> &Object {
+        self.client
+            .as_ref()
+            .expect("an OpenTx holds its client until it finishes")
+    }
+
+    async fn commit(mut self) -> Result<(), StoreError> {
+        let client = self
+            .client
+            .take()
+            .expect("an OpenTx holds its client until it finishes");
+        client.batch_execute("COMMIT").await.map_err(db)
+    }
+}
+
+impl Drop for OpenTx {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            // Roll back before the connection goes back to the pool; a dropped holder must not
+            // leave a transaction (and its locks) open on a shared connection.
+            tokio::spawn(async move {
+                if let Err(e) = client.batch_execute("ROLLBACK").await {
+                    tracing::warn!(error = %e, "rollback of an abandoned transaction failed");
+                }
+            });
+        }
+    }
+}
+
+struct PgAccountLock {
+    tx: OpenTx,
+    current: Option<StoredAccount>,
+}
+
+#[async_trait::async_trait]
+impl AccountLock for PgAccountLock {
+    fn current(&self) -> Option<&StoredAccount> {
+        self.current.as_ref()
+    }
+
+    async fn save(self: Box<Self>, updated: StoredAccount) -> Result<(), StoreError> {
+        upsert(self.tx.client(), &updated).await?;
+        self.tx.commit().await
+    }
+}
+
+#[async_trait::async_trait]
+impl IdempotencyStore for PgStore {
+    async fn claim(
+        &self,
+        user: &UserId,
+        key: &str,
+    ) -> Result<Box<dyn IdempotencyClaim>, StoreError> {
+        let tx = OpenTx::begin(self.client().await?).await?;
+        let lock_key = format!("{user}\u{1f}{key}");
+        tx.client()
+            .execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended($1, 1))",
+                &[&lock_key],
+            )
+            .await
+            .map_err(db)?;
+        let row = tx
+            .client()
+            .query_opt(
+                "SELECT tool, args_sha256, outcome FROM gateway.idempotency WHERE user_id = $1 AND key = $2",
+                &[&user.as_str(), &key],
+            )
+            .await
+            .map_err(db)?;
+        let existing = row.map(|r| StoredResult {
+            tool: r.get(0),
+            args_sha256: r.get(1),
+            outcome: r.get(2),
+        });
+        Ok(Box::new(PgClaim {
+            tx,
+            user: user.clone(),
+            key: key.to_owned(),
+            existing,
+        }))
+    }
+}
+
+struct PgClaim {
+    tx: OpenTx,
+    user: UserId,
+    key: String,
+    existing: Option<StoredResult>,
+}
+
+#[async_trait::async_trait]
+impl IdempotencyClaim for PgClaim {
+    fn existing(&self) -> Option<&StoredResult> {
+        self.existing.as_ref()
+    }
+
+    async fn complete(self: Box<Self>, result: StoredResult) -> Result<(), StoreError> {
+        self.tx
+            .client()
+            .execute(
+                "INSERT INTO gateway.idempotency (user_id, key, tool, args_sha256, outcome) VALUES ($1, $2, $3, $4, $5) \
+                 ON CONFLICT (user_id, key) DO NOTHING",
+                &[&self.user.as_str(), &self.key, &result.tool, &result.args_sha256, &result.outcome],
+            )
+            .await
+            .map_err(db)?;
+        self.tx.commit().await
+    }
+}
+
+#[async_trait::async_trait]
+impl AuditLog for PgStore {
+    async fn record(&self, r: AuditRecord) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO gateway.audit (user_id, kind, tool, integration, account, call_id, run_id, status, \
+                   latency_ms, bytes, upstream_calls) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                &[
+                    &r.user,
+                    &r.kind,
+                    &r.tool,
+                    &r.integration,
+                    &r.account,
+                    &r.call_id,
+                    &r.run_id,
+                    &r.status,
+                    &(r.latency_ms as i32),
+                    &(r.bytes as i32),
+                    &(r.upstream_calls as i32),
+                ],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn recent(&self, user: &UserId, limit: usize) -> Result<Vec<AuditRecord>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT user_id, kind, tool, integration, account, call_id, run_id, status, latency_ms, bytes, \
+                   upstream_calls FROM gateway.audit WHERE user_id = $1 ORDER BY id DESC LIMIT $2",
+                &[&user.as_str(), &(limit as i64)],
+            )
+            .await
+            .map_err(db)?;
+        let mut out: Vec<_> = rows
+            .iter()
+            .map(|r| AuditRecord {
+                user: r.get(0),
+                kind: r.get(1),
+                tool: r.get(2),
+                integration: r.get(3),
+                account: r.get(4),
+                call_id: r.get(5),
+                run_id: r.get(6),
+                status: r.get(7),
+                latency_ms: r.get::<_, i32>(8) as u32,
+                bytes: r.get::<_, i32>(9) as u32,
+                upstream_calls: r.get::<_, i32>(10) as u32,
+            })
+            .collect();
+        out.reverse();
+        Ok(out)
     }
 }

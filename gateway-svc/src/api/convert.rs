@@ -1,0 +1,277 @@
+//! Proto ↔ domain conversions, all in one place.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prost_types::{ListValue, Struct, Timestamp, value::Kind};
+use serde_json::{Map, Value};
+use steward_proto::gateway::v1 as pb;
+
+use crate::{
+    credentials::AccountInfo,
+    domain::{CallOutcome, CallRequest, Channel, ErrorKind, Integration},
+    enforce::ToolError,
+    registry::ToolSpec,
+    store::AccountStatus,
+};
+
+pub const MAX_CALL_ID_BYTES: usize = 128;
+pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 128;
+
+pub fn channel(c: i32) -> Channel {
+    match pb::Channel::try_from(c).unwrap_or(pb::Channel::Unspecified) {
+        pb::Channel::Unspecified | pb::Channel::Web => Channel::Web,
+        pb::Channel::Telegram => Channel::Telegram,
+        pb::Channel::SessionOpen => Channel::SessionOpen,
+        pb::Channel::Scheduled => Channel::Scheduled,
+        pb::Channel::Heartbeat => Channel::Heartbeat,
+    }
+}
+
+pub fn integration_from_pb(i: i32) -> Option<Integration> {
+    match pb::Integration::try_from(i).ok()? {
+        pb::Integration::Unspecified => None,
+        pb::Integration::Gmail => Some(Integration::Gmail),
+        pb::Integration::GoogleCalendar => Some(Integration::GoogleCalendar),
+        pb::Integration::Slack => Some(Integration::Slack),
+        pb::Integration::Memory => Some(Integration::Memory),
+        pb::Integration::Tasks => Some(Integration::Tasks),
+        pb::Integration::Reminders => Some(Integration::Reminders),
+    }
+}
+
+pub fn integration_to_pb(i: Integration) -> pb::Integration {
+    match i {
+        Integration::Gmail => pb::Integration::Gmail,
+        Integration::GoogleCalendar => pb::Integration::GoogleCalendar,
+        Integration::Slack => pb::Integration::Slack,
+        Integration::Memory => pb::Integration::Memory,
+        Integration::Tasks => pb::Integration::Tasks,
+        Integration::Reminders => pb::Integration::Reminders,
+    }
+}
+
+fn error_kind_to_pb(k: ErrorKind) -> pb::ErrorKind {
+    match k {
+        ErrorKind::InvalidArguments => pb::ErrorKind::InvalidArguments,
+        ErrorKind::UnknownTool => pb::ErrorKind::UnknownTool,
+        ErrorKind::NotFound => pb::ErrorKind::NotFound,
+        ErrorKind::RateLimited => pb::ErrorKind::RateLimited,
+        ErrorKind::CredentialsMissing => pb::ErrorKind::CredentialsMissing,
+        ErrorKind::CredentialsRevoked => pb::ErrorKind::CredentialsRevoked,
+        ErrorKind::UpstreamError => pb::ErrorKind::UpstreamError,
+        ErrorKind::UpstreamTimeout => pb::ErrorKind::UpstreamTimeout,
+        ErrorKind::UpstreamUnavailable => pb::ErrorKind::UpstreamUnavailable,
+        ErrorKind::Cancelled => pb::ErrorKind::Cancelled,
+        ErrorKind::PermissionDenied => pb::ErrorKind::PermissionDenied,
+        ErrorKind::Internal => pb::ErrorKind::Internal,
+    }
+}
+
+/// A rejected call: still answered with a result (G-4), under whatever call id it carried.
+pub struct Rejected {
+    pub call_id: String,
+    pub tool: String,
+    pub error: ToolError,
+}
+
+/// Validates a wire ToolCall into a domain CallRequest.
+pub fn call_request(call: pb::ToolCall) -> Result<CallRequest, Rejected> {
+    let reject = |call: &pb::ToolCall, detail: String| Rejected {
+        call_id: call.call_id.clone(),
+        tool: call.tool.clone(),
+        error: ToolError::InvalidArguments {
+            tool: call.tool.clone(),
+            detail,
+        },
+    };
+    if call.call_id.is_empty() || call.call_id.len() > MAX_CALL_ID_BYTES {
+        return Err(reject(
+            &call,
+            format!("call_id must be 1 to {MAX_CALL_ID_BYTES} bytes"),
+        ));
+    }
+    if call.tool.is_empty() {
+        return Err(reject(&call, "tool is empty; name the tool to call".into()));
+    }
+    if call.idempotency_key.len() > MAX_IDEMPOTENCY_KEY_BYTES {
+        return Err(reject(
+            &call,
+            format!("idempotency_key is longer than {MAX_IDEMPOTENCY_KEY_BYTES} bytes"),
+        ));
+    }
+    let args = match &call.arguments {
+        None => Value::Object(Map::new()),
+        Some(pb::tool_call::Arguments::Args(s)) => struct_to_json(s),
+        Some(pb::tool_call::Arguments::ArgsJson(text)) if text.trim().is_empty() => {
+            Value::Object(Map::new())
+        }
+        Some(pb::tool_call::Arguments::ArgsJson(text)) => match serde_json::from_str::<Value>(text)
+        {
+            Ok(v) => v,
+            Err(e) => {
+                return Err(reject(
+                    &call,
+                    format!("the arguments are not valid JSON ({e})"),
+                ));
+            }
+        },
+    };
+    if !args.is_object() {
+        return Err(reject(&call, "the arguments must be a JSON object".into()));
+    }
+    let timeout = call.timeout.and_then(|d| {
+        (d.seconds >= 0 && d.nanos >= 0).then(|| Duration::new(d.seconds as u64, d.nanos as u32))
+    });
+    Ok(CallRequest {
+        call_id: call.call_id,
+        tool: call.tool,
+        args,
+        idempotency_key: Some(call.idempotency_key).filter(|k| !k.is_empty()),
+        channel: channel(call.channel),
+        timeout,
+        run_id: Some(call.run_id).filter(|r| !r.is_empty()),
+    })
+}
+
+pub fn tool_result(o: CallOutcome) -> pb::ToolResult {
+    pb::ToolResult {
+        ok: o.ok(),
+        error_kind: o
+            .error_kind
+            .map_or(pb::ErrorKind::Unspecified, error_kind_to_pb) as i32,
+        call_id: o.call_id,
+        tool: o.tool,
+        text: o.text,
+        truncated: o.truncated,
+        original_chars: o.original_chars,
+        retry_after_seconds: o.retry_after_secs,
+        display: o.display.as_ref().and_then(json_to_struct),
+        upstream_calls: o.upstream_calls,
+        account: o.account.unwrap_or_default(),
+        latency: Some(prost_types::Duration {
+            seconds: o.latency.as_secs() as i64,
+            nanos: o.latency.subsec_nanos() as i32,
+        }),
+        replayed: o.replayed,
+    }
+}
+
+pub fn tool_spec(spec: &ToolSpec, availability: pb::ToolAvailability) -> pb::ToolSpec {
+    pb::ToolSpec {
+        name: spec.name.clone(),
+        aliases: spec.aliases.clone(),
+        description: spec.description.clone(),
+        parameters_json_schema: spec.schema.to_string(),
+        side_effect: spec.side_effect,
+        integration: integration_to_pb(spec.integration) as i32,
+        upstream_cost: spec.upstream_cost,
+        availability: availability as i32,
+    }
+}
+
+pub fn account(a: &AccountInfo) -> pb::Account {
+    pb::Account {
+        integration: integration_to_pb(a.integration) as i32,
+        account: a.account.clone(),
+        status: match a.status {
+            AccountStatus::Connected => pb::AccountStatus::Connected,
+            AccountStatus::NeedsReconnect => pb::AccountStatus::NeedsReconnect,
+        } as i32,
+        scopes: a.scopes.clone(),
+        expires_at: a.expires_at.map(timestamp),
+        connected_at: Some(timestamp(a.connected_at)),
+    }
+}
+
+pub fn timestamp(t: SystemTime) -> Timestamp {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+pub fn system_time(t: &Timestamp) -> Option<SystemTime> {
+    let secs = u64::try_from(t.seconds).ok()?;
+    let nanos = u32::try_from(t.nanos).ok()?;
+    UNIX_EPOCH.checked_add(Duration::new(secs, nanos))
+}
+
+pub fn struct_to_json(s: &Struct) -> Value {
+    Value::Object(
+        s.fields
+            .iter()
+            .map(|(k, v)| (k.clone(), value_to_json(v)))
+            .collect(),
+    )
+}
+
+fn value_to_json(v: &prost_types::Value) -> Value {
+    match &v.kind {
+        None | Some(Kind::NullValue(_)) => Value::Null,
+        Some(Kind::BoolValue(b)) => Value::Bool(*b),
+        // Struct numbers are doubles; whole numbers become JSON integers so "integer" schemas
+        // accept what a grpcurl user typed as 5.
+        Some(Kind::NumberValue(n)) if n.fract() == 0.0 && n.abs() < 9.0e15 => {
+            Value::from(*n as i64)
+        }
+        Some(Kind::NumberValue(n)) => {
+            serde_json::Number::from_f64(*n).map_or(Value::Null, Value::Number)
+        }
+        Some(Kind::StringValue(s)) => Value::String(s.clone()),
+        Some(Kind::ListValue(l)) => Value::Array(l.values.iter().map(value_to_json).collect()),
+        Some(Kind::StructValue(s)) => struct_to_json(s),
+    }
+}
+
+pub fn json_to_struct(v: &Value) -> Option<Struct> {
+    match v {
+        Value::Object(map) => Some(Struct {
+            fields: map
+                .iter()
+                .map(|(k, v)| (k.clone(), json_to_value(v)))
+                .collect(),
+        }),
+        _ => None,
+    }
+}
+
+fn json_to_value(v: &Value) -> prost_types::Value {
+    let kind = match v {
+        Value::Null => Kind::NullValue(0),
+        Value::Bool(b) => Kind::BoolValue(*b),
+        Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+        Value::String(s) => Kind::StringValue(s.clone()),
+        Value::Array(a) => Kind::ListValue(ListValue {
+            values: a.iter().map(json_to_value).collect(),
+        }),
+        Value::Object(_) => Kind::StructValue(json_to_struct(v).unwrap_or_default()),
+    };
+    prost_types::Value { kind: Some(kind) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_arguments_round_trip_through_struct_with_integers_kept() {
+        let v = serde_json::json!({"q": "from:boss", "max_results": 5, "ratio": 0.5, "tags": ["a", null], "nested": {"ok": true}});
+        assert_eq!(struct_to_json(&json_to_struct(&v).unwrap()), v);
+    }
+
+    #[test]
+    fn malformed_json_arguments_become_a_result_not_an_rpc_error() {
+        let call = pb::ToolCall {
+            call_id: "c1".into(),
+            tool: "list_tasks".into(),
+            arguments: Some(pb::tool_call::Arguments::ArgsJson(
+                r#"{"status":""/x"}"#.into(),
+            )),
+            ..Default::default()
+        };
+        let rejected = call_request(call).err().unwrap();
+        assert_eq!(rejected.call_id, "c1");
+        assert!(rejected.error.to_string().contains("not valid JSON"));
+    }
+}

@@ -1,0 +1,340 @@
+//! What a tool can do while it runs: find the user's accounts, charge the rate limiter, and call
+//! upstream through one HTTP path that adds the access token, refreshes it once on a 401, reads
+//! the body under the byte cap, classifies failures, counts and audits every call.
+
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use reqwest::{RequestBuilder, StatusCode, header::HeaderMap};
+use serde::de::DeserializeOwned;
+
+use crate::{
+    credentials::{AccountInfo, Credentials},
+    domain::{Channel, Integration, UserId},
+    enforce::{ToolError, caps::read_capped},
+    ratelimit::{LimitKey, RateLimiter},
+    store::{AuditLog, AuditRecord},
+};
+
+/// Shared by every call.
+pub struct Services {
+    pub credentials: Credentials,
+    pub limiter: RateLimiter,
+    pub http: reqwest::Client,
+    pub audit: Arc<dyn AuditLog>,
+    /// Hard cap on any upstream response body.
+    pub max_body_bytes: usize,
+}
+
+pub struct CallContext {
+    pub user: UserId,
+    pub channel: Channel,
+    pub call_id: String,
+    pub run_id: Option<String>,
+    pub tool: String,
+    services: Arc<Services>,
+    upstream_calls: AtomicU32,
+    account: Mutex<Option<String>>,
+}
+
+/// An upstream answer that passed the status checks.
+#[derive(Debug)]
+pub struct UpstreamResponse {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl UpstreamResponse {
+    pub fn json<T: DeserializeOwned>(&self, service: &'static str) -> Result<T, ToolError> {
+        serde_json::from_slice(&self.body).map_err(|e| ToolError::UpstreamGarbage {
+            service,
+            detail: format!("invalid JSON: {e}"),
+        })
+    }
+}
+
+impl CallContext {
+    pub fn new(
+        services: Arc<Services>,
+        user: UserId,
+        channel: Channel,
+        call_id: String,
+        run_id: Option<String>,
+        tool: String,
+    ) -> Self {
+        Self {
+            user,
+            channel,
+            call_id,
+            run_id,
+            tool,
+            services,
+            upstream_calls: AtomicU32::new(0),
+            account: Mutex::new(None),
+        }
+    }
+
+    pub fn upstream_calls(&self) -> u32 {
+        self.upstream_calls.load(Ordering::Relaxed)
+    }
+
+    /// The account the call used (the last one named to `charge` or `send`).
+    pub fn account(&self) -> Option<String> {
+        self.account.lock().ok().and_then(|a| a.clone())
+    }
+
+    fn use_account(&self, account: &str) {
+        if let Ok(mut a) = self.account.lock() {
+            *a = Some(account.to_owned());
+        }
+    }
+
+    pub fn http(&self) -> &reqwest::Client {
+        &self.services.http
+    }
+
+    /// The user's connected accounts of `integration`.
+    pub async fn accounts(&self, integration: Integration) -> Result<Vec<AccountInfo>, ToolError> {
+        self.services
+            .credentials
+            .usable_accounts(&self.user, integration)
+            .await
+    }
+
+    /// Charges `cost` upstream calls against the user's limits for `account` before making them.
+    pub async fn charge(
+        &self,
+        integration: Integration,
+        account: &str,
+        cost: u32,
+    ) -> Result<(), ToolError> {
+        self.use_account(account);
+        let key = LimitKey {
+            user: self.user.clone(),
+            integration,
+            account: account.to_owned(),
+        };
+        self.services.limiter.charge(&key, cost).await
+    }
+
+    /// Sends an authorised request for `account`: `build` makes the request with the bearer
+    /// token; on a 401 the token is refreshed and the request sent once more (charged as one
+    /// more upstream call). Returns 2xx and 404 answers; every other status is an error.
+    pub async fn send(
+        &self,
+        integration: Integration,
+        account: &str,
+        build: impl Fn(&str) -> RequestBuilder,
+    ) -> Result<UpstreamResponse, ToolError> {
+        self.use_account(account);
+        let credentials = &self.services.credentials;
+        let token = credentials
+            .access_token(&self.user, integration, account, None)
+            .await?;
+        let first = self
+            .send_raw(integration, Some(account), build(&token))
+            .await?;
+        if first.status != StatusCode::UNAUTHORIZED {
+            return check_status(integration.label(), first);
+        }
+        let token = credentials
+            .access_token(&self.user, integration, account, Some(&token))
+            .await?;
+        self.charge(integration, account, 1).await?;
+        let second = self
+            .send_raw(integration, Some(account), build(&token))
+            .await?;
+        if second.status == StatusCode::UNAUTHORIZED {
+            return Err(ToolError::CredentialsRevoked {
+                provider: integration
+                    .provider()
+                    .map_or(integration.label(), |p| p.label()),
+                account: account.to_owned(),
+            });
+        }
+        check_status(integration.label(), second)
+    }
+
+    /// Sends one request and reads its body under the cap; any status comes back.
+    async fn send_raw(
+        &self,
+        integration: Integration,
+        account: Option<&str>,
+        request: RequestBuilder,
+    ) -> Result<UpstreamResponse, ToolError> {
+        let service = integration.label();
+        let started = Instant::now();
+        self.upstream_calls.fetch_add(1, Ordering::Relaxed);
+        let result: Result<UpstreamResponse, ToolError> = async {
+            let response = request
+                .send()
+                .await
+                .map_err(|e| transport_error(service, &e))?;
+            let status = response.status();
+            let headers = response.headers().clone();
+            let body = read_capped(response, self.services.max_body_bytes)
+                .await
+                .map_err(|e| transport_error(service, &e))?
+                .map_err(|e| ToolError::UpstreamGarbage {
+                    service,
+                    detail: e.to_string(),
+                })?;
+            Ok(UpstreamResponse {
+                status,
+                headers,
+                body,
+            })
+        }
+        .await;
+        let (status, bytes) = match &result {
+            Ok(r) => (r.status.as_u16().to_string(), r.body.len()),
+            Err(e) => (e.kind().as_str().to_owned(), 0),
+        };
+        self.audit(AuditRecord {
+            user: self.user.to_string(),
+            kind: "upstream_call".into(),
+            tool: self.tool.clone(),
+            integration: Some(integration.key().into()),
+            account: account.map(str::to_owned),
+            call_id: self.call_id.clone(),
+            run_id: self.run_id.clone(),
+            status,
+            latency_ms: millis(started.elapsed()),
+            bytes: u32::try_from(bytes).unwrap_or(u32::MAX),
+            upstream_calls: 1,
+        })
+        .await;
+        result
+    }
+
+    pub async fn audit(&self, record: AuditRecord) {
+        if let Err(e) = self.services.audit.record(record).await {
+            tracing::error!(error = %e, "could not write an audit record");
+        }
+    }
+}
+
+pub fn millis(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}
+
+fn transport_error(service: &'static str, e: &reqwest::Error) -> ToolError {
+    if e.is_timeout() {
+        ToolError::UpstreamTimeout {
+            service,
+            after: Duration::from_secs(0),
+        }
+    } else if e.is_connect() {
+        ToolError::UpstreamUnavailable {
+            service,
+            detail: "connection refused or failed".into(),
+        }
+    } else if e.is_body() || e.is_decode() {
+        ToolError::UpstreamGarbage {
+            service,
+            detail: "the response body was cut off".into(),
+        }
+    } else {
+        ToolError::UpstreamUnavailable {
+            service,
+            detail: "the request failed in transit".into(),
+        }
+    }
+}
+
+/// Turns non-success statuses into errors the model can act on. 404 is returned to the tool,
+/// which knows what was missing.
+fn check_status(service: &'static str, r: UpstreamResponse) -> Result<UpstreamResponse, ToolError> {
+    let status = r.status;
+    if status.is_success() || status == StatusCode::NOT_FOUND {
+        return Ok(r);
+    }
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        return Err(ToolError::UpstreamRateLimited {
+            service,
+            retry_after: retry_after(&r.headers),
+        });
+    }
+    let detail = short_detail(&r.body);
+    if status == StatusCode::FORBIDDEN {
+        return Err(ToolError::PermissionDenied {
+            service,
+            account: String::new(),
+            detail,
+        });
+    }
+    Err(ToolError::Upstream {
+        service,
+        status: status.as_u16(),
+        detail,
+    })
+}
+
+/// `Retry-After` as seconds or an HTTP date; 30 s when absent or unreadable.
+pub fn retry_after(headers: &HeaderMap) -> Duration {
+    let Some(value) = headers
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return Duration::from_secs(30);
+    };
+    if let Ok(secs) = value.trim().parse::<u64>() {
+        return Duration::from_secs(secs.min(86_400));
+    }
+    httpdate::parse_http_date(value)
+        .ok()
+        .and_then(|at| at.duration_since(std::time::SystemTime::now()).ok())
+        .unwrap_or(Duration::from_secs(30))
+}
+
+/// The upstream's error message, if it sent a readable one, cut short: enough for the model to
+/// understand, never a body dump.
+fn short_detail(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let message = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.pointer("/error_description"))
+                .or_else(|| v.pointer("/error"))
+                .and_then(|m| m.as_str().map(str::to_owned))
+        })
+        .unwrap_or_default();
+    message.chars().take(200).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use reqwest::header::{HeaderValue, RETRY_AFTER};
+
+    use super::*;
+
+    #[test]
+    fn retry_after_reads_seconds_and_defaults_to_thirty() {
+        let mut h = HeaderMap::new();
+        assert_eq!(retry_after(&h), Duration::from_secs(30));
+        h.insert(RETRY_AFTER, HeaderValue::from_static("42"));
+        assert_eq!(retry_after(&h), Duration::from_secs(42));
+        h.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
+        assert_eq!(retry_after(&h), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn error_details_are_short_and_never_the_raw_body() {
+        assert_eq!(
+            short_detail(br#"{"error":{"message":"Backend Error"}}"#),
+            "Backend Error"
+        );
+        assert_eq!(short_detail(b"<html>secret body</html>"), "");
+        assert_eq!(
+            short_detail(format!(r#"{{"error":"{}"}}"#, "x".repeat(500)).as_bytes()).len(),
+            200
+        );
+    }
+}

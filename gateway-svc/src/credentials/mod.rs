@@ -1,0 +1,311 @@
+//! Credentials (G-8): connected accounts with tokens encrypted at rest, access tokens refreshed
+//! before they expire or after a 401, single-flight per account within a process (an async
+//! mutex) and across replicas (the account row lock), and a revoked grant turned into "needs
+//! reconnect".
+
+pub mod cipher;
+pub mod oauth;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex as SyncMutex},
+    time::{Duration, SystemTime},
+};
+
+use cipher::TokenCipher;
+use oauth::{OAuthClient, RefreshError};
+
+use crate::{
+    domain::{Integration, Provider, UserId},
+    enforce::ToolError,
+    store::{AccountStatus, AccountStore, StoreError, StoredAccount},
+};
+
+/// Refresh this long before expiry, so a token does not die in flight.
+const EXPIRY_SKEW: Duration = Duration::from_secs(60);
+
+/// A connected account as tools see it: no tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AccountInfo {
+    pub integration: Integration,
+    pub account: String,
+    pub status: AccountStatus,
+    pub scopes: Vec<String>,
+    pub expires_at: Option<SystemTime>,
+    pub connected_at: SystemTime,
+}
+
+/// What ConnectAccount supplies.
+#[derive(Debug, Clone)]
+pub struct NewAccount {
+    pub integration: Integration,
+    pub account: String,
+    pub access_token: String,
+    pub refresh_token: Option<String>,
+    pub expires_at: Option<SystemTime>,
+    pub scopes: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error(
+        "no CREDENTIALS_KEY is configured, so tokens cannot be stored; set it to 32 random bytes in base64"
+    )]
+    NoKey,
+}
+
+#[derive(Clone)]
+pub struct Credentials {
+    store: Arc<dyn AccountStore>,
+    cipher: Option<TokenCipher>,
+    google: Option<OAuthClient>,
+    http: reqwest::Client,
+    inflight: Arc<SyncMutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
+}
+
+fn row_id(user: &UserId, integration: Integration, account: &str) -> String {
+    format!("{user}/{}/{account}", integration.key())
+}
+
+impl Credentials {
+    pub fn new(
+        store: Arc<dyn AccountStore>,
+        cipher: Option<TokenCipher>,
+        google: Option<OAuthClient>,
+        http: reqwest::Client,
+    ) -> Self {
+        Self {
+            store,
+            cipher,
+            google,
+            http,
+            inflight: Arc::default(),
+        }
+    }
+
+    fn info(a: &StoredAccount) -> AccountInfo {
+        AccountInfo {
+            integration: a.integration,
+            account: a.account.clone(),
+            status: a.status,
+            scopes: a.scopes.clone(),
+            expires_at: a.expires_at,
+            connected_at: a.connected_at,
+        }
+    }
+
+    pub async fn connect(
+        &self,
+        user: &UserId,
+        new: NewAccount,
+    ) -> Result<AccountInfo, CredentialError> {
+        let cipher = self.cipher.as_ref().ok_or(CredentialError::NoKey)?;
+        if new.integration.provider().is_none() {
+            return Err(CredentialError::Invalid(format!(
+                "{} needs no account; it is always available",
+                new.integration.label()
+            )));
+        }
+        if new.integration.provider() == Some(Provider::Google) && new.refresh_token.is_none() {
+            return Err(CredentialError::Invalid(
+                "refresh_token is required for Google accounts, so access can be renewed".into(),
+            ));
+        }
+        let row = row_id(user, new.integration, &new.account);
+        let encrypt = |t: &str| {
+            cipher
+                .encrypt(t, &row)
+                .map_err(|e| CredentialError::Invalid(e.to_string()))
+        };
+        let stored = StoredAccount {
+            user: user.clone(),
+            integration: new.integration,
+            account: new.account,
+            access_token: encrypt(&new.access_token)?,
+            refresh_token: new.refresh_token.as_deref().map(encrypt).transpose()?,
+            expires_at: new.expires_at,
+            scopes: new.scopes,
+            status: AccountStatus::Connected,
+            connected_at: SystemTime::now(),
+        };
+        let info = Self::info(&stored);
+        self.store.upsert_account(stored).await?;
+        Ok(info)
+    }
+
+    pub async fn list(&self, user: &UserId) -> Result<Vec<AccountInfo>, StoreError> {
+        Ok(self
+            .store
+            .list_accounts(user)
+            .await?
+            .iter()
+            .map(Self::info)
+            .collect())
+    }
+
+    pub async fn disconnect(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+    ) -> Result<bool, StoreError> {
+        self.store.delete_account(user, integration, account).await
+    }
+
+    /// The user's accounts of `integration` that can be used; `CredentialsMissing` when none is
+    /// connected, `CredentialsRevoked` when all need reconnecting.
+    pub async fn usable_accounts(
+        &self,
+        user: &UserId,
+        integration: Integration,
+    ) -> Result<Vec<AccountInfo>, ToolError> {
+        let all: Vec<_> = self
+            .list(user)
+            .await
+            .map_err(|e| ToolError::Internal(e.to_string()))?
+            .into_iter()
+            .filter(|a| a.integration == integration)
+            .collect();
+        if all.is_empty() {
+            return Err(ToolError::CredentialsMissing { integration });
+        }
+        let usable: Vec<_> = all
+            .iter()
+            .filter(|a| a.status == AccountStatus::Connected)
+            .cloned()
+            .collect();
+        if usable.is_empty() {
+            return Err(revoked(integration, &all[0].account));
+        }
+        Ok(usable)
+    }
+
+    /// A valid access token, refreshed first if it expires within a minute. With
+    /// `rejected = Some(token)` (the upstream answered 401 to it), refreshes unless another call
+    /// already replaced that token.
+    pub async fn access_token(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+        rejected: Option<&str>,
+    ) -> Result<String, ToolError> {
+        let internal = |e: &dyn std::fmt::Display| ToolError::Internal(e.to_string());
+        let cipher = self
+            .cipher
+            .as_ref()
+            .ok_or_else(|| internal(&CredentialError::NoKey))?;
+        let row = row_id(user, integration, account);
+        let stored = self
+            .store
+            .get_account(user, integration, account)
+            .await
+            .map_err(|e| internal(&e))?
+            .ok_or(ToolError::CredentialsMissing { integration })?;
+        if let Some(token) = usable_token(cipher, &stored, &row, rejected)? {
+            return Ok(token);
+        }
+
+        // Single flight in this process; the row lock below makes it single flight across
+        // replicas, and the re-check under it lets late arrivals reuse the winner's token.
+        let flight = {
+            let mut map = self
+                .inflight
+                .lock()
+                .map_err(|_| internal(&"credential lock poisoned"))?;
+            if map.len() > 1024 {
+                map.retain(|_, l| Arc::strong_count(l) > 1);
+            }
+            map.entry(row.clone()).or_default().clone()
+        };
+        let _flight = flight.lock().await;
+        let lock = self
+            .store
+            .lock_account(user, integration, account)
+            .await
+            .map_err(|e| internal(&e))?;
+        let current = lock
+            .current()
+            .cloned()
+            .ok_or(ToolError::CredentialsMissing { integration })?;
+        if let Some(token) = usable_token(cipher, &current, &row, rejected)? {
+            return Ok(token);
+        }
+        let refresh_token = match &current.refresh_token {
+            Some(t) => cipher.decrypt(t, &row).map_err(|e| internal(&e))?,
+            None => return Err(revoked(integration, account)),
+        };
+        let oauth = match integration.provider() {
+            Some(Provider::Google) => self.google.as_ref().ok_or_else(|| {
+                internal(&"GOOGLE_CLIENT_ID and GOOGLE_CLIENT_SECRET are not configured, so Google tokens cannot be refreshed")
+            })?,
+            _ => return Err(revoked(integration, account)),
+        };
+        tracing::info!(user = %user, integration = integration.key(), account, "refreshing access token");
+        match oauth.refresh(&self.http, &refresh_token).await {
+            Ok(fresh) => {
+                let mut updated = current;
+                updated.access_token = cipher
+                    .encrypt(&fresh.access_token, &row)
+                    .map_err(|e| internal(&e))?;
+                if let Some(rotated) = &fresh.refresh_token {
+                    updated.refresh_token =
+                        Some(cipher.encrypt(rotated, &row).map_err(|e| internal(&e))?);
+                }
+                updated.expires_at = fresh.expires_in.map(|d| SystemTime::now() + d);
+                lock.save(updated).await.map_err(|e| internal(&e))?;
+                Ok(fresh.access_token)
+            }
+            Err(RefreshError::Revoked) => {
+                tracing::warn!(user = %user, integration = integration.key(), account, "refresh token revoked; account needs reconnecting");
+                let mut updated = current;
+                updated.status = AccountStatus::NeedsReconnect;
+                lock.save(updated).await.map_err(|e| internal(&e))?;
+                Err(revoked(integration, account))
+            }
+            Err(RefreshError::Failed(detail)) => Err(ToolError::UpstreamUnavailable {
+                service: integration
+                    .provider()
+                    .map_or("the token service", Provider::label),
+                detail: format!("token refresh failed: {detail}"),
+            }),
+        }
+    }
+}
+
+fn revoked(integration: Integration, account: &str) -> ToolError {
+    ToolError::CredentialsRevoked {
+        provider: integration
+            .provider()
+            .map_or(integration.label(), Provider::label),
+        account: account.to_owned(),
+    }
+}
+
+/// The stored access token if it can be used as is.
+fn usable_token(
+    cipher: &TokenCipher,
+    stored: &StoredAccount,
+    row: &str,
+    rejected: Option<&str>,
+) -> Result<Option<String>, ToolError> {
+    if stored.status == AccountStatus::NeedsReconnect {
+        return Err(revoked(stored.integration, &stored.account));
+    }
+    let token = cipher
+        .decrypt(&stored.access_token, row)
+        .map_err(|e| ToolError::Internal(e.to_string()))?;
+    let fresh = stored
+        .expires_at
+        .is_none_or(|at| at > SystemTime::now() + EXPIRY_SKEW);
+    let replaced = rejected.is_some_and(|r| r != token);
+    let usable = match rejected {
+        Some(_) => replaced,
+        None => fresh,
+    };
+    Ok(usable.then_some(token))
+}

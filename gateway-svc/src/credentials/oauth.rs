@@ -1,0 +1,101 @@
+//! The OAuth 2.0 refresh-token grant (RFC 6749 §6) against a configurable token endpoint.
+//! Written by hand rather than with the `oauth2` crate because the gateway needs one grant, its
+//! own capped HTTP client, and the precise difference between "revoked" (`invalid_grant`:
+//! reconnect) and "try again" (5xx, timeouts), which decides what the model is told.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::enforce::caps::read_capped;
+
+#[derive(Debug, Clone)]
+pub struct OAuthClient {
+    pub token_url: String,
+    pub client_id: String,
+    pub client_secret: String,
+}
+
+/// Fresh tokens from the endpoint.
+#[derive(Debug, Clone)]
+pub struct Refreshed {
+    pub access_token: String,
+    pub expires_in: Option<Duration>,
+    /// Some servers rotate refresh tokens; keep the new one when sent.
+    pub refresh_token: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RefreshError {
+    /// The grant is dead: the user must reconnect.
+    #[error("the refresh token was revoked or expired")]
+    Revoked,
+    #[error("the token endpoint failed: {0}")]
+    Failed(String),
+}
+
+#[derive(Deserialize)]
+struct TokenResponse {
+    access_token: String,
+    expires_in: Option<u64>,
+    refresh_token: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ErrorResponse {
+    error: String,
+}
+
+impl OAuthClient {
+    pub async fn refresh(
+        &self,
+        http: &reqwest::Client,
+        refresh_token: &str,
+    ) -> Result<Refreshed, RefreshError> {
+        let response = http
+            .post(&self.token_url)
+            .form(&[
+                ("grant_type", "refresh_token"),
+                ("refresh_token", refresh_token),
+                ("client_id", &self.client_id),
+                ("client_secret", &self.client_secret),
+            ])
+            .timeout(Duration::from_secs(15))
+            .send()
+            .await
+            .map_err(|e| {
+                RefreshError::Failed(if e.is_timeout() {
+                    "timed out".into()
+                } else {
+                    "unreachable".into()
+                })
+            })?;
+        let status = response.status();
+        let body = read_capped(response, 64 << 10)
+            .await
+            .map_err(|_| RefreshError::Failed("connection lost".into()))?
+            .map_err(|e| RefreshError::Failed(e.to_string()))?;
+        if status.is_success() {
+            let parsed: TokenResponse = serde_json::from_slice(&body)
+                .map_err(|_| RefreshError::Failed("unreadable token response".into()))?;
+            return Ok(Refreshed {
+                access_token: parsed.access_token,
+                expires_in: parsed.expires_in.map(Duration::from_secs),
+                refresh_token: parsed.refresh_token,
+            });
+        }
+        // RFC 6749 §5.2: a dead grant is 400 invalid_grant (Google also uses it for revoked
+        // consent); anything else may pass.
+        match serde_json::from_slice::<ErrorResponse>(&body) {
+            Ok(e) if e.error == "invalid_grant" || e.error == "unauthorized_client" => {
+                Err(RefreshError::Revoked)
+            }
+            Ok(e) => Err(RefreshError::Failed(format!(
+                "HTTP {} {}",
+                status.as_u16(),
+                e.error
+            ))),
+            Err(_) => Err(RefreshError::Failed(format!("HTTP {}", status.as_u16()))),
+        }
+    }
+}

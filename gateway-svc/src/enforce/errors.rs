@@ -1,0 +1,171 @@
+//! Error-to-string (G-4): every tool-level failure becomes an `ErrorKind` plus a plain sentence
+//! that tells the model what happened and what it can do. None of these is an RPC error.
+
+use std::time::Duration;
+
+use crate::domain::{ErrorKind, Integration};
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ToolError {
+    #[error("Invalid arguments for {tool}: {detail}. Fix the arguments and call {tool} again.")]
+    InvalidArguments { tool: String, detail: String },
+    #[error("There is no tool named {0:?}. Use only the tools you were given.")]
+    UnknownTool(String),
+    #[error("{0}")]
+    NotFound(String),
+    /// Our own per-user limit (G-6): the exact text of S0 AC-06.
+    #[error("{service} rate limit reached ({limit}/{window}). Try again in {} seconds.", retry_after.as_secs().max(1))]
+    RateLimited {
+        service: &'static str,
+        limit: u32,
+        window: &'static str,
+        retry_after: Duration,
+    },
+    /// One call that costs more than a whole window allows can never succeed as asked.
+    #[error(
+        "This {service} request needs {cost} API calls but the limit is {limit}/{window}; ask for fewer results."
+    )]
+    OverBudget {
+        service: &'static str,
+        cost: u32,
+        limit: u32,
+        window: &'static str,
+    },
+    /// The upstream's own 429 (G-7).
+    #[error("{service} is rate limiting requests. Try again in {} seconds.", retry_after.as_secs().max(1))]
+    UpstreamRateLimited {
+        service: &'static str,
+        retry_after: Duration,
+    },
+    #[error(
+        "No {} account is connected. Tell the user to connect one; do not retry.", integration.label()
+    )]
+    CredentialsMissing { integration: Integration },
+    #[error("Your {provider} account {account} needs to be reconnected.")]
+    CredentialsRevoked {
+        provider: &'static str,
+        account: String,
+    },
+    #[error("{service} refused the request for {account}: {detail}")]
+    PermissionDenied {
+        service: &'static str,
+        account: String,
+        detail: String,
+    },
+    #[error(
+        "{service} returned an error (HTTP {status}){}. It may work if tried again later.",
+        detail_suffix(detail)
+    )]
+    Upstream {
+        service: &'static str,
+        status: u16,
+        detail: String,
+    },
+    #[error("{service} sent a response that could not be read ({detail}).")]
+    UpstreamGarbage {
+        service: &'static str,
+        detail: String,
+    },
+    #[error("{service} did not answer within {} seconds. Try again later or narrow the request.", after.as_secs().max(1))]
+    UpstreamTimeout {
+        service: &'static str,
+        after: Duration,
+    },
+    #[error("{service} could not be reached ({detail}). Try again later.")]
+    UpstreamUnavailable {
+        service: &'static str,
+        detail: String,
+    },
+    #[error("The call was cancelled before it finished.")]
+    Cancelled,
+    #[error("The tool failed unexpectedly ({0}). Try again later.")]
+    Internal(String),
+}
+
+fn detail_suffix(detail: &str) -> String {
+    if detail.is_empty() {
+        String::new()
+    } else {
+        format!(": {detail}")
+    }
+}
+
+impl ToolError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ToolError::InvalidArguments { .. } => ErrorKind::InvalidArguments,
+            ToolError::UnknownTool(_) => ErrorKind::UnknownTool,
+            ToolError::NotFound(_) => ErrorKind::NotFound,
+            ToolError::RateLimited { .. }
+            | ToolError::OverBudget { .. }
+            | ToolError::UpstreamRateLimited { .. } => ErrorKind::RateLimited,
+            ToolError::CredentialsMissing { .. } => ErrorKind::CredentialsMissing,
+            ToolError::CredentialsRevoked { .. } => ErrorKind::CredentialsRevoked,
+            ToolError::PermissionDenied { .. } => ErrorKind::PermissionDenied,
+            ToolError::Upstream { .. } | ToolError::UpstreamGarbage { .. } => {
+                ErrorKind::UpstreamError
+            }
+            ToolError::UpstreamTimeout { .. } => ErrorKind::UpstreamTimeout,
+            ToolError::UpstreamUnavailable { .. } => ErrorKind::UpstreamUnavailable,
+            ToolError::Cancelled => ErrorKind::Cancelled,
+            ToolError::Internal(_) => ErrorKind::Internal,
+        }
+    }
+
+    /// Seconds until a retry can succeed, for rate limits; 0 otherwise.
+    pub fn retry_after_secs(&self) -> u32 {
+        match self {
+            ToolError::RateLimited { retry_after, .. }
+            | ToolError::UpstreamRateLimited { retry_after, .. } => {
+                u32::try_from(retry_after.as_secs().max(1)).unwrap_or(u32::MAX)
+            }
+            _ => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rate_limit_sentence_matches_the_spec_exactly() {
+        let e = ToolError::RateLimited {
+            service: "Gmail",
+            limit: 30,
+            window: "minute",
+            retry_after: Duration::from_secs(42),
+        };
+        assert_eq!(
+            e.to_string(),
+            "Gmail rate limit reached (30/minute). Try again in 42 seconds."
+        );
+        assert_eq!(e.kind(), ErrorKind::RateLimited);
+        assert_eq!(e.retry_after_secs(), 42);
+    }
+
+    #[test]
+    fn a_revoked_account_names_the_account() {
+        let e = ToolError::CredentialsRevoked {
+            provider: "Google",
+            account: "x@y.com".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "Your Google account x@y.com needs to be reconnected."
+        );
+    }
+
+    #[test]
+    fn sub_second_waits_round_up_to_one_second() {
+        let e = ToolError::UpstreamRateLimited {
+            service: "Slack",
+            retry_after: Duration::from_millis(300),
+        };
+        assert_eq!(
+            e.to_string(),
+            "Slack is rate limiting requests. Try again in 1 seconds."
+        );
+        assert_eq!(e.retry_after_secs(), 1);
+    }
+}

@@ -1,0 +1,247 @@
+//! One tool call, start to finish, with every protection in a fixed order: registry lookup →
+//! argument validation (G-3) → idempotency (P-4) → the tool under its deadline and the caller's
+//! cancellation → error-to-string (G-4) → result cap (G-5) → audit (G-9). Whatever happens, the
+//! caller gets a `CallOutcome` with a sentence in it.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    context::{CallContext, Services, millis},
+    domain::{CallOutcome, CallRequest, UserId},
+    enforce::{ToolError, caps::cap_text},
+    registry::{Registry, ToolOutput},
+    store::{AuditRecord, IdempotencyStore, StoredResult},
+};
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub max_result_chars: usize,
+    pub default_timeout: Duration,
+    pub max_timeout: Duration,
+}
+
+#[derive(Clone)]
+pub struct Engine {
+    pub registry: Arc<Registry>,
+    pub services: Arc<Services>,
+    pub idempotency: Arc<dyn IdempotencyStore>,
+    pub config: EngineConfig,
+}
+
+impl Engine {
+    pub async fn execute(
+        &self,
+        user: &UserId,
+        request: CallRequest,
+        cancel: CancellationToken,
+    ) -> CallOutcome {
+        let started = Instant::now();
+        let call_id = request.call_id.clone();
+        let run_id = request.run_id.clone();
+        let (tool_name, outcome, ctx) = self.run(user, request, cancel).await;
+        let upstream_calls = ctx.as_ref().map_or(0, |c| c.upstream_calls());
+        let account = ctx.as_ref().and_then(|c| c.account());
+        let mut outcome = match outcome {
+            Finished::Replayed(mut stored) => {
+                stored.call_id = call_id.clone();
+                stored.replayed = true;
+                stored.latency = started.elapsed();
+                stored
+            }
+            Finished::Ran(result) => self.outcome(
+                call_id.clone(),
+                tool_name.clone(),
+                result,
+                upstream_calls,
+                account,
+            ),
+        };
+        outcome.latency = started.elapsed();
+
+        let status = outcome.error_kind.map_or("ok", |k| k.as_str());
+        tracing::info!(
+            user = %user, tool = %outcome.tool, call_id = %call_id, status, upstream_calls = outcome.upstream_calls,
+            latency_ms = millis(outcome.latency), truncated = outcome.truncated, replayed = outcome.replayed,
+            "tool call"
+        );
+        let record = AuditRecord {
+            user: user.to_string(),
+            kind: "tool_call".into(),
+            tool: outcome.tool.clone(),
+            integration: self
+                .registry
+                .get(&outcome.tool)
+                .map(|t| t.spec.integration.key().to_owned()),
+            account: outcome.account.clone(),
+            call_id,
+            run_id,
+            status: status.to_owned(),
+            latency_ms: millis(outcome.latency),
+            bytes: u32::try_from(outcome.text.len()).unwrap_or(u32::MAX),
+            upstream_calls: outcome.upstream_calls,
+        };
+        if let Err(e) = self.services.audit.record(record).await {
+            tracing::error!(error = %e, "could not write an audit record");
+        }
+        outcome
+    }
+
+    async fn run(
+        &self,
+        user: &UserId,
+        request: CallRequest,
+        cancel: CancellationToken,
+    ) -> (String, Finished, Option<CallContext>) {
+        let Some(tool) = self.registry.get(&request.tool).cloned() else {
+            let name = request.tool.clone();
+            return (
+                name.clone(),
+                Finished::Ran(Err(ToolError::UnknownTool(name))),
+                None,
+            );
+        };
+        let name = tool.spec.name.clone();
+        let fail = |e: ToolError| (name.clone(), Finished::Ran(Err(e)), None);
+        if let Err(e) = tool.validate(&request.args) {
+            return fail(e);
+        }
+
+        let claim = if tool.spec.side_effect {
+            let Some(key) = request.idempotency_key.as_deref() else {
+                return fail(ToolError::InvalidArguments {
+                    tool: name.clone(),
+                    detail: "side-effect tools need an idempotency_key so a retry cannot act twice"
+                        .into(),
+                });
+            };
+            let claim = match self.idempotency.claim(user, key).await {
+                Ok(claim) => claim,
+                Err(e) => {
+                    return fail(ToolError::Internal(format!(
+                        "idempotency store unavailable: {e}"
+                    )));
+                }
+            };
+            let args_sha256 = sha256_hex(&request.args);
+            if let Some(existing) = claim.existing() {
+                if existing.tool != name || existing.args_sha256 != args_sha256 {
+                    return fail(ToolError::InvalidArguments {
+                        tool: name.clone(),
+                        detail: format!(
+                            "idempotency_key {key:?} was already used for a different call"
+                        ),
+                    });
+                }
+                return match serde_json::from_value::<CallOutcome>(existing.outcome.clone()) {
+                    Ok(stored) => (name, Finished::Replayed(stored), None),
+                    Err(e) => fail(ToolError::Internal(format!(
+                        "stored result unreadable: {e}"
+                    ))),
+                };
+            }
+            Some((claim, args_sha256))
+        } else {
+            None
+        };
+
+        let ctx = CallContext::new(
+            self.services.clone(),
+            user.clone(),
+            request.channel,
+            request.call_id.clone(),
+            request.run_id.clone(),
+            name.clone(),
+        );
+        let timeout = request
+            .timeout
+            .filter(|t| !t.is_zero())
+            .unwrap_or(self.config.default_timeout)
+            .min(self.config.max_timeout);
+        let service = tool.spec.integration.label();
+        // Dropping the tool future on cancel or deadline drops its in-flight HTTP request too.
+        let result = tokio::select! {
+            r = tokio::time::timeout(timeout, tool.tool.call(&ctx, request.args)) => {
+                r.unwrap_or(Err(ToolError::UpstreamTimeout { service, after: timeout }))
+            }
+            () = cancel.cancelled() => Err(ToolError::Cancelled),
+        };
+
+        if let Some((claim, args_sha256)) = claim {
+            // Nothing reached upstream: a retry is safe, so the key stays free for it.
+            if ctx.upstream_calls() > 0 {
+                let outcome = self.outcome(
+                    request.call_id,
+                    name.clone(),
+                    result.clone(),
+                    ctx.upstream_calls(),
+                    ctx.account(),
+                );
+                let stored = StoredResult {
+                    tool: name.clone(),
+                    args_sha256,
+                    outcome: serde_json::to_value(&outcome).unwrap_or(Value::Null),
+                };
+                if let Err(e) = claim.complete(stored).await {
+                    tracing::error!(error = %e, tool = %name, "could not store an idempotent result");
+                }
+            }
+        }
+        (name, Finished::Ran(result), Some(ctx))
+    }
+
+    fn outcome(
+        &self,
+        call_id: String,
+        tool: String,
+        result: Result<ToolOutput, ToolError>,
+        upstream_calls: u32,
+        account: Option<String>,
+    ) -> CallOutcome {
+        let (text, display, error_kind, retry_after_secs) = match result {
+            Ok(out) => {
+                let text = if out.text.trim().is_empty() {
+                    format!("{tool} completed and returned no content.")
+                } else {
+                    out.text
+                };
+                (text, out.display, None, 0)
+            }
+            Err(e) => (e.to_string(), None, Some(e.kind()), e.retry_after_secs()),
+        };
+        let capped = cap_text(text, self.config.max_result_chars);
+        CallOutcome {
+            call_id,
+            tool,
+            error_kind,
+            text: capped.text,
+            truncated: capped.truncated,
+            original_chars: capped.original_chars,
+            retry_after_secs,
+            display,
+            upstream_calls,
+            account,
+            latency: Duration::ZERO,
+            replayed: false,
+        }
+    }
+}
+
+enum Finished {
+    Ran(Result<ToolOutput, ToolError>),
+    Replayed(CallOutcome),
+}
+
+/// SHA-256 of the arguments' canonical JSON (serde_json sorts object keys), binding a stored
+/// result to exactly these arguments.
+pub fn sha256_hex(args: &Value) -> String {
+    let canonical = serde_json::to_string(args).unwrap_or_default();
+    let digest = Sha256::digest(canonical.as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,43 @@
+//! In-process rate-limit counters: exact within one replica, lost on restart.
+
+use std::{collections::HashMap, sync::Mutex};
+
+use super::{Decision, LimitKey, Limits, RateLimitBackend, WindowCount, decide};
+use crate::store::StoreError;
+
+/// Past this many keys, windows that ended are pruned on the next charge.
+const PRUNE_ABOVE: usize = 10_000;
+
+#[derive(Default)]
+pub struct MemoryRateLimits {
+    counts: Mutex<HashMap<String, Vec<WindowCount>>>,
+}
+
+#[async_trait::async_trait]
+impl RateLimitBackend for MemoryRateLimits {
+    async fn charge(
+        &self,
+        key: &LimitKey,
+        limits: &Limits,
+        cost: u32,
+        now: u64,
+    ) -> Result<Decision, StoreError> {
+        let mut counts = self
+            .counts
+            .lock()
+            .map_err(|_| StoreError::Unavailable("rate limiter lock poisoned".into()))?;
+        if counts.len() > PRUNE_ABOVE {
+            counts.retain(|_, windows| {
+                windows
+                    .iter()
+                    .any(|(w, start, _)| start + w.seconds() > now)
+            });
+        }
+        let entry = counts.entry(key.storage_key()).or_default();
+        let (decision, updated) = decide(limits, entry, cost, now);
+        if matches!(decision, Decision::Allowed(_)) {
+            *entry = updated;
+        }
+        Ok(decision)
+    }
+}

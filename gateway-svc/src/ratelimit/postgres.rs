@@ -1,0 +1,80 @@
+//! Rate-limit counters in PostgreSQL, shared by every replica. Each charge runs in one
+//! transaction holding an advisory lock on the key, so concurrent charges for one key are
+//! serialised and the count is exact; different keys never wait on each other.
+
+use deadpool_postgres::Pool;
+
+use super::{Decision, LimitKey, Limits, RateLimitBackend, Window, WindowCount, decide};
+use crate::store::StoreError;
+
+pub struct PgRateLimits {
+    pool: Pool,
+}
+
+impl PgRateLimits {
+    pub fn new(pool: Pool) -> Self {
+        Self { pool }
+    }
+}
+
+fn window_from_secs(secs: i32) -> Option<Window> {
+    [Window::Minute, Window::Hour, Window::Day]
+        .into_iter()
+        .find(|w| w.seconds() == secs as u64)
+}
+
+#[async_trait::async_trait]
+impl RateLimitBackend for PgRateLimits {
+    async fn charge(
+        &self,
+        key: &LimitKey,
+        limits: &Limits,
+        cost: u32,
+        now: u64,
+    ) -> Result<Decision, StoreError> {
+        let mut client = self.pool.get().await.map_err(StoreError::unavailable)?;
+        let tx = client.transaction().await.map_err(StoreError::db)?;
+        let storage_key = key.storage_key();
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+            &[&storage_key],
+        )
+        .await
+        .map_err(StoreError::db)?;
+        let rows = tx
+            .query(
+                "SELECT window_secs, window_start, used FROM gateway.rate_windows WHERE limit_key = $1",
+                &[&storage_key],
+            )
+            .await
+            .map_err(StoreError::db)?;
+        let counts: Vec<WindowCount> = rows
+            .iter()
+            .filter_map(|r| {
+                let w = window_from_secs(r.get::<_, i32>(0))?;
+                Some((w, r.get::<_, i64>(1) as u64, r.get::<_, i32>(2) as u32))
+            })
+            .collect();
+        let (decision, updated) = decide(limits, &counts, cost, now);
+        if matches!(decision, Decision::Allowed(_)) {
+            for (window, start, used) in updated {
+                tx.execute(
+                    "INSERT INTO gateway.rate_windows (limit_key, window_secs, window_start, used) \
+                     VALUES ($1, $2, $3, $4) \
+                     ON CONFLICT (limit_key, window_secs) \
+                     DO UPDATE SET window_start = EXCLUDED.window_start, used = EXCLUDED.used",
+                    &[
+                        &storage_key,
+                        &(window.seconds() as i32),
+                        &(start as i64),
+                        &(used as i32),
+                    ],
+                )
+                .await
+                .map_err(StoreError::db)?;
+            }
+        }
+        tx.commit().await.map_err(StoreError::db)?;
+        Ok(decision)
+    }
+}
