@@ -12,10 +12,12 @@ use tonic::service::Routes;
 
 use crate::{
     api::GatewayApi,
+    bootstrap::Bootstrap,
     config::{Config, RateLimitBackendKind},
     context::Services,
     credentials::{Credentials, cipher::TokenCipher},
     engine::{Engine, EngineConfig},
+    integrations::{self, gmail::GmailApi},
     ratelimit::{RateLimitBackend, RateLimiter, memory::MemoryRateLimits},
     registry::{Registry, RegistryError, Tool},
     store::{Stores, memory::MemoryStore, postgres::PgStore},
@@ -43,11 +45,6 @@ pub enum StartError {
     Serve(#[from] svc_kit::grpc::ServeError),
 }
 
-/// The tools this build ships. Integrations register here as they are built.
-pub fn builtin_tools(_config: &Config) -> Vec<Arc<dyn Tool>> {
-    Vec::new()
-}
-
 pub struct App {
     config: Config,
     listener: TcpListener,
@@ -57,14 +54,14 @@ pub struct App {
 
 impl App {
     pub async fn build(config: Config) -> Result<Self, StartError> {
-        let tools = builtin_tools(&config);
-        Self::build_with_tools(config, tools).await
+        Self::build_with_tools(config, Vec::new()).await
     }
 
-    /// Builds with an explicit tool list (tests add tools that exercise the enforcement path).
+    /// Builds with extra tools beside the built-in ones (tests add tools that exercise the
+    /// enforcement path).
     pub async fn build_with_tools(
         config: Config,
-        tools: Vec<Arc<dyn Tool>>,
+        extra_tools: Vec<Arc<dyn Tool>>,
     ) -> Result<Self, StartError> {
         let stores = match &config.server.database {
             Some(db) => PgStore::connect(db).await?.stores(),
@@ -114,6 +111,19 @@ impl App {
             audit: stores.audit.clone(),
             max_body_bytes: config.max_body_bytes,
         });
+        let mut tools = integrations::builtin(&stores);
+        tools.extend(extra_tools);
+        let bootstrap = Bootstrap {
+            tasks: stores.tasks.clone(),
+            reminders: stores.reminders.clone(),
+            notes: stores.notes.clone(),
+            services: services.clone(),
+            gmail: GmailApi {
+                base_url: config.gmail_base_url.clone(),
+            },
+            source_timeout: config.bootstrap_source_timeout,
+            cache: Bootstrap::cache(config.bootstrap_cache_ttl),
+        };
         let engine = Engine {
             registry: Arc::new(Registry::new(tools)?),
             services,
@@ -124,7 +134,7 @@ impl App {
                 max_timeout: config.call_max_timeout,
             },
         };
-        let api = GatewayApi::new(engine, credentials, config.auth.clone());
+        let api = GatewayApi::new(engine, credentials, bootstrap, config.auth.clone());
 
         let addr = config.server.listen_addr;
         let listener = TcpListener::bind(addr)

@@ -55,6 +55,12 @@ pub struct Config {
     pub credentials_key: Option<TokenCipher>,
     /// `GOOGLE_OAUTH_TOKEN_URL`, `GOOGLE_CLIENT_ID`, `GOOGLE_CLIENT_SECRET`
     pub google_oauth: Option<OAuthClient>,
+    /// `GMAIL_API_BASE_URL`
+    pub gmail_base_url: String,
+    /// `BOOTSTRAP_SOURCE_TIMEOUT`: each bootstrap source's deadline.
+    pub bootstrap_source_timeout: Duration,
+    /// `BOOTSTRAP_CACHE_TTL`: how long a user's bootstrap context is reused; 0 disables.
+    pub bootstrap_cache_ttl: Duration,
 }
 
 impl Config {
@@ -172,6 +178,29 @@ impl Config {
             }
         };
 
+        let gmail_base_url = vars.string(
+            "GMAIL_API_BASE_URL",
+            crate::integrations::gmail::DEFAULT_BASE_URL,
+        );
+        if reqwest::Url::parse(&gmail_base_url).is_err() {
+            vars.error(
+                "GMAIL_API_BASE_URL",
+                format!("{gmail_base_url:?} is not a URL"),
+            );
+        }
+        let bootstrap_source_timeout = vars.duration_in(
+            "BOOTSTRAP_SOURCE_TIMEOUT",
+            Duration::from_millis(1500),
+            Duration::from_millis(50),
+            Duration::from_millis(1900),
+        );
+        let bootstrap_cache_ttl = vars.duration_in(
+            "BOOTSTRAP_CACHE_TTL",
+            Duration::from_secs(10),
+            Duration::ZERO,
+            Duration::from_secs(300),
+        );
+
         vars.finish(Self {
             server,
             auth,
@@ -184,6 +213,9 @@ impl Config {
             rate_limits,
             credentials_key,
             google_oauth,
+            gmail_base_url,
+            bootstrap_source_timeout,
+            bootstrap_cache_ttl,
         })
     }
 

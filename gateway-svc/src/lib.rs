@@ -4,15 +4,18 @@
 
 pub mod api;
 pub mod app;
+pub mod bootstrap;
 pub mod config;
 pub mod context;
 pub mod credentials;
 pub mod domain;
 pub mod enforce;
 pub mod engine;
+pub mod integrations;
 pub mod ratelimit;
 pub mod registry;
 pub mod store;
+pub mod time;
 
 pub use app::{App, StartError};
 pub use config::Config;

@@ -3,9 +3,7 @@
 
 use std::collections::HashMap;
 
-use steward_proto::{
-    AGENT_SERVICE_NAME, GATEWAY_SERVICE_NAME, agent::v1 as agent_pb, gateway::v1 as gateway_pb,
-};
+use steward_proto::{AGENT_SERVICE_NAME, GATEWAY_SERVICE_NAME, agent::v1 as agent_pb};
 use steward_tests::{
     Backend, TestDb, channel, spawn_app, spawn_app_with, start_agent, start_gateway,
     wait_for_status,
@@ -110,7 +108,7 @@ async fn reflection_lists_the_contract_health_and_reflection_on_both_ports() {
 }
 
 #[tokio::test]
-async fn rpcs_not_built_yet_answer_unimplemented_and_say_which_issue_delivers_them() {
+async fn agent_rpcs_not_built_yet_answer_unimplemented_and_say_which_issue_delivers_them() {
     let mut app = spawn_app_with(Backend::Memory, &[]).await;
     let err = app
         .agent
@@ -124,18 +122,6 @@ async fn rpcs_not_built_yet_answer_unimplemented_and_say_which_issue_delivers_th
         err.message()
     );
     assert!(err.message().contains("issue #7"), "{}", err.message());
-
-    let mut gateway = app.gateway_as("u1").await;
-    let err = gateway
-        .get_bootstrap_context(gateway_pb::GetBootstrapContextRequest::default())
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::Unimplemented);
-    assert!(
-        err.message().contains("GetBootstrapContext") && err.message().contains("issue #5"),
-        "{}",
-        err.message()
-    );
 }
 
 #[tokio::test]

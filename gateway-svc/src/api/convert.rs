@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 use steward_proto::gateway::v1 as pb;
 
 use crate::{
+    bootstrap::{BootstrapContext, SourceStatus, TaskBrief},
     credentials::AccountInfo,
     domain::{CallOutcome, CallRequest, Channel, ErrorKind, Integration},
     enforce::ToolError,
@@ -180,6 +181,67 @@ pub fn account(a: &AccountInfo) -> pb::Account {
         scopes: a.scopes.clone(),
         expires_at: a.expires_at.map(timestamp),
         connected_at: Some(timestamp(a.connected_at)),
+    }
+}
+
+fn source_status(s: SourceStatus) -> i32 {
+    let status = match s {
+        SourceStatus::Ok => pb::SourceStatus::Ok,
+        SourceStatus::Unavailable => pb::SourceStatus::Unavailable,
+        SourceStatus::Empty => pb::SourceStatus::Empty,
+    };
+    status as i32
+}
+
+fn task_brief(t: &TaskBrief) -> pb::TaskBrief {
+    pb::TaskBrief {
+        id: t.id.to_string(),
+        title: t.title.clone(),
+        due_at: t.due_at.map(timestamp),
+        overdue_days: t.overdue_days,
+    }
+}
+
+pub fn bootstrap(c: &BootstrapContext) -> pb::GetBootstrapContextResponse {
+    pb::GetBootstrapContextResponse {
+        tasks: Some(pb::TasksSummary {
+            status: source_status(c.tasks.status),
+            line: c.tasks.line.clone(),
+            pending: c.tasks.pending,
+            completed: c.tasks.completed,
+            overdue: c.tasks.overdue,
+            overdue_items: c.tasks.overdue_items.iter().map(task_brief).collect(),
+            top: c.tasks.top.as_ref().map(task_brief),
+        }),
+        reminders: Some(pb::RemindersSummary {
+            status: source_status(c.reminders.status),
+            line: c.reminders.line.clone(),
+            upcoming: c.reminders.upcoming,
+            next_title: c
+                .reminders
+                .next
+                .as_ref()
+                .map(|(t, _)| t.clone())
+                .unwrap_or_default(),
+            next_due_at: c.reminders.next.as_ref().map(|(_, at)| timestamp(*at)),
+        }),
+        email: Some(pb::EmailSummary {
+            status: source_status(c.email.status),
+            line: c.email.line.clone(),
+            accounts: c
+                .email
+                .accounts
+                .iter()
+                .map(|a| pb::AccountUnread {
+                    account: a.account.clone(),
+                    status: source_status(a.status),
+                    unread: a.unread,
+                })
+                .collect(),
+        }),
+        new_user: c.new_user,
+        rendered: c.rendered.clone(),
+        generated_at: Some(timestamp(c.generated_at)),
     }
 }
 

@@ -17,6 +17,7 @@ use tonic::{Request, Response, Status, Streaming};
 pub use status::ApiError;
 
 use crate::{
+    bootstrap::Bootstrap,
     config::CallerAuth,
     credentials::{Credentials, NewAccount},
     domain::{CallOutcome, UserId},
@@ -33,14 +34,21 @@ const RESULT_BUFFER: usize = 64;
 pub struct GatewayApi {
     engine: Engine,
     credentials: Credentials,
+    bootstrap: Bootstrap,
     auth: CallerAuth,
 }
 
 impl GatewayApi {
-    pub fn new(engine: Engine, credentials: Credentials, auth: CallerAuth) -> Self {
+    pub fn new(
+        engine: Engine,
+        credentials: Credentials,
+        bootstrap: Bootstrap,
+        auth: CallerAuth,
+    ) -> Self {
         Self {
             engine,
             credentials,
+            bootstrap,
             auth,
         }
     }
@@ -49,9 +57,6 @@ impl GatewayApi {
         auth::authenticate(&self.auth, request.metadata())
     }
 }
-
-/// The issue that will implement the bootstrap RPC, so its UNIMPLEMENTED answer says when.
-const BOOTSTRAP_ISSUE: u32 = 5;
 
 fn rejected_outcome(r: convert::Rejected) -> CallOutcome {
     CallOutcome {
@@ -144,13 +149,18 @@ impl GatewayService for GatewayApi {
 
     async fn get_bootstrap_context(
         &self,
-        _: Request<pb::GetBootstrapContextRequest>,
+        request: Request<pb::GetBootstrapContextRequest>,
     ) -> Result<Response<pb::GetBootstrapContextResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "GetBootstrapContext",
-            issue: BOOTSTRAP_ISSUE,
+        let user = self.user(&request)?;
+        let time_zone = request.into_inner().time_zone;
+        if !time_zone.is_empty() && jiff::tz::TimeZone::get(&time_zone).is_err() {
+            return Err(ApiError::InvalidArgument(format!(
+                "time_zone {time_zone:?} is not an IANA time zone (e.g. Europe/Berlin)"
+            ))
+            .into());
         }
-        .into())
+        let context = self.bootstrap.context(&user, &time_zone).await;
+        Ok(Response::new(convert::bootstrap(&context)))
     }
 
     async fn connect_account(

@@ -3,13 +3,15 @@
 use std::{
     collections::{HashMap, VecDeque},
     sync::{Arc, Mutex as SyncMutex},
+    time::SystemTime,
 };
 
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::{
-    AccountLock, AccountStore, AuditLog, AuditRecord, IdempotencyClaim, IdempotencyStore, Ping,
-    StoreError, StoredAccount, StoredResult, Stores,
+    AccountLock, AccountStore, AuditLog, AuditRecord, IdempotencyClaim, IdempotencyStore, Note,
+    NoteStore, Ping, Reminder, ReminderStore, StoreError, StoredAccount, StoredResult, Stores,
+    Task, TaskFilter, TaskPatch, TaskStore, words,
 };
 use crate::domain::{Integration, UserId};
 
@@ -56,6 +58,10 @@ pub struct MemoryStore {
     results: Arc<SyncMutex<HashMap<(UserId, String), StoredResult>>>,
     result_locks: KeyLocks<(UserId, String)>,
     audit: SyncMutex<VecDeque<AuditRecord>>,
+    tasks: SyncMutex<Vec<(UserId, Task)>>,
+    notes: SyncMutex<Vec<(UserId, Note)>>,
+    reminders: SyncMutex<Vec<(UserId, Reminder)>>,
+    next_id: std::sync::atomic::AtomicI64,
 }
 
 impl MemoryStore {
@@ -72,8 +78,17 @@ impl MemoryStore {
             idempotency: store.clone(),
             audit: store.clone(),
             shared_rate_limits: None,
-            ping: store,
+            ping: store.clone(),
+            tasks: store.clone(),
+            notes: store.clone(),
+            reminders: store,
         }
+    }
+
+    fn next_id(&self) -> i64 {
+        self.next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1
     }
 }
 
@@ -247,5 +262,222 @@ impl AuditLog for MemoryStore {
             .collect();
         out.reverse();
         Ok(out)
+    }
+}
+
+/// Pending tasks by due date (undated last), then completed ones, newest first: the order both
+/// stores list in.
+pub(crate) fn task_order(a: &Task, b: &Task) -> std::cmp::Ordering {
+    let key = |t: &Task| {
+        (
+            t.completed_at.is_some(),
+            t.due_at.is_none(),
+            t.due_at,
+            std::cmp::Reverse(t.id),
+        )
+    };
+    key(a).cmp(&key(b))
+}
+
+#[async_trait::async_trait]
+impl TaskStore for MemoryStore {
+    async fn add_task(
+        &self,
+        user: &UserId,
+        title: &str,
+        description: Option<&str>,
+        due_at: Option<SystemTime>,
+    ) -> Result<Task, StoreError> {
+        let task = Task {
+            id: self.next_id(),
+            title: title.to_owned(),
+            description: description.map(str::to_owned),
+            due_at,
+            completed_at: None,
+            created_at: SystemTime::now(),
+        };
+        self.tasks
+            .lock()
+            .map_err(|_| poisoned())?
+            .push((user.clone(), task.clone()));
+        Ok(task)
+    }
+
+    async fn list_tasks(&self, user: &UserId, filter: TaskFilter) -> Result<Vec<Task>, StoreError> {
+        let tasks = self.tasks.lock().map_err(|_| poisoned())?;
+        let mut mine: Vec<Task> = tasks
+            .iter()
+            .filter(|(u, t)| {
+                u == user
+                    && match filter {
+                        TaskFilter::All => true,
+                        TaskFilter::Pending => t.completed_at.is_none(),
+                        TaskFilter::Completed => t.completed_at.is_some(),
+                    }
+            })
+            .map(|(_, t)| t.clone())
+            .collect();
+        mine.sort_by(task_order);
+        Ok(mine)
+    }
+
+    async fn update_task(
+        &self,
+        user: &UserId,
+        id: i64,
+        patch: TaskPatch,
+    ) -> Result<Option<Task>, StoreError> {
+        let mut tasks = self.tasks.lock().map_err(|_| poisoned())?;
+        let Some((_, task)) = tasks.iter_mut().find(|(u, t)| u == user && t.id == id) else {
+            return Ok(None);
+        };
+        if let Some(title) = patch.title {
+            task.title = title;
+        }
+        if let Some(description) = patch.description {
+            task.description = description;
+        }
+        if let Some(due_at) = patch.due_at {
+            task.due_at = due_at;
+        }
+        match patch.completed {
+            Some(true) if task.completed_at.is_none() => {
+                task.completed_at = Some(SystemTime::now())
+            }
+            Some(false) => task.completed_at = None,
+            _ => {}
+        }
+        Ok(Some(task.clone()))
+    }
+
+    async fn delete_task(&self, user: &UserId, id: i64) -> Result<Option<Task>, StoreError> {
+        let mut tasks = self.tasks.lock().map_err(|_| poisoned())?;
+        let index = tasks.iter().position(|(u, t)| u == user && t.id == id);
+        Ok(index.map(|i| tasks.remove(i).1))
+    }
+}
+
+/// How well `note` matches the query words: 2 per exact word, 1 per word it merely starts.
+fn note_score(note: &Note, query: &[String]) -> u32 {
+    let mut text = words(&note.content);
+    text.extend(note.tags.iter().flat_map(|t| words(t)));
+    query
+        .iter()
+        .map(|q| {
+            if text.iter().any(|w| w == q) {
+                2
+            } else if text
+                .iter()
+                .any(|w| w.starts_with(q.as_str()) || q.starts_with(w.as_str()) && w.len() >= 4)
+            {
+                1
+            } else {
+                0
+            }
+        })
+        .sum()
+}
+
+#[async_trait::async_trait]
+impl NoteStore for MemoryStore {
+    async fn add_notes(
+        &self,
+        user: &UserId,
+        notes: &[(String, Vec<String>)],
+    ) -> Result<Vec<Note>, StoreError> {
+        let mut stored = self.notes.lock().map_err(|_| poisoned())?;
+        let mut out = Vec::new();
+        for (content, tags) in notes {
+            let note = Note {
+                id: self.next_id(),
+                content: content.clone(),
+                tags: tags.clone(),
+                created_at: SystemTime::now(),
+            };
+            stored.push((user.clone(), note.clone()));
+            out.push(note);
+        }
+        Ok(out)
+    }
+
+    async fn search_notes(
+        &self,
+        user: &UserId,
+        query: &str,
+        limit: usize,
+    ) -> Result<Vec<Note>, StoreError> {
+        let query = words(query);
+        let notes = self.notes.lock().map_err(|_| poisoned())?;
+        let mut scored: Vec<(u32, &Note)> = notes
+            .iter()
+            .filter(|(u, _)| u == user)
+            .map(|(_, n)| (note_score(n, &query), n))
+            .filter(|(score, _)| *score > 0)
+            .collect();
+        scored.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.id.cmp(&a.1.id)));
+        Ok(scored
+            .into_iter()
+            .take(limit)
+            .map(|(_, n)| n.clone())
+            .collect())
+    }
+
+    async fn count_notes(&self, user: &UserId) -> Result<u64, StoreError> {
+        Ok(self
+            .notes
+            .lock()
+            .map_err(|_| poisoned())?
+            .iter()
+            .filter(|(u, _)| u == user)
+            .count() as u64)
+    }
+}
+
+#[async_trait::async_trait]
+impl ReminderStore for MemoryStore {
+    async fn add_reminder(
+        &self,
+        user: &UserId,
+        text: &str,
+        due_at: SystemTime,
+    ) -> Result<Reminder, StoreError> {
+        let reminder = Reminder {
+            id: self.next_id(),
+            text: text.to_owned(),
+            due_at,
+            created_at: SystemTime::now(),
+        };
+        self.reminders
+            .lock()
+            .map_err(|_| poisoned())?
+            .push((user.clone(), reminder.clone()));
+        Ok(reminder)
+    }
+
+    async fn upcoming_reminders(
+        &self,
+        user: &UserId,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<Reminder>, StoreError> {
+        let reminders = self.reminders.lock().map_err(|_| poisoned())?;
+        let mut upcoming: Vec<Reminder> = reminders
+            .iter()
+            .filter(|(u, r)| u == user && r.due_at >= now)
+            .map(|(_, r)| r.clone())
+            .collect();
+        upcoming.sort_by_key(|r| (r.due_at, r.id));
+        upcoming.truncate(limit);
+        Ok(upcoming)
+    }
+
+    async fn count_reminders(&self, user: &UserId) -> Result<u64, StoreError> {
+        Ok(self
+            .reminders
+            .lock()
+            .map_err(|_| poisoned())?
+            .iter()
+            .filter(|(u, _)| u == user)
+            .count() as u64)
     }
 }

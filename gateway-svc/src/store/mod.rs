@@ -179,10 +179,124 @@ pub struct Stores {
     /// Rate-limit counters in this backend (shared mode); in-process counters are separate.
     pub shared_rate_limits: Option<Arc<dyn RateLimitBackend>>,
     pub ping: Arc<dyn Ping>,
+    pub tasks: Arc<dyn TaskStore>,
+    pub notes: Arc<dyn NoteStore>,
+    pub reminders: Arc<dyn ReminderStore>,
 }
 
 #[async_trait::async_trait]
 pub trait Ping: Send + Sync + 'static {
     /// Succeeds when the store can serve requests; drives readiness.
     async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// A task (I-7). Ids are global and quotable ("#42"); every query is scoped by user.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Task {
+    pub id: i64,
+    pub title: String,
+    pub description: Option<String>,
+    pub due_at: Option<SystemTime>,
+    pub completed_at: Option<SystemTime>,
+    pub created_at: SystemTime,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskFilter {
+    All,
+    Pending,
+    Completed,
+}
+
+/// Changes to a task; `None` leaves a field as it is.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TaskPatch {
+    pub title: Option<String>,
+    pub description: Option<Option<String>>,
+    pub due_at: Option<Option<SystemTime>>,
+    /// `Some(true)` completes the task now, `Some(false)` reopens it.
+    pub completed: Option<bool>,
+}
+
+#[async_trait::async_trait]
+pub trait TaskStore: Send + Sync + 'static {
+    async fn add_task(
+        &self,
+        user: &UserId,
+        title: &str,
+        description: Option<&str>,
+        due_at: Option<SystemTime>,
+    ) -> Result<Task, StoreError>;
+    /// Pending first by due date (undated last), then completed, newest first.
+    async fn list_tasks(&self, user: &UserId, filter: TaskFilter) -> Result<Vec<Task>, StoreError>;
+    /// The updated task, or `None` when the user has no such task.
+    async fn update_task(
+        &self,
+        user: &UserId,
+        id: i64,
+        patch: TaskPatch,
+    ) -> Result<Option<Task>, StoreError>;
+    /// The deleted task, or `None` when the user has no such task.
+    async fn delete_task(&self, user: &UserId, id: i64) -> Result<Option<Task>, StoreError>;
+}
+
+/// A remembered note about the user (I-6).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Note {
+    pub id: i64,
+    pub content: String,
+    pub tags: Vec<String>,
+    pub created_at: SystemTime,
+}
+
+#[async_trait::async_trait]
+pub trait NoteStore: Send + Sync + 'static {
+    async fn add_notes(
+        &self,
+        user: &UserId,
+        notes: &[(String, Vec<String>)],
+    ) -> Result<Vec<Note>, StoreError>;
+    /// Best match first; short and partial queries still find notes that start with their words.
+    async fn search_notes(
+        &self,
+        user: &UserId,
+        query: &str,
+        limit: usize,
+    ) -> Result<Vec<Note>, StoreError>;
+    async fn count_notes(&self, user: &UserId) -> Result<u64, StoreError>;
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reminder {
+    pub id: i64,
+    pub text: String,
+    pub due_at: SystemTime,
+    pub created_at: SystemTime,
+}
+
+#[async_trait::async_trait]
+pub trait ReminderStore: Send + Sync + 'static {
+    async fn add_reminder(
+        &self,
+        user: &UserId,
+        text: &str,
+        due_at: SystemTime,
+    ) -> Result<Reminder, StoreError>;
+    /// Reminders due at or after `now`, soonest first.
+    async fn upcoming_reminders(
+        &self,
+        user: &UserId,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<Reminder>, StoreError>;
+    /// All of the user's reminders, past ones included.
+    async fn count_reminders(&self, user: &UserId) -> Result<u64, StoreError>;
+}
+
+/// Splits text into lowercase words, for the in-memory search and for building prefix queries.
+pub fn words(text: &str) -> Vec<String> {
+    text.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
+        .collect()
 }

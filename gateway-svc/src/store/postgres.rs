@@ -6,7 +6,7 @@
 //! connection; if the holder is dropped without finishing, the connection is rolled back before
 //! it returns to the pool.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::SystemTime};
 
 use deadpool_postgres::Object;
 use svc_kit::{pg, server_config::DatabaseConfig};
@@ -14,7 +14,8 @@ use tokio_postgres::Row;
 
 use super::{
     AccountLock, AccountStatus, AccountStore, AuditLog, AuditRecord, IdempotencyClaim,
-    IdempotencyStore, Ping, StoreError, StoredAccount, StoredResult, Stores,
+    IdempotencyStore, Note, NoteStore, Ping, Reminder, ReminderStore, StoreError, StoredAccount,
+    StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
 };
 use crate::{
     domain::{Integration, UserId},
@@ -52,7 +53,10 @@ impl PgStore {
             idempotency: store.clone(),
             audit: store.clone(),
             shared_rate_limits: Some(limits),
-            ping: store,
+            ping: store.clone(),
+            tasks: store.clone(),
+            notes: store.clone(),
+            reminders: store,
         }
     }
 
@@ -393,5 +397,261 @@ impl AuditLog for PgStore {
             .collect();
         out.reverse();
         Ok(out)
+    }
+}
+
+const TASK_COLUMNS: &str = "id, title, description, due_at, completed_at, created_at";
+/// Pending first by due date (undated last), then completed, newest first (see `task_order`).
+const TASK_ORDER: &str = "completed_at IS NOT NULL, due_at IS NULL, due_at, id DESC";
+
+fn task_from_row(r: &Row) -> Task {
+    Task {
+        id: r.get(0),
+        title: r.get(1),
+        description: r.get(2),
+        due_at: r.get(3),
+        completed_at: r.get(4),
+        created_at: r.get(5),
+    }
+}
+
+#[async_trait::async_trait]
+impl TaskStore for PgStore {
+    async fn add_task(
+        &self,
+        user: &UserId,
+        title: &str,
+        description: Option<&str>,
+        due_at: Option<SystemTime>,
+    ) -> Result<Task, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_one(
+                &format!(
+                    "INSERT INTO gateway.tasks (user_id, title, description, due_at) VALUES ($1, $2, $3, $4) \
+                     RETURNING {TASK_COLUMNS}"
+                ),
+                &[&user.as_str(), &title, &description, &due_at],
+            )
+            .await
+            .map_err(db)?;
+        Ok(task_from_row(&row))
+    }
+
+    async fn list_tasks(&self, user: &UserId, filter: TaskFilter) -> Result<Vec<Task>, StoreError> {
+        let condition = match filter {
+            TaskFilter::All => "",
+            TaskFilter::Pending => "AND completed_at IS NULL",
+            TaskFilter::Completed => "AND completed_at IS NOT NULL",
+        };
+        let rows = self
+            .client()
+            .await?
+            .query(
+                &format!("SELECT {TASK_COLUMNS} FROM gateway.tasks WHERE user_id = $1 {condition} ORDER BY {TASK_ORDER}"),
+                &[&user.as_str()],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(task_from_row).collect())
+    }
+
+    async fn update_task(
+        &self,
+        user: &UserId,
+        id: i64,
+        patch: TaskPatch,
+    ) -> Result<Option<Task>, StoreError> {
+        let completed: Option<bool> = patch.completed;
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!(
+                    "UPDATE gateway.tasks SET \
+                       title = COALESCE($3, title), \
+                       description = CASE WHEN $4 THEN $5 ELSE description END, \
+                       due_at = CASE WHEN $6 THEN $7 ELSE due_at END, \
+                       completed_at = CASE WHEN $8 IS NULL THEN completed_at \
+                                           WHEN $8 THEN COALESCE(completed_at, now()) ELSE NULL END \
+                     WHERE user_id = $1 AND id = $2 RETURNING {TASK_COLUMNS}"
+                ),
+                &[
+                    &user.as_str(),
+                    &id,
+                    &patch.title,
+                    &patch.description.is_some(),
+                    &patch.description.flatten(),
+                    &patch.due_at.is_some(),
+                    &patch.due_at.flatten(),
+                    &completed,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.as_ref().map(task_from_row))
+    }
+
+    async fn delete_task(&self, user: &UserId, id: i64) -> Result<Option<Task>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!("DELETE FROM gateway.tasks WHERE user_id = $1 AND id = $2 RETURNING {TASK_COLUMNS}"),
+                &[&user.as_str(), &id],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.as_ref().map(task_from_row))
+    }
+}
+
+fn note_from_row(r: &Row) -> Note {
+    Note {
+        id: r.get(0),
+        content: r.get(1),
+        tags: r.get(2),
+        created_at: r.get(3),
+    }
+}
+
+#[async_trait::async_trait]
+impl NoteStore for PgStore {
+    async fn add_notes(
+        &self,
+        user: &UserId,
+        notes: &[(String, Vec<String>)],
+    ) -> Result<Vec<Note>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        let mut out = Vec::new();
+        for (content, tags) in notes {
+            let search_text = format!("{content} {}", tags.join(" "));
+            let row = tx
+                .query_one(
+                    "INSERT INTO gateway.memories (user_id, content, tags, search_text) VALUES ($1, $2, $3, $4) \
+                     RETURNING id, content, tags, created_at",
+                    &[&user.as_str(), content, tags, &search_text],
+                )
+                .await
+                .map_err(db)?;
+            out.push(note_from_row(&row));
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(out)
+    }
+
+    async fn search_notes(
+        &self,
+        user: &UserId,
+        query: &str,
+        limit: usize,
+    ) -> Result<Vec<Note>, StoreError> {
+        let client = self.client().await?;
+        let limit = limit as i64;
+        // Full-text search with every word (stemmed, ranked by cover density) first ...
+        let rows = client
+            .query(
+                "SELECT id, content, tags, created_at FROM gateway.memories, websearch_to_tsquery('english', $2) q \
+                 WHERE user_id = $1 AND tsv @@ q ORDER BY ts_rank_cd(tsv, q) DESC, id DESC LIMIT $3",
+                &[&user.as_str(), &query, &limit],
+            )
+            .await
+            .map_err(db)?;
+        if !rows.is_empty() {
+            return Ok(rows.iter().map(note_from_row).collect());
+        }
+        // ... then any word as a prefix, so "meet" or a half-typed name still finds something.
+        let terms: Vec<String> = words(query).into_iter().map(|w| format!("{w}:*")).collect();
+        if terms.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = client
+            .query(
+                "SELECT id, content, tags, created_at FROM gateway.memories, to_tsquery('simple', $2) q \
+                 WHERE user_id = $1 AND to_tsvector('simple', search_text) @@ q \
+                 ORDER BY ts_rank_cd(to_tsvector('simple', search_text), q) DESC, id DESC LIMIT $3",
+                &[&user.as_str(), &terms.join(" | "), &limit],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(note_from_row).collect())
+    }
+
+    async fn count_notes(&self, user: &UserId) -> Result<u64, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_one(
+                "SELECT count(*) FROM gateway.memories WHERE user_id = $1",
+                &[&user.as_str()],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.get::<_, i64>(0) as u64)
+    }
+}
+
+fn reminder_from_row(r: &Row) -> Reminder {
+    Reminder {
+        id: r.get(0),
+        text: r.get(1),
+        due_at: r.get(2),
+        created_at: r.get(3),
+    }
+}
+
+#[async_trait::async_trait]
+impl ReminderStore for PgStore {
+    async fn add_reminder(
+        &self,
+        user: &UserId,
+        text: &str,
+        due_at: SystemTime,
+    ) -> Result<Reminder, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_one(
+                "INSERT INTO gateway.reminders (user_id, text, due_at) VALUES ($1, $2, $3) \
+                 RETURNING id, text, due_at, created_at",
+                &[&user.as_str(), &text, &due_at],
+            )
+            .await
+            .map_err(db)?;
+        Ok(reminder_from_row(&row))
+    }
+
+    async fn upcoming_reminders(
+        &self,
+        user: &UserId,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<Reminder>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT id, text, due_at, created_at FROM gateway.reminders \
+                 WHERE user_id = $1 AND due_at >= $2 ORDER BY due_at, id LIMIT $3",
+                &[&user.as_str(), &now, &(limit as i64)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(reminder_from_row).collect())
+    }
+
+    async fn count_reminders(&self, user: &UserId) -> Result<u64, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_one(
+                "SELECT count(*) FROM gateway.reminders WHERE user_id = $1",
+                &[&user.as_str()],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.get::<_, i64>(0) as u64)
     }
 }

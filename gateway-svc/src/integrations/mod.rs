@@ -1,0 +1,45 @@
+//! The tools gateway-svc ships. Each integration is a module of `Tool`s; the enforcement they
+//! all get (validation, caps, limits, credentials, audit) lives in `engine` and `context`.
+
+pub mod gmail;
+pub mod memory;
+pub mod reminders;
+pub mod tasks;
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::{enforce::ToolError, registry::Tool, store::Stores};
+
+/// Every built-in tool.
+pub fn builtin(stores: &Stores) -> Vec<Arc<dyn Tool>> {
+    let mut tools = tasks::tools(stores.tasks.clone());
+    tools.extend(memory::tools(stores.notes.clone()));
+    tools.extend(reminders::tools(stores.reminders.clone()));
+    tools
+}
+
+/// Store failures inside a tool become a result the model can relay, never an RPC error.
+pub(crate) fn store_error(e: crate::store::StoreError) -> ToolError {
+    ToolError::Internal(format!("storage is unavailable ({e})"))
+}
+
+/// A string argument, trimmed; `None` when absent or blank.
+pub(crate) fn text_arg(args: &Value, name: &str) -> Option<String> {
+    args.get(name)
+        .and_then(Value::as_str)
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+}
+
+/// Quotes a title for the model, shortened so one long title cannot flood a list.
+pub(crate) fn quoted(text: &str) -> String {
+    let short: String = text.chars().take(120).collect();
+    if short.len() < text.len() {
+        format!("\"{short}…\"")
+    } else {
+        format!("\"{short}\"")
+    }
+}

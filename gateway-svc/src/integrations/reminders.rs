@@ -1,0 +1,120 @@
+//! Reminders (I-7): create_reminder and get_reminders (upcoming, soonest first).
+
+use std::{sync::Arc, time::SystemTime};
+
+use serde_json::{Value, json};
+
+use super::{quoted, store_error, text_arg};
+use crate::{
+    context::CallContext,
+    domain::Integration,
+    enforce::ToolError,
+    registry::{Tool, ToolOutput, ToolSpec},
+    store::ReminderStore,
+    time::{parse_when, short_datetime, zone},
+};
+
+pub fn tools(store: Arc<dyn ReminderStore>) -> Vec<Arc<dyn Tool>> {
+    vec![
+        Arc::new(CreateReminder(store.clone())),
+        Arc::new(GetReminders(store)),
+    ]
+}
+
+// Tasks and reminders live inside Steward: changing them acts on nothing outside it, so they
+// are not side effects and need no approval (P-3 keys approvals off this flag).
+fn spec(name: &str, description: &str, schema: Value) -> ToolSpec {
+    ToolSpec {
+        name: name.into(),
+        aliases: vec![],
+        description: description.into(),
+        schema,
+        side_effect: false,
+        integration: Integration::Reminders,
+        upstream_cost: 0,
+    }
+}
+
+struct CreateReminder(Arc<dyn ReminderStore>);
+
+#[async_trait::async_trait]
+impl Tool for CreateReminder {
+    fn spec(&self) -> ToolSpec {
+        spec(
+            "create_reminder",
+            "Set a reminder for the user at a future time.",
+            json!({"type": "object", "additionalProperties": false, "required": ["text", "due_at"], "properties": {
+                "text": {"type": "string", "minLength": 1, "maxLength": 1000},
+                "due_at": {"type": "string", "description": "RFC 3339 date-time, e.g. 2026-11-25T09:00:00Z"}}}),
+        )
+    }
+
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let invalid = |detail: String| ToolError::InvalidArguments {
+            tool: "create_reminder".into(),
+            detail,
+        };
+        let text = text_arg(&args, "text").ok_or_else(|| invalid("text is blank".into()))?;
+        let due = parse_when(&text_arg(&args, "due_at").unwrap_or_default()).map_err(invalid)?;
+        if due < SystemTime::now() {
+            return Err(invalid(format!(
+                "{} is in the past; pick a future time",
+                short_datetime(due, &zone(""))
+            )));
+        }
+        let r = self
+            .0
+            .add_reminder(&ctx.user, &text, due)
+            .await
+            .map_err(store_error)?;
+        Ok(ToolOutput::text(format!(
+            "Reminder #{} set for {} UTC: {}.",
+            r.id,
+            short_datetime(r.due_at, &zone("")),
+            quoted(&r.text)
+        )))
+    }
+}
+
+struct GetReminders(Arc<dyn ReminderStore>);
+
+#[async_trait::async_trait]
+impl Tool for GetReminders {
+    fn spec(&self) -> ToolSpec {
+        spec(
+            "get_reminders",
+            "List the user's upcoming reminders, soonest first.",
+            json!({"type": "object", "additionalProperties": false, "properties": {
+                "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10}}}),
+        )
+    }
+
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let limit = args.get("limit").and_then(Value::as_u64).unwrap_or(10) as usize;
+        let reminders = self
+            .0
+            .upcoming_reminders(&ctx.user, SystemTime::now(), limit)
+            .await
+            .map_err(store_error)?;
+        if reminders.is_empty() {
+            return Ok(ToolOutput::text("No upcoming reminders."));
+        }
+        let utc = zone("");
+        let lines: Vec<String> = reminders
+            .iter()
+            .map(|r| {
+                format!(
+                    "#{} {} UTC — {}",
+                    r.id,
+                    short_datetime(r.due_at, &utc),
+                    quoted(&r.text)
+                )
+            })
+            .collect();
+        Ok(ToolOutput::text(format!(
+            "Upcoming reminders ({}):\n{}",
+            reminders.len(),
+            lines.join("\n")
+        )))
+    }
+}

@@ -1,0 +1,143 @@
+//! Gateway benchmarks (Q-2), a harness rather than timed tests:
+//! - overhead per tool call over the Execute stream, for a tool with no upstream, with the
+//!   in-memory store and with PostgreSQL (where each call also writes its audit record);
+//! - rate-limiter decisions per second for both backends.
+//!
+//! Run: `cargo bench -p steward-tests --bench gateway` (needs the test PostgreSQL).
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use gateway_svc::{
+    domain::{Integration, UserId},
+    ratelimit::{LimitKey, Limits, RateLimitBackend, memory::MemoryRateLimits},
+    store::postgres::PgStore,
+};
+use steward_proto::gateway::v1::{self as pb, tool_call::Arguments};
+use steward_tests::{Backend, Options, TestDb, probe_tools, spawn::spawn};
+use svc_kit::{pg::PoolOptions, server_config::DatabaseConfig};
+use tokio_stream::StreamExt;
+
+const CALLS: usize = 3000;
+const WARMUP: usize = 300;
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+async fn stream_overhead(backend: Backend, label: &str) {
+    let app = spawn(Options {
+        backend: Some(backend),
+        env: vec![],
+        gateway_tools: probe_tools::all("http://127.0.0.1:9"),
+    })
+    .await;
+    let mut g = app.gateway_as("bench-user").await;
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    let mut results = g
+        .execute(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut samples = Vec::with_capacity(CALLS);
+    for i in 0..(WARMUP + CALLS) {
+        let call = pb::ToolCall {
+            call_id: format!("c{i}"),
+            tool: "probe_echo".into(),
+            arguments: Some(Arguments::ArgsJson(r#"{"text":"hello"}"#.into())),
+            ..Default::default()
+        };
+        let started = Instant::now();
+        tx.send(pb::ExecuteRequest {
+            kind: Some(pb::execute_request::Kind::Call(call)),
+        })
+        .await
+        .unwrap();
+        let result = results.next().await.unwrap().unwrap().result.unwrap();
+        let elapsed = started.elapsed();
+        assert!(result.ok);
+        if i >= WARMUP {
+            samples.push(elapsed);
+        }
+    }
+    samples.sort();
+    println!(
+        "gateway call over Execute stream ({label}): n={CALLS} p50={:?} p99={:?} max={:?}",
+        percentile(&samples, 0.50),
+        percentile(&samples, 0.99),
+        samples[samples.len() - 1]
+    );
+}
+
+async fn limiter_throughput(
+    backend: Arc<dyn RateLimitBackend>,
+    label: &str,
+    tasks: usize,
+    per_task: usize,
+) {
+    let limits: Limits = "1000000000/minute,1000000000/hour,1000000000/day"
+        .parse()
+        .unwrap();
+    let started = Instant::now();
+    let handles: Vec<_> = (0..tasks)
+        .map(|t| {
+            let backend = backend.clone();
+            let limits = limits.clone();
+            tokio::spawn(async move {
+                // A key per task (users are independent), as in production.
+                let key = LimitKey {
+                    user: UserId::parse(&format!("u{t}")).unwrap(),
+                    integration: Integration::Gmail,
+                    account: "a@x.com".into(),
+                };
+                for _ in 0..per_task {
+                    backend
+                        .charge(&key, &limits, 1, gateway_svc::ratelimit::unix_now())
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.await.unwrap();
+    }
+    let total = tasks * per_task;
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "rate limiter ({label}, {tasks} concurrent keys): {total} decisions in {secs:.2}s = {:.0}/s",
+        total as f64 / secs
+    );
+}
+
+#[tokio::main]
+async fn main() {
+    stream_overhead(Backend::Memory, "in-memory store").await;
+    stream_overhead(Backend::Postgres, "PostgreSQL store, audit row per call").await;
+
+    limiter_throughput(
+        Arc::new(MemoryRateLimits::default()),
+        "in-process",
+        8,
+        100_000,
+    )
+    .await;
+    let db = TestDb::create().await.unwrap();
+    let config = DatabaseConfig {
+        url: db.url().to_owned(),
+        pool: PoolOptions {
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+        },
+    };
+    let stores = PgStore::connect(&config).await.unwrap().stores();
+    limiter_throughput(
+        stores.shared_rate_limits.clone().unwrap(),
+        "PostgreSQL",
+        8,
+        1000,
+    )
+    .await;
+}
