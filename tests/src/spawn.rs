@@ -20,6 +20,9 @@ use crate::TestDb;
 /// The service token every test gateway expects and every test client presents.
 pub const SERVICE_TOKEN: &str = "test-service-token-0123456789";
 
+/// The AES-256 key test gateways encrypt tokens with (32 bytes, base64).
+pub const TEST_CREDENTIALS_KEY: &str = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
+
 /// What to start.
 #[derive(Default)]
 pub struct Options {
@@ -108,6 +111,7 @@ pub async fn spawn(options: Options) -> TestApp {
         ("HEALTH_PROBE_INTERVAL".into(), "100ms".into()),
         ("SHUTDOWN_DRAIN_TIMEOUT".into(), "2s".into()),
         ("GATEWAY_SERVICE_TOKEN".into(), SERVICE_TOKEN.into()),
+        ("CREDENTIALS_KEY".into(), TEST_CREDENTIALS_KEY.into()),
     ]);
     if let Some(db) = &db {
         env.insert("DATABASE_URL".into(), db.url().to_owned());

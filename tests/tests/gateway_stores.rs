@@ -7,8 +7,8 @@ use gateway_svc::{
     domain::{Integration, UserId},
     ratelimit::{Decision, LimitKey, Limits, RateLimitBackend, Window, memory::MemoryRateLimits},
     store::{
-        AccountStatus, AuditRecord, StoredAccount, StoredResult, Stores, memory::MemoryStore,
-        postgres::PgStore,
+        AccountStatus, AuditRecord, StoredAccount, StoredResult, Stores, TaskFilter, TaskPatch,
+        memory::MemoryStore, postgres::PgStore,
     },
 };
 use steward_tests::TestDb;
@@ -231,6 +231,193 @@ async fn rate_limits_allow_exactly_the_limit_then_name_the_wait(b: Backend) {
     }
 }
 
+async fn tasks_are_listed_pending_first_by_due_date_and_scoped_to_their_user(b: Backend) {
+    let s = &b.stores.tasks;
+    let at = |secs| Some(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs));
+    let undated = s
+        .add_task(&user("u1"), "undated", None, None)
+        .await
+        .unwrap();
+    let later = s
+        .add_task(&user("u1"), "later", Some("details"), at(2_000_000_000))
+        .await
+        .unwrap();
+    let sooner = s
+        .add_task(&user("u1"), "sooner", None, at(1_900_000_000))
+        .await
+        .unwrap();
+    s.add_task(&user("u2"), "not mine", None, None)
+        .await
+        .unwrap();
+    let titles = |tasks: Vec<gateway_svc::store::Task>| {
+        tasks.into_iter().map(|t| t.title).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        titles(
+            s.list_tasks(&user("u1"), TaskFilter::Pending)
+                .await
+                .unwrap()
+        ),
+        ["sooner", "later", "undated"]
+    );
+
+    let done = TaskPatch {
+        completed: Some(true),
+        ..TaskPatch::default()
+    };
+    assert!(
+        s.update_task(&user("u2"), sooner.id, done.clone())
+            .await
+            .unwrap()
+            .is_none(),
+        "another user's task is not found"
+    );
+    let completed = s
+        .update_task(&user("u1"), sooner.id, done)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(completed.completed_at.is_some());
+    assert_eq!(
+        titles(
+            s.list_tasks(&user("u1"), TaskFilter::Completed)
+                .await
+                .unwrap()
+        ),
+        ["sooner"]
+    );
+    assert_eq!(
+        titles(s.list_tasks(&user("u1"), TaskFilter::All).await.unwrap()),
+        ["later", "undated", "sooner"]
+    );
+
+    let patch = TaskPatch {
+        title: Some("renamed".into()),
+        description: Some(None),
+        due_at: Some(None),
+        completed: None,
+    };
+    let renamed = s
+        .update_task(&user("u1"), later.id, patch)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (
+            renamed.title.as_str(),
+            renamed.description.clone(),
+            renamed.due_at
+        ),
+        ("renamed", None, None)
+    );
+    assert!(
+        s.delete_task(&user("u2"), undated.id)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(
+        s.delete_task(&user("u1"), undated.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .title,
+        "undated"
+    );
+    assert!(
+        s.delete_task(&user("u1"), undated.id)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+async fn memory_search_ranks_the_relevant_note_first(b: Backend) {
+    let s = &b.stores.notes;
+    let notes = [
+        (
+            "Prefers meetings after 10am and hates Monday mornings".to_owned(),
+            vec!["schedule".to_owned()],
+        ),
+        (
+            "Daughter Ana plays soccer on Tuesdays and Thursdays".to_owned(),
+            vec!["family".to_owned()],
+        ),
+        (
+            "Works at Acme as a product manager for the billing team".to_owned(),
+            vec!["work".to_owned()],
+        ),
+    ];
+    s.add_notes(&user("u1"), &notes).await.unwrap();
+    s.add_notes(
+        &user("u2"),
+        &[("Ana is my manager at soccer club".to_owned(), vec![])],
+    )
+    .await
+    .unwrap();
+    let first = |found: Vec<gateway_svc::store::Note>| {
+        found.first().map(|n| n.content.clone()).unwrap_or_default()
+    };
+    assert!(
+        first(s.search_notes(&user("u1"), "soccer", 5).await.unwrap()).starts_with("Daughter Ana")
+    );
+    assert!(
+        first(s.search_notes(&user("u1"), "meeting", 5).await.unwrap())
+            .starts_with("Prefers meetings")
+    );
+    assert!(
+        first(
+            s.search_notes(&user("u1"), "where does she work", 5)
+                .await
+                .unwrap()
+        )
+        .starts_with("Works at Acme")
+    );
+    // A half-typed word still finds its note.
+    assert!(
+        first(s.search_notes(&user("u1"), "bill", 5).await.unwrap()).starts_with("Works at Acme")
+    );
+    assert!(
+        first(s.search_notes(&user("u1"), "family", 5).await.unwrap()).starts_with("Daughter Ana"),
+        "tags are searched"
+    );
+    let theirs = s.search_notes(&user("u2"), "soccer", 5).await.unwrap();
+    assert_eq!(theirs.len(), 1, "another user's notes never appear");
+    assert!(
+        s.search_notes(&user("u1"), "zebra", 5)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(s.count_notes(&user("u1")).await.unwrap(), 3);
+}
+
+async fn reminders_come_back_soonest_first_and_only_upcoming(b: Backend) {
+    let s = &b.stores.reminders;
+    let at = |secs| SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs);
+    s.add_reminder(&user("u1"), "past", at(1_000))
+        .await
+        .unwrap();
+    s.add_reminder(&user("u1"), "later", at(3_000))
+        .await
+        .unwrap();
+    s.add_reminder(&user("u1"), "sooner", at(2_000))
+        .await
+        .unwrap();
+    s.add_reminder(&user("u2"), "theirs", at(2_500))
+        .await
+        .unwrap();
+    let upcoming = s
+        .upcoming_reminders(&user("u1"), at(1_500), 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        upcoming.iter().map(|r| r.text.as_str()).collect::<Vec<_>>(),
+        ["sooner", "later"]
+    );
+    assert_eq!(s.count_reminders(&user("u1")).await.unwrap(), 3);
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod in_memory {
@@ -249,4 +436,7 @@ both_backends!(
     an_idempotency_key_replays_its_first_result,
     audit_records_come_back_in_order_per_user,
     rate_limits_allow_exactly_the_limit_then_name_the_wait,
+    tasks_are_listed_pending_first_by_due_date_and_scoped_to_their_user,
+    memory_search_ranks_the_relevant_note_first,
+    reminders_come_back_soonest_first_and_only_upcoming,
 );

@@ -470,11 +470,11 @@ impl TaskStore for PgStore {
             .query_opt(
                 &format!(
                     "UPDATE gateway.tasks SET \
-                       title = COALESCE($3, title), \
-                       description = CASE WHEN $4 THEN $5 ELSE description END, \
-                       due_at = CASE WHEN $6 THEN $7 ELSE due_at END, \
-                       completed_at = CASE WHEN $8 IS NULL THEN completed_at \
-                                           WHEN $8 THEN COALESCE(completed_at, now()) ELSE NULL END \
+                       title = COALESCE($3::text, title), \
+                       description = CASE WHEN $4::boolean THEN $5::text ELSE description END, \
+                       due_at = CASE WHEN $6::boolean THEN $7::timestamptz ELSE due_at END, \
+                       completed_at = CASE WHEN $8::boolean IS NULL THEN completed_at \
+                                           WHEN $8::boolean THEN COALESCE(completed_at, now()) ELSE NULL END \
                      WHERE user_id = $1 AND id = $2 RETURNING {TASK_COLUMNS}"
                 ),
                 &[

@@ -1,5 +1,6 @@
 //! Fake upstreams on loopback, speaking the real wire formats, recording what they were sent.
 
+pub mod gmail;
 pub mod oauth;
 pub mod probe;
 

@@ -1,0 +1,441 @@
+//! Built-in tools and the bootstrap context (issue 5; I-6, I-7, I-8, S0 AC-12/AC-13,
+//! S3 AC-001..AC-005), end to end over gRPC.
+
+use std::time::{Duration, Instant};
+
+use steward_proto::gateway::v1::{self as pb, tool_call::Arguments};
+use steward_tests::{Backend, Options, UserGateway, fakes::gmail::FakeGmail, spawn::spawn};
+
+async fn run(g: &mut UserGateway, tool: &str, args: serde_json::Value) -> pb::ToolResult {
+    g.execute_tool(pb::ExecuteToolRequest {
+        call: Some(pb::ToolCall {
+            call_id: "c".into(),
+            tool: tool.into(),
+            arguments: Some(Arguments::ArgsJson(args.to_string())),
+            ..Default::default()
+        }),
+    })
+    .await
+    .expect("tool failures are results, not RPC errors")
+    .into_inner()
+    .result
+    .expect("a result")
+}
+
+fn task_id(text: &str) -> i64 {
+    let start = text.find('#').expect("an id") + 1;
+    text[start..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn tasks_crud_by_the_s3_tool_names_never_crosses_users() {
+    let app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        ..Options::default()
+    })
+    .await;
+    let mut alice = app.gateway_as("alice").await;
+    let mut bob = app.gateway_as("bob").await;
+
+    let added = run(
+        &mut alice,
+        "add_task",
+        serde_json::json!({"title": "Call dentist", "due": "2020-01-01"}),
+    )
+    .await;
+    assert!(added.ok, "{}", added.text);
+    assert!(
+        added.text.starts_with("Added task #")
+            && added.text.contains("\"Call dentist\" — due Jan 1 (overdue"),
+        "{}",
+        added.text
+    );
+    let dentist = task_id(&added.text);
+    run(
+        &mut alice,
+        "add_task",
+        serde_json::json!({"title": "Buy milk"}),
+    )
+    .await;
+    let bobs = run(
+        &mut bob,
+        "add_task",
+        serde_json::json!({"title": "Bob's secret plan"}),
+    )
+    .await;
+    let bobs_id = task_id(&bobs.text);
+
+    let list = run(
+        &mut alice,
+        "list_tasks",
+        serde_json::json!({"status": "all"}),
+    )
+    .await;
+    assert!(list.text.starts_with("Tasks (2):"), "{}", list.text);
+    assert!(
+        !list.text.contains("secret plan"),
+        "alice never sees bob's tasks"
+    );
+
+    // Bob cannot touch Alice's task, and is told plainly it does not exist.
+    for tool in ["complete_task", "delete_task"] {
+        let r = run(&mut bob, tool, serde_json::json!({"task_id": dentist})).await;
+        assert!(!r.ok);
+        assert_eq!(r.error_kind, pb::ErrorKind::NotFound as i32, "{}", r.text);
+        assert_eq!(r.text, format!("I couldn't find task #{dentist}."));
+    }
+    let r = run(
+        &mut alice,
+        "update_task",
+        serde_json::json!({"task_id": bobs_id, "title": "mine now"}),
+    )
+    .await;
+    assert_eq!(r.text, format!("I couldn't find task #{bobs_id}."));
+
+    let done = run(
+        &mut alice,
+        "complete_task",
+        serde_json::json!({"task_id": dentist}),
+    )
+    .await;
+    assert_eq!(
+        done.text,
+        format!("Completed task #{dentist}: \"Call dentist\".")
+    );
+    let pending = run(&mut alice, "list_tasks", serde_json::json!({})).await;
+    assert!(
+        pending.text.starts_with("Pending tasks (1):") && pending.text.contains("Buy milk"),
+        "{}",
+        pending.text
+    );
+    let completed = run(
+        &mut alice,
+        "list_tasks",
+        serde_json::json!({"status": "completed"}),
+    )
+    .await;
+    assert!(
+        completed.text.contains("Call dentist\" — done"),
+        "{}",
+        completed.text
+    );
+
+    let updated = run(
+        &mut alice,
+        "update_task",
+        serde_json::json!({"task_id": dentist, "status": "pending", "due": "2030-05-01T09:00:00Z"}),
+    )
+    .await;
+    assert!(
+        updated.text.contains("due May 1") && !updated.text.contains("overdue"),
+        "{}",
+        updated.text
+    );
+    let deleted = run(
+        &mut alice,
+        "delete_task",
+        serde_json::json!({"task_id": dentist}),
+    )
+    .await;
+    assert_eq!(
+        deleted.text,
+        format!("Deleted task #{dentist}: \"Call dentist\".")
+    );
+    let again = run(
+        &mut alice,
+        "delete_task",
+        serde_json::json!({"task_id": dentist}),
+    )
+    .await;
+    assert_eq!(again.text, format!("I couldn't find task #{dentist}."));
+
+    // The user id is never a model argument: the schema refuses one.
+    let smuggled = run(
+        &mut bob,
+        "list_tasks",
+        serde_json::json!({"user_id": "alice"}),
+    )
+    .await;
+    assert_eq!(smuggled.error_kind, pb::ErrorKind::InvalidArguments as i32);
+    let bad_due = run(
+        &mut bob,
+        "add_task",
+        serde_json::json!({"title": "x", "due": "next tuesday"}),
+    )
+    .await;
+    assert!(bad_due.text.contains("RFC 3339"), "{}", bad_due.text);
+}
+
+#[tokio::test]
+async fn search_memory_ranks_the_relevant_note_first() {
+    let app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        ..Options::default()
+    })
+    .await;
+    let mut g = app.gateway_as("u1").await;
+    let saved = run(
+        &mut g,
+        "create_memories",
+        serde_json::json!({"memories": [
+            {"content": "Prefers meetings after 10am"},
+            {"content": "Daughter Ana plays soccer on Tuesdays", "tags": ["family"]},
+            {"content": "Works at Acme on the billing team"}]}),
+    )
+    .await;
+    assert!(
+        saved.text.starts_with("Saved 3 memories: #"),
+        "{}",
+        saved.text
+    );
+    let one = run(
+        &mut g,
+        "save_memory",
+        serde_json::json!({"content": "Allergic to peanuts"}),
+    )
+    .await;
+    assert!(one.text.starts_with("Saved memory #"), "{}", one.text);
+    let found = run(
+        &mut g,
+        "search_memory",
+        serde_json::json!({"query": "soccer practice"}),
+    )
+    .await;
+    assert!(
+        found
+            .text
+            .starts_with("Memories matching \"soccer practice\""),
+        "{}",
+        found.text
+    );
+    assert!(
+        found
+            .text
+            .lines()
+            .nth(1)
+            .unwrap()
+            .contains("Daughter Ana plays soccer"),
+        "{}",
+        found.text
+    );
+    let none = run(
+        &mut g,
+        "search_memory",
+        serde_json::json!({"query": "zebra"}),
+    )
+    .await;
+    assert_eq!(none.text, "No memories match \"zebra\".");
+}
+
+#[tokio::test]
+async fn reminders_are_set_for_the_future_and_listed_soonest_first() {
+    let app = spawn(Options {
+        backend: Some(Backend::Memory),
+        ..Options::default()
+    })
+    .await;
+    let mut g = app.gateway_as("u1").await;
+    let later = run(
+        &mut g,
+        "create_reminder",
+        serde_json::json!({"text": "Renew passport", "due_at": "2031-02-01T10:00:00Z"}),
+    )
+    .await;
+    assert!(
+        later
+            .text
+            .contains("set for Feb 1 10:00 UTC: \"Renew passport\""),
+        "{}",
+        later.text
+    );
+    run(
+        &mut g,
+        "create_reminder",
+        serde_json::json!({"text": "Standup", "due_at": "2030-01-01T09:30:00Z"}),
+    )
+    .await;
+    let past = run(
+        &mut g,
+        "create_reminder",
+        serde_json::json!({"text": "Too late", "due_at": "2001-01-01T00:00:00Z"}),
+    )
+    .await;
+    assert!(past.text.contains("is in the past"), "{}", past.text);
+    let list = run(&mut g, "get_reminders", serde_json::json!({})).await;
+    let lines: Vec<_> = list.text.lines().collect();
+    assert_eq!(lines[0], "Upcoming reminders (2):");
+    assert!(
+        lines[1].contains("Standup") && lines[2].contains("Renew passport"),
+        "{}",
+        list.text
+    );
+}
+
+async fn bootstrap(g: &mut UserGateway) -> pb::GetBootstrapContextResponse {
+    g.get_bootstrap_context(pb::GetBootstrapContextRequest {
+        channel: pb::Channel::SessionOpen as i32,
+        time_zone: "UTC".into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+async fn connect_gmail(g: &mut UserGateway, account: &str, token: &str) {
+    g.connect_account(pb::ConnectAccountRequest {
+        integration: pb::Integration::Gmail as i32,
+        account: account.into(),
+        access_token: token.into(),
+        refresh_token: format!("refresh-{token}"),
+        expires_at: Some(prost_types::Timestamp {
+            seconds: 4_000_000_000,
+            nanos: 0,
+        }),
+        scopes: vec![],
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_hanging_gmail_leaves_bootstrap_inside_two_seconds_with_email_unavailable_and_the_rest_correct()
+ {
+    let gmail = FakeGmail::start().await;
+    gmail.hang("token-work");
+    gmail.set_unread("token-home", 3);
+    let app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        env: vec![
+            ("GMAIL_API_BASE_URL".into(), gmail.url.clone()),
+            ("BOOTSTRAP_CACHE_TTL".into(), "0".into()),
+        ],
+        ..Options::default()
+    })
+    .await;
+    let mut g = app.gateway_as("u1").await;
+    run(
+        &mut g,
+        "add_task",
+        serde_json::json!({"title": "Call dentist", "due": "2020-01-01"}),
+    )
+    .await;
+    run(
+        &mut g,
+        "add_task",
+        serde_json::json!({"title": "Plan offsite", "due": "2040-01-01"}),
+    )
+    .await;
+    run(
+        &mut g,
+        "add_task",
+        serde_json::json!({"title": "Read book"}),
+    )
+    .await;
+    run(
+        &mut g,
+        "create_reminder",
+        serde_json::json!({"text": "Standup", "due_at": "2039-03-04T09:30:00Z"}),
+    )
+    .await;
+    connect_gmail(&mut g, "work@example.com", "token-work").await;
+
+    let started = Instant::now();
+    let ctx = bootstrap(&mut g).await;
+    let elapsed = started.elapsed();
+    assert!(elapsed < Duration::from_secs(2), "took {elapsed:?}");
+    let email = ctx.email.unwrap();
+    assert_eq!(email.status, pb::SourceStatus::Unavailable as i32);
+    assert_eq!(email.line, "Unread: work@example.com (unavailable)");
+    let tasks = ctx.tasks.unwrap();
+    assert_eq!(tasks.status, pb::SourceStatus::Ok as i32);
+    assert_eq!((tasks.pending, tasks.overdue), (3, 1));
+    assert!(
+        tasks
+            .line
+            .starts_with("3 active tasks (1 overdue). Top: 'Call dentist' (overdue "),
+        "{}",
+        tasks.line
+    );
+    let reminders = ctx.reminders.unwrap();
+    assert_eq!(
+        reminders.line,
+        "1 upcoming reminder. Next: 'Standup' at Mar 4 09:30"
+    );
+    assert!(!ctx.new_user);
+
+    // One hanging account does not hide a healthy one.
+    connect_gmail(&mut g, "home@example.com", "token-home").await;
+    let started = Instant::now();
+    let email = bootstrap(&mut g).await.email.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(email.status, pb::SourceStatus::Ok as i32);
+    assert_eq!(
+        email.line,
+        "Unread: home@example.com 3, work@example.com (unavailable)"
+    );
+}
+
+#[tokio::test]
+async fn bootstrap_reports_unread_counts_without_content_and_spots_a_new_user() {
+    let gmail = FakeGmail::start().await;
+    gmail.set_unread("token-work", 12);
+    let app = spawn(Options {
+        backend: Some(Backend::Memory),
+        env: vec![
+            ("GMAIL_API_BASE_URL".into(), gmail.url.clone()),
+            ("BOOTSTRAP_CACHE_TTL".into(), "0".into()),
+        ],
+        ..Options::default()
+    })
+    .await;
+    let mut g = app.gateway_as("newbie").await;
+    let ctx = bootstrap(&mut g).await;
+    assert!(ctx.new_user);
+    assert_eq!(
+        ctx.rendered,
+        "Tasks: No active tasks.\nReminders: No upcoming reminders.\nEmail: No email account connected."
+    );
+    assert_eq!(ctx.email.unwrap().status, pb::SourceStatus::Empty as i32);
+
+    connect_gmail(&mut g, "work@example.com", "token-work").await;
+    run(
+        &mut g,
+        "save_memory",
+        serde_json::json!({"content": "Likes tea"}),
+    )
+    .await;
+    let ctx = bootstrap(&mut g).await;
+    assert!(!ctx.new_user, "a memory makes a returning user");
+    let email = ctx.email.unwrap();
+    assert_eq!(email.line, "Unread: work@example.com 12");
+    assert_eq!(email.accounts[0].unread, 12);
+    assert_eq!(gmail.requests(), 1, "one labels.get per account");
+}
+
+#[tokio::test]
+async fn an_unknown_time_zone_is_refused_by_name() {
+    let app = spawn(Options {
+        backend: Some(Backend::Memory),
+        ..Options::default()
+    })
+    .await;
+    let mut g = app.gateway_as("u1").await;
+    let err = g
+        .get_bootstrap_context(pb::GetBootstrapContextRequest {
+            channel: 0,
+            time_zone: "Mars/Olympus".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("time_zone \"Mars/Olympus\""),
+        "{}",
+        err.message()
+    );
+}
