@@ -17,7 +17,7 @@ use crate::{
     context::Services,
     credentials::{Credentials, cipher::TokenCipher},
     engine::{Engine, EngineConfig},
-    integrations::{self, gmail::GmailApi},
+    integrations::{self, Upstreams, calendar::CalendarApi, gmail::GmailApi, slack::SlackApi},
     ratelimit::{RateLimitBackend, RateLimiter, memory::MemoryRateLimits},
     registry::{Registry, RegistryError, Tool},
     store::{Stores, memory::MemoryStore, postgres::PgStore},
@@ -111,7 +111,18 @@ impl App {
             audit: stores.audit.clone(),
             max_body_bytes: config.max_body_bytes,
         });
-        let mut tools = integrations::builtin(&stores);
+        let upstreams = Upstreams {
+            gmail: GmailApi {
+                base_url: config.gmail_base_url.clone(),
+            },
+            calendar: CalendarApi {
+                base_url: config.calendar_base_url.clone(),
+            },
+            slack: SlackApi {
+                base_url: config.slack_base_url.clone(),
+            },
+        };
+        let mut tools = integrations::builtin(&stores, &upstreams);
         tools.extend(extra_tools);
         let bootstrap = Bootstrap {
             tasks: stores.tasks.clone(),

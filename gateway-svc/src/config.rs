@@ -57,6 +57,10 @@ pub struct Config {
     pub google_oauth: Option<OAuthClient>,
     /// `GMAIL_API_BASE_URL`
     pub gmail_base_url: String,
+    /// `GOOGLE_CALENDAR_API_BASE_URL`
+    pub calendar_base_url: String,
+    /// `SLACK_API_BASE_URL`
+    pub slack_base_url: String,
     /// `BOOTSTRAP_SOURCE_TIMEOUT`: each bootstrap source's deadline.
     pub bootstrap_source_timeout: Duration,
     /// `BOOTSTRAP_CACHE_TTL`: how long a user's bootstrap context is reused; 0 disables.
@@ -178,16 +182,25 @@ impl Config {
             }
         };
 
-        let gmail_base_url = vars.string(
+        let mut url = |var: &str, default: &str| {
+            let value = vars.string(var, default);
+            if reqwest::Url::parse(&value).is_err() {
+                vars.error(var, format!("{value:?} is not a URL"));
+            }
+            value
+        };
+        let gmail_base_url = url(
             "GMAIL_API_BASE_URL",
             crate::integrations::gmail::DEFAULT_BASE_URL,
         );
-        if reqwest::Url::parse(&gmail_base_url).is_err() {
-            vars.error(
-                "GMAIL_API_BASE_URL",
-                format!("{gmail_base_url:?} is not a URL"),
-            );
-        }
+        let calendar_base_url = url(
+            "GOOGLE_CALENDAR_API_BASE_URL",
+            crate::integrations::calendar::DEFAULT_BASE_URL,
+        );
+        let slack_base_url = url(
+            "SLACK_API_BASE_URL",
+            crate::integrations::slack::DEFAULT_BASE_URL,
+        );
         let bootstrap_source_timeout = vars.duration_in(
             "BOOTSTRAP_SOURCE_TIMEOUT",
             Duration::from_millis(1500),
@@ -214,6 +227,8 @@ impl Config {
             credentials_key,
             google_oauth,
             gmail_base_url,
+            calendar_base_url,
+            slack_base_url,
             bootstrap_source_timeout,
             bootstrap_cache_ttl,
         })

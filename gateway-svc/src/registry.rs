@@ -23,6 +23,38 @@ pub struct ToolSpec {
     pub upstream_cost: u32,
 }
 
+impl ToolSpec {
+    /// A tool that changes nothing outside Steward, with no aliases, costing one upstream call
+    /// for integrations with an upstream and none for built-in data; the methods below adjust.
+    pub fn new(name: &str, integration: Integration, description: &str, schema: Value) -> Self {
+        Self {
+            name: name.into(),
+            aliases: Vec::new(),
+            description: description.into(),
+            schema,
+            side_effect: false,
+            integration,
+            upstream_cost: u32::from(integration.provider().is_some()),
+        }
+    }
+
+    /// Marks the tool as acting on the outside world (approval policy keys off this).
+    pub fn with_side_effect(mut self) -> Self {
+        self.side_effect = true;
+        self
+    }
+
+    pub fn with_aliases(mut self, aliases: &[&str]) -> Self {
+        self.aliases = aliases.iter().map(|a| (*a).to_owned()).collect();
+        self
+    }
+
+    pub fn with_cost(mut self, upstream_calls: u32) -> Self {
+        self.upstream_cost = upstream_calls;
+        self
+    }
+}
+
 /// What a tool produced: text for the model (capped by the engine), optionally a display
 /// payload that never goes to the model.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -6,6 +6,7 @@
 //! `postgres://postgres@127.0.0.1:5432/postgres`, the machine's trust-auth server). Logs are
 //! printed only with `TEST_LOG=1`.
 
+pub mod calls;
 pub mod db;
 pub mod fakes;
 pub mod probe_tools;

@@ -3,24 +3,13 @@
 
 use std::time::{Duration, Instant};
 
-use steward_proto::gateway::v1::{self as pb, tool_call::Arguments};
-use steward_tests::{Backend, Options, UserGateway, fakes::gmail::FakeGmail, spawn::spawn};
-
-async fn run(g: &mut UserGateway, tool: &str, args: serde_json::Value) -> pb::ToolResult {
-    g.execute_tool(pb::ExecuteToolRequest {
-        call: Some(pb::ToolCall {
-            call_id: "c".into(),
-            tool: tool.into(),
-            arguments: Some(Arguments::ArgsJson(args.to_string())),
-            ..Default::default()
-        }),
-    })
-    .await
-    .expect("tool failures are results, not RPC errors")
-    .into_inner()
-    .result
-    .expect("a result")
-}
+use steward_proto::gateway::v1 as pb;
+use steward_tests::{
+    Backend, Options, UserGateway,
+    calls::{call_tool as run, connect_account},
+    fakes::gmail::FakeGmail,
+    spawn::spawn,
+};
 
 fn task_id(text: &str) -> i64 {
     let start = text.find('#').expect("an id") + 1;
@@ -287,19 +276,7 @@ async fn bootstrap(g: &mut UserGateway) -> pb::GetBootstrapContextResponse {
 }
 
 async fn connect_gmail(g: &mut UserGateway, account: &str, token: &str) {
-    g.connect_account(pb::ConnectAccountRequest {
-        integration: pb::Integration::Gmail as i32,
-        account: account.into(),
-        access_token: token.into(),
-        refresh_token: format!("refresh-{token}"),
-        expires_at: Some(prost_types::Timestamp {
-            seconds: 4_000_000_000,
-            nanos: 0,
-        }),
-        scopes: vec![],
-    })
-    .await
-    .unwrap();
+    connect_account(g, pb::Integration::Gmail, account, token).await;
 }
 
 #[tokio::test]

@@ -400,7 +400,13 @@ async fn no_connected_account_is_a_clear_result_and_the_tool_is_not_offered() {
         .unwrap()
         .into_inner()
         .tools;
-    assert_eq!(tools.len(), without_account + 3);
+    // The Gmail account unlocks the three Gmail probes and the six Gmail tools.
+    assert_eq!(tools.len(), without_account + 3 + 6);
+    assert!(
+        tools
+            .iter()
+            .any(|t| t.name == "search_gmail" && t.aliases == ["gmail_search"])
+    );
     let send = tools.iter().find(|t| t.name == "probe_send").unwrap();
     assert!(send.side_effect);
     assert!(send.parameters_json_schema.contains("\"required\""));

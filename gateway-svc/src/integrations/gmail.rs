@@ -1,11 +1,33 @@
-//! Gmail over its REST API (I-1..I-3). So far: the unread count of an account's inbox
-//! (`users.labels.get INBOX`, 1 quota unit, no message content), used by the bootstrap context.
+//! Gmail over its REST API (I-1..I-3, S0 AC-01..AC-03).
+//!
+//! Search is metadata only, by construction: one `messages.list`, then one batch of
+//! `format=metadata` gets (Subject, From, Date) for up to 50 ids; `format=full`/`raw` is never
+//! requested by search. `get_gmail` and `gmail_thread_read` are the only paths to bodies.
+//! Sends, drafts and replies build RFC 5322 messages with mail-builder.
 
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use base64::Engine;
+use mail_builder::MessageBuilder;
 use serde::Deserialize;
+use serde_json::{Value, json};
 
-use crate::{context::CallContext, domain::Integration, enforce::ToolError};
+use super::{batch, text_arg};
+use crate::{
+    context::CallContext,
+    credentials::AccountInfo,
+    domain::{Channel, Integration},
+    enforce::ToolError,
+    registry::{Tool, ToolOutput, ToolSpec},
+    time::{short_date, zone},
+};
 
 pub const DEFAULT_BASE_URL: &str = "https://gmail.googleapis.com";
+const SERVICE: &str = "Gmail";
+const FOOTER: &str = "(Use get_gmail with message ID and account for full content)";
 
 #[derive(Debug, Clone)]
 pub struct GmailApi {
@@ -19,14 +41,99 @@ struct Label {
     messages_unread: Option<u32>,
 }
 
+#[derive(Deserialize, Default)]
+struct MessageList {
+    #[serde(default)]
+    messages: Vec<MessageRef>,
+}
+
+#[derive(Deserialize)]
+struct MessageRef {
+    id: String,
+}
+
+#[derive(Deserialize, Default, Clone)]
+#[serde(rename_all = "camelCase")]
+pub struct Message {
+    pub id: String,
+    #[serde(default)]
+    pub thread_id: String,
+    #[serde(default)]
+    pub snippet: String,
+    #[serde(default)]
+    pub internal_date: Option<String>,
+    #[serde(default)]
+    pub payload: Option<Part>,
+}
+
+#[derive(Deserialize, Default, Clone)]
+#[serde(rename_all = "camelCase")]
+pub struct Part {
+    #[serde(default)]
+    pub mime_type: String,
+    #[serde(default)]
+    pub filename: String,
+    #[serde(default)]
+    pub headers: Vec<Header>,
+    #[serde(default)]
+    pub body: Option<Body>,
+    #[serde(default)]
+    pub parts: Vec<Part>,
+}
+
+#[derive(Deserialize, Default, Clone)]
+pub struct Header {
+    pub name: String,
+    pub value: String,
+}
+
+#[derive(Deserialize, Default, Clone)]
+pub struct Body {
+    #[serde(default)]
+    pub size: u64,
+    #[serde(default)]
+    pub data: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Thread {
+    #[serde(default)]
+    messages: Vec<Message>,
+}
+
+impl Part {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| h.value.as_str())
+    }
+}
+
+impl Message {
+    fn header(&self, name: &str) -> &str {
+        self.payload
+            .as_ref()
+            .and_then(|p| p.header(name))
+            .unwrap_or("")
+    }
+
+    fn date(&self) -> Option<SystemTime> {
+        let ms: u64 = self.internal_date.as_deref()?.parse().ok()?;
+        SystemTime::UNIX_EPOCH.checked_add(Duration::from_millis(ms))
+    }
+}
+
 impl GmailApi {
-    /// Unread messages in `account`'s inbox. Charged to the rate limiter as one call.
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base_url.trim_end_matches('/'))
+    }
+
+    /// Unread messages in `account`'s inbox (`users.labels.get INBOX`, 1 quota unit, no
+    /// message content). Charged to the rate limiter as one call.
     pub async fn unread_inbox(&self, ctx: &CallContext, account: &str) -> Result<u32, ToolError> {
         ctx.charge(Integration::Gmail, account, 1).await?;
-        let url = format!(
-            "{}/gmail/v1/users/me/labels/INBOX",
-            self.base_url.trim_end_matches('/')
-        );
+        let url = self.url("/gmail/v1/users/me/labels/INBOX");
         let response = ctx
             .send(Integration::Gmail, account, |token| {
                 ctx.http().get(&url).bearer_auth(token)
@@ -37,7 +144,816 @@ impl GmailApi {
                 "Gmail has no INBOX label for {account}."
             )));
         }
-        let label: Label = response.json("Gmail")?;
+        let label: Label = response.json(SERVICE)?;
         Ok(label.messages_unread.unwrap_or(0))
+    }
+
+    /// Metadata of the messages matching `query` in one account: 1 list + 1 batch request,
+    /// charged 1 + N before each is made.
+    async fn search_account(
+        &self,
+        ctx: &CallContext,
+        account: &str,
+        query: &str,
+        max: u32,
+    ) -> Result<Vec<Result<Message, String>>, ToolError> {
+        ctx.charge(Integration::Gmail, account, 1).await?;
+        let list_url = self.url("/gmail/v1/users/me/messages");
+        let max_s = max.to_string();
+        let list = ctx
+            .send(Integration::Gmail, account, |token| {
+                ctx.http()
+                    .get(&list_url)
+                    .query(&[("q", query), ("maxResults", max_s.as_str())])
+                    .bearer_auth(token)
+            })
+            .await?;
+        let ids: Vec<String> = list
+            .json::<MessageList>(SERVICE)?
+            .messages
+            .into_iter()
+            .map(|m| m.id)
+            .collect();
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids = &ids[..ids.len().min(batch::MAX_PER_BATCH)];
+        ctx.charge(Integration::Gmail, account, ids.len() as u32)
+            .await?;
+        let paths: Vec<String> = ids
+            .iter()
+            .map(|id| {
+                format!(
+                    "/gmail/v1/users/me/messages/{id}?format=metadata&metadataHeaders=Subject&metadataHeaders=From&metadataHeaders=Date"
+                )
+            })
+            .collect();
+        let boundary = format!(
+            "steward_{}",
+            ctx.call_id
+                .chars()
+                .filter(char::is_ascii_alphanumeric)
+                .collect::<String>()
+        );
+        let (body, content_type) = batch::encode(&paths, &boundary);
+        let batch_url = self.url("/batch/gmail/v1");
+        let response = ctx
+            .send(Integration::Gmail, account, |token| {
+                ctx.http()
+                    .post(&batch_url)
+                    .header(reqwest::header::CONTENT_TYPE, content_type.as_str())
+                    .body(body.clone())
+                    .bearer_auth(token)
+            })
+            .await?;
+        let response_type = response
+            .headers
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let parts = batch::decode(&response_type, &String::from_utf8_lossy(&response.body))
+            .map_err(|detail| ToolError::UpstreamGarbage {
+                service: SERVICE,
+                detail,
+            })?;
+        Ok(ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| match parts.get(&i) {
+                Some(p) if p.status == 200 => serde_json::from_str::<Message>(&p.body)
+                    .map_err(|_| format!("[{id}] (unreadable)")),
+                Some(p) => Err(format!("[{id}] (could not be fetched: HTTP {})", p.status)),
+                None => Err(format!("[{id}] (missing from Gmail's batch answer)")),
+            })
+            .collect())
+    }
+
+    async fn get_message(
+        &self,
+        ctx: &CallContext,
+        account: &str,
+        id: &str,
+    ) -> Result<Option<Message>, ToolError> {
+        ctx.charge(Integration::Gmail, account, 1).await?;
+        let url = self.url(&format!("/gmail/v1/users/me/messages/{}", urlencode(id)));
+        let r = ctx
+            .send(Integration::Gmail, account, |token| {
+                ctx.http()
+                    .get(&url)
+                    .query(&[("format", "full")])
+                    .bearer_auth(token)
+            })
+            .await?;
+        if r.status == reqwest::StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        r.json(SERVICE).map(Some)
+    }
+
+    async fn post_json(
+        &self,
+        ctx: &CallContext,
+        account: &str,
+        path: &str,
+        body: Value,
+    ) -> Result<Value, ToolError> {
+        ctx.charge(Integration::Gmail, account, 1).await?;
+        let url = self.url(path);
+        let r = ctx
+            .send(Integration::Gmail, account, |token| {
+                ctx.http().post(&url).json(&body).bearer_auth(token)
+            })
+            .await?;
+        if r.status == reqwest::StatusCode::NOT_FOUND {
+            return Err(ToolError::NotFound(
+                "Gmail could not find what that refers to.".into(),
+            ));
+        }
+        r.json(SERVICE)
+    }
+}
+
+fn urlencode(s: &str) -> String {
+    s.chars().filter(char::is_ascii_alphanumeric).collect()
+}
+
+/// The address inside `Name <addr>`, or the whole value.
+fn address(from: &str) -> &str {
+    match (from.rfind('<'), from.rfind('>')) {
+        (Some(a), Some(b)) if a < b => &from[a + 1..b],
+        _ => from.trim(),
+    }
+}
+
+/// Gmail's snippets are HTML-escaped.
+fn unescape(s: &str) -> String {
+    s.replace("&#39;", "'")
+        .replace("&quot;", "\"")
+        .replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&amp;", "&")
+}
+
+fn default_max(channel: Channel) -> u32 {
+    if channel.is_interactive() { 5 } else { 10 }
+}
+
+/// The accounts a call applies to: the named one, or all.
+fn pick_accounts(
+    all: Vec<AccountInfo>,
+    named: Option<&str>,
+    tool: &str,
+) -> Result<Vec<AccountInfo>, ToolError> {
+    let Some(named) = named else { return Ok(all) };
+    let names: Vec<_> = all.iter().map(|a| a.account.clone()).collect();
+    let chosen: Vec<_> = all
+        .into_iter()
+        .filter(|a| a.account.eq_ignore_ascii_case(named))
+        .collect();
+    if chosen.is_empty() {
+        return Err(ToolError::InvalidArguments {
+            tool: tool.into(),
+            detail: format!(
+                "no connected Gmail account {named:?}; connected: {}",
+                names.join(", ")
+            ),
+        });
+    }
+    Ok(chosen)
+}
+
+/// The one account to act as: the named one, or the only one.
+fn one_account(
+    all: Vec<AccountInfo>,
+    named: Option<&str>,
+    tool: &str,
+) -> Result<String, ToolError> {
+    let mut chosen = pick_accounts(all, named, tool)?;
+    if chosen.len() > 1 {
+        let names: Vec<_> = chosen.iter().map(|a| a.account.clone()).collect();
+        return Err(ToolError::InvalidArguments {
+            tool: tool.into(),
+            detail: format!("name the account to use: {}", names.join(", ")),
+        });
+    }
+    Ok(chosen.remove(0).account)
+}
+
+pub fn tools(api: GmailApi) -> Vec<Arc<dyn Tool>> {
+    vec![
+        Arc::new(SearchGmail(api.clone())),
+        Arc::new(GetGmail(api.clone())),
+        Arc::new(ThreadRead(api.clone())),
+        Arc::new(Compose {
+            api: api.clone(),
+            kind: ComposeKind::Send,
+        }),
+        Arc::new(Compose {
+            api: api.clone(),
+            kind: ComposeKind::Draft,
+        }),
+        Arc::new(Reply(api)),
+    ]
+}
+
+fn spec(name: &str, description: &str, schema: Value) -> ToolSpec {
+    ToolSpec::new(name, Integration::Gmail, description, schema)
+}
+
+struct SearchGmail(GmailApi);
+
+#[async_trait::async_trait]
+impl Tool for SearchGmail {
+    fn spec(&self) -> ToolSpec {
+        spec("search_gmail", "Search the user's email (Gmail search syntax, e.g. `from:boss is:unread newer_than:7d`). \
+             Returns id, sender, subject, date and Gmail's snippet per message, never bodies; \
+             searches every connected account unless one is named.", json!({"type": "object", "additionalProperties": false, "properties": {
+                "query": {"type": "string", "maxLength": 500, "default": "in:inbox"},
+                "account": {"type": "string", "description": "One connected address; all when omitted"},
+                "max_results": {"type": "integer", "minimum": 1, "maximum": 50,
+                                "description": "Per account; default 5 (10 on scheduled runs)"}}})).with_aliases(&["gmail_search"]).with_cost(6)
+    }
+
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let query = text_arg(&args, "query").unwrap_or_else(|| "in:inbox".into());
+        let max = args
+            .get("max_results")
+            .and_then(Value::as_u64)
+            .map_or(default_max(ctx.channel), |m| m as u32);
+        let accounts = pick_accounts(
+            ctx.accounts(Integration::Gmail).await?,
+            text_arg(&args, "account").as_deref(),
+            "search_gmail",
+        )?;
+        let searches = accounts
+            .iter()
+            .map(|a| self.0.search_account(ctx, &a.account, &query, max));
+        let results = futures_util::future::join_all(searches).await;
+
+        let utc = zone("");
+        let mut sections = Vec::new();
+        let mut display = Vec::new();
+        let mut failures = Vec::new();
+        for (account, result) in accounts.iter().zip(results) {
+            let mut section = format!("=== {} ===", account.account);
+            match result {
+                Err(e) => {
+                    section.push_str(&format!("\n(unavailable: {e})"));
+                    failures.push(e);
+                }
+                Ok(messages) if messages.is_empty() => section.push_str("\nNo messages match."),
+                Ok(messages) => {
+                    for (i, m) in messages.iter().enumerate() {
+                        match m {
+                            Ok(m) => {
+                                let date =
+                                    m.date().map(|d| short_date(d, &utc)).unwrap_or_default();
+                                section.push_str(&format!(
+                                    "\n{}. [{}] \"{}\" — from: {} — {date}",
+                                    i + 1,
+                                    m.id,
+                                    m.header("Subject"),
+                                    address(m.header("From"))
+                                ));
+                                let snippet = unescape(&m.snippet);
+                                if !snippet.is_empty() {
+                                    section.push_str(&format!("\n   {snippet}"));
+                                }
+                                display.push(json!({"account": account.account, "id": m.id, "threadId": m.thread_id,
+                                    "subject": m.header("Subject"), "from": m.header("From"), "date": m.header("Date"),
+                                    "snippet": snippet}));
+                            }
+                            Err(note) => section.push_str(&format!("\n{}. {note}", i + 1)),
+                        }
+                    }
+                }
+            }
+            sections.push(section);
+        }
+        if failures.len() == accounts.len() {
+            // Nothing to show from any account: the first failure is the answer.
+            return Err(failures.remove(0));
+        }
+        sections.push(FOOTER.into());
+        Ok(ToolOutput {
+            text: sections.join("\n"),
+            display: Some(json!({ "messages": display })),
+        })
+    }
+}
+
+/// Text of a message body: text/plain preferred, HTML converted, charsets decoded, attachments
+/// listed, never inlined.
+pub fn readable_body(payload: &Part) -> (String, Vec<String>) {
+    let mut plain = Vec::new();
+    let mut html = Vec::new();
+    let mut attachments = Vec::new();
+    walk(payload, &mut plain, &mut html, &mut attachments);
+    let text = if !plain.is_empty() {
+        plain.join("\n\n")
+    } else if !html.is_empty() {
+        html.iter()
+            .map(|h| nanohtml2text::html2text(h))
+            .collect::<Vec<_>>()
+            .join("\n\n")
+    } else {
+        String::new()
+    };
+    (text.trim().to_owned(), attachments)
+}
+
+fn walk(
+    part: &Part,
+    plain: &mut Vec<String>,
+    html: &mut Vec<String>,
+    attachments: &mut Vec<String>,
+) {
+    if !part.filename.is_empty() {
+        let size = part.body.as_ref().map_or(0, |b| b.size);
+        attachments.push(format!(
+            "{} ({}, {} KB)",
+            part.filename,
+            part.mime_type,
+            size.div_ceil(1024)
+        ));
+        return;
+    }
+    let mime = part.mime_type.to_ascii_lowercase();
+    if mime.starts_with("multipart/") {
+        for p in &part.parts {
+            walk(p, plain, html, attachments);
+        }
+        return;
+    }
+    let Some(data) = part.body.as_ref().and_then(|b| b.data.as_deref()) else {
+        return;
+    };
+    let Some(bytes) = decode_base64url(data) else {
+        return;
+    };
+    let text = decode_charset(&bytes, charset(part));
+    if mime == "text/plain" {
+        plain.push(text);
+    } else if mime == "text/html" {
+        html.push(text);
+    }
+}
+
+fn charset(part: &Part) -> &str {
+    part.header("Content-Type")
+        .and_then(|ct| {
+            ct.split(';').map(str::trim).find_map(|p| {
+                let (k, v) = p.split_once('=')?;
+                k.trim()
+                    .eq_ignore_ascii_case("charset")
+                    .then(|| v.trim().trim_matches('"'))
+            })
+        })
+        .unwrap_or("utf-8")
+}
+
+fn decode_base64url(data: &str) -> Option<Vec<u8>> {
+    let trimmed = data.trim_end_matches('=');
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(trimmed)
+        .ok()
+}
+
+fn decode_charset(bytes: &[u8], label: &str) -> String {
+    let encoding = encoding_rs::Encoding::for_label(label.as_bytes()).unwrap_or(encoding_rs::UTF_8);
+    encoding.decode(bytes).0.into_owned()
+}
+
+fn render_message(m: &Message, with_body: bool) -> String {
+    let mut out = format!(
+        "Message [{}] (thread {})\nFrom: {}\nTo: {}\nDate: {}\nSubject: {}",
+        m.id,
+        m.thread_id,
+        m.header("From"),
+        m.header("To"),
+        m.header("Date"),
+        m.header("Subject")
+    );
+    if !m.header("Cc").is_empty() {
+        out.push_str(&format!("\nCc: {}", m.header("Cc")));
+    }
+    if with_body {
+        let (text, attachments) = m.payload.as_ref().map(readable_body).unwrap_or_default();
+        out.push_str("\n\n");
+        out.push_str(if text.is_empty() {
+            "(no readable text)"
+        } else {
+            &text
+        });
+        if !attachments.is_empty() {
+            out.push_str(&format!("\n\nAttachments: {}", attachments.join("; ")));
+        }
+    }
+    out
+}
+
+struct GetGmail(GmailApi);
+
+#[async_trait::async_trait]
+impl Tool for GetGmail {
+    fn spec(&self) -> ToolSpec {
+        spec(
+            "get_gmail",
+            "Read one email in full: use this to read full email content after finding messages \
+             with search_gmail. Attachments are listed, not included.",
+            json!({"type": "object", "additionalProperties": false, "required": ["message_id"], "properties": {
+                "message_id": {"type": "string", "minLength": 1, "maxLength": 100},
+                "account": {"type": "string", "description": "The account search_gmail listed it under"}}}),
+        )
+    }
+
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let id = text_arg(&args, "message_id").unwrap_or_default();
+        let accounts = pick_accounts(
+            ctx.accounts(Integration::Gmail).await?,
+            text_arg(&args, "account").as_deref(),
+            "get_gmail",
+        )?;
+        // Ids belong to one mailbox; without an account, try each until one has it.
+        for account in &accounts {
+            if let Some(m) = self.0.get_message(ctx, &account.account, &id).await? {
+                return Ok(ToolOutput::text(format!(
+                    "Account: {}\n{}",
+                    account.account,
+                    render_message(&m, true)
+                )));
+            }
+        }
+        Err(ToolError::NotFound(format!(
+            "I couldn't find email {id} in {}.",
+            names(&accounts)
+        )))
+    }
+}
+
+fn names(accounts: &[AccountInfo]) -> String {
+    accounts
+        .iter()
+        .map(|a| a.account.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+struct ThreadRead(GmailApi);
+
+#[async_trait::async_trait]
+impl Tool for ThreadRead {
+    fn spec(&self) -> ToolSpec {
+        spec(
+            "gmail_thread_read",
+            "Read a whole email thread in full, oldest message first.",
+            json!({"type": "object", "additionalProperties": false, "required": ["thread_id"], "properties": {
+                "thread_id": {"type": "string", "minLength": 1, "maxLength": 100},
+                "account": {"type": "string"}}}),
+        )
+    }
+
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let id = text_arg(&args, "thread_id").unwrap_or_default();
+        let accounts = pick_accounts(
+            ctx.accounts(Integration::Gmail).await?,
+            text_arg(&args, "account").as_deref(),
+            "gmail_thread_read",
+        )?;
+        for account in &accounts {
+            ctx.charge(Integration::Gmail, &account.account, 1).await?;
+            let url = self
+                .0
+                .url(&format!("/gmail/v1/users/me/threads/{}", urlencode(&id)));
+            let r = ctx
+                .send(Integration::Gmail, &account.account, |t| {
+                    ctx.http()
+                        .get(&url)
+                        .query(&[("format", "full")])
+                        .bearer_auth(t)
+                })
+                .await?;
+            if r.status == reqwest::StatusCode::NOT_FOUND {
+                continue;
+            }
+            let thread: Thread = r.json(SERVICE)?;
+            let rendered: Vec<String> = thread
+                .messages
+                .iter()
+                .map(|m| render_message(m, true))
+                .collect();
+            return Ok(ToolOutput::text(format!(
+                "Account: {}\nThread {id} ({} messages)\n\n{}",
+                account.account,
+                thread.messages.len(),
+                rendered.join("\n\n---\n\n")
+            )));
+        }
+        Err(ToolError::NotFound(format!(
+            "I couldn't find thread {id} in {}.",
+            names(&accounts)
+        )))
+    }
+}
+
+#[derive(Clone, Copy)]
+enum ComposeKind {
+    Send,
+    Draft,
+}
+
+struct Compose {
+    api: GmailApi,
+    kind: ComposeKind,
+}
+
+fn recipients(args: &Value, field: &str) -> Vec<String> {
+    match args.get(field) {
+        Some(Value::String(s)) => s
+            .split(',')
+            .map(|a| a.trim().to_owned())
+            .filter(|a| !a.is_empty())
+            .collect(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(Value::as_str)
+            .map(|a| a.trim().to_owned())
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn compose_schema() -> Value {
+    let list = json!({"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 50}]});
+    json!({"type": "object", "additionalProperties": false, "required": ["to", "subject", "body"], "properties": {
+        "to": list, "cc": list, "bcc": list,
+        "subject": {"type": "string", "maxLength": 998},
+        "body": {"type": "string", "maxLength": 100000},
+        "account": {"type": "string", "description": "The address to send from; needed when several are connected"}}})
+}
+
+fn raw(message: MessageBuilder<'_>) -> Result<String, ToolError> {
+    let bytes = message
+        .write_to_vec()
+        .map_err(|e| ToolError::Internal(format!("could not build the message: {e}")))?;
+    Ok(base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes))
+}
+
+#[async_trait::async_trait]
+impl Tool for Compose {
+    fn spec(&self) -> ToolSpec {
+        match self.kind {
+            ComposeKind::Send => spec(
+                "gmail_send",
+                "Send a new email from the user's account.",
+                compose_schema(),
+            )
+            .with_side_effect(),
+            ComposeKind::Draft => spec(
+                "gmail_draft_create",
+                "Save a new email as a draft in the user's account, without sending it.",
+                compose_schema(),
+            )
+            .with_side_effect(),
+        }
+    }
+
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let name = self.spec().name;
+        let from = one_account(
+            ctx.accounts(Integration::Gmail).await?,
+            text_arg(&args, "account").as_deref(),
+            &name,
+        )?;
+        let to = recipients(&args, "to");
+        if to.is_empty() {
+            return Err(ToolError::InvalidArguments {
+                tool: name,
+                detail: "to names no recipient".into(),
+            });
+        }
+        let (cc, bcc) = (recipients(&args, "cc"), recipients(&args, "bcc"));
+        let subject = args
+            .get("subject")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
+        let mut message = MessageBuilder::new()
+            .from(from.as_str())
+            .to(to.iter().map(String::as_str).collect::<Vec<_>>())
+            .subject(subject)
+            .text_body(body);
+        if !cc.is_empty() {
+            message = message.cc(cc.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        if !bcc.is_empty() {
+            message = message.bcc(bcc.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        let raw = raw(message)?;
+        match self.kind {
+            ComposeKind::Send => {
+                let sent = self
+                    .api
+                    .post_json(
+                        ctx,
+                        &from,
+                        "/gmail/v1/users/me/messages/send",
+                        json!({ "raw": raw }),
+                    )
+                    .await?;
+                Ok(ToolOutput::text(format!(
+                    "Sent \"{subject}\" from {from} to {} (message {}).",
+                    to.join(", "),
+                    sent["id"].as_str().unwrap_or("?")
+                )))
+            }
+            ComposeKind::Draft => {
+                let draft = self
+                    .api
+                    .post_json(
+                        ctx,
+                        &from,
+                        "/gmail/v1/users/me/drafts",
+                        json!({"message": {"raw": raw}}),
+                    )
+                    .await?;
+                Ok(ToolOutput::text(format!(
+                    "Saved draft \"{subject}\" to {} in {from} (draft {}).",
+                    to.join(", "),
+                    draft["id"].as_str().unwrap_or("?")
+                )))
+            }
+        }
+    }
+}
+
+struct Reply(GmailApi);
+
+fn strip_angles(id: &str) -> &str {
+    id.trim().trim_start_matches('<').trim_end_matches('>')
+}
+
+#[async_trait::async_trait]
+impl Tool for Reply {
+    fn spec(&self) -> ToolSpec {
+        spec("gmail_reply", "Reply to an email in its thread (to its sender, or to everyone with reply_all).", json!({"type": "object", "additionalProperties": false, "required": ["message_id", "body"], "properties": {
+                "message_id": {"type": "string", "minLength": 1, "maxLength": 100},
+                "body": {"type": "string", "maxLength": 100000},
+                "reply_all": {"type": "boolean", "default": false},
+                "account": {"type": "string"}}})).with_side_effect().with_cost(2)
+    }
+
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let id = text_arg(&args, "message_id").unwrap_or_default();
+        let from = one_account(
+            ctx.accounts(Integration::Gmail).await?,
+            text_arg(&args, "account").as_deref(),
+            "gmail_reply",
+        )?;
+        let original =
+            self.0.get_message(ctx, &from, &id).await?.ok_or_else(|| {
+                ToolError::NotFound(format!("I couldn't find email {id} in {from}."))
+            })?;
+        let reply_to = if original.header("Reply-To").is_empty() {
+            original.header("From")
+        } else {
+            original.header("Reply-To")
+        };
+        let mut to = vec![address(reply_to).to_owned()];
+        if args
+            .get("reply_all")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+        {
+            for field in ["To", "Cc"] {
+                for a in original
+                    .header(field)
+                    .split(',')
+                    .map(address)
+                    .filter(|a| !a.is_empty())
+                {
+                    if !a.eq_ignore_ascii_case(&from)
+                        && !to.iter().any(|t| t.eq_ignore_ascii_case(a))
+                    {
+                        to.push(a.to_owned());
+                    }
+                }
+            }
+        }
+        let subject = original.header("Subject");
+        let subject = if subject.to_ascii_lowercase().starts_with("re:") {
+            subject.to_owned()
+        } else {
+            format!("Re: {subject}")
+        };
+        let message_id = strip_angles(original.header("Message-ID")).to_owned();
+        let mut references: Vec<String> = original
+            .header("References")
+            .split_whitespace()
+            .map(|r| strip_angles(r).to_owned())
+            .collect();
+        if !message_id.is_empty() {
+            references.push(message_id.clone());
+        }
+        let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
+        let mut message = MessageBuilder::new()
+            .from(from.as_str())
+            .to(to.iter().map(String::as_str).collect::<Vec<_>>())
+            .subject(subject.as_str())
+            .text_body(body);
+        if !message_id.is_empty() {
+            message = message.in_reply_to(message_id.as_str()).references(
+                references
+                    .iter()
+                    .map(String::as_str)
+                    .collect::<Vec<_>>()
+                    .as_slice(),
+            );
+        }
+        let raw = raw(message)?;
+        let sent = self
+            .0
+            .post_json(
+                ctx,
+                &from,
+                "/gmail/v1/users/me/messages/send",
+                json!({"raw": raw, "threadId": original.thread_id}),
+            )
+            .await?;
+        Ok(ToolOutput::text(format!(
+            "Replied to \"{}\" from {from} to {} in thread {} (message {}).",
+            original.header("Subject"),
+            to.join(", "),
+            original.thread_id,
+            sent["id"].as_str().unwrap_or("?")
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(mime: &str, charset: &str, data: &[u8]) -> Part {
+        Part {
+            mime_type: mime.into(),
+            headers: vec![Header {
+                name: "Content-Type".into(),
+                value: format!("{mime}; charset=\"{charset}\""),
+            }],
+            body: Some(Body {
+                size: data.len() as u64,
+                data: Some(base64::engine::general_purpose::URL_SAFE.encode(data)),
+            }),
+            ..Part::default()
+        }
+    }
+
+    #[test]
+    fn plain_text_is_preferred_html_converted_latin1_decoded_attachments_listed() {
+        let latin1 = part("text/plain", "ISO-8859-1", b"Gr\xfc\xdfe aus K\xf6ln");
+        assert_eq!(readable_body(&latin1).0, "Grüße aus Köln");
+
+        let html = part(
+            "text/html",
+            "utf-8",
+            b"<html><body><p>Hello <b>there</b></p><script>x()</script></body></html>",
+        );
+        let (text, _) = readable_body(&html);
+        assert!(
+            text.contains("Hello") && text.contains("there") && !text.contains("<b>"),
+            "{text}"
+        );
+
+        let mut attachment = part("application/pdf", "binary", b"%PDF");
+        attachment.filename = "invoice.pdf".into();
+        let mixed = Part {
+            mime_type: "multipart/mixed".into(),
+            parts: vec![
+                Part {
+                    mime_type: "multipart/alternative".into(),
+                    parts: vec![
+                        part("text/plain", "utf-8", b"plain wins"),
+                        part("text/html", "utf-8", b"<p>html</p>"),
+                    ],
+                    ..Part::default()
+                },
+                attachment,
+            ],
+            ..Part::default()
+        };
+        let (text, attachments) = readable_body(&mixed);
+        assert_eq!(text, "plain wins");
+        assert_eq!(attachments, ["invoice.pdf (application/pdf, 1 KB)"]);
+    }
+
+    #[test]
+    fn senders_are_reduced_to_their_address() {
+        assert_eq!(
+            address("GitHub <notifications@github.com>"),
+            "notifications@github.com"
+        );
+        assert_eq!(address("plain@example.com"), "plain@example.com");
     }
 }

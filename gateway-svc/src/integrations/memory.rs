@@ -24,16 +24,8 @@ pub fn tools(store: Arc<dyn NoteStore>) -> Vec<Arc<dyn Tool>> {
     ]
 }
 
-fn spec(name: &str, description: &str, schema: Value, side_effect: bool) -> ToolSpec {
-    ToolSpec {
-        name: name.into(),
-        aliases: vec![],
-        description: description.into(),
-        schema,
-        side_effect,
-        integration: Integration::Memory,
-        upstream_cost: 0,
-    }
+fn spec(name: &str, description: &str, schema: Value) -> ToolSpec {
+    ToolSpec::new(name, Integration::Memory, description, schema)
 }
 
 fn note_schema() -> Value {
@@ -67,7 +59,6 @@ impl Tool for SaveMemory {
             "save_memory",
             "Remember one fact about the user for later conversations.",
             note_schema(),
-            false,
         )
     }
 
@@ -91,7 +82,6 @@ impl Tool for CreateMemories {
             "Remember several facts about the user at once.",
             json!({"type": "object", "additionalProperties": false, "required": ["memories"], "properties": {
                 "memories": {"type": "array", "minItems": 1, "maxItems": 20, "items": note_schema()}}}),
-            false,
         )
     }
 
@@ -126,7 +116,6 @@ impl Tool for SearchMemory {
             json!({"type": "object", "additionalProperties": false, "required": ["query"], "properties": {
                 "query": {"type": "string", "minLength": 1, "maxLength": 500},
                 "limit": {"type": "integer", "minimum": 1, "maximum": 20, "default": 5}}}),
-            false,
         )
     }
 

@@ -1,9 +1,12 @@
 //! The tools gateway-svc ships. Each integration is a module of `Tool`s; the enforcement they
 //! all get (validation, caps, limits, credentials, audit) lives in `engine` and `context`.
 
+pub mod batch;
+pub mod calendar;
 pub mod gmail;
 pub mod memory;
 pub mod reminders;
+pub mod slack;
 pub mod tasks;
 
 use std::sync::Arc;
@@ -12,11 +15,22 @@ use serde_json::Value;
 
 use crate::{enforce::ToolError, registry::Tool, store::Stores};
 
+/// Where the REST integrations live (configurable so tests and local runs use fakes, I-9).
+#[derive(Debug, Clone)]
+pub struct Upstreams {
+    pub gmail: gmail::GmailApi,
+    pub calendar: calendar::CalendarApi,
+    pub slack: slack::SlackApi,
+}
+
 /// Every built-in tool.
-pub fn builtin(stores: &Stores) -> Vec<Arc<dyn Tool>> {
+pub fn builtin(stores: &Stores, upstreams: &Upstreams) -> Vec<Arc<dyn Tool>> {
     let mut tools = tasks::tools(stores.tasks.clone());
     tools.extend(memory::tools(stores.notes.clone()));
     tools.extend(reminders::tools(stores.reminders.clone()));
+    tools.extend(gmail::tools(upstreams.gmail.clone()));
+    tools.extend(calendar::tools(upstreams.calendar.clone()));
+    tools.extend(slack::tools(upstreams.slack.clone()));
     tools
 }
 

@@ -21,18 +21,9 @@ pub fn tools(store: Arc<dyn ReminderStore>) -> Vec<Arc<dyn Tool>> {
     ]
 }
 
-// Tasks and reminders live inside Steward: changing them acts on nothing outside it, so they
-// are not side effects and need no approval (P-3 keys approvals off this flag).
+// Reminders live inside Steward, so they are not side effects (see tasks).
 fn spec(name: &str, description: &str, schema: Value) -> ToolSpec {
-    ToolSpec {
-        name: name.into(),
-        aliases: vec![],
-        description: description.into(),
-        schema,
-        side_effect: false,
-        integration: Integration::Reminders,
-        upstream_cost: 0,
-    }
+    ToolSpec::new(name, Integration::Reminders, description, schema)
 }
 
 struct CreateReminder(Arc<dyn ReminderStore>);

@@ -28,18 +28,10 @@ pub fn tools(store: Arc<dyn TaskStore>) -> Vec<Arc<dyn Tool>> {
     ]
 }
 
-// Tasks and reminders live inside Steward: changing them acts on nothing outside it, so they
-// are not side effects and need no approval (P-3 keys approvals off this flag).
+// Tasks live inside Steward: changing them acts on nothing outside it, so they are not side
+// effects and need no approval (P-3 keys approvals off this flag).
 fn spec(name: &str, description: &str, schema: Value) -> ToolSpec {
-    ToolSpec {
-        name: name.into(),
-        aliases: vec![],
-        description: description.into(),
-        schema,
-        side_effect: false,
-        integration: Integration::Tasks,
-        upstream_cost: 0,
-    }
+    ToolSpec::new(name, Integration::Tasks, description, schema)
 }
 
 fn task_id(args: &Value) -> i64 {

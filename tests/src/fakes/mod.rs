@@ -1,8 +1,10 @@
 //! Fake upstreams on loopback, speaking the real wire formats, recording what they were sent.
 
+pub mod calendar;
 pub mod gmail;
 pub mod oauth;
 pub mod probe;
+pub mod slack;
 
 use std::net::SocketAddr;
 

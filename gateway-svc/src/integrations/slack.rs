@@ -1,0 +1,245 @@
+//! Slack over its Web API (I-5): slack_channels (conversations.list, paginated within a bound)
+//! and slack_read (conversations.history). Slack answers most errors with HTTP 200 and
+//! `{"ok": false, "error": "..."}`; those become clear results too, as do 429s with Retry-After.
+
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+
+use super::text_arg;
+use crate::{
+    context::{CallContext, UpstreamResponse},
+    domain::Integration,
+    enforce::ToolError,
+    registry::{Tool, ToolOutput, ToolSpec},
+};
+
+pub const DEFAULT_BASE_URL: &str = "https://slack.com";
+const SERVICE: &str = "Slack";
+/// Pages of conversations.list one call may read (200 channels each).
+const MAX_PAGES: usize = 3;
+
+#[derive(Debug, Clone)]
+pub struct SlackApi {
+    /// `SLACK_API_BASE_URL`
+    pub base_url: String,
+}
+
+impl SlackApi {
+    async fn call(
+        &self,
+        ctx: &CallContext,
+        team: &str,
+        method: &str,
+        query: &[(&str, String)],
+    ) -> Result<Value, ToolError> {
+        ctx.charge(Integration::Slack, team, 1).await?;
+        let url = format!("{}/api/{method}", self.base_url.trim_end_matches('/'));
+        let r = ctx
+            .send(Integration::Slack, team, |t| {
+                ctx.http().get(&url).query(query).bearer_auth(t)
+            })
+            .await?;
+        slack_body(team, r)
+    }
+}
+
+/// Slack's `ok: false` errors, in words.
+fn slack_body(team: &str, r: UpstreamResponse) -> Result<Value, ToolError> {
+    let body: Value = r.json(SERVICE)?;
+    if body.get("ok").and_then(Value::as_bool) == Some(true) {
+        return Ok(body);
+    }
+    let error = body
+        .get("error")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown_error")
+        .to_owned();
+    Err(match error.as_str() {
+        "channel_not_found" => {
+            ToolError::NotFound("Slack has no such channel, or the app cannot see it.".into())
+        }
+        "not_in_channel" => ToolError::PermissionDenied {
+            service: SERVICE,
+            account: team.into(),
+            detail: "the Steward app is not a member of that channel; invite it first".into(),
+        },
+        "invalid_auth" | "token_revoked" | "account_inactive" | "not_authed" => {
+            ToolError::CredentialsRevoked {
+                provider: SERVICE,
+                account: team.into(),
+            }
+        }
+        "ratelimited" => ToolError::UpstreamRateLimited {
+            service: SERVICE,
+            retry_after: std::time::Duration::from_secs(30),
+        },
+        _ => ToolError::Upstream {
+            service: SERVICE,
+            status: 200,
+            detail: error,
+        },
+    })
+}
+
+pub fn tools(api: SlackApi) -> Vec<Arc<dyn Tool>> {
+    vec![Arc::new(Channels(api.clone())), Arc::new(Read(api))]
+}
+
+fn spec(name: &str, description: &str, schema: Value) -> ToolSpec {
+    ToolSpec::new(name, Integration::Slack, description, schema)
+}
+
+async fn team(ctx: &CallContext, args: &Value) -> Result<String, ToolError> {
+    let all = ctx.accounts(Integration::Slack).await?;
+    let named = text_arg(args, "workspace");
+    match named {
+        Some(n) => all
+            .into_iter()
+            .map(|a| a.account)
+            .find(|a| a == &n)
+            .ok_or_else(|| ToolError::InvalidArguments {
+                tool: "slack".into(),
+                detail: format!("no connected Slack workspace {n:?}"),
+            }),
+        None => Ok(all[0].account.clone()),
+    }
+}
+
+struct Channels(SlackApi);
+
+#[async_trait::async_trait]
+impl Tool for Channels {
+    fn spec(&self) -> ToolSpec {
+        spec(
+            "slack_channels",
+            "List the Slack channels the user's workspace has (name, id, members).",
+            json!({"type": "object", "additionalProperties": false, "properties": {
+                "limit": {"type": "integer", "minimum": 1, "maximum": 600, "default": 100},
+                "workspace": {"type": "string", "description": "Team id; the first connected when omitted"}}}),
+        )
+    }
+
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let team = team(ctx, &args).await?;
+        let limit = args.get("limit").and_then(Value::as_u64).unwrap_or(100) as usize;
+        let mut channels = Vec::new();
+        let mut cursor = String::new();
+        for _ in 0..MAX_PAGES {
+            let mut query = vec![
+                ("limit", "200".to_owned()),
+                ("exclude_archived", "true".to_owned()),
+                ("types", "public_channel,private_channel".to_owned()),
+            ];
+            if !cursor.is_empty() {
+                query.push(("cursor", cursor.clone()));
+            }
+            let page = self
+                .0
+                .call(ctx, &team, "conversations.list", &query)
+                .await?;
+            channels.extend(page["channels"].as_array().cloned().unwrap_or_default());
+            cursor = page
+                .pointer("/response_metadata/next_cursor")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned();
+            if cursor.is_empty() || channels.len() >= limit {
+                break;
+            }
+        }
+        let more = !cursor.is_empty() || channels.len() > limit;
+        channels.truncate(limit);
+        if channels.is_empty() {
+            return Ok(ToolOutput::text(format!(
+                "No channels in Slack workspace {team}."
+            )));
+        }
+        let lines: Vec<String> = channels
+            .iter()
+            .map(|c| {
+                format!(
+                    "#{} ({}){} — {} members",
+                    c["name"].as_str().unwrap_or("?"),
+                    c["id"].as_str().unwrap_or("?"),
+                    if c["is_private"].as_bool() == Some(true) {
+                        " private"
+                    } else {
+                        ""
+                    },
+                    c["num_members"].as_u64().unwrap_or(0)
+                )
+            })
+            .collect();
+        let tail = if more {
+            "\n(more channels exist; ask for a higher limit)"
+        } else {
+            ""
+        };
+        Ok(ToolOutput::text(format!(
+            "Slack channels in {team} ({}):\n{}{tail}",
+            channels.len(),
+            lines.join("\n")
+        )))
+    }
+}
+
+struct Read(SlackApi);
+
+#[async_trait::async_trait]
+impl Tool for Read {
+    fn spec(&self) -> ToolSpec {
+        spec(
+            "slack_read",
+            "Read the latest messages of a Slack channel, newest first.",
+            json!({"type": "object", "additionalProperties": false, "required": ["channel"], "properties": {
+                "channel": {"type": "string", "minLength": 1, "maxLength": 50, "description": "Channel id, e.g. C024BE91L"},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+                "workspace": {"type": "string"}}}),
+        )
+    }
+
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let team = team(ctx, &args).await?;
+        let channel = text_arg(&args, "channel").unwrap_or_default();
+        let limit = args
+            .get("limit")
+            .and_then(Value::as_u64)
+            .unwrap_or(20)
+            .to_string();
+        let page = self
+            .0
+            .call(
+                ctx,
+                &team,
+                "conversations.history",
+                &[("channel", channel.clone()), ("limit", limit)],
+            )
+            .await?;
+        let messages = page["messages"].as_array().cloned().unwrap_or_default();
+        if messages.is_empty() {
+            return Ok(ToolOutput::text(format!("No messages in {channel}.")));
+        }
+        let lines: Vec<String> = messages
+            .iter()
+            .map(|m| {
+                let when = m["ts"]
+                    .as_str()
+                    .and_then(|ts| ts.split('.').next()?.parse::<i64>().ok())
+                    .and_then(|s| jiff::Timestamp::from_second(s).ok())
+                    .map(|t| t.strftime("%b %-d %H:%M").to_string())
+                    .unwrap_or_default();
+                let who = m["user"]
+                    .as_str()
+                    .or_else(|| m["username"].as_str())
+                    .unwrap_or("someone");
+                format!("[{when}] {who}: {}", m["text"].as_str().unwrap_or(""))
+            })
+            .collect();
+        Ok(ToolOutput::text(format!(
+            "Latest messages in {channel} ({}):\n{}",
+            messages.len(),
+            lines.join("\n")
+        )))
+    }
+}
