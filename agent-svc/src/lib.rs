@@ -5,6 +5,9 @@
 pub mod api;
 pub mod app;
 pub mod config;
+pub mod executor;
+pub mod gateway_client;
+pub mod llm;
 pub mod store;
 
 pub use app::{App, StartError};

@@ -12,3 +12,4 @@ pub mod shutdown;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod text;

@@ -1,0 +1,637 @@
+//! The tool-calling loop (E-1..E-10): model call with tool declarations → tool calls → argument
+//! parsing → execution (concurrent per turn, results in call order) → results into the
+//! transcript → again, until the model answers without tools, a limit, the repetition guard,
+//! send_message, a budget, or a failure. Every ending produces text: a limit gets one last
+//! tool-less model turn, a dead model chain gets the partial-results sentence (S0 AC-16).
+//!
+//! The executor depends only on traits (model chain, tool runner, event sink), so it is tested
+//! without a network.
+
+pub mod budget;
+pub mod limits;
+pub mod transcript;
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use self::{budget::TokenCounter, limits::Limits, transcript::check_pairs};
+use crate::llm::{
+    Delta, ModelRequest, TokenUsage, ToolCall, ToolDecl, Turn,
+    resilient::{self, ChainEntry, RetryPolicy},
+};
+
+/// One tool call to execute, arguments already parsed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolInvocation {
+    pub call_id: String,
+    pub name: String,
+    pub args: Value,
+}
+
+/// What a tool call produced (the gateway's result, or an error made here).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolOutcome {
+    pub ok: bool,
+    pub text: String,
+    /// Machine-readable kind when not ok, e.g. "RATE_LIMITED".
+    pub error_kind: String,
+    pub truncated: bool,
+}
+
+#[async_trait::async_trait]
+pub trait ToolRunner: Send + Sync {
+    /// Runs the calls concurrently; one outcome per call, in call order.
+    async fn run(&self, calls: Vec<ToolInvocation>) -> Vec<ToolOutcome>;
+}
+
+/// What a run reports as it goes (A-4).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunEvent {
+    Planning {
+        iteration: u32,
+    },
+    Executing {
+        calls: usize,
+    },
+    TextDelta(String),
+    ThinkingDelta(String),
+    ToolCall {
+        call_id: String,
+        name: String,
+        preview: String,
+    },
+    ToolResult {
+        call_id: String,
+        name: String,
+        ok: bool,
+        preview: String,
+        error_kind: String,
+        truncated: bool,
+    },
+}
+
+pub trait EventSink: Send + Sync {
+    fn emit(&self, event: RunEvent);
+}
+
+/// Per-million-token prices of one model (E-10).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Price {
+    pub input: f64,
+    pub output: f64,
+    pub cached_input: f64,
+}
+
+impl Price {
+    pub fn cost(&self, u: &TokenUsage) -> f64 {
+        let uncached = u.input_tokens.saturating_sub(u.cached_tokens) as f64;
+        (uncached * self.input
+            + u.cached_tokens as f64 * self.cached_input
+            + u.output_tokens as f64 * self.output)
+            / 1e6
+    }
+}
+
+/// The models a run may use and how.
+#[derive(Clone)]
+pub struct ModelSetup {
+    pub chain: Vec<ChainEntry>,
+    pub retry: RetryPolicy,
+    /// Always explicit (E-7): 2048 by default.
+    pub max_output_tokens: u32,
+    /// Context window of the chain's first model, in tokens.
+    pub context_window: usize,
+    pub prices: HashMap<String, Price>,
+    /// Extra time the final tool-less turn may take after the wall-time limit.
+    pub final_turn_grace: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct RunRequest {
+    pub system: String,
+    /// Earlier transcript of the thread, oldest first.
+    pub history: Vec<Turn>,
+    pub prompt: String,
+    pub tools: Vec<ToolDecl>,
+    pub limits: Limits,
+    /// A tool after which a conversational agent stops (E-4): `send_message`.
+    pub stop_after: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stop {
+    /// The model answered without calling tools.
+    Completed,
+    IterationLimit,
+    TimeLimit,
+    /// The same tool too many times in a row (E-3).
+    Repetition,
+    /// `stop_after` ran (E-4).
+    SentMessage,
+    /// The run's token or cost budget was used up.
+    Budget,
+    /// Every model of the chain failed (E-6); the text is the partial-results sentence.
+    ModelUnavailable(String),
+    /// The model called a tool that does not exist (E-9): the run fails.
+    UnknownTool(String),
+}
+
+/// The accounting of one model call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallRecord {
+    pub provider: String,
+    pub model: String,
+    pub usage: TokenUsage,
+    pub cost_usd: f64,
+    pub latency: Duration,
+    pub retries: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// What the user reads. Never empty.
+    pub text: String,
+    /// True when the model's own final text was empty and `text` is a fallback (E-5).
+    pub model_text_empty: bool,
+    pub stop: Stop,
+    /// The turns this run added (its user turn first).
+    pub new_turns: Vec<Turn>,
+    pub calls: Vec<CallRecord>,
+    pub iterations: u32,
+    /// The last tool the run executed, with its arguments.
+    pub last_tool: Option<(String, Value)>,
+}
+
+impl Outcome {
+    pub fn total_usage(&self) -> TokenUsage {
+        self.calls
+            .iter()
+            .fold(TokenUsage::default(), |acc, c| TokenUsage {
+                input_tokens: acc.input_tokens + c.usage.input_tokens,
+                output_tokens: acc.output_tokens + c.usage.output_tokens,
+                cached_tokens: acc.cached_tokens + c.usage.cached_tokens,
+            })
+    }
+
+    pub fn cost_usd(&self) -> f64 {
+        self.calls.iter().map(|c| c.cost_usd).sum()
+    }
+}
+
+/// S0 AC-16, word for word.
+pub fn trouble_connecting(gathered: &[String]) -> String {
+    let partial = if gathered.is_empty() {
+        "nothing yet.".to_owned()
+    } else {
+        gathered.join("\n")
+    };
+    format!("I'm having trouble connecting right now. Here's what I was able to gather: {partial}")
+}
+
+const PREVIEW_CHARS: usize = 200;
+/// How much of each tool result the fallback texts quote.
+const GATHERED_CHARS: usize = 500;
+
+fn preview(s: &str, n: usize) -> String {
+    let mut p: String = s.chars().take(n).collect();
+    if p.len() < s.len() {
+        p.push('…');
+    }
+    p
+}
+
+pub struct Executor {
+    pub models: Arc<ModelSetup>,
+    /// MAX_TOOL_RESULT_CHARS: the gateway caps results already; this is defence in depth so no
+    /// runner can put an uncapped result into the transcript (S4 fix 3).
+    pub max_tool_result_chars: usize,
+}
+
+struct Run<'a> {
+    models: &'a ModelSetup,
+    max_tool_result_chars: usize,
+    req: &'a RunRequest,
+    sink: &'a dyn EventSink,
+    started: Instant,
+    turns: Vec<Turn>,
+    history_len: usize,
+    gathered: Vec<String>,
+    calls: Vec<CallRecord>,
+    iterations: u32,
+    last_tool: Option<(String, Value)>,
+}
+
+impl Executor {
+    pub async fn run(
+        &self,
+        req: &RunRequest,
+        tools: &dyn ToolRunner,
+        sink: &dyn EventSink,
+    ) -> Outcome {
+        let mut turns = req.history.clone();
+        let history_len = turns.len();
+        turns.push(Turn::User(req.prompt.clone()));
+        let mut run = Run {
+            models: &self.models,
+            max_tool_result_chars: self.max_tool_result_chars,
+            req,
+            sink,
+            started: Instant::now(),
+            turns,
+            history_len,
+            gathered: Vec::new(),
+            calls: Vec::new(),
+            iterations: 0,
+            last_tool: None,
+        };
+        run.go(tools).await
+    }
+}
+
+enum Step {
+    Continue,
+    Done(Outcome),
+}
+
+impl Run<'_> {
+    async fn go(&mut self, tools: &dyn ToolRunner) -> Outcome {
+        let mut same_tool: (String, u32) = (String::new(), 0);
+        loop {
+            let limits = &self.req.limits;
+            if self.iterations >= limits.max_iterations {
+                return self.final_turn(Stop::IterationLimit).await;
+            }
+            if self.started.elapsed() >= limits.max_wall {
+                return self.final_turn(Stop::TimeLimit).await;
+            }
+            if self.over_budget() {
+                return self.final_turn(Stop::Budget).await;
+            }
+            match self.iteration(tools, &mut same_tool).await {
+                Step::Continue => {}
+                Step::Done(outcome) => return outcome,
+            }
+        }
+    }
+
+    fn over_budget(&self) -> bool {
+        let usage = self
+            .calls
+            .iter()
+            .map(|c| c.usage.input_tokens + c.usage.output_tokens)
+            .sum::<u64>();
+        let cost: f64 = self.calls.iter().map(|c| c.cost_usd).sum();
+        self.req
+            .limits
+            .max_total_tokens
+            .is_some_and(|max| usage >= max)
+            || self.req.limits.max_cost_usd.is_some_and(|max| cost >= max)
+    }
+
+    async fn iteration(&mut self, tools: &dyn ToolRunner, same_tool: &mut (String, u32)) -> Step {
+        self.iterations += 1;
+        self.sink.emit(RunEvent::Planning {
+            iteration: self.iterations,
+        });
+        let remaining = self
+            .req
+            .limits
+            .max_wall
+            .saturating_sub(self.started.elapsed());
+        let response = match self
+            .call_model(&self.req.tools.clone(), "", remaining)
+            .await
+        {
+            Ok(Some(r)) => r,
+            Ok(None) => return Step::Done(self.final_turn(Stop::TimeLimit).await),
+            Err(failed) => {
+                let text = trouble_connecting(&self.gathered);
+                return Step::Done(self.finish(text, false, Stop::ModelUnavailable(failed)));
+            }
+        };
+        if response.tool_calls.is_empty() {
+            let text = response.text.trim().to_owned();
+            self.push(Turn::Assistant {
+                text: text.clone(),
+                tool_calls: vec![],
+            });
+            return Step::Done(self.answer(text, Stop::Completed));
+        }
+        let calls = response.tool_calls.clone();
+        self.push(Turn::Assistant {
+            text: response.text.clone(),
+            tool_calls: calls.clone(),
+        });
+
+        // E-9: an unknown tool ends the run as failed; every call still gets its result.
+        if let Some(unknown) = calls
+            .iter()
+            .find(|c| !self.req.tools.iter().any(|t| t.name == c.name))
+        {
+            let name = unknown.name.clone();
+            for c in &calls {
+                self.push(Turn::ToolResult {
+                    call_id: c.id.clone(),
+                    name: c.name.clone(),
+                    content: format!(
+                        "Not executed: the run stopped because there is no tool named {name:?}."
+                    ),
+                    is_error: true,
+                });
+            }
+            let text =
+                format!("I tried to use a tool that doesn't exist ({name}), so I stopped here.");
+            return Step::Done(self.finish(text, false, Stop::UnknownTool(name)));
+        }
+
+        let outcomes = self.execute(tools, &calls).await;
+        for (call, outcome) in calls.iter().zip(&outcomes) {
+            if outcome.ok {
+                self.gathered.push(format!(
+                    "{}: {}",
+                    call.name,
+                    preview(&outcome.text, GATHERED_CHARS)
+                ));
+            }
+            if same_tool.0 == call.name {
+                same_tool.1 += 1;
+            } else {
+                *same_tool = (call.name.clone(), 1);
+            }
+        }
+        if let Some(stop_tool) = &self.req.stop_after
+            && let Some((call, _)) = calls
+                .iter()
+                .zip(&outcomes)
+                .find(|(c, o)| &c.name == stop_tool && o.ok)
+        {
+            let args: Value = serde_json::from_str(&call.arguments).unwrap_or(Value::Null);
+            let text = ["message", "text", "content"]
+                .iter()
+                .find_map(|k| args.get(*k).and_then(Value::as_str))
+                .unwrap_or_default()
+                .to_owned();
+            return Step::Done(self.answer(text, Stop::SentMessage));
+        }
+        if same_tool.1 >= self.req.limits.max_same_tool_consecutive {
+            return Step::Done(self.final_turn(Stop::Repetition).await);
+        }
+        Step::Continue
+    }
+
+    /// Parses arguments, runs the valid calls, and records every call's result in order.
+    async fn execute(&mut self, tools: &dyn ToolRunner, calls: &[ToolCall]) -> Vec<ToolOutcome> {
+        let mut outcomes: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
+        let mut invocations = Vec::new();
+        let mut positions = Vec::new();
+        for (i, call) in calls.iter().enumerate() {
+            let raw = if call.arguments.trim().is_empty() {
+                "{}"
+            } else {
+                call.arguments.as_str()
+            };
+            match serde_json::from_str::<Value>(raw) {
+                Ok(args) if args.is_object() => {
+                    self.sink.emit(RunEvent::ToolCall {
+                        call_id: call.id.clone(),
+                        name: call.name.clone(),
+                        preview: preview(raw, PREVIEW_CHARS),
+                    });
+                    self.last_tool = Some((call.name.clone(), args.clone()));
+                    invocations.push(ToolInvocation {
+                        call_id: call.id.clone(),
+                        name: call.name.clone(),
+                        args,
+                    });
+                    positions.push(i);
+                }
+                // S4 failure mode 6: malformed JSON goes back to the model as a result it can fix.
+                parsed => {
+                    let why = match parsed {
+                        Err(e) => format!("were not valid JSON ({e})"),
+                        Ok(_) => "were not a JSON object".to_owned(),
+                    };
+                    outcomes[i] = Some(ToolOutcome {
+                        ok: false,
+                        text: format!(
+                            "Your arguments for {} {why}. Call {} again with a valid JSON object.",
+                            call.name, call.name
+                        ),
+                        error_kind: "INVALID_ARGUMENTS".into(),
+                        truncated: false,
+                    });
+                }
+            }
+        }
+        if !invocations.is_empty() {
+            self.sink.emit(RunEvent::Executing {
+                calls: invocations.len(),
+            });
+            let results = tools.run(invocations).await;
+            for (pos, mut result) in positions.into_iter().zip(results) {
+                let capped = svc_kit::text::cap_text(
+                    std::mem::take(&mut result.text),
+                    self.max_tool_result_chars,
+                );
+                result.text = capped.text;
+                result.truncated |= capped.truncated;
+                outcomes[pos] = Some(result);
+            }
+        }
+        let outcomes: Vec<ToolOutcome> = outcomes
+            .into_iter()
+            .map(|o| {
+                // A runner that answered fewer calls than asked must not leave a call unanswered.
+                o.unwrap_or(ToolOutcome {
+                    ok: false,
+                    text: "The tool did not answer.".into(),
+                    error_kind: "INTERNAL".into(),
+                    truncated: false,
+                })
+            })
+            .collect();
+        for (call, outcome) in calls.iter().zip(&outcomes) {
+            self.sink.emit(RunEvent::ToolResult {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                ok: outcome.ok,
+                preview: preview(&outcome.text, PREVIEW_CHARS),
+                error_kind: outcome.error_kind.clone(),
+                truncated: outcome.truncated,
+            });
+            self.push(Turn::ToolResult {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                content: outcome.text.clone(),
+                is_error: !outcome.ok,
+            });
+        }
+        outcomes
+    }
+
+    /// One model call within `remaining` time: `Ok(None)` when the time ran out, `Err` with the
+    /// attempts when every model failed.
+    async fn call_model(
+        &mut self,
+        tools: &[ToolDecl],
+        system_suffix: &str,
+        remaining: Duration,
+    ) -> Result<Option<crate::llm::ModelResponse>, String> {
+        let models = self.models;
+        let first_model = models.chain.first().map_or("", |e| e.model.as_str());
+        let counter = TokenCounter::for_model(first_model);
+        let system = format!("{}{system_suffix}", self.req.system);
+        let system_tokens = counter.text(&system);
+        if system_tokens > budget::SYSTEM_PROMPT_WARN_TOKENS {
+            tracing::warn!(
+                system_tokens,
+                "assembled system prompt is over 50K estimated tokens"
+            );
+        }
+        let mut window = self.turns.clone();
+        let fit = budget::fit(
+            counter,
+            &system,
+            tools,
+            &mut window,
+            models.context_window,
+            models.max_output_tokens as usize,
+        );
+        if fit.evicted_turns > 0 {
+            tracing::info!(
+                evicted = fit.evicted_turns,
+                tokens = fit.estimated_input_tokens,
+                "evicted old history to fit the context window"
+            );
+        }
+        let request = ModelRequest {
+            model: String::new(),
+            system,
+            turns: window,
+            tools: tools.to_vec(),
+            max_output_tokens: models.max_output_tokens,
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let call = async move {
+            let result = resilient::complete(&models.chain, &models.retry, &request, &tx).await;
+            drop(tx);
+            result
+        };
+        let sink = self.sink;
+        let forward = async move {
+            while let Some(delta) = rx.recv().await {
+                sink.emit(match delta {
+                    Delta::Text(t) => RunEvent::TextDelta(t),
+                    Delta::Thinking(t) => RunEvent::ThinkingDelta(t),
+                });
+            }
+        };
+        let timed = tokio::time::timeout(remaining, async { tokio::join!(call, forward).0 }).await;
+        match timed {
+            Err(_) => Ok(None),
+            Ok(Err(failed)) => Err(failed.to_string()),
+            Ok(Ok(done)) => {
+                let price = models.prices.get(&done.model).copied().unwrap_or_default();
+                self.calls.push(CallRecord {
+                    provider: done.provider.clone(),
+                    model: done.model.clone(),
+                    usage: done.response.usage,
+                    cost_usd: price.cost(&done.response.usage),
+                    latency: done.latency,
+                    retries: done.retries,
+                });
+                Ok(Some(done.response))
+            }
+        }
+    }
+
+    /// One last model turn without tools, answering from what was gathered (E-2: a limit never
+    /// means an empty answer). Falls back to the gathered results if even that fails.
+    async fn final_turn(&mut self, stop: Stop) -> Outcome {
+        let reason = match stop {
+            Stop::IterationLimit => "the step limit for this request",
+            Stop::TimeLimit => "the time limit for this request",
+            Stop::Repetition => "repeated calls to the same tool",
+            Stop::Budget => "the token or cost budget for this run",
+            _ => "a limit",
+        };
+        let suffix = format!(
+            "\n\n[LIMIT REACHED] Tools are no longer available because of {reason}. Answer the user now, \
+             using only the information already gathered above. Say what you could not finish."
+        );
+        if stop != Stop::Budget {
+            let remaining = self
+                .req
+                .limits
+                .max_wall
+                .saturating_sub(self.started.elapsed())
+                .max(self.models.final_turn_grace);
+            if let Ok(Some(response)) = self.call_model(&[], &suffix, remaining).await {
+                let text = response.text.trim().to_owned();
+                if !text.is_empty() {
+                    self.push(Turn::Assistant {
+                        text: text.clone(),
+                        tool_calls: vec![],
+                    });
+                    return self.finish(text, false, stop);
+                }
+            }
+        }
+        let text = if self.gathered.is_empty() {
+            format!("I stopped because of {reason} before I could gather anything.")
+        } else {
+            format!(
+                "I stopped because of {reason}. Here's what I was able to gather:\n{}",
+                self.gathered.join("\n")
+            )
+        };
+        self.push(Turn::Assistant {
+            text: text.clone(),
+            tool_calls: vec![],
+        });
+        self.finish(text, true, stop)
+    }
+
+    /// A model answer; an empty one is replaced by what was gathered (E-5).
+    fn answer(&mut self, text: String, stop: Stop) -> Outcome {
+        if !text.is_empty() {
+            return self.finish(text, false, stop);
+        }
+        tracing::error!("the model returned an empty answer");
+        let fallback = if self.gathered.is_empty() {
+            "I couldn't put an answer together this time. Please try again.".to_owned()
+        } else {
+            format!(
+                "I couldn't put an answer together, but here's what I gathered:\n{}",
+                self.gathered.join("\n")
+            )
+        };
+        self.finish(fallback, true, stop)
+    }
+
+    fn push(&mut self, turn: Turn) {
+        self.turns.push(turn);
+    }
+
+    fn finish(&mut self, text: String, model_text_empty: bool, stop: Stop) -> Outcome {
+        if let Err(broken) = check_pairs(&self.turns) {
+            // A bug, not a user error: the transcript would be rejected by providers.
+            tracing::error!(%broken, "transcript invariant violated");
+        }
+        Outcome {
+            text,
+            model_text_empty,
+            stop,
+            new_turns: self.turns[self.history_len..].to_vec(),
+            calls: std::mem::take(&mut self.calls),
+            iterations: self.iterations,
+            last_tool: self.last_tool.clone(),
+        }
+    }
+}

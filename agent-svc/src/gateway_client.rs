@@ -1,0 +1,242 @@
+//! agent-svc's side of the gateway contract: ListTools, and one Execute stream per run that
+//! carries the run's tool calls concurrently and routes results back by call id. The user id
+//! travels in metadata with the service token (S3 5.2); the model never supplies it.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use steward_proto::gateway::v1::{self as pb, gateway_service_client::GatewayServiceClient};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::{StreamExt, wrappers::ReceiverStream};
+use tonic::{Request, metadata::MetadataValue, transport::Channel};
+
+use crate::{
+    executor::{ToolInvocation, ToolOutcome, ToolRunner},
+    llm::ToolDecl,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("gateway-svc is unreachable: {0}")]
+    Unavailable(String),
+    #[error("gateway-svc refused the call: {0}")]
+    Refused(String),
+}
+
+impl From<tonic::Status> for GatewayError {
+    fn from(s: tonic::Status) -> Self {
+        match s.code() {
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
+                GatewayError::Unavailable(s.message().to_owned())
+            }
+            _ => GatewayError::Refused(format!("{:?}: {}", s.code(), s.message())),
+        }
+    }
+}
+
+/// A tool as the gateway declares it, in the agent's terms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatewayTool {
+    pub decl: ToolDecl,
+    pub side_effect: bool,
+}
+
+#[derive(Clone)]
+pub struct GatewayClient {
+    channel: Channel,
+    token: String,
+    /// How long one tool call may take before the run stops waiting for it.
+    pub call_timeout: Duration,
+}
+
+impl GatewayClient {
+    pub fn connect_lazy(url: &str, token: &str) -> Result<Self, GatewayError> {
+        let channel = Channel::from_shared(url.to_owned())
+            .map_err(|e| GatewayError::Unavailable(format!("bad GATEWAY_URL: {e}")))?
+            .connect_timeout(Duration::from_secs(5))
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .connect_lazy();
+        Ok(Self {
+            channel,
+            token: token.to_owned(),
+            call_timeout: Duration::from_secs(60),
+        })
+    }
+
+    fn request<T>(&self, message: T, user: &str) -> Result<Request<T>, GatewayError> {
+        let mut request = Request::new(message);
+        let md = request.metadata_mut();
+        md.insert(
+            "authorization",
+            MetadataValue::try_from(format!("Bearer {}", self.token))
+                .map_err(|_| GatewayError::Refused("token is not ASCII".into()))?,
+        );
+        md.insert(
+            "x-steward-user-id",
+            MetadataValue::try_from(user)
+                .map_err(|_| GatewayError::Refused("user id is not ASCII".into()))?,
+        );
+        Ok(request)
+    }
+
+    pub async fn list_tools(
+        &self,
+        user: &str,
+        channel: pb::Channel,
+    ) -> Result<Vec<GatewayTool>, GatewayError> {
+        let mut client = GatewayServiceClient::new(self.channel.clone());
+        let response = client
+            .list_tools(self.request(
+                pb::ListToolsRequest {
+                    channel: channel as i32,
+                },
+                user,
+            )?)
+            .await?;
+        Ok(response
+            .into_inner()
+            .tools
+            .into_iter()
+            .map(|t| GatewayTool {
+                decl: ToolDecl {
+                    parameters: serde_json::from_str(&t.parameters_json_schema)
+                        .unwrap_or_else(|_| serde_json::json!({"type": "object"})),
+                    name: t.name,
+                    description: t.description,
+                },
+                side_effect: t.side_effect,
+            })
+            .collect())
+    }
+
+    /// Opens the Execute stream for one run.
+    pub async fn open(
+        &self,
+        user: &str,
+        run_id: &str,
+        channel: pb::Channel,
+    ) -> Result<ExecuteSession, GatewayError> {
+        let (tx, rx) = mpsc::channel::<pb::ExecuteRequest>(64);
+        let mut client = GatewayServiceClient::new(self.channel.clone());
+        let mut results = client
+            .execute(self.request(ReceiverStream::new(rx), user)?)
+            .await?
+            .into_inner();
+        let pending: Pending = Arc::default();
+        let routes = pending.clone();
+        let reader = tokio::spawn(async move {
+            while let Some(Ok(response)) = results.next().await {
+                if let Some(result) = response.result {
+                    let waiter = routes
+                        .lock()
+                        .ok()
+                        .and_then(|mut p| p.remove(&result.call_id));
+                    if let Some(waiter) = waiter {
+                        let _ = waiter.send(result);
+                    }
+                }
+            }
+            // The stream ended: wake everyone still waiting so they report it.
+            if let Ok(mut p) = routes.lock() {
+                p.clear();
+            }
+        });
+        Ok(ExecuteSession {
+            tx,
+            pending,
+            reader,
+            run_id: run_id.to_owned(),
+            channel,
+            call_timeout: self.call_timeout,
+            next_key: Arc::default(),
+        })
+    }
+}
+
+type Pending = Arc<Mutex<HashMap<String, oneshot::Sender<pb::ToolResult>>>>;
+
+/// One run's Execute stream. Dropping it closes the stream, which cancels calls in flight.
+pub struct ExecuteSession {
+    tx: mpsc::Sender<pb::ExecuteRequest>,
+    pending: Pending,
+    reader: tokio::task::JoinHandle<()>,
+    run_id: String,
+    channel: pb::Channel,
+    call_timeout: Duration,
+    next_key: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Drop for ExecuteSession {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+fn failed(kind: &str, text: &str) -> ToolOutcome {
+    ToolOutcome {
+        ok: false,
+        text: text.to_owned(),
+        error_kind: kind.to_owned(),
+        truncated: false,
+    }
+}
+
+#[async_trait::async_trait]
+impl ToolRunner for ExecuteSession {
+    async fn run(&self, calls: Vec<ToolInvocation>) -> Vec<ToolOutcome> {
+        let mut waiters = Vec::with_capacity(calls.len());
+        for call in calls {
+            let (done, wait) = oneshot::channel();
+            if let Ok(mut p) = self.pending.lock() {
+                p.insert(call.call_id.clone(), done);
+            }
+            let n = self
+                .next_key
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let request = pb::ExecuteRequest {
+                kind: Some(pb::execute_request::Kind::Call(pb::ToolCall {
+                    call_id: call.call_id.clone(),
+                    tool: call.name,
+                    arguments: Some(pb::tool_call::Arguments::ArgsJson(call.args.to_string())),
+                    // Unique per call of this run; issue 7 binds it to the approval for exactly-once sends.
+                    idempotency_key: format!("{}:{}:{n}", self.run_id, call.call_id),
+                    channel: self.channel as i32,
+                    timeout: None,
+                    run_id: self.run_id.clone(),
+                })),
+            };
+            let sent = self.tx.send(request).await.is_ok();
+            waiters.push((sent, wait));
+        }
+        let mut outcomes = Vec::with_capacity(waiters.len());
+        for (sent, wait) in waiters {
+            if !sent {
+                outcomes.push(failed(
+                    "UPSTREAM_UNAVAILABLE",
+                    "The tool service is unreachable right now.",
+                ));
+                continue;
+            }
+            outcomes.push(match tokio::time::timeout(self.call_timeout, wait).await {
+                Ok(Ok(r)) => ToolOutcome {
+                    ok: r.ok,
+                    text: r.text,
+                    error_kind: match pb::ErrorKind::try_from(r.error_kind) {
+                        Ok(pb::ErrorKind::Unspecified) | Err(_) => String::new(),
+                        Ok(k) => k.as_str_name().trim_start_matches("ERROR_KIND_").to_owned(),
+                    },
+                    truncated: r.truncated,
+                },
+                Ok(Err(_)) => failed(
+                    "UPSTREAM_UNAVAILABLE",
+                    "The tool service went away before answering.",
+                ),
+                Err(_) => failed("UPSTREAM_TIMEOUT", "The tool did not answer in time."),
+            });
+        }
+        outcomes
+    }
+}

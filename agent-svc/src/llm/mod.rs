@@ -1,0 +1,108 @@
+//! Model providers (L-1..L-5): one neutral request/response shape, adapters that speak each
+//! provider's real wire format (streaming included), error classification and the retry /
+//! fallback chain in one place, and the deterministic offline model.
+
+pub mod error;
+pub mod openai;
+pub mod resilient;
+pub mod scripted;
+pub mod sse;
+
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+pub use error::ModelError;
+
+/// A tool the model may call, as declared to the provider.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolDecl {
+    pub name: String,
+    pub description: String,
+    /// JSON Schema of the arguments object.
+    pub parameters: Value,
+}
+
+/// A tool call as the model produced it. `arguments` is the raw JSON text: it may be malformed,
+/// and the executor decides what to do about that (E-9), not the adapter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+/// One entry of the model-facing transcript.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Turn {
+    User(String),
+    /// An assistant turn: text (possibly empty) and the tool calls it made.
+    Assistant {
+        text: String,
+        tool_calls: Vec<ToolCall>,
+    },
+    /// The result of one tool call, answering `call_id`.
+    ToolResult {
+        call_id: String,
+        name: String,
+        content: String,
+        is_error: bool,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelRequest {
+    pub model: String,
+    pub system: String,
+    pub turns: Vec<Turn>,
+    /// Empty means the model must answer in text (the final turn after a limit).
+    pub tools: Vec<ToolDecl>,
+    /// Always explicit (E-7, S0 AC-19).
+    pub max_output_tokens: u32,
+}
+
+/// Token accounting of one call (E-10).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TokenUsage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// Input tokens served from the provider's prompt cache.
+    pub cached_tokens: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelResponse {
+    pub text: String,
+    pub thinking: String,
+    pub tool_calls: Vec<ToolCall>,
+    pub usage: TokenUsage,
+    /// The provider's own stop reason, for logs.
+    pub stop_reason: String,
+}
+
+/// Pieces of a response as they arrive (L-2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delta {
+    Text(String),
+    Thinking(String),
+}
+
+/// Where an adapter sends deltas; a closed receiver is fine (nobody is watching).
+pub type DeltaSink = mpsc::UnboundedSender<Delta>;
+
+#[async_trait::async_trait]
+pub trait ModelProvider: Send + Sync + 'static {
+    /// The provider's name for logs, usage and the fallback chain, e.g. "openai".
+    fn name(&self) -> &str;
+
+    /// One model call. Adapters stream and forward deltas to `deltas` as they arrive.
+    async fn complete(
+        &self,
+        request: &ModelRequest,
+        deltas: &DeltaSink,
+    ) -> Result<ModelResponse, ModelError>;
+}
+
+/// How long one model call may take before it counts as a (retriable) timeout.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(120);

@@ -1,0 +1,169 @@
+//! The deterministic offline model (L-4): "scripted-offline". Tests give it an exact script of
+//! turns; the local stack uses its rules, so everything runs with no key and no network. It is
+//! named as what it is wherever it appears (usage, logs, the run's model field).
+
+use std::{collections::VecDeque, sync::Mutex};
+
+use super::{
+    Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse, TokenUsage, ToolCall,
+    Turn,
+};
+
+pub const NAME: &str = "scripted-offline";
+
+/// One scripted model turn.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Answer in text.
+    Reply(String),
+    /// Call tools: (name, raw JSON arguments).
+    Call(Vec<(String, String)>),
+    /// Fail the call.
+    Fail(ModelError),
+}
+
+#[derive(Default)]
+pub struct ScriptedModel {
+    script: Mutex<VecDeque<Step>>,
+    /// Requests seen, for tests.
+    pub seen: Mutex<Vec<ModelRequest>>,
+}
+
+impl ScriptedModel {
+    /// Plays `steps` in order, then falls back to the offline rules.
+    pub fn new(steps: Vec<Step>) -> Self {
+        Self {
+            script: Mutex::new(steps.into()),
+            seen: Mutex::default(),
+        }
+    }
+
+    /// The rules alone, for local runs.
+    pub fn offline() -> Self {
+        Self::default()
+    }
+
+    fn next_step(&self, request: &ModelRequest) -> Step {
+        if let Some(step) = self.script.lock().ok().and_then(|mut s| s.pop_front()) {
+            return step;
+        }
+        rules(request)
+    }
+}
+
+/// The offline rules: gather with a fitting tool when the user asks for something a tool can
+/// answer, then summarise what came back; otherwise say plainly what this model is.
+fn rules(request: &ModelRequest) -> Step {
+    let has = |name: &str| request.tools.iter().any(|t| t.name == name);
+    match request.turns.last() {
+        Some(Turn::ToolResult { .. }) => {
+            let results: Vec<&str> = request
+                .turns
+                .iter()
+                .rev()
+                .take_while(|t| matches!(t, Turn::ToolResult { .. }))
+                .filter_map(|t| match t {
+                    Turn::ToolResult { content, .. } => Some(content.as_str()),
+                    _ => None,
+                })
+                .collect();
+            Step::Reply(format!("Here is what I found:\n{}", results.join("\n")))
+        }
+        Some(Turn::User(text)) => {
+            let lower = text.to_lowercase();
+            if lower.contains("task") && has("list_tasks") {
+                Step::Call(vec![(
+                    "list_tasks".into(),
+                    r#"{"status":"pending"}"#.into(),
+                )])
+            } else if let Some(fact) = lower
+                .strip_prefix("remember ")
+                .filter(|_| has("save_memory"))
+            {
+                Step::Call(vec![(
+                    "save_memory".into(),
+                    serde_json::json!({ "content": fact }).to_string(),
+                )])
+            } else if (lower.contains("email") || lower.contains("mail")) && has("search_gmail") {
+                Step::Call(vec![(
+                    "search_gmail".into(),
+                    r#"{"query":"is:unread"}"#.into(),
+                )])
+            } else {
+                Step::Reply(format!(
+                    "I'm the offline scripted model ({NAME}); no model provider is configured. You said: {text}"
+                ))
+            }
+        }
+        _ => Step::Reply(format!("I'm the offline scripted model ({NAME}).")),
+    }
+}
+
+#[async_trait::async_trait]
+impl ModelProvider for ScriptedModel {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    async fn complete(
+        &self,
+        request: &ModelRequest,
+        deltas: &DeltaSink,
+    ) -> Result<ModelResponse, ModelError> {
+        if let Ok(mut seen) = self.seen.lock() {
+            seen.push(request.clone());
+        }
+        let input_tokens =
+            (request.system.len() + request.turns.iter().map(turn_len).sum::<usize>()) as u64 / 4;
+        let step = self.next_step(request);
+        let (text, tool_calls) = match step {
+            Step::Fail(e) => return Err(e),
+            // A tool-less request cannot be answered with a call: the rules' text stands in.
+            Step::Call(_) if request.tools.is_empty() => {
+                ("Here is what I have so far.".to_owned(), Vec::new())
+            }
+            Step::Reply(text) => (text, Vec::new()),
+            Step::Call(calls) => {
+                let n = request.turns.len();
+                let calls = calls
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (name, arguments))| ToolCall {
+                        id: format!("call_{n}_{i}"),
+                        name,
+                        arguments,
+                    })
+                    .collect();
+                (String::new(), calls)
+            }
+        };
+        for word in text.split_inclusive(' ') {
+            let _ = deltas.send(Delta::Text(word.to_owned()));
+        }
+        Ok(ModelResponse {
+            usage: TokenUsage {
+                input_tokens,
+                output_tokens: text.len() as u64 / 4 + 1,
+                cached_tokens: 0,
+            },
+            stop_reason: if tool_calls.is_empty() {
+                "end_turn".into()
+            } else {
+                "tool_use".into()
+            },
+            text,
+            thinking: String::new(),
+            tool_calls,
+        })
+    }
+}
+
+fn turn_len(t: &Turn) -> usize {
+    match t {
+        Turn::User(s) => s.len(),
+        Turn::Assistant { text, tool_calls } => {
+            text.len() + tool_calls.iter().map(|c| c.arguments.len()).sum::<usize>()
+        }
+        Turn::ToolResult { content, .. } => content.len(),
+    }
+}
