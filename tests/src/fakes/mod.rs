@@ -3,6 +3,7 @@
 pub mod calendar;
 pub mod gmail;
 pub mod oauth;
+pub mod openai;
 pub mod probe;
 pub mod slack;
 

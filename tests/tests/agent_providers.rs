@@ -1,0 +1,357 @@
+//! Model providers against fakes speaking their wire formats, driven through the executor
+//! (issue 6; L-1..L-3, E-6, S4 fix 2), and one run whose tools execute on a real gateway-svc
+//! over the Execute stream.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use agent_svc::{
+    executor::{
+        EventSink, Executor, ModelSetup, RunEvent, RunRequest, Stop, ToolInvocation, ToolOutcome,
+        ToolRunner,
+        limits::{Channel, profile},
+    },
+    gateway_client::GatewayClient,
+    llm::{
+        ModelProvider, ToolDecl,
+        openai::OpenAi,
+        resilient::{ChainEntry, RetryPolicy},
+    },
+};
+use steward_proto::gateway::v1 as pb;
+use steward_tests::{
+    Backend, Options, SERVICE_TOKEN,
+    calls::call_tool,
+    fakes::openai::{Answer, FakeOpenAi},
+    spawn::spawn,
+};
+
+#[derive(Default)]
+struct Events(Mutex<Vec<RunEvent>>);
+
+impl EventSink for Events {
+    fn emit(&self, e: RunEvent) {
+        self.0.lock().unwrap().push(e);
+    }
+}
+
+struct EchoTools;
+
+#[async_trait::async_trait]
+impl ToolRunner for EchoTools {
+    async fn run(&self, calls: Vec<ToolInvocation>) -> Vec<ToolOutcome> {
+        calls
+            .into_iter()
+            .map(|c| ToolOutcome {
+                ok: true,
+                text: format!("{} → {}", c.name, c.args),
+                error_kind: String::new(),
+                truncated: false,
+            })
+            .collect()
+    }
+}
+
+fn openai(url: &str) -> Arc<dyn ModelProvider> {
+    Arc::new(OpenAi {
+        name: "openai".into(),
+        base_url: url.into(),
+        api_key: Some("sk-test".into()),
+        http: reqwest::Client::new(),
+    })
+}
+
+fn executor(chain: Vec<ChainEntry>) -> Executor {
+    Executor {
+        models: Arc::new(ModelSetup {
+            chain,
+            retry: RetryPolicy {
+                base_backoff: Duration::from_millis(5),
+                max_backoff: Duration::from_millis(20),
+                ..RetryPolicy::default()
+            },
+            max_output_tokens: 2048,
+            context_window: 128_000,
+            prices: HashMap::new(),
+            final_turn_grace: Duration::from_secs(5),
+        }),
+        max_tool_result_chars: 6000,
+    }
+}
+
+fn request(tools: &[&str]) -> RunRequest {
+    RunRequest {
+        system: "You are Steward.".into(),
+        history: vec![],
+        prompt: "Plan my day".into(),
+        tools: tools
+            .iter()
+            .map(|t| ToolDecl {
+                name: (*t).into(),
+                description: "d".into(),
+                parameters: serde_json::json!({"type": "object"}),
+            })
+            .collect(),
+        limits: profile(Channel::Web, None),
+        stop_after: None,
+    }
+}
+
+#[tokio::test]
+async fn openai_two_tool_calls_then_a_streamed_answer() {
+    let fake = FakeOpenAi::start(vec![
+        Answer::tool_calls(&[
+            ("call_a", "list_tasks", r#"{"status":"pending"}"#),
+            ("call_b", "search_memory", r#"{"query":"focus"}"#),
+        ]),
+        Answer::text("Start with the dentist."),
+    ])
+    .await;
+    let exec = executor(vec![ChainEntry {
+        provider: openai(&fake.url),
+        model: "gpt-4o-mini".into(),
+    }]);
+    let events = Events::default();
+    let out = exec
+        .run(
+            &request(&["list_tasks", "search_memory"]),
+            &EchoTools,
+            &events,
+        )
+        .await;
+    assert_eq!(
+        (out.stop.clone(), out.text.as_str()),
+        (Stop::Completed, "Start with the dentist.")
+    );
+
+    let requests = fake.requests();
+    assert_eq!(requests.len(), 2);
+    let first = &requests[0].1;
+    assert_eq!(first["model"], "gpt-4o-mini");
+    assert_eq!(first["max_tokens"], 2048);
+    assert_eq!(first["stream"], true);
+    assert_eq!(first["tools"][0]["function"]["name"], "list_tasks");
+    let second = &requests[1].1["messages"];
+    let roles: Vec<&str> = second
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["system", "user", "assistant", "tool", "tool"]);
+    assert_eq!(
+        second[2]["tool_calls"][0]["function"]["arguments"], r#"{"status":"pending"}"#,
+        "fragments are joined"
+    );
+    assert_eq!(second[3]["tool_call_id"], "call_a");
+    assert_eq!(second[4]["content"], r#"search_memory → {"query":"focus"}"#);
+
+    let deltas: Vec<String> = events
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|e| {
+            if let RunEvent::TextDelta(t) = e {
+                Some(t.clone())
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(
+        deltas,
+        ["Start ", "with ", "the ", "dentist."],
+        "text streams as deltas"
+    );
+    assert_eq!(out.calls[1].usage.cached_tokens, 100);
+    assert_eq!(out.calls[1].usage.input_tokens, 120);
+}
+
+#[tokio::test]
+async fn a_429_with_retry_after_waits_that_long_then_succeeds() {
+    let fake = FakeOpenAi::start(vec![
+        Answer::Error {
+            status: 429,
+            retry_after: Some(1),
+        },
+        Answer::text("ok"),
+    ])
+    .await;
+    let exec = executor(vec![ChainEntry {
+        provider: openai(&fake.url),
+        model: "gpt-4o".into(),
+    }]);
+    let out = exec
+        .run(&request(&[]), &EchoTools, &Events::default())
+        .await;
+    assert_eq!(out.text, "ok");
+    let r = fake.requests();
+    assert!(
+        r[1].0 - r[0].0 >= Duration::from_secs(1),
+        "waited {:?}",
+        r[1].0 - r[0].0
+    );
+    assert_eq!(out.calls[0].retries, 1);
+}
+
+#[tokio::test]
+async fn a_500_is_retried_and_a_cut_off_stream_too() {
+    let fake = FakeOpenAi::start(vec![
+        Answer::Error {
+            status: 500,
+            retry_after: None,
+        },
+        Answer::CutOff {
+            events: vec![
+                serde_json::json!({"choices": [{"index": 0, "delta": {"content": "half"}}]}),
+            ],
+        },
+        Answer::text("whole"),
+    ])
+    .await;
+    let exec = executor(vec![ChainEntry {
+        provider: openai(&fake.url),
+        model: "gpt-4o".into(),
+    }]);
+    let out = exec
+        .run(&request(&[]), &EchoTools, &Events::default())
+        .await;
+    assert_eq!(out.text, "whole");
+    assert_eq!(fake.requests().len(), 3);
+}
+
+#[tokio::test]
+async fn a_400_fails_without_retry_and_the_chain_moves_on() {
+    let primary = FakeOpenAi::start(vec![Answer::Error {
+        status: 400,
+        retry_after: None,
+    }])
+    .await;
+    let secondary = FakeOpenAi::start(vec![Answer::text("from the second model")]).await;
+    let exec = executor(vec![
+        ChainEntry {
+            provider: openai(&primary.url),
+            model: "gpt-4o".into(),
+        },
+        ChainEntry {
+            provider: openai(&secondary.url),
+            model: "gpt-4o-mini".into(),
+        },
+    ]);
+    let out = exec
+        .run(&request(&[]), &EchoTools, &Events::default())
+        .await;
+    assert_eq!(out.text, "from the second model");
+    assert_eq!(primary.requests().len(), 1);
+    assert_eq!(out.calls[0].model, "gpt-4o-mini");
+}
+
+#[tokio::test]
+async fn all_failing_gives_the_friendly_partial_results_message() {
+    let fake = FakeOpenAi::start(vec![
+        Answer::tool_calls(&[("c1", "list_tasks", "{}")]),
+        Answer::Error {
+            status: 503,
+            retry_after: None,
+        },
+        Answer::Error {
+            status: 503,
+            retry_after: None,
+        },
+        Answer::Error {
+            status: 503,
+            retry_after: None,
+        },
+    ])
+    .await;
+    let exec = executor(vec![ChainEntry {
+        provider: openai(&fake.url),
+        model: "gpt-4o".into(),
+    }]);
+    let out = exec
+        .run(&request(&["list_tasks"]), &EchoTools, &Events::default())
+        .await;
+    assert!(matches!(out.stop, Stop::ModelUnavailable(_)));
+    assert_eq!(
+        out.text,
+        "I'm having trouble connecting right now. Here's what I was able to gather: list_tasks: list_tasks → {}"
+    );
+}
+
+#[tokio::test]
+async fn a_run_executes_its_tools_on_gateway_svc_over_the_execute_stream() {
+    let app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        ..Options::default()
+    })
+    .await;
+    let fake = FakeOpenAi::start(vec![
+        Answer::tool_calls(&[
+            ("c1", "add_task", r#"{"title":"Call dentist"}"#),
+            ("c2", "save_memory", r#"{"content":"Prefers mornings"}"#),
+        ]),
+        Answer::text("Done: task added and noted."),
+    ])
+    .await;
+    let gateway =
+        GatewayClient::connect_lazy(&format!("http://{}", app.gateway_addr), SERVICE_TOKEN)
+            .unwrap();
+    let tools = gateway.list_tools("alice", pb::Channel::Web).await.unwrap();
+    assert!(
+        tools
+            .iter()
+            .any(|t| t.decl.name == "add_task" && !t.side_effect)
+    );
+    let mut req = request(&[]);
+    req.tools = tools.into_iter().map(|t| t.decl).collect();
+    let session = gateway
+        .open("alice", "run-1", pb::Channel::Web)
+        .await
+        .unwrap();
+    let exec = executor(vec![ChainEntry {
+        provider: openai(&fake.url),
+        model: "gpt-4o".into(),
+    }]);
+    let events = Events::default();
+    let out = exec.run(&req, &session, &events).await;
+    assert_eq!(out.text, "Done: task added and noted.");
+    let results: Vec<(String, bool)> = events
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|e| {
+            if let RunEvent::ToolResult { name, ok, .. } = e {
+                Some((name.clone(), *ok))
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(
+        results,
+        [
+            ("add_task".to_owned(), true),
+            ("save_memory".to_owned(), true)
+        ]
+    );
+    // The task really exists, for alice only: the user id travelled in metadata.
+    let mut alice = app.gateway_as("alice").await;
+    assert!(
+        call_tool(&mut alice, "list_tasks", serde_json::json!({}))
+            .await
+            .text
+            .contains("Call dentist")
+    );
+    let mut bob = app.gateway_as("bob").await;
+    assert_eq!(
+        call_tool(&mut bob, "list_tasks", serde_json::json!({}))
+            .await
+            .text,
+        "No pending tasks."
+    );
+}
