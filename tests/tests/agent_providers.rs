@@ -355,3 +355,232 @@ async fn a_run_executes_its_tools_on_gateway_svc_over_the_execute_stream() {
         "No pending tasks."
     );
 }
+
+mod anthropic_and_gemini {
+    use agent_svc::llm::{anthropic::Anthropic, gemini::Gemini};
+    use steward_tests::fakes::{anthropic, gemini};
+
+    use super::*;
+
+    fn anthropic_at(base: &str) -> Arc<dyn ModelProvider> {
+        Arc::new(Anthropic {
+            base_url: base.into(),
+            api_key: Some("sk-ant-test".into()),
+            http: reqwest::Client::new(),
+        })
+    }
+
+    fn gemini_at(base: &str) -> Arc<dyn ModelProvider> {
+        Arc::new(Gemini {
+            base_url: base.into(),
+            api_key: Some("gm-test".into()),
+            http: reqwest::Client::new(),
+        })
+    }
+
+    fn texts(events: &Events) -> (Vec<String>, String) {
+        let events = events.0.lock().unwrap();
+        let deltas = events
+            .iter()
+            .filter_map(|e| {
+                if let RunEvent::TextDelta(t) = e {
+                    Some(t.clone())
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let thoughts = events
+            .iter()
+            .filter_map(|e| {
+                if let RunEvent::ThinkingDelta(t) = e {
+                    Some(t.as_str())
+                } else {
+                    None
+                }
+            })
+            .collect();
+        (deltas, thoughts)
+    }
+
+    #[tokio::test]
+    async fn anthropic_two_tool_calls_then_a_streamed_answer() {
+        let fake = anthropic::start(vec![
+            anthropic::tool_calls(&[
+                ("toolu_1", "list_tasks", r#"{"status":"pending"}"#),
+                ("toolu_2", "search_memory", r#"{"query":"x"}"#),
+            ]),
+            anthropic::text("All clear today."),
+        ])
+        .await;
+        let exec = executor(vec![ChainEntry {
+            provider: anthropic_at(&fake.base),
+            model: "claude-sonnet-4".into(),
+        }]);
+        let events = Events::default();
+        let out = exec
+            .run(
+                &request(&["list_tasks", "search_memory"]),
+                &EchoTools,
+                &events,
+            )
+            .await;
+        assert_eq!(
+            (out.stop.clone(), out.text.as_str()),
+            (Stop::Completed, "All clear today.")
+        );
+        let seen = fake.seen();
+        assert_eq!(seen[0].headers["x-api-key"], "sk-ant-test");
+        assert_eq!(seen[0].headers["anthropic-version"], "2023-06-01");
+        assert_eq!(seen[0].body["system"], "You are Steward.");
+        assert_eq!(seen[0].body["max_tokens"], 2048);
+        assert_eq!(seen[0].body["tools"][1]["input_schema"]["type"], "object");
+        let messages = seen[1].body["messages"].as_array().unwrap().clone();
+        assert_eq!(
+            messages.len(),
+            3,
+            "user, assistant tool_use, one user message with both results"
+        );
+        assert_eq!(messages[1]["content"][0]["type"], "tool_use");
+        assert_eq!(
+            messages[1]["content"][0]["input"]["status"], "pending",
+            "input_json fragments are joined"
+        );
+        assert_eq!(messages[2]["content"][1]["tool_use_id"], "toolu_2");
+        let (deltas, thoughts) = texts(&events);
+        assert_eq!(deltas, ["All ", "clear ", "today."]);
+        assert!(thoughts.contains("Let me think."));
+        assert_eq!(
+            out.calls[1].usage.input_tokens, 250,
+            "cache reads count as input"
+        );
+        assert_eq!(out.calls[1].usage.cached_tokens, 200);
+    }
+
+    #[tokio::test]
+    async fn anthropic_429_and_500_are_retried_and_400_is_not() {
+        let fake = anthropic::start(vec![
+            anthropic::error(429, Some(0)),
+            anthropic::error(500, None),
+            anthropic::text("fine"),
+        ])
+        .await;
+        let exec = executor(vec![ChainEntry {
+            provider: anthropic_at(&fake.base),
+            model: "claude".into(),
+        }]);
+        assert_eq!(
+            exec.run(&request(&[]), &EchoTools, &Events::default())
+                .await
+                .text,
+            "fine"
+        );
+        assert_eq!(fake.seen().len(), 3);
+
+        let fake = anthropic::start(vec![anthropic::error(400, None)]).await;
+        let exec = executor(vec![ChainEntry {
+            provider: anthropic_at(&fake.base),
+            model: "claude".into(),
+        }]);
+        let out = exec
+            .run(&request(&[]), &EchoTools, &Events::default())
+            .await;
+        assert!(matches!(out.stop, Stop::ModelUnavailable(_)));
+        assert_eq!(fake.seen().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn gemini_function_calls_then_a_streamed_answer() {
+        let fake = gemini::start(vec![
+            gemini::function_calls(&[
+                ("list_tasks", serde_json::json!({"status": "pending"})),
+                ("search_memory", serde_json::json!({"query": "x"})),
+            ]),
+            gemini::text("Nothing urgent."),
+        ])
+        .await;
+        let exec = executor(vec![ChainEntry {
+            provider: gemini_at(&fake.base),
+            model: "gemini-2.5-flash".into(),
+        }]);
+        let events = Events::default();
+        let out = exec
+            .run(
+                &request(&["list_tasks", "search_memory"]),
+                &EchoTools,
+                &events,
+            )
+            .await;
+        assert_eq!(
+            (out.stop.clone(), out.text.as_str()),
+            (Stop::Completed, "Nothing urgent.")
+        );
+        let seen = fake.seen();
+        assert_eq!(
+            seen[0].path,
+            "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse"
+        );
+        assert_eq!(seen[0].headers["x-goog-api-key"], "gm-test");
+        assert_eq!(
+            seen[0].body["systemInstruction"]["parts"][0]["text"],
+            "You are Steward."
+        );
+        assert_eq!(seen[0].body["generationConfig"]["maxOutputTokens"], 2048);
+        assert_eq!(
+            seen[0].body["tools"][0]["functionDeclarations"][0]["name"],
+            "list_tasks"
+        );
+        let contents = seen[1].body["contents"].as_array().unwrap().clone();
+        let roles: Vec<&str> = contents
+            .iter()
+            .map(|c| c["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["user", "model", "user"]);
+        assert_eq!(
+            contents[1]["parts"][0]["functionCall"]["args"]["status"],
+            "pending"
+        );
+        assert_eq!(
+            contents[2]["parts"][1]["functionResponse"]["name"],
+            "search_memory"
+        );
+        let (deltas, thoughts) = texts(&events);
+        assert_eq!(deltas, ["Nothing ", "urgent."]);
+        assert_eq!(thoughts, "Considering the request.");
+        assert_eq!(out.calls[1].usage.cached_tokens, 64);
+    }
+
+    #[tokio::test]
+    async fn gemini_500_is_retried_and_400_falls_through_to_the_next_model() {
+        let fake = gemini::start(vec![gemini::error(500), gemini::text("recovered")]).await;
+        let exec = executor(vec![ChainEntry {
+            provider: gemini_at(&fake.base),
+            model: "gemini-2.5-pro".into(),
+        }]);
+        assert_eq!(
+            exec.run(&request(&[]), &EchoTools, &Events::default())
+                .await
+                .text,
+            "recovered"
+        );
+
+        let bad = gemini::start(vec![gemini::error(400)]).await;
+        let good = anthropic::start(vec![anthropic::text("from claude")]).await;
+        let exec = executor(vec![
+            ChainEntry {
+                provider: gemini_at(&bad.base),
+                model: "gemini-2.5-pro".into(),
+            },
+            ChainEntry {
+                provider: anthropic_at(&good.base),
+                model: "claude".into(),
+            },
+        ]);
+        let out = exec
+            .run(&request(&[]), &EchoTools, &Events::default())
+            .await;
+        assert_eq!(out.text, "from claude");
+        assert_eq!(bad.seen().len(), 1);
+        assert_eq!(out.calls[0].provider, "anthropic");
+    }
+}

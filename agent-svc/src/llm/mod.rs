@@ -2,7 +2,9 @@
 //! provider's real wire format (streaming included), error classification and the retry /
 //! fallback chain in one place, and the deterministic offline model.
 
+pub mod anthropic;
 pub mod error;
+pub mod gemini;
 pub mod openai;
 pub mod resilient;
 pub mod scripted;

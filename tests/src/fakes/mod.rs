@@ -1,7 +1,10 @@
 //! Fake upstreams on loopback, speaking the real wire formats, recording what they were sent.
 
+pub mod anthropic;
 pub mod calendar;
+pub mod gemini;
 pub mod gmail;
+pub mod model_server;
 pub mod oauth;
 pub mod openai;
 pub mod probe;

@@ -1,23 +1,12 @@
 //! An OpenAI-compatible Chat Completions server (`POST /v1/chat/completions`, streaming SSE),
-//! playing a queue of scripted answers: SSE streams (sent in small arbitrary chunks, so events
-//! split across reads), error statuses with Retry-After, or a stream cut off mid-way. Records
-//! every request body and when it arrived.
+//! playing scripted answers in its wire format: chunked SSE (events split across reads), error
+//! statuses with Retry-After, or a stream cut off mid-way.
 
-use std::{
-    collections::VecDeque,
-    sync::{Arc, Mutex},
-    time::Instant,
-};
+use std::time::Instant;
 
-use axum::{
-    Json, Router,
-    body::Body,
-    extract::State,
-    http::StatusCode,
-    response::{IntoResponse, Response},
-    routing::post,
-};
 use serde_json::{Value, json};
+
+use super::model_server::{ModelServer, Prepared, frames};
 
 #[derive(Clone, Debug)]
 pub enum Answer {
@@ -64,90 +53,54 @@ impl Answer {
     }
 }
 
-#[derive(Default)]
-pub struct OpenAiState {
-    pub answers: Mutex<VecDeque<Answer>>,
-    /// (when, request body) of every request.
-    pub requests: Mutex<Vec<(Instant, Value)>>,
+impl Answer {
+    fn prepared(self) -> Prepared {
+        match self {
+            Answer::Stream { events, chunk } => Prepared::Sse { body: sse(&events, true), chunk },
+            Answer::CutOff { events } => Prepared::Sse { body: sse(&events, false), chunk: 9 },
+            Answer::Error { status, retry_after } => Prepared::Error {
+                status,
+                retry_after,
+                body: json!({"error": {"message": format!("scripted {status}"), "type": "server_error"}}).to_string(),
+            },
+        }
+    }
 }
 
 #[derive(Clone)]
 pub struct FakeOpenAi {
     /// Base URL including `/v1`, as the adapter is configured.
     pub url: String,
-    pub state: Arc<OpenAiState>,
+    pub server: ModelServer,
 }
 
 impl FakeOpenAi {
     pub async fn start(answers: Vec<Answer>) -> Self {
-        let state = Arc::new(OpenAiState {
-            answers: Mutex::new(answers.into()),
-            requests: Mutex::default(),
-        });
-        let router = Router::new()
-            .route("/v1/chat/completions", post(complete))
-            .with_state(state.clone());
-        let (base, _) = super::serve(router).await;
+        let server = ModelServer::start(
+            "/v1/chat/completions",
+            answers.into_iter().map(Answer::prepared).collect(),
+        )
+        .await;
         Self {
-            url: format!("{base}/v1"),
-            state,
+            url: format!("{}/v1", server.base),
+            server,
         }
     }
 
+    /// (when, body) of every request.
     pub fn requests(&self) -> Vec<(Instant, Value)> {
-        self.state.requests.lock().expect("lock").clone()
+        self.server
+            .seen()
+            .into_iter()
+            .map(|s| (s.at, s.body))
+            .collect()
     }
 }
 
 fn sse(events: &[Value], done: bool) -> String {
-    let mut out: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+    let mut out = frames(&events.iter().map(|e| (None, e.clone())).collect::<Vec<_>>());
     if done {
         out.push_str("data: [DONE]\n\n");
     }
     out
-}
-
-fn chunked(text: String, size: usize) -> Body {
-    let bytes = text.into_bytes();
-    let pieces: Vec<Result<Vec<u8>, std::io::Error>> =
-        bytes.chunks(size.max(1)).map(|c| Ok(c.to_vec())).collect();
-    Body::from_stream(futures_util::stream::iter(pieces))
-}
-
-async fn complete(State(s): State<Arc<OpenAiState>>, Json(body): Json<Value>) -> Response {
-    s.requests
-        .lock()
-        .expect("lock")
-        .push((Instant::now(), body));
-    let answer = s
-        .answers
-        .lock()
-        .expect("lock")
-        .pop_front()
-        .unwrap_or_else(|| Answer::text("(no more scripted answers)"));
-    match answer {
-        Answer::Error {
-            status,
-            retry_after,
-        } => {
-            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let mut response = (status, Json(json!({"error": {"message": format!("scripted {status}"), "type": "server_error"}}))).into_response();
-            if let Some(secs) = retry_after {
-                response
-                    .headers_mut()
-                    .insert("retry-after", secs.to_string().parse().expect("header"));
-            }
-            response
-        }
-        Answer::Stream { events, chunk } => (
-            [("content-type", "text/event-stream")],
-            chunked(sse(&events, true), chunk),
-        )
-            .into_response(),
-        Answer::CutOff { events } => (
-            [("content-type", "text/event-stream")],
-            chunked(sse(&events, false), 9),
-        )
-            .into_response(),
-    }
 }

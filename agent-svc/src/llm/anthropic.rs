@@ -1,0 +1,221 @@
+//! Anthropic Messages, streaming (L-1): tool_use / tool_result content blocks, text, thinking
+//! and input_json deltas, usage including prompt-cache reads.
+
+use std::collections::BTreeMap;
+
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+use super::{
+    Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse, TokenUsage, ToolCall,
+    Turn, sse,
+};
+
+pub const API_VERSION: &str = "2023-06-01";
+
+#[derive(Clone)]
+pub struct Anthropic {
+    /// e.g. `https://api.anthropic.com`
+    pub base_url: String,
+    pub api_key: Option<String>,
+    pub http: reqwest::Client,
+}
+
+/// Tool arguments as the object Anthropic requires; a malformed call replays as `{}` (its
+/// result already told the model what was wrong).
+fn input_object(arguments: &str) -> Value {
+    serde_json::from_str::<Value>(arguments)
+        .ok()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({}))
+}
+
+pub fn body(request: &ModelRequest) -> Value {
+    let mut messages: Vec<Value> = Vec::new();
+    for turn in &request.turns {
+        let (role, block) = match turn {
+            Turn::User(text) => ("user", json!({"type": "text", "text": text})),
+            Turn::Assistant { text, tool_calls } => {
+                let mut blocks = Vec::new();
+                if !text.is_empty() {
+                    blocks.push(json!({"type": "text", "text": text}));
+                }
+                for c in tool_calls {
+                    blocks.push(json!({"type": "tool_use", "id": c.id, "name": c.name, "input": input_object(&c.arguments)}));
+                }
+                messages.push(json!({"role": "assistant", "content": blocks}));
+                continue;
+            }
+            Turn::ToolResult {
+                call_id,
+                content,
+                is_error,
+                ..
+            } => (
+                "user",
+                json!({"type": "tool_result", "tool_use_id": call_id, "content": content, "is_error": is_error}),
+            ),
+        };
+        // Consecutive user-side blocks (all results of one turn) share one message, as the API
+        // requires alternating roles.
+        match messages.last_mut() {
+            Some(last) if last["role"] == role && role == "user" => {
+                if let Some(blocks) = last["content"].as_array_mut() {
+                    blocks.push(block);
+                }
+            }
+            _ => messages.push(json!({"role": role, "content": [block]})),
+        }
+    }
+    let mut body = json!({
+        "model": request.model,
+        "max_tokens": request.max_output_tokens,
+        "system": request.system,
+        "messages": messages,
+        "stream": true,
+    });
+    if !request.tools.is_empty() {
+        body["tools"] = request
+            .tools
+            .iter()
+            .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.parameters}))
+            .collect();
+    }
+    body
+}
+
+#[async_trait::async_trait]
+impl ModelProvider for Anthropic {
+    fn name(&self) -> &str {
+        "anthropic"
+    }
+
+    async fn complete(
+        &self,
+        request: &ModelRequest,
+        deltas: &DeltaSink,
+    ) -> Result<ModelResponse, ModelError> {
+        let key = self
+            .api_key
+            .as_deref()
+            .ok_or_else(|| ModelError::NotConfigured("ANTHROPIC_API_KEY is not set".into()))?;
+        let response = self
+            .http
+            .post(format!(
+                "{}/v1/messages",
+                self.base_url.trim_end_matches('/')
+            ))
+            .header("x-api-key", key)
+            .header("anthropic-version", API_VERSION)
+            .json(&body(request))
+            .send()
+            .await
+            .map_err(|e| ModelError::from_reqwest(&e))?;
+        let mut events = Box::pin(sse::events(response).await?);
+
+        let mut text = String::new();
+        let mut thinking = String::new();
+        // index → (id, name, partial json)
+        let mut tools: BTreeMap<u64, (String, String, String)> = BTreeMap::new();
+        let mut usage = TokenUsage::default();
+        let mut stop_reason = String::new();
+        let mut stopped = false;
+        while let Some(event) = events.next().await {
+            let (name, data) = event?;
+            let v: Value = serde_json::from_str(&data)
+                .map_err(|e| ModelError::Decode(format!("{name}: {e}")))?;
+            match v["type"].as_str().unwrap_or(name.as_str()) {
+                "message_start" => {
+                    let u = &v["message"]["usage"];
+                    let read = u["cache_read_input_tokens"].as_u64().unwrap_or(0);
+                    let written = u["cache_creation_input_tokens"].as_u64().unwrap_or(0);
+                    usage.input_tokens = u["input_tokens"].as_u64().unwrap_or(0) + read + written;
+                    usage.cached_tokens = read;
+                    usage.output_tokens = u["output_tokens"].as_u64().unwrap_or(0);
+                }
+                "content_block_start" => {
+                    let block = &v["content_block"];
+                    if block["type"] == "tool_use" {
+                        let index = v["index"].as_u64().unwrap_or(0);
+                        tools.insert(
+                            index,
+                            (
+                                block["id"].as_str().unwrap_or("").into(),
+                                block["name"].as_str().unwrap_or("").into(),
+                                String::new(),
+                            ),
+                        );
+                    }
+                }
+                "content_block_delta" => {
+                    let d = &v["delta"];
+                    match d["type"].as_str() {
+                        Some("text_delta") => {
+                            let t = d["text"].as_str().unwrap_or("");
+                            text.push_str(t);
+                            let _ = deltas.send(Delta::Text(t.to_owned()));
+                        }
+                        Some("thinking_delta") => {
+                            let t = d["thinking"].as_str().unwrap_or("");
+                            thinking.push_str(t);
+                            let _ = deltas.send(Delta::Thinking(t.to_owned()));
+                        }
+                        Some("input_json_delta") => {
+                            if let Some(entry) = tools.get_mut(&v["index"].as_u64().unwrap_or(0)) {
+                                entry.2.push_str(d["partial_json"].as_str().unwrap_or(""));
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                "message_delta" => {
+                    if let Some(r) = v["delta"]["stop_reason"].as_str() {
+                        stop_reason = r.to_owned();
+                    }
+                    if let Some(out) = v["usage"]["output_tokens"].as_u64() {
+                        usage.output_tokens = out;
+                    }
+                }
+                "message_stop" => {
+                    stopped = true;
+                    break;
+                }
+                "error" => {
+                    // Mid-stream errors: overloaded_error is Anthropic's 529, worth a retry.
+                    let kind = v["error"]["type"].as_str().unwrap_or("error");
+                    let status = match kind {
+                        "overloaded_error" => 529,
+                        "rate_limit_error" => 429,
+                        "api_error" => 500,
+                        _ => 400,
+                    };
+                    let message = v["error"]["message"].as_str().unwrap_or(kind).to_owned();
+                    return Err(ModelError::Status {
+                        status: if status == 529 { 503 } else { status },
+                        message,
+                        retry_after: None,
+                    });
+                }
+                _ => {}
+            }
+        }
+        if !stopped {
+            return Err(ModelError::TruncatedStream);
+        }
+        let tool_calls = tools
+            .into_values()
+            .map(|(id, name, json)| ToolCall {
+                id,
+                name,
+                arguments: if json.is_empty() { "{}".into() } else { json },
+            })
+            .collect();
+        Ok(ModelResponse {
+            text,
+            thinking,
+            tool_calls,
+            usage,
+            stop_reason,
+        })
+    }
+}

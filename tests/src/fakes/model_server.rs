@@ -1,0 +1,131 @@
+//! A scripted model server shared by the provider fakes: each request pops the next prepared
+//! answer (an SSE body sent in small arbitrary chunks, or an error status with Retry-After) and
+//! is recorded with its arrival time, path and JSON body. The provider modules build answers in
+//! their own wire formats.
+
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex},
+    time::Instant,
+};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::{Json, State},
+    http::Uri,
+    http::{HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+use serde_json::Value;
+
+/// One prepared answer.
+#[derive(Clone, Debug)]
+pub enum Prepared {
+    /// `text/event-stream` body, sent `chunk` bytes at a time.
+    Sse { body: String, chunk: usize },
+    Error {
+        status: u16,
+        retry_after: Option<u64>,
+        body: String,
+    },
+}
+
+/// A recorded request.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    pub at: Instant,
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Value,
+}
+
+#[derive(Default)]
+pub struct ModelServerState {
+    answers: Mutex<VecDeque<Prepared>>,
+    seen: Mutex<Vec<Seen>>,
+}
+
+#[derive(Clone)]
+pub struct ModelServer {
+    pub base: String,
+    pub state: Arc<ModelServerState>,
+}
+
+impl ModelServer {
+    /// Serves `answers` on every POST path under `route` (an axum path pattern).
+    pub async fn start(route: &str, answers: Vec<Prepared>) -> Self {
+        let state = Arc::new(ModelServerState {
+            answers: Mutex::new(answers.into()),
+            seen: Mutex::default(),
+        });
+        let router = Router::new()
+            .route(route, post(answer))
+            .with_state(state.clone());
+        let (base, _) = super::serve(router).await;
+        Self { base, state }
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.state.seen.lock().expect("lock").clone()
+    }
+}
+
+/// SSE frames: `event:` lines when named, then `data:`.
+pub fn frames(events: &[(Option<&str>, Value)]) -> String {
+    events
+        .iter()
+        .map(|(name, data)| match name {
+            Some(n) => format!("event: {n}\ndata: {data}\n\n"),
+            None => format!("data: {data}\n\n"),
+        })
+        .collect()
+}
+
+async fn answer(
+    State(s): State<Arc<ModelServerState>>,
+    uri: Uri,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> Response {
+    s.seen.lock().expect("lock").push(Seen {
+        at: Instant::now(),
+        path: uri.to_string(),
+        headers,
+        body,
+    });
+    let next = s.answers.lock().expect("lock").pop_front();
+    match next {
+        None => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "no more scripted answers",
+        )
+            .into_response(),
+        Some(Prepared::Error {
+            status,
+            retry_after,
+            body,
+        }) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut r = (status, [("content-type", "application/json")], body).into_response();
+            if let Some(secs) = retry_after {
+                r.headers_mut()
+                    .insert("retry-after", secs.to_string().parse().expect("header"));
+            }
+            r
+        }
+        Some(Prepared::Sse { body, chunk }) => {
+            let pieces: Vec<Result<Vec<u8>, std::io::Error>> = body
+                .into_bytes()
+                .chunks(chunk.max(1))
+                .map(|c| Ok(c.to_vec()))
+                .collect();
+            (
+                [("content-type", "text/event-stream")],
+                Body::from_stream(futures_util::stream::iter(pieces)),
+            )
+                .into_response()
+        }
+    }
+}
