@@ -15,6 +15,13 @@ pub struct Config {
     pub server: ServerConfig,
     /// `GATEWAY_URL`: where gateway-svc listens.
     pub gateway_url: String,
+    /// `GATEWAY_SERVICE_TOKEN`: the secret presented to gateway-svc.
+    pub gateway_token: Option<String>,
+    pub models: crate::models::ModelsConfig,
+    /// `AGENT_MAX_LOOP_STEPS`: overrides the interactive iteration limit, clamped to 1..15.
+    pub max_loop_steps: Option<u32>,
+    /// `MAX_TOOL_RESULT_CHARS`
+    pub max_tool_result_chars: usize,
 }
 
 impl Config {
@@ -34,9 +41,29 @@ impl Config {
                 format!("{gateway_url:?} is not an http(s) URL; use e.g. {DEFAULT_GATEWAY_URL}"),
             );
         }
+        let gateway_token = vars.optional_string("GATEWAY_SERVICE_TOKEN");
+        let models = crate::models::ModelsConfig::load(&mut vars);
+        // S1: "default 8, clamp 1..15": out-of-range values are clamped, not refused.
+        let max_loop_steps = vars
+            .raw("AGENT_MAX_LOOP_STEPS")
+            .map(|raw| match raw.parse::<i64>() {
+                Ok(n) => n.clamp(1, 15) as u32,
+                Err(_) => {
+                    vars.error(
+                        "AGENT_MAX_LOOP_STEPS",
+                        format!("{raw:?} is not a whole number (1 to 15)"),
+                    );
+                    8
+                }
+            });
+        let max_tool_result_chars = vars.int_in("MAX_TOOL_RESULT_CHARS", 6000usize, 200, 1_000_000);
         vars.finish(Self {
             server,
             gateway_url,
+            gateway_token,
+            models,
+            max_loop_steps,
+            max_tool_result_chars,
         })
     }
 }
@@ -61,6 +88,27 @@ mod tests {
         assert_eq!(cfg.server.listen_addr.to_string(), DEFAULT_LISTEN);
         assert!(cfg.server.database.is_none());
         assert_eq!(cfg.gateway_url, DEFAULT_GATEWAY_URL);
+    }
+
+    #[test]
+    fn the_loop_step_override_is_clamped_not_refused() {
+        assert_eq!(
+            load(&[("AGENT_MAX_LOOP_STEPS", "99")])
+                .unwrap()
+                .max_loop_steps,
+            Some(15)
+        );
+        assert_eq!(
+            load(&[("AGENT_MAX_LOOP_STEPS", "0")])
+                .unwrap()
+                .max_loop_steps,
+            Some(1)
+        );
+        assert_eq!(load(&[]).unwrap().max_loop_steps, None);
+        assert_eq!(
+            load(&[("AGENT_MAX_LOOP_STEPS", "lots")]).unwrap_err().0[0].var,
+            "AGENT_MAX_LOOP_STEPS"
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod config;
 pub mod executor;
 pub mod gateway_client;
 pub mod llm;
+pub mod models;
 pub mod store;
 
 pub use app::{App, StartError};
