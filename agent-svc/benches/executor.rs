@@ -60,6 +60,26 @@ async fn main() {
                 "query": {"type": "string", "maxLength": 500}, "max_results": {"type": "integer", "minimum": 1, "maximum": 50}}}),
         })
         .collect();
+    for (model_name, counter) in [
+        ("claude-sonnet-4-5", "calibrated ratios"),
+        ("gpt-4o", "tiktoken o200k"),
+    ] {
+        measure(&tools, model_name, counter).await;
+    }
+}
+
+async fn measure(tools: &[ToolDecl], model_name: &str, counter: &str) {
+    let tokenizer = agent_svc::executor::budget::TokenCounter::for_model(model_name);
+    let sample = started_count(tokenizer, tools);
+    eprintln!(
+        "{model_name}: tiktoken={} tool schema tokens={} (counted in {:?})",
+        matches!(
+            tokenizer,
+            agent_svc::executor::budget::TokenCounter::Tiktoken(_)
+        ),
+        sample.0,
+        sample.1
+    );
     let mut per_iteration = Vec::with_capacity(RUNS);
     for run in 0..(RUNS + 100) {
         let mut steps: Vec<Step> = (0..ITERATIONS_PER_RUN - 1)
@@ -90,7 +110,7 @@ async fn main() {
             system: "You are Steward, a chief of staff. Never fabricate data.".repeat(20),
             history: vec![],
             prompt: "What's on my plate?".into(),
-            tools: tools.clone(),
+            tools: tools.to_vec(),
             limits: limits::profile(limits::Channel::Web, None),
             stop_after: None,
         };
@@ -105,8 +125,17 @@ async fn main() {
     per_iteration.sort();
     let pct = |p: f64| per_iteration[((per_iteration.len() as f64 - 1.0) * p).round() as usize];
     println!(
-        "executor overhead per iteration (scripted model, in-process tools, 15 tool schemas): runs={RUNS} x {ITERATIONS_PER_RUN} iterations p50={:?} p99={:?}",
+        "executor overhead per iteration ({model_name}, tokens by {counter}; scripted model, in-process tools, 15 tool schemas): runs={RUNS} x {ITERATIONS_PER_RUN} iterations p50={:?} p99={:?}",
         pct(0.5),
         pct(0.99)
     );
+}
+
+fn started_count(
+    counter: agent_svc::executor::budget::TokenCounter,
+    tools: &[ToolDecl],
+) -> (usize, Duration) {
+    let started = Instant::now();
+    let n = counter.tools(tools);
+    (n, started.elapsed())
 }
