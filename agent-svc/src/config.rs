@@ -22,6 +22,9 @@ pub struct Config {
     pub max_loop_steps: Option<u32>,
     /// `MAX_TOOL_RESULT_CHARS`
     pub max_tool_result_chars: usize,
+    /// `AUTH_JWT_HS256_SECRET` | `AUTH_JWT_RS256_PUBLIC_KEY` (+ `AUTH_JWT_ISSUER`,
+    /// `AUTH_JWT_AUDIENCE`), or `AUTH_DEV_USER_HEADER=true`.
+    pub identity: crate::api::identity::Identity,
 }
 
 impl Config {
@@ -57,6 +60,7 @@ impl Config {
                 }
             });
         let max_tool_result_chars = vars.int_in("MAX_TOOL_RESULT_CHARS", 6000usize, 200, 1_000_000);
+        let identity = load_identity(&mut vars);
         vars.finish(Self {
             server,
             gateway_url,
@@ -64,7 +68,60 @@ impl Config {
             models,
             max_loop_steps,
             max_tool_result_chars,
+            identity,
         })
+    }
+}
+
+fn load_identity(vars: &mut Vars<'_>) -> crate::api::identity::Identity {
+    use crate::api::identity::Identity;
+    let issuer = vars.optional_string("AUTH_JWT_ISSUER");
+    let audience = vars.optional_string("AUTH_JWT_AUDIENCE");
+    let dev = vars.bool("AUTH_DEV_USER_HEADER", false);
+    match (
+        vars.optional_string("AUTH_JWT_HS256_SECRET"),
+        vars.optional_string("AUTH_JWT_RS256_PUBLIC_KEY"),
+    ) {
+        (Some(_), Some(_)) => {
+            vars.error(
+                "AUTH_JWT_HS256_SECRET",
+                "set either AUTH_JWT_HS256_SECRET or AUTH_JWT_RS256_PUBLIC_KEY, not both",
+            );
+            Identity::DevHeader
+        }
+        (Some(secret), None) if secret.len() < 32 => {
+            vars.error(
+                "AUTH_JWT_HS256_SECRET",
+                "is shorter than 32 characters; use a long random secret",
+            );
+            Identity::DevHeader
+        }
+        (Some(secret), None) => {
+            Identity::hs256(secret.as_bytes(), issuer.as_deref(), audience.as_deref())
+        }
+        (None, Some(pem)) => Identity::rs256(
+            pem.replace("\\n", "\n").as_bytes(),
+            issuer.as_deref(),
+            audience.as_deref(),
+        )
+        .unwrap_or_else(|e| {
+            vars.error("AUTH_JWT_RS256_PUBLIC_KEY", e);
+            Identity::DevHeader
+        }),
+        (None, None) if dev => {
+            tracing::warn!(
+                "AUTH_DEV_USER_HEADER: callers name themselves with x-user-id; never use this in production"
+            );
+            Identity::DevHeader
+        }
+        (None, None) => {
+            vars.error(
+                "AUTH_JWT_HS256_SECRET",
+                "no identity is configured: set AUTH_JWT_HS256_SECRET or AUTH_JWT_RS256_PUBLIC_KEY \
+                 (or AUTH_DEV_USER_HEADER=true for a local run)",
+            );
+            Identity::DevHeader
+        }
     }
 }
 
@@ -74,11 +131,13 @@ mod tests {
 
     use super::*;
 
+    /// Loads `pairs`, in dev identity mode unless the test says otherwise.
     fn load(pairs: &[(&str, &str)]) -> Result<Config, ConfigErrors> {
-        let map: HashMap<String, String> = pairs
+        let mut map: HashMap<String, String> = pairs
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
+        map.entry("AUTH_DEV_USER_HEADER".into()).or_insert_with(|| "true".into());
         Config::load(Vars::from_map(&map))
     }
 
@@ -88,6 +147,23 @@ mod tests {
         assert_eq!(cfg.server.listen_addr.to_string(), DEFAULT_LISTEN);
         assert!(cfg.server.database.is_none());
         assert_eq!(cfg.gateway_url, DEFAULT_GATEWAY_URL);
+    }
+
+    #[test]
+    fn an_identity_must_be_chosen_explicitly() {
+        let err = load(&[("AUTH_DEV_USER_HEADER", "false")]).unwrap_err();
+        assert_eq!(err.0[0].var, "AUTH_JWT_HS256_SECRET");
+        let cfg = load(&[
+            ("AUTH_DEV_USER_HEADER", "false"),
+            ("AUTH_JWT_HS256_SECRET", &"k".repeat(32)),
+        ])
+        .unwrap();
+        assert!(matches!(
+            cfg.identity,
+            crate::api::identity::Identity::Jwt { .. }
+        ));
+        let err = load(&[("AUTH_JWT_RS256_PUBLIC_KEY", "not a pem")]).unwrap_err();
+        assert_eq!(err.0[0].var, "AUTH_JWT_RS256_PUBLIC_KEY");
     }
 
     #[test]

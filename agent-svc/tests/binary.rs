@@ -28,7 +28,13 @@ fn a_bad_config_value_exits_non_zero_naming_the_variable_and_the_fix() {
 
 #[test]
 fn sigterm_drains_and_exits_zero() {
-    let server = ServerProcess::start(BIN, &[("AGENT_LISTEN_ADDR", "127.0.0.1:0")]);
+    let server = ServerProcess::start(
+        BIN,
+        &[
+            ("AGENT_LISTEN_ADDR", "127.0.0.1:0"),
+            ("AUTH_DEV_USER_HEADER", "true"),
+        ],
+    );
     assert!(server.addr.port() != 0);
     server.terminate();
     let exit = server.wait(Duration::from_secs(20));

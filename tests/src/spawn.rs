@@ -112,6 +112,7 @@ pub async fn spawn(options: Options) -> TestApp {
         ("SHUTDOWN_DRAIN_TIMEOUT".into(), "2s".into()),
         ("GATEWAY_SERVICE_TOKEN".into(), SERVICE_TOKEN.into()),
         ("CREDENTIALS_KEY".into(), TEST_CREDENTIALS_KEY.into()),
+        ("AUTH_DEV_USER_HEADER".into(), "true".into()),
     ]);
     if let Some(db) = &db {
         env.insert("DATABASE_URL".into(), db.url().to_owned());
@@ -175,7 +176,10 @@ pub async fn start_gateway_with(
 
 /// Starts one agent-svc with `env`; for tests that need several replicas.
 pub async fn start_agent(env: &HashMap<String, String>) -> Result<RunningService, String> {
-    let config = agent_svc::Config::load(Vars::from_map(env)).map_err(|e| e.to_string())?;
+    let mut env = env.clone();
+    env.entry("AUTH_DEV_USER_HEADER".into())
+        .or_insert_with(|| "true".into());
+    let config = agent_svc::Config::load(Vars::from_map(&env)).map_err(|e| e.to_string())?;
     let app = agent_svc::App::build(config)
         .await
         .map_err(|e| e.to_string())?;

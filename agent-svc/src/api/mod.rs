@@ -1,6 +1,7 @@
 //! The gRPC edge of agent-svc: authenticate, validate, convert proto to domain types, call in,
 //! convert back. Nothing proto-shaped goes deeper than this module.
 
+pub mod identity;
 mod status;
 
 use std::pin::Pin;

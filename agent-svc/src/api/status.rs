@@ -12,6 +12,8 @@ pub enum ApiError {
          nothing was done"
     )]
     Unimplemented { rpc: &'static str, issue: u32 },
+    #[error("{0}")]
+    Unauthenticated(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -21,6 +23,7 @@ impl From<ApiError> for Status {
         let message = e.to_string();
         match e {
             ApiError::Unimplemented { .. } => Status::unimplemented(message),
+            ApiError::Unauthenticated(_) => Status::unauthenticated(message),
             ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
         }
     }
