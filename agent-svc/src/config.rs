@@ -137,7 +137,8 @@ mod tests {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
-        map.entry("AUTH_DEV_USER_HEADER".into()).or_insert_with(|| "true".into());
+        map.entry("AUTH_DEV_USER_HEADER".into())
+            .or_insert_with(|| "true".into());
         Config::load(Vars::from_map(&map))
     }
 

@@ -25,6 +25,7 @@ impl From<ApiError> for Status {
             ApiError::Unimplemented { .. } => Status::unimplemented(message),
             ApiError::Unauthenticated(_) => Status::unauthenticated(message),
             ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
+            ApiError::Store(StoreError::NotFound(_)) => Status::not_found(message),
         }
     }
 }

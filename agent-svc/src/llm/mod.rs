@@ -28,15 +28,16 @@ pub struct ToolDecl {
 
 /// A tool call as the model produced it. `arguments` is the raw JSON text: it may be malformed,
 /// and the executor decides what to do about that (E-9), not the adapter.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ToolCall {
     pub id: String,
     pub name: String,
     pub arguments: String,
 }
 
-/// One entry of the model-facing transcript.
-#[derive(Debug, Clone, PartialEq)]
+/// One entry of the model-facing transcript (persisted as the thread's LLM history).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
 pub enum Turn {
     User(String),
     /// An assistant turn: text (possibly empty) and the tool calls it made.

@@ -1,13 +1,43 @@
 //! The embedded store: process memory, for local runs and tests with no database.
 
-use super::{AgentStore, StoreError};
+use std::{
+    collections::HashMap,
+    sync::Mutex,
+    time::{Duration, SystemTime},
+};
 
-#[derive(Debug, Default)]
-pub struct MemoryStore {}
+use serde_json::Value;
+
+use super::{
+    AgentStore, LockOutcome, Message, MessageKind, MessageSource, NewRunOutcome, Run, RunPatch,
+    StoreError, Thread,
+};
+
+#[derive(Default)]
+struct State {
+    threads: HashMap<String, (Thread, Option<SystemTime>)>,
+    messages: Vec<Message>,
+    history: HashMap<String, Vec<Value>>,
+    runs: HashMap<String, Run>,
+    events: HashMap<String, Vec<Vec<u8>>>,
+}
+
+#[derive(Default)]
+pub struct MemoryStore {
+    state: Mutex<State>,
+}
 
 impl MemoryStore {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> Result<T, StoreError> {
+        let mut state = self
+            .state
+            .lock()
+            .map_err(|_| StoreError::Unavailable("in-memory store lock poisoned".into()))?;
+        Ok(f(&mut state))
     }
 }
 
@@ -19,5 +49,270 @@ impl AgentStore for MemoryStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+
+    async fn create_thread(
+        &self,
+        id: &str,
+        owner: &str,
+        title: &str,
+    ) -> Result<Thread, StoreError> {
+        let now = SystemTime::now();
+        let thread = Thread {
+            id: id.to_owned(),
+            owner: owner.to_owned(),
+            title: title.to_owned(),
+            created_at: now,
+            updated_at: now,
+            active_run_id: None,
+            last_run_id: None,
+        };
+        self.with(|s| s.threads.insert(id.to_owned(), (thread.clone(), None)))?;
+        Ok(thread)
+    }
+
+    async fn get_thread(&self, owner: &str, id: &str) -> Result<Option<Thread>, StoreError> {
+        self.with(|s| {
+            s.threads
+                .get(id)
+                .filter(|(t, _)| t.owner == owner)
+                .map(|(t, lease)| {
+                    let mut t = t.clone();
+                    if lease.is_none_or(|l| l <= SystemTime::now()) {
+                        t.active_run_id = None;
+                    }
+                    t
+                })
+        })
+    }
+
+    async fn list_threads(
+        &self,
+        owner: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Vec<Thread>, StoreError> {
+        self.with(|s| {
+            let mut mine: Vec<Thread> = s
+                .threads
+                .values()
+                .filter(|(t, _)| t.owner == owner)
+                .map(|(t, _)| t.clone())
+                .collect();
+            mine.sort_by(|a, b| b.updated_at.cmp(&a.updated_at).then(a.id.cmp(&b.id)));
+            mine.into_iter().skip(offset).take(limit).collect()
+        })
+    }
+
+    async fn lock_thread(
+        &self,
+        thread_id: &str,
+        run_id: &str,
+        lease: Duration,
+    ) -> Result<LockOutcome, StoreError> {
+        self.with(|s| {
+            let Some((thread, expires)) = s.threads.get_mut(thread_id) else {
+                return Err(StoreError::NotFound(format!("thread {thread_id}")));
+            };
+            let now = SystemTime::now();
+            match (&thread.active_run_id, *expires) {
+                (Some(holder), Some(until)) if until > now && holder != run_id => {
+                    Ok(LockOutcome::Busy {
+                        run_id: holder.clone(),
+                    })
+                }
+                _ => {
+                    thread.active_run_id = Some(run_id.to_owned());
+                    thread.last_run_id = Some(run_id.to_owned());
+                    thread.updated_at = now;
+                    *expires = Some(now + lease);
+                    Ok(LockOutcome::Acquired)
+                }
+            }
+        })?
+    }
+
+    async fn renew_lock(
+        &self,
+        thread_id: &str,
+        run_id: &str,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.with(|s| {
+            if let Some((thread, expires)) = s.threads.get_mut(thread_id)
+                && thread.active_run_id.as_deref() == Some(run_id)
+            {
+                *expires = Some(SystemTime::now() + lease);
+            }
+        })
+    }
+
+    async fn release_lock(&self, thread_id: &str, run_id: &str) -> Result<(), StoreError> {
+        self.with(|s| {
+            if let Some((thread, expires)) = s.threads.get_mut(thread_id)
+                && thread.active_run_id.as_deref() == Some(run_id)
+            {
+                thread.active_run_id = None;
+                *expires = None;
+            }
+        })
+    }
+
+    async fn add_message(
+        &self,
+        thread_id: &str,
+        run_id: Option<&str>,
+        source: MessageSource,
+        kind: MessageKind,
+        content: &str,
+        metadata: Value,
+    ) -> Result<Message, StoreError> {
+        self.with(|s| {
+            let message = Message {
+                id: s.messages.len() as i64 + 1,
+                thread_id: thread_id.to_owned(),
+                run_id: run_id.map(str::to_owned),
+                source,
+                kind,
+                content: content.to_owned(),
+                metadata,
+                created_at: SystemTime::now(),
+            };
+            s.messages.push(message.clone());
+            if let Some((t, _)) = s.threads.get_mut(thread_id) {
+                t.updated_at = message.created_at;
+            }
+            message
+        })
+    }
+
+    async fn list_messages(
+        &self,
+        thread_id: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Vec<Message>, StoreError> {
+        self.with(|s| {
+            s.messages
+                .iter()
+                .filter(|m| m.thread_id == thread_id)
+                .skip(offset)
+                .take(limit)
+                .cloned()
+                .collect()
+        })
+    }
+
+    async fn history(&self, thread_id: &str) -> Result<Vec<Value>, StoreError> {
+        self.with(|s| s.history.get(thread_id).cloned().unwrap_or_default())
+    }
+
+    async fn append_history(&self, thread_id: &str, turns: &[Value]) -> Result<(), StoreError> {
+        self.with(|s| {
+            s.history
+                .entry(thread_id.to_owned())
+                .or_default()
+                .extend_from_slice(turns)
+        })
+    }
+
+    async fn create_run(&self, run: &Run) -> Result<NewRunOutcome, StoreError> {
+        self.with(|s| {
+            if let Some(key) = &run.request_id
+                && let Some(existing) = s
+                    .runs
+                    .values()
+                    .find(|r| r.owner == run.owner && r.request_id.as_ref() == Some(key))
+            {
+                return NewRunOutcome::Duplicate {
+                    run_id: existing.id.clone(),
+                };
+            }
+            s.runs.insert(run.id.clone(), run.clone());
+            NewRunOutcome::Created
+        })
+    }
+
+    async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError> {
+        self.with(|s| s.runs.get(run_id).filter(|r| r.owner == owner).cloned())
+    }
+
+    async fn update_run(&self, run_id: &str, p: RunPatch) -> Result<(), StoreError> {
+        self.with(|s| {
+            let Some(run) = s.runs.get_mut(run_id) else {
+                return;
+            };
+            if let Some(v) = p.state {
+                run.state = v;
+            }
+            if let Some(v) = p.model {
+                run.model = v;
+            }
+            if let Some(v) = p.usage {
+                run.usage = v;
+            }
+            if let Some(v) = p.iterations {
+                run.iterations = v;
+            }
+            if let Some(v) = p.error {
+                run.error = Some(v);
+            }
+            if let Some(v) = p.failure_kind {
+                run.failure_kind = Some(v);
+            }
+            if let Some(v) = p.summary {
+                run.summary = v;
+            }
+            if let Some(v) = p.started_at {
+                run.started_at = Some(v);
+            }
+            if let Some(v) = p.finished_at {
+                run.finished_at = Some(v);
+            }
+        })
+    }
+
+    async fn request_cancel(&self, run_id: &str) -> Result<bool, StoreError> {
+        self.with(|s| match s.runs.get_mut(run_id) {
+            Some(run) if !run.state.is_terminal() => {
+                run.cancel_requested = true;
+                true
+            }
+            _ => false,
+        })
+    }
+
+    async fn append_event(&self, run_id: &str, payload: &[u8]) -> Result<u64, StoreError> {
+        self.with(|s| {
+            let events = s.events.entry(run_id.to_owned()).or_default();
+            events.push(payload.to_vec());
+            let seq = events.len() as u64;
+            if let Some(run) = s.runs.get_mut(run_id) {
+                run.last_event_seq = seq;
+            }
+            seq
+        })
+    }
+
+    async fn events_after(
+        &self,
+        run_id: &str,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+        self.with(|s| {
+            s.events
+                .get(run_id)
+                .map(|events| {
+                    events
+                        .iter()
+                        .enumerate()
+                        .skip(after as usize)
+                        .take(limit)
+                        .map(|(i, e)| (i as u64 + 1, e.clone()))
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
     }
 }

@@ -1,21 +1,33 @@
 //! agent-svc's persistence boundary. One trait, two implementations that pass one test suite
 //! (S-5): [`memory::MemoryStore`], the zero-set-up default, and [`postgres::PgStore`], used
-//! whenever `DATABASE_URL` is set.
+//! whenever `DATABASE_URL` is set. Nothing about a conversation lives outside the store between
+//! requests (S-3): any replica can continue any thread or follow any run.
 //!
-//! The trait grows with the features that need it: threads and their ownership, user-visible
-//! messages, LLM history, runs and their state transitions, actions, approvals, audit, sequenced
-//! run events and session archives (S-2). Nothing about a conversation lives outside the store
-//! between requests (S-3).
+//! Run events are opaque payloads here (the API encodes them); the store only numbers them.
 
 pub mod memory;
 pub mod postgres;
 
-use std::sync::Arc;
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("the database is unavailable: {0}")]
     Unavailable(String),
+    #[error("{0} was not found")]
+    NotFound(String),
+}
+
+impl StoreError {
+    pub fn unavailable(e: impl std::fmt::Display) -> Self {
+        StoreError::Unavailable(e.to_string())
+    }
 }
 
 impl From<svc_kit::pg::PgError> for StoreError {
@@ -24,13 +36,233 @@ impl From<svc_kit::pg::PgError> for StoreError {
     }
 }
 
+#[derive(Debug, Clone, PartialEq)]
+pub struct Thread {
+    pub id: String,
+    pub owner: String,
+    pub title: String,
+    pub created_at: SystemTime,
+    pub updated_at: SystemTime,
+    /// The run holding the execution lock, while its lease lasts.
+    pub active_run_id: Option<String>,
+    pub last_run_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MessageSource {
+    User,
+    Agent,
+    Error,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MessageKind {
+    Text,
+    Tool,
+}
+
+/// A user-visible message of a thread (not the model transcript).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Message {
+    pub id: i64,
+    pub thread_id: String,
+    pub run_id: Option<String>,
+    pub source: MessageSource,
+    pub kind: MessageKind,
+    pub content: String,
+    pub metadata: Value,
+    pub created_at: SystemTime,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RunState {
+    Queued,
+    Planning,
+    Executing,
+    AwaitingConfirmation,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl RunState {
+    pub fn key(self) -> &'static str {
+        match self {
+            RunState::Queued => "queued",
+            RunState::Planning => "planning",
+            RunState::Executing => "executing",
+            RunState::AwaitingConfirmation => "awaiting_confirmation",
+            RunState::Completed => "completed",
+            RunState::Failed => "failed",
+            RunState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn from_key(k: &str) -> Self {
+        match k {
+            "planning" => RunState::Planning,
+            "executing" => RunState::Executing,
+            "awaiting_confirmation" => RunState::AwaitingConfirmation,
+            "completed" => RunState::Completed,
+            "failed" => RunState::Failed,
+            "cancelled" => RunState::Cancelled,
+            _ => RunState::Queued,
+        }
+    }
+
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            RunState::Completed | RunState::Failed | RunState::Cancelled
+        )
+    }
+}
+
+/// Token and cost totals of a run, with each model call (E-10).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunUsage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub cached_tokens: u64,
+    pub cost_usd: f64,
+    pub calls: Vec<ModelCallUsage>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelCallUsage {
+    pub provider: String,
+    pub model: String,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub cached_tokens: u64,
+    pub cost_usd: f64,
+    pub latency_ms: u64,
+    pub retries: u32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Run {
+    pub id: String,
+    pub thread_id: String,
+    pub owner: String,
+    pub request_id: Option<String>,
+    pub state: RunState,
+    pub channel: String,
+    pub model: String,
+    pub usage: RunUsage,
+    pub iterations: u32,
+    pub error: Option<String>,
+    pub failure_kind: Option<String>,
+    pub summary: String,
+    pub cancel_requested: bool,
+    pub last_event_seq: u64,
+    pub created_at: SystemTime,
+    pub started_at: Option<SystemTime>,
+    pub finished_at: Option<SystemTime>,
+}
+
+/// Changes to a run; `None` leaves a field as it is.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunPatch {
+    pub state: Option<RunState>,
+    pub model: Option<String>,
+    pub usage: Option<RunUsage>,
+    pub iterations: Option<u32>,
+    pub error: Option<String>,
+    pub failure_kind: Option<String>,
+    pub summary: Option<String>,
+    pub started_at: Option<SystemTime>,
+    pub finished_at: Option<SystemTime>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LockOutcome {
+    Acquired,
+    /// Another run holds an unexpired lease.
+    Busy {
+        run_id: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NewRunOutcome {
+    Created,
+    /// A run with this owner and request id exists already (a retried request).
+    Duplicate {
+        run_id: String,
+    },
+}
+
 #[async_trait::async_trait]
 pub trait AgentStore: Send + Sync + 'static {
-    /// Which backend this is, for logs.
     fn backend(&self) -> &'static str;
-
-    /// Succeeds when the store can serve requests; drives readiness.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    async fn create_thread(&self, id: &str, owner: &str, title: &str)
+    -> Result<Thread, StoreError>;
+    /// The thread if it exists and belongs to `owner`.
+    async fn get_thread(&self, owner: &str, id: &str) -> Result<Option<Thread>, StoreError>;
+    /// Most recently updated first.
+    async fn list_threads(
+        &self,
+        owner: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Vec<Thread>, StoreError>;
+
+    /// Takes the thread's execution lock for `run_id` unless an unexpired lease is held by
+    /// another run (E-11). Holds across replicas for PostgreSQL.
+    async fn lock_thread(
+        &self,
+        thread_id: &str,
+        run_id: &str,
+        lease: Duration,
+    ) -> Result<LockOutcome, StoreError>;
+    async fn renew_lock(
+        &self,
+        thread_id: &str,
+        run_id: &str,
+        lease: Duration,
+    ) -> Result<(), StoreError>;
+    async fn release_lock(&self, thread_id: &str, run_id: &str) -> Result<(), StoreError>;
+
+    async fn add_message(
+        &self,
+        thread_id: &str,
+        run_id: Option<&str>,
+        source: MessageSource,
+        kind: MessageKind,
+        content: &str,
+        metadata: Value,
+    ) -> Result<Message, StoreError>;
+    /// Oldest first.
+    async fn list_messages(
+        &self,
+        thread_id: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Vec<Message>, StoreError>;
+
+    /// The thread's model transcript, oldest first, as serialized turns.
+    async fn history(&self, thread_id: &str) -> Result<Vec<Value>, StoreError>;
+    async fn append_history(&self, thread_id: &str, turns: &[Value]) -> Result<(), StoreError>;
+
+    /// Creates a queued run, unless one with the same owner and request id exists.
+    async fn create_run(&self, run: &Run) -> Result<NewRunOutcome, StoreError>;
+    async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError>;
+    async fn update_run(&self, run_id: &str, patch: RunPatch) -> Result<(), StoreError>;
+    /// Marks a non-terminal run for cancellation; false when it already ended.
+    async fn request_cancel(&self, run_id: &str) -> Result<bool, StoreError>;
+
+    /// Appends an event and returns its sequence number (1, 2, 3, … per run, no gaps).
+    async fn append_event(&self, run_id: &str, payload: &[u8]) -> Result<u64, StoreError>;
+    /// Events with seq > `after`, in order, at most `limit`.
+    async fn events_after(
+        &self,
+        run_id: &str,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
 }
 
 pub type SharedStore = Arc<dyn AgentStore>;

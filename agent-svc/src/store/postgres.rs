@@ -1,9 +1,16 @@
 //! The PostgreSQL store. agent-svc owns the `agent` schema; its migrations live in
 //! `agent-svc/migrations` and are embedded in the binary.
 
-use svc_kit::{pg, server_config::DatabaseConfig};
+use std::time::{Duration, SystemTime};
 
-use super::{AgentStore, StoreError};
+use serde_json::Value;
+use svc_kit::{pg, server_config::DatabaseConfig};
+use tokio_postgres::Row;
+
+use super::{
+    AgentStore, LockOutcome, Message, MessageKind, MessageSource, NewRunOutcome, Run, RunPatch,
+    RunState, RunUsage, StoreError, Thread,
+};
 
 mod embedded {
     refinery::embed_migrations!("migrations");
@@ -25,6 +32,100 @@ impl PgStore {
         let pool = pg::pool(&config.url, &config.pool)?;
         Ok(Self { pool })
     }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.pool.get().await.map_err(StoreError::unavailable)
+    }
+}
+
+fn db(e: tokio_postgres::Error) -> StoreError {
+    match e.as_db_error() {
+        Some(d) => StoreError::Unavailable(format!("{} ({})", d.message(), d.code().code())),
+        None => StoreError::Unavailable(e.to_string()),
+    }
+}
+
+const THREAD_COLUMNS: &str = "id, owner, title, created_at, updated_at, \
+    CASE WHEN lock_expires_at > now() THEN lock_run_id END, last_run_id";
+
+fn thread(r: &Row) -> Thread {
+    Thread {
+        id: r.get(0),
+        owner: r.get(1),
+        title: r.get(2),
+        created_at: r.get(3),
+        updated_at: r.get(4),
+        active_run_id: r.get(5),
+        last_run_id: r.get(6),
+    }
+}
+
+fn source_key(s: MessageSource) -> &'static str {
+    match s {
+        MessageSource::User => "user",
+        MessageSource::Agent => "agent",
+        MessageSource::Error => "error",
+    }
+}
+
+fn kind_key(k: MessageKind) -> &'static str {
+    match k {
+        MessageKind::Text => "text",
+        MessageKind::Tool => "tool",
+    }
+}
+
+fn message(r: &Row) -> Message {
+    let source: &str = r.get(3);
+    let kind: &str = r.get(4);
+    Message {
+        id: r.get(0),
+        thread_id: r.get(1),
+        run_id: r.get(2),
+        source: match source {
+            "user" => MessageSource::User,
+            "error" => MessageSource::Error,
+            _ => MessageSource::Agent,
+        },
+        kind: if kind == "tool" {
+            MessageKind::Tool
+        } else {
+            MessageKind::Text
+        },
+        content: r.get(5),
+        metadata: r.get(6),
+        created_at: r.get(7),
+    }
+}
+
+const RUN_COLUMNS: &str = "id, thread_id, owner, request_id, state, channel, model, usage, iterations, error, \
+    failure_kind, summary, cancel_requested, last_event_seq, created_at, started_at, finished_at";
+
+fn run(r: &Row) -> Run {
+    let usage: Value = r.get(7);
+    Run {
+        id: r.get(0),
+        thread_id: r.get(1),
+        owner: r.get(2),
+        request_id: r.get(3),
+        state: RunState::from_key(r.get(4)),
+        channel: r.get(5),
+        model: r.get(6),
+        usage: serde_json::from_value::<RunUsage>(usage).unwrap_or_default(),
+        iterations: r.get::<_, i32>(8) as u32,
+        error: r.get(9),
+        failure_kind: r.get(10),
+        summary: r.get(11),
+        cancel_requested: r.get(12),
+        last_event_seq: r.get::<_, i64>(13) as u64,
+        created_at: r.get(14),
+        started_at: r.get(15),
+        finished_at: r.get(16),
+    }
+}
+
+fn lease_until(lease: Duration) -> SystemTime {
+    SystemTime::now() + lease
 }
 
 #[async_trait::async_trait]
@@ -35,5 +136,325 @@ impl AgentStore for PgStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(pg::ping(&self.pool).await?)
+    }
+
+    async fn create_thread(
+        &self,
+        id: &str,
+        owner: &str,
+        title: &str,
+    ) -> Result<Thread, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_one(
+                &format!("INSERT INTO agent.threads (id, owner, title) VALUES ($1, $2, $3) RETURNING {THREAD_COLUMNS}"),
+                &[&id, &owner, &title],
+            )
+            .await
+            .map_err(db)?;
+        Ok(thread(&row))
+    }
+
+    async fn get_thread(&self, owner: &str, id: &str) -> Result<Option<Thread>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!("SELECT {THREAD_COLUMNS} FROM agent.threads WHERE id = $1 AND owner = $2"),
+                &[&id, &owner],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.as_ref().map(thread))
+    }
+
+    async fn list_threads(
+        &self,
+        owner: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Vec<Thread>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                &format!(
+                    "SELECT {THREAD_COLUMNS} FROM agent.threads WHERE owner = $1 \
+                     ORDER BY updated_at DESC, id OFFSET $2 LIMIT $3"
+                ),
+                &[&owner, &(offset as i64), &(limit as i64)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(thread).collect())
+    }
+
+    async fn lock_thread(
+        &self,
+        thread_id: &str,
+        run_id: &str,
+        lease: Duration,
+    ) -> Result<LockOutcome, StoreError> {
+        // One statement: take the lock if it is free, expired or already ours; otherwise report
+        // the holder. Row-level locking makes concurrent callers on any replica see one winner.
+        let client = self.client().await?;
+        let taken = client
+            .query_opt(
+                "UPDATE agent.threads SET lock_run_id = $2, lock_expires_at = $3, last_run_id = $2, updated_at = now() \
+                 WHERE id = $1 AND (lock_run_id IS NULL OR lock_expires_at <= now() OR lock_run_id = $2) RETURNING id",
+                &[&thread_id, &run_id, &lease_until(lease)],
+            )
+            .await
+            .map_err(db)?;
+        if taken.is_some() {
+            return Ok(LockOutcome::Acquired);
+        }
+        let holder = client
+            .query_opt(
+                "SELECT lock_run_id FROM agent.threads WHERE id = $1",
+                &[&thread_id],
+            )
+            .await
+            .map_err(db)?
+            .ok_or_else(|| StoreError::NotFound(format!("thread {thread_id}")))?;
+        Ok(LockOutcome::Busy {
+            run_id: holder.get::<_, Option<String>>(0).unwrap_or_default(),
+        })
+    }
+
+    async fn renew_lock(
+        &self,
+        thread_id: &str,
+        run_id: &str,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "UPDATE agent.threads SET lock_expires_at = $3 WHERE id = $1 AND lock_run_id = $2",
+                &[&thread_id, &run_id, &lease_until(lease)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn release_lock(&self, thread_id: &str, run_id: &str) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "UPDATE agent.threads SET lock_run_id = NULL, lock_expires_at = NULL WHERE id = $1 AND lock_run_id = $2",
+                &[&thread_id, &run_id],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn add_message(
+        &self,
+        thread_id: &str,
+        run_id: Option<&str>,
+        source: MessageSource,
+        kind: MessageKind,
+        content: &str,
+        metadata: Value,
+    ) -> Result<Message, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_one(
+                "INSERT INTO agent.messages (thread_id, run_id, source, kind, content, metadata) VALUES ($1, $2, $3, $4, $5, $6) \
+                 RETURNING id, thread_id, run_id, source, kind, content, metadata, created_at",
+                &[&thread_id, &run_id, &source_key(source), &kind_key(kind), &content, &metadata],
+            )
+            .await
+            .map_err(db)?;
+        client
+            .execute(
+                "UPDATE agent.threads SET updated_at = now() WHERE id = $1",
+                &[&thread_id],
+            )
+            .await
+            .map_err(db)?;
+        Ok(message(&row))
+    }
+
+    async fn list_messages(
+        &self,
+        thread_id: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Vec<Message>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT id, thread_id, run_id, source, kind, content, metadata, created_at FROM agent.messages \
+                 WHERE thread_id = $1 ORDER BY id OFFSET $2 LIMIT $3",
+                &[&thread_id, &(offset as i64), &(limit as i64)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(message).collect())
+    }
+
+    async fn history(&self, thread_id: &str) -> Result<Vec<Value>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT turn FROM agent.llm_history WHERE thread_id = $1 ORDER BY seq",
+                &[&thread_id],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    async fn append_history(&self, thread_id: &str, turns: &[Value]) -> Result<(), StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        let next: i64 = tx
+            .query_one(
+                "SELECT COALESCE(max(seq), 0) + 1 FROM agent.llm_history WHERE thread_id = $1",
+                &[&thread_id],
+            )
+            .await
+            .map_err(db)?
+            .get(0);
+        for (i, turn) in turns.iter().enumerate() {
+            tx.execute(
+                "INSERT INTO agent.llm_history (thread_id, seq, turn) VALUES ($1, $2, $3)",
+                &[&thread_id, &(next + i as i64), turn],
+            )
+            .await
+            .map_err(db)?;
+        }
+        tx.commit().await.map_err(db)
+    }
+
+    async fn create_run(&self, r: &Run) -> Result<NewRunOutcome, StoreError> {
+        let client = self.client().await?;
+        let usage = serde_json::to_value(&r.usage).unwrap_or_default();
+        let inserted = client
+            .execute(
+                "INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, usage) VALUES ($1, $2, $3, $4, $5, $6, $7) \
+                 ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING",
+                &[&r.id, &r.thread_id, &r.owner, &r.request_id, &r.state.key(), &r.channel, &usage],
+            )
+            .await
+            .map_err(db)?;
+        if inserted == 1 {
+            return Ok(NewRunOutcome::Created);
+        }
+        let existing = client
+            .query_one(
+                "SELECT id FROM agent.runs WHERE owner = $1 AND request_id = $2",
+                &[&r.owner, &r.request_id],
+            )
+            .await
+            .map_err(db)?;
+        Ok(NewRunOutcome::Duplicate {
+            run_id: existing.get(0),
+        })
+    }
+
+    async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!("SELECT {RUN_COLUMNS} FROM agent.runs WHERE id = $1 AND owner = $2"),
+                &[&run_id, &owner],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.as_ref().map(run))
+    }
+
+    async fn update_run(&self, run_id: &str, p: RunPatch) -> Result<(), StoreError> {
+        let usage = p
+            .usage
+            .as_ref()
+            .map(|u| serde_json::to_value(u).unwrap_or_default());
+        let iterations = p.iterations.map(|i| i as i32);
+        self.client()
+            .await?
+            .execute(
+                "UPDATE agent.runs SET state = COALESCE($2::text, state), model = COALESCE($3::text, model), \
+                   usage = COALESCE($4::jsonb, usage), iterations = COALESCE($5::integer, iterations), \
+                   error = COALESCE($6::text, error), failure_kind = COALESCE($7::text, failure_kind), \
+                   summary = COALESCE($8::text, summary), started_at = COALESCE($9::timestamptz, started_at), \
+                   finished_at = COALESCE($10::timestamptz, finished_at) WHERE id = $1",
+                &[
+                    &run_id,
+                    &p.state.map(RunState::key),
+                    &p.model,
+                    &usage,
+                    &iterations,
+                    &p.error,
+                    &p.failure_kind,
+                    &p.summary,
+                    &p.started_at,
+                    &p.finished_at,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn request_cancel(&self, run_id: &str) -> Result<bool, StoreError> {
+        let n = self
+            .client()
+            .await?
+            .execute(
+                "UPDATE agent.runs SET cancel_requested = true WHERE id = $1 AND state NOT IN ('completed', 'failed', 'cancelled')",
+                &[&run_id],
+            )
+            .await
+            .map_err(db)?;
+        Ok(n == 1)
+    }
+
+    async fn append_event(&self, run_id: &str, payload: &[u8]) -> Result<u64, StoreError> {
+        // Numbering through the run row serialises appends per run: no gaps, no duplicates.
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        let seq: i64 = tx
+            .query_one("UPDATE agent.runs SET last_event_seq = last_event_seq + 1 WHERE id = $1 RETURNING last_event_seq", &[&run_id])
+            .await
+            .map_err(db)?
+            .get(0);
+        tx.execute(
+            "INSERT INTO agent.run_events (run_id, seq, payload) VALUES ($1, $2, $3)",
+            &[&run_id, &seq, &payload],
+        )
+        .await
+        .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(seq as u64)
+    }
+
+    async fn events_after(
+        &self,
+        run_id: &str,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT seq, payload FROM agent.run_events WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+                &[&run_id, &(after as i64), &(limit as i64)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get::<_, i64>(0) as u64, r.get(1)))
+            .collect())
     }
 }
