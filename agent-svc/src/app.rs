@@ -10,6 +10,8 @@ use tonic::service::Routes;
 use crate::{
     api::AgentApi,
     config::Config,
+    gateway_client::GatewayClient,
+    runs::RunService,
     store::{SharedStore, memory::MemoryStore, postgres::PgStore},
 };
 
@@ -24,12 +26,15 @@ pub enum StartError {
     Store(#[from] crate::store::StoreError),
     #[error(transparent)]
     Serve(#[from] svc_kit::grpc::ServeError),
+    #[error("cannot build the HTTP client: {0}")]
+    Http(String),
 }
 
 pub struct App {
     config: Config,
     listener: TcpListener,
     store: SharedStore,
+    runs: Arc<RunService>,
 }
 
 impl App {
@@ -42,6 +47,28 @@ impl App {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| StartError::Bind { addr, source })?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(std::time::Duration::from_secs(10))
+            .build()
+            .map_err(|e| StartError::Http(e.to_string()))?;
+        let (models, _summary) = config.models.build(&http);
+        let gateway = match &config.gateway_token {
+            Some(token) => Some(
+                GatewayClient::connect_lazy(&config.gateway_url, token)
+                    .map_err(|e| StartError::Http(e.to_string()))?,
+            ),
+            None => {
+                tracing::warn!("GATEWAY_SERVICE_TOKEN is not set: runs have no tools");
+                None
+            }
+        };
+        let runs = Arc::new(RunService::new(
+            store.clone(),
+            Arc::new(models),
+            gateway,
+            config.max_loop_steps,
+            config.max_tool_result_chars,
+        ));
         tracing::info!(
             addr = %listener.local_addr().unwrap_or(addr),
             store = store.backend(),
@@ -52,6 +79,7 @@ impl App {
             config,
             listener,
             store,
+            runs,
         })
     }
 
@@ -68,9 +96,13 @@ impl App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), StartError> {
         let max = self.config.server.max_message_bytes;
-        let api = AgentServiceServer::new(AgentApi::new(self.store.clone()))
-            .max_decoding_message_size(max)
-            .max_encoding_message_size(max);
+        let api = AgentServiceServer::new(AgentApi::new(
+            self.store.clone(),
+            self.runs,
+            self.config.identity.clone(),
+        ))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
         let store = self.store;
         let probe = move || {
             let store = store.clone();

@@ -9,6 +9,7 @@ pub mod executor;
 pub mod gateway_client;
 pub mod llm;
 pub mod models;
+pub mod runs;
 pub mod store;
 
 pub use app::{App, StartError};

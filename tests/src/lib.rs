@@ -14,7 +14,7 @@ pub mod spawn;
 
 pub use db::TestDb;
 pub use spawn::{
-    Backend, Options, RunningService, SERVICE_TOKEN, TestApp, UserGateway, channel, gateway_as,
-    spawn, spawn_app, spawn_app_with, start_agent, start_gateway, start_gateway_with,
-    wait_for_status,
+    Backend, Options, RunningService, SERVICE_TOKEN, TestApp, UserAgent, UserGateway, agent_as,
+    channel, gateway_as, spawn, spawn_app, spawn_app_with, start_agent, start_gateway,
+    start_gateway_with, wait_for_status,
 };

@@ -76,6 +76,8 @@ pub struct TestApp {
     /// The test database, when the backend is PostgreSQL.
     pub db: Option<TestDb>,
     services: Vec<RunningService>,
+    /// The settings both services started with, for starting more replicas.
+    env: HashMap<String, String>,
 }
 
 /// Both services on a fresh PostgreSQL database.
@@ -147,6 +149,7 @@ pub async fn spawn(options: Options) -> TestApp {
         gateway: GatewayServiceClient::new(gateway_channel),
         db,
         services: vec![agent, gateway],
+        env,
     }
 }
 
@@ -241,7 +244,57 @@ pub async fn gateway_as(addr: SocketAddr, user: &str) -> UserGateway {
     GatewayServiceClient::with_interceptor(channel(addr).await, interceptor)
 }
 
+/// Adds `x-user-id` (the agent's dev identity mode) to every call.
+#[derive(Clone)]
+pub struct AsAgentUser(tonic::metadata::MetadataValue<tonic::metadata::Ascii>);
+
+impl tonic::service::Interceptor for AsAgentUser {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        request.metadata_mut().insert("x-user-id", self.0.clone());
+        Ok(request)
+    }
+}
+
+pub type UserAgent =
+    AgentServiceClient<tonic::service::interceptor::InterceptedService<Channel, AsAgentUser>>;
+
+/// An agent client acting for `user` on the agent at `addr`.
+pub async fn agent_as(addr: SocketAddr, user: &str) -> UserAgent {
+    AgentServiceClient::with_interceptor(
+        channel(addr).await,
+        AsAgentUser(user.parse().expect("ASCII user id")),
+    )
+}
+
 impl TestApp {
+    /// An agent client acting for `user`.
+    pub async fn agent_as(&self, user: &str) -> UserAgent {
+        agent_as(self.agent_addr, user).await
+    }
+
+    /// Another agent-svc replica on the same database and gateway, stopped when dropped with
+    /// the app.
+    pub async fn start_another_agent(&mut self) -> SocketAddr {
+        let mut env = self.env.clone();
+        env.insert(
+            "GATEWAY_URL".into(),
+            format!("http://{}", self.gateway_addr),
+        );
+        let agent = start_agent(&env).await.expect("start another agent-svc");
+        let addr = agent.addr;
+        wait_for_status(
+            channel(addr).await,
+            AGENT_SERVICE_NAME,
+            ServingStatus::Serving,
+        )
+        .await;
+        self.services.insert(0, agent);
+        addr
+    }
+
     /// A gateway client acting for `user`.
     pub async fn gateway_as(&self, user: &str) -> UserGateway {
         gateway_as(self.gateway_addr, user).await

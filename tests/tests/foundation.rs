@@ -109,19 +109,19 @@ async fn reflection_lists_the_contract_health_and_reflection_on_both_ports() {
 
 #[tokio::test]
 async fn agent_rpcs_not_built_yet_answer_unimplemented_and_say_which_issue_delivers_them() {
-    let mut app = spawn_app_with(Backend::Memory, &[]).await;
-    let err = app
-        .agent
-        .run(agent_pb::RunRequest::default())
+    let app = spawn_app_with(Backend::Memory, &[]).await;
+    let mut alice = steward_tests::agent_as(app.agent_addr, "alice").await;
+    let err = alice
+        .open_session(agent_pb::OpenSessionRequest::default())
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Unimplemented);
     assert!(
-        err.message().contains("Run is not implemented yet"),
+        err.message().contains("OpenSession is not implemented yet"),
         "{}",
         err.message()
     );
-    assert!(err.message().contains("issue #7"), "{}", err.message());
+    assert!(err.message().contains("issue #8"), "{}", err.message());
 }
 
 #[tokio::test]

@@ -1,59 +1,105 @@
-//! The gRPC edge of agent-svc: authenticate, validate, convert proto to domain types, call in,
-//! convert back. Nothing proto-shaped goes deeper than this module.
+//! The gRPC edge of agent-svc: authenticate, validate and normalise, convert proto
+//! to domain types, call the run service or the store, convert back. Nothing proto-shaped goes
+//! deeper than this module and `runs` (which persists the wire RunEvent as is).
 
+pub mod convert;
 pub mod identity;
 mod status;
 
-use std::pin::Pin;
+use std::{pin::Pin, sync::Arc};
 
 use steward_proto::agent::v1::{self as pb, agent_service_server::AgentService};
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 pub use status::ApiError;
 
-use crate::store::SharedStore;
+use crate::{runs::RunService, store::SharedStore};
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 /// The AgentService implementation.
 pub struct AgentApi {
-    #[allow(dead_code)] // read by the RPCs as they are implemented
     store: SharedStore,
+    runs: Arc<RunService>,
+    identity: identity::Identity,
 }
 
 impl AgentApi {
-    pub fn new(store: SharedStore) -> Self {
-        Self { store }
+    pub fn new(store: SharedStore, runs: Arc<RunService>, identity: identity::Identity) -> Self {
+        Self {
+            store,
+            runs,
+            identity,
+        }
+    }
+
+    fn user<T>(&self, request: &Request<T>) -> Result<String, ApiError> {
+        self.identity.user(request.metadata())
     }
 }
 
-/// The issue that will implement each RPC, so an UNIMPLEMENTED answer says when to expect it.
-const API_ISSUE: u32 = 7;
+/// The issue that will implement each remaining RPC, so an UNIMPLEMENTED answer says when.
+const APPROVALS_ISSUE: u32 = 7;
 const SESSIONS_ISSUE: u32 = 8;
+
+fn terminal_result(event: &pb::RunEvent) -> Option<pb::RunResult> {
+    match &event.kind {
+        Some(pb::run_event::Kind::Result(r)) => Some(r.clone()),
+        Some(pb::run_event::Kind::Error(e)) => Some(pb::RunResult {
+            run_id: event.run_id.clone(),
+            thread_id: event.thread_id.clone(),
+            status: if e.kind == pb::FailureKind::Cancelled as i32 {
+                pb::RunState::Cancelled
+            } else {
+                pb::RunState::Failed
+            } as i32,
+            summary: e.message.clone(),
+            error: e.message.clone(),
+            failure_kind: e.kind,
+            ..pb::RunResult::default()
+        }),
+        _ => None,
+    }
+}
 
 #[tonic::async_trait]
 impl AgentService for AgentApi {
     type RunStreamStream = EventStream<pb::RunStreamResponse>;
     type WatchRunStream = EventStream<pb::WatchRunResponse>;
 
-    async fn run(&self, _: Request<pb::RunRequest>) -> Result<Response<pb::RunResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "Run",
-            issue: API_ISSUE,
+    async fn run(
+        &self,
+        request: Request<pb::RunRequest>,
+    ) -> Result<Response<pb::RunResponse>, Status> {
+        let user = self.user(&request)?;
+        let input = convert::run_input(request.into_inner().input)?;
+        let (run_id, _) = self.runs.start(&user, input).await?;
+        let mut events = Box::pin(self.runs.watch(&user, &run_id, 0).await?);
+        while let Some(event) = events.next().await {
+            if let Some(result) = terminal_result(&event?) {
+                return Ok(Response::new(pb::RunResponse {
+                    result: Some(result),
+                }));
+            }
         }
+        Err(ApiError::Unavailable(format!(
+            "run {run_id} ended without a result; follow it with WatchRun"
+        ))
         .into())
     }
 
     async fn run_stream(
         &self,
-        _: Request<pb::RunStreamRequest>,
+        request: Request<pb::RunStreamRequest>,
     ) -> Result<Response<Self::RunStreamStream>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "RunStream",
-            issue: API_ISSUE,
-        }
-        .into())
+        let user = self.user(&request)?;
+        let input = convert::run_input(request.into_inner().input)?;
+        let (run_id, _) = self.runs.start(&user, input).await?;
+        let events = self.runs.watch(&user, &run_id, 0).await?;
+        Ok(Response::new(Box::pin(events.map(|e| {
+            e.map(|event| pb::RunStreamResponse { event: Some(event) })
+        }))))
     }
 
     async fn open_session(
@@ -73,63 +119,103 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::DecideApprovalResponse>, Status> {
         Err(ApiError::Unimplemented {
             rpc: "DecideApproval",
-            issue: API_ISSUE,
+            issue: APPROVALS_ISSUE,
         }
         .into())
     }
 
     async fn get_run(
         &self,
-        _: Request<pb::GetRunRequest>,
+        request: Request<pb::GetRunRequest>,
     ) -> Result<Response<pb::GetRunResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "GetRun",
-            issue: API_ISSUE,
-        }
-        .into())
+        let user = self.user(&request)?;
+        let id = request.into_inner().run_id;
+        let run = self
+            .store
+            .get_run(&user, &id)
+            .await
+            .map_err(ApiError::from)?
+            .ok_or_else(|| ApiError::NotFound(format!("run {id}")))?;
+        Ok(Response::new(pb::GetRunResponse {
+            run: Some(convert::run(&run)),
+            actions: vec![],
+        }))
     }
 
     async fn list_threads(
         &self,
-        _: Request<pb::ListThreadsRequest>,
+        request: Request<pb::ListThreadsRequest>,
     ) -> Result<Response<pb::ListThreadsResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "ListThreads",
-            issue: API_ISSUE,
-        }
-        .into())
+        let user = self.user(&request)?;
+        let r = request.into_inner();
+        let (offset, size) = convert::page(&r.page_token, r.page_size, 20, 100)?;
+        let threads = self
+            .store
+            .list_threads(&user, offset, size + 1)
+            .await
+            .map_err(ApiError::from)?;
+        let next = if threads.len() > size {
+            (offset + size).to_string()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(pb::ListThreadsResponse {
+            threads: threads.iter().take(size).map(convert::thread).collect(),
+            next_page_token: next,
+        }))
     }
 
     async fn list_messages(
         &self,
-        _: Request<pb::ListMessagesRequest>,
+        request: Request<pb::ListMessagesRequest>,
     ) -> Result<Response<pb::ListMessagesResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "ListMessages",
-            issue: API_ISSUE,
-        }
-        .into())
+        let user = self.user(&request)?;
+        let r = request.into_inner();
+        self.store
+            .get_thread(&user, &r.thread_id)
+            .await
+            .map_err(ApiError::from)?
+            .ok_or_else(|| ApiError::NotFound(format!("thread {}", r.thread_id)))?;
+        let (offset, size) = convert::page(&r.page_token, r.page_size, 50, 200)?;
+        let messages = self
+            .store
+            .list_messages(&r.thread_id, offset, size + 1)
+            .await
+            .map_err(ApiError::from)?;
+        let next = if messages.len() > size {
+            (offset + size).to_string()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(pb::ListMessagesResponse {
+            messages: messages.iter().take(size).map(convert::message).collect(),
+            next_page_token: next,
+        }))
     }
 
     async fn cancel_run(
         &self,
-        _: Request<pb::CancelRunRequest>,
+        request: Request<pb::CancelRunRequest>,
     ) -> Result<Response<pb::CancelRunResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "CancelRun",
-            issue: API_ISSUE,
-        }
-        .into())
+        let user = self.user(&request)?;
+        let run = self
+            .runs
+            .cancel(&user, &request.into_inner().run_id)
+            .await?;
+        Ok(Response::new(pb::CancelRunResponse {
+            run: Some(convert::run(&run)),
+        }))
     }
 
     async fn watch_run(
         &self,
-        _: Request<pb::WatchRunRequest>,
+        request: Request<pb::WatchRunRequest>,
     ) -> Result<Response<Self::WatchRunStream>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "WatchRun",
-            issue: API_ISSUE,
-        }
-        .into())
+        let user = self.user(&request)?;
+        let r = request.into_inner();
+        let events = self.runs.watch(&user, &r.run_id, r.after_seq).await?;
+        Ok(Response::new(Box::pin(events.map(|e| {
+            e.map(|event| pb::WatchRunResponse { event: Some(event) })
+        }))))
     }
 }

@@ -14,6 +14,16 @@ pub enum ApiError {
     Unimplemented { rpc: &'static str, issue: u32 },
     #[error("{0}")]
     Unauthenticated(String),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0} was not found")]
+    NotFound(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    Aborted(String),
+    #[error("{0}")]
+    Unavailable(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -24,6 +34,11 @@ impl From<ApiError> for Status {
         match e {
             ApiError::Unimplemented { .. } => Status::unimplemented(message),
             ApiError::Unauthenticated(_) => Status::unauthenticated(message),
+            ApiError::InvalidArgument(_) => Status::invalid_argument(message),
+            ApiError::NotFound(_) => Status::not_found(message),
+            ApiError::FailedPrecondition(_) => Status::failed_precondition(message),
+            ApiError::Aborted(_) => Status::aborted(message),
+            ApiError::Unavailable(_) => Status::unavailable(message),
             ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
             ApiError::Store(StoreError::NotFound(_)) => Status::not_found(message),
         }

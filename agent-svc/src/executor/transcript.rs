@@ -113,3 +113,33 @@ mod tests {
         assert_eq!(units(&t), [(0, 1), (1, 3), (3, 4), (4, 5)]);
     }
 }
+
+#[cfg(test)]
+mod serde_tests {
+    use crate::llm::{ToolCall, Turn};
+
+    #[test]
+    fn every_turn_round_trips_through_json() {
+        let turns = vec![
+            Turn::User("hi".into()),
+            Turn::Assistant {
+                text: String::new(),
+                tool_calls: vec![ToolCall {
+                    id: "c".into(),
+                    name: "t".into(),
+                    arguments: "{}".into(),
+                }],
+            },
+            Turn::ToolResult {
+                call_id: "c".into(),
+                name: "t".into(),
+                content: "ok".into(),
+                is_error: false,
+            },
+        ];
+        for t in turns {
+            let v = serde_json::to_value(&t).unwrap();
+            assert_eq!(serde_json::from_value::<Turn>(v).unwrap(), t);
+        }
+    }
+}

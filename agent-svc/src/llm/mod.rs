@@ -37,7 +37,7 @@ pub struct ToolCall {
 
 /// One entry of the model-facing transcript (persisted as the thread's LLM history).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "role", rename_all = "snake_case")]
+#[serde(tag = "role", content = "content", rename_all = "snake_case")]
 pub enum Turn {
     User(String),
     /// An assistant turn: text (possibly empty) and the tool calls it made.

@@ -237,6 +237,19 @@ impl AgentStore for MemoryStore {
         self.with(|s| s.runs.get(run_id).filter(|r| r.owner == owner).cloned())
     }
 
+    async fn find_run_by_request(
+        &self,
+        owner: &str,
+        request_id: &str,
+    ) -> Result<Option<Run>, StoreError> {
+        self.with(|s| {
+            s.runs
+                .values()
+                .find(|r| r.owner == owner && r.request_id.as_deref() == Some(request_id))
+                .cloned()
+        })
+    }
+
     async fn update_run(&self, run_id: &str, p: RunPatch) -> Result<(), StoreError> {
         self.with(|s| {
             let Some(run) = s.runs.get_mut(run_id) else {

@@ -250,6 +250,11 @@ pub trait AgentStore: Send + Sync + 'static {
     /// Creates a queued run, unless one with the same owner and request id exists.
     async fn create_run(&self, run: &Run) -> Result<NewRunOutcome, StoreError>;
     async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError>;
+    async fn find_run_by_request(
+        &self,
+        owner: &str,
+        request_id: &str,
+    ) -> Result<Option<Run>, StoreError>;
     async fn update_run(&self, run_id: &str, patch: RunPatch) -> Result<(), StoreError>;
     /// Marks a non-terminal run for cancellation; false when it already ended.
     async fn request_cancel(&self, run_id: &str) -> Result<bool, StoreError>;

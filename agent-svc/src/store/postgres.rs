@@ -373,6 +373,25 @@ impl AgentStore for PgStore {
         Ok(row.as_ref().map(run))
     }
 
+    async fn find_run_by_request(
+        &self,
+        owner: &str,
+        request_id: &str,
+    ) -> Result<Option<Run>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!(
+                    "SELECT {RUN_COLUMNS} FROM agent.runs WHERE owner = $1 AND request_id = $2"
+                ),
+                &[&owner, &request_id],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.as_ref().map(run))
+    }
+
     async fn update_run(&self, run_id: &str, p: RunPatch) -> Result<(), StoreError> {
         let usage = p
             .usage

@@ -1,0 +1,350 @@
+//! Proto ↔ domain for AgentService, and the input rules of A-2: caps are refused by field name,
+//! never silently cut; the conversation keeps its most recent 40 entries as S1 specifies.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use prost_types::Timestamp;
+use steward_proto::agent::v1 as pb;
+
+use super::ApiError;
+use crate::{
+    executor::limits::Channel,
+    runs::{Attached, RunInput},
+    store::{Message, MessageKind, MessageSource, Run, RunState, Thread},
+};
+
+pub const MAX_PROMPT_BYTES: usize = 32 * 1024;
+pub const MAX_CONVERSATION_TEXT_BYTES: usize = 16 * 1024;
+/// S1: the API keeps the most recent 40 conversation entries.
+pub const MAX_CONVERSATION_ENTRIES: usize = 40;
+pub const MAX_ATTACHED: usize = 12;
+const MAX_ID_BYTES: usize = 256;
+const MAX_TITLE_BYTES: usize = 1024;
+const MAX_SNIPPET_BYTES: usize = 4 * 1024;
+const MAX_META_BYTES: usize = 8 * 1024;
+const MAX_REQUEST_ID_BYTES: usize = 128;
+
+fn too_long(field: &str, len: usize, max: usize) -> ApiError {
+    ApiError::InvalidArgument(format!("{field} is {len} bytes; the limit is {max}"))
+}
+
+pub fn channel(c: i32) -> Channel {
+    match pb::Channel::try_from(c).unwrap_or(pb::Channel::Unspecified) {
+        pb::Channel::Unspecified | pb::Channel::Web => Channel::Web,
+        pb::Channel::Telegram => Channel::Telegram,
+        pb::Channel::SessionOpen => Channel::SessionOpen,
+        pb::Channel::Scheduled => Channel::Scheduled,
+        pb::Channel::Heartbeat => Channel::Heartbeat,
+    }
+}
+
+pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
+    let input = input.ok_or_else(|| {
+        ApiError::InvalidArgument("input is required (with at least input.prompt)".into())
+    })?;
+    let prompt = input.prompt.trim().to_owned();
+    if prompt.is_empty() {
+        return Err(ApiError::InvalidArgument("input.prompt is required".into()));
+    }
+    if input.prompt.len() > MAX_PROMPT_BYTES {
+        return Err(too_long(
+            "input.prompt",
+            input.prompt.len(),
+            MAX_PROMPT_BYTES,
+        ));
+    }
+    let skip = input
+        .conversation
+        .len()
+        .saturating_sub(MAX_CONVERSATION_ENTRIES);
+    let mut conversation = Vec::new();
+    for (i, entry) in input.conversation.into_iter().enumerate().skip(skip) {
+        if entry.text.len() > MAX_CONVERSATION_TEXT_BYTES {
+            return Err(too_long(
+                &format!("input.conversation[{i}].text"),
+                entry.text.len(),
+                MAX_CONVERSATION_TEXT_BYTES,
+            ));
+        }
+        let user = match pb::Role::try_from(entry.role) {
+            Ok(pb::Role::User) => true,
+            Ok(pb::Role::Assistant) => false,
+            _ => {
+                return Err(ApiError::InvalidArgument(format!(
+                    "input.conversation[{i}].role must be ROLE_USER or ROLE_ASSISTANT"
+                )));
+            }
+        };
+        conversation.push((user, entry.text));
+    }
+    if input.attached_context.len() > MAX_ATTACHED {
+        return Err(ApiError::InvalidArgument(format!(
+            "input.attached_context has {} items; the limit is {MAX_ATTACHED}",
+            input.attached_context.len()
+        )));
+    }
+    let mut attached = Vec::new();
+    for (i, a) in input.attached_context.into_iter().enumerate() {
+        let field = |f: &str| format!("input.attached_context[{i}].{f}");
+        if a.id.is_empty() {
+            return Err(ApiError::InvalidArgument(format!(
+                "{} is required",
+                field("id")
+            )));
+        }
+        for (name, value, max) in [
+            ("id", &a.id, MAX_ID_BYTES),
+            ("title", &a.title, MAX_TITLE_BYTES),
+            ("snippet", &a.snippet, MAX_SNIPPET_BYTES),
+        ] {
+            if value.len() > max {
+                return Err(too_long(&field(name), value.len(), max));
+            }
+        }
+        let meta = a
+            .meta
+            .as_ref()
+            .map(struct_to_json)
+            .unwrap_or(serde_json::Value::Null);
+        let meta_len = meta.to_string().len();
+        if meta_len > MAX_META_BYTES {
+            return Err(too_long(&field("meta"), meta_len, MAX_META_BYTES));
+        }
+        let kind = match pb::ContextType::try_from(a.r#type) {
+            Ok(pb::ContextType::Email) => "email",
+            Ok(pb::ContextType::CalendarEvent) => "calendar_event",
+            Ok(pb::ContextType::Briefing) => "briefing",
+            _ => {
+                return Err(ApiError::InvalidArgument(format!(
+                    "{} must be email, calendar_event or briefing",
+                    field("type")
+                )));
+            }
+        };
+        attached.push(Attached {
+            kind: kind.into(),
+            id: a.id,
+            title: a.title,
+            snippet: a.snippet,
+            meta,
+        });
+    }
+    if input.request_id.len() > MAX_REQUEST_ID_BYTES {
+        return Err(too_long(
+            "input.request_id",
+            input.request_id.len(),
+            MAX_REQUEST_ID_BYTES,
+        ));
+    }
+    let budget = input.budget.unwrap_or_default();
+    if budget.max_cost_usd < 0.0 || !budget.max_cost_usd.is_finite() {
+        return Err(ApiError::InvalidArgument(
+            "input.budget.max_cost_usd must be zero or a positive number".into(),
+        ));
+    }
+    Ok(RunInput {
+        prompt,
+        thread_id: Some(input.thread_id).filter(|t| !t.is_empty()),
+        conversation,
+        attached,
+        channel: channel(input.channel),
+        request_id: Some(input.request_id).filter(|r| !r.is_empty()),
+        max_total_tokens: Some(budget.max_total_tokens).filter(|t| *t > 0),
+        max_cost_usd: Some(budget.max_cost_usd).filter(|c| *c > 0.0),
+        model_override: Some(input.model_override).filter(|m| !m.is_empty()),
+    })
+}
+
+pub fn timestamp(t: SystemTime) -> Timestamp {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+pub fn run_state(s: RunState) -> pb::RunState {
+    match s {
+        RunState::Queued => pb::RunState::Queued,
+        RunState::Planning => pb::RunState::Planning,
+        RunState::Executing => pb::RunState::Executing,
+        RunState::AwaitingConfirmation => pb::RunState::AwaitingConfirmation,
+        RunState::Completed => pb::RunState::Completed,
+        RunState::Failed => pb::RunState::Failed,
+        RunState::Cancelled => pb::RunState::Cancelled,
+    }
+}
+
+pub fn thread(t: &Thread) -> pb::Thread {
+    pb::Thread {
+        id: t.id.clone(),
+        title: t.title.clone(),
+        created_at: Some(timestamp(t.created_at)),
+        updated_at: Some(timestamp(t.updated_at)),
+        active_run_id: t.active_run_id.clone().unwrap_or_default(),
+        last_run_id: t.last_run_id.clone().unwrap_or_default(),
+    }
+}
+
+pub fn message(m: &Message) -> pb::Message {
+    pb::Message {
+        id: m.id.to_string(),
+        thread_id: m.thread_id.clone(),
+        run_id: m.run_id.clone().unwrap_or_default(),
+        source: match m.source {
+            MessageSource::User => pb::MessageSource::User,
+            MessageSource::Agent => pb::MessageSource::Agent,
+            MessageSource::Error => pb::MessageSource::Error,
+        } as i32,
+        r#type: match m.kind {
+            MessageKind::Text => pb::MessageType::Text,
+            MessageKind::Tool => pb::MessageType::Tool,
+        } as i32,
+        content: m.content.clone(),
+        metadata: json_to_struct(&m.metadata),
+        created_at: Some(timestamp(m.created_at)),
+    }
+}
+
+pub fn run(r: &Run) -> pb::Run {
+    let u = &r.usage;
+    pb::Run {
+        id: r.id.clone(),
+        thread_id: r.thread_id.clone(),
+        state: run_state(r.state) as i32,
+        channel: match r.channel.as_str() {
+            "telegram" => pb::Channel::Telegram,
+            "session_open" => pb::Channel::SessionOpen,
+            "scheduled" => pb::Channel::Scheduled,
+            "heartbeat" => pb::Channel::Heartbeat,
+            _ => pb::Channel::Web,
+        } as i32,
+        model: r.model.clone(),
+        usage: Some(pb::Usage {
+            input_tokens: u.input_tokens,
+            output_tokens: u.output_tokens,
+            cached_tokens: u.cached_tokens,
+            cost_usd: u.cost_usd,
+            model_calls: u.calls.len() as u32,
+        }),
+        model_calls: u
+            .calls
+            .iter()
+            .map(|c| pb::ModelCall {
+                provider: c.provider.clone(),
+                model: c.model.clone(),
+                usage: Some(pb::Usage {
+                    input_tokens: c.input_tokens,
+                    output_tokens: c.output_tokens,
+                    cached_tokens: c.cached_tokens,
+                    cost_usd: c.cost_usd,
+                    model_calls: 1,
+                }),
+                latency: Some(prost_types::Duration {
+                    seconds: (c.latency_ms / 1000) as i64,
+                    nanos: ((c.latency_ms % 1000) * 1_000_000) as i32,
+                }),
+                retries: c.retries,
+                started_at: None,
+            })
+            .collect(),
+        iterations: r.iterations,
+        created_at: Some(timestamp(r.created_at)),
+        started_at: r.started_at.map(timestamp),
+        finished_at: r.finished_at.map(timestamp),
+        error: r.error.clone().unwrap_or_default(),
+        failure_kind: failure_kind(r.failure_kind.as_deref()) as i32,
+        summary: r.summary.clone(),
+        prompt_sections: vec![],
+        last_event_seq: r.last_event_seq,
+    }
+}
+
+pub fn failure_kind(k: Option<&str>) -> pb::FailureKind {
+    match k {
+        Some("model_unavailable") => pb::FailureKind::ModelUnavailable,
+        Some("unknown_tool") => pb::FailureKind::UnknownTool,
+        Some("cancelled") => pb::FailureKind::Cancelled,
+        Some("timed_out") => pb::FailureKind::TimedOut,
+        Some("gateway_unavailable") => pb::FailureKind::GatewayUnavailable,
+        Some(_) => pb::FailureKind::Internal,
+        None => pb::FailureKind::Unspecified,
+    }
+}
+
+pub fn struct_to_json(s: &prost_types::Struct) -> serde_json::Value {
+    use prost_types::value::Kind;
+    fn value(v: &prost_types::Value) -> serde_json::Value {
+        match &v.kind {
+            None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
+            Some(Kind::BoolValue(b)) => serde_json::Value::Bool(*b),
+            Some(Kind::NumberValue(n)) if n.fract() == 0.0 && n.abs() < 9.0e15 => {
+                serde_json::Value::from(*n as i64)
+            }
+            Some(Kind::NumberValue(n)) => serde_json::Number::from_f64(*n)
+                .map_or(serde_json::Value::Null, serde_json::Value::Number),
+            Some(Kind::StringValue(s)) => serde_json::Value::String(s.clone()),
+            Some(Kind::ListValue(l)) => {
+                serde_json::Value::Array(l.values.iter().map(value).collect())
+            }
+            Some(Kind::StructValue(s)) => struct_to_json(s),
+        }
+    }
+    serde_json::Value::Object(
+        s.fields
+            .iter()
+            .map(|(k, v)| (k.clone(), value(v)))
+            .collect(),
+    )
+}
+
+pub fn json_to_struct(v: &serde_json::Value) -> Option<prost_types::Struct> {
+    use prost_types::value::Kind;
+    fn value(v: &serde_json::Value) -> prost_types::Value {
+        let kind = match v {
+            serde_json::Value::Null => Kind::NullValue(0),
+            serde_json::Value::Bool(b) => Kind::BoolValue(*b),
+            serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+            serde_json::Value::String(s) => Kind::StringValue(s.clone()),
+            serde_json::Value::Array(a) => Kind::ListValue(prost_types::ListValue {
+                values: a.iter().map(value).collect(),
+            }),
+            serde_json::Value::Object(_) => {
+                Kind::StructValue(json_to_struct(v).unwrap_or_default())
+            }
+        };
+        prost_types::Value { kind: Some(kind) }
+    }
+    match v {
+        serde_json::Value::Object(map) => Some(prost_types::Struct {
+            fields: map.iter().map(|(k, v)| (k.clone(), value(v))).collect(),
+        }),
+        _ => None,
+    }
+}
+
+/// Pagination: tokens are offsets, opaque to callers.
+pub fn page(
+    token: &str,
+    size: i32,
+    default: usize,
+    max: usize,
+) -> Result<(usize, usize), ApiError> {
+    let offset = if token.is_empty() {
+        0
+    } else {
+        token.parse().map_err(|_| {
+            ApiError::InvalidArgument("page_token is not one this service issued".into())
+        })?
+    };
+    let size = match size {
+        0 => default,
+        n if n < 0 || n as usize > max => {
+            return Err(ApiError::InvalidArgument(format!(
+                "page_size must be between 1 and {max}"
+            )));
+        }
+        n => n as usize,
+    };
+    Ok((offset, size))
+}
