@@ -113,6 +113,7 @@ async fn measure(tools: &[ToolDecl], model_name: &str, counter: &str) {
             tools: tools.to_vec(),
             limits: limits::profile(limits::Channel::Web, None),
             stop_after: None,
+            resume: false,
         };
         let started = Instant::now();
         let outcome = executor.run(&request, &InstantTools, &Discard).await;

@@ -9,6 +9,7 @@ pub mod executor;
 pub mod gateway_client;
 pub mod llm;
 pub mod models;
+pub mod policy;
 pub mod runs;
 pub mod store;
 

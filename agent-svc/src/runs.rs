@@ -412,6 +412,7 @@ impl RunService {
             tools,
             limits,
             stop_after: None,
+            resume: false,
         };
         let executor = Executor {
             models,

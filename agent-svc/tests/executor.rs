@@ -103,6 +103,7 @@ fn request(tools: &[&str]) -> RunRequest {
         tools: tools.iter().map(|t| decl(t)).collect(),
         limits: profile(Channel::Web, None),
         stop_after: None,
+        resume: false,
     }
 }
 
@@ -113,7 +114,7 @@ fn call(name: &str, args: &str) -> (String, String) {
 async fn run(
     model: &Arc<ScriptedModel>,
     req: &RunRequest,
-    tools: &Tools,
+    tools: &dyn ToolRunner,
 ) -> (Outcome, Vec<RunEvent>) {
     let events = Events::default();
     let out = setup(vec![(model.clone(), "primary")])
@@ -410,4 +411,85 @@ async fn a_forty_kilobyte_tool_result_never_enters_history_uncapped() {
         .unwrap();
     assert!(content.chars().count() < 6100);
     assert!(content.ends_with("[... truncated: showing first 6000 of 40000 chars]"));
+}
+
+/// Requires approval for `gmail_send`, runs everything else.
+struct Guarded;
+
+#[async_trait::async_trait]
+impl ToolRunner for Guarded {
+    async fn run(&self, calls: Vec<ToolInvocation>) -> Vec<ToolOutcome> {
+        calls
+            .into_iter()
+            .map(|c| {
+                if c.name == "gmail_send" {
+                    ToolOutcome {
+                        ok: false,
+                        text: "supervised".into(),
+                        error_kind: agent_svc::executor::APPROVAL_REQUIRED.into(),
+                        truncated: false,
+                    }
+                } else {
+                    ToolOutcome {
+                        ok: true,
+                        text: format!("{} ran", c.name),
+                        error_kind: String::new(),
+                        truncated: false,
+                    }
+                }
+            })
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn a_call_needing_approval_pauses_the_run_and_resume_continues_it() {
+    let model = Arc::new(ScriptedModel::new(vec![
+        Step::Call(vec![
+            call("list_tasks", "{}"),
+            call("gmail_send", r#"{"to":"a@x.com"}"#),
+        ]),
+        Step::Reply("Sent, and your tasks are clear.".into()),
+    ]));
+    let (out, _) = run(&model, &request(&["list_tasks", "gmail_send"]), &Guarded).await;
+    let Stop::AwaitingApproval {
+        call_id,
+        name,
+        arguments,
+        reason,
+    } = out.stop.clone()
+    else {
+        panic!("{:?}", out.stop)
+    };
+    assert_eq!(
+        (name.as_str(), reason.as_str()),
+        ("gmail_send", "supervised")
+    );
+    assert_eq!(arguments["to"], "a@x.com");
+    assert!(
+        agent_svc::executor::transcript::check_pairs(&out.new_turns)
+            .unwrap_err()
+            .contains("no result")
+    );
+
+    // The approval's outcome becomes the call's result, and the loop goes on from there.
+    let mut history = out.new_turns.clone();
+    history.push(Turn::ToolResult {
+        call_id,
+        name,
+        content: "Sent (message 17).".into(),
+        is_error: false,
+    });
+    let mut resumed = request(&["list_tasks", "gmail_send"]);
+    resumed.history = history;
+    resumed.resume = true;
+    let (done, _) = run(&model, &resumed, &Guarded).await;
+    assert_eq!(
+        (done.stop, done.text.as_str()),
+        (Stop::Completed, "Sent, and your tasks are clear.")
+    );
+    assert!(
+        !done.new_turns.iter().any(|t| matches!(t, Turn::User(_))),
+        "no new user turn on resume"
+    );
 }

@@ -97,6 +97,7 @@ fn request(tools: &[&str]) -> RunRequest {
             .collect(),
         limits: profile(Channel::Web, None),
         stop_after: None,
+        resume: false,
     }
 }
 

@@ -122,6 +122,9 @@ pub struct RunRequest {
     pub limits: Limits,
     /// A tool after which a conversational agent stops (E-4): `send_message`.
     pub stop_after: Option<String>,
+    /// Continue `history` (which ends with tool results, e.g. after an approval) instead of
+    /// starting a new user turn; `prompt` is then ignored.
+    pub resume: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -140,7 +143,18 @@ pub enum Stop {
     ModelUnavailable(String),
     /// The model called a tool that does not exist (E-9): the run fails.
     UnknownTool(String),
+    /// A call needs the user's approval (P-1): the run pauses; the call has no result yet.
+    AwaitingApproval {
+        call_id: String,
+        name: String,
+        arguments: Value,
+        reason: String,
+    },
 }
+
+/// The error kind a ToolRunner answers with when policy requires approval for a call; the
+/// executor then pauses the run instead of recording a result.
+pub const APPROVAL_REQUIRED: &str = "APPROVAL_REQUIRED";
 
 /// The accounting of one model call.
 #[derive(Debug, Clone, PartialEq)]
@@ -236,7 +250,9 @@ impl Executor {
     ) -> Outcome {
         let mut turns = req.history.clone();
         let history_len = turns.len();
-        turns.push(Turn::User(req.prompt.clone()));
+        if !req.resume {
+            turns.push(Turn::User(req.prompt.clone()));
+        }
         let mut run = Run {
             models: &self.models,
             max_tool_result_chars: self.max_tool_result_chars,
@@ -256,7 +272,7 @@ impl Executor {
 
 enum Step {
     Continue,
-    Done(Outcome),
+    Done(Box<Outcome>),
 }
 
 impl Run<'_> {
@@ -275,7 +291,7 @@ impl Run<'_> {
             }
             match self.iteration(tools, &mut same_tool).await {
                 Step::Continue => {}
-                Step::Done(outcome) => return outcome,
+                Step::Done(outcome) => return *outcome,
             }
         }
     }
@@ -309,10 +325,14 @@ impl Run<'_> {
             .await
         {
             Ok(Some(r)) => r,
-            Ok(None) => return Step::Done(self.final_turn(Stop::TimeLimit).await),
+            Ok(None) => return Step::Done(Box::new(self.final_turn(Stop::TimeLimit).await)),
             Err(failed) => {
                 let text = trouble_connecting(&self.gathered);
-                return Step::Done(self.finish(text, false, Stop::ModelUnavailable(failed)));
+                return Step::Done(Box::new(self.finish(
+                    text,
+                    false,
+                    Stop::ModelUnavailable(failed),
+                )));
             }
         };
         if response.tool_calls.is_empty() {
@@ -321,7 +341,7 @@ impl Run<'_> {
                 text: text.clone(),
                 tool_calls: vec![],
             });
-            return Step::Done(self.answer(text, Stop::Completed));
+            return Step::Done(Box::new(self.answer(text, Stop::Completed)));
         }
         let calls = response.tool_calls.clone();
         self.push(Turn::Assistant {
@@ -347,10 +367,28 @@ impl Run<'_> {
             }
             let text =
                 format!("I tried to use a tool that doesn't exist ({name}), so I stopped here.");
-            return Step::Done(self.finish(text, false, Stop::UnknownTool(name)));
+            return Step::Done(Box::new(self.finish(text, false, Stop::UnknownTool(name))));
         }
 
         let outcomes = self.execute(tools, &calls).await;
+        if let Some((call, outcome)) = calls
+            .iter()
+            .zip(&outcomes)
+            .find(|(_, o)| o.error_kind == APPROVAL_REQUIRED)
+        {
+            let arguments = serde_json::from_str(&call.arguments).unwrap_or(Value::Null);
+            let stop = Stop::AwaitingApproval {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                arguments,
+                reason: outcome.text.clone(),
+            };
+            let text = format!(
+                "This needs your approval before I go ahead: {} ({}).",
+                call.name, outcome.text
+            );
+            return Step::Done(Box::new(self.finish(text, false, stop)));
+        }
         for (call, outcome) in calls.iter().zip(&outcomes) {
             if outcome.ok {
                 self.gathered.push(format!(
@@ -377,10 +415,10 @@ impl Run<'_> {
                 .find_map(|k| args.get(*k).and_then(Value::as_str))
                 .unwrap_or_default()
                 .to_owned();
-            return Step::Done(self.answer(text, Stop::SentMessage));
+            return Step::Done(Box::new(self.answer(text, Stop::SentMessage)));
         }
         if same_tool.1 >= self.req.limits.max_same_tool_consecutive {
-            return Step::Done(self.final_turn(Stop::Repetition).await);
+            return Step::Done(Box::new(self.final_turn(Stop::Repetition).await));
         }
         Step::Continue
     }
@@ -457,6 +495,10 @@ impl Run<'_> {
             })
             .collect();
         for (call, outcome) in calls.iter().zip(&outcomes) {
+            if outcome.error_kind == APPROVAL_REQUIRED {
+                // No result yet: the approval decides what it will be.
+                continue;
+            }
             self.sink.emit(RunEvent::ToolResult {
                 call_id: call.id.clone(),
                 name: call.name.clone(),
@@ -620,7 +662,10 @@ impl Run<'_> {
     }
 
     fn finish(&mut self, text: String, model_text_empty: bool, stop: Stop) -> Outcome {
-        if let Err(broken) = check_pairs(&self.turns) {
+        let paused = matches!(stop, Stop::AwaitingApproval { .. });
+        if let Err(broken) = check_pairs(&self.turns)
+            && !paused
+        {
             // A bug, not a user error: the transcript would be rejected by providers.
             tracing::error!(%broken, "transcript invariant violated");
         }
