@@ -62,13 +62,21 @@ impl App {
                 None
             }
         };
-        let runs = Arc::new(RunService::new(
+        let mut run_service = RunService::new(
             store.clone(),
             Arc::new(models),
             gateway,
             config.max_loop_steps,
             config.max_tool_result_chars,
-        ));
+        );
+        run_service.policy = config.policy.clone();
+        run_service.approval_ttl = config.approval_ttl;
+        if !config.policy.side_effects_enabled {
+            tracing::warn!(
+                "AGENT_SIDE_EFFECTS_ENABLED=false: every side-effect tool call is denied"
+            );
+        }
+        let runs = Arc::new(run_service);
         tracing::info!(
             addr = %listener.local_addr().unwrap_or(addr),
             store = store.backend(),

@@ -25,6 +25,10 @@ pub struct Config {
     /// `AUTH_JWT_HS256_SECRET` | `AUTH_JWT_RS256_PUBLIC_KEY` (+ `AUTH_JWT_ISSUER`,
     /// `AUTH_JWT_AUDIENCE`), or `AUTH_DEV_USER_HEADER=true`.
     pub identity: crate::api::identity::Identity,
+    /// `AGENT_SIDE_EFFECTS_ENABLED`, `AGENT_DEFAULT_TRUST_LEVEL`, `AGENT_USER_POLICIES`.
+    pub policy: crate::policy::Policy,
+    /// `APPROVAL_TTL`: how long an approval can be approved.
+    pub approval_ttl: std::time::Duration,
 }
 
 impl Config {
@@ -61,6 +65,13 @@ impl Config {
             });
         let max_tool_result_chars = vars.int_in("MAX_TOOL_RESULT_CHARS", 6000usize, 200, 1_000_000);
         let identity = load_identity(&mut vars);
+        let policy = load_policy(&mut vars);
+        let approval_ttl = vars.duration_in(
+            "APPROVAL_TTL",
+            std::time::Duration::from_secs(24 * 3600),
+            std::time::Duration::from_secs(60),
+            std::time::Duration::from_secs(30 * 24 * 3600),
+        );
         vars.finish(Self {
             server,
             gateway_url,
@@ -69,7 +80,44 @@ impl Config {
             max_loop_steps,
             max_tool_result_chars,
             identity,
+            policy,
+            approval_ttl,
         })
+    }
+}
+
+fn load_policy(vars: &mut Vars<'_>) -> crate::policy::Policy {
+    use crate::policy::{Policy, TrustLevel, UserPolicy};
+    let side_effects_enabled = vars.bool("AGENT_SIDE_EFFECTS_ENABLED", true);
+    let default_trust = match vars
+        .string("AGENT_DEFAULT_TRUST_LEVEL", "supervised")
+        .as_str()
+    {
+        "supervised" => TrustLevel::Supervised,
+        "delegated" => TrustLevel::Delegated,
+        "autonomous" => TrustLevel::Autonomous,
+        other => {
+            vars.error(
+                "AGENT_DEFAULT_TRUST_LEVEL",
+                format!("{other:?} is not supervised, delegated or autonomous"),
+            );
+            TrustLevel::Supervised
+        }
+    };
+    let users = match vars.raw("AGENT_USER_POLICIES") {
+        None => Default::default(),
+        Some(raw) => serde_json::from_str::<std::collections::HashMap<String, UserPolicy>>(&raw).unwrap_or_else(|e| {
+            vars.error(
+                "AGENT_USER_POLICIES",
+                format!("is not JSON like {{\"alice\": {{\"trust\": \"delegated\", \"allowlist\": [\"boss@example.com\"]}}}} ({e})"),
+            );
+            Default::default()
+        }),
+    };
+    Policy {
+        side_effects_enabled,
+        default_trust,
+        users,
     }
 }
 

@@ -112,6 +112,46 @@ impl GatewayClient {
             .collect())
     }
 
+    /// Runs one call through the unary ExecuteTool with `idempotency_key` (an approval id), so
+    /// a retried decision cannot act twice (P-4).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn execute_once(
+        &self,
+        user: &str,
+        run_id: &str,
+        channel: pb::Channel,
+        call_id: &str,
+        tool: &str,
+        args: &serde_json::Value,
+        idempotency_key: &str,
+    ) -> ToolOutcome {
+        let call = pb::ToolCall {
+            call_id: call_id.to_owned(),
+            tool: tool.to_owned(),
+            arguments: Some(pb::tool_call::Arguments::ArgsJson(args.to_string())),
+            idempotency_key: idempotency_key.to_owned(),
+            channel: channel as i32,
+            timeout: None,
+            run_id: run_id.to_owned(),
+        };
+        let mut client = GatewayServiceClient::new(self.channel.clone());
+        let request = match self.request(pb::ExecuteToolRequest { call: Some(call) }, user) {
+            Ok(r) => r,
+            Err(e) => return failed("INTERNAL", &e.to_string()),
+        };
+        match tokio::time::timeout(self.call_timeout, client.execute_tool(request)).await {
+            Ok(Ok(response)) => match response.into_inner().result {
+                Some(r) => outcome(r),
+                None => failed("INTERNAL", "The tool service answered without a result."),
+            },
+            Ok(Err(status)) => failed(
+                "UPSTREAM_UNAVAILABLE",
+                &format!("The tool service refused the call: {}", status.message()),
+            ),
+            Err(_) => failed("UPSTREAM_TIMEOUT", "The tool did not answer in time."),
+        }
+    }
+
     /// Opens the Execute stream for one run.
     pub async fn open(
         &self,
@@ -175,6 +215,18 @@ impl Drop for ExecuteSession {
     }
 }
 
+fn outcome(r: pb::ToolResult) -> ToolOutcome {
+    ToolOutcome {
+        ok: r.ok,
+        error_kind: match pb::ErrorKind::try_from(r.error_kind) {
+            Ok(pb::ErrorKind::Unspecified) | Err(_) => String::new(),
+            Ok(k) => k.as_str_name().trim_start_matches("ERROR_KIND_").to_owned(),
+        },
+        text: r.text,
+        truncated: r.truncated,
+    }
+}
+
 fn failed(kind: &str, text: &str) -> ToolOutcome {
     ToolOutcome {
         ok: false,
@@ -221,15 +273,7 @@ impl ToolRunner for ExecuteSession {
                 continue;
             }
             outcomes.push(match tokio::time::timeout(self.call_timeout, wait).await {
-                Ok(Ok(r)) => ToolOutcome {
-                    ok: r.ok,
-                    text: r.text,
-                    error_kind: match pb::ErrorKind::try_from(r.error_kind) {
-                        Ok(pb::ErrorKind::Unspecified) | Err(_) => String::new(),
-                        Ok(k) => k.as_str_name().trim_start_matches("ERROR_KIND_").to_owned(),
-                    },
-                    truncated: r.truncated,
-                },
+                Ok(Ok(r)) => outcome(r),
                 Ok(Err(_)) => failed(
                     "UPSTREAM_UNAVAILABLE",
                     "The tool service went away before answering.",

@@ -22,14 +22,15 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     api::{ApiError, convert},
     executor::{
-        self, EventSink, Executor, ModelSetup, RunEvent, RunRequest, Stop, ToolInvocation,
-        ToolOutcome, ToolRunner, limits,
+        self, APPROVAL_REQUIRED, EventSink, Executor, ModelSetup, RunEvent, RunRequest, Stop,
+        ToolInvocation, ToolOutcome, ToolRunner, limits,
     },
     gateway_client::GatewayClient,
     llm::Turn,
+    policy::{Policy, Verdict},
     store::{
-        LockOutcome, MessageKind, MessageSource, ModelCallUsage, NewRunOutcome, Run, RunPatch,
-        RunState, RunUsage, SharedStore,
+        Approval, ApprovalState, LockOutcome, MessageKind, MessageSource, ModelCallUsage,
+        NewRunOutcome, Run, RunPatch, RunState, RunUsage, SharedStore,
     },
 };
 
@@ -63,6 +64,9 @@ const PLANNING_CONVERSATION: usize = 30;
 const WATCH_POLL: Duration = Duration::from_millis(200);
 
 pub struct RunService {
+    pub policy: Policy,
+    /// How long an approval stays usable (APPROVAL_TTL).
+    pub approval_ttl: Duration,
     pub store: SharedStore,
     pub models: Arc<ModelSetup>,
     pub gateway: Option<GatewayClient>,
@@ -83,6 +87,8 @@ impl RunService {
         max_tool_result_chars: usize,
     ) -> Self {
         Self {
+            policy: Policy::permissive(),
+            approval_ttl: Duration::from_secs(24 * 3600),
             store,
             models,
             gateway,
@@ -202,8 +208,18 @@ impl RunService {
         let this = self.clone();
         let (owner, thread_id, id) = (owner.to_owned(), thread.id.clone(), run_id.clone());
         tokio::spawn(async move {
-            this.execute(owner, thread_id, id, input, models, new_thread, cancel)
-                .await
+            this.execute(
+                owner,
+                thread_id,
+                id,
+                Work::Start {
+                    input,
+                    models,
+                    new_thread,
+                },
+                cancel,
+            )
+            .await
         });
         Ok((run_id, thread.id))
     }
@@ -257,22 +273,31 @@ impl RunService {
         Ok(seq)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// The spawned part of a run: work, then exactly one terminal event, then the lock.
     async fn execute(
         self: Arc<Self>,
         owner: String,
         thread_id: String,
         run_id: String,
-        input: RunInput,
-        models: Arc<ModelSetup>,
-        new_thread: bool,
+        work: Work,
         cancel: CancellationToken,
     ) {
-        let outcome = self
-            .work(
-                &owner, &thread_id, &run_id, &input, models, new_thread, &cancel,
-            )
-            .await;
+        let outcome = match work {
+            Work::Start {
+                input,
+                models,
+                new_thread,
+            } => {
+                self.work(
+                    &owner, &thread_id, &run_id, &input, models, new_thread, &cancel,
+                )
+                .await
+            }
+            Work::Continue { approval, approved } => {
+                self.continue_after(&owner, &thread_id, &run_id, approval, approved, &cancel)
+                    .await
+            }
+        };
         let terminal = match outcome {
             Ok(result) => pb::run_event::Kind::Result(result),
             Err(e) => {
@@ -324,6 +349,70 @@ impl RunService {
             .remove(&run_id);
     }
 
+    async fn load_history(&self, thread_id: &str) -> Result<Vec<Turn>, ApiError> {
+        let mut history = Vec::new();
+        for value in self.store.history(thread_id).await? {
+            match serde_json::from_value::<Turn>(value) {
+                Ok(turn) => history.push(turn),
+                // A turn this build cannot read is left out of the model's view, loudly.
+                Err(e) => {
+                    tracing::error!(thread_id, error = %e, "unreadable LLM history turn skipped")
+                }
+            }
+        }
+        Ok(history)
+    }
+
+    /// Tool calls left open by a paused run whose user moved on get a result now, so the
+    /// transcript stays valid for every provider; their approvals can no longer be used.
+    async fn close_open_calls(
+        &self,
+        thread_id: &str,
+        history: &mut Vec<Turn>,
+    ) -> Result<(), ApiError> {
+        let answered: std::collections::HashSet<String> = history
+            .iter()
+            .filter_map(|t| {
+                if let Turn::ToolResult { call_id, .. } = t {
+                    Some(call_id.clone())
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let open: Vec<(String, String)> = history
+            .iter()
+            .flat_map(|t| match t {
+                Turn::Assistant { tool_calls, .. } => tool_calls
+                    .iter()
+                    .map(|c| (c.id.clone(), c.name.clone()))
+                    .collect(),
+                _ => Vec::new(),
+            })
+            .filter(|(id, _)| !answered.contains(id))
+            .collect();
+        if open.is_empty() {
+            return Ok(());
+        }
+        let closing: Vec<Turn> = open
+            .into_iter()
+            .map(|(call_id, name)| Turn::ToolResult {
+                call_id,
+                name,
+                content: "Not executed: the user moved on without approving it.".into(),
+                is_error: true,
+            })
+            .collect();
+        let values = closing
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ApiError::Unavailable(e.to_string()))?;
+        self.store.append_history(thread_id, &values).await?;
+        history.extend(closing);
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     async fn work(
         &self,
@@ -345,16 +434,8 @@ impl RunService {
                 },
             )
             .await?;
-        let mut history = Vec::new();
-        for value in self.store.history(thread_id).await? {
-            match serde_json::from_value::<Turn>(value) {
-                Ok(turn) => history.push(turn),
-                // A turn this build cannot read is left out of the model's view, loudly.
-                Err(e) => {
-                    tracing::error!(thread_id, error = %e, "unreadable LLM history turn skipped")
-                }
-            }
-        }
+        let mut history = self.load_history(thread_id).await?;
+        self.close_open_calls(thread_id, &mut history).await?;
         if new_thread && history.is_empty() {
             let skip = input
                 .conversation
@@ -376,43 +457,81 @@ impl RunService {
                 })
                 .collect();
         }
-        let channel = gateway_channel(input.channel);
-        let (tools, tools_note) = match &self.gateway {
-            Some(g) => match g.list_tools(owner, channel).await {
-                // Side effects wait for approvals: until policy is in the loop they are not offered.
-                Ok(list) => (
-                    list.into_iter()
-                        .filter(|t| !t.side_effect)
-                        .map(|t| t.decl)
-                        .collect(),
-                    String::new(),
-                ),
+        let mut limits = limits::profile(input.channel, self.max_loop_steps);
+        limits.max_total_tokens = input.max_total_tokens;
+        limits.max_cost_usd = input.max_cost_usd;
+        let request = RunRequest {
+            system: system_prompt(&input.attached),
+            history,
+            prompt: input.prompt.clone(),
+            tools: Vec::new(),
+            limits,
+            stop_after: None,
+            resume: false,
+        };
+        self.drive(
+            owner,
+            thread_id,
+            run_id,
+            input.channel,
+            request,
+            models,
+            cancel,
+        )
+        .await
+    }
+
+    /// Lists the tools, opens the Execute stream behind the policy, runs the executor with its
+    /// events persisted, and records the outcome.
+    #[allow(clippy::too_many_arguments)]
+    async fn drive(
+        &self,
+        owner: &str,
+        thread_id: &str,
+        run_id: &str,
+        channel: limits::Channel,
+        mut request: RunRequest,
+        models: Arc<ModelSetup>,
+        cancel: &CancellationToken,
+    ) -> Result<pb::RunResult, ApiError> {
+        let gw_channel = gateway_channel(channel);
+        let mut side_effects = std::collections::HashSet::new();
+        if let Some(g) = &self.gateway {
+            match g.list_tools(owner, gw_channel).await {
+                Ok(list) => {
+                    for t in list {
+                        if t.side_effect {
+                            side_effects.insert(t.decl.name.clone());
+                        }
+                        request.tools.push(t.decl);
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "tools unavailable for this run");
-                    (Vec::new(), "\n\nTools are unavailable right now; say so if the user needs data you cannot see.".to_owned())
+                    request.system.push_str("\n\nTools are unavailable right now; say so if the user needs data you cannot see.");
                 }
-            },
-            None => (Vec::new(), String::new()),
-        };
-        let session = match (&self.gateway, tools.is_empty()) {
+            }
+        }
+        let session = match (&self.gateway, request.tools.is_empty()) {
             (Some(g), false) => Some(
-                g.open(owner, run_id, channel)
+                g.open(owner, run_id, gw_channel)
                     .await
                     .map_err(|e| ApiError::Unavailable(e.to_string()))?,
             ),
             _ => None,
         };
-        let mut limits = limits::profile(input.channel, self.max_loop_steps);
-        limits.max_total_tokens = input.max_total_tokens;
-        limits.max_cost_usd = input.max_cost_usd;
-        let request = RunRequest {
-            system: format!("{}{tools_note}", system_prompt(&input.attached)),
-            history,
-            prompt: input.prompt.clone(),
-            tools,
-            limits,
-            stop_after: None,
-            resume: false,
+        let no_tools = NoTools;
+        let inner: &dyn ToolRunner = match &session {
+            Some(s) => s,
+            None => &no_tools,
+        };
+        let runner = PolicyRunner {
+            inner,
+            policy: &self.policy,
+            user: owner,
+            side_effects: &side_effects,
+            store: &self.store,
+            run_id,
         };
         let executor = Executor {
             models,
@@ -435,14 +554,9 @@ impl RunService {
             }
             Ok::<_, ApiError>(tool_messages)
         };
-        let no_tools = NoTools;
-        let runner: &dyn ToolRunner = match &session {
-            Some(s) => s,
-            None => &no_tools,
-        };
         let work = async {
             let out = tokio::select! {
-                out = executor.run(&request, runner, &sink) => Some(out),
+                out = executor.run(&request, &runner, &sink) => Some(out),
                 () = cancel.cancelled() => None,
                 () = self.watch_cancel(owner, run_id, thread_id) => None,
             };
@@ -452,33 +566,9 @@ impl RunService {
         let (outcome, written) = tokio::join!(work, writer);
         let tool_messages = written?;
         drop(session);
-
         let Some(outcome) = outcome else {
-            let message = "The run was cancelled.".to_owned();
-            self.store
-                .update_run(
-                    run_id,
-                    RunPatch {
-                        state: Some(RunState::Cancelled),
-                        error: Some(message.clone()),
-                        failure_kind: Some("cancelled".into()),
-                        finished_at: Some(SystemTime::now()),
-                        ..RunPatch::default()
-                    },
-                )
-                .await?;
-            return Ok(pb::RunResult {
-                run_id: run_id.into(),
-                thread_id: thread_id.into(),
-                status: pb::RunState::Cancelled as i32,
-                summary: message.clone(),
-                mode: pb::ResultMode::AssistantText as i32,
-                error: message,
-                failure_kind: pb::FailureKind::Cancelled as i32,
-                ..pb::RunResult::default()
-            });
+            return self.cancelled(run_id, thread_id).await;
         };
-
         for (name, ok, preview) in tool_messages {
             let content = format!("{} {name}: {preview}", if ok { "Ran" } else { "Tried" });
             self.store
@@ -492,6 +582,42 @@ impl RunService {
                 )
                 .await?;
         }
+        self.finalize(owner, thread_id, run_id, outcome).await
+    }
+
+    async fn cancelled(&self, run_id: &str, thread_id: &str) -> Result<pb::RunResult, ApiError> {
+        let message = "The run was cancelled.".to_owned();
+        self.store
+            .update_run(
+                run_id,
+                RunPatch {
+                    state: Some(RunState::Cancelled),
+                    error: Some(message.clone()),
+                    failure_kind: Some("cancelled".into()),
+                    finished_at: Some(SystemTime::now()),
+                    ..RunPatch::default()
+                },
+            )
+            .await?;
+        Ok(pb::RunResult {
+            run_id: run_id.into(),
+            thread_id: thread_id.into(),
+            status: pb::RunState::Cancelled as i32,
+            summary: message.clone(),
+            mode: pb::ResultMode::AssistantText as i32,
+            error: message,
+            failure_kind: pb::FailureKind::Cancelled as i32,
+            ..pb::RunResult::default()
+        })
+    }
+
+    async fn finalize(
+        &self,
+        owner: &str,
+        thread_id: &str,
+        run_id: &str,
+        outcome: executor::Outcome,
+    ) -> Result<pb::RunResult, ApiError> {
         let turns = outcome
             .new_turns
             .iter()
@@ -501,6 +627,95 @@ impl RunService {
                 ApiError::Unavailable(format!("could not serialize the transcript: {e}"))
             })?;
         self.store.append_history(thread_id, &turns).await?;
+        let usage = usage_of(&outcome);
+        let model = outcome
+            .calls
+            .last()
+            .map(|c| c.model.clone())
+            .unwrap_or_default();
+        let usage_pb = pb::Usage {
+            input_tokens: usage.input_tokens,
+            output_tokens: usage.output_tokens,
+            cached_tokens: usage.cached_tokens,
+            cost_usd: usage.cost_usd,
+            model_calls: usage.calls.len() as u32,
+        };
+
+        if let Stop::AwaitingApproval {
+            call_id,
+            name,
+            arguments,
+            reason,
+        } = &outcome.stop
+        {
+            let now = SystemTime::now();
+            let approval = Approval {
+                id: uuid::Uuid::new_v4().to_string(),
+                run_id: run_id.into(),
+                thread_id: thread_id.into(),
+                owner: owner.into(),
+                call_id: call_id.clone(),
+                tool: name.clone(),
+                arguments: arguments.clone(),
+                args_sha256: sha256_hex(arguments),
+                preview: crate::policy::preview(name, arguments),
+                reason: reason.clone(),
+                state: ApprovalState::Pending,
+                created_at: now,
+                expires_at: now + self.approval_ttl,
+                decided_by: None,
+                decided_at: None,
+            };
+            self.store.create_approval(&approval).await?;
+            self.store
+                .record_audit(owner, "approval_requested", Some(run_id), serde_json::json!({"approval_id": approval.id, "tool": name, "preview": approval.preview}))
+                .await?;
+            self.store
+                .add_message(
+                    thread_id,
+                    Some(run_id),
+                    MessageSource::Agent,
+                    MessageKind::Text,
+                    &outcome.text,
+                    serde_json::json!({"approval_id": approval.id}),
+                )
+                .await?;
+            self.store
+                .update_run(
+                    run_id,
+                    RunPatch {
+                        state: Some(RunState::AwaitingConfirmation),
+                        model: Some(model.clone()),
+                        usage: Some(usage.clone()),
+                        iterations: Some(outcome.iterations),
+                        summary: Some(outcome.text.clone()),
+                        ..RunPatch::default()
+                    },
+                )
+                .await?;
+            let approval_pb = convert::approval(&approval);
+            self.append(
+                run_id,
+                thread_id,
+                pb::run_event::Kind::ApprovalRequired(pb::ApprovalRequiredEvent {
+                    approval: Some(approval_pb.clone()),
+                }),
+            )
+            .await?;
+            return Ok(pb::RunResult {
+                run_id: run_id.into(),
+                thread_id: thread_id.into(),
+                status: pb::RunState::AwaitingConfirmation as i32,
+                summary: outcome.text.clone(),
+                mode: pb::ResultMode::RequiresApproval as i32,
+                model,
+                tool: name.clone(),
+                tool_args: convert::json_to_struct(arguments),
+                approval: Some(approval_pb),
+                usage: Some(usage_pb),
+                ..pb::RunResult::default()
+            });
+        }
 
         let (state, failure, mode) = match &outcome.stop {
             Stop::ModelUnavailable(_) => (
@@ -531,12 +746,6 @@ impl RunService {
                 serde_json::json!({}),
             )
             .await?;
-        let usage = usage_of(&outcome);
-        let model = outcome
-            .calls
-            .last()
-            .map(|c| c.model.clone())
-            .unwrap_or_default();
         let error = match &outcome.stop {
             Stop::ModelUnavailable(why) => Some(format!("every model failed: {why}")),
             Stop::UnknownTool(name) => Some(format!("the model called an unknown tool: {name}")),
@@ -577,16 +786,240 @@ impl RunService {
                 .and_then(|(_, a)| convert::json_to_struct(a)),
             approval: None,
             output: None,
-            usage: Some(pb::Usage {
-                input_tokens: usage.input_tokens,
-                output_tokens: usage.output_tokens,
-                cached_tokens: usage.cached_tokens,
-                cost_usd: usage.cost_usd,
-                model_calls: usage.calls.len() as u32,
-            }),
+            usage: Some(usage_pb),
             error: error.unwrap_or_default(),
             failure_kind: convert::failure_kind(failure) as i32,
         })
+    }
+
+    /// After a decision: the approved action runs exactly once (the approval id is the gateway
+    /// idempotency key) or the rejection is recorded, as the pending call's result; then the loop
+    /// continues from the persisted transcript.
+    async fn continue_after(
+        &self,
+        owner: &str,
+        thread_id: &str,
+        run_id: &str,
+        approval: Approval,
+        approved: bool,
+        cancel: &CancellationToken,
+    ) -> Result<pb::RunResult, ApiError> {
+        self.store
+            .update_run(
+                run_id,
+                RunPatch {
+                    state: Some(RunState::Executing),
+                    ..RunPatch::default()
+                },
+            )
+            .await?;
+        let run = self
+            .store
+            .get_run(owner, run_id)
+            .await?
+            .ok_or_else(|| ApiError::NotFound(format!("run {run_id}")))?;
+        let channel = convert::channel_from_key(&run.channel);
+        let (content, ok) = if approved {
+            let outcome = match &self.gateway {
+                Some(g) => {
+                    g.execute_once(
+                        owner,
+                        run_id,
+                        gateway_channel(channel),
+                        &approval.call_id,
+                        &approval.tool,
+                        &approval.arguments,
+                        &approval.id,
+                    )
+                    .await
+                }
+                None => ToolOutcome {
+                    ok: false,
+                    text: "Tools are unavailable right now.".into(),
+                    error_kind: "UPSTREAM_UNAVAILABLE".into(),
+                    truncated: false,
+                },
+            };
+            self.store
+                .record_audit(owner, "side_effect", Some(run_id), serde_json::json!({"approval_id": approval.id, "tool": approval.tool, "ok": outcome.ok}))
+                .await?;
+            (outcome.text, outcome.ok)
+        } else {
+            (
+                "The user rejected this action. Do not retry it unless they ask again.".to_owned(),
+                false,
+            )
+        };
+        self.append(
+            run_id,
+            thread_id,
+            pb::run_event::Kind::ToolResult(pb::ToolResultEvent {
+                call_id: approval.call_id.clone(),
+                action_id: String::new(),
+                tool: approval.tool.clone(),
+                ok,
+                preview: content.chars().take(200).collect(),
+                error_kind: String::new(),
+                truncated: false,
+            }),
+        )
+        .await?;
+        let result = Turn::ToolResult {
+            call_id: approval.call_id.clone(),
+            name: approval.tool.clone(),
+            content,
+            is_error: !ok,
+        };
+        let value =
+            serde_json::to_value(&result).map_err(|e| ApiError::Unavailable(e.to_string()))?;
+        self.store.append_history(thread_id, &[value]).await?;
+        let history = self.load_history(thread_id).await?;
+        let request = RunRequest {
+            system: system_prompt(&[]),
+            history,
+            prompt: String::new(),
+            tools: Vec::new(),
+            limits: limits::profile(channel, self.max_loop_steps),
+            stop_after: None,
+            resume: true,
+        };
+        self.drive(
+            owner,
+            thread_id,
+            run_id,
+            channel,
+            request,
+            self.models.clone(),
+            cancel,
+        )
+        .await
+    }
+
+    /// DecideApproval: only the owner; a repeated identical decision returns the current
+    /// state; a conflicting one, an expired approval, or changed arguments are
+    /// FAILED_PRECONDITION. The continuation runs on whichever replica received the call.
+    pub async fn decide(
+        self: &Arc<Self>,
+        owner: &str,
+        approval_id: &str,
+        approve: bool,
+        args_sha256: Option<&str>,
+    ) -> Result<(Approval, Option<(String, u64)>), ApiError> {
+        let approval = self
+            .store
+            .get_approval(owner, approval_id)
+            .await?
+            .ok_or_else(|| ApiError::NotFound(format!("approval {approval_id}")))?;
+        let wanted = if approve {
+            ApprovalState::Approved
+        } else {
+            ApprovalState::Rejected
+        };
+        if approval.state == wanted {
+            return Ok((approval, None));
+        }
+        if approval.state != ApprovalState::Pending {
+            return Err(ApiError::FailedPrecondition(format!(
+                "approval {approval_id} is already {}",
+                approval.state.key()
+            )));
+        }
+        if let Some(sha) = args_sha256
+            && sha != approval.args_sha256
+        {
+            return Err(ApiError::FailedPrecondition(format!(
+                "args_sha256 does not match approval {approval_id}: the arguments you saw are not the ones pending"
+            )));
+        }
+        if approve && approval.expires_at <= SystemTime::now() {
+            self.store
+                .decide_approval(approval_id, ApprovalState::Expired, owner)
+                .await?;
+            return Err(ApiError::FailedPrecondition(format!(
+                "approval {approval_id} expired; ask again"
+            )));
+        }
+        // The call must still be open: a newer message on the thread closes paused calls.
+        let history = self.load_history(&approval.thread_id).await?;
+        let still_open = !history
+            .iter()
+            .any(|t| matches!(t, Turn::ToolResult { call_id, .. } if *call_id == approval.call_id));
+        if !still_open {
+            self.store
+                .decide_approval(approval_id, ApprovalState::Expired, owner)
+                .await?;
+            return Err(ApiError::FailedPrecondition(format!(
+                "approval {approval_id} can no longer be used: the conversation moved on"
+            )));
+        }
+        let decided = self
+            .store
+            .decide_approval(approval_id, wanted, owner)
+            .await?
+            .ok_or_else(|| ApiError::NotFound(format!("approval {approval_id}")))?;
+        if decided.state != wanted {
+            // Someone decided differently first.
+            return Err(ApiError::FailedPrecondition(format!(
+                "approval {approval_id} is already {}",
+                decided.state.key()
+            )));
+        }
+        self.store
+            .record_audit(
+                owner,
+                if approve {
+                    "approval_approved"
+                } else {
+                    "approval_rejected"
+                },
+                Some(&decided.run_id),
+                serde_json::json!({"approval_id": approval_id, "tool": decided.tool}),
+            )
+            .await?;
+        match self
+            .store
+            .lock_thread(&decided.thread_id, &decided.run_id, self.lease)
+            .await?
+        {
+            LockOutcome::Acquired => {}
+            LockOutcome::Busy { run_id } => {
+                return Err(ApiError::Aborted(format!(
+                    "thread {} has an active run ({run_id}); decide again when it ends",
+                    decided.thread_id
+                )));
+            }
+        }
+        let from = self
+            .store
+            .get_run(owner, &decided.run_id)
+            .await?
+            .map_or(0, |r| r.last_event_seq);
+        let cancel = CancellationToken::new();
+        self.cancels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(decided.run_id.clone(), cancel.clone());
+        let this = self.clone();
+        let (o, t, r, a) = (
+            owner.to_owned(),
+            decided.thread_id.clone(),
+            decided.run_id.clone(),
+            decided.clone(),
+        );
+        tokio::spawn(async move {
+            this.execute(
+                o,
+                t,
+                r,
+                Work::Continue {
+                    approval: a,
+                    approved: approve,
+                },
+                cancel,
+            )
+            .await
+        });
+        Ok((decided.clone(), Some((decided.run_id, from))))
     }
 
     /// Resolves when another replica asked to cancel this run; renews the lock lease meanwhile.
@@ -687,6 +1120,112 @@ impl RunService {
         });
         Ok(tokio_stream::wrappers::ReceiverStream::new(rx))
     }
+}
+
+/// What a spawned run task does.
+enum Work {
+    Start {
+        input: RunInput,
+        models: Arc<ModelSetup>,
+        new_thread: bool,
+    },
+    Continue {
+        approval: Approval,
+        approved: bool,
+    },
+}
+
+/// Applies the approval policy to every call before it reaches the gateway.
+struct PolicyRunner<'a> {
+    inner: &'a dyn ToolRunner,
+    policy: &'a Policy,
+    user: &'a str,
+    side_effects: &'a std::collections::HashSet<String>,
+    store: &'a SharedStore,
+    run_id: &'a str,
+}
+
+#[async_trait::async_trait]
+impl ToolRunner for PolicyRunner<'_> {
+    async fn run(&self, calls: Vec<ToolInvocation>) -> Vec<ToolOutcome> {
+        let mut outcomes: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
+        let mut allowed = Vec::new();
+        let mut positions = Vec::new();
+        let mut paused = false;
+        for (i, call) in calls.into_iter().enumerate() {
+            let side_effect = self.side_effects.contains(&call.name);
+            match self
+                .policy
+                .decide(self.user, &call.name, side_effect, &call.args)
+            {
+                Verdict::Allow => {
+                    if side_effect {
+                        let _ = self
+                            .store
+                            .record_audit(
+                                self.user,
+                                "side_effect",
+                                Some(self.run_id),
+                                serde_json::json!({"tool": call.name, "approval": "not required"}),
+                            )
+                            .await;
+                    }
+                    positions.push(i);
+                    allowed.push(call);
+                }
+                Verdict::Deny(text) => {
+                    outcomes[i] = Some(ToolOutcome {
+                        ok: false,
+                        text,
+                        error_kind: "DENIED".into(),
+                        truncated: false,
+                    });
+                }
+                Verdict::NeedsApproval(reason) if !paused => {
+                    paused = true;
+                    outcomes[i] = Some(ToolOutcome {
+                        ok: false,
+                        text: reason,
+                        error_kind: APPROVAL_REQUIRED.into(),
+                        truncated: false,
+                    });
+                }
+                Verdict::NeedsApproval(_) => {
+                    outcomes[i] = Some(ToolOutcome {
+                        ok: false,
+                        text: "Not executed: another action of this turn is waiting for approval; ask for this one again after it is decided.".into(),
+                        error_kind: "DEFERRED".into(),
+                        truncated: false,
+                    });
+                }
+            }
+        }
+        if !allowed.is_empty() {
+            for (pos, outcome) in positions.into_iter().zip(self.inner.run(allowed).await) {
+                outcomes[pos] = Some(outcome);
+            }
+        }
+        outcomes
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or(ToolOutcome {
+                    ok: false,
+                    text: "The tool did not answer.".into(),
+                    error_kind: "INTERNAL".into(),
+                    truncated: false,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Hex SHA-256 of the canonical JSON (serde_json sorts object keys) of an approval's arguments.
+pub fn sha256_hex(args: &serde_json::Value) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(args.to_string().as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 struct ChannelSink(mpsc::UnboundedSender<RunEvent>);

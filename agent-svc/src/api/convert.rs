@@ -155,6 +155,41 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
     })
 }
 
+pub fn channel_from_key(key: &str) -> Channel {
+    match key {
+        "telegram" => Channel::Telegram,
+        "session_open" => Channel::SessionOpen,
+        "scheduled" => Channel::Scheduled,
+        "heartbeat" => Channel::Heartbeat,
+        "task_agent" => Channel::TaskAgent,
+        _ => Channel::Web,
+    }
+}
+
+pub fn approval(a: &crate::store::Approval) -> pb::Approval {
+    use crate::store::ApprovalState;
+    pb::Approval {
+        id: a.id.clone(),
+        run_id: a.run_id.clone(),
+        action_id: String::new(),
+        tool: a.tool.clone(),
+        arguments: json_to_struct(&a.arguments),
+        args_sha256: a.args_sha256.clone(),
+        preview: a.preview.clone(),
+        reason: a.reason.clone(),
+        state: match a.state {
+            ApprovalState::Pending => pb::ApprovalState::Pending,
+            ApprovalState::Approved => pb::ApprovalState::Approved,
+            ApprovalState::Rejected => pb::ApprovalState::Rejected,
+            ApprovalState::Expired => pb::ApprovalState::Expired,
+        } as i32,
+        created_at: Some(timestamp(a.created_at)),
+        expires_at: Some(timestamp(a.expires_at)),
+        decided_by: a.decided_by.clone().unwrap_or_default(),
+        decided_at: a.decided_at.map(timestamp),
+    }
+}
+
 pub fn timestamp(t: SystemTime) -> Timestamp {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     Timestamp {

@@ -39,8 +39,7 @@ impl AgentApi {
     }
 }
 
-/// The issue that will implement each remaining RPC, so an UNIMPLEMENTED answer says when.
-const APPROVALS_ISSUE: u32 = 7;
+/// The issue that will implement the remaining RPC, so its UNIMPLEMENTED answer says when.
 const SESSIONS_ISSUE: u32 = 8;
 
 fn terminal_result(event: &pb::RunEvent) -> Option<pb::RunResult> {
@@ -115,13 +114,70 @@ impl AgentService for AgentApi {
 
     async fn decide_approval(
         &self,
-        _: Request<pb::DecideApprovalRequest>,
+        request: Request<pb::DecideApprovalRequest>,
     ) -> Result<Response<pb::DecideApprovalResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "DecideApproval",
-            issue: APPROVALS_ISSUE,
+        let user = self.user(&request)?;
+        let r = request.into_inner();
+        let approve = match pb::Decision::try_from(r.decision) {
+            Ok(pb::Decision::Approve) => true,
+            Ok(pb::Decision::Reject) => false,
+            _ => {
+                return Err(ApiError::InvalidArgument(
+                    "decision must be DECISION_APPROVE or DECISION_REJECT".into(),
+                )
+                .into());
+            }
+        };
+        if r.comment.len() > 1024 {
+            return Err(ApiError::InvalidArgument(format!(
+                "comment is {} bytes; the limit is 1024",
+                r.comment.len()
+            ))
+            .into());
         }
-        .into())
+        let sha = Some(r.args_sha256.as_str()).filter(|s| !s.is_empty());
+        let (approval, continued) = self
+            .runs
+            .decide(&user, &r.approval_id, approve, sha)
+            .await?;
+        let result = match continued {
+            Some((run_id, from)) => {
+                let mut events = Box::pin(self.runs.watch(&user, &run_id, from).await?);
+                let mut result = None;
+                while let Some(event) = events.next().await {
+                    if let Some(r) = terminal_result(&event?) {
+                        result = Some(r);
+                        break;
+                    }
+                }
+                result
+            }
+            // A repeated decision: the run as it stands.
+            None => self
+                .store
+                .get_run(&user, &approval.run_id)
+                .await
+                .map_err(ApiError::from)?
+                .map(|run| pb::RunResult {
+                    run_id: run.id.clone(),
+                    thread_id: run.thread_id.clone(),
+                    status: convert::run_state(run.state) as i32,
+                    summary: run.summary.clone(),
+                    model: run.model.clone(),
+                    error: run.error.clone().unwrap_or_default(),
+                    ..pb::RunResult::default()
+                }),
+        };
+        let approval = self
+            .store
+            .get_approval(&user, &approval.id)
+            .await
+            .map_err(ApiError::from)?
+            .unwrap_or(approval);
+        Ok(Response::new(pb::DecideApprovalResponse {
+            approval: Some(convert::approval(&approval)),
+            result,
+        }))
     }
 
     async fn get_run(

@@ -9,8 +9,8 @@ use std::{
 use serde_json::Value;
 
 use super::{
-    AgentStore, LockOutcome, Message, MessageKind, MessageSource, NewRunOutcome, Run, RunPatch,
-    StoreError, Thread,
+    AgentStore, Approval, ApprovalState, LockOutcome, Message, MessageKind, MessageSource,
+    NewRunOutcome, Run, RunPatch, StoreError, Thread,
 };
 
 #[derive(Default)]
@@ -20,6 +20,8 @@ struct State {
     history: HashMap<String, Vec<Value>>,
     runs: HashMap<String, Run>,
     events: HashMap<String, Vec<Vec<u8>>>,
+    approvals: HashMap<String, Approval>,
+    audit: Vec<(String, String, Value)>,
 }
 
 #[derive(Default)]
@@ -326,6 +328,53 @@ impl AgentStore for MemoryStore {
                         .collect()
                 })
                 .unwrap_or_default()
+        })
+    }
+
+    async fn create_approval(&self, approval: &Approval) -> Result<(), StoreError> {
+        self.with(|s| {
+            s.approvals.insert(approval.id.clone(), approval.clone());
+        })
+    }
+
+    async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError> {
+        self.with(|s| s.approvals.get(id).filter(|a| a.owner == owner).cloned())
+    }
+
+    async fn decide_approval(
+        &self,
+        id: &str,
+        state: ApprovalState,
+        decider: &str,
+    ) -> Result<Option<Approval>, StoreError> {
+        self.with(|s| {
+            let approval = s.approvals.get_mut(id)?;
+            if approval.state == ApprovalState::Pending {
+                approval.state = state;
+                approval.decided_by = Some(decider.to_owned());
+                approval.decided_at = Some(SystemTime::now());
+            }
+            Some(approval.clone())
+        })
+    }
+
+    async fn record_audit(
+        &self,
+        owner: &str,
+        kind: &str,
+        _run_id: Option<&str>,
+        detail: Value,
+    ) -> Result<(), StoreError> {
+        self.with(|s| s.audit.push((owner.to_owned(), kind.to_owned(), detail)))
+    }
+
+    async fn audit(&self, owner: &str) -> Result<Vec<(String, Value)>, StoreError> {
+        self.with(|s| {
+            s.audit
+                .iter()
+                .filter(|(o, _, _)| o == owner)
+                .map(|(_, k, d)| (k.clone(), d.clone()))
+                .collect()
         })
     }
 }

@@ -268,6 +268,76 @@ pub trait AgentStore: Send + Sync + 'static {
         after: u64,
         limit: usize,
     ) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
+
+    async fn create_approval(&self, approval: &Approval) -> Result<(), StoreError>;
+    /// The approval if it exists and belongs to `owner`.
+    async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError>;
+    /// Moves a pending approval to `state` (atomically, so two deciders cannot both win) and
+    /// returns it as it is afterwards; an approval that was not pending is returned unchanged.
+    async fn decide_approval(
+        &self,
+        id: &str,
+        state: ApprovalState,
+        decider: &str,
+    ) -> Result<Option<Approval>, StoreError>;
+    /// An audit record of a side effect or an approval event (P-5).
+    async fn record_audit(
+        &self,
+        owner: &str,
+        kind: &str,
+        run_id: Option<&str>,
+        detail: Value,
+    ) -> Result<(), StoreError>;
+    /// The owner's audit records (kind, detail), oldest first.
+    async fn audit(&self, owner: &str) -> Result<Vec<(String, Value)>, StoreError>;
 }
 
 pub type SharedStore = Arc<dyn AgentStore>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApprovalState {
+    Pending,
+    Approved,
+    Rejected,
+    Expired,
+}
+
+impl ApprovalState {
+    pub fn key(self) -> &'static str {
+        match self {
+            ApprovalState::Pending => "pending",
+            ApprovalState::Approved => "approved",
+            ApprovalState::Rejected => "rejected",
+            ApprovalState::Expired => "expired",
+        }
+    }
+
+    pub fn from_key(k: &str) -> Self {
+        match k {
+            "approved" => ApprovalState::Approved,
+            "rejected" => ApprovalState::Rejected,
+            "expired" => ApprovalState::Expired,
+            _ => ApprovalState::Pending,
+        }
+    }
+}
+
+/// A request to run one side-effecting call, bound to its exact arguments (P-4).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Approval {
+    pub id: String,
+    pub run_id: String,
+    pub thread_id: String,
+    pub owner: String,
+    pub call_id: String,
+    pub tool: String,
+    pub arguments: Value,
+    pub args_sha256: String,
+    pub preview: String,
+    pub reason: String,
+    pub state: ApprovalState,
+    pub created_at: SystemTime,
+    pub expires_at: SystemTime,
+    pub decided_by: Option<String>,
+    pub decided_at: Option<SystemTime>,
+}

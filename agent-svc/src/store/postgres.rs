@@ -8,8 +8,8 @@ use svc_kit::{pg, server_config::DatabaseConfig};
 use tokio_postgres::Row;
 
 use super::{
-    AgentStore, LockOutcome, Message, MessageKind, MessageSource, NewRunOutcome, Run, RunPatch,
-    RunState, RunUsage, StoreError, Thread,
+    AgentStore, Approval, ApprovalState, LockOutcome, Message, MessageKind, MessageSource,
+    NewRunOutcome, Run, RunPatch, RunState, RunUsage, StoreError, Thread,
 };
 
 mod embedded {
@@ -475,5 +475,125 @@ impl AgentStore for PgStore {
             .iter()
             .map(|r| (r.get::<_, i64>(0) as u64, r.get(1)))
             .collect())
+    }
+
+    async fn create_approval(&self, a: &Approval) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, arguments, args_sha256, preview, reason, \
+                   state, created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+                &[
+                    &a.id,
+                    &a.run_id,
+                    &a.thread_id,
+                    &a.owner,
+                    &a.call_id,
+                    &a.tool,
+                    &a.arguments,
+                    &a.args_sha256,
+                    &a.preview,
+                    &a.reason,
+                    &a.state.key(),
+                    &a.created_at,
+                    &a.expires_at,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!(
+                    "SELECT {APPROVAL_COLUMNS} FROM agent.approvals WHERE id = $1 AND owner = $2"
+                ),
+                &[&id, &owner],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.as_ref().map(approval))
+    }
+
+    async fn decide_approval(
+        &self,
+        id: &str,
+        state: ApprovalState,
+        decider: &str,
+    ) -> Result<Option<Approval>, StoreError> {
+        let client = self.client().await?;
+        client
+            .execute(
+                "UPDATE agent.approvals SET state = $2, decided_by = $3, decided_at = now() WHERE id = $1 AND state = 'pending'",
+                &[&id, &state.key(), &decider],
+            )
+            .await
+            .map_err(db)?;
+        let row = client
+            .query_opt(
+                &format!("SELECT {APPROVAL_COLUMNS} FROM agent.approvals WHERE id = $1"),
+                &[&id],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.as_ref().map(approval))
+    }
+
+    async fn record_audit(
+        &self,
+        owner: &str,
+        kind: &str,
+        run_id: Option<&str>,
+        detail: Value,
+    ) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO agent.audit (owner, kind, run_id, detail) VALUES ($1, $2, $3, $4)",
+                &[&owner, &kind, &run_id, &detail],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn audit(&self, owner: &str) -> Result<Vec<(String, Value)>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT kind, detail FROM agent.audit WHERE owner = $1 ORDER BY id",
+                &[&owner],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+}
+
+const APPROVAL_COLUMNS: &str = "id, run_id, thread_id, owner, call_id, tool, arguments, args_sha256, preview, reason, state, \
+    created_at, expires_at, decided_by, decided_at";
+
+fn approval(r: &Row) -> Approval {
+    Approval {
+        id: r.get(0),
+        run_id: r.get(1),
+        thread_id: r.get(2),
+        owner: r.get(3),
+        call_id: r.get(4),
+        tool: r.get(5),
+        arguments: r.get(6),
+        args_sha256: r.get(7),
+        preview: r.get(8),
+        reason: r.get(9),
+        state: ApprovalState::from_key(r.get(10)),
+        created_at: r.get(11),
+        expires_at: r.get(12),
+        decided_by: r.get(13),
+        decided_at: r.get(14),
     }
 }

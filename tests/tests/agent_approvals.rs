@@ -1,0 +1,311 @@
+//! Policy and approvals end to end (issue 7; P-1..P-5, A-6): both services, PostgreSQL, a
+//! scripted OpenAI-compatible model, and a fake Gmail that records what is sent.
+
+use std::time::Duration;
+
+use agent_svc::store::AgentStore;
+use steward_proto::{agent::v1 as pb, gateway::v1 as gw};
+use steward_tests::{
+    Backend, Options, TestApp, agent_as,
+    calls::connect_account,
+    fakes::{
+        gmail::FakeGmail,
+        openai::{Answer, FakeOpenAi},
+    },
+    spawn::spawn,
+};
+use tonic::Code;
+
+const SEND_ARGS: &str =
+    r#"{"to":["boss@example.com"],"subject":"Budget","body":"Numbers attached.\nCall me."}"#;
+
+async fn world(answers: Vec<Answer>, env: &[(&str, &str)]) -> (TestApp, FakeGmail) {
+    let model = FakeOpenAi::start(answers).await;
+    let gmail = FakeGmail::start().await;
+    gmail.add_messages("tok-alice", vec![]);
+    let mut all = vec![
+        ("MODEL_CHAIN".to_owned(), "openai/gpt-4o".to_owned()),
+        ("OPENAI_BASE_URL".to_owned(), model.url.clone()),
+        ("GMAIL_API_BASE_URL".to_owned(), gmail.url.clone()),
+    ];
+    all.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    let app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        env: all,
+        ..Options::default()
+    })
+    .await;
+    connect_account(
+        &mut app.gateway_as("alice").await,
+        gw::Integration::Gmail,
+        "alice@example.com",
+        "tok-alice",
+    )
+    .await;
+    (app, gmail)
+}
+
+fn send_then(answer: &str) -> Vec<Answer> {
+    vec![
+        Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+        Answer::text(answer),
+    ]
+}
+
+async fn run(app: &TestApp, prompt: &str) -> pb::RunResult {
+    let mut alice = app.agent_as("alice").await;
+    let input = pb::RunInput {
+        prompt: prompt.into(),
+        ..Default::default()
+    };
+    alice
+        .run(pb::RunRequest { input: Some(input) })
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap()
+}
+
+fn decide(id: &str, decision: pb::Decision) -> pb::DecideApprovalRequest {
+    pb::DecideApprovalRequest {
+        approval_id: id.into(),
+        decision: decision as i32,
+        ..Default::default()
+    }
+}
+
+async fn agent_store(app: &TestApp) -> agent_svc::store::postgres::PgStore {
+    agent_svc::store::postgres::PgStore::connect(&svc_kit::server_config::DatabaseConfig {
+        url: app.db.as_ref().unwrap().url().to_owned(),
+        pool: svc_kit::pg::PoolOptions {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(5),
+        },
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_supervised_send_waits_with_a_preview_and_approval_on_another_instance_sends_exactly_once()
+ {
+    let (mut app, gmail) = world(send_then("Sent it to your boss."), &[]).await;
+    let paused = run(&app, "email my boss the budget").await;
+    assert_eq!(paused.status, pb::RunState::AwaitingConfirmation as i32);
+    assert_eq!(paused.mode, pb::ResultMode::RequiresApproval as i32);
+    let approval = paused.approval.clone().unwrap();
+    assert_eq!(approval.tool, "gmail_send");
+    assert_eq!(
+        approval.preview,
+        "To: boss@example.com\nSubject: Budget\n\nNumbers attached.\nCall me."
+    );
+    assert!(approval.reason.contains("supervised"));
+    assert_eq!(approval.args_sha256.len(), 64);
+    assert!(gmail.sent().is_empty(), "nothing is sent before approval");
+
+    // Another replica receives the decision and continues the run from persisted state.
+    let other = app.start_another_agent().await;
+    let mut b = agent_as(other, "alice").await;
+    let mut wrong_args = decide(&approval.id, pb::Decision::Approve);
+    wrong_args.args_sha256 = "0".repeat(64);
+    assert_eq!(
+        b.decide_approval(wrong_args).await.unwrap_err().code(),
+        Code::FailedPrecondition
+    );
+    let done = b
+        .decide_approval(decide(&approval.id, pb::Decision::Approve))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        done.approval.unwrap().state,
+        pb::ApprovalState::Approved as i32
+    );
+    let result = done.result.unwrap();
+    assert_eq!(
+        (result.status, result.summary.as_str()),
+        (pb::RunState::Completed as i32, "Sent it to your boss.")
+    );
+    assert_eq!(result.run_id, paused.run_id);
+    assert_eq!(gmail.sent().len(), 1, "sent exactly once");
+    assert!(gmail.sent()[0].0.contains("Subject: Budget"));
+
+    // Approving again is idempotent; rejecting now conflicts; another user cannot see it.
+    let mut a = app.agent_as("alice").await;
+    let again = a
+        .decide_approval(decide(&approval.id, pb::Decision::Approve))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        again.approval.unwrap().state,
+        pb::ApprovalState::Approved as i32
+    );
+    assert_eq!(gmail.sent().len(), 1);
+    assert_eq!(
+        a.decide_approval(decide(&approval.id, pb::Decision::Reject))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::FailedPrecondition
+    );
+    let mut bob = app.agent_as("bob").await;
+    assert_eq!(
+        bob.decide_approval(decide(&approval.id, pb::Decision::Approve))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
+
+    let kinds: Vec<String> = agent_store(&app)
+        .await
+        .audit("alice")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(
+        kinds,
+        ["approval_requested", "approval_approved", "side_effect"]
+    );
+}
+
+#[tokio::test]
+async fn a_rejection_is_recorded_and_the_model_answers() {
+    let (app, gmail) = world(send_then("Understood, I won't send it."), &[]).await;
+    let paused = run(&app, "email my boss the budget").await;
+    let mut a = app.agent_as("alice").await;
+    let done = a
+        .decide_approval(decide(&paused.approval.unwrap().id, pb::Decision::Reject))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        done.approval.unwrap().state,
+        pb::ApprovalState::Rejected as i32
+    );
+    assert_eq!(done.result.unwrap().summary, "Understood, I won't send it.");
+    assert!(gmail.sent().is_empty());
+}
+
+#[tokio::test]
+async fn the_kill_switch_denies_side_effects_and_the_model_is_told() {
+    let (app, gmail) = world(
+        send_then("I can't send email here."),
+        &[("AGENT_SIDE_EFFECTS_ENABLED", "false")],
+    )
+    .await;
+    let result = run(&app, "email my boss the budget").await;
+    assert_eq!(
+        (result.status, result.summary.as_str()),
+        (pb::RunState::Completed as i32, "I can't send email here.")
+    );
+    assert!(gmail.sent().is_empty());
+    let mut a = app.agent_as("alice").await;
+    let events: Vec<pb::RunEvent> = {
+        use tokio_stream::StreamExt;
+        a.watch_run(pb::WatchRunRequest {
+            run_id: result.run_id,
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .filter_map(|r| r.ok().and_then(|r| r.event))
+        .collect()
+        .await
+    };
+    let denied = events.iter().find_map(|e| match &e.kind {
+        Some(pb::run_event::Kind::ToolResult(r)) => Some(r.clone()),
+        _ => None,
+    });
+    let denied = denied.unwrap();
+    assert!(
+        !denied.ok
+            && denied.error_kind == "DENIED"
+            && denied.preview.contains("side effects are disabled"),
+        "{denied:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_delegated_user_sends_to_an_allowlisted_recipient_without_approval() {
+    let policies = r#"{"alice": {"trust": "delegated", "allowlist": ["boss@example.com"]}}"#;
+    let (app, gmail) = world(send_then("Sent."), &[("AGENT_USER_POLICIES", policies)]).await;
+    let result = run(&app, "email my boss the budget").await;
+    assert_eq!(
+        (result.status, result.summary.as_str()),
+        (pb::RunState::Completed as i32, "Sent.")
+    );
+    assert_eq!(gmail.sent().len(), 1);
+    let kinds: Vec<String> = agent_store(&app)
+        .await
+        .audit("alice")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(kinds, ["side_effect"]);
+}
+
+#[tokio::test]
+async fn expired_approvals_and_approvals_the_conversation_moved_past_cannot_be_approved() {
+    let answers = vec![
+        Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+        Answer::tool_calls(&[("call_send2", "gmail_send", SEND_ARGS)]),
+        Answer::text("Okay, forget the email."),
+    ];
+    let (app, gmail) = world(answers, &[]).await;
+    let first = run(&app, "email my boss the budget")
+        .await
+        .approval
+        .unwrap();
+    let second_run = run(&app, "email my boss the budget again").await;
+    let second = second_run.approval.unwrap();
+    let mut a = app.agent_as("alice").await;
+
+    // The first approval expired.
+    let (client, conn) =
+        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    client
+        .execute(
+            "UPDATE agent.approvals SET expires_at = now() - interval '1 minute' WHERE id = $1",
+            &[&first.id],
+        )
+        .await
+        .unwrap();
+    let err = a
+        .decide_approval(decide(&first.id, pb::Decision::Approve))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(err.message().contains("expired"), "{}", err.message());
+
+    // The user moves on in the same thread: the pending call is closed and its approval is void.
+    let mut next = pb::RunInput {
+        prompt: "never mind".into(),
+        ..Default::default()
+    };
+    next.thread_id = second_run.thread_id.clone();
+    let moved = a
+        .run(pb::RunRequest { input: Some(next) })
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    assert_eq!(moved.summary, "Okay, forget the email.");
+    let err = a
+        .decide_approval(decide(&second.id, pb::Decision::Approve))
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("moved on"), "{}", err.message());
+    assert!(gmail.sent().is_empty());
+}
