@@ -309,3 +309,39 @@ async fn expired_approvals_and_approvals_the_conversation_moved_past_cannot_be_a
     assert!(err.message().contains("moved on"), "{}", err.message());
     assert!(gmail.sent().is_empty());
 }
+
+#[tokio::test]
+async fn two_concurrent_runs_on_one_thread_leave_exactly_one_aborted() {
+    let (app, _gmail) = world(
+        vec![
+            Answer::text("first"),
+            Answer::Slow(
+                Box::new(Answer::text("slow second")),
+                Duration::from_secs(2),
+            ),
+        ],
+        &[],
+    )
+    .await;
+    let thread = run(&app, "open a thread").await.thread_id;
+    let attempt = |prompt: &'static str| {
+        let addr = app.agent_addr;
+        let thread = thread.clone();
+        tokio::spawn(async move {
+            let mut alice = agent_as(addr, "alice").await;
+            let input = pb::RunInput {
+                prompt: prompt.into(),
+                thread_id: thread,
+                ..Default::default()
+            };
+            alice.run(pb::RunRequest { input: Some(input) }).await
+        })
+    };
+    let (a, b) = tokio::join!(attempt("one"), attempt("two"));
+    let results = [a.unwrap(), b.unwrap()];
+    let aborted: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert_eq!(aborted.len(), 1, "{results:?}");
+    assert_eq!(aborted[0].code(), Code::Aborted);
+    assert!(aborted[0].message().contains("already has an active run"));
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
+}

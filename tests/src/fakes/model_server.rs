@@ -30,6 +30,8 @@ pub enum Prepared {
         retry_after: Option<u64>,
         body: String,
     },
+    /// The inner answer after a pause: a model that takes its time.
+    Delayed(Box<Prepared>, std::time::Duration),
 }
 
 /// A recorded request.
@@ -95,8 +97,17 @@ async fn answer(
         headers,
         body,
     });
-    let next = s.answers.lock().expect("lock").pop_front();
+    let mut next = s.answers.lock().expect("lock").pop_front();
+    if let Some(Prepared::Delayed(inner, pause)) = next {
+        tokio::time::sleep(pause).await;
+        next = Some(*inner);
+    }
     match next {
+        Some(Prepared::Delayed(..)) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "nested delays are not supported",
+        )
+            .into_response(),
         None => (
             StatusCode::INTERNAL_SERVER_ERROR,
             "no more scripted answers",

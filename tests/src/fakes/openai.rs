@@ -19,6 +19,8 @@ pub enum Answer {
     },
     /// A stream that stops after these events without finish_reason or [DONE].
     CutOff { events: Vec<Value> },
+    /// The inner answer, after a pause.
+    Slow(Box<Answer>, std::time::Duration),
 }
 
 impl Answer {
@@ -58,6 +60,7 @@ impl Answer {
         match self {
             Answer::Stream { events, chunk } => Prepared::Sse { body: sse(&events, true), chunk },
             Answer::CutOff { events } => Prepared::Sse { body: sse(&events, false), chunk: 9 },
+            Answer::Slow(inner, pause) => Prepared::Delayed(Box::new(inner.prepared()), pause),
             Answer::Error { status, retry_after } => Prepared::Error {
                 status,
                 retry_after,
