@@ -29,8 +29,8 @@ use crate::{
     llm::Turn,
     policy::{Policy, Verdict},
     store::{
-        Approval, ApprovalState, LockOutcome, MessageKind, MessageSource, ModelCallUsage,
-        NewRunOutcome, Run, RunPatch, RunState, RunUsage, SharedStore,
+        Action, ActionState, Approval, ApprovalState, LockOutcome, MessageKind, MessageSource,
+        ModelCallUsage, NewRunOutcome, Run, RunPatch, RunState, RunUsage, SharedStore, action_id,
     },
 };
 
@@ -542,13 +542,63 @@ impl RunService {
         let writer = async {
             let mut tool_messages = Vec::new();
             while let Some(event) = rx.recv().await {
-                if let RunEvent::ToolResult {
-                    name, ok, preview, ..
-                } = &event
-                {
-                    tool_messages.push((name.clone(), *ok, preview.clone()));
+                match &event {
+                    RunEvent::ToolCall {
+                        call_id,
+                        name,
+                        args,
+                        ..
+                    } => {
+                        let id = action_id(run_id, call_id);
+                        let now = SystemTime::now();
+                        self.store
+                            .create_action(&Action {
+                                id: id.clone(),
+                                run_id: run_id.to_owned(),
+                                call_id: call_id.clone(),
+                                tool: name.clone(),
+                                arguments: args.clone(),
+                                side_effect: side_effects.contains(name),
+                                state: ActionState::Planned,
+                                result_text: None,
+                                error_kind: None,
+                                approval_id: None,
+                                created_at: now,
+                                updated_at: now,
+                            })
+                            .await?;
+                        self.store
+                            .update_action(&id, ActionState::Executing, None, None)
+                            .await?;
+                    }
+                    RunEvent::ToolResult {
+                        call_id,
+                        name,
+                        ok,
+                        preview,
+                        text,
+                        error_kind,
+                        ..
+                    } => {
+                        tool_messages.push((name.clone(), *ok, preview.clone()));
+                        let state = if *ok {
+                            ActionState::Completed
+                        } else {
+                            ActionState::Failed
+                        };
+                        let kind = Some(error_kind.as_str()).filter(|k| !k.is_empty());
+                        self.store
+                            .update_action(
+                                &action_id(run_id, call_id),
+                                state,
+                                Some((text, kind)),
+                                None,
+                            )
+                            .await?;
+                    }
+                    _ => {}
                 }
-                if let Some(kind) = event_kind(event) {
+                if let Some(kind) = event_kind(run_id, event) {
                     self.append(run_id, thread_id, kind).await?;
                 }
             }
@@ -668,6 +718,14 @@ impl RunService {
             };
             self.store.create_approval(&approval).await?;
             self.store
+                .update_action(
+                    &action_id(run_id, call_id),
+                    ActionState::AwaitingConfirmation,
+                    None,
+                    Some(&approval.id),
+                )
+                .await?;
+            self.store
                 .record_audit(owner, "approval_requested", Some(run_id), serde_json::json!({"approval_id": approval.id, "tool": name, "preview": approval.preview}))
                 .await?;
             self.store
@@ -705,6 +763,7 @@ impl RunService {
             return Ok(pb::RunResult {
                 run_id: run_id.into(),
                 thread_id: thread_id.into(),
+                action_id: action_id(run_id, call_id),
                 status: pb::RunState::AwaitingConfirmation as i32,
                 summary: outcome.text.clone(),
                 mode: pb::ResultMode::RequiresApproval as i32,
@@ -769,7 +828,11 @@ impl RunService {
             .await?;
         Ok(pb::RunResult {
             run_id: run_id.into(),
-            action_id: String::new(),
+            action_id: outcome
+                .last_tool_call
+                .as_ref()
+                .map(|c| action_id(run_id, c))
+                .unwrap_or_default(),
             thread_id: thread_id.into(),
             status: convert::run_state(state) as i32,
             summary: outcome.text.clone(),
@@ -819,6 +882,12 @@ impl RunService {
             .await?
             .ok_or_else(|| ApiError::NotFound(format!("run {run_id}")))?;
         let channel = convert::channel_from_key(&run.channel);
+        let action = action_id(run_id, &approval.call_id);
+        if approved {
+            self.store
+                .update_action(&action, ActionState::Executing, None, None)
+                .await?;
+        }
         let (content, ok) = if approved {
             let outcome = match &self.gateway {
                 Some(g) => {
@@ -850,12 +919,20 @@ impl RunService {
                 false,
             )
         };
+        let state = match (approved, ok) {
+            (false, _) => ActionState::Rejected,
+            (true, true) => ActionState::Completed,
+            (true, false) => ActionState::Failed,
+        };
+        self.store
+            .update_action(&action, state, Some((&content, None)), None)
+            .await?;
         self.append(
             run_id,
             thread_id,
             pb::run_event::Kind::ToolResult(pb::ToolResultEvent {
                 call_id: approval.call_id.clone(),
-                action_id: String::new(),
+                action_id: action.clone(),
                 tool: approval.tool.clone(),
                 ok,
                 preview: content.chars().take(200).collect(),
@@ -1253,7 +1330,7 @@ impl ToolRunner for NoTools {
     }
 }
 
-fn event_kind(e: RunEvent) -> Option<pb::run_event::Kind> {
+fn event_kind(run_id: &str, e: RunEvent) -> Option<pb::run_event::Kind> {
     use pb::run_event::Kind;
     Some(match e {
         RunEvent::Planning { iteration } => Kind::Status(pb::StatusEvent {
@@ -1270,9 +1347,10 @@ fn event_kind(e: RunEvent) -> Option<pb::run_event::Kind> {
             call_id,
             name,
             preview,
+            ..
         } => Kind::ToolCall(pb::ToolCallEvent {
+            action_id: action_id(run_id, &call_id),
             call_id,
-            action_id: String::new(),
             tool: name,
             preview,
         }),
@@ -1283,9 +1361,10 @@ fn event_kind(e: RunEvent) -> Option<pb::run_event::Kind> {
             preview,
             error_kind,
             truncated,
+            ..
         } => Kind::ToolResult(pb::ToolResultEvent {
+            action_id: action_id(run_id, &call_id),
             call_id,
-            action_id: String::new(),
             tool: name,
             ok,
             preview,

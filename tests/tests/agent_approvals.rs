@@ -345,3 +345,59 @@ async fn two_concurrent_runs_on_one_thread_leave_exactly_one_aborted() {
     assert!(aborted[0].message().contains("already has an active run"));
     assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
 }
+
+#[tokio::test]
+async fn every_action_transition_is_recorded_on_the_run() {
+    let (app, _gmail) = world(
+        vec![
+            Answer::tool_calls(&[
+                ("call_list", "list_tasks", "{}"),
+                ("call_send", "gmail_send", SEND_ARGS),
+            ]),
+            Answer::text("Done."),
+        ],
+        &[],
+    )
+    .await;
+    let paused = run(&app, "check my tasks and email my boss").await;
+    assert_eq!(paused.action_id, format!("{}/call_send", paused.run_id));
+    let mut a = app.agent_as("alice").await;
+    let actions = a
+        .get_run(pb::GetRunRequest {
+            run_id: paused.run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .actions;
+    let states: Vec<(&str, i32)> = actions.iter().map(|x| (x.tool.as_str(), x.state)).collect();
+    assert_eq!(
+        states,
+        [
+            ("list_tasks", pb::ActionState::Completed as i32),
+            ("gmail_send", pb::ActionState::AwaitingConfirmation as i32)
+        ]
+    );
+    assert_eq!(actions[0].result_text, "No pending tasks.");
+    assert!(!actions[0].side_effect && actions[1].side_effect);
+    let approval = paused.approval.unwrap();
+    assert_eq!(actions[1].approval_id, approval.id);
+
+    a.decide_approval(decide(&approval.id, pb::Decision::Approve))
+        .await
+        .unwrap();
+    let actions = a
+        .get_run(pb::GetRunRequest {
+            run_id: paused.run_id,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .actions;
+    assert_eq!(actions[1].state, pb::ActionState::Completed as i32);
+    assert!(
+        actions[1].result_text.starts_with("Sent \"Budget\""),
+        "{}",
+        actions[1].result_text
+    );
+}

@@ -190,6 +190,31 @@ pub fn approval(a: &crate::store::Approval) -> pb::Approval {
     }
 }
 
+pub fn action(a: &crate::store::Action) -> pb::Action {
+    use crate::store::ActionState;
+    pb::Action {
+        id: a.id.clone(),
+        run_id: a.run_id.clone(),
+        call_id: a.call_id.clone(),
+        tool: a.tool.clone(),
+        arguments: json_to_struct(&a.arguments),
+        state: match a.state {
+            ActionState::Planned => pb::ActionState::Planned,
+            ActionState::AwaitingConfirmation => pb::ActionState::AwaitingConfirmation,
+            ActionState::Executing => pb::ActionState::Executing,
+            ActionState::Completed => pb::ActionState::Completed,
+            ActionState::Failed => pb::ActionState::Failed,
+            ActionState::Rejected => pb::ActionState::Rejected,
+        } as i32,
+        side_effect: a.side_effect,
+        result_text: a.result_text.clone().unwrap_or_default(),
+        error_kind: a.error_kind.clone().unwrap_or_default(),
+        approval_id: a.approval_id.clone().unwrap_or_default(),
+        created_at: Some(timestamp(a.created_at)),
+        updated_at: Some(timestamp(a.updated_at)),
+    }
+}
+
 pub fn timestamp(t: SystemTime) -> Timestamp {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     Timestamp {

@@ -192,9 +192,14 @@ impl AgentService for AgentApi {
             .await
             .map_err(ApiError::from)?
             .ok_or_else(|| ApiError::NotFound(format!("run {id}")))?;
+        let actions = self
+            .store
+            .list_actions(&run.id)
+            .await
+            .map_err(ApiError::from)?;
         Ok(Response::new(pb::GetRunResponse {
             run: Some(convert::run(&run)),
-            actions: vec![],
+            actions: actions.iter().map(convert::action).collect(),
         }))
     }
 

@@ -65,12 +65,15 @@ pub enum RunEvent {
         call_id: String,
         name: String,
         preview: String,
+        args: Value,
     },
     ToolResult {
         call_id: String,
         name: String,
         ok: bool,
         preview: String,
+        /// The whole (capped) text the model sees.
+        text: String,
         error_kind: String,
         truncated: bool,
     },
@@ -180,6 +183,8 @@ pub struct Outcome {
     pub iterations: u32,
     /// The last tool the run executed, with its arguments.
     pub last_tool: Option<(String, Value)>,
+    /// The model's call id of that tool call.
+    pub last_tool_call: Option<String>,
 }
 
 impl Outcome {
@@ -239,6 +244,7 @@ struct Run<'a> {
     calls: Vec<CallRecord>,
     iterations: u32,
     last_tool: Option<(String, Value)>,
+    last_tool_call: Option<String>,
 }
 
 impl Executor {
@@ -265,6 +271,7 @@ impl Executor {
             calls: Vec::new(),
             iterations: 0,
             last_tool: None,
+            last_tool_call: None,
         };
         run.go(tools).await
     }
@@ -440,8 +447,10 @@ impl Run<'_> {
                         call_id: call.id.clone(),
                         name: call.name.clone(),
                         preview: preview(raw, PREVIEW_CHARS),
+                        args: args.clone(),
                     });
                     self.last_tool = Some((call.name.clone(), args.clone()));
+                    self.last_tool_call = Some(call.id.clone());
                     invocations.push(ToolInvocation {
                         call_id: call.id.clone(),
                         name: call.name.clone(),
@@ -504,6 +513,7 @@ impl Run<'_> {
                 name: call.name.clone(),
                 ok: outcome.ok,
                 preview: preview(&outcome.text, PREVIEW_CHARS),
+                text: outcome.text.clone(),
                 error_kind: outcome.error_kind.clone(),
                 truncated: outcome.truncated,
             });
@@ -677,6 +687,7 @@ impl Run<'_> {
             calls: std::mem::take(&mut self.calls),
             iterations: self.iterations,
             last_tool: self.last_tool.clone(),
+            last_tool_call: self.last_tool_call.clone(),
         }
     }
 }

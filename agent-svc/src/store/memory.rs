@@ -9,8 +9,8 @@ use std::{
 use serde_json::Value;
 
 use super::{
-    AgentStore, Approval, ApprovalState, LockOutcome, Message, MessageKind, MessageSource,
-    NewRunOutcome, Run, RunPatch, StoreError, Thread,
+    Action, ActionState, AgentStore, Approval, ApprovalState, LockOutcome, Message, MessageKind,
+    MessageSource, NewRunOutcome, Run, RunPatch, StoreError, Thread,
 };
 
 #[derive(Default)]
@@ -21,6 +21,7 @@ struct State {
     runs: HashMap<String, Run>,
     events: HashMap<String, Vec<Vec<u8>>>,
     approvals: HashMap<String, Approval>,
+    actions: Vec<Action>,
     audit: Vec<(String, String, Value)>,
 }
 
@@ -328,6 +329,42 @@ impl AgentStore for MemoryStore {
                         .collect()
                 })
                 .unwrap_or_default()
+        })
+    }
+
+    async fn create_action(&self, action: &Action) -> Result<(), StoreError> {
+        self.with(|s| s.actions.push(action.clone()))
+    }
+
+    async fn update_action(
+        &self,
+        id: &str,
+        state: ActionState,
+        result: Option<(&str, Option<&str>)>,
+        approval_id: Option<&str>,
+    ) -> Result<(), StoreError> {
+        self.with(|s| {
+            if let Some(a) = s.actions.iter_mut().find(|a| a.id == id) {
+                a.state = state;
+                if let Some((text, kind)) = result {
+                    a.result_text = Some(text.to_owned());
+                    a.error_kind = kind.map(str::to_owned);
+                }
+                if let Some(approval) = approval_id {
+                    a.approval_id = Some(approval.to_owned());
+                }
+                a.updated_at = SystemTime::now();
+            }
+        })
+    }
+
+    async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError> {
+        self.with(|s| {
+            s.actions
+                .iter()
+                .filter(|a| a.run_id == run_id)
+                .cloned()
+                .collect()
         })
     }
 

@@ -269,6 +269,19 @@ pub trait AgentStore: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
 
+    /// Records a new action in `state`.
+    async fn create_action(&self, action: &Action) -> Result<(), StoreError>;
+    /// Moves an action to `state`, with its result when it has one.
+    async fn update_action(
+        &self,
+        id: &str,
+        state: ActionState,
+        result: Option<(&str, Option<&str>)>,
+        approval_id: Option<&str>,
+    ) -> Result<(), StoreError>;
+    /// A run's actions, oldest first.
+    async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError>;
+
     async fn create_approval(&self, approval: &Approval) -> Result<(), StoreError>;
     /// The approval if it exists and belongs to `owner`.
     async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError>;
@@ -320,6 +333,61 @@ impl ApprovalState {
             _ => ApprovalState::Pending,
         }
     }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActionState {
+    Planned,
+    AwaitingConfirmation,
+    Executing,
+    Completed,
+    Failed,
+    Rejected,
+}
+
+impl ActionState {
+    pub fn key(self) -> &'static str {
+        match self {
+            ActionState::Planned => "planned",
+            ActionState::AwaitingConfirmation => "awaiting_confirmation",
+            ActionState::Executing => "executing",
+            ActionState::Completed => "completed",
+            ActionState::Failed => "failed",
+            ActionState::Rejected => "rejected",
+        }
+    }
+
+    pub fn from_key(k: &str) -> Self {
+        match k {
+            "awaiting_confirmation" => ActionState::AwaitingConfirmation,
+            "executing" => ActionState::Executing,
+            "completed" => ActionState::Completed,
+            "failed" => ActionState::Failed,
+            "rejected" => ActionState::Rejected,
+            _ => ActionState::Planned,
+        }
+    }
+}
+
+/// One tool call of a run. Its id is `{run_id}/{call_id}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Action {
+    pub id: String,
+    pub run_id: String,
+    pub call_id: String,
+    pub tool: String,
+    pub arguments: Value,
+    pub side_effect: bool,
+    pub state: ActionState,
+    pub result_text: Option<String>,
+    pub error_kind: Option<String>,
+    pub approval_id: Option<String>,
+    pub created_at: SystemTime,
+    pub updated_at: SystemTime,
+}
+
+pub fn action_id(run_id: &str, call_id: &str) -> String {
+    format!("{run_id}/{call_id}")
 }
 
 /// A request to run one side-effecting call, bound to its exact arguments (P-4).

@@ -8,8 +8,8 @@ use svc_kit::{pg, server_config::DatabaseConfig};
 use tokio_postgres::Row;
 
 use super::{
-    AgentStore, Approval, ApprovalState, LockOutcome, Message, MessageKind, MessageSource,
-    NewRunOutcome, Run, RunPatch, RunState, RunUsage, StoreError, Thread,
+    Action, ActionState, AgentStore, Approval, ApprovalState, LockOutcome, Message, MessageKind,
+    MessageSource, NewRunOutcome, Run, RunPatch, RunState, RunUsage, StoreError, Thread,
 };
 
 mod embedded {
@@ -474,6 +474,70 @@ impl AgentStore for PgStore {
         Ok(rows
             .iter()
             .map(|r| (r.get::<_, i64>(0) as u64, r.get(1)))
+            .collect())
+    }
+
+    async fn create_action(&self, a: &Action) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO agent.actions (id, run_id, call_id, tool, arguments, side_effect, state) VALUES ($1, $2, $3, $4, $5, $6, $7) \
+                 ON CONFLICT (id) DO NOTHING",
+                &[&a.id, &a.run_id, &a.call_id, &a.tool, &a.arguments, &a.side_effect, &a.state.key()],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn update_action(
+        &self,
+        id: &str,
+        state: ActionState,
+        result: Option<(&str, Option<&str>)>,
+        approval_id: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let (text, kind) = result.map_or((None, None), |(t, k)| (Some(t), k));
+        self.client()
+            .await?
+            .execute(
+                "UPDATE agent.actions SET state = $2, result_text = COALESCE($3::text, result_text), \
+                   error_kind = CASE WHEN $3::text IS NULL THEN error_kind ELSE $4::text END, \
+                   approval_id = COALESCE($5::text, approval_id), updated_at = now() WHERE id = $1",
+                &[&id, &state.key(), &text, &kind, &approval_id],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT id, run_id, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, created_at, \
+                   updated_at FROM agent.actions WHERE run_id = $1 ORDER BY created_at, id",
+                &[&run_id],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows
+            .iter()
+            .map(|r| Action {
+                id: r.get(0),
+                run_id: r.get(1),
+                call_id: r.get(2),
+                tool: r.get(3),
+                arguments: r.get(4),
+                side_effect: r.get(5),
+                state: ActionState::from_key(r.get(6)),
+                result_text: r.get(7),
+                error_kind: r.get(8),
+                approval_id: r.get(9),
+                created_at: r.get(10),
+                updated_at: r.get(11),
+            })
             .collect())
     }
 
