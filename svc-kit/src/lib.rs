@@ -7,6 +7,7 @@ pub mod config;
 pub mod grpc;
 pub mod health;
 pub mod pg;
+pub mod process;
 pub mod server_config;
 pub mod shutdown;
 pub mod telemetry;
