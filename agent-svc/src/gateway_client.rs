@@ -152,6 +152,23 @@ impl GatewayClient {
         }
     }
 
+    /// The bootstrap context for a session opening (I-8).
+    pub async fn bootstrap(
+        &self,
+        user: &str,
+        time_zone: &str,
+    ) -> Result<pb::GetBootstrapContextResponse, GatewayError> {
+        let mut client = GatewayServiceClient::new(self.channel.clone());
+        let request = self.request(
+            pb::GetBootstrapContextRequest {
+                channel: pb::Channel::SessionOpen as i32,
+                time_zone: time_zone.to_owned(),
+            },
+            user,
+        )?;
+        Ok(client.get_bootstrap_context(request).await?.into_inner())
+    }
+
     /// Opens the Execute stream for one run.
     pub async fn open(
         &self,

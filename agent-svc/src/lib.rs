@@ -10,6 +10,7 @@ pub mod gateway_client;
 pub mod llm;
 pub mod models;
 pub mod policy;
+pub mod prompt;
 pub mod runs;
 pub mod store;
 

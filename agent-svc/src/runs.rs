@@ -56,6 +56,16 @@ pub struct RunInput {
     pub max_total_tokens: Option<u64>,
     pub max_cost_usd: Option<f64>,
     pub model_override: Option<String>,
+    /// Set for a session opening: its guidance, the bootstrap context and the only tools it may
+    /// use; the synthetic prompt is not stored as a user message.
+    pub session: Option<SessionSetup>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionSetup {
+    pub guidance: String,
+    pub bootstrap: Option<String>,
+    pub allowed_tools: Vec<String>,
 }
 
 /// S1: the most recent 30 conversation entries go to the model.
@@ -162,6 +172,7 @@ impl RunService {
             created_at: now,
             started_at: None,
             finished_at: None,
+            prompt_sections: Vec::new(),
         };
         match self
             .store
@@ -180,17 +191,19 @@ impl RunService {
             self.store.release_lock(&thread.id, &run_id).await?;
             return Ok((first, thread.id));
         }
-        // S-4: the user's message is stored before any model call.
-        self.store
-            .add_message(
-                &thread.id,
-                Some(&run_id),
-                MessageSource::User,
-                MessageKind::Text,
-                &input.prompt,
-                serde_json::json!({}),
-            )
-            .await?;
+        // S-4: the user's message is stored before any model call (a session opening has none).
+        if input.session.is_none() {
+            self.store
+                .add_message(
+                    &thread.id,
+                    Some(&run_id),
+                    MessageSource::User,
+                    MessageKind::Text,
+                    &input.prompt,
+                    serde_json::json!({}),
+                )
+                .await?;
+        }
         let cancel = CancellationToken::new();
         self.cancels
             .lock()
@@ -460,8 +473,31 @@ impl RunService {
         let mut limits = limits::profile(input.channel, self.max_loop_steps);
         limits.max_total_tokens = input.max_total_tokens;
         limits.max_cost_usd = input.max_cost_usd;
+        let about_user = self.about_user(owner, run_id, input).await;
+        let prompt = crate::prompt::build(
+            &crate::prompt::PromptInput {
+                channel: Some(input.channel),
+                about_user,
+                attached: input.attached.clone(),
+                session_guidance: input.session.as_ref().map(|s| s.guidance.clone()),
+                bootstrap: input.session.as_ref().and_then(|s| s.bootstrap.clone()),
+            },
+            executor::budget::TokenCounter::for_model(
+                models.chain.first().map_or("", |e| e.model.as_str()),
+            ),
+            SystemTime::now(),
+        );
+        self.store
+            .update_run(
+                run_id,
+                RunPatch {
+                    prompt_sections: Some(prompt.sections.clone()),
+                    ..RunPatch::default()
+                },
+            )
+            .await?;
         let request = RunRequest {
-            system: system_prompt(&input.attached),
+            system: prompt.text,
             history,
             prompt: input.prompt.clone(),
             tools: Vec::new(),
@@ -469,6 +505,7 @@ impl RunService {
             stop_after: None,
             resume: false,
         };
+        let allowed = input.session.as_ref().map(|s| s.allowed_tools.as_slice());
         self.drive(
             owner,
             thread_id,
@@ -476,9 +513,38 @@ impl RunService {
             input.channel,
             request,
             models,
+            allowed,
             cancel,
         )
         .await
+    }
+
+    /// [ABOUT THE USER]: what memory holds that bears on the prompt. A failure never blocks
+    /// the run (B-1); it is logged and the section left out.
+    async fn about_user(&self, owner: &str, run_id: &str, input: &RunInput) -> Option<String> {
+        let gateway = self.gateway.as_ref()?;
+        let query = if input.session.is_some() {
+            "preferences goals priorities".to_owned()
+        } else {
+            input.prompt.clone()
+        };
+        let outcome = gateway
+            .execute_once(
+                owner,
+                run_id,
+                gateway_channel(input.channel),
+                "about-user",
+                "search_memory",
+                &serde_json::json!({ "query": query.chars().take(500).collect::<String>(), "limit": 5 }),
+                "",
+            )
+            .await;
+        if !outcome.ok {
+            tracing::warn!(run_id, error = %outcome.text, "memory unavailable for [ABOUT THE USER]");
+            return None;
+        }
+        // "No memories match ..." is a fact worth nothing in the prompt.
+        (!outcome.text.starts_with("No memories")).then_some(outcome.text)
     }
 
     /// Lists the tools, opens the Execute stream behind the policy, runs the executor with its
@@ -492,6 +558,7 @@ impl RunService {
         channel: limits::Channel,
         mut request: RunRequest,
         models: Arc<ModelSetup>,
+        allowed: Option<&[String]>,
         cancel: &CancellationToken,
     ) -> Result<pb::RunResult, ApiError> {
         let gw_channel = gateway_channel(channel);
@@ -500,6 +567,9 @@ impl RunService {
             match g.list_tools(owner, gw_channel).await {
                 Ok(list) => {
                     for t in list {
+                        if allowed.is_some_and(|only| !only.contains(&t.decl.name)) {
+                            continue;
+                        }
                         if t.side_effect {
                             side_effects.insert(t.decl.name.clone());
                         }
@@ -631,6 +701,15 @@ impl RunService {
                     serde_json::json!({ "tool": name, "ok": ok }),
                 )
                 .await?;
+        }
+        let mut outcome = outcome;
+        if channel == limits::Channel::SessionOpen && outcome.model_text_empty {
+            // E-5, S0 AC-17: a session opening with nothing to say stays silent, loudly in logs.
+            tracing::error!(
+                run_id,
+                "the model returned no text for a session opening; answering silent"
+            );
+            outcome.text = String::new();
         }
         self.finalize(owner, thread_id, run_id, outcome).await
     }
@@ -795,16 +874,18 @@ impl RunService {
         } else {
             MessageSource::Agent
         };
-        self.store
-            .add_message(
-                thread_id,
-                Some(run_id),
-                source,
-                MessageKind::Text,
-                &outcome.text,
-                serde_json::json!({}),
-            )
-            .await?;
+        if !outcome.text.is_empty() {
+            self.store
+                .add_message(
+                    thread_id,
+                    Some(run_id),
+                    source,
+                    MessageKind::Text,
+                    &outcome.text,
+                    serde_json::json!({}),
+                )
+                .await?;
+        }
         let error = match &outcome.stop {
             Stop::ModelUnavailable(why) => Some(format!("every model failed: {why}")),
             Stop::UnknownTool(name) => Some(format!("the model called an unknown tool: {name}")),
@@ -951,8 +1032,16 @@ impl RunService {
             serde_json::to_value(&result).map_err(|e| ApiError::Unavailable(e.to_string()))?;
         self.store.append_history(thread_id, &[value]).await?;
         let history = self.load_history(thread_id).await?;
+        let prompt = crate::prompt::build(
+            &crate::prompt::PromptInput {
+                channel: Some(channel),
+                ..crate::prompt::PromptInput::default()
+            },
+            executor::budget::TokenCounter::Ratio,
+            SystemTime::now(),
+        );
         let request = RunRequest {
-            system: system_prompt(&[]),
+            system: prompt.text,
             history,
             prompt: String::new(),
             tools: Vec::new(),
@@ -967,6 +1056,7 @@ impl RunService {
             channel,
             request,
             self.models.clone(),
+            None,
             cancel,
         )
         .await
@@ -1406,28 +1496,4 @@ fn gateway_channel(c: limits::Channel) -> gw::Channel {
         limits::Channel::Scheduled => gw::Channel::Scheduled,
         limits::Channel::Heartbeat | limits::Channel::TaskAgent => gw::Channel::Heartbeat,
     }
-}
-
-/// The minimal system prompt until prompt assembly (issue 8) replaces it: persona, reliability
-/// rules, attached context, current time.
-fn system_prompt(attached: &[Attached]) -> String {
-    let mut prompt = String::from(
-        "You are Steward, a chief of staff who gets the user's time back.\n\
-         Rules: never state data that no tool returned; refer to items by their id; ask when a request is ambiguous; \
-         say plainly when something failed.",
-    );
-    if !attached.is_empty() {
-        prompt.push_str("\n\n[ATTACHED CONTEXT]");
-        for a in attached {
-            prompt.push_str(&format!(
-                "\n- {} {}: {} {}",
-                a.kind, a.id, a.title, a.snippet
-            ));
-        }
-    }
-    let now = jiff::Timestamp::try_from(SystemTime::now())
-        .map(|t| t.to_string())
-        .unwrap_or_default();
-    prompt.push_str(&format!("\n\n[CURRENT TIME] {now}"));
-    prompt
 }

@@ -56,6 +56,7 @@ fn new_run(id: &str, thread: &str, owner: &str, request_id: Option<&str>) -> Run
         created_at: std::time::SystemTime::now(),
         started_at: None,
         finished_at: None,
+        prompt_sections: Vec::new(),
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use steward_proto::{AGENT_SERVICE_NAME, GATEWAY_SERVICE_NAME, agent::v1 as agent_pb};
+use steward_proto::{AGENT_SERVICE_NAME, GATEWAY_SERVICE_NAME};
 use steward_tests::{
     Backend, TestDb, channel, spawn_app, spawn_app_with, start_agent, start_gateway,
     wait_for_status,
@@ -105,23 +105,6 @@ async fn reflection_lists_the_contract_health_and_reflection_on_both_ports() {
             );
         }
     }
-}
-
-#[tokio::test]
-async fn agent_rpcs_not_built_yet_answer_unimplemented_and_say_which_issue_delivers_them() {
-    let app = spawn_app_with(Backend::Memory, &[]).await;
-    let mut alice = steward_tests::agent_as(app.agent_addr, "alice").await;
-    let err = alice
-        .open_session(agent_pb::OpenSessionRequest::default())
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::Unimplemented);
-    assert!(
-        err.message().contains("OpenSession is not implemented yet"),
-        "{}",
-        err.message()
-    );
-    assert!(err.message().contains("issue #8"), "{}", err.message());
 }
 
 #[tokio::test]

@@ -152,6 +152,7 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
         max_total_tokens: Some(budget.max_total_tokens).filter(|t| *t > 0),
         max_cost_usd: Some(budget.max_cost_usd).filter(|c| *c > 0.0),
         model_override: Some(input.model_override).filter(|m| !m.is_empty()),
+        session: None,
     })
 }
 
@@ -315,7 +316,14 @@ pub fn run(r: &Run) -> pb::Run {
         error: r.error.clone().unwrap_or_default(),
         failure_kind: failure_kind(r.failure_kind.as_deref()) as i32,
         summary: r.summary.clone(),
-        prompt_sections: vec![],
+        prompt_sections: r
+            .prompt_sections
+            .iter()
+            .map(|(name, tokens)| pb::PromptSection {
+                name: name.clone(),
+                estimated_tokens: *tokens,
+            })
+            .collect(),
         last_event_seq: r.last_event_seq,
     }
 }

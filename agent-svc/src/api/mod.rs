@@ -14,7 +14,15 @@ use tonic::{Request, Response, Status};
 
 pub use status::ApiError;
 
-use crate::{runs::RunService, store::SharedStore};
+use steward_proto::gateway::v1 as gw;
+
+use crate::{
+    executor::limits::Channel,
+    gateway_client::GatewayError,
+    prompt,
+    runs::{RunInput, RunService, SessionSetup},
+    store::SharedStore,
+};
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
@@ -38,9 +46,6 @@ impl AgentApi {
         self.identity.user(request.metadata())
     }
 }
-
-/// The issue that will implement the remaining RPC, so its UNIMPLEMENTED answer says when.
-const SESSIONS_ISSUE: u32 = 8;
 
 fn terminal_result(event: &pb::RunEvent) -> Option<pb::RunResult> {
     match &event.kind {
@@ -103,13 +108,108 @@ impl AgentService for AgentApi {
 
     async fn open_session(
         &self,
-        _: Request<pb::OpenSessionRequest>,
+        request: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
-        Err(ApiError::Unimplemented {
-            rpc: "OpenSession",
-            issue: SESSIONS_ISSUE,
+        let user = self.user(&request)?;
+        let r = request.into_inner();
+        let gateway = self
+            .runs
+            .gateway
+            .as_ref()
+            .ok_or_else(|| ApiError::Unavailable("no gateway is configured".into()))?;
+        let context = gateway
+            .bootstrap(&user, &r.time_zone)
+            .await
+            .map_err(|e| match e {
+                GatewayError::Refused(m) => ApiError::InvalidArgument(m),
+                GatewayError::Unavailable(m) => ApiError::Unavailable(m),
+            })?;
+        let thread_id = if r.thread_id.is_empty() {
+            self.store
+                .list_threads(&user, 0, 1)
+                .await
+                .map_err(ApiError::from)?
+                .first()
+                .map(|t| t.id.clone())
+        } else {
+            self.store
+                .get_thread(&user, &r.thread_id)
+                .await
+                .map_err(ApiError::from)?
+                .ok_or_else(|| ApiError::NotFound(format!("thread {}", r.thread_id)))?;
+            Some(r.thread_id.clone())
+        };
+        let in_flight = context
+            .tasks
+            .as_ref()
+            .is_some_and(|t| t.pending > 0 || t.status == gw::SourceStatus::Unavailable as i32)
+            || context.reminders.as_ref().is_some_and(|r| {
+                r.upcoming > 0 || r.status == gw::SourceStatus::Unavailable as i32
+            })
+            || context.email.as_ref().is_some_and(|e| {
+                e.accounts.iter().any(|a| a.unread > 0)
+                    || e.status == gw::SourceStatus::Unavailable as i32
+            });
+        if !context.new_user && !in_flight {
+            // B-3: a returning user with nothing in flight hears nothing, and no model is called.
+            return Ok(Response::new(pb::OpenSessionResponse {
+                silent: true,
+                greeting: String::new(),
+                thread_id: thread_id.unwrap_or_default(),
+                run_id: String::new(),
+                new_user: false,
+            }));
         }
-        .into())
+        let session = if context.new_user {
+            SessionSetup {
+                guidance: prompt::NEW_USER_GUIDANCE.into(),
+                bootstrap: None,
+                allowed_tools: vec!["create_memories".into()],
+            }
+        } else {
+            SessionSetup {
+                guidance: prompt::RETURNING_GUIDANCE.into(),
+                bootstrap: Some(context.rendered.clone()),
+                allowed_tools: Vec::new(),
+            }
+        };
+        let input = RunInput {
+            prompt: "(The user opened the app.)".into(),
+            thread_id,
+            conversation: Vec::new(),
+            attached: Vec::new(),
+            channel: Channel::SessionOpen,
+            request_id: Some(r.request_id).filter(|k| !k.is_empty()),
+            max_total_tokens: None,
+            max_cost_usd: None,
+            model_override: None,
+            session: Some(session),
+        };
+        let (run_id, thread_id) = self.runs.start(&user, input).await?;
+        let mut events = Box::pin(self.runs.watch(&user, &run_id, 0).await?);
+        let mut result = None;
+        while let Some(event) = events.next().await {
+            if let Some(r) = terminal_result(&event?) {
+                result = Some(r);
+                break;
+            }
+        }
+        let result = result.unwrap_or_default();
+        let silent = result.summary.is_empty() || result.status != pb::RunState::Completed as i32;
+        if silent && !result.summary.is_empty() {
+            tracing::error!(run_id = %run_id, status = result.status, "session opening did not complete; answering silent");
+        }
+        Ok(Response::new(pb::OpenSessionResponse {
+            silent,
+            greeting: if silent {
+                String::new()
+            } else {
+                result.summary
+            },
+            thread_id,
+            run_id,
+            new_user: context.new_user,
+        }))
     }
 
     async fn decide_approval(

@@ -7,11 +7,6 @@ use crate::store::StoreError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    #[error(
-        "{rpc} is not implemented yet in this build of agent-svc (tracked as issue #{issue}); \
-         nothing was done"
-    )]
-    Unimplemented { rpc: &'static str, issue: u32 },
     #[error("{0}")]
     Unauthenticated(String),
     #[error("{0}")]
@@ -32,7 +27,6 @@ impl From<ApiError> for Status {
     fn from(e: ApiError) -> Self {
         let message = e.to_string();
         match e {
-            ApiError::Unimplemented { .. } => Status::unimplemented(message),
             ApiError::Unauthenticated(_) => Status::unauthenticated(message),
             ApiError::InvalidArgument(_) => Status::invalid_argument(message),
             ApiError::NotFound(_) => Status::not_found(message),

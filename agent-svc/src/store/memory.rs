@@ -285,6 +285,9 @@ impl AgentStore for MemoryStore {
             if let Some(v) = p.finished_at {
                 run.finished_at = Some(v);
             }
+            if let Some(v) = p.prompt_sections {
+                run.prompt_sections = v;
+            }
         })
     }
 

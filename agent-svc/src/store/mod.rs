@@ -156,6 +156,8 @@ pub struct Run {
     pub summary: String,
     pub cancel_requested: bool,
     pub last_event_seq: u64,
+    /// (section name, estimated tokens) of the system prompt, in order.
+    pub prompt_sections: Vec<(String, u32)>,
     pub created_at: SystemTime,
     pub started_at: Option<SystemTime>,
     pub finished_at: Option<SystemTime>,
@@ -173,6 +175,7 @@ pub struct RunPatch {
     pub summary: Option<String>,
     pub started_at: Option<SystemTime>,
     pub finished_at: Option<SystemTime>,
+    pub prompt_sections: Option<Vec<(String, u32)>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

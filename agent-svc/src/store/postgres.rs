@@ -99,7 +99,7 @@ fn message(r: &Row) -> Message {
 }
 
 const RUN_COLUMNS: &str = "id, thread_id, owner, request_id, state, channel, model, usage, iterations, error, \
-    failure_kind, summary, cancel_requested, last_event_seq, created_at, started_at, finished_at";
+    failure_kind, summary, cancel_requested, last_event_seq, created_at, started_at, finished_at, prompt_sections";
 
 fn run(r: &Row) -> Run {
     let usage: Value = r.get(7);
@@ -121,6 +121,7 @@ fn run(r: &Row) -> Run {
         created_at: r.get(14),
         started_at: r.get(15),
         finished_at: r.get(16),
+        prompt_sections: serde_json::from_value(r.get(17)).unwrap_or_default(),
     }
 }
 
@@ -405,7 +406,8 @@ impl AgentStore for PgStore {
                    usage = COALESCE($4::jsonb, usage), iterations = COALESCE($5::integer, iterations), \
                    error = COALESCE($6::text, error), failure_kind = COALESCE($7::text, failure_kind), \
                    summary = COALESCE($8::text, summary), started_at = COALESCE($9::timestamptz, started_at), \
-                   finished_at = COALESCE($10::timestamptz, finished_at) WHERE id = $1",
+                   finished_at = COALESCE($10::timestamptz, finished_at), \
+                   prompt_sections = COALESCE($11::jsonb, prompt_sections) WHERE id = $1",
                 &[
                     &run_id,
                     &p.state.map(RunState::key),
@@ -417,6 +419,7 @@ impl AgentStore for PgStore {
                     &p.summary,
                     &p.started_at,
                     &p.finished_at,
+                    &p.prompt_sections.as_ref().map(|v| serde_json::to_value(v).unwrap_or_default()),
                 ],
             )
             .await

@@ -1,0 +1,150 @@
+//! System prompt assembly (B-1): named, clearly delimited sections, each measured, so a run can
+//! show which sections it used and what they cost.
+
+use std::time::SystemTime;
+
+use crate::{executor::budget::TokenCounter, executor::limits::Channel, runs::Attached};
+
+pub const PERSONA: &str = "You are Steward, a chief of staff who gets the user's time back.\n\
+Reliability rules: never state data that no tool returned; confirm every action you take; refer to items by their id; \
+ask when a request is ambiguous; say plainly when something failed or was not available.";
+
+/// Only for interactive, user-initiated channels (S0 AC-10).
+pub const OPERATING_MODEL: &str = "Before responding: check the user's tasks when the request touches their work, and \
+recall what you remember about them when it would help.";
+
+/// B-2, S0 AC-08: the first session of a new user.
+pub const NEW_USER_GUIDANCE: &str = "This is the user's first session and you know nothing about them yet. \
+Do not look anything up. In one sentence say what you are: a chief of staff who gets their time back. \
+Then ask one open question, such as \"What's eating your time right now?\". You may record what you learn with \
+create_memories. Do not push connecting email.";
+
+/// B-3, S0 AC-09: a returning user; the bootstrap context replaces tool calls.
+pub const RETURNING_GUIDANCE: &str = "The user just opened the app. Greet them briefly and mention what needs their \
+attention, using only the context below. Do not call tools.";
+
+/// What goes into one run's system prompt.
+#[derive(Debug, Clone, Default)]
+pub struct PromptInput {
+    pub channel: Option<Channel>,
+    pub about_user: Option<String>,
+    pub attached: Vec<Attached>,
+    pub session_guidance: Option<String>,
+    pub bootstrap: Option<String>,
+}
+
+/// The assembled prompt and each section's name and estimated tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prompt {
+    pub text: String,
+    pub sections: Vec<(String, u32)>,
+}
+
+pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Prompt {
+    let mut sections: Vec<(&str, String)> = vec![("PERSONA", PERSONA.to_owned())];
+    if matches!(input.channel, Some(Channel::Web | Channel::Telegram)) {
+        sections.push(("OPERATING MODEL", OPERATING_MODEL.to_owned()));
+    }
+    if let Some(about) = input.about_user.as_ref().filter(|a| !a.trim().is_empty()) {
+        sections.push(("ABOUT THE USER", about.clone()));
+    }
+    if !input.attached.is_empty() {
+        let lines: Vec<String> = input
+            .attached
+            .iter()
+            .map(|a| {
+                let mut line = format!("- {} [{}]", a.kind, a.id);
+                if !a.title.is_empty() {
+                    line.push_str(&format!(" \"{}\"", a.title));
+                }
+                if !a.snippet.is_empty() {
+                    line.push_str(&format!(": {}", a.snippet));
+                }
+                line
+            })
+            .collect();
+        sections.push(("ATTACHED CONTEXT", lines.join("\n")));
+    }
+    if let Some(g) = &input.session_guidance {
+        sections.push(("SESSION OPEN", g.clone()));
+    }
+    if let Some(b) = &input.bootstrap {
+        sections.push(("BOOTSTRAP CONTEXT", b.clone()));
+    }
+    let now = jiff::Timestamp::try_from(now)
+        .map(|t| t.to_string())
+        .unwrap_or_default();
+    sections.push(("CURRENT TIME", now));
+    let text = sections
+        .iter()
+        .map(|(name, body)| format!("[{name}]\n{body}"))
+        .collect::<Vec<_>>()
+        .join("\n\n");
+    let measured = sections
+        .iter()
+        .map(|(name, body)| ((*name).to_owned(), counter.text(body) as u32))
+        .collect();
+    Prompt {
+        text,
+        sections: measured,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_operating_model_is_only_for_web_and_telegram() {
+        let web = build(
+            &PromptInput {
+                channel: Some(Channel::Web),
+                ..PromptInput::default()
+            },
+            TokenCounter::Ratio,
+            SystemTime::now(),
+        );
+        assert!(web.text.contains("[OPERATING MODEL]"));
+        let open = build(
+            &PromptInput {
+                channel: Some(Channel::SessionOpen),
+                session_guidance: Some(NEW_USER_GUIDANCE.into()),
+                ..PromptInput::default()
+            },
+            TokenCounter::Ratio,
+            SystemTime::now(),
+        );
+        assert!(!open.text.contains("[OPERATING MODEL]"));
+        assert!(
+            open.text.contains("[SESSION OPEN]")
+                && open.text.contains("What's eating your time right now?")
+        );
+    }
+
+    #[test]
+    fn sections_are_delimited_named_and_measured() {
+        let p = build(
+            &PromptInput {
+                channel: Some(Channel::Web),
+                about_user: Some("Prefers mornings.".into()),
+                bootstrap: Some("Tasks: 1 active task.".into()),
+                ..PromptInput::default()
+            },
+            TokenCounter::Ratio,
+            SystemTime::now(),
+        );
+        let names: Vec<&str> = p.sections.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "PERSONA",
+                "OPERATING MODEL",
+                "ABOUT THE USER",
+                "BOOTSTRAP CONTEXT",
+                "CURRENT TIME"
+            ]
+        );
+        assert!(p.text.contains("[ABOUT THE USER]\nPrefers mornings."));
+        assert!(p.sections.iter().all(|(_, t)| *t > 0));
+    }
+}

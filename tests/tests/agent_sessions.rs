@@ -1,0 +1,201 @@
+//! Session opening and prompt assembly (issue 8 so far; A-7, B-1..B-3, S0 AC-08..AC-13, AC-17):
+//! both services, a scripted OpenAI-compatible model, a fake Gmail.
+
+use agent_svc::executor::budget::TokenCounter;
+use steward_proto::{agent::v1 as pb, gateway::v1 as gw};
+use steward_tests::{
+    Backend, Options, TestApp,
+    calls::{call_tool, connect_account},
+    fakes::{
+        gmail::{FakeGmail, FakeMessage},
+        openai::{Answer, FakeOpenAi},
+    },
+    spawn::spawn,
+};
+
+async fn world(answers: Vec<Answer>) -> (TestApp, FakeOpenAi, FakeGmail) {
+    let model = FakeOpenAi::start(answers).await;
+    let gmail = FakeGmail::start().await;
+    let app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        env: vec![
+            ("MODEL_CHAIN".into(), "openai/gpt-4o".into()),
+            ("OPENAI_BASE_URL".into(), model.url.clone()),
+            ("GMAIL_API_BASE_URL".into(), gmail.url.clone()),
+            ("BOOTSTRAP_CACHE_TTL".into(), "0".into()),
+        ],
+        ..Options::default()
+    })
+    .await;
+    (app, model, gmail)
+}
+
+async fn open(app: &TestApp) -> pb::OpenSessionResponse {
+    let mut alice = app.agent_as("alice").await;
+    alice
+        .open_session(pb::OpenSessionRequest {
+            time_zone: "UTC".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+#[tokio::test]
+async fn a_new_user_is_greeted_with_one_sentence_and_one_question_and_no_data_gathering() {
+    let (app, model, _gmail) = world(vec![Answer::text(
+        "I'm Steward, a chief of staff who gets your time back. What's eating your time right now?",
+    )])
+    .await;
+    let greeting = open(&app).await;
+    assert!(greeting.new_user && !greeting.silent);
+    assert!(
+        greeting
+            .greeting
+            .ends_with("What's eating your time right now?")
+    );
+    let requests = model.requests();
+    assert_eq!(requests.len(), 1);
+    let body = &requests[0].1;
+    let tools: Vec<&str> = body["tools"]
+        .as_array()
+        .map(|t| {
+            t.iter()
+                .map(|t| t["function"]["name"].as_str().unwrap())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(
+        tools,
+        ["create_memories"],
+        "no data-gathering tools are offered"
+    );
+    let system = body["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        system.contains("[SESSION OPEN]") && system.contains("What's eating your time right now?")
+    );
+    assert!(!system.contains("[OPERATING MODEL]") && !system.contains("[BOOTSTRAP CONTEXT]"));
+    assert!(!system.to_lowercase().contains("connect your email"));
+}
+
+#[tokio::test]
+async fn the_incident_replayed_one_call_no_tools_a_small_prompt_and_the_unread_counts() {
+    let (app, model, gmail) = world(vec![Answer::text(
+        "Morning! 10 unread in each inbox, and 'Call dentist' is overdue.",
+    )])
+    .await;
+    let mut g = app.gateway_as("alice").await;
+    for (account, token, prefix) in [
+        ("work@example.com", "tok-work", "a1"),
+        ("home@example.com", "tok-home", "b2"),
+    ] {
+        gmail.set_unread(token, 10);
+        gmail.add_messages(
+            token,
+            (0..10)
+                .map(|i| FakeMessage::html_newsletter(&format!("{prefix}{i:06x}"), i))
+                .collect(),
+        );
+        connect_account(&mut g, gw::Integration::Gmail, account, token).await;
+    }
+    call_tool(
+        &mut g,
+        "add_task",
+        serde_json::json!({"title": "Call dentist", "due": "2020-01-01"}),
+    )
+    .await;
+
+    let greeting = open(&app).await;
+    assert!(!greeting.silent && !greeting.new_user);
+    assert!(greeting.greeting.contains("10 unread"));
+    let requests = model.requests();
+    assert_eq!(requests.len(), 1, "exactly one model call");
+    let body = &requests[0].1;
+    assert!(
+        body.get("tools").is_none(),
+        "no tools offered, so no tool calls"
+    );
+    let system = body["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        system.contains("Unread: home@example.com 10, work@example.com 10"),
+        "{system}"
+    );
+    assert!(
+        system.contains("1 active task (1 overdue). Top: 'Call dentist'"),
+        "{system}"
+    );
+    assert!(!system.contains("BODY-ONLY-TEXT"), "no email content");
+    let tokens = TokenCounter::for_model("gpt-4o").text(&body["messages"].to_string());
+    assert!(
+        tokens < 3000,
+        "{tokens} input tokens (the incident sent 135K)"
+    );
+    println!("incident replay: {tokens} input tokens in one model call");
+
+    let mut alice = app.agent_as("alice").await;
+    let run = alice
+        .get_run(pb::GetRunRequest {
+            run_id: greeting.run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(run.actions.is_empty(), "zero tool calls");
+    let sections: Vec<String> = run
+        .run
+        .unwrap()
+        .prompt_sections
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert!(
+        sections.contains(&"BOOTSTRAP CONTEXT".to_owned())
+            && sections.contains(&"SESSION OPEN".to_owned()),
+        "{sections:?}"
+    );
+    let messages = alice
+        .list_messages(pb::ListMessagesRequest {
+            thread_id: greeting.thread_id,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .messages;
+    assert_eq!(
+        messages.len(),
+        1,
+        "the greeting only; the session prompt is not a user message"
+    );
+}
+
+#[tokio::test]
+async fn a_returning_user_with_nothing_in_flight_gets_silence_without_a_model_call() {
+    let (app, model, _gmail) = world(vec![]).await;
+    let mut g = app.gateway_as("alice").await;
+    call_tool(
+        &mut g,
+        "save_memory",
+        serde_json::json!({"content": "Likes tea"}),
+    )
+    .await;
+    let greeting = open(&app).await;
+    assert!(greeting.silent && !greeting.new_user && greeting.greeting.is_empty());
+    assert!(model.requests().is_empty());
+}
+
+#[tokio::test]
+async fn an_empty_model_answer_makes_the_session_silent() {
+    let (app, _model, _gmail) = world(vec![Answer::text("")]).await;
+    let mut g = app.gateway_as("alice").await;
+    call_tool(
+        &mut g,
+        "add_task",
+        serde_json::json!({"title": "Something"}),
+    )
+    .await;
+    let greeting = open(&app).await;
+    assert!(greeting.silent, "{greeting:?}");
+    assert!(greeting.greeting.is_empty());
+}
