@@ -103,6 +103,9 @@ impl App {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), StartError> {
+        let monitor = self
+            .runs
+            .spawn_monitor(self.config.monitor_interval, self.config.run_grace);
         let max = self.config.server.max_message_bytes;
         let api = AgentServiceServer::new(AgentApi::new(
             self.store.clone(),
@@ -116,7 +119,7 @@ impl App {
             let store = store.clone();
             async move { store.ping().await }
         };
-        svc_kit::grpc::run(
+        let served = svc_kit::grpc::run(
             self.listener,
             AGENT_SERVICE_NAME,
             Routes::new(api),
@@ -124,7 +127,9 @@ impl App {
             probe,
             shutdown,
         )
-        .await?;
+        .await;
+        monitor.abort();
+        served?;
         Ok(())
     }
 }

@@ -29,6 +29,10 @@ pub struct Config {
     pub policy: crate::policy::Policy,
     /// `APPROVAL_TTL`: how long an approval can be approved.
     pub approval_ttl: std::time::Duration,
+    /// `HEALTH_MONITOR_INTERVAL`: how often stale runs are looked for (E-12).
+    pub monitor_interval: std::time::Duration,
+    /// `RUN_GRACE_PERIOD`: how long past its time limit a run may go before it counts as lost.
+    pub run_grace: std::time::Duration,
 }
 
 impl Config {
@@ -66,6 +70,18 @@ impl Config {
         let max_tool_result_chars = vars.int_in("MAX_TOOL_RESULT_CHARS", 6000usize, 200, 1_000_000);
         let identity = load_identity(&mut vars);
         let policy = load_policy(&mut vars);
+        let monitor_interval = vars.duration_in(
+            "HEALTH_MONITOR_INTERVAL",
+            std::time::Duration::from_secs(30),
+            std::time::Duration::from_millis(100),
+            std::time::Duration::from_secs(3600),
+        );
+        let run_grace = vars.duration_in(
+            "RUN_GRACE_PERIOD",
+            std::time::Duration::from_secs(60),
+            std::time::Duration::ZERO,
+            std::time::Duration::from_secs(3600),
+        );
         let approval_ttl = vars.duration_in(
             "APPROVAL_TTL",
             std::time::Duration::from_secs(24 * 3600),
@@ -82,6 +98,8 @@ impl Config {
             identity,
             policy,
             approval_ttl,
+            monitor_interval,
+            run_grace,
         })
     }
 }

@@ -1210,6 +1210,86 @@ impl RunService {
         }
     }
 
+    /// The health monitor's sweep (E-12): a run still unfinished past its channel's time
+    /// limit plus `grace` lost its instance; it is failed with a message and a terminal event,
+    /// and its thread is freed. Returns how many it ended.
+    pub async fn sweep_stale_runs(&self, grace: Duration) -> Result<usize, ApiError> {
+        let now = SystemTime::now();
+        // The shortest limit is session_open's 15 s: nothing younger can be stale.
+        let cutoff = now
+            .checked_sub(Duration::from_secs(15) + grace)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let mut ended = 0;
+        for run in self.store.unfinished_runs_before(cutoff).await? {
+            if self
+                .cancels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(&run.id)
+            {
+                continue; // working in this process: alive
+            }
+            let limit =
+                limits::profile(convert::channel_from_key(&run.channel), self.max_loop_steps)
+                    .max_wall;
+            if run.started_at.unwrap_or(run.created_at) + limit + grace > now {
+                continue;
+            }
+            let message = format!(
+                "This run stopped responding (its {}s limit passed) and was ended. Please try again.",
+                limit.as_secs()
+            );
+            if !self
+                .store
+                .fail_if_unfinished(&run.id, &message, "timed_out")
+                .await?
+            {
+                continue; // finished meanwhile, or another replica's sweep got it
+            }
+            tracing::warn!(run_id = %run.id, thread_id = %run.thread_id, "health monitor ended a stale run");
+            self.store
+                .add_message(
+                    &run.thread_id,
+                    Some(&run.id),
+                    MessageSource::Error,
+                    MessageKind::Text,
+                    &message,
+                    serde_json::json!({}),
+                )
+                .await?;
+            self.append(
+                &run.id,
+                &run.thread_id,
+                pb::run_event::Kind::Error(pb::ErrorEvent {
+                    message,
+                    kind: pb::FailureKind::TimedOut as i32,
+                }),
+            )
+            .await?;
+            self.store.release_lock(&run.thread_id, &run.id).await?;
+            ended += 1;
+        }
+        Ok(ended)
+    }
+
+    /// Runs the sweep every `interval` until the process ends.
+    pub fn spawn_monitor(
+        self: &Arc<Self>,
+        interval: Duration,
+        grace: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                if let Err(e) = this.sweep_stale_runs(grace).await {
+                    tracing::warn!(error = %e, "health monitor sweep failed");
+                }
+            }
+        })
+    }
+
     /// CancelRun: marks the run (any replica's) and stops it here if it runs here.
     pub async fn cancel(&self, owner: &str, run_id: &str) -> Result<Run, ApiError> {
         let run = self

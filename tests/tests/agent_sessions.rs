@@ -199,3 +199,135 @@ async fn an_empty_model_answer_makes_the_session_silent() {
     assert!(greeting.silent, "{greeting:?}");
     assert!(greeting.greeting.is_empty());
 }
+
+#[tokio::test]
+async fn a_run_whose_instance_died_is_failed_by_the_monitor_and_its_thread_freed() {
+    use std::time::{Duration, SystemTime};
+
+    use agent_svc::store::{AgentStore, LockOutcome, Run, RunState, RunUsage, postgres::PgStore};
+    let (app, _model, _gmail) = world(vec![Answer::text("fresh start")]).await;
+    let store = PgStore::connect(&svc_kit::server_config::DatabaseConfig {
+        url: app.db.as_ref().unwrap().url().to_owned(),
+        pool: svc_kit::pg::PoolOptions {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(5),
+        },
+    })
+    .await
+    .unwrap();
+    // A run that another instance was executing when it died, eleven minutes ago.
+    let thread = store
+        .create_thread("t-dead", "alice", "orphaned")
+        .await
+        .unwrap();
+    let long_ago = SystemTime::now() - Duration::from_secs(660);
+    let run = Run {
+        id: "r-dead".into(),
+        thread_id: thread.id.clone(),
+        owner: "alice".into(),
+        request_id: None,
+        state: RunState::Executing,
+        channel: "web".into(),
+        model: String::new(),
+        usage: RunUsage::default(),
+        iterations: 1,
+        error: None,
+        failure_kind: None,
+        summary: String::new(),
+        cancel_requested: false,
+        last_event_seq: 0,
+        created_at: long_ago,
+        started_at: Some(long_ago),
+        finished_at: None,
+        prompt_sections: Vec::new(),
+    };
+    store.create_run(&run).await.unwrap();
+    store
+        .update_run(
+            "r-dead",
+            agent_svc::store::RunPatch {
+                state: Some(RunState::Executing),
+                started_at: Some(long_ago),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .lock_thread(&thread.id, "r-dead", Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        LockOutcome::Acquired
+    );
+
+    // Any replica's monitor: a service built on the same database sweeps once.
+    let runs = agent_svc::runs::RunService::new(
+        std::sync::Arc::new(store),
+        std::sync::Arc::new(
+            agent_svc::models::ModelsConfig::load(&mut svc_kit::config::Vars::new(|_| None))
+                .build(&reqwest::Client::new())
+                .0,
+        ),
+        None,
+        None,
+        6000,
+    );
+    assert_eq!(
+        runs.sweep_stale_runs(Duration::from_secs(60))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        runs.sweep_stale_runs(Duration::from_secs(60))
+            .await
+            .unwrap(),
+        0,
+        "only once"
+    );
+
+    let mut alice = app.agent_as("alice").await;
+    let got = alice
+        .get_run(pb::GetRunRequest {
+            run_id: "r-dead".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert_eq!(got.state, pb::RunState::Failed as i32);
+    assert_eq!(got.failure_kind, pb::FailureKind::TimedOut as i32);
+    assert!(got.error.contains("stopped responding"));
+    // Its stream has its terminal event, and the thread takes new runs.
+    use tokio_stream::StreamExt;
+    let events: Vec<pb::RunEvent> = alice
+        .watch_run(pb::WatchRunRequest {
+            run_id: "r-dead".into(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .filter_map(|r| r.ok().and_then(|r| r.event))
+        .collect()
+        .await;
+    assert!(matches!(
+        events.last().unwrap().kind,
+        Some(pb::run_event::Kind::Error(_))
+    ));
+    let next = pb::RunInput {
+        prompt: "hello again".into(),
+        thread_id: thread.id,
+        ..Default::default()
+    };
+    let result = alice
+        .run(pb::RunRequest { input: Some(next) })
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    assert_eq!(result.summary, "fresh start");
+}

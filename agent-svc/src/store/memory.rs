@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use super::{
     Action, ActionState, AgentStore, Approval, ApprovalState, LockOutcome, Message, MessageKind,
-    MessageSource, NewRunOutcome, Run, RunPatch, StoreError, Thread,
+    MessageSource, NewRunOutcome, Run, RunPatch, RunState, StoreError, Thread,
 };
 
 #[derive(Default)]
@@ -332,6 +332,45 @@ impl AgentStore for MemoryStore {
                         .collect()
                 })
                 .unwrap_or_default()
+        })
+    }
+
+    async fn unfinished_runs_before(&self, before: SystemTime) -> Result<Vec<Run>, StoreError> {
+        self.with(|s| {
+            s.runs
+                .values()
+                .filter(|r| {
+                    matches!(
+                        r.state,
+                        RunState::Queued | RunState::Planning | RunState::Executing
+                    )
+                })
+                .filter(|r| r.started_at.unwrap_or(r.created_at) < before)
+                .cloned()
+                .collect()
+        })
+    }
+
+    async fn fail_if_unfinished(
+        &self,
+        run_id: &str,
+        error: &str,
+        failure_kind: &str,
+    ) -> Result<bool, StoreError> {
+        self.with(|s| match s.runs.get_mut(run_id) {
+            Some(run)
+                if matches!(
+                    run.state,
+                    RunState::Queued | RunState::Planning | RunState::Executing
+                ) =>
+            {
+                run.state = RunState::Failed;
+                run.error = Some(error.to_owned());
+                run.failure_kind = Some(failure_kind.to_owned());
+                run.finished_at = Some(SystemTime::now());
+                true
+            }
+            _ => false,
         })
     }
 

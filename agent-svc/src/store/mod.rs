@@ -273,6 +273,19 @@ pub trait AgentStore: Send + Sync + 'static {
     ) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
 
     /// Records a new action in `state`.
+    /// Runs still queued, planning or executing that started (or were created) before
+    /// `before`, for any owner: what the health monitor inspects (E-12).
+    async fn unfinished_runs_before(&self, before: SystemTime) -> Result<Vec<Run>, StoreError>;
+
+    /// Fails a run that is still queued, planning or executing; false when it had already
+    /// moved on (so only one sweeper, or the run itself, finishes it).
+    async fn fail_if_unfinished(
+        &self,
+        run_id: &str,
+        error: &str,
+        failure_kind: &str,
+    ) -> Result<bool, StoreError>;
+
     async fn create_action(&self, action: &Action) -> Result<(), StoreError>;
     /// Moves an action to `state`, with its result when it has one.
     async fn update_action(

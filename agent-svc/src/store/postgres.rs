@@ -480,6 +480,41 @@ impl AgentStore for PgStore {
             .collect())
     }
 
+    async fn unfinished_runs_before(&self, before: SystemTime) -> Result<Vec<Run>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                &format!(
+                    "SELECT {RUN_COLUMNS} FROM agent.runs WHERE state IN ('queued', 'planning', 'executing') \
+                     AND COALESCE(started_at, created_at) < $1 ORDER BY created_at LIMIT 500"
+                ),
+                &[&before],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(run).collect())
+    }
+
+    async fn fail_if_unfinished(
+        &self,
+        run_id: &str,
+        error: &str,
+        failure_kind: &str,
+    ) -> Result<bool, StoreError> {
+        let n = self
+            .client()
+            .await?
+            .execute(
+                "UPDATE agent.runs SET state = 'failed', error = $2, failure_kind = $3, finished_at = now() \
+                 WHERE id = $1 AND state IN ('queued', 'planning', 'executing')",
+                &[&run_id, &error, &failure_kind],
+            )
+            .await
+            .map_err(db)?;
+        Ok(n == 1)
+    }
+
     async fn create_action(&self, a: &Action) -> Result<(), StoreError> {
         self.client()
             .await?
