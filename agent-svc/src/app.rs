@@ -51,7 +51,7 @@ impl App {
             .connect_timeout(std::time::Duration::from_secs(10))
             .build()
             .map_err(|e| StartError::Http(e.to_string()))?;
-        let (models, _summary) = config.models.build(&http);
+        let (models, summary) = config.models.build(&http);
         let gateway = match &config.gateway_token {
             Some(token) => Some(
                 GatewayClient::connect_lazy(&config.gateway_url, token)
@@ -70,6 +70,9 @@ impl App {
             config.max_tool_result_chars,
         );
         run_service.policy = config.policy.clone();
+        run_service.summary_model = Some(summary);
+        run_service.session_timeout = config.session_timeout;
+        run_service.summary_count = config.summary_count;
         run_service.approval_ttl = config.approval_ttl;
         if !config.policy.side_effects_enabled {
             tracing::warn!(

@@ -33,6 +33,10 @@ pub struct Config {
     pub monitor_interval: std::time::Duration,
     /// `RUN_GRACE_PERIOD`: how long past its time limit a run may go before it counts as lost.
     pub run_grace: std::time::Duration,
+    /// `AGENT_SESSION_TIMEOUT`: quiet time after which a thread's session is archived (B-4).
+    pub session_timeout: std::time::Duration,
+    /// `AGENT_HISTORY_SUMMARY_COUNT`: past session summaries in the prompt.
+    pub summary_count: usize,
 }
 
 impl Config {
@@ -70,6 +74,13 @@ impl Config {
         let max_tool_result_chars = vars.int_in("MAX_TOOL_RESULT_CHARS", 6000usize, 200, 1_000_000);
         let identity = load_identity(&mut vars);
         let policy = load_policy(&mut vars);
+        let session_timeout = vars.duration_in(
+            "AGENT_SESSION_TIMEOUT",
+            std::time::Duration::from_secs(30 * 60),
+            std::time::Duration::ZERO,
+            std::time::Duration::from_secs(7 * 24 * 3600),
+        );
+        let summary_count = vars.int_in("AGENT_HISTORY_SUMMARY_COUNT", 5usize, 0, 20);
         let monitor_interval = vars.duration_in(
             "HEALTH_MONITOR_INTERVAL",
             std::time::Duration::from_secs(30),
@@ -100,6 +111,8 @@ impl Config {
             approval_ttl,
             monitor_interval,
             run_grace,
+            session_timeout,
+            summary_count,
         })
     }
 }

@@ -31,6 +31,8 @@ pub struct PromptInput {
     pub attached: Vec<Attached>,
     pub session_guidance: Option<String>,
     pub bootstrap: Option<String>,
+    /// Summaries of the user's last archived sessions, newest first (B-4).
+    pub recent_sessions: Vec<String>,
 }
 
 /// The assembled prompt and each section's name and estimated tokens.
@@ -70,6 +72,14 @@ pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Pro
     }
     if let Some(b) = &input.bootstrap {
         sections.push(("BOOTSTRAP CONTEXT", b.clone()));
+    }
+    if !input.recent_sessions.is_empty() {
+        let lines: Vec<String> = input
+            .recent_sessions
+            .iter()
+            .map(|s| format!("- {s}"))
+            .collect();
+        sections.push(("RECENT SESSIONS", lines.join("\n")));
     }
     let now = jiff::Timestamp::try_from(now)
         .map(|t| t.to_string())

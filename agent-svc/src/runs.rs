@@ -26,7 +26,10 @@ use crate::{
         ToolInvocation, ToolOutcome, ToolRunner, limits,
     },
     gateway_client::GatewayClient,
-    llm::Turn,
+    llm::{
+        ModelRequest, Turn,
+        resilient::{self, ChainEntry, RetryPolicy},
+    },
     policy::{Policy, Verdict},
     store::{
         Action, ActionState, Approval, ApprovalState, LockOutcome, MessageKind, MessageSource,
@@ -74,6 +77,12 @@ const PLANNING_CONVERSATION: usize = 30;
 const WATCH_POLL: Duration = Duration::from_millis(200);
 
 pub struct RunService {
+    /// The cheap model for session summaries (L-5); `None` uses the user-message fallback.
+    pub summary_model: Option<ChainEntry>,
+    /// AGENT_SESSION_TIMEOUT: idle time after which a thread's history is archived (B-4).
+    pub session_timeout: Duration,
+    /// AGENT_HISTORY_SUMMARY_COUNT: summaries of past sessions in the prompt.
+    pub summary_count: usize,
     pub policy: Policy,
     /// How long an approval stays usable (APPROVAL_TTL).
     pub approval_ttl: Duration,
@@ -97,6 +106,9 @@ impl RunService {
         max_tool_result_chars: usize,
     ) -> Self {
         Self {
+            summary_model: None,
+            session_timeout: Duration::from_secs(30 * 60),
+            summary_count: 5,
             policy: Policy::permissive(),
             approval_ttl: Duration::from_secs(24 * 3600),
             store,
@@ -154,6 +166,9 @@ impl RunService {
         };
         let run_id = uuid::Uuid::new_v4().to_string();
         let now = SystemTime::now();
+        // B-4: a message after AGENT_SESSION_TIMEOUT of quiet starts a new session; the old one
+        // is archived first (checked before this message touches the thread).
+        let archive_first = !new_thread && thread.updated_at + self.session_timeout <= now;
         let run = Run {
             id: run_id.clone(),
             thread_id: thread.id.clone(),
@@ -229,6 +244,7 @@ impl RunService {
                     input,
                     models,
                     new_thread,
+                    archive_first,
                 },
                 cancel,
             )
@@ -300,7 +316,11 @@ impl RunService {
                 input,
                 models,
                 new_thread,
+                archive_first,
             } => {
+                if archive_first {
+                    self.archive(&owner, &thread_id).await;
+                }
                 self.work(
                     &owner, &thread_id, &run_id, &input, models, new_thread, &cancel,
                 )
@@ -474,6 +494,13 @@ impl RunService {
         limits.max_total_tokens = input.max_total_tokens;
         limits.max_cost_usd = input.max_cost_usd;
         let about_user = self.about_user(owner, run_id, input).await;
+        let recent_sessions = match self.store.recent_summaries(owner, self.summary_count).await {
+            Ok(list) => list.into_iter().map(|a| a.summary).collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "recent session summaries unavailable");
+                Vec::new()
+            }
+        };
         let prompt = crate::prompt::build(
             &crate::prompt::PromptInput {
                 channel: Some(input.channel),
@@ -481,6 +508,7 @@ impl RunService {
                 attached: input.attached.clone(),
                 session_guidance: input.session.as_ref().map(|s| s.guidance.clone()),
                 bootstrap: input.session.as_ref().and_then(|s| s.bootstrap.clone()),
+                recent_sessions,
             },
             executor::budget::TokenCounter::for_model(
                 models.chain.first().map_or("", |e| e.model.as_str()),
@@ -517,6 +545,94 @@ impl RunService {
             cancel,
         )
         .await
+    }
+
+    /// Archives the thread's LLM history with a 2–3 sentence summary (B-4). Race-safe: the store
+    /// moves the history in one transaction, so of two sweeps only one archives. Failures are
+    /// logged; the run goes on.
+    pub async fn archive(&self, owner: &str, thread_id: &str) {
+        let history = match self.load_history(thread_id).await {
+            Ok(h) if !h.is_empty() => h,
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(thread_id, error = %e, "could not read history to archive");
+                return;
+            }
+        };
+        let summary = self.summarize(&history).await;
+        match self.store.archive_history(thread_id, owner, &summary).await {
+            Ok(Some(a)) => tracing::info!(thread_id, turns = a.turn_count, "archived a session"),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(thread_id, error = %e, "could not archive a session"),
+        }
+    }
+
+    /// The summary model's 2–3 sentences, or the user's own messages when it is unavailable.
+    async fn summarize(&self, history: &[Turn]) -> String {
+        let transcript: Vec<String> = history
+            .iter()
+            .filter_map(|t| match t {
+                Turn::User(text) => Some(format!("User: {text}")),
+                Turn::Assistant { text, .. } if !text.is_empty() => {
+                    Some(format!("Assistant: {text}"))
+                }
+                _ => None,
+            })
+            .collect();
+        if let Some(entry) = &self.summary_model {
+            let request = ModelRequest {
+                model: entry.model.clone(),
+                system: "Summarise this conversation in 2-3 sentences for your future self: who, what was decided, what is still open.".into(),
+                turns: vec![Turn::User(transcript.join("\n").chars().take(20_000).collect())],
+                tools: Vec::new(),
+                max_output_tokens: 300,
+            };
+            let (tx, _rx) = mpsc::unbounded_channel();
+            let policy = RetryPolicy {
+                retries: 1,
+                call_timeout: Duration::from_secs(30),
+                ..RetryPolicy::default()
+            };
+            match resilient::complete(std::slice::from_ref(entry), &policy, &request, &tx).await {
+                Ok(done) if !done.response.text.trim().is_empty() => {
+                    return done.response.text.trim().to_owned();
+                }
+                Ok(_) => {
+                    tracing::warn!("the summary model returned nothing; using the user's messages")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the summary model failed; using the user's messages")
+                }
+            }
+        }
+        let asked: Vec<&str> = history
+            .iter()
+            .filter_map(|t| {
+                if let Turn::User(text) = t {
+                    Some(text.as_str())
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let mut fallback = format!("The user said: {}", asked.join(" / "));
+        if fallback.chars().count() > 500 {
+            fallback = fallback.chars().take(500).collect::<String>() + "…";
+        }
+        fallback
+    }
+
+    /// The monitor's second job: archive threads that have been quiet for the session timeout.
+    pub async fn sweep_idle_sessions(&self) -> Result<usize, ApiError> {
+        let before = SystemTime::now()
+            .checked_sub(self.session_timeout)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let idle = self.store.idle_threads_with_history(before).await?;
+        let n = idle.len();
+        for (thread_id, owner) in idle {
+            self.archive(&owner, &thread_id).await;
+        }
+        Ok(n)
     }
 
     /// [ABOUT THE USER]: what memory holds that bears on the prompt. A failure never blocks
@@ -581,6 +697,15 @@ impl RunService {
                     request.system.push_str("\n\nTools are unavailable right now; say so if the user needs data you cannot see.");
                 }
             }
+        }
+        if allowed.is_none_or(|only| only.iter().any(|t| t == HISTORY_TOOL)) {
+            request.tools.push(crate::llm::ToolDecl {
+                name: HISTORY_TOOL.into(),
+                description: "Search the user's past sessions with you (summaries and full text); up to 5, newest and best first.".into(),
+                parameters: serde_json::json!({"type": "object", "additionalProperties": false, "required": ["query"], "properties": {
+                    "query": {"type": "string", "minLength": 1, "maxLength": 300},
+                    "timeframe_days": {"type": "integer", "minimum": 1, "maximum": 3650}}}),
+            });
         }
         let session = match (&self.gateway, request.tools.is_empty()) {
             (Some(g), false) => Some(
@@ -1286,6 +1411,9 @@ impl RunService {
                 if let Err(e) = this.sweep_stale_runs(grace).await {
                     tracing::warn!(error = %e, "health monitor sweep failed");
                 }
+                if let Err(e) = this.sweep_idle_sessions().await {
+                    tracing::warn!(error = %e, "session archiving sweep failed");
+                }
             }
         })
     }
@@ -1375,6 +1503,8 @@ enum Work {
         input: RunInput,
         models: Arc<ModelSetup>,
         new_thread: bool,
+        /// Archive the previous session before this run (B-4).
+        archive_first: bool,
     },
     Continue {
         approval: Approval,
@@ -1400,6 +1530,10 @@ impl ToolRunner for PolicyRunner<'_> {
         let mut positions = Vec::new();
         let mut paused = false;
         for (i, call) in calls.into_iter().enumerate() {
+            if call.name == HISTORY_TOOL {
+                outcomes[i] = Some(search_history(self.store, self.user, &call.args).await);
+                continue;
+            }
             let side_effect = self.side_effects.contains(&call.name);
             match self
                 .policy
@@ -1463,6 +1597,59 @@ impl ToolRunner for PolicyRunner<'_> {
                 })
             })
             .collect()
+    }
+}
+
+/// The agent's own tool (B-4): it reads the agent's archives, so it runs here, not in the gateway.
+pub const HISTORY_TOOL: &str = "search_agent_history";
+
+async fn search_history(store: &SharedStore, user: &str, args: &serde_json::Value) -> ToolOutcome {
+    let query = args
+        .get("query")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or_default();
+    let since = args
+        .get("timeframe_days")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|d| SystemTime::now().checked_sub(Duration::from_secs(d * 86_400)));
+    match store.search_archives(user, query, 5).await {
+        Ok(hits) => {
+            let hits: Vec<_> = hits
+                .into_iter()
+                .filter(|a| since.is_none_or(|s| a.archived_at >= s))
+                .collect();
+            let text = if hits.is_empty() {
+                format!("No past sessions match \"{query}\".")
+            } else {
+                let lines: Vec<String> = hits
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| {
+                        let when = jiff::Timestamp::try_from(a.archived_at)
+                            .map(|t| t.strftime("%b %-d").to_string())
+                            .unwrap_or_default();
+                        format!("{}. ({when}, thread {}) {}", i + 1, a.thread_id, a.summary)
+                    })
+                    .collect();
+                format!(
+                    "Past sessions matching \"{query}\" ({}):\n{}",
+                    hits.len(),
+                    lines.join("\n")
+                )
+            };
+            ToolOutcome {
+                ok: true,
+                text,
+                error_kind: String::new(),
+                truncated: false,
+            }
+        }
+        Err(e) => ToolOutcome {
+            ok: false,
+            text: format!("Past sessions are unavailable right now ({e})."),
+            error_kind: "UPSTREAM_UNAVAILABLE".into(),
+            truncated: false,
+        },
     }
 }
 

@@ -331,3 +331,99 @@ async fn a_run_whose_instance_died_is_failed_by_the_monitor_and_its_thread_freed
         .unwrap();
     assert_eq!(result.summary, "fresh start");
 }
+
+#[tokio::test]
+async fn an_archived_session_is_summarised_into_the_next_prompt_and_found_by_a_word_from_its_transcript()
+ {
+    let model = FakeOpenAi::start(vec![
+        Answer::text("Booked."),
+        Answer::text("Alice planned a trip."), // the summary of session 1
+        Answer::text("Noted."),
+        Answer::text("Alice said thanks."), // the summary of session 2
+        Answer::tool_calls(&[("c1", "search_agent_history", r#"{"query":"TP1347"}"#)]),
+        Answer::text("You booked flight TP1347."),
+    ])
+    .await;
+    let app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        env: vec![
+            ("MODEL_CHAIN".into(), "openai/gpt-4o".into()),
+            ("OPENAI_BASE_URL".into(), model.url.clone()),
+            // Every new message starts a new session, so each run archives the previous one.
+            ("AGENT_SESSION_TIMEOUT".into(), "0s".into()),
+        ],
+        ..Options::default()
+    })
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    let ask = |prompt: &str, thread: &str| pb::RunInput {
+        prompt: prompt.into(),
+        thread_id: thread.into(),
+        ..Default::default()
+    };
+    let first = alice
+        .run(pb::RunRequest {
+            input: Some(ask("Book the Lisbon trip, flight TP1347", "")),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    let thread = first.thread_id.clone();
+    alice
+        .run(pb::RunRequest {
+            input: Some(ask("thanks", &thread)),
+        })
+        .await
+        .unwrap();
+    let third = alice
+        .run(pb::RunRequest {
+            input: Some(ask("which flight was it?", &thread)),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    assert_eq!(third.summary, "You booked flight TP1347.");
+
+    let requests = model.requests();
+    assert_eq!(requests.len(), 6);
+    let system = |i: usize| {
+        requests[i].1["messages"][0]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert!(
+        system(1).starts_with("Summarise this conversation"),
+        "the summary model wrote the summary"
+    );
+    assert!(
+        system(2).contains("[RECENT SESSIONS]\n- Alice planned a trip."),
+        "{}",
+        system(2)
+    );
+    // Session 1 was cleared from the live history: run 2 saw only its own turn.
+    let run2_turns = requests[2].1["messages"].as_array().unwrap().len();
+    assert_eq!(run2_turns, 2, "system + the new user turn");
+    // search_agent_history found session 1 by a word only its transcript has.
+    let tool_result = requests[5].1["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .unwrap()["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        tool_result.starts_with("Past sessions matching \"TP1347\" (1):"),
+        "{tool_result}"
+    );
+    assert!(
+        tool_result.contains("Alice planned a trip."),
+        "{tool_result}"
+    );
+}

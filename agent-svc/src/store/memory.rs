@@ -9,8 +9,9 @@ use std::{
 use serde_json::Value;
 
 use super::{
-    Action, ActionState, AgentStore, Approval, ApprovalState, LockOutcome, Message, MessageKind,
-    MessageSource, NewRunOutcome, Run, RunPatch, RunState, StoreError, Thread,
+    Action, ActionState, AgentStore, Approval, ApprovalState, Archive, LockOutcome, Message,
+    MessageKind, MessageSource, NewRunOutcome, Run, RunPatch, RunState, StoreError, Thread,
+    transcript_text,
 };
 
 #[derive(Default)]
@@ -22,6 +23,7 @@ struct State {
     events: HashMap<String, Vec<Vec<u8>>>,
     approvals: HashMap<String, Approval>,
     actions: Vec<Action>,
+    archives: Vec<(String, Archive, String)>,
     audit: Vec<(String, String, Value)>,
 }
 
@@ -371,6 +373,89 @@ impl AgentStore for MemoryStore {
                 true
             }
             _ => false,
+        })
+    }
+
+    async fn archive_history(
+        &self,
+        thread_id: &str,
+        owner: &str,
+        summary: &str,
+    ) -> Result<Option<Archive>, StoreError> {
+        self.with(|s| {
+            let turns = s.history.remove(thread_id).unwrap_or_default();
+            if turns.is_empty() {
+                return None;
+            }
+            let archive = Archive {
+                thread_id: thread_id.to_owned(),
+                summary: summary.to_owned(),
+                turn_count: turns.len() as u32,
+                archived_at: SystemTime::now(),
+            };
+            s.archives.push((
+                owner.to_owned(),
+                archive.clone(),
+                format!("{summary}\n{}", transcript_text(&turns)).to_lowercase(),
+            ));
+            Some(archive)
+        })
+    }
+
+    async fn recent_summaries(
+        &self,
+        owner: &str,
+        limit: usize,
+    ) -> Result<Vec<Archive>, StoreError> {
+        self.with(|s| {
+            s.archives
+                .iter()
+                .rev()
+                .filter(|(o, _, _)| o == owner)
+                .take(limit)
+                .map(|(_, a, _)| a.clone())
+                .collect()
+        })
+    }
+
+    async fn search_archives(
+        &self,
+        owner: &str,
+        query: &str,
+        limit: usize,
+    ) -> Result<Vec<Archive>, StoreError> {
+        let words: Vec<String> = query.split_whitespace().map(str::to_lowercase).collect();
+        self.with(|s| {
+            let mut hits: Vec<(usize, Archive)> = s
+                .archives
+                .iter()
+                .rev()
+                .filter(|(o, _, _)| o == owner)
+                .map(|(_, a, text)| {
+                    (
+                        words.iter().filter(|w| text.contains(w.as_str())).count(),
+                        a.clone(),
+                    )
+                })
+                .filter(|(score, _)| *score > 0)
+                .collect();
+            hits.sort_by_key(|h| std::cmp::Reverse(h.0));
+            hits.into_iter().take(limit).map(|(_, a)| a).collect()
+        })
+    }
+
+    async fn idle_threads_with_history(
+        &self,
+        before: SystemTime,
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        self.with(|s| {
+            s.threads
+                .values()
+                .filter(|(t, _)| {
+                    t.updated_at < before && s.history.get(&t.id).is_some_and(|h| !h.is_empty())
+                })
+                .map(|(t, _)| (t.id.clone(), t.owner.clone()))
+                .collect()
         })
     }
 

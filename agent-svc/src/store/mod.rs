@@ -286,6 +286,30 @@ pub trait AgentStore: Send + Sync + 'static {
         failure_kind: &str,
     ) -> Result<bool, StoreError>;
 
+    /// Moves the thread's LLM history into an archive with `summary` and clears it, atomically;
+    /// `None` when there was nothing to archive (another sweep got there first).
+    async fn archive_history(
+        &self,
+        thread_id: &str,
+        owner: &str,
+        summary: &str,
+    ) -> Result<Option<Archive>, StoreError>;
+    /// The owner's most recent archive summaries, newest first.
+    async fn recent_summaries(&self, owner: &str, limit: usize)
+    -> Result<Vec<Archive>, StoreError>;
+    /// The owner's archives matching `query` in summary or transcript, best first.
+    async fn search_archives(
+        &self,
+        owner: &str,
+        query: &str,
+        limit: usize,
+    ) -> Result<Vec<Archive>, StoreError>;
+    /// Threads idle since before `before` that still have LLM history: (thread id, owner).
+    async fn idle_threads_with_history(
+        &self,
+        before: SystemTime,
+    ) -> Result<Vec<(String, String)>, StoreError>;
+
     async fn create_action(&self, action: &Action) -> Result<(), StoreError>;
     /// Moves an action to `state`, with its result when it has one.
     async fn update_action(
@@ -404,6 +428,33 @@ pub struct Action {
 
 pub fn action_id(run_id: &str, call_id: &str) -> String {
     format!("{run_id}/{call_id}")
+}
+
+/// An archived session (B-4).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Archive {
+    pub thread_id: String,
+    pub summary: String,
+    pub turn_count: u32,
+    pub archived_at: SystemTime,
+}
+
+/// The plain text of a serialized transcript, for full-text search.
+pub fn transcript_text(turns: &[Value]) -> String {
+    turns
+        .iter()
+        .filter_map(|t| match t.get("content") {
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Object(o)) => o
+                .get("text")
+                .or_else(|| o.get("content"))
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            _ => None,
+        })
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// A request to run one side-effecting call, bound to its exact arguments (P-4).

@@ -8,8 +8,9 @@ use svc_kit::{pg, server_config::DatabaseConfig};
 use tokio_postgres::Row;
 
 use super::{
-    Action, ActionState, AgentStore, Approval, ApprovalState, LockOutcome, Message, MessageKind,
-    MessageSource, NewRunOutcome, Run, RunPatch, RunState, RunUsage, StoreError, Thread,
+    Action, ActionState, AgentStore, Approval, ApprovalState, Archive, LockOutcome, Message,
+    MessageKind, MessageSource, NewRunOutcome, Run, RunPatch, RunState, RunUsage, StoreError,
+    Thread, transcript_text,
 };
 
 mod embedded {
@@ -515,6 +516,105 @@ impl AgentStore for PgStore {
         Ok(n == 1)
     }
 
+    async fn archive_history(
+        &self,
+        thread_id: &str,
+        owner: &str,
+        summary: &str,
+    ) -> Result<Option<Archive>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        // The thread row lock makes concurrent archivers take turns; the loser finds no history.
+        tx.execute(
+            "SELECT 1 FROM agent.threads WHERE id = $1 FOR UPDATE",
+            &[&thread_id],
+        )
+        .await
+        .map_err(db)?;
+        let rows = tx
+            .query(
+                "DELETE FROM agent.llm_history WHERE thread_id = $1 RETURNING seq, turn",
+                &[&thread_id],
+            )
+            .await
+            .map_err(db)?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let mut turns: Vec<(i64, Value)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        turns.sort_by_key(|(seq, _)| *seq);
+        let turns: Vec<Value> = turns.into_iter().map(|(_, t)| t).collect();
+        let row = tx
+            .query_one(
+                "INSERT INTO agent.session_archives (thread_id, owner, summary, transcript, transcript_text, turn_count) \
+                 VALUES ($1, $2, $3, $4, $5, $6) RETURNING archived_at",
+                &[&thread_id, &owner, &summary, &Value::Array(turns.clone()), &transcript_text(&turns), &(turns.len() as i32)],
+            )
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(Some(Archive {
+            thread_id: thread_id.to_owned(),
+            summary: summary.to_owned(),
+            turn_count: turns.len() as u32,
+            archived_at: row.get(0),
+        }))
+    }
+
+    async fn recent_summaries(
+        &self,
+        owner: &str,
+        limit: usize,
+    ) -> Result<Vec<Archive>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT thread_id, summary, turn_count, archived_at FROM agent.session_archives WHERE owner = $1 \
+                 ORDER BY archived_at DESC, id DESC LIMIT $2",
+                &[&owner, &(limit as i64)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(archive).collect())
+    }
+
+    async fn search_archives(
+        &self,
+        owner: &str,
+        query: &str,
+        limit: usize,
+    ) -> Result<Vec<Archive>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT thread_id, summary, turn_count, archived_at FROM agent.session_archives, websearch_to_tsquery('english', $2) q \
+                 WHERE owner = $1 AND tsv @@ q ORDER BY ts_rank_cd(tsv, q) DESC, archived_at DESC LIMIT $3",
+                &[&owner, &query, &(limit as i64)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(archive).collect())
+    }
+
+    async fn idle_threads_with_history(
+        &self,
+        before: SystemTime,
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT t.id, t.owner FROM agent.threads t WHERE t.updated_at < $1 \
+                 AND EXISTS (SELECT 1 FROM agent.llm_history h WHERE h.thread_id = t.id) LIMIT 200",
+                &[&before],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
     async fn create_action(&self, a: &Action) -> Result<(), StoreError> {
         self.client()
             .await?
@@ -697,5 +797,14 @@ fn approval(r: &Row) -> Approval {
         expires_at: r.get(12),
         decided_by: r.get(13),
         decided_at: r.get(14),
+    }
+}
+
+fn archive(r: &Row) -> Archive {
+    Archive {
+        thread_id: r.get(0),
+        summary: r.get(1),
+        turn_count: r.get::<_, i32>(2) as u32,
+        archived_at: r.get(3),
     }
 }
