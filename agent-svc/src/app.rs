@@ -109,6 +109,10 @@ impl App {
         let monitor = self
             .runs
             .spawn_monitor(self.config.monitor_interval, self.config.run_grace);
+        let workers = self
+            .config
+            .task_workers
+            .then(|| self.runs.spawn_task_workers(self.config.task_poll_interval));
         let max = self.config.server.max_message_bytes;
         let api = AgentServiceServer::new(AgentApi::new(
             self.store.clone(),
@@ -132,6 +136,9 @@ impl App {
         )
         .await;
         monitor.abort();
+        if let Some(w) = workers {
+            w.abort();
+        }
         served?;
         Ok(())
     }

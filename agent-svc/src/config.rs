@@ -37,6 +37,10 @@ pub struct Config {
     pub session_timeout: std::time::Duration,
     /// `AGENT_HISTORY_SUMMARY_COUNT`: past session summaries in the prompt.
     pub summary_count: usize,
+    /// `TASK_AGENT_WORKERS`: whether this instance runs background task agents.
+    pub task_workers: bool,
+    /// `TASK_AGENT_POLL_INTERVAL`: how often an idle worker looks for queued tasks.
+    pub task_poll_interval: std::time::Duration,
 }
 
 impl Config {
@@ -81,6 +85,13 @@ impl Config {
             std::time::Duration::from_secs(7 * 24 * 3600),
         );
         let summary_count = vars.int_in("AGENT_HISTORY_SUMMARY_COUNT", 5usize, 0, 20);
+        let task_workers = vars.bool("TASK_AGENT_WORKERS", true);
+        let task_poll_interval = vars.duration_in(
+            "TASK_AGENT_POLL_INTERVAL",
+            std::time::Duration::from_secs(2),
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_secs(600),
+        );
         let monitor_interval = vars.duration_in(
             "HEALTH_MONITOR_INTERVAL",
             std::time::Duration::from_secs(30),
@@ -113,6 +124,8 @@ impl Config {
             run_grace,
             session_timeout,
             summary_count,
+            task_workers,
+            task_poll_interval,
         })
     }
 }

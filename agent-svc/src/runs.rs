@@ -33,7 +33,8 @@ use crate::{
     policy::{Policy, Verdict},
     store::{
         Action, ActionState, Approval, ApprovalState, LockOutcome, MessageKind, MessageSource,
-        ModelCallUsage, NewRunOutcome, Run, RunPatch, RunState, RunUsage, SharedStore, action_id,
+        ModelCallUsage, NewRunOutcome, Run, RunPatch, RunState, RunUsage, SharedStore, TaskAgent,
+        action_id,
     },
 };
 
@@ -707,6 +708,17 @@ impl RunService {
                     "timeframe_days": {"type": "integer", "minimum": 1, "maximum": 3650}}}),
             });
         }
+        if channel != limits::Channel::TaskAgent
+            && allowed.is_none_or(|only| only.iter().any(|t| t == TASK_AGENT_TOOL))
+        {
+            request.tools.push(crate::llm::ToolDecl {
+                name: TASK_AGENT_TOOL.into(),
+                description: "Start a background task agent for work that takes many steps; its result is posted to this thread when done.".into(),
+                parameters: serde_json::json!({"type": "object", "additionalProperties": false, "required": ["instructions", "goal"], "properties": {
+                    "instructions": {"type": "string", "minLength": 1, "maxLength": 4000},
+                    "goal": {"type": "string", "minLength": 1, "maxLength": 500}}}),
+            });
+        }
         let session = match (&self.gateway, request.tools.is_empty()) {
             (Some(g), false) => Some(
                 g.open(owner, run_id, gw_channel)
@@ -722,6 +734,8 @@ impl RunService {
         };
         let runner = PolicyRunner {
             inner,
+            thread_id,
+            background: channel == limits::Channel::TaskAgent,
             policy: &self.policy,
             user: owner,
             side_effects: &side_effects,
@@ -1418,6 +1432,165 @@ impl RunService {
         })
     }
 
+    /// Task-agent workers (B-5): every `interval`, take ready tasks from the shared queue (any
+    /// replica may) and run them until none is ready.
+    pub fn spawn_task_workers(self: &Arc<Self>, interval: Duration) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        let worker = format!("agent-{}", uuid::Uuid::new_v4());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                loop {
+                    match this
+                        .store
+                        .claim_task_agent(&worker, Duration::from_secs(660))
+                        .await
+                    {
+                        Ok(Some(task)) => this.run_task_agent(task).await,
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "task queue unavailable");
+                            break;
+                        }
+                    }
+                }
+            }
+        })
+    }
+
+    /// One attempt of a task agent: its own thread and run (background limits, no approvals
+    /// possible), then its result posted to the parent thread, or a retry per E-12.
+    async fn run_task_agent(&self, task: TaskAgent) {
+        let thread_id = format!("task-{}", task.id);
+        let outcome: Result<pb::RunResult, ApiError> = async {
+            if self.store.get_thread(&task.owner, &thread_id).await?.is_none() {
+                let title: String = format!("Task: {}", task.goal).chars().take(80).collect();
+                self.store.create_thread(&thread_id, &task.owner, &title).await?;
+            }
+            let run_id = uuid::Uuid::new_v4().to_string();
+            let now = SystemTime::now();
+            let run = Run {
+                id: run_id.clone(),
+                thread_id: thread_id.clone(),
+                owner: task.owner.clone(),
+                request_id: None,
+                state: RunState::Planning,
+                channel: limits::Channel::TaskAgent.key().into(),
+                model: String::new(),
+                usage: RunUsage::default(),
+                iterations: 0,
+                error: None,
+                failure_kind: None,
+                summary: String::new(),
+                cancel_requested: false,
+                last_event_seq: 0,
+                created_at: now,
+                started_at: Some(now),
+                finished_at: None,
+                prompt_sections: Vec::new(),
+            };
+            self.store.create_run(&run).await?;
+            let prompt = crate::prompt::build(
+                &crate::prompt::PromptInput {
+                    channel: Some(limits::Channel::TaskAgent),
+                    session_guidance: Some(format!(
+                        "You are a background task agent working for the user, without them present. Goal: {}\nWork step by step with your tools and finish with a short report.",
+                        task.goal
+                    )),
+                    ..crate::prompt::PromptInput::default()
+                },
+                executor::budget::TokenCounter::Ratio,
+                now,
+            );
+            let request = RunRequest {
+                system: prompt.text,
+                history: Vec::new(),
+                prompt: task.instructions.clone(),
+                tools: Vec::new(),
+                limits: limits::profile(limits::Channel::TaskAgent, None),
+                stop_after: None,
+                resume: false,
+            };
+            let cancel = CancellationToken::new();
+            let result = self.drive(&task.owner, &thread_id, &run_id, limits::Channel::TaskAgent, request, self.models.clone(), None, &cancel).await?;
+            self.append(&run_id, &thread_id, pb::run_event::Kind::Result(result.clone())).await?;
+            Ok(result)
+        }
+        .await;
+
+        let (done, error) = match &outcome {
+            Ok(r) if r.status == pb::RunState::Completed as i32 => (Some(r.summary.clone()), None),
+            Ok(r) => (None, Some(r.error.clone())),
+            Err(e) => (None, Some(e.to_string())),
+        };
+        let settled = match (done, error) {
+            (Some(text), _) => {
+                let message = format!("Task agent finished ({}):\n{text}", task.goal);
+                let posted = self
+                    .store
+                    .add_message(
+                        &task.parent_thread_id,
+                        None,
+                        MessageSource::Agent,
+                        MessageKind::Text,
+                        &message,
+                        serde_json::json!({ "task_agent_id": task.id }),
+                    )
+                    .await;
+                if let Err(e) = posted {
+                    tracing::error!(task = %task.id, error = %e, "could not post a task agent's result");
+                }
+                self.store
+                    .settle_task_agent(&task.id, "completed", Some(&text), None, None)
+                    .await
+            }
+            (None, error) => {
+                let error = error.unwrap_or_default();
+                // E-12: rate limits 5 tries, network 3, anything else 2; backoff from 10 s.
+                let tries = if error.contains("HTTP 429") {
+                    5
+                } else if ["timed out", "connection", "cut off", "unreachable"]
+                    .iter()
+                    .any(|k| error.contains(k))
+                {
+                    3
+                } else {
+                    2
+                };
+                if task.attempts < tries {
+                    let backoff = Duration::from_secs(10)
+                        .saturating_mul(1 << (task.attempts.saturating_sub(1)).min(10));
+                    let retry_at =
+                        SystemTime::now() + backoff.mul_f64(1.0 + rand::random::<f64>() * 0.25);
+                    tracing::warn!(task = %task.id, attempt = task.attempts, %error, "task agent failed; retrying later");
+                    self.store
+                        .settle_task_agent(&task.id, "queued", None, Some(&error), Some(retry_at))
+                        .await
+                } else {
+                    let message = format!("Task agent could not finish ({}): {error}", task.goal);
+                    let _ = self
+                        .store
+                        .add_message(
+                            &task.parent_thread_id,
+                            None,
+                            MessageSource::Error,
+                            MessageKind::Text,
+                            &message,
+                            serde_json::json!({ "task_agent_id": task.id }),
+                        )
+                        .await;
+                    self.store
+                        .settle_task_agent(&task.id, "failed", None, Some(&error), None)
+                        .await
+                }
+            }
+        };
+        if let Err(e) = settled {
+            tracing::error!(task = %task.id, error = %e, "could not record a task agent's outcome");
+        }
+    }
+
     /// CancelRun: marks the run (any replica's) and stops it here if it runs here.
     pub async fn cancel(&self, owner: &str, run_id: &str) -> Result<Run, ApiError> {
         let run = self
@@ -1515,6 +1688,9 @@ enum Work {
 /// Applies the approval policy to every call before it reaches the gateway.
 struct PolicyRunner<'a> {
     inner: &'a dyn ToolRunner,
+    thread_id: &'a str,
+    /// Task agents cannot ask for approval: what would need it is denied instead.
+    background: bool,
     policy: &'a Policy,
     user: &'a str,
     side_effects: &'a std::collections::HashSet<String>,
@@ -1532,6 +1708,12 @@ impl ToolRunner for PolicyRunner<'_> {
         for (i, call) in calls.into_iter().enumerate() {
             if call.name == HISTORY_TOOL {
                 outcomes[i] = Some(search_history(self.store, self.user, &call.args).await);
+                continue;
+            }
+            if call.name == TASK_AGENT_TOOL {
+                outcomes[i] = Some(
+                    enqueue_task_agent(self.store, self.user, self.thread_id, &call.args).await,
+                );
                 continue;
             }
             let side_effect = self.side_effects.contains(&call.name);
@@ -1558,6 +1740,17 @@ impl ToolRunner for PolicyRunner<'_> {
                     outcomes[i] = Some(ToolOutcome {
                         ok: false,
                         text,
+                        error_kind: "DENIED".into(),
+                        truncated: false,
+                    });
+                }
+                Verdict::NeedsApproval(_) if self.background => {
+                    outcomes[i] = Some(ToolOutcome {
+                        ok: false,
+                        text: format!(
+                            "Denied: {} needs the user's approval, which a background task cannot ask for. Report it instead.",
+                            call.name
+                        ),
                         error_kind: "DENIED".into(),
                         truncated: false,
                     });
@@ -1597,6 +1790,51 @@ impl ToolRunner for PolicyRunner<'_> {
                 })
             })
             .collect()
+    }
+}
+
+/// The agent's own tool (B-5): queues a background task agent for this thread.
+pub const TASK_AGENT_TOOL: &str = "create_task_agent";
+
+async fn enqueue_task_agent(
+    store: &SharedStore,
+    user: &str,
+    thread_id: &str,
+    args: &serde_json::Value,
+) -> ToolOutcome {
+    let field = |k: &str| {
+        args.get(k)
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let task = TaskAgent {
+        id: uuid::Uuid::new_v4().to_string(),
+        owner: user.to_owned(),
+        parent_thread_id: thread_id.to_owned(),
+        instructions: field("instructions"),
+        goal: field("goal"),
+        state: "queued".into(),
+        attempts: 0,
+        last_error: None,
+        result: None,
+    };
+    match store.enqueue_task_agent(&task).await {
+        Ok(()) => ToolOutcome {
+            ok: true,
+            text: format!(
+                "Started task agent {}; its result will be posted to this thread when it finishes.",
+                task.id
+            ),
+            error_kind: String::new(),
+            truncated: false,
+        },
+        Err(e) => ToolOutcome {
+            ok: false,
+            text: format!("Could not start a task agent ({e})."),
+            error_kind: "UPSTREAM_UNAVAILABLE".into(),
+            truncated: false,
+        },
     }
 }
 

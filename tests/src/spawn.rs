@@ -278,7 +278,15 @@ impl TestApp {
     /// Another agent-svc replica on the same database and gateway, stopped when dropped with
     /// the app.
     pub async fn start_another_agent(&mut self) -> SocketAddr {
+        self.start_another_agent_with(&[]).await
+    }
+
+    /// As [`TestApp::start_another_agent`], with some settings changed.
+    pub async fn start_another_agent_with(&mut self, extra: &[(&str, &str)]) -> SocketAddr {
         let mut env = self.env.clone();
+        for (k, v) in extra {
+            env.insert((*k).to_owned(), (*v).to_owned());
+        }
         env.insert(
             "GATEWAY_URL".into(),
             format!("http://{}", self.gateway_addr),

@@ -427,3 +427,165 @@ async fn an_archived_session_is_summarised_into_the_next_prompt_and_found_by_a_w
         "{tool_result}"
     );
 }
+
+#[tokio::test]
+async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the_parent_thread() {
+    let model = FakeOpenAi::start(vec![
+        Answer::tool_calls(&[(
+            "c1",
+            "create_task_agent",
+            r#"{"instructions":"Look at my pending tasks and summarise them","goal":"task summary"}"#,
+        )]),
+        Answer::text("I've started a task agent."),
+        Answer::text("You have no pending tasks."),
+    ])
+    .await;
+    let mut app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        env: vec![
+            ("MODEL_CHAIN".into(), "openai/gpt-4o".into()),
+            ("OPENAI_BASE_URL".into(), model.url.clone()),
+            // This instance takes no background work: only the other one can run the task.
+            ("TASK_AGENT_WORKERS".into(), "false".into()),
+        ],
+        ..Options::default()
+    })
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    let input = pb::RunInput {
+        prompt: "summarise my tasks in the background".into(),
+        ..Default::default()
+    };
+    let started = alice
+        .run(pb::RunRequest { input: Some(input) })
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    assert_eq!(started.summary, "I've started a task agent.");
+
+    app.start_another_agent_with(&[
+        ("TASK_AGENT_WORKERS", "true"),
+        ("TASK_AGENT_POLL_INTERVAL", "100ms"),
+    ])
+    .await;
+    // The result arrives asynchronously; poll the thread, bounded.
+    let thread = started.thread_id.clone();
+    let report = tokio::time::timeout(std::time::Duration::from_secs(15), async {
+        loop {
+            let messages = alice
+                .list_messages(pb::ListMessagesRequest {
+                    thread_id: thread.clone(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .messages;
+            if let Some(m) = messages
+                .iter()
+                .find(|m| m.content.starts_with("Task agent finished"))
+            {
+                return m.content.clone();
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the task agent reported within 15 s");
+    assert_eq!(
+        report,
+        "Task agent finished (task summary):\nYou have no pending tasks."
+    );
+    let task_request = &model.requests()[2].1;
+    let system = task_request["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        system.contains("background task agent") && system.contains("Goal: task summary"),
+        "{system}"
+    );
+    let tools: Vec<&str> = task_request["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        !tools.contains(&"create_task_agent") && !tools.contains(&"send_message"),
+        "{tools:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_task_agent_that_fails_on_a_retriable_error_is_queued_again_with_backoff() {
+    let failing = Answer::Error {
+        status: 503,
+        retry_after: None,
+    };
+    let model = FakeOpenAi::start(vec![
+        Answer::tool_calls(&[(
+            "c1",
+            "create_task_agent",
+            r#"{"instructions":"do it","goal":"flaky work"}"#,
+        )]),
+        Answer::text("Started."),
+        failing.clone(),
+        failing.clone(),
+        failing,
+    ])
+    .await;
+    let mut app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        env: vec![
+            ("MODEL_CHAIN".into(), "openai/gpt-4o".into()),
+            ("OPENAI_BASE_URL".into(), model.url.clone()),
+            ("TASK_AGENT_WORKERS".into(), "false".into()),
+            ("MODEL_RETRIES".into(), "2".into()),
+        ],
+        ..Options::default()
+    })
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    let input = pb::RunInput {
+        prompt: "do the flaky work later".into(),
+        ..Default::default()
+    };
+    alice
+        .run(pb::RunRequest { input: Some(input) })
+        .await
+        .unwrap();
+    app.start_another_agent_with(&[
+        ("TASK_AGENT_WORKERS", "true"),
+        ("TASK_AGENT_POLL_INTERVAL", "100ms"),
+    ])
+    .await;
+
+    let (client, conn) =
+        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let row = tokio::time::timeout(std::time::Duration::from_secs(15), async {
+        loop {
+            let row = client
+                .query_opt(
+                    "SELECT state, attempts, last_error, next_attempt_at > now() + interval '5 seconds' FROM agent.task_agents \
+                     WHERE attempts > 0 AND state = 'queued'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            if let Some(row) = row {
+                return row;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the failed attempt was recorded");
+    let (state, attempts, error, later): (String, i32, String, bool) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    assert_eq!((state.as_str(), attempts), ("queued", 1));
+    assert!(error.contains("HTTP 503"), "{error}");
+    assert!(later, "the retry waits at least the 10 s backoff");
+}

@@ -10,8 +10,8 @@ use serde_json::Value;
 
 use super::{
     Action, ActionState, AgentStore, Approval, ApprovalState, Archive, LockOutcome, Message,
-    MessageKind, MessageSource, NewRunOutcome, Run, RunPatch, RunState, StoreError, Thread,
-    transcript_text,
+    MessageKind, MessageSource, NewRunOutcome, Run, RunPatch, RunState, StoreError, TaskAgent,
+    Thread, transcript_text,
 };
 
 #[derive(Default)]
@@ -24,6 +24,7 @@ struct State {
     approvals: HashMap<String, Approval>,
     actions: Vec<Action>,
     archives: Vec<(String, Archive, String)>,
+    tasks: Vec<(TaskAgent, SystemTime, Option<SystemTime>)>,
     audit: Vec<(String, String, Value)>,
 }
 
@@ -456,6 +457,59 @@ impl AgentStore for MemoryStore {
                 })
                 .map(|(t, _)| (t.id.clone(), t.owner.clone()))
                 .collect()
+        })
+    }
+
+    async fn enqueue_task_agent(&self, task: &TaskAgent) -> Result<(), StoreError> {
+        self.with(|s| s.tasks.push((task.clone(), SystemTime::now(), None)))
+    }
+
+    async fn claim_task_agent(
+        &self,
+        _worker: &str,
+        lease: Duration,
+    ) -> Result<Option<TaskAgent>, StoreError> {
+        let now = SystemTime::now();
+        self.with(|s| {
+            let (task, next, claimed) = s.tasks.iter_mut().find(|(t, next, claimed)| {
+                (t.state == "queued" && *next <= now)
+                    || (t.state == "running" && claimed.is_some_and(|c| c < now))
+            })?;
+            let _ = next;
+            task.state = "running".into();
+            task.attempts += 1;
+            *claimed = Some(now + lease);
+            Some(task.clone())
+        })
+    }
+
+    async fn settle_task_agent(
+        &self,
+        id: &str,
+        state: &str,
+        result: Option<&str>,
+        error: Option<&str>,
+        retry_at: Option<SystemTime>,
+    ) -> Result<(), StoreError> {
+        self.with(|s| {
+            if let Some((task, next, claimed)) = s.tasks.iter_mut().find(|(t, _, _)| t.id == id) {
+                task.state = state.to_owned();
+                task.result = result.map(str::to_owned).or(task.result.take());
+                task.last_error = error.map(str::to_owned).or(task.last_error.take());
+                if let Some(at) = retry_at {
+                    *next = at;
+                }
+                *claimed = None;
+            }
+        })
+    }
+
+    async fn get_task_agent(&self, owner: &str, id: &str) -> Result<Option<TaskAgent>, StoreError> {
+        self.with(|s| {
+            s.tasks
+                .iter()
+                .find(|(t, _, _)| t.id == id && t.owner == owner)
+                .map(|(t, _, _)| t.clone())
         })
     }
 

@@ -310,6 +310,25 @@ pub trait AgentStore: Send + Sync + 'static {
         before: SystemTime,
     ) -> Result<Vec<(String, String)>, StoreError>;
 
+    async fn enqueue_task_agent(&self, task: &TaskAgent) -> Result<(), StoreError>;
+    /// Takes the next ready task (queued and due, or running with an expired claim) for
+    /// `worker`, exclusively across replicas, counting the attempt.
+    async fn claim_task_agent(
+        &self,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<Option<TaskAgent>, StoreError>;
+    /// Ends a task: completed with its result, failed permanently, or queued again at `retry_at`.
+    async fn settle_task_agent(
+        &self,
+        id: &str,
+        state: &str,
+        result: Option<&str>,
+        error: Option<&str>,
+        retry_at: Option<SystemTime>,
+    ) -> Result<(), StoreError>;
+    async fn get_task_agent(&self, owner: &str, id: &str) -> Result<Option<TaskAgent>, StoreError>;
+
     async fn create_action(&self, action: &Action) -> Result<(), StoreError>;
     /// Moves an action to `state`, with its result when it has one.
     async fn update_action(
@@ -428,6 +447,21 @@ pub struct Action {
 
 pub fn action_id(run_id: &str, call_id: &str) -> String {
     format!("{run_id}/{call_id}")
+}
+
+/// A queued background task agent (B-5).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskAgent {
+    pub id: String,
+    pub owner: String,
+    pub parent_thread_id: String,
+    pub instructions: String,
+    pub goal: String,
+    /// queued | running | completed | failed
+    pub state: String,
+    pub attempts: u32,
+    pub last_error: Option<String>,
+    pub result: Option<String>,
 }
 
 /// An archived session (B-4).

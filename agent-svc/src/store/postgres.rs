@@ -10,7 +10,7 @@ use tokio_postgres::Row;
 use super::{
     Action, ActionState, AgentStore, Approval, ApprovalState, Archive, LockOutcome, Message,
     MessageKind, MessageSource, NewRunOutcome, Run, RunPatch, RunState, RunUsage, StoreError,
-    Thread, transcript_text,
+    TaskAgent, Thread, transcript_text,
 };
 
 mod embedded {
@@ -615,6 +615,79 @@ impl AgentStore for PgStore {
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
+    async fn enqueue_task_agent(&self, t: &TaskAgent) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO agent.task_agents (id, owner, parent_thread_id, instructions, goal, state) VALUES ($1, $2, $3, $4, $5, 'queued')",
+                &[&t.id, &t.owner, &t.parent_thread_id, &t.instructions, &t.goal],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn claim_task_agent(
+        &self,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<Option<TaskAgent>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!(
+                    "UPDATE agent.task_agents SET state = 'running', claimed_by = $1, claimed_until = $2, attempts = attempts + 1, \
+                       updated_at = now() \
+                     WHERE id = (SELECT id FROM agent.task_agents \
+                                 WHERE (state = 'queued' AND next_attempt_at <= now()) \
+                                    OR (state = 'running' AND claimed_until < now()) \
+                                 ORDER BY next_attempt_at LIMIT 1 FOR UPDATE SKIP LOCKED) \
+                     RETURNING {TASK_COLUMNS}"
+                ),
+                &[&worker, &lease_until(lease)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.as_ref().map(task_agent))
+    }
+
+    async fn settle_task_agent(
+        &self,
+        id: &str,
+        state: &str,
+        result: Option<&str>,
+        error: Option<&str>,
+        retry_at: Option<SystemTime>,
+    ) -> Result<(), StoreError> {
+        self.client()
+            .await?
+            .execute(
+                "UPDATE agent.task_agents SET state = $2, result = COALESCE($3::text, result), last_error = COALESCE($4::text, last_error), \
+                   next_attempt_at = COALESCE($5::timestamptz, next_attempt_at), claimed_by = NULL, claimed_until = NULL, \
+                   updated_at = now() WHERE id = $1",
+                &[&id, &state, &result, &error, &retry_at],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn get_task_agent(&self, owner: &str, id: &str) -> Result<Option<TaskAgent>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!(
+                    "SELECT {TASK_COLUMNS} FROM agent.task_agents WHERE id = $1 AND owner = $2"
+                ),
+                &[&id, &owner],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.as_ref().map(task_agent))
+    }
+
     async fn create_action(&self, a: &Action) -> Result<(), StoreError> {
         self.client()
             .await?
@@ -806,5 +879,22 @@ fn archive(r: &Row) -> Archive {
         summary: r.get(1),
         turn_count: r.get::<_, i32>(2) as u32,
         archived_at: r.get(3),
+    }
+}
+
+const TASK_COLUMNS: &str =
+    "id, owner, parent_thread_id, instructions, goal, state, attempts, last_error, result";
+
+fn task_agent(r: &Row) -> TaskAgent {
+    TaskAgent {
+        id: r.get(0),
+        owner: r.get(1),
+        parent_thread_id: r.get(2),
+        instructions: r.get(3),
+        goal: r.get(4),
+        state: r.get(5),
+        attempts: r.get::<_, i32>(6) as u32,
+        last_error: r.get(7),
+        result: r.get(8),
     }
 }
