@@ -1,0 +1,336 @@
+//! Work that runs without a caller: session archiving (B-4), the health monitor (E-12) and
+//! background task agents (B-5).
+
+use super::*;
+
+impl RunService {
+    /// Archives the thread's LLM history with a 2–3 sentence summary (B-4). Race-safe: the store
+    /// moves the history in one transaction, so of two sweeps only one archives. Failures are
+    /// logged; the run goes on.
+    pub async fn archive(&self, owner: &str, thread_id: &str) {
+        let history = match self.load_history(thread_id).await {
+            Ok(h) if !h.is_empty() => h,
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(thread_id, error = %e, "could not read history to archive");
+                return;
+            }
+        };
+        let summary = self.summarize(&history).await;
+        match self.store.archive_history(thread_id, owner, &summary).await {
+            Ok(Some(a)) => tracing::info!(thread_id, turns = a.turn_count, "archived a session"),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(thread_id, error = %e, "could not archive a session"),
+        }
+    }
+
+    /// The summary model's 2–3 sentences, or the user's own messages when it is unavailable.
+    async fn summarize(&self, history: &[Turn]) -> String {
+        let transcript: Vec<String> = history
+            .iter()
+            .filter_map(|t| match t {
+                Turn::User(text) => Some(format!("User: {text}")),
+                Turn::Assistant { text, .. } if !text.is_empty() => {
+                    Some(format!("Assistant: {text}"))
+                }
+                _ => None,
+            })
+            .collect();
+        if let Some(entry) = &self.summary_model {
+            let request = ModelRequest {
+                model: entry.model.clone(),
+                system: "Summarise this conversation in 2-3 sentences for your future self: who, what was decided, what is still open.".into(),
+                turns: vec![Turn::User(transcript.join("\n").chars().take(20_000).collect())],
+                tools: Vec::new(),
+                max_output_tokens: 300,
+            };
+            let (tx, _rx) = mpsc::unbounded_channel();
+            let policy = RetryPolicy {
+                retries: 1,
+                call_timeout: Duration::from_secs(30),
+                ..RetryPolicy::default()
+            };
+            match resilient::complete(std::slice::from_ref(entry), &policy, &request, &tx).await {
+                Ok(done) if !done.response.text.trim().is_empty() => {
+                    return done.response.text.trim().to_owned();
+                }
+                Ok(_) => {
+                    tracing::warn!("the summary model returned nothing; using the user's messages")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the summary model failed; using the user's messages")
+                }
+            }
+        }
+        let asked: Vec<&str> = history
+            .iter()
+            .filter_map(|t| {
+                if let Turn::User(text) = t {
+                    Some(text.as_str())
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let mut fallback = format!("The user said: {}", asked.join(" / "));
+        if fallback.chars().count() > 500 {
+            fallback = fallback.chars().take(500).collect::<String>() + "…";
+        }
+        fallback
+    }
+
+    /// The monitor's second job: archive threads that have been quiet for the session timeout.
+    pub async fn sweep_idle_sessions(&self) -> Result<usize, ApiError> {
+        let before = SystemTime::now()
+            .checked_sub(self.session_timeout)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let idle = self.store.idle_threads_with_history(before).await?;
+        let n = idle.len();
+        for (thread_id, owner) in idle {
+            self.archive(&owner, &thread_id).await;
+        }
+        Ok(n)
+    }
+
+    /// The health monitor's sweep (E-12): a run still unfinished past its channel's time
+    /// limit plus `grace` lost its instance; it is failed with a message and a terminal event,
+    /// and its thread is freed. Returns how many it ended.
+    pub async fn sweep_stale_runs(&self, grace: Duration) -> Result<usize, ApiError> {
+        let now = SystemTime::now();
+        // The shortest limit is session_open's 15 s: nothing younger can be stale.
+        let cutoff = now
+            .checked_sub(Duration::from_secs(15) + grace)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let mut ended = 0;
+        for run in self.store.unfinished_runs_before(cutoff).await? {
+            if self
+                .cancels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(&run.id)
+            {
+                continue; // working in this process: alive
+            }
+            let limit =
+                limits::profile(convert::channel_from_key(&run.channel), self.max_loop_steps)
+                    .max_wall;
+            if run.started_at.unwrap_or(run.created_at) + limit + grace > now {
+                continue;
+            }
+            let message = format!(
+                "This run stopped responding (its {}s limit passed) and was ended. Please try again.",
+                limit.as_secs()
+            );
+            if !self
+                .store
+                .fail_if_unfinished(&run.id, &message, "timed_out")
+                .await?
+            {
+                continue; // finished meanwhile, or another replica's sweep got it
+            }
+            tracing::warn!(run_id = %run.id, thread_id = %run.thread_id, "health monitor ended a stale run");
+            self.store
+                .add_message(
+                    &run.thread_id,
+                    Some(&run.id),
+                    MessageSource::Error,
+                    MessageKind::Text,
+                    &message,
+                    serde_json::json!({}),
+                )
+                .await?;
+            self.store.release_lock(&run.thread_id, &run.id).await?;
+            self.append(
+                &run.id,
+                &run.thread_id,
+                pb::run_event::Kind::Error(pb::ErrorEvent {
+                    message,
+                    kind: pb::FailureKind::TimedOut as i32,
+                }),
+            )
+            .await?;
+            ended += 1;
+        }
+        Ok(ended)
+    }
+
+    /// Runs the sweep every `interval` until the process ends.
+    pub fn spawn_monitor(
+        self: &Arc<Self>,
+        interval: Duration,
+        grace: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                if let Err(e) = this.sweep_stale_runs(grace).await {
+                    tracing::warn!(error = %e, "health monitor sweep failed");
+                }
+                if let Err(e) = this.sweep_idle_sessions().await {
+                    tracing::warn!(error = %e, "session archiving sweep failed");
+                }
+            }
+        })
+    }
+
+    /// Task-agent workers (B-5): every `interval`, take ready tasks from the shared queue (any
+    /// replica may) and run them until none is ready.
+    pub fn spawn_task_workers(self: &Arc<Self>, interval: Duration) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        let worker = format!("agent-{}", uuid::Uuid::new_v4());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                loop {
+                    match this
+                        .store
+                        .claim_task_agent(&worker, Duration::from_secs(660))
+                        .await
+                    {
+                        Ok(Some(task)) => this.run_task_agent(task).await,
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "task queue unavailable");
+                            break;
+                        }
+                    }
+                }
+            }
+        })
+    }
+
+    /// One attempt of a task agent: its own thread and run (background limits, no approvals
+    /// possible), then its result posted to the parent thread, or a retry per E-12.
+    async fn run_task_agent(&self, task: TaskAgent) {
+        let thread_id = format!("task-{}", task.id);
+        let outcome: Result<pb::RunResult, ApiError> = async {
+            if self.store.get_thread(&task.owner, &thread_id).await?.is_none() {
+                let title: String = format!("Task: {}", task.goal).chars().take(80).collect();
+                self.store.create_thread(&thread_id, &task.owner, &title).await?;
+            }
+            let run_id = uuid::Uuid::new_v4().to_string();
+            let now = SystemTime::now();
+            let run = Run {
+                id: run_id.clone(),
+                thread_id: thread_id.clone(),
+                owner: task.owner.clone(),
+                request_id: None,
+                state: RunState::Planning,
+                channel: limits::Channel::TaskAgent.key().into(),
+                model: String::new(),
+                usage: RunUsage::default(),
+                iterations: 0,
+                error: None,
+                failure_kind: None,
+                summary: String::new(),
+                cancel_requested: false,
+                last_event_seq: 0,
+                created_at: now,
+                started_at: Some(now),
+                finished_at: None,
+                prompt_sections: Vec::new(),
+            };
+            self.store.create_run(&run).await?;
+            let prompt = crate::prompt::build(
+                &crate::prompt::PromptInput {
+                    channel: Some(limits::Channel::TaskAgent),
+                    session_guidance: Some(format!(
+                        "You are a background task agent working for the user, without them present. Goal: {}\nWork step by step with your tools and finish with a short report.",
+                        task.goal
+                    )),
+                    ..crate::prompt::PromptInput::default()
+                },
+                executor::budget::TokenCounter::Ratio,
+                now,
+            );
+            let request = RunRequest {
+                system: prompt.text,
+                history: Vec::new(),
+                prompt: task.instructions.clone(),
+                tools: Vec::new(),
+                limits: limits::profile(limits::Channel::TaskAgent, None),
+                stop_after: None,
+                resume: false,
+            };
+            let cancel = CancellationToken::new();
+            let result = self.drive(&task.owner, &thread_id, &run_id, limits::Channel::TaskAgent, request, self.models.clone(), None, &cancel).await?;
+            self.append(&run_id, &thread_id, pb::run_event::Kind::Result(result.clone())).await?;
+            Ok(result)
+        }
+        .await;
+
+        let (done, error) = match &outcome {
+            Ok(r) if r.status == pb::RunState::Completed as i32 => (Some(r.summary.clone()), None),
+            Ok(r) => (None, Some(r.error.clone())),
+            Err(e) => (None, Some(e.to_string())),
+        };
+        let settled = match (done, error) {
+            (Some(text), _) => {
+                let message = format!("Task agent finished ({}):\n{text}", task.goal);
+                let posted = self
+                    .store
+                    .add_message(
+                        &task.parent_thread_id,
+                        None,
+                        MessageSource::Agent,
+                        MessageKind::Text,
+                        &message,
+                        serde_json::json!({ "task_agent_id": task.id }),
+                    )
+                    .await;
+                if let Err(e) = posted {
+                    tracing::error!(task = %task.id, error = %e, "could not post a task agent's result");
+                }
+                self.store
+                    .settle_task_agent(&task.id, "completed", Some(&text), None, None)
+                    .await
+            }
+            (None, error) => {
+                let error = error.unwrap_or_default();
+                // E-12: rate limits 5 tries, network 3, anything else 2; backoff from 10 s.
+                let tries = if error.contains("HTTP 429") {
+                    5
+                } else if ["timed out", "connection", "cut off", "unreachable"]
+                    .iter()
+                    .any(|k| error.contains(k))
+                {
+                    3
+                } else {
+                    2
+                };
+                if task.attempts < tries {
+                    let backoff = Duration::from_secs(10)
+                        .saturating_mul(1 << (task.attempts.saturating_sub(1)).min(10));
+                    let retry_at =
+                        SystemTime::now() + backoff.mul_f64(1.0 + rand::random::<f64>() * 0.25);
+                    tracing::warn!(task = %task.id, attempt = task.attempts, %error, "task agent failed; retrying later");
+                    self.store
+                        .settle_task_agent(&task.id, "queued", None, Some(&error), Some(retry_at))
+                        .await
+                } else {
+                    let message = format!("Task agent could not finish ({}): {error}", task.goal);
+                    let _ = self
+                        .store
+                        .add_message(
+                            &task.parent_thread_id,
+                            None,
+                            MessageSource::Error,
+                            MessageKind::Text,
+                            &message,
+                            serde_json::json!({ "task_agent_id": task.id }),
+                        )
+                        .await;
+                    self.store
+                        .settle_task_agent(&task.id, "failed", None, Some(&error), None)
+                        .await
+                }
+            }
+        };
+        if let Err(e) = settled {
+            tracing::error!(task = %task.id, error = %e, "could not record a task agent's outcome");
+        }
+    }
+}

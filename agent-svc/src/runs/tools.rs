@@ -1,0 +1,236 @@
+//! What sits between the executor and the gateway: the approval policy on every call, and the
+//! agent's own tools (search_agent_history, create_task_agent) answered here.
+
+use super::*;
+
+/// Applies the approval policy to every call before it reaches the gateway.
+pub(super) struct PolicyRunner<'a> {
+    pub(super) inner: &'a dyn ToolRunner,
+    pub(super) thread_id: &'a str,
+    /// Task agents cannot ask for approval: what would need it is denied instead.
+    pub(super) background: bool,
+    pub(super) policy: &'a Policy,
+    pub(super) user: &'a str,
+    pub(super) side_effects: &'a std::collections::HashSet<String>,
+    pub(super) store: &'a SharedStore,
+    pub(super) run_id: &'a str,
+}
+
+#[async_trait::async_trait]
+impl ToolRunner for PolicyRunner<'_> {
+    async fn run(&self, calls: Vec<ToolInvocation>) -> Vec<ToolOutcome> {
+        let mut outcomes: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
+        let mut allowed = Vec::new();
+        let mut positions = Vec::new();
+        let mut paused = false;
+        for (i, call) in calls.into_iter().enumerate() {
+            if call.name == HISTORY_TOOL {
+                outcomes[i] = Some(search_history(self.store, self.user, &call.args).await);
+                continue;
+            }
+            if call.name == TASK_AGENT_TOOL {
+                outcomes[i] = Some(
+                    enqueue_task_agent(self.store, self.user, self.thread_id, &call.args).await,
+                );
+                continue;
+            }
+            let side_effect = self.side_effects.contains(&call.name);
+            match self
+                .policy
+                .decide(self.user, &call.name, side_effect, &call.args)
+            {
+                Verdict::Allow => {
+                    if side_effect {
+                        let _ = self
+                            .store
+                            .record_audit(
+                                self.user,
+                                "side_effect",
+                                Some(self.run_id),
+                                serde_json::json!({"tool": call.name, "approval": "not required"}),
+                            )
+                            .await;
+                    }
+                    positions.push(i);
+                    allowed.push(call);
+                }
+                Verdict::Deny(text) => {
+                    outcomes[i] = Some(ToolOutcome {
+                        ok: false,
+                        text,
+                        error_kind: "DENIED".into(),
+                        truncated: false,
+                    });
+                }
+                Verdict::NeedsApproval(_) if self.background => {
+                    outcomes[i] = Some(ToolOutcome {
+                        ok: false,
+                        text: format!(
+                            "Denied: {} needs the user's approval, which a background task cannot ask for. Report it instead.",
+                            call.name
+                        ),
+                        error_kind: "DENIED".into(),
+                        truncated: false,
+                    });
+                }
+                Verdict::NeedsApproval(reason) if !paused => {
+                    paused = true;
+                    outcomes[i] = Some(ToolOutcome {
+                        ok: false,
+                        text: reason,
+                        error_kind: APPROVAL_REQUIRED.into(),
+                        truncated: false,
+                    });
+                }
+                Verdict::NeedsApproval(_) => {
+                    outcomes[i] = Some(ToolOutcome {
+                        ok: false,
+                        text: "Not executed: another action of this turn is waiting for approval; ask for this one again after it is decided.".into(),
+                        error_kind: "DEFERRED".into(),
+                        truncated: false,
+                    });
+                }
+            }
+        }
+        if !allowed.is_empty() {
+            for (pos, outcome) in positions.into_iter().zip(self.inner.run(allowed).await) {
+                outcomes[pos] = Some(outcome);
+            }
+        }
+        outcomes
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or(ToolOutcome {
+                    ok: false,
+                    text: "The tool did not answer.".into(),
+                    error_kind: "INTERNAL".into(),
+                    truncated: false,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The agent's own tool (B-5): queues a background task agent for this thread.
+pub const TASK_AGENT_TOOL: &str = "create_task_agent";
+
+async fn enqueue_task_agent(
+    store: &SharedStore,
+    user: &str,
+    thread_id: &str,
+    args: &serde_json::Value,
+) -> ToolOutcome {
+    let field = |k: &str| {
+        args.get(k)
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let task = TaskAgent {
+        id: uuid::Uuid::new_v4().to_string(),
+        owner: user.to_owned(),
+        parent_thread_id: thread_id.to_owned(),
+        instructions: field("instructions"),
+        goal: field("goal"),
+        state: "queued".into(),
+        attempts: 0,
+        last_error: None,
+        result: None,
+    };
+    match store.enqueue_task_agent(&task).await {
+        Ok(()) => ToolOutcome {
+            ok: true,
+            text: format!(
+                "Started task agent {}; its result will be posted to this thread when it finishes.",
+                task.id
+            ),
+            error_kind: String::new(),
+            truncated: false,
+        },
+        Err(e) => ToolOutcome {
+            ok: false,
+            text: format!("Could not start a task agent ({e})."),
+            error_kind: "UPSTREAM_UNAVAILABLE".into(),
+            truncated: false,
+        },
+    }
+}
+
+/// The agent's own tool (B-4): it reads the agent's archives, so it runs here, not in the gateway.
+pub const HISTORY_TOOL: &str = "search_agent_history";
+
+async fn search_history(store: &SharedStore, user: &str, args: &serde_json::Value) -> ToolOutcome {
+    let query = args
+        .get("query")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or_default();
+    let since = args
+        .get("timeframe_days")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|d| SystemTime::now().checked_sub(Duration::from_secs(d * 86_400)));
+    match store.search_archives(user, query, 5).await {
+        Ok(hits) => {
+            let hits: Vec<_> = hits
+                .into_iter()
+                .filter(|a| since.is_none_or(|s| a.archived_at >= s))
+                .collect();
+            let text = if hits.is_empty() {
+                format!("No past sessions match \"{query}\".")
+            } else {
+                let lines: Vec<String> = hits
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| {
+                        let when = jiff::Timestamp::try_from(a.archived_at)
+                            .map(|t| t.strftime("%b %-d").to_string())
+                            .unwrap_or_default();
+                        format!("{}. ({when}, thread {}) {}", i + 1, a.thread_id, a.summary)
+                    })
+                    .collect();
+                format!(
+                    "Past sessions matching \"{query}\" ({}):\n{}",
+                    hits.len(),
+                    lines.join("\n")
+                )
+            };
+            ToolOutcome {
+                ok: true,
+                text,
+                error_kind: String::new(),
+                truncated: false,
+            }
+        }
+        Err(e) => ToolOutcome {
+            ok: false,
+            text: format!("Past sessions are unavailable right now ({e})."),
+            error_kind: "UPSTREAM_UNAVAILABLE".into(),
+            truncated: false,
+        },
+    }
+}
+
+/// Hex SHA-256 of the canonical JSON (serde_json sorts object keys) of an approval's arguments.
+pub fn sha256_hex(args: &serde_json::Value) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(args.to_string().as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+pub(super) struct NoTools;
+
+#[async_trait::async_trait]
+impl ToolRunner for NoTools {
+    async fn run(&self, calls: Vec<ToolInvocation>) -> Vec<ToolOutcome> {
+        calls
+            .into_iter()
+            .map(|_| ToolOutcome {
+                ok: false,
+                text: "Tools are unavailable right now.".into(),
+                error_kind: "UPSTREAM_UNAVAILABLE".into(),
+                truncated: false,
+            })
+            .collect()
+    }
+}
