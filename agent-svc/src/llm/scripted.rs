@@ -55,6 +55,19 @@ impl ScriptedModel {
 /// answer, then summarise what came back; otherwise say plainly what this model is.
 fn rules(request: &ModelRequest) -> Step {
     let has = |name: &str| request.tools.iter().any(|t| t.name == name);
+    // A session opening: greet as the session guidance asks, from the context given.
+    if request.system.contains("[SESSION OPEN]") {
+        return Step::Reply(match request.system.split("[BOOTSTRAP CONTEXT]\n").nth(1) {
+            Some(context) => {
+                let context: Vec<&str> = context.lines().take_while(|l| !l.is_empty()).collect();
+                format!("Welcome back. {}", context.join(" "))
+            }
+            None => format!(
+                "I'm Steward, a chief of staff who gets your time back (answering with the offline model {NAME}). \
+                 What's eating your time right now?"
+            ),
+        });
+    }
     match request.turns.last() {
         Some(Turn::ToolResult { .. }) => {
             let results: Vec<&str> = request
@@ -165,5 +178,38 @@ fn turn_len(t: &Turn) -> usize {
             text.len() + tool_calls.iter().map(|c| c.arguments.len()).sum::<usize>()
         }
         Turn::ToolResult { content, .. } => content.len(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(system: &str) -> ModelRequest {
+        ModelRequest {
+            model: NAME.into(),
+            system: system.into(),
+            turns: vec![Turn::User("(opened)".into())],
+            tools: vec![],
+            max_output_tokens: 100,
+        }
+    }
+
+    #[test]
+    fn the_offline_model_greets_new_and_returning_users_from_the_session_sections() {
+        let Step::Reply(new) = rules(&request("[PERSONA]\nx\n\n[SESSION OPEN]\nfirst session"))
+        else {
+            panic!()
+        };
+        assert!(new.ends_with("What's eating your time right now?"));
+        let Step::Reply(back) = rules(&request(
+            "[SESSION OPEN]\ng\n\n[BOOTSTRAP CONTEXT]\nTasks: 1 active task.\nEmail: Unread: a 3\n\n[CURRENT TIME]\nnow",
+        )) else {
+            panic!()
+        };
+        assert_eq!(
+            back,
+            "Welcome back. Tasks: 1 active task. Email: Unread: a 3"
+        );
     }
 }
