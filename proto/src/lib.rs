@@ -15,6 +15,8 @@ pub mod gateway {
     }
 }
 
+pub mod wellknown;
+
 /// Encoded `FileDescriptorSet` of both contracts (with their imports), for server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/steward_descriptor.bin"));

@@ -1,10 +1,9 @@
 //! Proto ↔ domain for AgentService, and the input rules of A-2: caps are refused by field name,
 //! never silently cut; the conversation keeps its most recent 40 entries as S1 specifies.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
-use prost_types::Timestamp;
 use steward_proto::agent::v1 as pb;
+
+pub use steward_proto::wellknown::{json_to_struct, struct_to_json, timestamp};
 
 use super::ApiError;
 use crate::{
@@ -216,14 +215,6 @@ pub fn action(a: &crate::store::Action) -> pb::Action {
     }
 }
 
-pub fn timestamp(t: SystemTime) -> Timestamp {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    Timestamp {
-        seconds: d.as_secs() as i64,
-        nanos: d.subsec_nanos() as i32,
-    }
-}
-
 pub fn run_state(s: RunState) -> pb::RunState {
     match s {
         RunState::Queued => pb::RunState::Queued,
@@ -337,57 +328,6 @@ pub fn failure_kind(k: Option<&str>) -> pb::FailureKind {
         Some("gateway_unavailable") => pb::FailureKind::GatewayUnavailable,
         Some(_) => pb::FailureKind::Internal,
         None => pb::FailureKind::Unspecified,
-    }
-}
-
-pub fn struct_to_json(s: &prost_types::Struct) -> serde_json::Value {
-    use prost_types::value::Kind;
-    fn value(v: &prost_types::Value) -> serde_json::Value {
-        match &v.kind {
-            None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
-            Some(Kind::BoolValue(b)) => serde_json::Value::Bool(*b),
-            Some(Kind::NumberValue(n)) if n.fract() == 0.0 && n.abs() < 9.0e15 => {
-                serde_json::Value::from(*n as i64)
-            }
-            Some(Kind::NumberValue(n)) => serde_json::Number::from_f64(*n)
-                .map_or(serde_json::Value::Null, serde_json::Value::Number),
-            Some(Kind::StringValue(s)) => serde_json::Value::String(s.clone()),
-            Some(Kind::ListValue(l)) => {
-                serde_json::Value::Array(l.values.iter().map(value).collect())
-            }
-            Some(Kind::StructValue(s)) => struct_to_json(s),
-        }
-    }
-    serde_json::Value::Object(
-        s.fields
-            .iter()
-            .map(|(k, v)| (k.clone(), value(v)))
-            .collect(),
-    )
-}
-
-pub fn json_to_struct(v: &serde_json::Value) -> Option<prost_types::Struct> {
-    use prost_types::value::Kind;
-    fn value(v: &serde_json::Value) -> prost_types::Value {
-        let kind = match v {
-            serde_json::Value::Null => Kind::NullValue(0),
-            serde_json::Value::Bool(b) => Kind::BoolValue(*b),
-            serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
-            serde_json::Value::String(s) => Kind::StringValue(s.clone()),
-            serde_json::Value::Array(a) => Kind::ListValue(prost_types::ListValue {
-                values: a.iter().map(value).collect(),
-            }),
-            serde_json::Value::Object(_) => {
-                Kind::StructValue(json_to_struct(v).unwrap_or_default())
-            }
-        };
-        prost_types::Value { kind: Some(kind) }
-    }
-    match v {
-        serde_json::Value::Object(map) => Some(prost_types::Struct {
-            fields: map.iter().map(|(k, v)| (k.clone(), value(v))).collect(),
-        }),
-        _ => None,
     }
 }
 

@@ -1,0 +1,85 @@
+//! Conversions between protobuf well-known types and their Rust counterparts, shared by both
+//! services' API edges: `Timestamp` ↔ `SystemTime`, `Struct` ↔ `serde_json::Value`.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prost_types::{ListValue, Struct, Timestamp, value::Kind};
+use serde_json::Value;
+
+pub fn timestamp(t: SystemTime) -> Timestamp {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+pub fn system_time(t: &Timestamp) -> Option<SystemTime> {
+    let secs = u64::try_from(t.seconds).ok()?;
+    let nanos = u32::try_from(t.nanos).ok()?;
+    UNIX_EPOCH.checked_add(Duration::new(secs, nanos))
+}
+
+pub fn struct_to_json(s: &Struct) -> Value {
+    Value::Object(
+        s.fields
+            .iter()
+            .map(|(k, v)| (k.clone(), value_to_json(v)))
+            .collect(),
+    )
+}
+
+fn value_to_json(v: &prost_types::Value) -> Value {
+    match &v.kind {
+        None | Some(Kind::NullValue(_)) => Value::Null,
+        Some(Kind::BoolValue(b)) => Value::Bool(*b),
+        // Struct numbers are doubles; whole numbers become JSON integers so "integer" schemas
+        // accept what a grpcurl user typed as 5.
+        Some(Kind::NumberValue(n)) if n.fract() == 0.0 && n.abs() < 9.0e15 => {
+            Value::from(*n as i64)
+        }
+        Some(Kind::NumberValue(n)) => {
+            serde_json::Number::from_f64(*n).map_or(Value::Null, Value::Number)
+        }
+        Some(Kind::StringValue(s)) => Value::String(s.clone()),
+        Some(Kind::ListValue(l)) => Value::Array(l.values.iter().map(value_to_json).collect()),
+        Some(Kind::StructValue(s)) => struct_to_json(s),
+    }
+}
+
+pub fn json_to_struct(v: &Value) -> Option<Struct> {
+    match v {
+        Value::Object(map) => Some(Struct {
+            fields: map
+                .iter()
+                .map(|(k, v)| (k.clone(), json_to_value(v)))
+                .collect(),
+        }),
+        _ => None,
+    }
+}
+
+fn json_to_value(v: &Value) -> prost_types::Value {
+    let kind = match v {
+        Value::Null => Kind::NullValue(0),
+        Value::Bool(b) => Kind::BoolValue(*b),
+        Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+        Value::String(s) => Kind::StringValue(s.clone()),
+        Value::Array(a) => Kind::ListValue(ListValue {
+            values: a.iter().map(json_to_value).collect(),
+        }),
+        Value::Object(_) => Kind::StructValue(json_to_struct(v).unwrap_or_default()),
+    };
+    prost_types::Value { kind: Some(kind) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_arguments_round_trip_through_struct_with_integers_kept() {
+        let v = serde_json::json!({"q": "from:boss", "max_results": 5, "ratio": 0.5, "tags": ["a", null], "nested": {"ok": true}});
+        assert_eq!(struct_to_json(&json_to_struct(&v).unwrap()), v);
+    }
+}
