@@ -74,6 +74,8 @@ impl App {
         run_service.session_timeout = config.session_timeout;
         run_service.summary_count = config.summary_count;
         run_service.approval_ttl = config.approval_ttl;
+        run_service.lease = config.run_lease;
+        run_service.fair_use = config.fair_use;
         if !config.policy.side_effects_enabled {
             tracing::warn!(
                 "AGENT_SIDE_EFFECTS_ENABLED=false: every side-effect tool call is denied"
@@ -94,6 +96,11 @@ impl App {
         })
     }
 
+    /// The run service, for in-process observers (tests, benches).
+    pub fn runs(&self) -> Arc<RunService> {
+        self.runs.clone()
+    }
+
     /// The bound address (useful when the config asked for port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.listener
@@ -109,11 +116,13 @@ impl App {
         let monitor = self
             .runs
             .spawn_monitor(self.config.monitor_interval, self.config.run_grace);
+        let notices = self.runs.spawn_notice_router();
         let workers = self
             .config
             .task_workers
             .then(|| self.runs.spawn_task_workers(self.config.task_poll_interval));
         let max = self.config.server.max_message_bytes;
+        let runs = self.runs.clone();
         let api = AgentServiceServer::new(AgentApi::new(
             self.store.clone(),
             self.runs,
@@ -138,6 +147,12 @@ impl App {
         monitor.abort();
         if let Some(w) = workers {
             w.abort();
+        }
+        // Runs still going after the drain hand their threads back: their progress is
+        // committed and their leases released, so another replica's monitor ends them at once.
+        runs.release_all(std::time::Duration::from_secs(5)).await;
+        if let Some(n) = notices {
+            n.abort();
         }
         served?;
         Ok(())

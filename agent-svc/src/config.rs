@@ -31,8 +31,12 @@ pub struct Config {
     pub approval_ttl: std::time::Duration,
     /// `HEALTH_MONITOR_INTERVAL`: how often stale runs are looked for (E-12).
     pub monitor_interval: std::time::Duration,
-    /// `RUN_GRACE_PERIOD`: how long past its time limit a run may go before it counts as lost.
+    /// `RUN_GRACE_PERIOD`: how long after its lease lapsed a run counts as lost (E-12).
     pub run_grace: std::time::Duration,
+    /// `RUN_LEASE`: the thread lease of a running run, renewed every third of it (E-11).
+    pub run_lease: std::time::Duration,
+    /// Per-user caps on live runs, open watch streams and queued task agents.
+    pub fair_use: crate::runs::FairUse,
     /// `AGENT_SESSION_TIMEOUT`: quiet time after which a thread's session is archived (B-4).
     pub session_timeout: std::time::Duration,
     /// `AGENT_HISTORY_SUMMARY_COUNT`: past session summaries in the prompt.
@@ -94,13 +98,29 @@ impl Config {
         );
         let monitor_interval = vars.duration_in(
             "HEALTH_MONITOR_INTERVAL",
-            std::time::Duration::from_secs(30),
+            std::time::Duration::from_secs(10),
             std::time::Duration::from_millis(100),
             std::time::Duration::from_secs(3600),
         );
+        let run_lease = vars.duration_in(
+            "RUN_LEASE",
+            std::time::Duration::from_secs(15),
+            std::time::Duration::from_millis(300),
+            std::time::Duration::from_secs(600),
+        );
+        let fair_use = crate::runs::FairUse {
+            max_active_runs: vars.int_in("AGENT_MAX_ACTIVE_RUNS_PER_USER", 8u32, 1, 10_000),
+            max_watchers: vars.int_in("AGENT_MAX_WATCHERS_PER_USER", 32u32, 1, 100_000),
+            max_queued_task_agents: vars.int_in(
+                "AGENT_MAX_QUEUED_TASK_AGENTS_PER_USER",
+                10u32,
+                0,
+                10_000,
+            ),
+        };
         let run_grace = vars.duration_in(
             "RUN_GRACE_PERIOD",
-            std::time::Duration::from_secs(60),
+            std::time::Duration::from_secs(5),
             std::time::Duration::ZERO,
             std::time::Duration::from_secs(3600),
         );
@@ -122,6 +142,8 @@ impl Config {
             approval_ttl,
             monitor_interval,
             run_grace,
+            run_lease,
+            fair_use,
             session_timeout,
             summary_count,
             task_workers,

@@ -37,6 +37,10 @@ impl From<tonic::Status> for GatewayError {
     }
 }
 
+/// The error kind of a call whose request was sent but whose answer never came (timeout, the
+/// stream went away): it may or may not have happened upstream.
+pub const OUTCOME_UNKNOWN: &str = "OUTCOME_UNKNOWN";
+
 /// A tool as the gateway declares it, in the agent's terms.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GatewayTool {
@@ -148,7 +152,7 @@ impl GatewayClient {
                 "UPSTREAM_UNAVAILABLE",
                 &format!("The tool service refused the call: {}", status.message()),
             ),
-            Err(_) => failed("UPSTREAM_TIMEOUT", "The tool did not answer in time."),
+            Err(_) => failed(OUTCOME_UNKNOWN, "The tool did not answer in time."),
         }
     }
 
@@ -208,7 +212,6 @@ impl GatewayClient {
             run_id: run_id.to_owned(),
             channel,
             call_timeout: self.call_timeout,
-            next_key: Arc::default(),
         })
     }
 }
@@ -223,7 +226,6 @@ pub struct ExecuteSession {
     run_id: String,
     channel: pb::Channel,
     call_timeout: Duration,
-    next_key: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Drop for ExecuteSession {
@@ -262,16 +264,13 @@ impl ToolRunner for ExecuteSession {
             if let Ok(mut p) = self.pending.lock() {
                 p.insert(call.call_id.clone(), done);
             }
-            let n = self
-                .next_key
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let request = pb::ExecuteRequest {
                 kind: Some(pb::execute_request::Kind::Call(pb::ToolCall {
                     call_id: call.call_id.clone(),
                     tool: call.name,
                     arguments: Some(pb::tool_call::Arguments::ArgsJson(call.args.to_string())),
-                    // Unique per call of this run; issue 7 binds it to the approval for exactly-once sends.
-                    idempotency_key: format!("{}:{}:{n}", self.run_id, call.call_id),
+                    // The action id: a retry, a reclaim or a replay of this call can never act twice.
+                    idempotency_key: crate::store::action_id(&self.run_id, &call.call_id),
                     channel: self.channel as i32,
                     timeout: None,
                     run_id: self.run_id.clone(),
@@ -292,10 +291,10 @@ impl ToolRunner for ExecuteSession {
             outcomes.push(match tokio::time::timeout(self.call_timeout, wait).await {
                 Ok(Ok(r)) => outcome(r),
                 Ok(Err(_)) => failed(
-                    "UPSTREAM_UNAVAILABLE",
+                    OUTCOME_UNKNOWN,
                     "The tool service went away before answering.",
                 ),
-                Err(_) => failed("UPSTREAM_TIMEOUT", "The tool did not answer in time."),
+                Err(_) => failed(OUTCOME_UNKNOWN, "The tool did not answer in time."),
             });
         }
         outcomes

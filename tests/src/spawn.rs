@@ -50,6 +50,8 @@ type ServeResult = Result<(), String>;
 /// One running service: its address, its stop button and its task.
 pub struct RunningService {
     pub addr: SocketAddr,
+    /// agent-svc's run service, when this is an agent replica.
+    pub runs: Option<std::sync::Arc<agent_svc::runs::RunService>>,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<ServeResult>,
 }
@@ -187,9 +189,12 @@ pub async fn start_agent(env: &HashMap<String, String>) -> Result<RunningService
         .await
         .map_err(|e| e.to_string())?;
     let addr = app.local_addr();
-    Ok(spawn_running(addr, |stop| async move {
+    let runs = app.runs();
+    let mut running = spawn_running(addr, |stop| async move {
         app.run(stop).await.map_err(|e| e.to_string())
-    }))
+    });
+    running.runs = Some(runs);
+    Ok(running)
 }
 
 fn spawn_running<F, Fut>(addr: SocketAddr, run: F) -> RunningService
@@ -203,6 +208,7 @@ where
     });
     RunningService {
         addr,
+        runs: None,
         stop: Some(tx),
         task: tokio::spawn(run(stop)),
     }
@@ -301,6 +307,15 @@ impl TestApp {
         .await;
         self.services.insert(0, agent);
         addr
+    }
+
+    /// Live run registrations (segments, watchers, cancels) over every agent replica here.
+    pub fn live_registrations(&self) -> usize {
+        self.services
+            .iter()
+            .filter_map(|s| s.runs.as_ref())
+            .map(|r| r.live_registrations())
+            .sum()
     }
 
     /// A gateway client acting for `user`.

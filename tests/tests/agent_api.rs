@@ -245,15 +245,18 @@ async fn a_busy_thread_is_aborted_and_an_expired_lease_frees_it() {
         })
         .await
         .unwrap();
-    use agent_svc::store::AgentStore;
-    store
+    use agent_svc::store::{AgentStore, LockOutcome};
+    let LockOutcome::Acquired(held) = store
         .lock_thread(
             &first.thread_id,
             "run-on-another-replica",
             Duration::from_secs(300),
         )
         .await
-        .unwrap();
+        .unwrap()
+    else {
+        panic!("the thread was free");
+    };
     let mut again = input("second");
     again.thread_id = first.thread_id.clone();
     let err = run(&mut alice, again.clone()).await.unwrap_err();
@@ -265,10 +268,7 @@ async fn a_busy_thread_is_aborted_and_an_expired_lease_frees_it() {
         err.message()
     );
     // The holder dies: its lease runs out (here: is already over) and the thread is usable again.
-    store
-        .release_lock(&first.thread_id, "run-on-another-replica")
-        .await
-        .unwrap();
+    store.release_lease(&held).await.unwrap();
     store
         .lock_thread(&first.thread_id, "dead-holder", Duration::ZERO)
         .await

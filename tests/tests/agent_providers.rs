@@ -147,7 +147,15 @@ async fn openai_two_tool_calls_then_a_streamed_answer() {
         second[2]["tool_calls"][0]["function"]["arguments"], r#"{"status":"pending"}"#,
         "fragments are joined"
     );
-    assert_eq!(second[3]["tool_call_id"], "call_a");
+    // Steward's own call ids (providers repeat or omit theirs), paired in the transcript.
+    assert_eq!(second[3]["tool_call_id"], second[2]["tool_calls"][0]["id"]);
+    assert!(
+        second[3]["tool_call_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("call_")
+    );
+    assert_ne!(second[3]["tool_call_id"], second[4]["tool_call_id"]);
     assert_eq!(second[4]["content"], r#"search_memory → {"query":"focus"}"#);
 
     let deltas: Vec<String> = events
@@ -447,7 +455,10 @@ mod anthropic_and_gemini {
             messages[1]["content"][0]["input"]["status"], "pending",
             "input_json fragments are joined"
         );
-        assert_eq!(messages[2]["content"][1]["tool_use_id"], "toolu_2");
+        assert_eq!(
+            messages[2]["content"][1]["tool_use_id"], messages[1]["content"][1]["id"],
+            "each result answers its own call"
+        );
         let (deltas, thoughts) = texts(&events);
         assert_eq!(deltas, ["All ", "clear ", "today."]);
         assert!(thoughts.contains("Let me think."));

@@ -201,10 +201,12 @@ async fn an_empty_model_answer_makes_the_session_silent() {
 }
 
 #[tokio::test]
-async fn a_run_whose_instance_died_is_failed_by_the_monitor_and_its_thread_freed() {
+async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed() {
     use std::time::{Duration, SystemTime};
 
-    use agent_svc::store::{AgentStore, LockOutcome, Run, RunState, RunUsage, postgres::PgStore};
+    use agent_svc::store::{
+        Admission, Admitted, AgentStore, Run, RunState, RunUsage, postgres::PgStore,
+    };
     let (app, _model, _gmail) = world(vec![Answer::text("fresh start")]).await;
     let store = PgStore::connect(&svc_kit::server_config::DatabaseConfig {
         url: app.db.as_ref().unwrap().url().to_owned(),
@@ -215,51 +217,47 @@ async fn a_run_whose_instance_died_is_failed_by_the_monitor_and_its_thread_freed
     })
     .await
     .unwrap();
-    // A run that another instance was executing when it died, eleven minutes ago.
+    // A run that another instance admitted and was executing when it died: its lease (here
+    // a millisecond) lapses and nobody renews it.
     let thread = store
         .create_thread("t-dead", "alice", "orphaned")
         .await
         .unwrap();
-    let long_ago = SystemTime::now() - Duration::from_secs(660);
     let run = Run {
         id: "r-dead".into(),
         thread_id: thread.id.clone(),
         owner: "alice".into(),
         request_id: None,
-        state: RunState::Executing,
+        state: RunState::Queued,
         channel: "web".into(),
         model: String::new(),
         usage: RunUsage::default(),
-        iterations: 1,
+        iterations: 0,
         error: None,
         failure_kind: None,
         summary: String::new(),
         cancel_requested: false,
-        last_event_seq: 0,
-        created_at: long_ago,
-        started_at: Some(long_ago),
-        finished_at: None,
+        last_event_seq: 1,
         prompt_sections: Vec::new(),
+        system_prompt: String::new(),
+        created_at: SystemTime::now(),
+        started_at: None,
+        finished_at: None,
     };
-    store.create_run(&run).await.unwrap();
-    store
-        .update_run(
-            "r-dead",
-            agent_svc::store::RunPatch {
-                state: Some(RunState::Executing),
-                started_at: Some(long_ago),
-                ..Default::default()
-            },
-        )
+    let admitted = store
+        .admit(&Admission {
+            run,
+            new_thread_title: None,
+            user_message: Some("do the thing".into()),
+            first_event: Vec::new(),
+            lease: Duration::from_millis(1),
+            max_active_runs: 10,
+            supersede_event: Vec::new(),
+            supersede_message: String::new(),
+        })
         .await
         .unwrap();
-    assert_eq!(
-        store
-            .lock_thread(&thread.id, "r-dead", Duration::from_secs(3600))
-            .await
-            .unwrap(),
-        LockOutcome::Acquired
-    );
+    assert!(matches!(admitted, Admitted::Started(_)), "{admitted:?}");
 
     // Any replica's monitor: a service built on the same database sweeps once.
     let runs = agent_svc::runs::RunService::new(
@@ -273,16 +271,9 @@ async fn a_run_whose_instance_died_is_failed_by_the_monitor_and_its_thread_freed
         None,
         6000,
     );
+    assert_eq!(runs.sweep_stale_runs(Duration::ZERO).await.unwrap(), 1);
     assert_eq!(
-        runs.sweep_stale_runs(Duration::from_secs(60))
-            .await
-            .unwrap(),
-        1
-    );
-    assert_eq!(
-        runs.sweep_stale_runs(Duration::from_secs(60))
-            .await
-            .unwrap(),
+        runs.sweep_stale_runs(Duration::ZERO).await.unwrap(),
         0,
         "only once"
     );

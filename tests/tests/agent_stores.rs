@@ -1,11 +1,16 @@
-//! One suite, both agent-svc stores (S-5): threads and ownership, the execution lock, messages,
-//! LLM history, runs and sequenced events behave alike in memory and on PostgreSQL.
+//! One suite, both agent-svc stores (S-5): every store command of the run's state machine —
+//! threads, the fenced lease, admission, commits, decisions, endings, archives and the task
+//! queue — behaves alike in memory and on PostgreSQL.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use agent_svc::store::{
-    AgentStore, LockOutcome, MessageKind, MessageSource, NewRunOutcome, Run, RunPatch, RunState,
-    RunUsage, memory::MemoryStore, postgres::PgStore,
+    Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Decided, Ending,
+    Lease, LockOutcome, MessageKind, MessageSource, NewMessage, Run, RunCommit, RunPatch, RunState,
+    RunUsage, StoreError, TaskAgent, action_id, memory::MemoryStore, postgres::PgStore,
 };
 use steward_tests::TestDb;
 use svc_kit::{pg::PoolOptions, server_config::DatabaseConfig};
@@ -52,12 +57,809 @@ fn new_run(id: &str, thread: &str, owner: &str, request_id: Option<&str>) -> Run
         failure_kind: None,
         summary: String::new(),
         cancel_requested: false,
-        last_event_seq: 0,
-        created_at: std::time::SystemTime::now(),
+        last_event_seq: 1,
+        prompt_sections: Vec::new(),
+        system_prompt: String::new(),
+        created_at: SystemTime::now(),
         started_at: None,
         finished_at: None,
-        prompt_sections: Vec::new(),
     }
+}
+
+fn admission(run: Run, new_thread: bool, lease: Duration) -> Admission {
+    Admission {
+        new_thread_title: new_thread.then(|| format!("title of {}", run.thread_id)),
+        user_message: Some(format!("prompt of {}", run.id)),
+        first_event: b"queued".to_vec(),
+        lease,
+        max_active_runs: 3,
+        supersede_event: b"superseded".to_vec(),
+        supersede_message: "superseded".into(),
+        run,
+    }
+}
+
+/// Admits run `id` on a new thread `thread` for alice and returns its lease.
+async fn started(s: &Arc<dyn AgentStore>, id: &str, thread: &str, lease: Duration) -> Lease {
+    match s
+        .admit(&admission(new_run(id, thread, "alice", None), true, lease))
+        .await
+        .unwrap()
+    {
+        Admitted::Started(lease) => lease,
+        other => panic!("not admitted: {other:?}"),
+    }
+}
+
+fn action(run_id: &str, call_id: &str, state: ActionState) -> Action {
+    Action {
+        id: action_id(run_id, call_id),
+        run_id: run_id.into(),
+        call_id: call_id.into(),
+        tool: "gmail_send".into(),
+        arguments: serde_json::json!({"to": ["a@example.com"]}),
+        side_effect: true,
+        state,
+        result_text: None,
+        error_kind: None,
+        approval_id: None,
+        transitions: vec![ActionState::Planned, state],
+        created_at: SystemTime::now(),
+        updated_at: SystemTime::now(),
+    }
+}
+
+fn approval(id: &str, run_id: &str, thread_id: &str, ttl: Duration) -> Approval {
+    let now = SystemTime::now();
+    Approval {
+        id: id.into(),
+        run_id: run_id.into(),
+        thread_id: thread_id.into(),
+        owner: "alice".into(),
+        call_id: "c1".into(),
+        tool: "gmail_send".into(),
+        arguments: serde_json::json!({"to": ["a@example.com"]}),
+        args_sha256: "sha".into(),
+        preview: "To: a@example.com".into(),
+        reason: "sends email".into(),
+        state: ApprovalState::Pending,
+        created_at: now,
+        expires_at: now + ttl,
+        decided_by: None,
+        decided_at: None,
+    }
+}
+
+/// Pauses `lease`'s run for approval `approval_id` (one commit that frees the lease).
+async fn pause(s: &Arc<dyn AgentStore>, lease: &Lease, approval_id: &str, ttl: Duration) {
+    let mut a = action(&lease.run_id, "c1", ActionState::AwaitingConfirmation);
+    a.approval_id = Some(approval_id.into());
+    s.commit(
+        lease,
+        RunCommit {
+            events: vec![(2, b"approval".to_vec()), (3, b"paused".to_vec())],
+            actions: vec![a],
+            patch: RunPatch {
+                state: Some(RunState::AwaitingConfirmation),
+                ..RunPatch::default()
+            },
+            approval: Some(approval(approval_id, &lease.run_id, &lease.thread_id, ttl)),
+            release: true,
+            ..RunCommit::default()
+        },
+    )
+    .await
+    .unwrap();
+}
+
+fn ending(state: RunState, gap: u64) -> Ending {
+    Ending {
+        state,
+        error: "ended".into(),
+        failure_kind: "cancelled".into(),
+        event: b"end".to_vec(),
+        seq_gap: gap,
+        message: Some("the run ended".into()),
+    }
+}
+
+async fn seqs(s: &Arc<dyn AgentStore>, run_id: &str) -> Vec<u64> {
+    s.events_after(run_id, 0, 1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(seq, _)| seq)
+        .collect()
+}
+
+async fn a_thread_is_never_created_twice(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "first").await.unwrap();
+    let err = s.create_thread("t1", "bob", "second").await.unwrap_err();
+    assert!(matches!(err, StoreError::Conflict(_)), "{err:?}");
+    assert_eq!(
+        s.get_thread("alice", "t1").await.unwrap().unwrap().title,
+        "first"
+    );
+}
+
+async fn the_thread_lease_has_one_holder_until_released_or_expired(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "x").await.unwrap();
+    let LockOutcome::Acquired(first) = s
+        .lock_thread("t1", "r1", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("free thread not acquired");
+    };
+    assert_eq!(
+        s.lock_thread("t1", "r2", Duration::from_secs(60))
+            .await
+            .unwrap(),
+        LockOutcome::Busy {
+            run_id: "r1".into()
+        }
+    );
+    assert_eq!(
+        s.lock_thread("t1", "r1", Duration::from_secs(60))
+            .await
+            .unwrap(),
+        LockOutcome::Busy {
+            run_id: "r1".into()
+        },
+        "a live lease is not taken again, not even for the same run"
+    );
+    assert_eq!(
+        s.get_thread("alice", "t1")
+            .await
+            .unwrap()
+            .unwrap()
+            .active_run_id
+            .as_deref(),
+        Some("r1")
+    );
+    assert_eq!(
+        s.renew_lease(&first, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Some(false)
+    );
+    let stranger = Lease {
+        token: "not-the-token".into(),
+        ..first.clone()
+    };
+    s.release_lease(&stranger).await.unwrap();
+    assert!(
+        matches!(
+            s.lock_thread("t1", "r2", Duration::from_secs(60))
+                .await
+                .unwrap(),
+            LockOutcome::Busy { .. }
+        ),
+        "only the token releases"
+    );
+    s.release_lease(&first).await.unwrap();
+    let LockOutcome::Acquired(lapsing) = s.lock_thread("t1", "r2", Duration::ZERO).await.unwrap()
+    else {
+        panic!("released thread not acquired");
+    };
+    assert_eq!(
+        s.renew_lease(&lapsing, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        None,
+        "an expired lease cannot be renewed"
+    );
+    assert!(matches!(
+        s.lock_thread("t1", "r3", Duration::from_secs(60))
+            .await
+            .unwrap(),
+        LockOutcome::Acquired(_)
+    ));
+}
+
+async fn concurrent_lockers_get_exactly_one_winner(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "x").await.unwrap();
+    let attempts = (0..8).map(|i| {
+        let s = s.clone();
+        tokio::spawn(async move {
+            s.lock_thread("t1", &format!("r{i}"), Duration::from_secs(60))
+                .await
+                .unwrap()
+        })
+    });
+    let mut winners = 0;
+    for a in attempts {
+        if matches!(a.await.unwrap(), LockOutcome::Acquired(_)) {
+            winners += 1;
+        }
+    }
+    assert_eq!(winners, 1);
+}
+
+async fn admission_writes_run_message_and_first_event_or_nothing(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    assert_eq!(lease.run_id, "r1");
+    let run = s.get_run("alice", "r1").await.unwrap().unwrap();
+    assert_eq!((run.state, run.last_event_seq), (RunState::Queued, 1));
+    assert_eq!(
+        s.events_after("r1", 0, 10).await.unwrap(),
+        [(1, b"queued".to_vec())]
+    );
+    let messages = s.list_messages("t1", 0, 10).await.unwrap();
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0].content, "prompt of r1");
+
+    // A busy thread: nothing of the second run is written.
+    let busy = s
+        .admit(&admission(
+            new_run("r2", "t1", "alice", None),
+            false,
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        busy,
+        Admitted::Busy {
+            run_id: "r1".into()
+        }
+    );
+    assert!(s.get_run("alice", "r2").await.unwrap().is_none());
+    assert_eq!(s.list_messages("t1", 0, 10).await.unwrap().len(), 1);
+
+    // Someone else's thread is not found.
+    let err = s
+        .admit(&admission(
+            new_run("r3", "t1", "bob", None),
+            false,
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::NotFound(_)), "{err:?}");
+}
+
+async fn a_retried_request_id_is_a_duplicate_and_the_run_cap_holds(b: Backend) {
+    let s = &b.store;
+    let first = s
+        .admit(&admission(
+            new_run("r1", "t1", "alice", Some("req-1")),
+            true,
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap();
+    assert!(matches!(first, Admitted::Started(_)));
+    let again = s
+        .admit(&admission(
+            new_run("r1b", "t1b", "alice", Some("req-1")),
+            true,
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        Admitted::Duplicate {
+            run_id: "r1".into(),
+            thread_id: "t1".into()
+        }
+    );
+    assert!(s.get_thread("alice", "t1b").await.unwrap().is_none());
+    assert_eq!(
+        s.find_run_by_request("alice", "req-1")
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        "r1"
+    );
+    started(s, "r2", "t2", Duration::from_secs(60)).await;
+    started(s, "r3", "t3", Duration::from_secs(60)).await;
+    let capped = s
+        .admit(&admission(
+            new_run("r4", "t4", "alice", None),
+            true,
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(capped, Admitted::TooManyRuns { active: 3 });
+    assert!(matches!(
+        s.admit(&admission(
+            new_run("b1", "tb", "bob", None),
+            true,
+            Duration::from_secs(60)
+        ))
+        .await
+        .unwrap(),
+        Admitted::Started(_)
+    ));
+}
+
+async fn a_commit_writes_everything_or_nothing_and_is_fenced_by_the_lease(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    s.commit(
+        &lease,
+        RunCommit {
+            events: vec![(2, b"planning".to_vec()), (3, b"tool call".to_vec())],
+            history: vec![
+                serde_json::json!({"role": "user", "content": "one"}),
+                serde_json::json!({"role": "user", "content": "two"}),
+            ],
+            actions: vec![action("r1", "c1", ActionState::Executing)],
+            messages: vec![NewMessage::text(MessageSource::Agent, "working")],
+            patch: RunPatch {
+                state: Some(RunState::Executing),
+                system_prompt: Some("you are steward".into()),
+                ..RunPatch::default()
+            },
+            audit: vec![(
+                "side_effect".into(),
+                serde_json::json!({"tool": "gmail_send"}),
+            )],
+            ..RunCommit::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut done = action("r1", "c1", ActionState::Completed);
+    done.transitions = vec![
+        ActionState::Planned,
+        ActionState::Executing,
+        ActionState::Completed,
+    ];
+    done.result_text = Some("sent".into());
+    s.commit(
+        &lease,
+        RunCommit {
+            events: vec![(4, b"result".to_vec())],
+            history: vec![serde_json::json!({"role": "user", "content": "three"})],
+            actions: vec![done, action("r1", "c2", ActionState::Executing)],
+            patch: RunPatch {
+                state: Some(RunState::Completed),
+                ..RunPatch::default()
+            },
+            release: true,
+            ..RunCommit::default()
+        },
+    )
+    .await
+    .unwrap();
+    let run = s.get_run("alice", "r1").await.unwrap().unwrap();
+    assert_eq!(run.state, RunState::Completed);
+    assert_eq!(run.last_event_seq, 4);
+    assert_eq!(run.system_prompt, "you are steward");
+    assert_eq!(seqs(s, "r1").await, [1, 2, 3, 4]);
+    let history: Vec<String> = s
+        .history("t1")
+        .await
+        .unwrap()
+        .iter()
+        .map(|t| t["content"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(history, ["one", "two", "three"]);
+    let actions = s.list_actions("r1").await.unwrap();
+    assert_eq!(
+        actions.len(),
+        2,
+        "an action is updated in place, never duplicated"
+    );
+    assert_eq!(actions[0].call_id, "c1");
+    assert_eq!(actions[0].state, ActionState::Completed);
+    assert_eq!(
+        actions[0].transitions,
+        [
+            ActionState::Planned,
+            ActionState::Executing,
+            ActionState::Completed
+        ]
+    );
+    assert_eq!(actions[0].result_text.as_deref(), Some("sent"));
+    assert_eq!(s.audit("alice").await.unwrap()[0].0, "side_effect");
+    assert!(
+        s.get_thread("alice", "t1")
+            .await
+            .unwrap()
+            .unwrap()
+            .active_run_id
+            .is_none(),
+        "released with the last commit"
+    );
+
+    // The released lease fences every later write out.
+    let late = s
+        .commit(
+            &lease,
+            RunCommit {
+                events: vec![(5, b"late".to_vec())],
+                ..RunCommit::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(late, StoreError::LeaseLost), "{late:?}");
+    assert_eq!(seqs(s, "r1").await, [1, 2, 3, 4]);
+}
+
+async fn of_concurrent_deciders_exactly_one_wins(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    pause(s, &lease, "a1", Duration::from_secs(600)).await;
+    assert_eq!(
+        s.get_run("alice", "r1").await.unwrap().unwrap().state,
+        RunState::AwaitingConfirmation
+    );
+    let LockOutcome::Acquired(winner) = s
+        .lock_thread("t1", "r1", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("a paused run's thread is free");
+    };
+    assert_eq!(
+        s.lock_thread("t1", "r1", Duration::from_secs(60))
+            .await
+            .unwrap(),
+        LockOutcome::Busy {
+            run_id: "r1".into()
+        },
+        "a second decider cannot take the lease"
+    );
+    match s
+        .decide(
+            &winner,
+            "a1",
+            ApprovalState::Approved,
+            "alice",
+            "approval_approved",
+        )
+        .await
+        .unwrap()
+    {
+        Decided::Won {
+            approval,
+            last_event_seq,
+        } => {
+            assert_eq!(approval.state, ApprovalState::Approved);
+            assert_eq!(approval.decided_by.as_deref(), Some("alice"));
+            assert_eq!(last_event_seq, 3);
+        }
+        lost => panic!("the first decision lost: {lost:?}"),
+    }
+    assert_eq!(
+        s.get_run("alice", "r1").await.unwrap().unwrap().state,
+        RunState::Executing
+    );
+    s.release_lease(&winner).await.unwrap();
+    let LockOutcome::Acquired(late) = s
+        .lock_thread("t1", "r1", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("released");
+    };
+    match s
+        .decide(
+            &late,
+            "a1",
+            ApprovalState::Rejected,
+            "alice",
+            "approval_rejected",
+        )
+        .await
+        .unwrap()
+    {
+        Decided::Lost {
+            approval,
+            run_state,
+        } => {
+            assert_eq!(approval.state, ApprovalState::Approved);
+            assert_eq!(run_state, RunState::Executing);
+        }
+        won => panic!("a second decision won: {won:?}"),
+    }
+    let kinds: Vec<String> = s
+        .audit("alice")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(kinds, ["approval_approved"]);
+}
+
+async fn an_expired_approval_cannot_be_decided(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    pause(s, &lease, "a1", Duration::ZERO).await;
+    let LockOutcome::Acquired(decider) = s
+        .lock_thread("t1", "r1", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("free");
+    };
+    let decided = s
+        .decide(
+            &decider,
+            "a1",
+            ApprovalState::Approved,
+            "alice",
+            "approval_approved",
+        )
+        .await
+        .unwrap();
+    assert!(matches!(decided, Decided::Lost { .. }), "{decided:?}");
+    assert_eq!(
+        s.get_run("alice", "r1").await.unwrap().unwrap().state,
+        RunState::AwaitingConfirmation
+    );
+}
+
+async fn a_paused_run_ends_once_and_its_approval_expires(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    pause(s, &lease, "a1", Duration::from_secs(600)).await;
+    assert!(
+        s.end_paused("r1", &ending(RunState::Cancelled, 1))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !s.end_paused("r1", &ending(RunState::Cancelled, 1))
+            .await
+            .unwrap(),
+        "only once"
+    );
+    let run = s.get_run("alice", "r1").await.unwrap().unwrap();
+    assert_eq!(run.state, RunState::Cancelled);
+    assert_eq!(seqs(s, "r1").await, [1, 2, 3, 4]);
+    assert_eq!(
+        s.get_approval("alice", "a1").await.unwrap().unwrap().state,
+        ApprovalState::Expired
+    );
+    assert!(
+        !s.request_cancel("r1").await.unwrap(),
+        "an ended run takes no cancel"
+    );
+}
+
+async fn a_run_whose_lease_lapsed_is_ended_once_after_a_gap(b: Backend) {
+    let s = &b.store;
+    let live = started(s, "r-live", "t1", Duration::from_secs(60)).await;
+    let dead = started(s, "r-dead", "t2", Duration::from_millis(1)).await;
+    s.commit(
+        &live,
+        RunCommit {
+            events: vec![(2, b"planning".to_vec())],
+            ..RunCommit::default()
+        },
+    )
+    .await
+    .unwrap();
+    // Let the dead run's millisecond lease lapse (the store's clock decides).
+    while s
+        .renew_lease(&dead, Duration::from_millis(1))
+        .await
+        .unwrap()
+        .is_some()
+    {
+        tokio::task::yield_now().await;
+    }
+    let abandoned: Vec<String> = s
+        .abandoned_runs(Duration::ZERO, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(abandoned, ["r-dead"]);
+    assert!(
+        !s.end_abandoned("r-live", &ending(RunState::Failed, 10))
+            .await
+            .unwrap(),
+        "a live lease protects its run"
+    );
+    assert!(
+        s.end_abandoned("r-dead", &ending(RunState::Failed, 10))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !s.end_abandoned("r-dead", &ending(RunState::Failed, 10))
+            .await
+            .unwrap(),
+        "one sweeper wins"
+    );
+    assert_eq!(
+        seqs(s, "r-dead").await,
+        [1, 11],
+        "the terminal event skips the gap"
+    );
+    let thread = s.get_thread("alice", "t2").await.unwrap().unwrap();
+    assert!(thread.active_run_id.is_none());
+    let messages = s.list_messages("t2", 0, 10).await.unwrap();
+    assert_eq!(messages.last().unwrap().content, "the run ended");
+    assert_eq!(messages.last().unwrap().source, MessageSource::Error);
+    let stale = s
+        .commit(
+            &dead,
+            RunCommit {
+                events: vec![(2, b"too late".to_vec())],
+                ..RunCommit::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(stale, StoreError::LeaseLost));
+}
+
+async fn a_new_message_supersedes_a_paused_run(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    pause(s, &lease, "a1", Duration::from_secs(600)).await;
+    assert!(matches!(
+        s.admit(&admission(
+            new_run("r2", "t1", "alice", None),
+            false,
+            Duration::from_secs(60)
+        ))
+        .await
+        .unwrap(),
+        Admitted::Started(_)
+    ));
+    assert_eq!(
+        s.get_run("alice", "r1").await.unwrap().unwrap().state,
+        RunState::Cancelled
+    );
+    assert_eq!(seqs(s, "r1").await, [1, 2, 3, 4]);
+    assert_eq!(
+        s.get_approval("alice", "a1").await.unwrap().unwrap().state,
+        ApprovalState::Expired
+    );
+}
+
+async fn archiving_moves_history_and_ends_paused_runs(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    s.commit(
+        &lease,
+        RunCommit {
+            history: vec![
+                serde_json::json!({"role": "user", "content": "Book the flight to Lisbon"}),
+                serde_json::json!({"role": "assistant", "content": {"text": "Booked TP1347", "tool_calls": []}}),
+            ],
+            ..RunCommit::default()
+        },
+    )
+    .await
+    .unwrap();
+    pause(s, &lease, "a1", Duration::from_secs(600)).await;
+    let archived = s
+        .archive_history(
+            "t1",
+            "alice",
+            "Flights",
+            &ending(RunState::Cancelled, 1),
+            None,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(archived.turn_count, 2);
+    assert!(s.history("t1").await.unwrap().is_empty());
+    assert_eq!(
+        s.get_approval("alice", "a1").await.unwrap().unwrap().state,
+        ApprovalState::Expired
+    );
+    assert_eq!(
+        s.get_run("alice", "r1").await.unwrap().unwrap().state,
+        RunState::Cancelled
+    );
+    assert!(
+        s.archive_history(
+            "t1",
+            "alice",
+            "again",
+            &ending(RunState::Cancelled, 1),
+            None
+        )
+        .await
+        .unwrap()
+        .is_none(),
+        "nothing left to archive"
+    );
+    // Search: every word must match, in summary or transcript.
+    let hits = s.search_archives("alice", "TP1347", 5).await.unwrap();
+    assert_eq!(hits.len(), 1);
+    assert!(
+        s.search_archives("alice", "TP1347 Paris", 5)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        s.search_archives("bob", "TP1347", 5)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        s.recent_summaries("alice", 5).await.unwrap()[0].summary,
+        "Flights"
+    );
+}
+
+async fn a_thread_held_by_another_run_is_not_archived(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    s.commit(
+        &lease,
+        RunCommit {
+            history: vec![serde_json::json!({"role": "user", "content": "hi"})],
+            ..RunCommit::default()
+        },
+    )
+    .await
+    .unwrap();
+    let e = ending(RunState::Cancelled, 1);
+    assert!(
+        s.archive_history("t1", "alice", "x", &e, None)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        s.archive_history("t1", "alice", "x", &e, Some(&lease))
+            .await
+            .unwrap()
+            .is_some(),
+        "the holder itself may archive before its run"
+    );
+}
+
+async fn the_task_queue_caps_open_tasks_per_user(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "x").await.unwrap();
+    let task = |id: &str| TaskAgent {
+        id: id.into(),
+        owner: "alice".into(),
+        parent_thread_id: "t1".into(),
+        instructions: "do".into(),
+        goal: "done".into(),
+        state: "queued".into(),
+        attempts: 0,
+        last_error: None,
+        result: None,
+    };
+    assert!(s.enqueue_task_agent(&task("k1"), 2).await.unwrap());
+    assert!(s.enqueue_task_agent(&task("k2"), 2).await.unwrap());
+    assert!(!s.enqueue_task_agent(&task("k3"), 2).await.unwrap());
+    let claimed = s
+        .claim_task_agent("w", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.attempts, 1);
+    s.settle_task_agent(&claimed.id, "completed", Some("ok"), None, None)
+        .await
+        .unwrap();
+    assert!(s.enqueue_task_agent(&task("k3"), 2).await.unwrap());
+    assert_eq!(
+        s.get_task_agent("alice", &claimed.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .result
+            .as_deref(),
+        Some("ok")
+    );
 }
 
 async fn threads_belong_to_their_owner(b: Backend) {
@@ -96,206 +898,6 @@ async fn threads_belong_to_their_owner(b: Backend) {
     assert_eq!(s.list_threads("alice", 1, 10).await.unwrap().len(), 1);
 }
 
-async fn the_thread_lock_admits_one_run_until_released_or_expired(b: Backend) {
-    let s = &b.store;
-    s.create_thread("t1", "alice", "x").await.unwrap();
-    assert_eq!(
-        s.lock_thread("t1", "r1", Duration::from_secs(60))
-            .await
-            .unwrap(),
-        LockOutcome::Acquired
-    );
-    assert_eq!(
-        s.lock_thread("t1", "r2", Duration::from_secs(60))
-            .await
-            .unwrap(),
-        LockOutcome::Busy {
-            run_id: "r1".into()
-        }
-    );
-    assert_eq!(
-        s.get_thread("alice", "t1")
-            .await
-            .unwrap()
-            .unwrap()
-            .active_run_id
-            .as_deref(),
-        Some("r1")
-    );
-    s.release_lock("t1", "r2").await.unwrap(); // not the holder: no effect
-    assert!(matches!(
-        s.lock_thread("t1", "r2", Duration::from_secs(60))
-            .await
-            .unwrap(),
-        LockOutcome::Busy { .. }
-    ));
-    s.release_lock("t1", "r1").await.unwrap();
-    // r2 takes a lease that has already run out, as a crashed holder's would have.
-    assert_eq!(
-        s.lock_thread("t1", "r2", Duration::ZERO).await.unwrap(),
-        LockOutcome::Acquired
-    );
-    assert_eq!(
-        s.lock_thread("t1", "r3", Duration::from_secs(60))
-            .await
-            .unwrap(),
-        LockOutcome::Acquired
-    );
-}
-
-async fn concurrent_lockers_get_exactly_one_winner(b: Backend) {
-    b.store.create_thread("t1", "alice", "x").await.unwrap();
-    let attempts = (0..10).map(|i| {
-        let s = b.store.clone();
-        tokio::spawn(async move {
-            s.lock_thread("t1", &format!("r{i}"), Duration::from_secs(60))
-                .await
-                .unwrap()
-        })
-    });
-    let mut acquired = 0;
-    for a in attempts {
-        if a.await.unwrap() == LockOutcome::Acquired {
-            acquired += 1;
-        }
-    }
-    assert_eq!(acquired, 1);
-}
-
-async fn messages_and_history_keep_their_order(b: Backend) {
-    let s = &b.store;
-    s.create_thread("t1", "alice", "x").await.unwrap();
-    s.add_message(
-        "t1",
-        Some("r1"),
-        MessageSource::User,
-        MessageKind::Text,
-        "one",
-        serde_json::json!({}),
-    )
-    .await
-    .unwrap();
-    s.add_message(
-        "t1",
-        Some("r1"),
-        MessageSource::Agent,
-        MessageKind::Tool,
-        "two",
-        serde_json::json!({"tool": "list_tasks"}),
-    )
-    .await
-    .unwrap();
-    let m = s.list_messages("t1", 0, 10).await.unwrap();
-    assert_eq!(
-        m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>(),
-        ["one", "two"]
-    );
-    assert_eq!(
-        (m[1].source, m[1].kind),
-        (MessageSource::Agent, MessageKind::Tool)
-    );
-    assert_eq!(m[1].metadata["tool"], "list_tasks");
-    s.append_history(
-        "t1",
-        &[
-            serde_json::json!({"role": "user"}),
-            serde_json::json!({"role": "assistant"}),
-        ],
-    )
-    .await
-    .unwrap();
-    s.append_history("t1", &[serde_json::json!({"role": "user", "n": 2})])
-        .await
-        .unwrap();
-    let h = s.history("t1").await.unwrap();
-    assert_eq!(h.len(), 3);
-    assert_eq!(h[2]["n"], 2);
-}
-
-async fn runs_are_created_once_per_request_id_and_updated(b: Backend) {
-    let s = &b.store;
-    s.create_thread("t1", "alice", "x").await.unwrap();
-    assert_eq!(
-        s.create_run(&new_run("r1", "t1", "alice", Some("req-1")))
-            .await
-            .unwrap(),
-        NewRunOutcome::Created
-    );
-    assert_eq!(
-        s.create_run(&new_run("r2", "t1", "alice", Some("req-1")))
-            .await
-            .unwrap(),
-        NewRunOutcome::Duplicate {
-            run_id: "r1".into()
-        }
-    );
-    assert_eq!(
-        s.create_run(&new_run("r3", "t1", "bob", Some("req-1")))
-            .await
-            .unwrap(),
-        NewRunOutcome::Created,
-        "keys are per owner"
-    );
-    s.update_run(
-        "r1",
-        RunPatch {
-            state: Some(RunState::Completed),
-            summary: Some("done".into()),
-            iterations: Some(2),
-            ..RunPatch::default()
-        },
-    )
-    .await
-    .unwrap();
-    let r = s.get_run("alice", "r1").await.unwrap().unwrap();
-    assert_eq!(
-        (r.state, r.summary.as_str(), r.iterations),
-        (RunState::Completed, "done", 2)
-    );
-    assert!(s.get_run("bob", "r1").await.unwrap().is_none());
-    assert!(
-        !s.request_cancel("r1").await.unwrap(),
-        "an ended run cannot be cancelled"
-    );
-    assert!(s.request_cancel("r3").await.unwrap());
-}
-
-async fn events_are_numbered_without_gaps_even_when_appended_concurrently(b: Backend) {
-    b.store.create_thread("t1", "alice", "x").await.unwrap();
-    b.store
-        .create_run(&new_run("r1", "t1", "alice", None))
-        .await
-        .unwrap();
-    let appends = (0..20).map(|i| {
-        let s = b.store.clone();
-        tokio::spawn(async move {
-            s.append_event("r1", format!("e{i}").as_bytes())
-                .await
-                .unwrap()
-        })
-    });
-    let mut seqs = Vec::new();
-    for a in appends {
-        seqs.push(a.await.unwrap());
-    }
-    seqs.sort();
-    assert_eq!(seqs, (1..=20).collect::<Vec<u64>>());
-    let after = b.store.events_after("r1", 15, 100).await.unwrap();
-    assert_eq!(
-        after.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
-        [16, 17, 18, 19, 20]
-    );
-    assert_eq!(
-        b.store
-            .get_run("alice", "r1")
-            .await
-            .unwrap()
-            .unwrap()
-            .last_event_seq,
-        20
-    );
-}
-
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod in_memory {
@@ -309,9 +911,18 @@ macro_rules! both_backends {
 
 both_backends!(
     threads_belong_to_their_owner,
-    the_thread_lock_admits_one_run_until_released_or_expired,
+    a_thread_is_never_created_twice,
+    the_thread_lease_has_one_holder_until_released_or_expired,
     concurrent_lockers_get_exactly_one_winner,
-    messages_and_history_keep_their_order,
-    runs_are_created_once_per_request_id_and_updated,
-    events_are_numbered_without_gaps_even_when_appended_concurrently,
+    admission_writes_run_message_and_first_event_or_nothing,
+    a_retried_request_id_is_a_duplicate_and_the_run_cap_holds,
+    a_commit_writes_everything_or_nothing_and_is_fenced_by_the_lease,
+    of_concurrent_deciders_exactly_one_wins,
+    an_expired_approval_cannot_be_decided,
+    a_paused_run_ends_once_and_its_approval_expires,
+    a_run_whose_lease_lapsed_is_ended_once_after_a_gap,
+    a_new_message_supersedes_a_paused_run,
+    archiving_moves_history_and_ends_paused_runs,
+    a_thread_held_by_another_run_is_not_archived,
+    the_task_queue_caps_open_tasks_per_user,
 );

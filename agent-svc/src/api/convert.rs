@@ -27,13 +27,21 @@ fn too_long(field: &str, len: usize, max: usize) -> ApiError {
     ApiError::InvalidArgument(format!("{field} is {len} bytes; the limit is {max}"))
 }
 
-pub fn channel(c: i32) -> Channel {
-    match pb::Channel::try_from(c).unwrap_or(pb::Channel::Unspecified) {
-        pb::Channel::Unspecified | pb::Channel::Web => Channel::Web,
-        pb::Channel::Telegram => Channel::Telegram,
-        pb::Channel::SessionOpen => Channel::SessionOpen,
-        pb::Channel::Scheduled => Channel::Scheduled,
-        pb::Channel::Heartbeat => Channel::Heartbeat,
+/// The channel a caller may pick. The long-running channels (scheduled, heartbeat) are
+/// Steward's own, not an interactive caller's (fair use); a session opening has its own RPC.
+pub fn channel(c: i32) -> Result<Channel, ApiError> {
+    match pb::Channel::try_from(c) {
+        Ok(pb::Channel::Unspecified | pb::Channel::Web) => Ok(Channel::Web),
+        Ok(pb::Channel::Telegram) => Ok(Channel::Telegram),
+        Ok(
+            reserved @ (pb::Channel::SessionOpen | pb::Channel::Scheduled | pb::Channel::Heartbeat),
+        ) => Err(ApiError::InvalidArgument(format!(
+            "input.channel {} is reserved for runs Steward starts itself; use CHANNEL_WEB or CHANNEL_TELEGRAM",
+            reserved.as_str_name()
+        ))),
+        Err(_) => Err(ApiError::InvalidArgument(format!(
+            "input.channel {c} is not a known channel; use CHANNEL_WEB or CHANNEL_TELEGRAM"
+        ))),
     }
 }
 
@@ -146,7 +154,7 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
         thread_id: Some(input.thread_id).filter(|t| !t.is_empty()),
         conversation,
         attached,
-        channel: channel(input.channel),
+        channel: channel(input.channel)?,
         request_id: Some(input.request_id).filter(|r| !r.is_empty()),
         max_total_tokens: Some(budget.max_total_tokens).filter(|t| *t > 0),
         max_cost_usd: Some(budget.max_cost_usd).filter(|c| *c > 0.0),

@@ -79,7 +79,7 @@ impl AgentService for AgentApi {
         let user = self.user(&request)?;
         let input = convert::run_input(request.into_inner().input)?;
         let (run_id, _) = self.runs.start(&user, input).await?;
-        let mut events = Box::pin(self.runs.watch(&user, &run_id, 0).await?);
+        let mut events = self.runs.follow(&user, &run_id, 0).await?;
         while let Some(event) = events.next().await {
             if let Some(result) = terminal_result(&event?) {
                 return Ok(Response::new(pb::RunResponse {
@@ -164,13 +164,13 @@ impl AgentService for AgentApi {
             SessionSetup {
                 guidance: prompt::NEW_USER_GUIDANCE.into(),
                 bootstrap: None,
-                allowed_tools: vec!["create_memories".into()],
+                allowed_tools: Some(vec!["create_memories".into()]),
             }
         } else {
             SessionSetup {
                 guidance: prompt::RETURNING_GUIDANCE.into(),
                 bootstrap: Some(context.rendered.clone()),
-                allowed_tools: Vec::new(),
+                allowed_tools: Some(Vec::new()),
             }
         };
         let input = RunInput {
@@ -186,7 +186,7 @@ impl AgentService for AgentApi {
             session: Some(session),
         };
         let (run_id, thread_id) = self.runs.start(&user, input).await?;
-        let mut events = Box::pin(self.runs.watch(&user, &run_id, 0).await?);
+        let mut events = self.runs.follow(&user, &run_id, 0).await?;
         let mut result = None;
         while let Some(event) = events.next().await {
             if let Some(r) = terminal_result(&event?) {
@@ -236,24 +236,25 @@ impl AgentService for AgentApi {
             .into());
         }
         let sha = Some(r.args_sha256.as_str()).filter(|s| !s.is_empty());
-        let (approval, continued) = self
+        let decision = self
             .runs
             .decide(&user, &r.approval_id, approve, sha)
             .await?;
-        let result = match continued {
-            Some((run_id, from)) => {
-                let mut events = Box::pin(self.runs.watch(&user, &run_id, from).await?);
-                let mut result = None;
-                while let Some(event) = events.next().await {
-                    if let Some(r) = terminal_result(&event?) {
-                        result = Some(r);
-                        break;
-                    }
+        let approval = decision.approval;
+        let mut result = None;
+        if let Some((run_id, from)) = &decision.follow {
+            let mut events = self.runs.follow(&user, run_id, *from).await?;
+            while let Some(event) = events.next().await {
+                if let Some(r) = terminal_result(&event?) {
+                    result = Some(r);
+                    break;
                 }
-                result
             }
-            // A repeated decision: the run as it stands.
-            None => self
+        }
+        // Not followed (or the run ended before this caller could follow it): the run as
+        // it stands.
+        if result.is_none() {
+            result = self
                 .store
                 .get_run(&user, &approval.run_id)
                 .await
@@ -265,9 +266,10 @@ impl AgentService for AgentApi {
                     summary: run.summary.clone(),
                     model: run.model.clone(),
                     error: run.error.clone().unwrap_or_default(),
+                    failure_kind: convert::failure_kind(run.failure_kind.as_deref()) as i32,
                     ..pb::RunResult::default()
-                }),
-        };
+                });
+        }
         let approval = self
             .store
             .get_approval(&user, &approval.id)

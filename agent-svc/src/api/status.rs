@@ -19,6 +19,9 @@ pub enum ApiError {
     Aborted(String),
     #[error("{0}")]
     Unavailable(String),
+    /// A fair-use cap: the message names the cap and what to do.
+    #[error("{0}")]
+    ResourceExhausted(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -33,8 +36,13 @@ impl From<ApiError> for Status {
             ApiError::FailedPrecondition(_) => Status::failed_precondition(message),
             ApiError::Aborted(_) => Status::aborted(message),
             ApiError::Unavailable(_) => Status::unavailable(message),
-            ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
+            ApiError::ResourceExhausted(_) => Status::resource_exhausted(message),
+            ApiError::Store(StoreError::Unavailable(_) | StoreError::LeaseLost) => {
+                Status::unavailable(message)
+            }
             ApiError::Store(StoreError::NotFound(_)) => Status::not_found(message),
+            ApiError::Store(StoreError::Conflict(_)) => Status::already_exists(message),
+            ApiError::Store(StoreError::Corrupt(_)) => Status::internal(message),
         }
     }
 }

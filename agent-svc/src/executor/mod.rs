@@ -61,6 +61,10 @@ pub enum RunEvent {
     },
     TextDelta(String),
     ThinkingDelta(String),
+    /// The model call is being retried: the partial text streamed for this turn is void.
+    DeltaReset,
+    /// A turn added to the transcript (persisted as LLM history as the run goes, S-4).
+    Turn(Turn),
     ToolCall {
         call_id: String,
         name: String,
@@ -214,6 +218,11 @@ pub fn trouble_connecting(gathered: &[String]) -> String {
 }
 
 const PREVIEW_CHARS: usize = 200;
+
+/// A fresh tool-call id that every provider accepts (letters, digits, `_`; ≤ 40 chars).
+pub fn new_call_id() -> String {
+    format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24])
+}
 /// How much of each tool result the fallback texts quote.
 const GATHERED_CHARS: usize = 500;
 
@@ -350,7 +359,16 @@ impl Run<'_> {
             });
             return Step::Done(Box::new(self.answer(text, Stop::Completed)));
         }
-        let calls = response.tool_calls.clone();
+        // Providers' ids repeat across turns (or are empty): every call gets its own, so
+        // actions and side-effect idempotency keys (run id + call id) can never collide.
+        let calls: Vec<ToolCall> = response
+            .tool_calls
+            .iter()
+            .map(|c| ToolCall {
+                id: new_call_id(),
+                ..c.clone()
+            })
+            .collect();
         self.push(Turn::Assistant {
             text: response.text.clone(),
             tool_calls: calls.clone(),
@@ -581,6 +599,7 @@ impl Run<'_> {
                 sink.emit(match delta {
                     Delta::Text(t) => RunEvent::TextDelta(t),
                     Delta::Thinking(t) => RunEvent::ThinkingDelta(t),
+                    Delta::Reset => RunEvent::DeltaReset,
                 });
             }
         };
@@ -668,6 +687,7 @@ impl Run<'_> {
     }
 
     fn push(&mut self, turn: Turn) {
+        self.sink.emit(RunEvent::Turn(turn.clone()));
         self.turns.push(turn);
     }
 

@@ -89,6 +89,8 @@ pub struct ModelResponse {
 pub enum Delta {
     Text(String),
     Thinking(String),
+    /// The call is being retried: what was streamed of this turn so far is void.
+    Reset,
 }
 
 /// Where an adapter sends deltas; a closed receiver is fine (nobody is watching).

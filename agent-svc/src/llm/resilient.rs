@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse};
+use super::{Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse};
 
 #[derive(Clone)]
 pub struct ChainEntry {
@@ -69,6 +69,10 @@ pub async fn complete(
         request.model = entry.model.clone();
         let mut retry = 0;
         loop {
+            if !attempts.is_empty() {
+                // A failed attempt may have streamed part of its answer: the client discards it.
+                let _ = deltas.send(Delta::Reset);
+            }
             let started = Instant::now();
             let result = match tokio::time::timeout(
                 policy.call_timeout,

@@ -1,145 +1,29 @@
-//! Decisions on paused actions (A-6, P-4): who may decide, what is refused, and how the run
-//! continues on whichever replica received the decision.
+//! Decisions on paused actions (A-6, P-4): who may decide, what is refused, and how exactly one
+//! decision continues the run, on whichever replica received it.
 
 use super::*;
+use crate::store::{Decided, LockOutcome};
+
+/// What a decision call gets back.
+pub struct Decision {
+    pub approval: Approval,
+    /// (run id, seq to follow from) when the run is (being) continued: the caller follows it
+    /// to its next stop. `None`: the run is as it stands.
+    pub follow: Option<(String, u64)>,
+}
 
 impl RunService {
-    /// After a decision: the approved action runs exactly once (the approval id is the gateway
-    /// idempotency key) or the rejection is recorded, as the pending call's result; then the loop
-    /// continues from the persisted transcript.
-    pub(super) async fn continue_after(
-        &self,
-        owner: &str,
-        thread_id: &str,
-        run_id: &str,
-        approval: Approval,
-        approved: bool,
-        cancel: &CancellationToken,
-    ) -> Result<pb::RunResult, ApiError> {
-        self.store
-            .update_run(
-                run_id,
-                RunPatch {
-                    state: Some(RunState::Executing),
-                    ..RunPatch::default()
-                },
-            )
-            .await?;
-        let run = self
-            .store
-            .get_run(owner, run_id)
-            .await?
-            .ok_or_else(|| ApiError::NotFound(format!("run {run_id}")))?;
-        let channel = convert::channel_from_key(&run.channel);
-        let action = action_id(run_id, &approval.call_id);
-        if approved {
-            self.store
-                .update_action(&action, ActionState::Executing, None, None)
-                .await?;
-        }
-        let (content, ok) = if approved {
-            let outcome = match &self.gateway {
-                Some(g) => {
-                    g.execute_once(
-                        owner,
-                        run_id,
-                        gateway_channel(channel),
-                        &approval.call_id,
-                        &approval.tool,
-                        &approval.arguments,
-                        &approval.id,
-                    )
-                    .await
-                }
-                None => ToolOutcome {
-                    ok: false,
-                    text: "Tools are unavailable right now.".into(),
-                    error_kind: "UPSTREAM_UNAVAILABLE".into(),
-                    truncated: false,
-                },
-            };
-            self.store
-                .record_audit(owner, "side_effect", Some(run_id), serde_json::json!({"approval_id": approval.id, "tool": approval.tool, "ok": outcome.ok}))
-                .await?;
-            (outcome.text, outcome.ok)
-        } else {
-            (
-                "The user rejected this action. Do not retry it unless they ask again.".to_owned(),
-                false,
-            )
-        };
-        let state = match (approved, ok) {
-            (false, _) => ActionState::Rejected,
-            (true, true) => ActionState::Completed,
-            (true, false) => ActionState::Failed,
-        };
-        self.store
-            .update_action(&action, state, Some((&content, None)), None)
-            .await?;
-        self.append(
-            run_id,
-            thread_id,
-            pb::run_event::Kind::ToolResult(pb::ToolResultEvent {
-                call_id: approval.call_id.clone(),
-                action_id: action.clone(),
-                tool: approval.tool.clone(),
-                ok,
-                preview: content.chars().take(200).collect(),
-                error_kind: String::new(),
-                truncated: false,
-            }),
-        )
-        .await?;
-        let result = Turn::ToolResult {
-            call_id: approval.call_id.clone(),
-            name: approval.tool.clone(),
-            content,
-            is_error: !ok,
-        };
-        let value =
-            serde_json::to_value(&result).map_err(|e| ApiError::Unavailable(e.to_string()))?;
-        self.store.append_history(thread_id, &[value]).await?;
-        let history = self.load_history(thread_id).await?;
-        let prompt = crate::prompt::build(
-            &crate::prompt::PromptInput {
-                channel: Some(channel),
-                ..crate::prompt::PromptInput::default()
-            },
-            executor::budget::TokenCounter::Ratio,
-            SystemTime::now(),
-        );
-        let request = RunRequest {
-            system: prompt.text,
-            history,
-            prompt: String::new(),
-            tools: Vec::new(),
-            limits: limits::profile(channel, self.max_loop_steps),
-            stop_after: None,
-            resume: true,
-        };
-        self.drive(
-            owner,
-            thread_id,
-            run_id,
-            channel,
-            request,
-            self.models.clone(),
-            None,
-            cancel,
-        )
-        .await
-    }
-
-    /// DecideApproval: only the owner; a repeated identical decision returns the current
-    /// state; a conflicting one, an expired approval, or changed arguments are
-    /// FAILED_PRECONDITION. The continuation runs on whichever replica received the call.
+    /// DecideApproval: only the owner; a repeated identical decision returns the run's
+    /// state (following it if it is still running); a conflicting one, an expired approval,
+    /// changed arguments, or a run that is no longer paused are FAILED_PRECONDITION. Of many
+    /// concurrent decisions exactly one wins and continues the run; the others follow it.
     pub async fn decide(
         self: &Arc<Self>,
         owner: &str,
         approval_id: &str,
         approve: bool,
         args_sha256: Option<&str>,
-    ) -> Result<(Approval, Option<(String, u64)>), ApiError> {
+    ) -> Result<Decision, ApiError> {
         let approval = self
             .store
             .get_approval(owner, approval_id)
@@ -150,8 +34,18 @@ impl RunService {
         } else {
             ApprovalState::Rejected
         };
+        let run = self
+            .store
+            .get_run(owner, &approval.run_id)
+            .await?
+            .ok_or_else(|| ApiError::NotFound(format!("run {}", approval.run_id)))?;
         if approval.state == wanted {
-            return Ok((approval, None));
+            return Ok(self.same_decision(approval, &run));
+        }
+        if approval.state == ApprovalState::Expired {
+            return Err(ApiError::FailedPrecondition(format!(
+                "approval {approval_id} can no longer be used: it expired (the conversation moved on, the session was archived, the run was cancelled, or its time ran out); ask again"
+            )));
         }
         if approval.state != ApprovalState::Pending {
             return Err(ApiError::FailedPrecondition(format!(
@@ -166,94 +60,262 @@ impl RunService {
                 "args_sha256 does not match approval {approval_id}: the arguments you saw are not the ones pending"
             )));
         }
-        if approve && approval.expires_at <= SystemTime::now() {
-            self.store
-                .decide_approval(approval_id, ApprovalState::Expired, owner)
-                .await?;
+        if run.state != RunState::AwaitingConfirmation && !run.state.is_live() {
+            return Err(ApiError::FailedPrecondition(format!(
+                "approval {approval_id} can no longer be used: its run is {}",
+                run.state.key()
+            )));
+        }
+        if approval.expires_at <= SystemTime::now() {
             return Err(ApiError::FailedPrecondition(format!(
                 "approval {approval_id} expired; ask again"
             )));
         }
-        // The call must still be open: a newer message on the thread closes paused calls.
-        let history = self.load_history(&approval.thread_id).await?;
-        let still_open = !history
-            .iter()
-            .any(|t| matches!(t, Turn::ToolResult { call_id, .. } if *call_id == approval.call_id));
-        if !still_open {
-            self.store
-                .decide_approval(approval_id, ApprovalState::Expired, owner)
-                .await?;
-            return Err(ApiError::FailedPrecondition(format!(
-                "approval {approval_id} can no longer be used: the conversation moved on"
-            )));
-        }
-        let decided = self
+        // The lease comes first: nothing is recorded unless this caller can also continue.
+        let lease = match self
             .store
-            .decide_approval(approval_id, wanted, owner)
-            .await?
-            .ok_or_else(|| ApiError::NotFound(format!("approval {approval_id}")))?;
-        if decided.state != wanted {
-            // Someone decided differently first.
-            return Err(ApiError::FailedPrecondition(format!(
-                "approval {approval_id} is already {}",
-                decided.state.key()
-            )));
-        }
-        self.store
-            .record_audit(
-                owner,
-                if approve {
-                    "approval_approved"
-                } else {
-                    "approval_rejected"
-                },
-                Some(&decided.run_id),
-                serde_json::json!({"approval_id": approval_id, "tool": decided.tool}),
-            )
-            .await?;
-        match self
-            .store
-            .lock_thread(&decided.thread_id, &decided.run_id, self.lease)
+            .lock_thread(&approval.thread_id, &approval.run_id, self.lease)
             .await?
         {
-            LockOutcome::Acquired => {}
+            LockOutcome::Acquired(lease) => lease,
+            LockOutcome::Busy { run_id } if run_id == approval.run_id => {
+                // Another decider holds this run: it continues; this caller follows.
+                return self.after_losing(owner, approval_id, wanted, &run).await;
+            }
             LockOutcome::Busy { run_id } => {
                 return Err(ApiError::Aborted(format!(
                     "thread {} has an active run ({run_id}); decide again when it ends",
-                    decided.thread_id
+                    approval.thread_id
                 )));
             }
-        }
-        let from = self
+        };
+        let audit_kind = if approve {
+            "approval_approved"
+        } else {
+            "approval_rejected"
+        };
+        match self
             .store
-            .get_run(owner, &decided.run_id)
-            .await?
-            .map_or(0, |r| r.last_event_seq);
-        let cancel = CancellationToken::new();
-        self.cancels
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(decided.run_id.clone(), cancel.clone());
-        let this = self.clone();
-        let (o, t, r, a) = (
-            owner.to_owned(),
-            decided.thread_id.clone(),
-            decided.run_id.clone(),
-            decided.clone(),
-        );
-        tokio::spawn(async move {
-            this.execute(
-                o,
-                t,
-                r,
-                Work::Continue {
-                    approval: a,
-                    approved: approve,
-                },
-                cancel,
-            )
+            .decide(&lease, approval_id, wanted, owner, audit_kind)
             .await
-        });
-        Ok((decided.clone(), Some((decided.run_id, from))))
+        {
+            Ok(Decided::Won {
+                approval,
+                last_event_seq,
+            }) => {
+                let segment = Segment {
+                    owner: owner.to_owned(),
+                    thread_id: approval.thread_id.clone(),
+                    run_id: approval.run_id.clone(),
+                    channel: convert::channel_from_key(&run.channel),
+                };
+                self.spawn_segment(
+                    segment,
+                    lease,
+                    last_event_seq,
+                    Plan::Continue {
+                        approval: Box::new(approval.clone()),
+                        approved: approve,
+                    },
+                );
+                let follow = Some((approval.run_id.clone(), last_event_seq));
+                Ok(Decision { approval, follow })
+            }
+            Ok(Decided::Lost { .. }) => {
+                let _ = self.store.release_lease(&lease).await;
+                self.after_losing(owner, approval_id, wanted, &run).await
+            }
+            Err(e) => {
+                let _ = self.store.release_lease(&lease).await;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// The decision asked for was already made: follow the run if it is still going.
+    fn same_decision(&self, approval: Approval, run: &Run) -> Decision {
+        let follow = run
+            .state
+            .is_live()
+            .then(|| (run.id.clone(), run.last_event_seq));
+        Decision { approval, follow }
+    }
+
+    /// Someone else decided (or is deciding) first: the same decision follows the run; a
+    /// different one is refused.
+    async fn after_losing(
+        &self,
+        owner: &str,
+        approval_id: &str,
+        wanted: ApprovalState,
+        seen: &Run,
+    ) -> Result<Decision, ApiError> {
+        // The winner takes the lease a moment before it records its decision: give it that
+        // moment (bounded), so this caller sees which decision won.
+        let mut approval = None;
+        for _ in 0..40 {
+            let now = self
+                .store
+                .get_approval(owner, approval_id)
+                .await?
+                .ok_or_else(|| ApiError::NotFound(format!("approval {approval_id}")))?;
+            let decided = now.state != ApprovalState::Pending;
+            approval = Some(now);
+            if decided {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        let approval = approval.expect("the loop ran");
+        let run = self.store.get_run(owner, &seen.id).await?;
+        match (approval.state, run) {
+            (state, Some(run)) if state == wanted => Ok(self.same_decision(approval, &run)),
+            // Being decided right now by a caller holding the lease: follow from the pause.
+            (ApprovalState::Pending, Some(run)) if run.state != RunState::AwaitingConfirmation => {
+                Ok(Decision {
+                    follow: (!run.state.is_terminal())
+                        .then(|| (run.id.clone(), seen.last_event_seq)),
+                    approval,
+                })
+            }
+            (state, run) => Err(ApiError::FailedPrecondition(format!(
+                "approval {approval_id} is {}{}",
+                state.key(),
+                run.map(|r| format!(" and its run is {}", r.state.key()))
+                    .unwrap_or_default()
+            ))),
+        }
+    }
+
+    /// A continuation segment: the approved action runs exactly once (its idempotency key is
+    /// the run id and call id) or the rejection is recorded, as the pending call's result;
+    /// then the loop continues from the persisted transcript with the run's own prompt.
+    pub(super) async fn resume(
+        &self,
+        seg: &Segment,
+        writer: &mut RunWriter,
+        approval: Approval,
+        approved: bool,
+        stopper: &Stopper,
+    ) -> Result<Driven, ApiError> {
+        let run = self
+            .store
+            .get_run(&seg.owner, &seg.run_id)
+            .await?
+            .ok_or_else(|| ApiError::NotFound(format!("run {}", seg.run_id)))?;
+        let call_id = approval.call_id.clone();
+        if let Some(action) = self
+            .store
+            .list_actions(&seg.run_id)
+            .await?
+            .into_iter()
+            .find(|a| a.call_id == call_id)
+        {
+            writer.actions.insert(call_id.clone(), action);
+        }
+        let (content, ok, error_kind) = if approved {
+            if let Some(a) = writer.actions.get_mut(&call_id) {
+                a.to(ActionState::Executing);
+            }
+            writer.stage_action(&call_id);
+            // Durable before the effect: a crash from here on shows the action as executing.
+            writer.flush().await?;
+            let outcome = match &self.gateway {
+                Some(g) => {
+                    g.execute_once(
+                        &seg.owner,
+                        &seg.run_id,
+                        gateway_channel(seg.channel),
+                        &call_id,
+                        &approval.tool,
+                        &approval.arguments,
+                        &action_id(&seg.run_id, &call_id),
+                    )
+                    .await
+                }
+                None => unavailable("Tools are unavailable right now."),
+            };
+            let outcome = tools::ambiguity(outcome, true);
+            writer.pending().audit.push((
+                "side_effect".into(),
+                serde_json::json!({"approval_id": approval.id, "tool": approval.tool, "ok": outcome.ok}),
+            ));
+            (outcome.text, outcome.ok, outcome.error_kind)
+        } else {
+            (
+                "The user rejected this action. Do not retry it unless they ask again.".to_owned(),
+                false,
+                String::new(),
+            )
+        };
+        if let Some(a) = writer.actions.get_mut(&call_id) {
+            a.to(match (approved, ok) {
+                (false, _) => ActionState::Rejected,
+                (true, true) => ActionState::Completed,
+                (true, false) => ActionState::Failed,
+            });
+            a.result_text = Some(content.clone());
+            a.error_kind = Some(error_kind.clone()).filter(|k| !k.is_empty());
+        }
+        writer.stage_action(&call_id);
+        let preview: String = content.chars().take(200).collect();
+        writer.emit(pb::run_event::Kind::ToolResult(pb::ToolResultEvent {
+            call_id: call_id.clone(),
+            action_id: action_id(&seg.run_id, &call_id),
+            tool: approval.tool.clone(),
+            ok,
+            preview: preview.clone(),
+            error_kind,
+            truncated: false,
+        }));
+        let result = Turn::ToolResult {
+            call_id,
+            name: approval.tool.clone(),
+            content,
+            is_error: !ok,
+        };
+        let pending = writer.pending();
+        pending.history.push(to_value(&result)?);
+        if approved {
+            pending.messages.push(NewMessage {
+                kind: crate::store::MessageKind::Tool,
+                metadata: serde_json::json!({ "tool": approval.tool, "ok": ok }),
+                ..NewMessage::text(
+                    MessageSource::Agent,
+                    format!(
+                        "{} {}: {preview}",
+                        if ok { "Ran" } else { "Tried" },
+                        approval.tool
+                    ),
+                )
+            });
+        }
+        let mut history = self.load_history(&seg.thread_id).await?;
+        history.push(result);
+        let system = if run.system_prompt.is_empty() {
+            // A run paused before prompts were stored: the base prompt for its channel.
+            crate::prompt::build(
+                &crate::prompt::PromptInput {
+                    channel: Some(seg.channel),
+                    ..crate::prompt::PromptInput::default()
+                },
+                executor::budget::TokenCounter::Ratio,
+                SystemTime::now(),
+            )
+            .text
+        } else {
+            run.system_prompt
+        };
+        let request = RunRequest {
+            system,
+            history,
+            prompt: String::new(),
+            tools: Vec::new(),
+            limits: limits::profile(seg.channel, self.max_loop_steps),
+            stop_after: None,
+            resume: true,
+        };
+        self.drive(seg, writer, request, self.models.clone(), None, stopper)
+            .await
     }
 }

@@ -2,12 +2,13 @@
 //! background task agents (B-5).
 
 use super::*;
+use crate::store::MessageKind;
 
 impl RunService {
     /// Archives the thread's LLM history with a 2–3 sentence summary (B-4). Race-safe: the store
     /// moves the history in one transaction, so of two sweeps only one archives. Failures are
     /// logged; the run goes on.
-    pub async fn archive(&self, owner: &str, thread_id: &str) {
+    pub async fn archive(&self, owner: &str, thread_id: &str, holder: Option<&Lease>) {
         let history = match self.load_history(thread_id).await {
             Ok(h) if !h.is_empty() => h,
             Ok(_) => return,
@@ -17,7 +18,20 @@ impl RunService {
             }
         };
         let summary = self.summarize(&history).await;
-        match self.store.archive_history(thread_id, owner, &summary).await {
+        let message = "The session was archived before this approval was decided.";
+        let ending = Ending {
+            state: RunState::Cancelled,
+            error: message.into(),
+            failure_kind: "cancelled".into(),
+            event: encode(cancelled_result(message)),
+            seq_gap: 1,
+            message: None,
+        };
+        match self
+            .store
+            .archive_history(thread_id, owner, &summary, &ending, holder)
+            .await
+        {
             Ok(Some(a)) => tracing::info!(thread_id, turns = a.turn_count, "archived a session"),
             Ok(None) => {}
             Err(e) => tracing::warn!(thread_id, error = %e, "could not archive a session"),
@@ -87,69 +101,35 @@ impl RunService {
         let idle = self.store.idle_threads_with_history(before).await?;
         let n = idle.len();
         for (thread_id, owner) in idle {
-            self.archive(&owner, &thread_id).await;
+            self.archive(&owner, &thread_id, None).await;
         }
         Ok(n)
     }
 
-    /// The health monitor's sweep (E-12): a run still unfinished past its channel's time
-    /// limit plus `grace` lost its instance; it is failed with a message and a terminal event,
-    /// and its thread is freed. Returns how many it ended.
+    /// The health monitor's sweep (E-12): a run still live whose thread lease lapsed (plus
+    /// `grace`) lost its writer — its replica died or stalled. It is failed with a message and
+    /// a terminal event, and its thread freed, by one conditional transaction (one sweeper
+    /// wins; a writer whose lease is live again is left alone). Returns how many it ended.
     pub async fn sweep_stale_runs(&self, grace: Duration) -> Result<usize, ApiError> {
-        let now = SystemTime::now();
-        // The shortest limit is session_open's 15 s: nothing younger can be stale.
-        let cutoff = now
-            .checked_sub(Duration::from_secs(15) + grace)
-            .unwrap_or(SystemTime::UNIX_EPOCH);
         let mut ended = 0;
-        for run in self.store.unfinished_runs_before(cutoff).await? {
-            if self
-                .cancels
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .contains_key(&run.id)
-            {
-                continue; // working in this process: alive
-            }
-            let limit =
-                limits::profile(convert::channel_from_key(&run.channel), self.max_loop_steps)
-                    .max_wall;
-            if run.started_at.unwrap_or(run.created_at) + limit + grace > now {
-                continue;
-            }
-            let message = format!(
-                "This run stopped responding (its {}s limit passed) and was ended. Please try again.",
-                limit.as_secs()
-            );
-            if !self
-                .store
-                .fail_if_unfinished(&run.id, &message, "timed_out")
-                .await?
-            {
-                continue; // finished meanwhile, or another replica's sweep got it
-            }
-            tracing::warn!(run_id = %run.id, thread_id = %run.thread_id, "health monitor ended a stale run");
-            self.store
-                .add_message(
-                    &run.thread_id,
-                    Some(&run.id),
-                    MessageSource::Error,
-                    MessageKind::Text,
-                    &message,
-                    serde_json::json!({}),
-                )
-                .await?;
-            self.store.release_lock(&run.thread_id, &run.id).await?;
-            self.append(
-                &run.id,
-                &run.thread_id,
-                pb::run_event::Kind::Error(pb::ErrorEvent {
-                    message,
+        for run in self.store.abandoned_runs(grace, 200).await? {
+            let message =
+                "This run stopped: the server running it stopped responding. Please try again.";
+            let ending = Ending {
+                state: RunState::Failed,
+                error: message.into(),
+                failure_kind: "timed_out".into(),
+                event: encode(pb::run_event::Kind::Error(pb::ErrorEvent {
+                    message: message.into(),
                     kind: pb::FailureKind::TimedOut as i32,
-                }),
-            )
-            .await?;
-            ended += 1;
+                })),
+                seq_gap: ABANDONED_SEQ_GAP,
+                message: Some(message.into()),
+            };
+            if self.store.end_abandoned(&run.id, &ending).await? {
+                tracing::warn!(run_id = %run.id, thread_id = %run.thread_id, "health monitor ended a run whose lease lapsed");
+                ended += 1;
+            }
         }
         Ok(ended)
     }
@@ -202,63 +182,51 @@ impl RunService {
         })
     }
 
-    /// One attempt of a task agent: its own thread and run (background limits, no approvals
-    /// possible), then its result posted to the parent thread, or a retry per E-12.
-    async fn run_task_agent(&self, task: TaskAgent) {
+    /// One attempt of a task agent: a run on its own thread through the same admission,
+    /// prompt assembly and writer as any run (background limits, no approvals possible), then
+    /// its result posted to the parent thread, or a retry per E-12.
+    async fn run_task_agent(self: &Arc<Self>, task: TaskAgent) {
         let thread_id = format!("task-{}", task.id);
         let outcome: Result<pb::RunResult, ApiError> = async {
             if self.store.get_thread(&task.owner, &thread_id).await?.is_none() {
                 let title: String = format!("Task: {}", task.goal).chars().take(80).collect();
-                self.store.create_thread(&thread_id, &task.owner, &title).await?;
+                match self.store.create_thread(&thread_id, &task.owner, &title).await {
+                    Ok(_) | Err(StoreError::Conflict(_)) => {}
+                    Err(e) => return Err(e.into()),
+                }
             }
-            let run_id = uuid::Uuid::new_v4().to_string();
-            let now = SystemTime::now();
-            let run = Run {
-                id: run_id.clone(),
-                thread_id: thread_id.clone(),
-                owner: task.owner.clone(),
-                request_id: None,
-                state: RunState::Planning,
-                channel: limits::Channel::TaskAgent.key().into(),
-                model: String::new(),
-                usage: RunUsage::default(),
-                iterations: 0,
-                error: None,
-                failure_kind: None,
-                summary: String::new(),
-                cancel_requested: false,
-                last_event_seq: 0,
-                created_at: now,
-                started_at: Some(now),
-                finished_at: None,
-                prompt_sections: Vec::new(),
-            };
-            self.store.create_run(&run).await?;
-            let prompt = crate::prompt::build(
-                &crate::prompt::PromptInput {
-                    channel: Some(limits::Channel::TaskAgent),
-                    session_guidance: Some(format!(
+            let input = RunInput {
+                prompt: task.instructions.clone(),
+                thread_id: Some(thread_id.clone()),
+                conversation: Vec::new(),
+                attached: Vec::new(),
+                channel: limits::Channel::TaskAgent,
+                request_id: Some(format!("task-{}-attempt-{}", task.id, task.attempts)),
+                max_total_tokens: None,
+                max_cost_usd: None,
+                model_override: None,
+                session: Some(SessionSetup {
+                    guidance: format!(
                         "You are a background task agent working for the user, without them present. Goal: {}\nWork step by step with your tools and finish with a short report.",
                         task.goal
-                    )),
-                    ..crate::prompt::PromptInput::default()
-                },
-                executor::budget::TokenCounter::Ratio,
-                now,
-            );
-            let request = RunRequest {
-                system: prompt.text,
-                history: Vec::new(),
-                prompt: task.instructions.clone(),
-                tools: Vec::new(),
-                limits: limits::profile(limits::Channel::TaskAgent, None),
-                stop_after: None,
-                resume: false,
+                    ),
+                    bootstrap: None,
+                    allowed_tools: None,
+                }),
             };
-            let cancel = CancellationToken::new();
-            let result = self.drive(&task.owner, &thread_id, &run_id, limits::Channel::TaskAgent, request, self.models.clone(), None, &cancel).await?;
-            self.append(&run_id, &thread_id, pb::run_event::Kind::Result(result.clone())).await?;
-            Ok(result)
+            let (run_id, _) = self.start(&task.owner, input).await?;
+            let mut events = self.follow(&task.owner, &run_id, 0).await?;
+            while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
+                let event = event.map_err(|s| ApiError::Unavailable(s.message().to_owned()))?;
+                match event.kind {
+                    Some(pb::run_event::Kind::Result(result)) => return Ok(result),
+                    Some(pb::run_event::Kind::Error(e)) => {
+                        return Err(ApiError::Unavailable(e.message));
+                    }
+                    _ => {}
+                }
+            }
+            Err(ApiError::Unavailable(format!("task agent run {run_id} ended without a result")))
         }
         .await;
 

@@ -1,10 +1,20 @@
-//! Runs from request to terminal event (A-1..A-5, A-8, E-11, S-2..S-4): thread ownership and
-//! the execution lock, the user message persisted before the model is called, the executor
-//! driven in its own task, every event numbered and persisted then announced, and exactly one
-//! terminal event. RunStream and Run both just watch the persisted events, so a client that lost
-//! its stream resumes on any replica with WatchRun.
+//! Runs from request to terminal event (A-1..A-8, E-11, S-2..S-4), as one durable state
+//! machine across replicas:
 //!
-//! Persisted events are the wire `RunEvent` (one shape for RunStream, WatchRun and replay).
+//! ```text
+//! admission  one transaction: thread lease (fenced by a token), queued run, user message, event 1
+//! segment    the lease holder alone writes: writer.rs numbers events, coalesces deltas and
+//!            commits each iteration's turns, actions, messages and events in one transaction;
+//!            a lease task renews until the end (a lost lease stops the run)
+//! pause      one commit: approval, action awaiting, run awaiting, events, lease freed
+//! decide     approvals.rs: lease first, then approval pending→decided + run awaiting→executing
+//!            in one transaction (one winner), then a new segment on the same run
+//! end        one commit: final message, run state, usage, terminal event, lease freed
+//! monitor    background.rs: runs whose lease lapsed are ended with a terminal event
+//! ```
+//!
+//! Watchers (live.rs) follow segments on this replica from memory and others from the store,
+//! woken by PostgreSQL notices. Proto types appear only as the wire event payload.
 
 use std::{
     collections::HashMap,
@@ -15,28 +25,36 @@ use std::{
 use prost::Message as _;
 use steward_proto::agent::v1 as pb;
 use steward_proto::gateway::v1 as gw;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::Stream;
-use tokio_util::sync::CancellationToken;
 
 use crate::{
     api::{ApiError, convert},
     executor::{
-        self, APPROVAL_REQUIRED, EventSink, Executor, ModelSetup, RunEvent, RunRequest, Stop,
-        ToolInvocation, ToolOutcome, ToolRunner, limits,
+        self, Executor, ModelSetup, RunEvent, RunRequest, Stop, ToolOutcome, ToolRunner, limits,
     },
     gateway_client::GatewayClient,
     llm::{
         ModelRequest, Turn,
         resilient::{self, ChainEntry, RetryPolicy},
     },
-    policy::{Policy, Verdict},
+    policy::Policy,
     store::{
-        Action, ActionState, Approval, ApprovalState, LockOutcome, MessageKind, MessageSource,
-        ModelCallUsage, NewRunOutcome, Run, RunPatch, RunState, RunUsage, SharedStore, TaskAgent,
-        action_id,
+        ActionState, Admission, Admitted, Approval, ApprovalState, Ending, Lease, MessageSource,
+        ModelCallUsage, NewMessage, Run, RunPatch, RunState, RunUsage, SharedStore, StoreError,
+        TaskAgent, action_id,
     },
 };
+
+mod approvals;
+mod background;
+mod live;
+mod tools;
+mod writer;
+
+pub use tools::{HISTORY_TOOL, TASK_AGENT_TOOL, sha256_hex};
+use tools::{NoTools, PolicyRunner};
+use writer::{RunWriter, StopReason, Stopper, WriterMsg, WriterSink};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Attached {
@@ -60,8 +78,8 @@ pub struct RunInput {
     pub max_total_tokens: Option<u64>,
     pub max_cost_usd: Option<f64>,
     pub model_override: Option<String>,
-    /// Set for a session opening: its guidance, the bootstrap context and the only tools it may
-    /// use; the synthetic prompt is not stored as a user message.
+    /// Set for a run Steward starts itself (a session opening, a task agent): its guidance,
+    /// context and tools; the synthetic prompt is not stored as a user message.
     pub session: Option<SessionSetup>,
 }
 
@@ -69,20 +87,35 @@ pub struct RunInput {
 pub struct SessionSetup {
     pub guidance: String,
     pub bootstrap: Option<String>,
-    pub allowed_tools: Vec<String>,
+    /// The only tools it may use; `None`: every tool.
+    pub allowed_tools: Option<Vec<String>>,
 }
 
-mod approvals;
-mod background;
-mod tools;
+/// Per-user fair-use caps (A-2): beyond them a call is RESOURCE_EXHAUSTED naming the cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FairUse {
+    /// AGENT_MAX_ACTIVE_RUNS_PER_USER
+    pub max_active_runs: u32,
+    /// AGENT_MAX_WATCHERS_PER_USER (per replica)
+    pub max_watchers: u32,
+    /// AGENT_MAX_QUEUED_TASK_AGENTS_PER_USER
+    pub max_queued_task_agents: u32,
+}
 
-pub use tools::{HISTORY_TOOL, TASK_AGENT_TOOL, sha256_hex};
-use tools::{NoTools, PolicyRunner};
+impl Default for FairUse {
+    fn default() -> Self {
+        Self {
+            max_active_runs: 8,
+            max_watchers: 32,
+            max_queued_task_agents: 10,
+        }
+    }
+}
 
 /// S1: the most recent 30 conversation entries go to the model.
 const PLANNING_CONVERSATION: usize = 30;
-/// How often a watcher re-reads the store when no local announcement comes (other replicas).
-const WATCH_POLL: Duration = Duration::from_millis(200);
+/// The monitor's terminal event skips past what a dead writer may have shown live.
+const ABANDONED_SEQ_GAP: u64 = writer::MAX_VOLATILE_EVENTS as u64 + 1;
 
 pub struct RunService {
     /// The cheap model for session summaries (L-5); `None` uses the user-message fallback.
@@ -99,10 +132,44 @@ pub struct RunService {
     pub gateway: Option<GatewayClient>,
     pub max_loop_steps: Option<u32>,
     pub max_tool_result_chars: usize,
-    /// The execution lock's lease; renewed while the run works (E-11).
+    /// RUN_LEASE: the thread lease of a running run, renewed every third of it (E-11).
     pub lease: Duration,
-    bus: Mutex<HashMap<String, Arc<Notify>>>,
-    cancels: Mutex<HashMap<String, CancellationToken>>,
+    pub fair_use: FairUse,
+    live: Arc<live::Live>,
+    /// Segments running here, to stop them at shutdown.
+    stoppers: Mutex<HashMap<String, Stopper>>,
+    /// Open watch streams per user on this replica (fair use).
+    watchers: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+/// What a segment of a run does.
+enum Plan {
+    Start {
+        input: Box<RunInput>,
+        models: Arc<ModelSetup>,
+        new_thread: bool,
+        /// Archive the previous session before this run (B-4).
+        archive_first: bool,
+    },
+    Continue {
+        approval: Box<Approval>,
+        approved: bool,
+    },
+}
+
+/// The run a segment works on.
+#[derive(Clone)]
+struct Segment {
+    owner: String,
+    thread_id: String,
+    run_id: String,
+    channel: limits::Channel,
+}
+
+/// How the executor part of a segment ended.
+enum Driven {
+    Finished(Box<executor::Outcome>),
+    Stopped(StopReason),
 }
 
 impl RunService {
@@ -125,18 +192,66 @@ impl RunService {
             max_loop_steps,
             max_tool_result_chars,
             lease: Duration::from_secs(30),
-            bus: Mutex::default(),
-            cancels: Mutex::default(),
+            fair_use: FairUse::default(),
+            live: Arc::default(),
+            stoppers: Mutex::default(),
+            watchers: Arc::default(),
         }
     }
 
-    fn notifier(&self, run_id: &str) -> Arc<Notify> {
-        let mut bus = self.bus.lock().unwrap_or_else(|e| e.into_inner());
-        bus.entry(run_id.to_owned()).or_default().clone()
+    /// Stops every segment still running here (shutdown) and waits up to `wait` for them to
+    /// commit their progress and release their leases.
+    pub async fn release_all(&self, wait: Duration) {
+        let running: Vec<(String, Stopper)> = self
+            .stoppers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(id, s)| (id.clone(), s.clone()))
+            .collect();
+        if running.is_empty() {
+            return;
+        }
+        tracing::warn!(
+            runs = running.len(),
+            "stopping runs still in progress at shutdown"
+        );
+        for (_, stopper) in &running {
+            stopper.stop(StopReason::Shutdown);
+        }
+        let deadline = tokio::time::Instant::now() + wait;
+        while tokio::time::Instant::now() < deadline
+            && !self
+                .stoppers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
-    fn announce(&self, run_id: &str) {
-        self.notifier(run_id).notify_waiters();
+    /// Live registrations on this replica (running segments, remote waits, cancels): returns
+    /// to zero when nothing runs or is watched.
+    pub fn live_registrations(&self) -> usize {
+        self.live.registrations() + self.stoppers.lock().map_or(0, |s| s.len())
+    }
+
+    /// Routes the store's cross-replica notices (new events, cancels) while the process runs.
+    pub fn spawn_notice_router(self: &Arc<Self>) -> Option<tokio::task::JoinHandle<()>> {
+        let mut notices = self.store.notices()?;
+        let live = self.live.clone();
+        Some(tokio::spawn(async move {
+            loop {
+                match notices.recv().await {
+                    Ok(notice) => live.route(&notice),
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                        live.route(&crate::store::RunNotice::Resync);
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        }))
     }
 
     /// Starts a run (or finds the one a repeated request id started) and returns its id and
@@ -153,33 +268,28 @@ impl RunService {
         {
             return Ok((existing.id, existing.thread_id));
         }
-        let (thread, new_thread) = match &input.thread_id {
+        let now = SystemTime::now();
+        let (thread_id, new_thread_title, archive_first) = match &input.thread_id {
             Some(id) => {
                 let t = self
                     .store
                     .get_thread(owner, id)
                     .await?
                     .ok_or_else(|| ApiError::NotFound(format!("thread {id}")))?;
-                (t, false)
+                // B-4: a message after AGENT_SESSION_TIMEOUT of quiet starts a new session; the
+                // old one is archived first (checked before this message touches the thread).
+                (t.id, None, t.updated_at + self.session_timeout <= now)
             }
-            None => {
-                let title: String = input.prompt.chars().take(80).collect();
-                (
-                    self.store
-                        .create_thread(&uuid::Uuid::new_v4().to_string(), owner, &title)
-                        .await?,
-                    true,
-                )
-            }
+            None => (
+                uuid::Uuid::new_v4().to_string(),
+                Some(input.prompt.chars().take(80).collect::<String>()),
+                false,
+            ),
         };
-        let run_id = uuid::Uuid::new_v4().to_string();
-        let now = SystemTime::now();
-        // B-4: a message after AGENT_SESSION_TIMEOUT of quiet starts a new session; the old one
-        // is archived first (checked before this message touches the thread).
-        let archive_first = !new_thread && thread.updated_at + self.session_timeout <= now;
+        let new_thread = new_thread_title.is_some();
         let run = Run {
-            id: run_id.clone(),
-            thread_id: thread.id.clone(),
+            id: uuid::Uuid::new_v4().to_string(),
+            thread_id: thread_id.clone(),
             owner: owner.to_owned(),
             request_id: input.request_id.clone(),
             state: RunState::Queued,
@@ -191,74 +301,63 @@ impl RunService {
             failure_kind: None,
             summary: String::new(),
             cancel_requested: false,
-            last_event_seq: 0,
+            last_event_seq: 1,
+            prompt_sections: Vec::new(),
+            system_prompt: String::new(),
             created_at: now,
             started_at: None,
             finished_at: None,
-            prompt_sections: Vec::new(),
         };
-        match self
-            .store
-            .lock_thread(&thread.id, &run_id, self.lease)
-            .await?
-        {
-            LockOutcome::Acquired => {}
-            LockOutcome::Busy { run_id: active } => {
-                return Err(ApiError::Aborted(format!(
-                    "thread {} already has an active run ({active}); wait for it to finish or cancel it",
-                    thread.id
-                )));
-            }
-        }
-        if let NewRunOutcome::Duplicate { run_id: first } = self.store.create_run(&run).await? {
-            self.store.release_lock(&thread.id, &run_id).await?;
-            return Ok((first, thread.id));
-        }
-        // S-4: the user's message is stored before any model call (a session opening has none).
-        if input.session.is_none() {
-            self.store
-                .add_message(
-                    &thread.id,
-                    Some(&run_id),
-                    MessageSource::User,
-                    MessageKind::Text,
-                    &input.prompt,
-                    serde_json::json!({}),
-                )
-                .await?;
-        }
-        let cancel = CancellationToken::new();
-        self.cancels
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(run_id.clone(), cancel.clone());
-        self.append(
-            &run_id,
-            &thread.id,
-            pb::run_event::Kind::Status(pb::StatusEvent {
+        let superseded = "A newer message on this thread superseded this run's pending approval.";
+        let admission = Admission {
+            new_thread_title,
+            // S-4: the user's message is stored before any model call (a run Steward starts
+            // itself has none).
+            user_message: input.session.is_none().then(|| input.prompt.clone()),
+            first_event: encode(pb::run_event::Kind::Status(pb::StatusEvent {
                 state: pb::RunState::Queued as i32,
                 detail: String::new(),
-            }),
-        )
-        .await?;
-        let this = self.clone();
-        let (owner, thread_id, id) = (owner.to_owned(), thread.id.clone(), run_id.clone());
-        tokio::spawn(async move {
-            this.execute(
-                owner,
-                thread_id,
-                id,
-                Work::Start {
-                    input,
-                    models,
-                    new_thread,
-                    archive_first,
-                },
-                cancel,
-            )
-            .await
-        });
-        Ok((run_id, thread.id))
+            })),
+            lease: self.lease,
+            max_active_runs: self.fair_use.max_active_runs,
+            supersede_event: encode(cancelled_result(superseded)),
+            supersede_message: superseded.into(),
+            run,
+        };
+        let run_id = admission.run.id.clone();
+        let lease = match self.store.admit(&admission).await? {
+            Admitted::Started(lease) => lease,
+            Admitted::Busy { run_id: active } => {
+                return Err(ApiError::Aborted(format!(
+                    "thread {thread_id} already has an active run ({active}); wait for it to finish or cancel it"
+                )));
+            }
+            Admitted::Duplicate { run_id, thread_id } => return Ok((run_id, thread_id)),
+            Admitted::TooManyRuns { active } => {
+                return Err(ApiError::ResourceExhausted(format!(
+                    "you have {active} runs in progress, the limit (AGENT_MAX_ACTIVE_RUNS_PER_USER) is {}; wait for one to finish",
+                    self.fair_use.max_active_runs
+                )));
+            }
+        };
+        let segment = Segment {
+            owner: owner.to_owned(),
+            thread_id: thread_id.clone(),
+            run_id: run_id.clone(),
+            channel: input.channel,
+        };
+        self.spawn_segment(
+            segment,
+            lease,
+            1,
+            Plan::Start {
+                input: Box::new(input),
+                models,
+                new_thread,
+                archive_first,
+            },
+        );
+        Ok((run_id, thread_id))
     }
 
     fn models_for(&self, model_override: Option<&str>) -> Result<Arc<ModelSetup>, ApiError> {
@@ -289,107 +388,68 @@ impl RunService {
         Ok(Arc::new(setup))
     }
 
-    async fn append(
-        &self,
-        run_id: &str,
-        thread_id: &str,
-        kind: pb::run_event::Kind,
-    ) -> Result<u64, ApiError> {
-        let event = pb::RunEvent {
-            run_id: run_id.to_owned(),
-            seq: 0,
-            time: Some(convert::timestamp(SystemTime::now())),
-            thread_id: thread_id.to_owned(),
-            kind: Some(kind),
-        };
-        let seq = self
-            .store
-            .append_event(run_id, &event.encode_to_vec())
-            .await?;
-        self.announce(run_id);
-        Ok(seq)
-    }
-
-    /// The spawned part of a run: work, then exactly one terminal event, then the lock.
-    async fn execute(
-        self: Arc<Self>,
-        owner: String,
-        thread_id: String,
-        run_id: String,
-        work: Work,
-        cancel: CancellationToken,
-    ) {
-        let outcome = match work {
-            Work::Start {
-                input,
-                models,
-                new_thread,
-                archive_first,
-            } => {
-                if archive_first {
-                    self.archive(&owner, &thread_id).await;
-                }
-                self.work(
-                    &owner, &thread_id, &run_id, &input, models, new_thread, &cancel,
-                )
-                .await
-            }
-            Work::Continue { approval, approved } => {
-                self.continue_after(&owner, &thread_id, &run_id, approval, approved, &cancel)
+    /// Runs one segment of a run in its own task: the lease keeper, the live log for local
+    /// watchers, the work, then exactly one terminal commit (or nothing, if the lease is lost:
+    /// the monitor ends such runs).
+    fn spawn_segment(self: &Arc<Self>, seg: Segment, lease: Lease, last_seq: u64, plan: Plan) {
+        let this = self.clone();
+        let stopper = Stopper::default();
+        self.live
+            .cancels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(seg.run_id.clone(), stopper.token.clone());
+        self.stoppers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(seg.run_id.clone(), stopper.clone());
+        let live_run = self.live.open(&seg.run_id, last_seq);
+        tokio::spawn(async move {
+            let done = tokio_util::sync::CancellationToken::new();
+            writer::keep_lease(
+                this.store.clone(),
+                lease.clone(),
+                this.lease,
+                stopper.clone(),
+                done.clone(),
+            );
+            let mut writer = RunWriter::new(this.store.clone(), live_run.clone(), lease, last_seq);
+            let worked = match plan {
+                Plan::Start {
+                    input,
+                    models,
+                    new_thread,
+                    archive_first,
+                } => {
+                    this.begin(
+                        &seg,
+                        &mut writer,
+                        &input,
+                        models,
+                        new_thread,
+                        archive_first,
+                        &stopper,
+                    )
                     .await
-            }
-        };
-        let terminal = match outcome {
-            Ok(result) => pb::run_event::Kind::Result(result),
-            Err(e) => {
-                tracing::error!(run_id = %run_id, error = %e, "run failed outside the model loop");
-                let message = e.to_string();
-                let _ = self
-                    .store
-                    .update_run(
-                        &run_id,
-                        RunPatch {
-                            state: Some(RunState::Failed),
-                            error: Some(message.clone()),
-                            failure_kind: Some("internal".into()),
-                            finished_at: Some(SystemTime::now()),
-                            ..RunPatch::default()
-                        },
-                    )
-                    .await;
-                let _ = self
-                    .store
-                    .add_message(
-                        &thread_id,
-                        Some(&run_id),
-                        MessageSource::Error,
-                        MessageKind::Text,
-                        &message,
-                        serde_json::json!({}),
-                    )
-                    .await;
-                pb::run_event::Kind::Error(pb::ErrorEvent {
-                    message,
-                    kind: pb::FailureKind::Internal as i32,
-                })
-            }
-        };
-        // The lock goes first: a caller that sees the terminal event may send the next message
-        // at once, and must not find the thread still busy.
-        if let Err(e) = self.store.release_lock(&thread_id, &run_id).await {
-            tracing::error!(run_id = %run_id, error = %e, "could not release the thread lock; it expires with its lease");
-        }
-        if let Err(e) = self.append(&run_id, &thread_id, terminal).await {
-            tracing::error!(run_id = %run_id, error = %e, "could not persist the terminal event");
-        }
-        self.cancels
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&run_id);
-        self.bus
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&run_id);
+                }
+                Plan::Continue { approval, approved } => {
+                    this.resume(&seg, &mut writer, *approval, approved, &stopper)
+                        .await
+                }
+            };
+            this.end(&seg, &mut writer, worked, &stopper).await;
+            done.cancel();
+            this.live
+                .cancels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&seg.run_id);
+            this.live.close(&seg.run_id, &live_run);
+            this.stoppers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&seg.run_id);
+        });
     }
 
     async fn load_history(&self, thread_id: &str) -> Result<Vec<Turn>, ApiError> {
@@ -406,79 +466,54 @@ impl RunService {
         Ok(history)
     }
 
-    /// Tool calls left open by a paused run whose user moved on get a result now, so the
-    /// transcript stays valid for every provider; their approvals can no longer be used.
-    async fn close_open_calls(
-        &self,
-        thread_id: &str,
-        history: &mut Vec<Turn>,
-    ) -> Result<(), ApiError> {
-        let answered: std::collections::HashSet<String> = history
+    /// Tool calls left open in the history (a superseded approval, a run whose replica died
+    /// mid-call) get a result now, so the transcript stays valid for every provider.
+    fn close_open_calls(history: &[Turn]) -> Vec<Turn> {
+        let answered: std::collections::HashSet<&str> = history
             .iter()
-            .filter_map(|t| {
-                if let Turn::ToolResult { call_id, .. } = t {
-                    Some(call_id.clone())
-                } else {
-                    None
-                }
+            .filter_map(|t| match t {
+                Turn::ToolResult { call_id, .. } => Some(call_id.as_str()),
+                _ => None,
             })
             .collect();
-        let open: Vec<(String, String)> = history
+        history
             .iter()
             .flat_map(|t| match t {
-                Turn::Assistant { tool_calls, .. } => tool_calls
-                    .iter()
-                    .map(|c| (c.id.clone(), c.name.clone()))
-                    .collect(),
+                Turn::Assistant { tool_calls, .. } => tool_calls.iter().collect(),
                 _ => Vec::new(),
             })
-            .filter(|(id, _)| !answered.contains(id))
-            .collect();
-        if open.is_empty() {
-            return Ok(());
-        }
-        let closing: Vec<Turn> = open
-            .into_iter()
-            .map(|(call_id, name)| Turn::ToolResult {
-                call_id,
-                name,
-                content: "Not executed: the user moved on without approving it.".into(),
+            .filter(|c| !answered.contains(c.id.as_str()))
+            .map(|c| Turn::ToolResult {
+                call_id: c.id.clone(),
+                name: c.name.clone(),
+                content: "Not completed: the run that made this call ended before its result was recorded (it was superseded, or its service restarted). It may or may not have happened; do not repeat a side effect without asking the user.".into(),
                 is_error: true,
             })
-            .collect();
-        let values = closing
-            .iter()
-            .map(serde_json::to_value)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| ApiError::Unavailable(e.to_string()))?;
-        self.store.append_history(thread_id, &values).await?;
-        history.extend(closing);
-        Ok(())
+            .collect()
     }
 
+    /// The first segment of a run: prompt assembly, then the loop.
     #[allow(clippy::too_many_arguments)]
-    async fn work(
+    async fn begin(
         &self,
-        owner: &str,
-        thread_id: &str,
-        run_id: &str,
+        seg: &Segment,
+        writer: &mut RunWriter,
         input: &RunInput,
         models: Arc<ModelSetup>,
         new_thread: bool,
-        cancel: &CancellationToken,
-    ) -> Result<pb::RunResult, ApiError> {
-        self.store
-            .update_run(
-                run_id,
-                RunPatch {
-                    state: Some(RunState::Planning),
-                    started_at: Some(SystemTime::now()),
-                    ..RunPatch::default()
-                },
-            )
-            .await?;
-        let mut history = self.load_history(thread_id).await?;
-        self.close_open_calls(thread_id, &mut history).await?;
+        archive_first: bool,
+        stopper: &Stopper,
+    ) -> Result<Driven, ApiError> {
+        if archive_first {
+            self.archive(&seg.owner, &seg.thread_id, Some(&writer.lease))
+                .await;
+        }
+        let mut history = self.load_history(&seg.thread_id).await?;
+        let closing = Self::close_open_calls(&history);
+        for turn in &closing {
+            writer.pending().history.push(to_value(turn)?);
+        }
+        history.extend(closing);
         if new_thread && history.is_empty() {
             let skip = input
                 .conversation
@@ -500,18 +535,56 @@ impl RunService {
                 })
                 .collect();
         }
+        writer
+            .pending()
+            .history
+            .push(to_value(&Turn::User(input.prompt.clone()))?);
         let mut limits = limits::profile(input.channel, self.max_loop_steps);
         limits.max_total_tokens = input.max_total_tokens;
         limits.max_cost_usd = input.max_cost_usd;
-        let about_user = self.about_user(owner, run_id, input).await;
-        let recent_sessions = match self.store.recent_summaries(owner, self.summary_count).await {
+        let prompt = self.assemble(seg, input, &models).await;
+        writer.pending().patch.merge(RunPatch {
+            state: Some(RunState::Planning),
+            started_at: Some(SystemTime::now()),
+            prompt_sections: Some(prompt.sections.clone()),
+            system_prompt: Some(prompt.text.clone()),
+            ..RunPatch::default()
+        });
+        let request = RunRequest {
+            system: prompt.text,
+            history,
+            prompt: input.prompt.clone(),
+            tools: Vec::new(),
+            limits,
+            stop_after: None,
+            resume: false,
+        };
+        let allowed = input.session.as_ref().and_then(|s| s.allowed_tools.clone());
+        self.drive(seg, writer, request, models, allowed.as_deref(), stopper)
+            .await
+    }
+
+    /// The one prompt assembler (B-1): every run's system prompt is built here; a
+    /// continuation reuses what its run stored.
+    async fn assemble(
+        &self,
+        seg: &Segment,
+        input: &RunInput,
+        models: &ModelSetup,
+    ) -> crate::prompt::Prompt {
+        let about_user = self.about_user(seg, input).await;
+        let recent_sessions = match self
+            .store
+            .recent_summaries(&seg.owner, self.summary_count)
+            .await
+        {
             Ok(list) => list.into_iter().map(|a| a.summary).collect(),
             Err(e) => {
                 tracing::warn!(error = %e, "recent session summaries unavailable");
                 Vec::new()
             }
         };
-        let prompt = crate::prompt::build(
+        crate::prompt::build(
             &crate::prompt::PromptInput {
                 channel: Some(input.channel),
                 about_user,
@@ -524,42 +597,12 @@ impl RunService {
                 models.chain.first().map_or("", |e| e.model.as_str()),
             ),
             SystemTime::now(),
-        );
-        self.store
-            .update_run(
-                run_id,
-                RunPatch {
-                    prompt_sections: Some(prompt.sections.clone()),
-                    ..RunPatch::default()
-                },
-            )
-            .await?;
-        let request = RunRequest {
-            system: prompt.text,
-            history,
-            prompt: input.prompt.clone(),
-            tools: Vec::new(),
-            limits,
-            stop_after: None,
-            resume: false,
-        };
-        let allowed = input.session.as_ref().map(|s| s.allowed_tools.as_slice());
-        self.drive(
-            owner,
-            thread_id,
-            run_id,
-            input.channel,
-            request,
-            models,
-            allowed,
-            cancel,
         )
-        .await
     }
 
     /// [ABOUT THE USER]: what memory holds that bears on the prompt. A failure never blocks
     /// the run (B-1); it is logged and the section left out.
-    async fn about_user(&self, owner: &str, run_id: &str, input: &RunInput) -> Option<String> {
+    async fn about_user(&self, seg: &Segment, input: &RunInput) -> Option<String> {
         let gateway = self.gateway.as_ref()?;
         let query = if input.session.is_some() {
             "preferences goals priorities".to_owned()
@@ -568,8 +611,8 @@ impl RunService {
         };
         let outcome = gateway
             .execute_once(
-                owner,
-                run_id,
+                &seg.owner,
+                &seg.run_id,
                 gateway_channel(input.channel),
                 "about-user",
                 "search_memory",
@@ -578,31 +621,28 @@ impl RunService {
             )
             .await;
         if !outcome.ok {
-            tracing::warn!(run_id, error = %outcome.text, "memory unavailable for [ABOUT THE USER]");
+            tracing::warn!(run_id = %seg.run_id, error = %outcome.text, "memory unavailable for [ABOUT THE USER]");
             return None;
         }
         // "No memories match ..." is a fact worth nothing in the prompt.
         (!outcome.text.starts_with("No memories")).then_some(outcome.text)
     }
 
-    /// Lists the tools, opens the Execute stream behind the policy, runs the executor with its
-    /// events persisted, and records the outcome.
-    #[allow(clippy::too_many_arguments)]
+    /// Lists the tools, opens the Execute stream behind the policy, and runs the executor with
+    /// its events going through the writer.
     async fn drive(
         &self,
-        owner: &str,
-        thread_id: &str,
-        run_id: &str,
-        channel: limits::Channel,
+        seg: &Segment,
+        writer: &mut RunWriter,
         mut request: RunRequest,
         models: Arc<ModelSetup>,
         allowed: Option<&[String]>,
-        cancel: &CancellationToken,
-    ) -> Result<pb::RunResult, ApiError> {
-        let gw_channel = gateway_channel(channel);
+        stopper: &Stopper,
+    ) -> Result<Driven, ApiError> {
+        let gw_channel = gateway_channel(seg.channel);
         let mut side_effects = std::collections::HashSet::new();
         if let Some(g) = &self.gateway {
-            match g.list_tools(owner, gw_channel).await {
+            match g.list_tools(&seg.owner, gw_channel).await {
                 Ok(list) => {
                     for t in list {
                         if allowed.is_some_and(|only| !only.contains(&t.decl.name)) {
@@ -621,202 +661,165 @@ impl RunService {
             }
         }
         if allowed.is_none_or(|only| only.iter().any(|t| t == HISTORY_TOOL)) {
-            request.tools.push(crate::llm::ToolDecl {
-                name: HISTORY_TOOL.into(),
-                description: "Search the user's past sessions with you (summaries and full text); up to 5, newest and best first.".into(),
-                parameters: serde_json::json!({"type": "object", "additionalProperties": false, "required": ["query"], "properties": {
-                    "query": {"type": "string", "minLength": 1, "maxLength": 300},
-                    "timeframe_days": {"type": "integer", "minimum": 1, "maximum": 3650}}}),
-            });
+            request.tools.push(tools::history_tool());
         }
-        if channel != limits::Channel::TaskAgent
+        if seg.channel != limits::Channel::TaskAgent
             && allowed.is_none_or(|only| only.iter().any(|t| t == TASK_AGENT_TOOL))
         {
-            request.tools.push(crate::llm::ToolDecl {
-                name: TASK_AGENT_TOOL.into(),
-                description: "Start a background task agent for work that takes many steps; its result is posted to this thread when done.".into(),
-                parameters: serde_json::json!({"type": "object", "additionalProperties": false, "required": ["instructions", "goal"], "properties": {
-                    "instructions": {"type": "string", "minLength": 1, "maxLength": 4000},
-                    "goal": {"type": "string", "minLength": 1, "maxLength": 500}}}),
-            });
+            request.tools.push(tools::task_agent_tool());
         }
+        writer.side_effects = side_effects.clone();
         let session = match (&self.gateway, request.tools.is_empty()) {
             (Some(g), false) => Some(
-                g.open(owner, run_id, gw_channel)
+                g.open(&seg.owner, &seg.run_id, gw_channel)
                     .await
                     .map_err(|e| ApiError::Unavailable(e.to_string()))?,
             ),
             _ => None,
         };
-        let no_tools = NoTools;
-        let inner: &dyn ToolRunner = match &session {
-            Some(s) => s,
-            None => &no_tools,
-        };
-        let runner = PolicyRunner {
-            inner,
-            thread_id,
-            background: channel == limits::Channel::TaskAgent,
-            policy: &self.policy,
-            user: owner,
-            side_effects: &side_effects,
-            store: &self.store,
-            run_id,
-        };
         let executor = Executor {
             models,
             max_tool_result_chars: self.max_tool_result_chars,
         };
-        let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
-        let sink = ChannelSink(tx);
-        let writer = async {
-            let mut tool_messages = Vec::new();
-            while let Some(event) = rx.recv().await {
-                match &event {
-                    RunEvent::ToolCall {
-                        call_id,
-                        name,
-                        args,
-                        ..
-                    } => {
-                        let id = action_id(run_id, call_id);
-                        let now = SystemTime::now();
-                        self.store
-                            .create_action(&Action {
-                                id: id.clone(),
-                                run_id: run_id.to_owned(),
-                                call_id: call_id.clone(),
-                                tool: name.clone(),
-                                arguments: args.clone(),
-                                side_effect: side_effects.contains(name),
-                                state: ActionState::Planned,
-                                result_text: None,
-                                error_kind: None,
-                                approval_id: None,
-                                created_at: now,
-                                updated_at: now,
-                            })
-                            .await?;
-                        self.store
-                            .update_action(&id, ActionState::Executing, None, None)
-                            .await?;
-                    }
-                    RunEvent::ToolResult {
-                        call_id,
-                        name,
-                        ok,
-                        preview,
-                        text,
-                        error_kind,
-                        ..
-                    } => {
-                        tool_messages.push((name.clone(), *ok, preview.clone()));
-                        let state = if *ok {
-                            ActionState::Completed
-                        } else {
-                            ActionState::Failed
-                        };
-                        let kind = Some(error_kind.as_str()).filter(|k| !k.is_empty());
-                        self.store
-                            .update_action(
-                                &action_id(run_id, call_id),
-                                state,
-                                Some((text, kind)),
-                                None,
-                            )
-                            .await?;
-                    }
-                    _ => {}
-                }
-                if let Some(kind) = event_kind(run_id, event) {
-                    self.append(run_id, thread_id, kind).await?;
+        let (tx, rx) = mpsc::unbounded_channel::<WriterMsg>();
+        let work = async {
+            let no_tools = NoTools;
+            let runner = PolicyRunner {
+                inner: match &session {
+                    Some(s) => s as &dyn ToolRunner,
+                    None => &no_tools,
+                },
+                thread_id: &seg.thread_id,
+                background: seg.channel == limits::Channel::TaskAgent,
+                policy: &self.policy,
+                user: &seg.owner,
+                side_effects: &side_effects,
+                store: &self.store,
+                run_id: &seg.run_id,
+                writer: tx.clone(),
+                max_queued_task_agents: self.fair_use.max_queued_task_agents,
+            };
+            let sink = WriterSink(tx);
+            tokio::select! {
+                out = executor.run(&request, &runner, &sink) => Some(out),
+                () = stopper.token.cancelled() => None,
+            }
+        };
+        let (outcome, pumped) = tokio::join!(work, writer.pump(rx, stopper));
+        drop(session);
+        if let Err(e) = pumped {
+            tracing::error!(run_id = %seg.run_id, error = %e, "the run could not record its progress");
+        }
+        Ok(match (outcome, stopper.reason()) {
+            (_, Some(reason)) => Driven::Stopped(reason),
+            (Some(outcome), None) => Driven::Finished(Box::new(outcome)),
+            (None, None) => Driven::Stopped(StopReason::Cancelled),
+        })
+    }
+
+    /// Ends a segment: its terminal commit (result, pause, cancel or error) with the lease
+    /// freed. With the lease lost, nothing is written: the monitor ends the run.
+    async fn end(
+        &self,
+        seg: &Segment,
+        writer: &mut RunWriter,
+        worked: Result<Driven, ApiError>,
+        stopper: &Stopper,
+    ) {
+        match worked {
+            Ok(Driven::Finished(outcome)) => {
+                if let Err(e) = self.conclude(seg, writer, *outcome).await {
+                    self.fail(seg, writer, &e.to_string());
                 }
             }
-            Ok::<_, ApiError>(tool_messages)
-        };
-        let work = async {
-            let out = tokio::select! {
-                out = executor.run(&request, &runner, &sink) => Some(out),
-                () = cancel.cancelled() => None,
-                () = self.watch_cancel(owner, run_id, thread_id) => None,
-            };
-            drop(sink);
-            out
-        };
-        let (outcome, written) = tokio::join!(work, writer);
-        let tool_messages = written?;
-        drop(session);
-        let Some(outcome) = outcome else {
-            return self.cancelled(run_id, thread_id).await;
-        };
-        for (name, ok, preview) in tool_messages {
-            let content = format!("{} {name}: {preview}", if ok { "Ran" } else { "Tried" });
-            self.store
-                .add_message(
-                    thread_id,
-                    Some(run_id),
-                    MessageSource::Agent,
-                    MessageKind::Tool,
-                    &content,
-                    serde_json::json!({ "tool": name, "ok": ok }),
-                )
-                .await?;
+            Ok(Driven::Stopped(StopReason::Cancelled)) => {
+                let message = "The run was cancelled.";
+                writer.pending().patch.merge(RunPatch {
+                    state: Some(RunState::Cancelled),
+                    error: Some(message.into()),
+                    failure_kind: Some("cancelled".into()),
+                    finished_at: Some(SystemTime::now()),
+                    ..RunPatch::default()
+                });
+                writer.emit(cancelled_result(message));
+            }
+            Ok(Driven::Stopped(StopReason::Shutdown)) => {
+                tracing::warn!(run_id = %seg.run_id, "shutting down: releasing the run's lease for another replica's monitor to end it");
+            }
+            Ok(Driven::Stopped(StopReason::LeaseLost)) => {
+                tracing::error!(run_id = %seg.run_id, "the run lost its lease; the health monitor will end it");
+                return;
+            }
+            Ok(Driven::Stopped(StopReason::WriteFailed(why))) => {
+                self.fail(
+                    seg,
+                    writer,
+                    &format!("the run could not record its progress ({why})"),
+                );
+            }
+            Err(e) => {
+                tracing::error!(run_id = %seg.run_id, error = %e, "run failed outside the model loop");
+                self.fail(seg, writer, &e.to_string());
+            }
         }
-        let mut outcome = outcome;
-        if channel == limits::Channel::SessionOpen && outcome.model_text_empty {
+        writer.pending().release = true;
+        match writer.flush().await {
+            Ok(()) => {}
+            Err(StoreError::LeaseLost) => {
+                tracing::error!(run_id = %seg.run_id, "the run lost its lease before its end was recorded; the health monitor will end it");
+            }
+            Err(e) => {
+                tracing::error!(run_id = %seg.run_id, error = %e, "could not record the run's end; the health monitor will end it when its lease lapses");
+                let _ = self.store.release_lease(&writer.lease).await;
+            }
+        }
+        let _ = stopper;
+    }
+
+    /// An internal failure: the run fails with the message, shown in the thread.
+    fn fail(&self, seg: &Segment, writer: &mut RunWriter, message: &str) {
+        let pending = writer.pending();
+        pending.patch.merge(RunPatch {
+            state: Some(RunState::Failed),
+            error: Some(message.to_owned()),
+            failure_kind: Some("internal".into()),
+            finished_at: Some(SystemTime::now()),
+            ..RunPatch::default()
+        });
+        pending
+            .messages
+            .push(NewMessage::text(MessageSource::Error, message));
+        let _ = seg;
+        writer.emit(pb::run_event::Kind::Error(pb::ErrorEvent {
+            message: message.to_owned(),
+            kind: pb::FailureKind::Internal as i32,
+        }));
+    }
+
+    /// The executor finished: the answer, a pause for approval, or a failure, with usage.
+    async fn conclude(
+        &self,
+        seg: &Segment,
+        writer: &mut RunWriter,
+        mut outcome: executor::Outcome,
+    ) -> Result<(), ApiError> {
+        if seg.channel == limits::Channel::SessionOpen && outcome.model_text_empty {
             // E-5, S0 AC-17: a session opening with nothing to say stays silent, loudly in logs.
             tracing::error!(
-                run_id,
+                run_id = %seg.run_id,
                 "the model returned no text for a session opening; answering silent"
             );
             outcome.text = String::new();
         }
-        self.finalize(owner, thread_id, run_id, outcome).await
-    }
-
-    async fn cancelled(&self, run_id: &str, thread_id: &str) -> Result<pb::RunResult, ApiError> {
-        let message = "The run was cancelled.".to_owned();
-        self.store
-            .update_run(
-                run_id,
-                RunPatch {
-                    state: Some(RunState::Cancelled),
-                    error: Some(message.clone()),
-                    failure_kind: Some("cancelled".into()),
-                    finished_at: Some(SystemTime::now()),
-                    ..RunPatch::default()
-                },
-            )
-            .await?;
-        Ok(pb::RunResult {
-            run_id: run_id.into(),
-            thread_id: thread_id.into(),
-            status: pb::RunState::Cancelled as i32,
-            summary: message.clone(),
-            mode: pb::ResultMode::AssistantText as i32,
-            error: message,
-            failure_kind: pb::FailureKind::Cancelled as i32,
-            ..pb::RunResult::default()
-        })
-    }
-
-    async fn finalize(
-        &self,
-        owner: &str,
-        thread_id: &str,
-        run_id: &str,
-        outcome: executor::Outcome,
-    ) -> Result<pb::RunResult, ApiError> {
-        let turns = outcome
-            .new_turns
-            .iter()
-            .map(serde_json::to_value)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| {
-                ApiError::Unavailable(format!("could not serialize the transcript: {e}"))
-            })?;
-        self.store.append_history(thread_id, &turns).await?;
-        let usage = usage_of(&outcome);
+        // A continuation adds to what the run's earlier segments used.
+        let before = self
+            .store
+            .get_run(&seg.owner, &seg.run_id)
+            .await?
+            .map(|r| (r.usage, r.iterations))
+            .unwrap_or_default();
+        let usage = usage_of(&before.0, &outcome);
+        let iterations = before.1 + outcome.iterations;
         let model = outcome
             .calls
             .last()
@@ -840,9 +843,9 @@ impl RunService {
             let now = SystemTime::now();
             let approval = Approval {
                 id: uuid::Uuid::new_v4().to_string(),
-                run_id: run_id.into(),
-                thread_id: thread_id.into(),
-                owner: owner.into(),
+                run_id: seg.run_id.clone(),
+                thread_id: seg.thread_id.clone(),
+                owner: seg.owner.clone(),
                 call_id: call_id.clone(),
                 tool: name.clone(),
                 arguments: arguments.clone(),
@@ -855,54 +858,39 @@ impl RunService {
                 decided_by: None,
                 decided_at: None,
             };
-            self.store.create_approval(&approval).await?;
-            self.store
-                .update_action(
-                    &action_id(run_id, call_id),
-                    ActionState::AwaitingConfirmation,
-                    None,
-                    Some(&approval.id),
-                )
-                .await?;
-            self.store
-                .record_audit(owner, "approval_requested", Some(run_id), serde_json::json!({"approval_id": approval.id, "tool": name, "preview": approval.preview}))
-                .await?;
-            self.store
-                .add_message(
-                    thread_id,
-                    Some(run_id),
-                    MessageSource::Agent,
-                    MessageKind::Text,
-                    &outcome.text,
-                    serde_json::json!({"approval_id": approval.id}),
-                )
-                .await?;
-            self.store
-                .update_run(
-                    run_id,
-                    RunPatch {
-                        state: Some(RunState::AwaitingConfirmation),
-                        model: Some(model.clone()),
-                        usage: Some(usage.clone()),
-                        iterations: Some(outcome.iterations),
-                        summary: Some(outcome.text.clone()),
-                        ..RunPatch::default()
-                    },
-                )
-                .await?;
+            if let Some(a) = writer.actions.get_mut(call_id) {
+                a.to(ActionState::AwaitingConfirmation);
+                a.approval_id = Some(approval.id.clone());
+            }
+            writer.stage_action(call_id);
             let approval_pb = convert::approval(&approval);
-            self.append(
-                run_id,
-                thread_id,
-                pb::run_event::Kind::ApprovalRequired(pb::ApprovalRequiredEvent {
+            let pending = writer.pending();
+            pending.audit.push((
+                "approval_requested".into(),
+                serde_json::json!({"approval_id": approval.id, "tool": name, "preview": approval.preview}),
+            ));
+            pending.messages.push(NewMessage {
+                metadata: serde_json::json!({"approval_id": approval.id}),
+                ..NewMessage::text(MessageSource::Agent, outcome.text.clone())
+            });
+            pending.patch.merge(RunPatch {
+                state: Some(RunState::AwaitingConfirmation),
+                model: Some(model.clone()),
+                usage: Some(usage),
+                iterations: Some(iterations),
+                summary: Some(outcome.text.clone()),
+                ..RunPatch::default()
+            });
+            pending.approval = Some(approval);
+            writer.emit(pb::run_event::Kind::ApprovalRequired(
+                pb::ApprovalRequiredEvent {
                     approval: Some(approval_pb.clone()),
-                }),
-            )
-            .await?;
-            return Ok(pb::RunResult {
-                run_id: run_id.into(),
-                thread_id: thread_id.into(),
-                action_id: action_id(run_id, call_id),
+                },
+            ));
+            writer.emit(pb::run_event::Kind::Result(pb::RunResult {
+                run_id: seg.run_id.clone(),
+                thread_id: seg.thread_id.clone(),
+                action_id: action_id(&seg.run_id, call_id),
                 status: pb::RunState::AwaitingConfirmation as i32,
                 summary: outcome.text.clone(),
                 mode: pb::ResultMode::RequiresApproval as i32,
@@ -912,7 +900,8 @@ impl RunService {
                 approval: Some(approval_pb),
                 usage: Some(usage_pb),
                 ..pb::RunResult::default()
-            });
+            }));
+            return Ok(());
         }
 
         let (state, failure, mode) = match &outcome.stop {
@@ -929,52 +918,41 @@ impl RunService {
             Stop::SentMessage => (RunState::Completed, None, pb::ResultMode::ToolExecuted),
             _ => (RunState::Completed, None, pb::ResultMode::AssistantText),
         };
-        let source = if state == RunState::Failed {
-            MessageSource::Error
-        } else {
-            MessageSource::Agent
-        };
-        if !outcome.text.is_empty() {
-            self.store
-                .add_message(
-                    thread_id,
-                    Some(run_id),
-                    source,
-                    MessageKind::Text,
-                    &outcome.text,
-                    serde_json::json!({}),
-                )
-                .await?;
-        }
         let error = match &outcome.stop {
             Stop::ModelUnavailable(why) => Some(format!("every model failed: {why}")),
             Stop::UnknownTool(name) => Some(format!("the model called an unknown tool: {name}")),
             _ => None,
         };
-        self.store
-            .update_run(
-                run_id,
-                RunPatch {
-                    state: Some(state),
-                    model: Some(model.clone()),
-                    usage: Some(usage.clone()),
-                    iterations: Some(outcome.iterations),
-                    error: error.clone(),
-                    failure_kind: failure.map(str::to_owned),
-                    summary: Some(outcome.text.clone()),
-                    finished_at: Some(SystemTime::now()),
-                    ..RunPatch::default()
-                },
-            )
-            .await?;
-        Ok(pb::RunResult {
-            run_id: run_id.into(),
+        let pending = writer.pending();
+        if !outcome.text.is_empty() {
+            let source = if state == RunState::Failed {
+                MessageSource::Error
+            } else {
+                MessageSource::Agent
+            };
+            pending
+                .messages
+                .push(NewMessage::text(source, outcome.text.clone()));
+        }
+        pending.patch.merge(RunPatch {
+            state: Some(state),
+            model: Some(model.clone()),
+            usage: Some(usage),
+            iterations: Some(iterations),
+            error: error.clone(),
+            failure_kind: failure.map(str::to_owned),
+            summary: Some(outcome.text.clone()),
+            finished_at: Some(SystemTime::now()),
+            ..RunPatch::default()
+        });
+        writer.emit(pb::run_event::Kind::Result(pb::RunResult {
+            run_id: seg.run_id.clone(),
             action_id: outcome
                 .last_tool_call
                 .as_ref()
-                .map(|c| action_id(run_id, c))
+                .map(|c| action_id(&seg.run_id, c))
                 .unwrap_or_default(),
-            thread_id: thread_id.into(),
+            thread_id: seg.thread_id.clone(),
             status: convert::run_state(state) as i32,
             summary: outcome.text.clone(),
             mode: mode as i32,
@@ -993,31 +971,12 @@ impl RunService {
             usage: Some(usage_pb),
             error: error.unwrap_or_default(),
             failure_kind: convert::failure_kind(failure) as i32,
-        })
+        }));
+        Ok(())
     }
 
-    /// Resolves when another replica asked to cancel this run; renews the lock lease meanwhile.
-    async fn watch_cancel(&self, owner: &str, run_id: &str, thread_id: &str) {
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        let mut since_renew = Duration::ZERO;
-        loop {
-            tick.tick().await;
-            since_renew += Duration::from_secs(1);
-            if since_renew >= self.lease / 3 {
-                since_renew = Duration::ZERO;
-                if let Err(e) = self.store.renew_lock(thread_id, run_id, self.lease).await {
-                    tracing::warn!(run_id, error = %e, "could not renew the thread lock");
-                }
-            }
-            if let Ok(Some(run)) = self.store.get_run(owner, run_id).await
-                && run.cancel_requested
-            {
-                return;
-            }
-        }
-    }
-
-    /// CancelRun: marks the run (any replica's) and stops it here if it runs here.
+    /// CancelRun: a running run (on any replica) stops at its next step and ends cancelled; a
+    /// run paused for approval ends now and its approval can no longer be used.
     pub async fn cancel(&self, owner: &str, run_id: &str) -> Result<Run, ApiError> {
         let run = self
             .store
@@ -1030,19 +989,39 @@ impl RunService {
                 run.state.key()
             )));
         }
-        self.store.request_cancel(run_id).await?;
-        if let Some(token) = self
-            .cancels
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(run_id)
-        {
-            token.cancel();
+        if run.state == RunState::AwaitingConfirmation {
+            let message = "The run was cancelled.";
+            self.store
+                .end_paused(
+                    run_id,
+                    &Ending {
+                        state: RunState::Cancelled,
+                        error: message.into(),
+                        failure_kind: "cancelled".into(),
+                        event: encode(cancelled_result(message)),
+                        seq_gap: 1,
+                        message: None,
+                    },
+                )
+                .await?;
+        } else {
+            self.store.request_cancel(run_id).await?;
+            if let Some(token) = self
+                .live
+                .cancels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(run_id)
+            {
+                token.cancel();
+            }
         }
         Ok(self.store.get_run(owner, run_id).await?.unwrap_or(run))
     }
 
-    /// The run's events after `after`, then live ones, ending after the terminal event.
+    /// WatchRun (A-8): the run's events after `after`, then live ones, ending after the
+    /// terminal event — at once when the run already ended and nothing is after `after`.
+    /// Counts against the caller's open watchers.
     pub async fn watch(
         self: &Arc<Self>,
         owner: &str,
@@ -1050,73 +1029,105 @@ impl RunService {
         after: u64,
     ) -> Result<impl Stream<Item = Result<pb::RunEvent, tonic::Status>> + Send + 'static, ApiError>
     {
-        self.store
+        let slot = WatchSlot::take(&self.watchers, owner, self.fair_use.max_watchers)?;
+        let events = self.follow(owner, run_id, after).await?;
+        Ok(tokio_stream::StreamExt::map(events, move |e| {
+            let _held = &slot;
+            e
+        }))
+    }
+
+    /// Follows a run for this service's own callers (Run, DecideApproval, OpenSession).
+    pub async fn follow(
+        self: &Arc<Self>,
+        owner: &str,
+        run_id: &str,
+        after: u64,
+    ) -> Result<tokio_stream::wrappers::ReceiverStream<Result<pb::RunEvent, tonic::Status>>, ApiError>
+    {
+        let run = self
+            .store
             .get_run(owner, run_id)
             .await?
             .ok_or_else(|| ApiError::NotFound(format!("run {run_id}")))?;
-        let (tx, rx) = mpsc::channel(64);
-        let this = self.clone();
-        let run_id = run_id.to_owned();
-        tokio::spawn(async move {
-            let mut last = after;
-            loop {
-                let notify = this.notifier(&run_id);
-                let announced = notify.notified();
-                tokio::pin!(announced);
-                announced.as_mut().enable();
-                let batch = match this.store.events_after(&run_id, last, 256).await {
-                    Ok(b) => b,
-                    Err(e) => {
-                        let _ = tx.send(Err(tonic::Status::from(ApiError::from(e)))).await;
-                        return;
-                    }
-                };
-                for (seq, payload) in batch {
-                    last = seq;
-                    let Ok(mut event) = pb::RunEvent::decode(payload.as_slice()) else {
-                        continue;
-                    };
-                    event.seq = seq;
-                    let terminal = matches!(
-                        event.kind,
-                        Some(pb::run_event::Kind::Result(_) | pb::run_event::Kind::Error(_))
-                    );
-                    if tx.send(Ok(event)).await.is_err() || terminal {
-                        return;
-                    }
-                }
-                tokio::select! {
-                    () = &mut announced => {}
-                    () = tokio::time::sleep(WATCH_POLL) => {}
-                    () = tx.closed() => return,
-                }
-            }
-        });
+        if live::Follow::already_over(run.state, run.last_event_seq, after) {
+            let (_, rx) = mpsc::channel(1);
+            return Ok(tokio_stream::wrappers::ReceiverStream::new(rx));
+        }
+        let rx = live::Follow {
+            live: self.live.clone(),
+            store: self.store.clone(),
+            run_id: run_id.to_owned(),
+            thread_id: run.thread_id,
+            after,
+        }
+        .start();
         Ok(tokio_stream::wrappers::ReceiverStream::new(rx))
     }
 }
 
-/// What a spawned run task does.
-enum Work {
-    Start {
-        input: RunInput,
-        models: Arc<ModelSetup>,
-        new_thread: bool,
-        /// Archive the previous session before this run (B-4).
-        archive_first: bool,
-    },
-    Continue {
-        approval: Approval,
-        approved: bool,
-    },
+/// One open watch stream of a user on this replica; freed when the stream is dropped.
+struct WatchSlot {
+    watchers: Arc<Mutex<HashMap<String, u32>>>,
+    owner: String,
 }
 
-struct ChannelSink(mpsc::UnboundedSender<RunEvent>);
-
-impl EventSink for ChannelSink {
-    fn emit(&self, event: RunEvent) {
-        let _ = self.0.send(event);
+impl WatchSlot {
+    fn take(
+        watchers: &Arc<Mutex<HashMap<String, u32>>>,
+        owner: &str,
+        max: u32,
+    ) -> Result<Self, ApiError> {
+        let mut open = watchers.lock().unwrap_or_else(|e| e.into_inner());
+        let n = open.entry(owner.to_owned()).or_default();
+        if *n >= max {
+            return Err(ApiError::ResourceExhausted(format!(
+                "you have {n} open run streams on this server, the limit (AGENT_MAX_WATCHERS_PER_USER) is {max}; close one first"
+            )));
+        }
+        *n += 1;
+        Ok(Self {
+            watchers: watchers.clone(),
+            owner: owner.to_owned(),
+        })
     }
+}
+
+impl Drop for WatchSlot {
+    fn drop(&mut self) {
+        let mut open = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = open.get_mut(&self.owner) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.owner);
+            }
+        }
+    }
+}
+
+fn encode(kind: pb::run_event::Kind) -> Vec<u8> {
+    pb::RunEvent {
+        time: Some(convert::timestamp(SystemTime::now())),
+        kind: Some(kind),
+        ..pb::RunEvent::default()
+    }
+    .encode_to_vec()
+}
+
+fn to_value(turn: &Turn) -> Result<serde_json::Value, ApiError> {
+    serde_json::to_value(turn)
+        .map_err(|e| ApiError::Unavailable(format!("could not serialize the transcript: {e}")))
+}
+
+fn cancelled_result(message: &str) -> pb::run_event::Kind {
+    pb::run_event::Kind::Result(pb::RunResult {
+        status: pb::RunState::Cancelled as i32,
+        summary: message.to_owned(),
+        mode: pb::ResultMode::AssistantText as i32,
+        error: message.to_owned(),
+        failure_kind: pb::FailureKind::Cancelled as i32,
+        ..pb::RunResult::default()
+    })
 }
 
 fn event_kind(run_id: &str, e: RunEvent) -> Option<pb::run_event::Kind> {
@@ -1130,8 +1141,9 @@ fn event_kind(run_id: &str, e: RunEvent) -> Option<pb::run_event::Kind> {
             state: pb::RunState::Executing as i32,
             detail: format!("{calls} tool calls"),
         }),
-        RunEvent::TextDelta(text) => Kind::Delta(pb::DeltaEvent { text }),
+        RunEvent::TextDelta(text) => Kind::Delta(pb::DeltaEvent { text, reset: false }),
         RunEvent::ThinkingDelta(text) => Kind::ThoughtDelta(pb::ThoughtDeltaEvent { text }),
+        RunEvent::DeltaReset | RunEvent::Turn(_) => return None,
         RunEvent::ToolCall {
             call_id,
             name,
@@ -1163,27 +1175,26 @@ fn event_kind(run_id: &str, e: RunEvent) -> Option<pb::run_event::Kind> {
     })
 }
 
-fn usage_of(outcome: &executor::Outcome) -> RunUsage {
+/// The run's usage so far (`before`, from earlier segments) plus this segment's calls.
+fn usage_of(before: &RunUsage, outcome: &executor::Outcome) -> RunUsage {
     let total = outcome.total_usage();
+    let mut calls = before.calls.clone();
+    calls.extend(outcome.calls.iter().map(|c| ModelCallUsage {
+        provider: c.provider.clone(),
+        model: c.model.clone(),
+        input_tokens: c.usage.input_tokens,
+        output_tokens: c.usage.output_tokens,
+        cached_tokens: c.usage.cached_tokens,
+        cost_usd: c.cost_usd,
+        latency_ms: c.latency.as_millis() as u64,
+        retries: c.retries,
+    }));
     RunUsage {
-        input_tokens: total.input_tokens,
-        output_tokens: total.output_tokens,
-        cached_tokens: total.cached_tokens,
-        cost_usd: outcome.cost_usd(),
-        calls: outcome
-            .calls
-            .iter()
-            .map(|c| ModelCallUsage {
-                provider: c.provider.clone(),
-                model: c.model.clone(),
-                input_tokens: c.usage.input_tokens,
-                output_tokens: c.usage.output_tokens,
-                cached_tokens: c.usage.cached_tokens,
-                cost_usd: c.cost_usd,
-                latency_ms: c.latency.as_millis() as u64,
-                retries: c.retries,
-            })
-            .collect(),
+        input_tokens: before.input_tokens + total.input_tokens,
+        output_tokens: before.output_tokens + total.output_tokens,
+        cached_tokens: before.cached_tokens + total.cached_tokens,
+        cost_usd: before.cost_usd + outcome.cost_usd(),
+        calls,
     }
 }
 
@@ -1194,5 +1205,15 @@ fn gateway_channel(c: limits::Channel) -> gw::Channel {
         limits::Channel::SessionOpen => gw::Channel::SessionOpen,
         limits::Channel::Scheduled => gw::Channel::Scheduled,
         limits::Channel::Heartbeat | limits::Channel::TaskAgent => gw::Channel::Heartbeat,
+    }
+}
+
+/// A tool outcome for calls that could not be made.
+fn unavailable(text: &str) -> ToolOutcome {
+    ToolOutcome {
+        ok: false,
+        text: text.to_owned(),
+        error_kind: "UPSTREAM_UNAVAILABLE".into(),
+        truncated: false,
     }
 }

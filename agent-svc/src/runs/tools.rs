@@ -2,6 +2,10 @@
 //! agent's own tools (search_agent_history, create_task_agent) answered here.
 
 use super::*;
+use crate::{
+    executor::{APPROVAL_REQUIRED, ToolInvocation},
+    policy::Verdict,
+};
 
 /// Applies the approval policy to every call before it reaches the gateway.
 pub(super) struct PolicyRunner<'a> {
@@ -14,6 +18,9 @@ pub(super) struct PolicyRunner<'a> {
     pub(super) side_effects: &'a std::collections::HashSet<String>,
     pub(super) store: &'a SharedStore,
     pub(super) run_id: &'a str,
+    /// The run's writer: calls are recorded as executing, durably, before they run.
+    pub(super) writer: mpsc::UnboundedSender<WriterMsg>,
+    pub(super) max_queued_task_agents: u32,
 }
 
 #[async_trait::async_trait]
@@ -30,7 +37,14 @@ impl ToolRunner for PolicyRunner<'_> {
             }
             if call.name == TASK_AGENT_TOOL {
                 outcomes[i] = Some(
-                    enqueue_task_agent(self.store, self.user, self.thread_id, &call.args).await,
+                    enqueue_task_agent(
+                        self.store,
+                        self.user,
+                        self.thread_id,
+                        &call.args,
+                        self.max_queued_task_agents,
+                    )
+                    .await,
                 );
                 continue;
             }
@@ -40,8 +54,8 @@ impl ToolRunner for PolicyRunner<'_> {
                 .decide(self.user, &call.name, side_effect, &call.args)
             {
                 Verdict::Allow => {
-                    if side_effect {
-                        let _ = self
+                    if side_effect
+                        && let Err(e) = self
                             .store
                             .record_audit(
                                 self.user,
@@ -49,7 +63,13 @@ impl ToolRunner for PolicyRunner<'_> {
                                 Some(self.run_id),
                                 serde_json::json!({"tool": call.name, "approval": "not required"}),
                             )
-                            .await;
+                            .await
+                    {
+                        // P-5: no side effect without its audit record.
+                        outcomes[i] = Some(unavailable(&format!(
+                            "Not executed: its audit record could not be written ({e}). Try again later."
+                        )));
+                        continue;
                     }
                     positions.push(i);
                     allowed.push(call);
@@ -93,8 +113,27 @@ impl ToolRunner for PolicyRunner<'_> {
             }
         }
         if !allowed.is_empty() {
-            for (pos, outcome) in positions.into_iter().zip(self.inner.run(allowed).await) {
-                outcomes[pos] = Some(outcome);
+            let ids = allowed.iter().map(|c| c.call_id.clone()).collect();
+            match writer::checkpoint(&self.writer, ids).await {
+                Ok(()) => {
+                    let side: Vec<bool> = allowed
+                        .iter()
+                        .map(|c| self.side_effects.contains(&c.name))
+                        .collect();
+                    let results = self.inner.run(allowed).await;
+                    for ((pos, outcome), side_effect) in
+                        positions.into_iter().zip(results).zip(side)
+                    {
+                        outcomes[pos] = Some(ambiguity(outcome, side_effect));
+                    }
+                }
+                Err(why) => {
+                    for pos in positions {
+                        outcomes[pos] = Some(unavailable(&format!(
+                            "Not executed: the run could not record its progress ({why})."
+                        )));
+                    }
+                }
             }
         }
         outcomes
@@ -111,14 +150,51 @@ impl ToolRunner for PolicyRunner<'_> {
     }
 }
 
+/// A call whose outcome is unknown (the tool service stopped answering after the request
+/// left): for a side effect the model is told it may have happened and must not be retried.
+pub(super) fn ambiguity(outcome: ToolOutcome, side_effect: bool) -> ToolOutcome {
+    if outcome.error_kind != crate::gateway_client::OUTCOME_UNKNOWN {
+        return outcome;
+    }
+    ToolOutcome {
+        text: if side_effect {
+            "The outcome is unknown: the tool service stopped answering after the request was sent. It may have happened; do not retry it — tell the user to check.".into()
+        } else {
+            format!("{} Try again later.", outcome.text)
+        },
+        ..outcome
+    }
+}
+
 /// The agent's own tool (B-5): queues a background task agent for this thread.
 pub const TASK_AGENT_TOOL: &str = "create_task_agent";
+
+pub(super) fn task_agent_tool() -> crate::llm::ToolDecl {
+    crate::llm::ToolDecl {
+        name: TASK_AGENT_TOOL.into(),
+        description: "Start a background task agent for work that takes many steps; its result is posted to this thread when done.".into(),
+        parameters: serde_json::json!({"type": "object", "additionalProperties": false, "required": ["instructions", "goal"], "properties": {
+            "instructions": {"type": "string", "minLength": 1, "maxLength": 4000},
+            "goal": {"type": "string", "minLength": 1, "maxLength": 500}}}),
+    }
+}
+
+pub(super) fn history_tool() -> crate::llm::ToolDecl {
+    crate::llm::ToolDecl {
+        name: HISTORY_TOOL.into(),
+        description: "Search the user's past sessions with you (summaries and full text); up to 5, newest and best first.".into(),
+        parameters: serde_json::json!({"type": "object", "additionalProperties": false, "required": ["query"], "properties": {
+            "query": {"type": "string", "minLength": 1, "maxLength": 300},
+            "timeframe_days": {"type": "integer", "minimum": 1, "maximum": 3650}}}),
+    }
+}
 
 async fn enqueue_task_agent(
     store: &SharedStore,
     user: &str,
     thread_id: &str,
     args: &serde_json::Value,
+    max_queued: u32,
 ) -> ToolOutcome {
     let field = |k: &str| {
         args.get(k)
@@ -137,8 +213,16 @@ async fn enqueue_task_agent(
         last_error: None,
         result: None,
     };
-    match store.enqueue_task_agent(&task).await {
-        Ok(()) => ToolOutcome {
+    match store.enqueue_task_agent(&task, max_queued).await {
+        Ok(false) => ToolOutcome {
+            ok: false,
+            text: format!(
+                "Not started: the user already has {max_queued} task agents queued or running (AGENT_MAX_QUEUED_TASK_AGENTS_PER_USER). Wait for one to finish."
+            ),
+            error_kind: "RATE_LIMITED".into(),
+            truncated: false,
+        },
+        Ok(true) => ToolOutcome {
             ok: true,
             text: format!(
                 "Started task agent {}; its result will be posted to this thread when it finishes.",

@@ -1,31 +1,135 @@
-//! The embedded store: process memory, for local runs and tests with no database.
+//! The embedded store: process memory, for local runs and tests with no database. It keeps the
+//! same rules as PostgreSQL (fenced leases, compare-and-set transitions, one lock for each
+//! command so every command is atomic), so the shared suite holds for both.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     sync::Mutex,
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use serde_json::Value;
 
 use super::{
-    Action, ActionState, AgentStore, Approval, ApprovalState, Archive, LockOutcome, Message,
-    MessageKind, MessageSource, NewRunOutcome, Run, RunPatch, RunState, StoreError, TaskAgent,
-    Thread, transcript_text,
+    Action, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive, Decided, Ending,
+    Lease, LockOutcome, Message, MessageKind, MessageSource, Run, RunCommit, RunPatch, RunState,
+    StoreError, TaskAgent, Thread, transcript_text,
 };
+
+/// A thread's lease: holder run, fencing token, expiry on the monotonic clock.
+#[derive(Clone)]
+struct Held {
+    run_id: String,
+    token: String,
+    until: Instant,
+}
+
+struct ThreadRow {
+    thread: Thread,
+    lease: Option<Held>,
+}
+
+impl ThreadRow {
+    fn live_lease(&self) -> Option<&Held> {
+        self.lease.as_ref().filter(|l| l.until > Instant::now())
+    }
+}
 
 #[derive(Default)]
 struct State {
-    threads: HashMap<String, (Thread, Option<SystemTime>)>,
+    threads: HashMap<String, ThreadRow>,
     messages: Vec<Message>,
     history: HashMap<String, Vec<Value>>,
     runs: HashMap<String, Run>,
-    events: HashMap<String, Vec<Vec<u8>>>,
+    events: HashMap<String, BTreeMap<u64, Vec<u8>>>,
     approvals: HashMap<String, Approval>,
     actions: Vec<Action>,
     archives: Vec<(String, Archive, String)>,
     tasks: Vec<(TaskAgent, SystemTime, Option<SystemTime>)>,
     audit: Vec<(String, String, Value)>,
+}
+
+impl State {
+    fn fenced(&self, lease: &Lease) -> Result<(), StoreError> {
+        match self
+            .threads
+            .get(&lease.thread_id)
+            .and_then(ThreadRow::live_lease)
+        {
+            Some(h) if h.token == lease.token && h.run_id == lease.run_id => Ok(()),
+            _ => Err(StoreError::LeaseLost),
+        }
+    }
+
+    fn add_message(
+        &mut self,
+        thread_id: &str,
+        run_id: Option<&str>,
+        source: MessageSource,
+        kind: MessageKind,
+        content: &str,
+        metadata: Value,
+    ) -> Message {
+        let message = Message {
+            id: self.messages.len() as i64 + 1,
+            thread_id: thread_id.to_owned(),
+            run_id: run_id.map(str::to_owned),
+            source,
+            kind,
+            content: content.to_owned(),
+            metadata,
+            created_at: SystemTime::now(),
+        };
+        self.messages.push(message.clone());
+        if let Some(t) = self.threads.get_mut(thread_id) {
+            t.thread.updated_at = message.created_at;
+        }
+        message
+    }
+
+    fn push_event(&mut self, run_id: &str, seq: u64, payload: Vec<u8>) {
+        self.events
+            .entry(run_id.to_owned())
+            .or_default()
+            .insert(seq, payload);
+        if let Some(run) = self.runs.get_mut(run_id) {
+            run.last_event_seq = run.last_event_seq.max(seq);
+        }
+    }
+
+    /// Ends `run_id` with `ending` if it is in one of `from`; true when it did.
+    fn end_run(&mut self, run_id: &str, from: &[RunState], ending: &Ending) -> bool {
+        let Some(run) = self.runs.get_mut(run_id) else {
+            return false;
+        };
+        if !from.contains(&run.state) {
+            return false;
+        }
+        run.state = ending.state;
+        run.error = Some(ending.error.clone());
+        run.failure_kind = Some(ending.failure_kind.clone());
+        run.finished_at = Some(SystemTime::now());
+        run.cancel_requested |= ending.state == RunState::Cancelled;
+        let seq = run.last_event_seq + ending.seq_gap.max(1);
+        let thread_id = run.thread_id.clone();
+        self.push_event(run_id, seq, ending.event.clone());
+        for a in self.approvals.values_mut() {
+            if a.run_id == run_id && a.state == ApprovalState::Pending {
+                a.state = ApprovalState::Expired;
+            }
+        }
+        if let Some(message) = &ending.message {
+            self.add_message(
+                &thread_id,
+                Some(run_id),
+                MessageSource::Error,
+                MessageKind::Text,
+                message,
+                Value::Object(Default::default()),
+            );
+        }
+        true
+    }
 }
 
 #[derive(Default)]
@@ -44,6 +148,42 @@ impl MemoryStore {
             .lock()
             .map_err(|_| StoreError::Unavailable("in-memory store lock poisoned".into()))?;
         Ok(f(&mut state))
+    }
+}
+
+fn patch_run(run: &mut Run, p: RunPatch) {
+    if let Some(v) = p.state {
+        run.state = v;
+    }
+    if let Some(v) = p.model {
+        run.model = v;
+    }
+    if let Some(v) = p.usage {
+        run.usage = v;
+    }
+    if let Some(v) = p.iterations {
+        run.iterations = v;
+    }
+    if let Some(v) = p.error {
+        run.error = Some(v);
+    }
+    if let Some(v) = p.failure_kind {
+        run.failure_kind = Some(v);
+    }
+    if let Some(v) = p.summary {
+        run.summary = v;
+    }
+    if let Some(v) = p.started_at {
+        run.started_at = Some(v);
+    }
+    if let Some(v) = p.finished_at {
+        run.finished_at = Some(v);
+    }
+    if let Some(v) = p.prompt_sections {
+        run.prompt_sections = v;
+    }
+    if let Some(v) = p.system_prompt {
+        run.system_prompt = v;
     }
 }
 
@@ -73,20 +213,29 @@ impl AgentStore for MemoryStore {
             active_run_id: None,
             last_run_id: None,
         };
-        self.with(|s| s.threads.insert(id.to_owned(), (thread.clone(), None)))?;
-        Ok(thread)
+        self.with(|s| {
+            if s.threads.contains_key(id) {
+                return Err(StoreError::Conflict(format!("thread {id}")));
+            }
+            s.threads.insert(
+                id.to_owned(),
+                ThreadRow {
+                    thread: thread.clone(),
+                    lease: None,
+                },
+            );
+            Ok(thread)
+        })?
     }
 
     async fn get_thread(&self, owner: &str, id: &str) -> Result<Option<Thread>, StoreError> {
         self.with(|s| {
             s.threads
                 .get(id)
-                .filter(|(t, _)| t.owner == owner)
-                .map(|(t, lease)| {
-                    let mut t = t.clone();
-                    if lease.is_none_or(|l| l <= SystemTime::now()) {
-                        t.active_run_id = None;
-                    }
+                .filter(|row| row.thread.owner == owner)
+                .map(|row| {
+                    let mut t = row.thread.clone();
+                    t.active_run_id = row.live_lease().map(|l| l.run_id.clone());
                     t
                 })
         })
@@ -102,12 +251,120 @@ impl AgentStore for MemoryStore {
             let mut mine: Vec<Thread> = s
                 .threads
                 .values()
-                .filter(|(t, _)| t.owner == owner)
-                .map(|(t, _)| t.clone())
+                .filter(|row| row.thread.owner == owner)
+                .map(|row| {
+                    let mut t = row.thread.clone();
+                    t.active_run_id = row.live_lease().map(|l| l.run_id.clone());
+                    t
+                })
                 .collect();
             mine.sort_by(|a, b| b.updated_at.cmp(&a.updated_at).then(a.id.cmp(&b.id)));
             mine.into_iter().skip(offset).take(limit).collect()
         })
+    }
+
+    async fn admit(&self, a: &Admission) -> Result<Admitted, StoreError> {
+        self.with(|s| {
+            let run = &a.run;
+            if let Some(key) = &run.request_id
+                && let Some(existing) = s
+                    .runs
+                    .values()
+                    .find(|r| r.owner == run.owner && r.request_id.as_ref() == Some(key))
+            {
+                return Ok(Admitted::Duplicate {
+                    run_id: existing.id.clone(),
+                    thread_id: existing.thread_id.clone(),
+                });
+            }
+            let active = s
+                .runs
+                .values()
+                .filter(|r| r.owner == run.owner && r.state.is_live())
+                .count() as u32;
+            if active >= a.max_active_runs {
+                return Ok(Admitted::TooManyRuns { active });
+            }
+            let now = SystemTime::now();
+            match &a.new_thread_title {
+                Some(title) => {
+                    if s.threads.contains_key(&run.thread_id) {
+                        return Err(StoreError::Conflict(format!("thread {}", run.thread_id)));
+                    }
+                    s.threads.insert(
+                        run.thread_id.clone(),
+                        ThreadRow {
+                            thread: Thread {
+                                id: run.thread_id.clone(),
+                                owner: run.owner.clone(),
+                                title: title.clone(),
+                                created_at: now,
+                                updated_at: now,
+                                active_run_id: None,
+                                last_run_id: None,
+                            },
+                            lease: None,
+                        },
+                    );
+                }
+                None => {
+                    let row = s
+                        .threads
+                        .get(&run.thread_id)
+                        .filter(|row| row.thread.owner == run.owner)
+                        .ok_or_else(|| StoreError::NotFound(format!("thread {}", run.thread_id)))?;
+                    if let Some(held) = row.live_lease() {
+                        return Ok(Admitted::Busy {
+                            run_id: held.run_id.clone(),
+                        });
+                    }
+                }
+            }
+            let lease = Lease::new(&run.thread_id, &run.id);
+            let row = s.threads.get_mut(&run.thread_id).expect("checked above");
+            row.lease = Some(Held {
+                run_id: run.id.clone(),
+                token: lease.token.clone(),
+                until: Instant::now() + a.lease,
+            });
+            row.thread.last_run_id = Some(run.id.clone());
+            row.thread.updated_at = now;
+            let paused: Vec<String> = s
+                .runs
+                .values()
+                .filter(|r| {
+                    r.thread_id == run.thread_id && r.state == RunState::AwaitingConfirmation
+                })
+                .map(|r| r.id.clone())
+                .collect();
+            for id in paused {
+                s.end_run(
+                    &id,
+                    &[RunState::AwaitingConfirmation],
+                    &Ending {
+                        state: RunState::Cancelled,
+                        error: a.supersede_message.clone(),
+                        failure_kind: "cancelled".into(),
+                        event: a.supersede_event.clone(),
+                        seq_gap: 1,
+                        message: None,
+                    },
+                );
+            }
+            s.runs.insert(run.id.clone(), run.clone());
+            if let Some(text) = &a.user_message {
+                s.add_message(
+                    &run.thread_id,
+                    Some(&run.id),
+                    MessageSource::User,
+                    MessageKind::Text,
+                    text,
+                    Value::Object(Default::default()),
+                );
+            }
+            s.push_event(&run.id, 1, a.first_event.clone());
+            Ok(Admitted::Started(lease))
+        })?
     }
 
     async fn lock_thread(
@@ -117,50 +374,209 @@ impl AgentStore for MemoryStore {
         lease: Duration,
     ) -> Result<LockOutcome, StoreError> {
         self.with(|s| {
-            let Some((thread, expires)) = s.threads.get_mut(thread_id) else {
+            let Some(row) = s.threads.get_mut(thread_id) else {
                 return Err(StoreError::NotFound(format!("thread {thread_id}")));
             };
-            let now = SystemTime::now();
-            match (&thread.active_run_id, *expires) {
-                (Some(holder), Some(until)) if until > now && holder != run_id => {
-                    Ok(LockOutcome::Busy {
-                        run_id: holder.clone(),
-                    })
-                }
-                _ => {
-                    thread.active_run_id = Some(run_id.to_owned());
-                    thread.last_run_id = Some(run_id.to_owned());
-                    thread.updated_at = now;
-                    *expires = Some(now + lease);
-                    Ok(LockOutcome::Acquired)
-                }
+            if let Some(held) = row.live_lease() {
+                return Ok(LockOutcome::Busy {
+                    run_id: held.run_id.clone(),
+                });
             }
+            let taken = Lease::new(thread_id, run_id);
+            row.lease = Some(Held {
+                run_id: run_id.to_owned(),
+                token: taken.token.clone(),
+                until: Instant::now() + lease,
+            });
+            row.thread.last_run_id = Some(run_id.to_owned());
+            Ok(LockOutcome::Acquired(taken))
         })?
     }
 
-    async fn renew_lock(
-        &self,
-        thread_id: &str,
-        run_id: &str,
-        lease: Duration,
-    ) -> Result<(), StoreError> {
+    async fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<Option<bool>, StoreError> {
         self.with(|s| {
-            if let Some((thread, expires)) = s.threads.get_mut(thread_id)
-                && thread.active_run_id.as_deref() == Some(run_id)
+            if s.fenced(lease).is_err() {
+                return None;
+            }
+            if let Some(held) = s
+                .threads
+                .get_mut(&lease.thread_id)
+                .and_then(|row| row.lease.as_mut())
             {
-                *expires = Some(SystemTime::now() + lease);
+                held.until = Instant::now() + ttl;
+            }
+            Some(
+                s.runs
+                    .get(&lease.run_id)
+                    .is_some_and(|r| r.cancel_requested),
+            )
+        })
+    }
+
+    async fn release_lease(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.with(|s| {
+            if let Some(row) = s.threads.get_mut(&lease.thread_id)
+                && row.lease.as_ref().is_some_and(|h| h.token == lease.token)
+            {
+                row.lease = None;
             }
         })
     }
 
-    async fn release_lock(&self, thread_id: &str, run_id: &str) -> Result<(), StoreError> {
+    async fn commit(&self, lease: &Lease, c: RunCommit) -> Result<(), StoreError> {
         self.with(|s| {
-            if let Some((thread, expires)) = s.threads.get_mut(thread_id)
-                && thread.active_run_id.as_deref() == Some(run_id)
-            {
-                thread.active_run_id = None;
-                *expires = None;
+            s.fenced(lease)?;
+            let run_id = &lease.run_id;
+            for (seq, payload) in c.events {
+                s.push_event(run_id, seq, payload);
             }
+            if !c.history.is_empty() {
+                s.history
+                    .entry(lease.thread_id.clone())
+                    .or_default()
+                    .extend(c.history);
+            }
+            for action in c.actions {
+                match s.actions.iter_mut().find(|a| a.id == action.id) {
+                    Some(existing) => *existing = action,
+                    None => s.actions.push(action),
+                }
+            }
+            for m in c.messages {
+                s.add_message(
+                    &lease.thread_id,
+                    Some(run_id),
+                    m.source,
+                    m.kind,
+                    &m.content,
+                    m.metadata,
+                );
+            }
+            let owner = s.runs.get(run_id).map(|r| r.owner.clone());
+            if let Some(run) = s.runs.get_mut(run_id)
+                && c.patch.expect.is_none_or(|e| e == run.state)
+            {
+                patch_run(run, c.patch);
+            }
+            if let Some(approval) = c.approval {
+                s.approvals.insert(approval.id.clone(), approval);
+            }
+            if let Some(owner) = owner {
+                for (kind, detail) in c.audit {
+                    s.audit.push((owner.clone(), kind, detail));
+                }
+            }
+            if c.release
+                && let Some(row) = s.threads.get_mut(&lease.thread_id)
+            {
+                row.lease = None;
+            }
+            Ok(())
+        })?
+    }
+
+    async fn decide(
+        &self,
+        lease: &Lease,
+        approval_id: &str,
+        wanted: ApprovalState,
+        decider: &str,
+        audit_kind: &str,
+    ) -> Result<Decided, StoreError> {
+        self.with(|s| {
+            s.fenced(lease)?;
+            let approval = s
+                .approvals
+                .get(approval_id)
+                .cloned()
+                .ok_or_else(|| StoreError::NotFound(format!("approval {approval_id}")))?;
+            let run_state = s
+                .runs
+                .get(&approval.run_id)
+                .map(|r| r.state)
+                .ok_or_else(|| StoreError::NotFound(format!("run {}", approval.run_id)))?;
+            let usable = approval.state == ApprovalState::Pending
+                && approval.expires_at > SystemTime::now()
+                && run_state == RunState::AwaitingConfirmation
+                && approval.run_id == lease.run_id;
+            if !usable {
+                return Ok(Decided::Lost {
+                    approval,
+                    run_state,
+                });
+            }
+            let a = s.approvals.get_mut(approval_id).expect("read above");
+            a.state = wanted;
+            a.decided_by = Some(decider.to_owned());
+            a.decided_at = Some(SystemTime::now());
+            let approval = a.clone();
+            let run = s.runs.get_mut(&approval.run_id).expect("read above");
+            run.state = RunState::Executing;
+            let last_event_seq = run.last_event_seq;
+            s.audit.push((
+                approval.owner.clone(),
+                audit_kind.to_owned(),
+                serde_json::json!({"approval_id": approval.id, "tool": approval.tool}),
+            ));
+            Ok(Decided::Won {
+                approval,
+                last_event_seq,
+            })
+        })?
+    }
+
+    async fn end_paused(&self, run_id: &str, ending: &Ending) -> Result<bool, StoreError> {
+        self.with(|s| s.end_run(run_id, &[RunState::AwaitingConfirmation], ending))
+    }
+
+    async fn abandoned_runs(&self, grace: Duration, limit: usize) -> Result<Vec<Run>, StoreError> {
+        let now = Instant::now();
+        self.with(|s| {
+            s.runs
+                .values()
+                .filter(|r| r.state.is_live())
+                .filter(|r| {
+                    s.threads
+                        .get(&r.thread_id)
+                        .and_then(|row| row.lease.as_ref())
+                        .is_none_or(|h| h.run_id != r.id || h.until + grace <= now)
+                })
+                .take(limit)
+                .cloned()
+                .collect()
+        })
+    }
+
+    async fn end_abandoned(&self, run_id: &str, ending: &Ending) -> Result<bool, StoreError> {
+        self.with(|s| {
+            let Some(thread_id) = s.runs.get(run_id).map(|r| r.thread_id.clone()) else {
+                return false;
+            };
+            let held_by_run = s
+                .threads
+                .get(&thread_id)
+                .and_then(|row| row.lease.as_ref())
+                .is_some_and(|h| h.run_id == run_id);
+            let live = s
+                .threads
+                .get(&thread_id)
+                .and_then(ThreadRow::live_lease)
+                .is_some_and(|h| h.run_id == run_id);
+            if live {
+                return false;
+            }
+            let ended = s.end_run(
+                run_id,
+                &[RunState::Queued, RunState::Planning, RunState::Executing],
+                ending,
+            );
+            if ended
+                && held_by_run
+                && let Some(row) = s.threads.get_mut(&thread_id)
+            {
+                row.lease = None;
+            }
+            ended
         })
     }
 
@@ -173,23 +589,7 @@ impl AgentStore for MemoryStore {
         content: &str,
         metadata: Value,
     ) -> Result<Message, StoreError> {
-        self.with(|s| {
-            let message = Message {
-                id: s.messages.len() as i64 + 1,
-                thread_id: thread_id.to_owned(),
-                run_id: run_id.map(str::to_owned),
-                source,
-                kind,
-                content: content.to_owned(),
-                metadata,
-                created_at: SystemTime::now(),
-            };
-            s.messages.push(message.clone());
-            if let Some((t, _)) = s.threads.get_mut(thread_id) {
-                t.updated_at = message.created_at;
-            }
-            message
-        })
+        self.with(|s| s.add_message(thread_id, run_id, source, kind, content, metadata))
     }
 
     async fn list_messages(
@@ -213,32 +613,6 @@ impl AgentStore for MemoryStore {
         self.with(|s| s.history.get(thread_id).cloned().unwrap_or_default())
     }
 
-    async fn append_history(&self, thread_id: &str, turns: &[Value]) -> Result<(), StoreError> {
-        self.with(|s| {
-            s.history
-                .entry(thread_id.to_owned())
-                .or_default()
-                .extend_from_slice(turns)
-        })
-    }
-
-    async fn create_run(&self, run: &Run) -> Result<NewRunOutcome, StoreError> {
-        self.with(|s| {
-            if let Some(key) = &run.request_id
-                && let Some(existing) = s
-                    .runs
-                    .values()
-                    .find(|r| r.owner == run.owner && r.request_id.as_ref() == Some(key))
-            {
-                return NewRunOutcome::Duplicate {
-                    run_id: existing.id.clone(),
-                };
-            }
-            s.runs.insert(run.id.clone(), run.clone());
-            NewRunOutcome::Created
-        })
-    }
-
     async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError> {
         self.with(|s| s.runs.get(run_id).filter(|r| r.owner == owner).cloned())
     }
@@ -256,63 +630,13 @@ impl AgentStore for MemoryStore {
         })
     }
 
-    async fn update_run(&self, run_id: &str, p: RunPatch) -> Result<(), StoreError> {
-        self.with(|s| {
-            let Some(run) = s.runs.get_mut(run_id) else {
-                return;
-            };
-            if let Some(v) = p.state {
-                run.state = v;
-            }
-            if let Some(v) = p.model {
-                run.model = v;
-            }
-            if let Some(v) = p.usage {
-                run.usage = v;
-            }
-            if let Some(v) = p.iterations {
-                run.iterations = v;
-            }
-            if let Some(v) = p.error {
-                run.error = Some(v);
-            }
-            if let Some(v) = p.failure_kind {
-                run.failure_kind = Some(v);
-            }
-            if let Some(v) = p.summary {
-                run.summary = v;
-            }
-            if let Some(v) = p.started_at {
-                run.started_at = Some(v);
-            }
-            if let Some(v) = p.finished_at {
-                run.finished_at = Some(v);
-            }
-            if let Some(v) = p.prompt_sections {
-                run.prompt_sections = v;
-            }
-        })
-    }
-
     async fn request_cancel(&self, run_id: &str) -> Result<bool, StoreError> {
         self.with(|s| match s.runs.get_mut(run_id) {
-            Some(run) if !run.state.is_terminal() => {
+            Some(run) if run.state.is_live() => {
                 run.cancel_requested = true;
                 true
             }
             _ => false,
-        })
-    }
-
-    async fn append_event(&self, run_id: &str, payload: &[u8]) -> Result<u64, StoreError> {
-        self.with(|s| {
-            let events = s.events.entry(run_id.to_owned()).or_default();
-            events.push(payload.to_vec());
-            let seq = events.len() as u64;
-            if let Some(run) = s.runs.get_mut(run_id) {
-                run.last_event_seq = seq;
-            }
-            seq
         })
     }
 
@@ -327,53 +651,12 @@ impl AgentStore for MemoryStore {
                 .get(run_id)
                 .map(|events| {
                     events
-                        .iter()
-                        .enumerate()
-                        .skip(after as usize)
+                        .range(after + 1..)
                         .take(limit)
-                        .map(|(i, e)| (i as u64 + 1, e.clone()))
+                        .map(|(seq, e)| (*seq, e.clone()))
                         .collect()
                 })
                 .unwrap_or_default()
-        })
-    }
-
-    async fn unfinished_runs_before(&self, before: SystemTime) -> Result<Vec<Run>, StoreError> {
-        self.with(|s| {
-            s.runs
-                .values()
-                .filter(|r| {
-                    matches!(
-                        r.state,
-                        RunState::Queued | RunState::Planning | RunState::Executing
-                    )
-                })
-                .filter(|r| r.started_at.unwrap_or(r.created_at) < before)
-                .cloned()
-                .collect()
-        })
-    }
-
-    async fn fail_if_unfinished(
-        &self,
-        run_id: &str,
-        error: &str,
-        failure_kind: &str,
-    ) -> Result<bool, StoreError> {
-        self.with(|s| match s.runs.get_mut(run_id) {
-            Some(run)
-                if matches!(
-                    run.state,
-                    RunState::Queued | RunState::Planning | RunState::Executing
-                ) =>
-            {
-                run.state = RunState::Failed;
-                run.error = Some(error.to_owned());
-                run.failure_kind = Some(failure_kind.to_owned());
-                run.finished_at = Some(SystemTime::now());
-                true
-            }
-            _ => false,
         })
     }
 
@@ -382,11 +665,34 @@ impl AgentStore for MemoryStore {
         thread_id: &str,
         owner: &str,
         summary: &str,
+        ending: &Ending,
+        holder: Option<&Lease>,
     ) -> Result<Option<Archive>, StoreError> {
         self.with(|s| {
+            if s.threads
+                .get(thread_id)
+                .and_then(ThreadRow::live_lease)
+                .is_some_and(|h| holder.is_none_or(|l| l.token != h.token))
+            {
+                return None;
+            }
             let turns = s.history.remove(thread_id).unwrap_or_default();
             if turns.is_empty() {
                 return None;
+            }
+            let paused: Vec<String> = s
+                .runs
+                .values()
+                .filter(|r| r.thread_id == thread_id && r.state == RunState::AwaitingConfirmation)
+                .map(|r| r.id.clone())
+                .collect();
+            for id in paused {
+                s.end_run(&id, &[RunState::AwaitingConfirmation], ending);
+            }
+            for a in s.approvals.values_mut() {
+                if a.thread_id == thread_id && a.state == ApprovalState::Pending {
+                    a.state = ApprovalState::Expired;
+                }
             }
             let archive = Archive {
                 thread_id: thread_id.to_owned(),
@@ -425,20 +731,36 @@ impl AgentStore for MemoryStore {
         query: &str,
         limit: usize,
     ) -> Result<Vec<Archive>, StoreError> {
-        let words: Vec<String> = query.split_whitespace().map(str::to_lowercase).collect();
+        // Like PostgreSQL's websearch query: every word must match (here as a case-insensitive
+        // word prefix, a stand-in for stemming); more occurrences rank higher.
+        let words: Vec<String> = query
+            .split(|c: char| !c.is_alphanumeric())
+            .filter(|w| !w.is_empty())
+            .map(str::to_lowercase)
+            .collect();
+        if words.is_empty() {
+            return Ok(Vec::new());
+        }
         self.with(|s| {
             let mut hits: Vec<(usize, Archive)> = s
                 .archives
                 .iter()
                 .rev()
                 .filter(|(o, _, _)| o == owner)
-                .map(|(_, a, text)| {
-                    (
-                        words.iter().filter(|w| text.contains(w.as_str())).count(),
-                        a.clone(),
-                    )
+                .filter_map(|(_, a, text)| {
+                    let tokens: Vec<&str> = text
+                        .split(|c: char| !c.is_alphanumeric())
+                        .filter(|t| !t.is_empty())
+                        .collect();
+                    let counts: Vec<usize> = words
+                        .iter()
+                        .map(|w| tokens.iter().filter(|t| t.starts_with(w.as_str())).count())
+                        .collect();
+                    counts
+                        .iter()
+                        .all(|c| *c > 0)
+                        .then(|| (counts.iter().sum(), a.clone()))
                 })
-                .filter(|(score, _)| *score > 0)
                 .collect();
             hits.sort_by_key(|h| std::cmp::Reverse(h.0));
             hits.into_iter().take(limit).map(|(_, a)| a).collect()
@@ -452,16 +774,34 @@ impl AgentStore for MemoryStore {
         self.with(|s| {
             s.threads
                 .values()
-                .filter(|(t, _)| {
-                    t.updated_at < before && s.history.get(&t.id).is_some_and(|h| !h.is_empty())
+                .filter(|row| {
+                    row.thread.updated_at < before
+                        && s.history.get(&row.thread.id).is_some_and(|h| !h.is_empty())
                 })
-                .map(|(t, _)| (t.id.clone(), t.owner.clone()))
+                .map(|row| (row.thread.id.clone(), row.thread.owner.clone()))
                 .collect()
         })
     }
 
-    async fn enqueue_task_agent(&self, task: &TaskAgent) -> Result<(), StoreError> {
-        self.with(|s| s.tasks.push((task.clone(), SystemTime::now(), None)))
+    async fn enqueue_task_agent(
+        &self,
+        task: &TaskAgent,
+        max_queued: u32,
+    ) -> Result<bool, StoreError> {
+        self.with(|s| {
+            let open = s
+                .tasks
+                .iter()
+                .filter(|(t, _, _)| {
+                    t.owner == task.owner && (t.state == "queued" || t.state == "running")
+                })
+                .count() as u32;
+            if open >= max_queued {
+                return false;
+            }
+            s.tasks.push((task.clone(), SystemTime::now(), None));
+            true
+        })
     }
 
     async fn claim_task_agent(
@@ -471,11 +811,10 @@ impl AgentStore for MemoryStore {
     ) -> Result<Option<TaskAgent>, StoreError> {
         let now = SystemTime::now();
         self.with(|s| {
-            let (task, next, claimed) = s.tasks.iter_mut().find(|(t, next, claimed)| {
+            let (task, _, claimed) = s.tasks.iter_mut().find(|(t, next, claimed)| {
                 (t.state == "queued" && *next <= now)
                     || (t.state == "running" && claimed.is_some_and(|c| c < now))
             })?;
-            let _ = next;
             task.state = "running".into();
             task.attempts += 1;
             *claimed = Some(now + lease);
@@ -513,32 +852,6 @@ impl AgentStore for MemoryStore {
         })
     }
 
-    async fn create_action(&self, action: &Action) -> Result<(), StoreError> {
-        self.with(|s| s.actions.push(action.clone()))
-    }
-
-    async fn update_action(
-        &self,
-        id: &str,
-        state: ActionState,
-        result: Option<(&str, Option<&str>)>,
-        approval_id: Option<&str>,
-    ) -> Result<(), StoreError> {
-        self.with(|s| {
-            if let Some(a) = s.actions.iter_mut().find(|a| a.id == id) {
-                a.state = state;
-                if let Some((text, kind)) = result {
-                    a.result_text = Some(text.to_owned());
-                    a.error_kind = kind.map(str::to_owned);
-                }
-                if let Some(approval) = approval_id {
-                    a.approval_id = Some(approval.to_owned());
-                }
-                a.updated_at = SystemTime::now();
-            }
-        })
-    }
-
     async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError> {
         self.with(|s| {
             s.actions
@@ -549,31 +862,8 @@ impl AgentStore for MemoryStore {
         })
     }
 
-    async fn create_approval(&self, approval: &Approval) -> Result<(), StoreError> {
-        self.with(|s| {
-            s.approvals.insert(approval.id.clone(), approval.clone());
-        })
-    }
-
     async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError> {
         self.with(|s| s.approvals.get(id).filter(|a| a.owner == owner).cloned())
-    }
-
-    async fn decide_approval(
-        &self,
-        id: &str,
-        state: ApprovalState,
-        decider: &str,
-    ) -> Result<Option<Approval>, StoreError> {
-        self.with(|s| {
-            let approval = s.approvals.get_mut(id)?;
-            if approval.state == ApprovalState::Pending {
-                approval.state = state;
-                approval.decided_by = Some(decider.to_owned());
-                approval.decided_at = Some(SystemTime::now());
-            }
-            Some(approval.clone())
-        })
     }
 
     async fn record_audit(
@@ -594,5 +884,41 @@ impl AgentStore for MemoryStore {
                 .map(|(_, k, d)| (k.clone(), d.clone()))
                 .collect()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::ActionState;
+
+    #[test]
+    fn an_action_records_each_state_once() {
+        let mut a = Action {
+            id: "r/c".into(),
+            run_id: "r".into(),
+            call_id: "c".into(),
+            tool: "t".into(),
+            arguments: Value::Null,
+            side_effect: false,
+            state: ActionState::Planned,
+            result_text: None,
+            error_kind: None,
+            approval_id: None,
+            transitions: vec![ActionState::Planned],
+            created_at: SystemTime::now(),
+            updated_at: SystemTime::now(),
+        };
+        a.to(ActionState::Executing);
+        a.to(ActionState::Executing);
+        a.to(ActionState::Completed);
+        assert_eq!(
+            a.transitions,
+            [
+                ActionState::Planned,
+                ActionState::Executing,
+                ActionState::Completed
+            ]
+        );
     }
 }

@@ -22,6 +22,15 @@ pub enum StoreError {
     Unavailable(String),
     #[error("{0} was not found")]
     NotFound(String),
+    /// The writer's lease expired or was taken: it must stop writing (E-11).
+    #[error("the run's lease on its thread was lost")]
+    LeaseLost,
+    /// A stored value this build cannot read (never silently defaulted).
+    #[error("stored data is unreadable: {0}")]
+    Corrupt(String),
+    /// A row that must be new already exists.
+    #[error("{0} already exists")]
+    Conflict(String),
 }
 
 impl StoreError {
@@ -98,16 +107,27 @@ impl RunState {
         }
     }
 
-    pub fn from_key(k: &str) -> Self {
-        match k {
+    pub fn from_key(k: &str) -> Result<Self, StoreError> {
+        Ok(match k {
             "planning" => RunState::Planning,
             "executing" => RunState::Executing,
             "awaiting_confirmation" => RunState::AwaitingConfirmation,
             "completed" => RunState::Completed,
             "failed" => RunState::Failed,
             "cancelled" => RunState::Cancelled,
-            _ => RunState::Queued,
-        }
+            "queued" => RunState::Queued,
+            other => {
+                return Err(StoreError::Corrupt(format!("unknown RunState {other:?}")));
+            }
+        })
+    }
+
+    /// Queued, planning or executing: a writer holds (or should hold) the thread's lease.
+    pub fn is_live(self) -> bool {
+        matches!(
+            self,
+            RunState::Queued | RunState::Planning | RunState::Executing
+        )
     }
 
     pub fn is_terminal(self) -> bool {
@@ -158,6 +178,9 @@ pub struct Run {
     pub last_event_seq: u64,
     /// (section name, estimated tokens) of the system prompt, in order.
     pub prompt_sections: Vec<(String, u32)>,
+    /// The system prompt the run was assembled with; a continuation after an approval uses it
+    /// again (one assembler for every path).
+    pub system_prompt: String,
     pub created_at: SystemTime,
     pub started_at: Option<SystemTime>,
     pub finished_at: Option<SystemTime>,
@@ -176,24 +199,185 @@ pub struct RunPatch {
     pub started_at: Option<SystemTime>,
     pub finished_at: Option<SystemTime>,
     pub prompt_sections: Option<Vec<(String, u32)>>,
+    pub system_prompt: Option<String>,
+    /// Take effect only on a run in this state (compare-and-set); other runs are untouched.
+    pub expect: Option<RunState>,
+}
+
+impl RunPatch {
+    /// Adds `later` on top: its fields win where set.
+    pub fn merge(&mut self, later: RunPatch) {
+        macro_rules! take {
+            ($($f:ident),*) => { $( if later.$f.is_some() { self.$f = later.$f; } )* };
+        }
+        take!(
+            state,
+            model,
+            usage,
+            iterations,
+            error,
+            failure_kind,
+            summary,
+            started_at,
+            finished_at,
+            prompt_sections,
+            system_prompt,
+            expect
+        );
+    }
+}
+
+/// The right to write one run of a thread (E-11): taken at admission (or by the decider that
+/// continues a paused run), renewed by the run's lease task, released with its terminal commit.
+/// Every write of the holder is fenced by the token, so a holder that lost its lease (its
+/// replica stalled past expiry) can no longer write anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub thread_id: String,
+    pub run_id: String,
+    pub token: String,
+}
+
+impl Lease {
+    pub fn new(thread_id: &str, run_id: &str) -> Self {
+        Self {
+            thread_id: thread_id.to_owned(),
+            run_id: run_id.to_owned(),
+            token: uuid::Uuid::new_v4().to_string(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LockOutcome {
-    Acquired,
+    Acquired(Lease),
     /// Another run holds an unexpired lease.
     Busy {
         run_id: String,
     },
 }
 
+/// A user-visible message to add in a commit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewMessage {
+    pub source: MessageSource,
+    pub kind: MessageKind,
+    pub content: String,
+    pub metadata: Value,
+}
+
+impl NewMessage {
+    pub fn text(source: MessageSource, content: impl Into<String>) -> Self {
+        Self {
+            source,
+            kind: MessageKind::Text,
+            content: content.into(),
+            metadata: Value::Object(Default::default()),
+        }
+    }
+}
+
+/// Everything a run's writer makes durable at one point of the run, in one transaction
+/// (S-4): its numbered events, the LLM turns, action states, messages, the run's own fields,
+/// a new approval and audit records; optionally the lease is freed in the same transaction.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunCommit {
+    /// (seq, encoded event), numbered by the writer, ascending.
+    pub events: Vec<(u64, Vec<u8>)>,
+    /// Turns appended to the thread's LLM history.
+    pub history: Vec<Value>,
+    /// Actions as they are now (inserted, or updated with their new state recorded).
+    pub actions: Vec<Action>,
+    pub messages: Vec<NewMessage>,
+    pub patch: RunPatch,
+    pub approval: Option<Approval>,
+    /// (kind, detail) audit records of the run's owner.
+    pub audit: Vec<(String, Value)>,
+    /// Free the thread's lease (the run ended or paused).
+    pub release: bool,
+}
+
+impl RunCommit {
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+            && self.history.is_empty()
+            && self.actions.is_empty()
+            && self.messages.is_empty()
+            && self.patch == RunPatch::default()
+            && self.approval.is_none()
+            && self.audit.is_empty()
+            && !self.release
+    }
+}
+
+/// A new run and what comes with it, admitted in one transaction: the thread (created when
+/// new), the lease, the queued run, the user's message (S-4) and the run's first event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admission {
+    pub run: Run,
+    /// Title of a thread to create; `None` runs on the existing `run.thread_id`.
+    pub new_thread_title: Option<String>,
+    pub user_message: Option<String>,
+    /// The encoded first event (seq 1).
+    pub first_event: Vec<u8>,
+    pub lease: Duration,
+    /// Fair use: refuse when the owner already has this many live runs.
+    pub max_active_runs: u32,
+    /// Paused runs of the thread are superseded by this one: ended (cancelled) with this
+    /// encoded terminal event and message, their pending approvals expired.
+    pub supersede_event: Vec<u8>,
+    pub supersede_message: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NewRunOutcome {
-    Created,
+pub enum Admitted {
+    Started(Lease),
+    /// Another run holds the thread.
+    Busy {
+        run_id: String,
+    },
     /// A run with this owner and request id exists already (a retried request).
     Duplicate {
         run_id: String,
+        thread_id: String,
     },
+    /// The owner has `active` live runs, at or over the cap.
+    TooManyRuns {
+        active: u32,
+    },
+}
+
+/// The outcome of deciding an approval.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decided {
+    /// This caller's decision was recorded and the paused run moved to executing: it, and only
+    /// it, continues the run from event `last_event_seq`.
+    Won {
+        approval: Approval,
+        last_event_seq: u64,
+    },
+    /// Someone else decided first, or the approval expired, or the run is no longer paused:
+    /// nothing changed. The approval and run as they are now.
+    Lost {
+        approval: Approval,
+        run_state: RunState,
+    },
+}
+
+/// How a run that nobody will finish is ended (the monitor, CancelRun on a paused run,
+/// archiving): one compare-and-set from the states it may be in, with its terminal event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ending {
+    pub state: RunState,
+    pub error: String,
+    pub failure_kind: String,
+    /// The encoded terminal event.
+    pub event: Vec<u8>,
+    /// The terminal event's seq is last_event_seq + `seq_gap`: a dead writer may have shown
+    /// watchers events it never made durable, so the gap keeps the terminal event after them.
+    pub seq_gap: u64,
+    /// An error message for the thread, if any.
+    pub message: Option<String>,
 }
 
 #[async_trait::async_trait]
@@ -201,6 +385,7 @@ pub trait AgentStore: Send + Sync + 'static {
     fn backend(&self) -> &'static str;
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// Creates a thread; a thread with this id already existing is an error, never overwritten.
     async fn create_thread(&self, id: &str, owner: &str, title: &str)
     -> Result<Thread, StoreError>;
     /// The thread if it exists and belongs to `owner`.
@@ -213,21 +398,44 @@ pub trait AgentStore: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<Thread>, StoreError>;
 
-    /// Takes the thread's execution lock for `run_id` unless an unexpired lease is held by
-    /// another run (E-11). Holds across replicas for PostgreSQL.
+    /// Admits a new run (see [`Admission`]); nothing is written unless it is `Started`.
+    async fn admit(&self, admission: &Admission) -> Result<Admitted, StoreError>;
+
+    /// Takes the thread's lease for `run_id` unless an unexpired lease is held (by any run,
+    /// this one included). Expiry is computed by the store's clock. Holds across replicas.
     async fn lock_thread(
         &self,
         thread_id: &str,
         run_id: &str,
         lease: Duration,
     ) -> Result<LockOutcome, StoreError>;
-    async fn renew_lock(
+    /// Extends a live lease; `Ok(None)` when it was lost (expired or taken). Otherwise
+    /// whether a cancel was requested for the run (from any replica).
+    async fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<Option<bool>, StoreError>;
+    async fn release_lease(&self, lease: &Lease) -> Result<(), StoreError>;
+
+    /// Writes `commit` in one transaction if `lease` is still live; `Err(LeaseLost)` otherwise.
+    async fn commit(&self, lease: &Lease, commit: RunCommit) -> Result<(), StoreError>;
+
+    /// Records `wanted` on a pending, unexpired approval and moves its paused run to
+    /// executing, in one transaction, fenced by `lease` (taken by the caller for that run).
+    async fn decide(
         &self,
-        thread_id: &str,
-        run_id: &str,
-        lease: Duration,
-    ) -> Result<(), StoreError>;
-    async fn release_lock(&self, thread_id: &str, run_id: &str) -> Result<(), StoreError>;
+        lease: &Lease,
+        approval_id: &str,
+        wanted: ApprovalState,
+        decider: &str,
+        audit_kind: &str,
+    ) -> Result<Decided, StoreError>;
+
+    /// Ends a run paused for approval (CancelRun): false when it was not paused.
+    async fn end_paused(&self, run_id: &str, ending: &Ending) -> Result<bool, StoreError>;
+    /// Runs queued, planning or executing whose thread lease has not been live for them for
+    /// `grace`: their writer is gone (E-12). What the monitor ends.
+    async fn abandoned_runs(&self, grace: Duration, limit: usize) -> Result<Vec<Run>, StoreError>;
+    /// Ends an abandoned run unless its lease is live again or it already ended; frees the
+    /// thread. False when someone else got there first.
+    async fn end_abandoned(&self, run_id: &str, ending: &Ending) -> Result<bool, StoreError>;
 
     async fn add_message(
         &self,
@@ -248,22 +456,16 @@ pub trait AgentStore: Send + Sync + 'static {
 
     /// The thread's model transcript, oldest first, as serialized turns.
     async fn history(&self, thread_id: &str) -> Result<Vec<Value>, StoreError>;
-    async fn append_history(&self, thread_id: &str, turns: &[Value]) -> Result<(), StoreError>;
 
-    /// Creates a queued run, unless one with the same owner and request id exists.
-    async fn create_run(&self, run: &Run) -> Result<NewRunOutcome, StoreError>;
     async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError>;
     async fn find_run_by_request(
         &self,
         owner: &str,
         request_id: &str,
     ) -> Result<Option<Run>, StoreError>;
-    async fn update_run(&self, run_id: &str, patch: RunPatch) -> Result<(), StoreError>;
-    /// Marks a non-terminal run for cancellation; false when it already ended.
+    /// Marks a live run for cancellation; false when it is not live (ended or paused).
     async fn request_cancel(&self, run_id: &str) -> Result<bool, StoreError>;
 
-    /// Appends an event and returns its sequence number (1, 2, 3, … per run, no gaps).
-    async fn append_event(&self, run_id: &str, payload: &[u8]) -> Result<u64, StoreError>;
     /// Events with seq > `after`, in order, at most `limit`.
     async fn events_after(
         &self,
@@ -272,27 +474,17 @@ pub trait AgentStore: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
 
-    /// Records a new action in `state`.
-    /// Runs still queued, planning or executing that started (or were created) before
-    /// `before`, for any owner: what the health monitor inspects (E-12).
-    async fn unfinished_runs_before(&self, before: SystemTime) -> Result<Vec<Run>, StoreError>;
-
-    /// Fails a run that is still queued, planning or executing; false when it had already
-    /// moved on (so only one sweeper, or the run itself, finishes it).
-    async fn fail_if_unfinished(
-        &self,
-        run_id: &str,
-        error: &str,
-        failure_kind: &str,
-    ) -> Result<bool, StoreError>;
-
-    /// Moves the thread's LLM history into an archive with `summary` and clears it, atomically;
-    /// `None` when there was nothing to archive (another sweep got there first).
+    /// Moves the thread's LLM history into an archive with `summary` and clears it, atomically,
+    /// under the thread's row lock; paused runs of the thread end with `ending` and their
+    /// approvals expire. `None` when there was nothing to archive (another sweep got there
+    /// first) or a run other than `holder` holds the thread.
     async fn archive_history(
         &self,
         thread_id: &str,
         owner: &str,
         summary: &str,
+        ending: &Ending,
+        holder: Option<&Lease>,
     ) -> Result<Option<Archive>, StoreError>;
     /// The owner's most recent archive summaries, newest first.
     async fn recent_summaries(&self, owner: &str, limit: usize)
@@ -310,7 +502,12 @@ pub trait AgentStore: Send + Sync + 'static {
         before: SystemTime,
     ) -> Result<Vec<(String, String)>, StoreError>;
 
-    async fn enqueue_task_agent(&self, task: &TaskAgent) -> Result<(), StoreError>;
+    /// Queues a task unless the owner already has `max_queued` queued or running; false then.
+    async fn enqueue_task_agent(
+        &self,
+        task: &TaskAgent,
+        max_queued: u32,
+    ) -> Result<bool, StoreError>;
     /// Takes the next ready task (queued and due, or running with an expired claim) for
     /// `worker`, exclusively across replicas, counting the attempt.
     async fn claim_task_agent(
@@ -329,29 +526,11 @@ pub trait AgentStore: Send + Sync + 'static {
     ) -> Result<(), StoreError>;
     async fn get_task_agent(&self, owner: &str, id: &str) -> Result<Option<TaskAgent>, StoreError>;
 
-    async fn create_action(&self, action: &Action) -> Result<(), StoreError>;
-    /// Moves an action to `state`, with its result when it has one.
-    async fn update_action(
-        &self,
-        id: &str,
-        state: ActionState,
-        result: Option<(&str, Option<&str>)>,
-        approval_id: Option<&str>,
-    ) -> Result<(), StoreError>;
     /// A run's actions, oldest first.
     async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError>;
 
-    async fn create_approval(&self, approval: &Approval) -> Result<(), StoreError>;
     /// The approval if it exists and belongs to `owner`.
     async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError>;
-    /// Moves a pending approval to `state` (atomically, so two deciders cannot both win) and
-    /// returns it as it is afterwards; an approval that was not pending is returned unchanged.
-    async fn decide_approval(
-        &self,
-        id: &str,
-        state: ApprovalState,
-        decider: &str,
-    ) -> Result<Option<Approval>, StoreError>;
     /// An audit record of a side effect or an approval event (P-5).
     async fn record_audit(
         &self,
@@ -362,6 +541,38 @@ pub trait AgentStore: Send + Sync + 'static {
     ) -> Result<(), StoreError>;
     /// The owner's audit records (kind, detail), oldest first.
     async fn audit(&self, owner: &str) -> Result<Vec<(String, Value)>, StoreError>;
+
+    /// Wake-ups from other replicas: `RunNotice`s for runs with new events or a cancel
+    /// request. `None` when the store has no cross-process channel (watchers poll).
+    fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<RunNotice>> {
+        None
+    }
+}
+
+/// A cross-replica wake-up (PostgreSQL LISTEN/NOTIFY on [`NOTICE_CHANNEL`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunNotice {
+    /// The run has new durable events.
+    Events(String),
+    /// A cancel was requested for the run.
+    Cancel(String),
+    /// The notice connection was (re)established: notices may have been missed meanwhile.
+    Resync,
+}
+
+/// The PostgreSQL notification channel of run notices: payload `e:<run_id>` or `c:<run_id>`.
+pub const NOTICE_CHANNEL: &str = "agent_runs";
+
+impl RunNotice {
+    pub fn parse(payload: &str) -> Option<Self> {
+        if let Some(id) = payload.strip_prefix("e:") {
+            Some(RunNotice::Events(id.to_owned()))
+        } else {
+            payload
+                .strip_prefix("c:")
+                .map(|id| RunNotice::Cancel(id.to_owned()))
+        }
+    }
 }
 
 pub type SharedStore = Arc<dyn AgentStore>;
@@ -384,13 +595,18 @@ impl ApprovalState {
         }
     }
 
-    pub fn from_key(k: &str) -> Self {
-        match k {
+    pub fn from_key(k: &str) -> Result<Self, StoreError> {
+        Ok(match k {
             "approved" => ApprovalState::Approved,
             "rejected" => ApprovalState::Rejected,
             "expired" => ApprovalState::Expired,
-            _ => ApprovalState::Pending,
-        }
+            "pending" => ApprovalState::Pending,
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "unknown ApprovalState {other:?}"
+                )));
+            }
+        })
     }
 }
 
@@ -416,15 +632,20 @@ impl ActionState {
         }
     }
 
-    pub fn from_key(k: &str) -> Self {
-        match k {
+    pub fn from_key(k: &str) -> Result<Self, StoreError> {
+        Ok(match k {
             "awaiting_confirmation" => ActionState::AwaitingConfirmation,
             "executing" => ActionState::Executing,
             "completed" => ActionState::Completed,
             "failed" => ActionState::Failed,
             "rejected" => ActionState::Rejected,
-            _ => ActionState::Planned,
-        }
+            "planned" => ActionState::Planned,
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "unknown ActionState {other:?}"
+                )));
+            }
+        })
     }
 }
 
@@ -441,8 +662,21 @@ pub struct Action {
     pub result_text: Option<String>,
     pub error_kind: Option<String>,
     pub approval_id: Option<String>,
+    /// Every state the action has been in, oldest first (A-5: every transition persisted).
+    pub transitions: Vec<ActionState>,
     pub created_at: SystemTime,
     pub updated_at: SystemTime,
+}
+
+impl Action {
+    /// Moves the action to `state`, recording the transition.
+    pub fn to(&mut self, state: ActionState) {
+        if self.transitions.last() != Some(&state) {
+            self.transitions.push(state);
+        }
+        self.state = state;
+        self.updated_at = SystemTime::now();
+    }
 }
 
 pub fn action_id(run_id: &str, call_id: &str) -> String {

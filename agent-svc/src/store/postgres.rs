@@ -8,9 +8,9 @@ use svc_kit::{pg, server_config::DatabaseConfig};
 use tokio_postgres::Row;
 
 use super::{
-    Action, ActionState, AgentStore, Approval, ApprovalState, Archive, LockOutcome, Message,
-    MessageKind, MessageSource, NewRunOutcome, Run, RunPatch, RunState, RunUsage, StoreError,
-    TaskAgent, Thread, transcript_text,
+    Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive,
+    Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, NOTICE_CHANNEL, Run,
+    RunCommit, RunNotice, RunState, RunUsage, StoreError, TaskAgent, Thread, transcript_text,
 };
 
 mod embedded {
@@ -22,6 +22,9 @@ const MIGRATION_LOCK_KEY: i64 = 0x6167_656e_7473_7663;
 
 pub struct PgStore {
     pool: pg::PgPool,
+    notices: tokio::sync::broadcast::Sender<RunNotice>,
+    /// Stops the notice listener with the store.
+    _listener: tokio_util::sync::DropGuard,
 }
 
 impl PgStore {
@@ -31,7 +34,14 @@ impl PgStore {
         runner.set_migration_table_name("agent_schema_history");
         pg::migrate(&config.url, runner, MIGRATION_LOCK_KEY).await?;
         let pool = pg::pool(&config.url, &config.pool)?;
-        Ok(Self { pool })
+        let (notices, _) = tokio::sync::broadcast::channel(1024);
+        let stop = tokio_util::sync::CancellationToken::new();
+        tokio::spawn(listen(config.url.clone(), notices.clone(), stop.clone()));
+        Ok(Self {
+            pool,
+            notices,
+            _listener: stop.drop_guard(),
+        })
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
@@ -41,6 +51,9 @@ impl PgStore {
 
 fn db(e: tokio_postgres::Error) -> StoreError {
     match e.as_db_error() {
+        Some(d) if *d.code() == tokio_postgres::error::SqlState::UNIQUE_VIOLATION => {
+            StoreError::Conflict(format!("{} ({})", d.message(), d.code().code()))
+        }
         Some(d) => StoreError::Unavailable(format!("{} ({})", d.message(), d.code().code())),
         None => StoreError::Unavailable(e.to_string()),
     }
@@ -100,16 +113,17 @@ fn message(r: &Row) -> Message {
 }
 
 const RUN_COLUMNS: &str = "id, thread_id, owner, request_id, state, channel, model, usage, iterations, error, \
-    failure_kind, summary, cancel_requested, last_event_seq, created_at, started_at, finished_at, prompt_sections";
+    failure_kind, summary, cancel_requested, last_event_seq, created_at, started_at, finished_at, prompt_sections, \
+    system_prompt";
 
-fn run(r: &Row) -> Run {
+fn run(r: &Row) -> Result<Run, StoreError> {
     let usage: Value = r.get(7);
-    Run {
+    Ok(Run {
         id: r.get(0),
         thread_id: r.get(1),
         owner: r.get(2),
         request_id: r.get(3),
-        state: RunState::from_key(r.get(4)),
+        state: RunState::from_key(r.get(4))?,
         channel: r.get(5),
         model: r.get(6),
         usage: serde_json::from_value::<RunUsage>(usage).unwrap_or_default(),
@@ -123,11 +137,16 @@ fn run(r: &Row) -> Run {
         started_at: r.get(15),
         finished_at: r.get(16),
         prompt_sections: serde_json::from_value(r.get(17)).unwrap_or_default(),
-    }
+        system_prompt: r.get(18),
+    })
 }
 
 fn lease_until(lease: Duration) -> SystemTime {
     SystemTime::now() + lease
+}
+
+fn millis(d: Duration) -> i64 {
+    d.as_millis().min(i64::MAX as u128) as i64
 }
 
 #[async_trait::async_trait]
@@ -192,29 +211,164 @@ impl AgentStore for PgStore {
         Ok(rows.iter().map(thread).collect())
     }
 
+    async fn admit(&self, a: &Admission) -> Result<Admitted, StoreError> {
+        let run = &a.run;
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        let active: i64 = tx
+            .query_one(
+                &tx.prepare_cached(
+                    "SELECT count(*) FROM agent.runs WHERE owner = $1 AND state IN ('queued', 'planning', 'executing')",
+                )
+                .await
+                .map_err(db)?,
+                &[&run.owner],
+            )
+            .await
+            .map_err(db)?
+            .get(0);
+        if active >= i64::from(a.max_active_runs) {
+            return Ok(Admitted::TooManyRuns {
+                active: active as u32,
+            });
+        }
+        let lease = Lease::new(&run.thread_id, &run.id);
+        let ttl = millis(a.lease);
+        match &a.new_thread_title {
+            Some(title) => {
+                tx.execute(
+                    &tx.prepare_cached(
+                        "INSERT INTO agent.threads (id, owner, title, lock_run_id, lock_token, lock_expires_at, last_run_id) \
+                         VALUES ($1, $2, $3, $4, $5, now() + $6::bigint * interval '1 millisecond', $4)",
+                    )
+                    .await
+                    .map_err(db)?,
+                    &[&run.thread_id, &run.owner, title, &run.id, &lease.token, &ttl],
+                )
+                .await
+                .map_err(db)?;
+            }
+            None => {
+                let taken = tx
+                    .query_opt(
+                        &tx.prepare_cached(
+                            "UPDATE agent.threads SET lock_run_id = $2, lock_token = $3, \
+                               lock_expires_at = now() + $4::bigint * interval '1 millisecond', last_run_id = $2, updated_at = now() \
+                             WHERE id = $1 AND owner = $5 AND (lock_run_id IS NULL OR lock_expires_at <= now()) RETURNING id",
+                        )
+                        .await
+                        .map_err(db)?,
+                        &[&run.thread_id, &run.id, &lease.token, &ttl, &run.owner],
+                    )
+                    .await
+                    .map_err(db)?;
+                if taken.is_none() {
+                    let holder = tx
+                        .query_opt(
+                            "SELECT CASE WHEN lock_expires_at > now() THEN lock_run_id END FROM agent.threads \
+                             WHERE id = $1 AND owner = $2",
+                            &[&run.thread_id, &run.owner],
+                        )
+                        .await
+                        .map_err(db)?
+                        .ok_or_else(|| StoreError::NotFound(format!("thread {}", run.thread_id)))?;
+                    return Ok(Admitted::Busy {
+                        run_id: holder.get::<_, Option<String>>(0).unwrap_or_default(),
+                    });
+                }
+                // Runs paused on this thread are superseded by the new message (their calls
+                // are closed by the new run), in the same transaction.
+                tx.query(
+                    &tx.prepare_cached(
+                        "WITH ended AS (UPDATE agent.runs SET state = 'cancelled', error = $2, failure_kind = 'cancelled', \
+                           finished_at = now(), last_event_seq = last_event_seq + 1 \
+                           WHERE thread_id = $1 AND state = 'awaiting_confirmation' RETURNING id, last_event_seq), \
+                         ev AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, last_event_seq, $3 FROM ended), \
+                         ap AS (UPDATE agent.approvals SET state = 'expired' WHERE thread_id = $1 AND state = 'pending') \
+                         SELECT pg_notify('agent_runs', 'e:' || id) FROM ended",
+                    )
+                    .await
+                    .map_err(db)?,
+                    &[&run.thread_id, &a.supersede_message, &a.supersede_event],
+                )
+                .await
+                .map_err(db)?;
+            }
+        }
+        let inserted = tx
+            .query_one(
+                &tx.prepare_cached(
+                    "WITH r AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, last_event_seq) \
+                       VALUES ($1, $2, $3, $4, 'queued', $5, 1) \
+                       ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING RETURNING id), \
+                     e AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, 1, $6 FROM r), \
+                     m AS (INSERT INTO agent.messages (thread_id, run_id, source, kind, content) \
+                       SELECT $2, id, 'user', 'text', $7 FROM r WHERE $7::text IS NOT NULL) \
+                     SELECT count(*) FROM r",
+                )
+                .await
+                .map_err(db)?,
+                &[
+                    &run.id,
+                    &run.thread_id,
+                    &run.owner,
+                    &run.request_id,
+                    &run.channel,
+                    &a.first_event,
+                    &a.user_message,
+                ],
+            )
+            .await
+            .map_err(db)?
+            .get::<_, i64>(0);
+        if inserted == 0 {
+            drop(tx);
+            let first = client
+                .query_one(
+                    "SELECT id, thread_id FROM agent.runs WHERE owner = $1 AND request_id = $2",
+                    &[&run.owner, &run.request_id],
+                )
+                .await
+                .map_err(db)?;
+            return Ok(Admitted::Duplicate {
+                run_id: first.get(0),
+                thread_id: first.get(1),
+            });
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(Admitted::Started(lease))
+    }
+
     async fn lock_thread(
         &self,
         thread_id: &str,
         run_id: &str,
         lease: Duration,
     ) -> Result<LockOutcome, StoreError> {
-        // One statement: take the lock if it is free, expired or already ours; otherwise report
-        // the holder. Row-level locking makes concurrent callers on any replica see one winner.
+        // One statement: row-level locking makes concurrent callers on any replica see one
+        // winner; the expiry is the database's clock, never a replica's.
         let client = self.client().await?;
-        let taken = client
+        let taken = Lease::new(thread_id, run_id);
+        let row = client
             .query_opt(
-                "UPDATE agent.threads SET lock_run_id = $2, lock_expires_at = $3, last_run_id = $2, updated_at = now() \
-                 WHERE id = $1 AND (lock_run_id IS NULL OR lock_expires_at <= now() OR lock_run_id = $2) RETURNING id",
-                &[&thread_id, &run_id, &lease_until(lease)],
+                &client
+                    .prepare_cached(
+                        "UPDATE agent.threads SET lock_run_id = $2, lock_token = $3, \
+                           lock_expires_at = now() + $4::bigint * interval '1 millisecond', last_run_id = $2 \
+                         WHERE id = $1 AND (lock_run_id IS NULL OR lock_expires_at <= now()) RETURNING id",
+                    )
+                    .await
+                    .map_err(db)?,
+                &[&thread_id, &run_id, &taken.token, &millis(lease)],
             )
             .await
             .map_err(db)?;
-        if taken.is_some() {
-            return Ok(LockOutcome::Acquired);
+        if row.is_some() {
+            return Ok(LockOutcome::Acquired(taken));
         }
         let holder = client
             .query_opt(
-                "SELECT lock_run_id FROM agent.threads WHERE id = $1",
+                "SELECT CASE WHEN lock_expires_at > now() THEN lock_run_id END FROM agent.threads WHERE id = $1",
                 &[&thread_id],
             )
             .await
@@ -225,33 +379,515 @@ impl AgentStore for PgStore {
         })
     }
 
-    async fn renew_lock(
-        &self,
-        thread_id: &str,
-        run_id: &str,
-        lease: Duration,
-    ) -> Result<(), StoreError> {
-        self.client()
-            .await?
+    async fn renew_lease(&self, lease: &Lease, ttl: Duration) -> Result<Option<bool>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                &client
+                    .prepare_cached(
+                        "UPDATE agent.threads t SET lock_expires_at = now() + $3::bigint * interval '1 millisecond' \
+                         WHERE t.id = $1 AND t.lock_token = $2 AND t.lock_expires_at > now() \
+                         RETURNING (SELECT cancel_requested FROM agent.runs r WHERE r.id = t.lock_run_id)",
+                    )
+                    .await
+                    .map_err(db)?,
+                &[&lease.thread_id, &lease.token, &millis(ttl)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.map(|r| r.get::<_, Option<bool>>(0).unwrap_or(false)))
+    }
+
+    async fn release_lease(&self, lease: &Lease) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client
             .execute(
-                "UPDATE agent.threads SET lock_expires_at = $3 WHERE id = $1 AND lock_run_id = $2",
-                &[&thread_id, &run_id, &lease_until(lease)],
+                &client
+                    .prepare_cached(
+                        "UPDATE agent.threads SET lock_run_id = NULL, lock_token = NULL, lock_expires_at = NULL \
+                         WHERE id = $1 AND lock_token = $2",
+                    )
+                    .await
+                    .map_err(db)?,
+                &[&lease.thread_id, &lease.token],
             )
             .await
             .map_err(db)?;
         Ok(())
     }
 
-    async fn release_lock(&self, thread_id: &str, run_id: &str) -> Result<(), StoreError> {
-        self.client()
-            .await?
-            .execute(
-                "UPDATE agent.threads SET lock_run_id = NULL, lock_expires_at = NULL WHERE id = $1 AND lock_run_id = $2",
-                &[&thread_id, &run_id],
+    async fn commit(&self, lease: &Lease, c: RunCommit) -> Result<(), StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        // The fence: the thread row, locked, still ours and unexpired. It also touches the
+        // thread when messages arrive and frees the lease when the run ends or pauses.
+        let fenced = tx
+            .query_opt(
+                &tx.prepare_cached(
+                    "UPDATE agent.threads SET updated_at = CASE WHEN $3 THEN now() ELSE updated_at END, \
+                       lock_run_id = CASE WHEN $4 THEN NULL ELSE lock_run_id END, \
+                       lock_token = CASE WHEN $4 THEN NULL ELSE lock_token END, \
+                       lock_expires_at = CASE WHEN $4 THEN NULL ELSE lock_expires_at END \
+                     WHERE id = $1 AND lock_token = $2 AND lock_expires_at > now() RETURNING id",
+                )
+                .await
+                .map_err(db)?,
+                &[
+                    &lease.thread_id,
+                    &lease.token,
+                    &!c.messages.is_empty(),
+                    &c.release,
+                ],
             )
             .await
             .map_err(db)?;
-        Ok(())
+        if fenced.is_none() {
+            return Err(StoreError::LeaseLost);
+        }
+        let run_id = &lease.run_id;
+        let max_seq = c.events.iter().map(|(seq, _)| *seq as i64).max();
+        if !c.events.is_empty() {
+            let (seqs, payloads): (Vec<i64>, Vec<Vec<u8>>) =
+                c.events.into_iter().map(|(s, p)| (s as i64, p)).unzip();
+            tx.execute(
+                &tx.prepare_cached(
+                    "INSERT INTO agent.run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS u(s, p)",
+                )
+                .await
+                .map_err(db)?,
+                &[run_id, &seqs, &payloads],
+            )
+            .await
+            .map_err(db)?;
+        }
+        if !c.history.is_empty() {
+            tx.execute(
+                &tx.prepare_cached(
+                    "INSERT INTO agent.llm_history (thread_id, seq, turn) \
+                     SELECT $1, b.base + u.o, u.t FROM \
+                       (SELECT COALESCE(max(seq), 0) AS base FROM agent.llm_history WHERE thread_id = $1) b, \
+                       unnest($2::jsonb[]) WITH ORDINALITY AS u(t, o)",
+                )
+                .await
+                .map_err(db)?,
+                &[&lease.thread_id, &c.history],
+            )
+            .await
+            .map_err(db)?;
+        }
+        if !c.actions.is_empty() {
+            let mut cols = ActionColumns::default();
+            for a in &c.actions {
+                cols.push(a);
+            }
+            tx.execute(
+                &tx.prepare_cached(
+                    "INSERT INTO agent.actions (id, run_id, call_id, tool, arguments, side_effect, state, result_text, error_kind, \
+                       approval_id, transitions, created_at, updated_at) \
+                     SELECT id, $1, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, transitions, \
+                       created_at, updated_at \
+                     FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[], $6::bool[], $7::text[], $8::text[], $9::text[], \
+                       $10::text[], $11::jsonb[], $12::timestamptz[], $13::timestamptz[]) WITH ORDINALITY \
+                       AS u(id, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, transitions, \
+                         created_at, updated_at, o) \
+                     ORDER BY o \
+                     ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, result_text = EXCLUDED.result_text, \
+                       error_kind = EXCLUDED.error_kind, approval_id = EXCLUDED.approval_id, \
+                       transitions = EXCLUDED.transitions, updated_at = EXCLUDED.updated_at",
+                )
+                .await
+                .map_err(db)?,
+                &[
+                    run_id,
+                    &cols.id,
+                    &cols.call_id,
+                    &cols.tool,
+                    &cols.arguments,
+                    &cols.side_effect,
+                    &cols.state,
+                    &cols.result_text,
+                    &cols.error_kind,
+                    &cols.approval_id,
+                    &cols.transitions,
+                    &cols.created_at,
+                    &cols.updated_at,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        }
+        if !c.messages.is_empty() {
+            let sources: Vec<&str> = c.messages.iter().map(|m| source_key(m.source)).collect();
+            let kinds: Vec<&str> = c.messages.iter().map(|m| kind_key(m.kind)).collect();
+            let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
+            let metadata: Vec<&Value> = c.messages.iter().map(|m| &m.metadata).collect();
+            tx.execute(
+                &tx.prepare_cached(
+                    "INSERT INTO agent.messages (thread_id, run_id, source, kind, content, metadata) \
+                     SELECT $1, $2, s, k, c, m FROM unnest($3::text[], $4::text[], $5::text[], $6::jsonb[]) WITH ORDINALITY \
+                       AS u(s, k, c, m, o) ORDER BY o",
+                )
+                .await
+                .map_err(db)?,
+                &[&lease.thread_id, run_id, &sources, &kinds, &contents, &metadata],
+            )
+            .await
+            .map_err(db)?;
+        }
+        let p = &c.patch;
+        if *p != super::RunPatch::default() || max_seq.is_some() {
+            let usage = p
+                .usage
+                .as_ref()
+                .map(|u| serde_json::to_value(u).unwrap_or_default());
+            let sections = p
+                .prompt_sections
+                .as_ref()
+                .map(|v| serde_json::to_value(v).unwrap_or_default());
+            tx.execute(
+                &tx.prepare_cached(
+                    "UPDATE agent.runs SET state = COALESCE($2::text, state), model = COALESCE($3::text, model), \
+                       usage = COALESCE($4::jsonb, usage), iterations = COALESCE($5::integer, iterations), \
+                       error = COALESCE($6::text, error), failure_kind = COALESCE($7::text, failure_kind), \
+                       summary = COALESCE($8::text, summary), started_at = COALESCE($9::timestamptz, started_at), \
+                       finished_at = COALESCE($10::timestamptz, finished_at), \
+                       prompt_sections = COALESCE($11::jsonb, prompt_sections), \
+                       system_prompt = COALESCE($12::text, system_prompt), \
+                       last_event_seq = GREATEST(last_event_seq, COALESCE($13::bigint, 0)) \
+                     WHERE id = $1 AND ($14::text IS NULL OR state = $14::text)",
+                )
+                .await
+                .map_err(db)?,
+                &[
+                    run_id,
+                    &p.state.map(RunState::key),
+                    &p.model,
+                    &usage,
+                    &p.iterations.map(|i| i as i32),
+                    &p.error,
+                    &p.failure_kind,
+                    &p.summary,
+                    &p.started_at,
+                    &p.finished_at,
+                    &sections,
+                    &p.system_prompt,
+                    &max_seq,
+                    &p.expect.map(RunState::key),
+                ],
+            )
+            .await
+            .map_err(db)?;
+        }
+        if let Some(a) = &c.approval {
+            tx.execute(
+                &tx.prepare_cached(
+                    "INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, arguments, args_sha256, preview, \
+                       reason, state, created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+                )
+                .await
+                .map_err(db)?,
+                &[
+                    &a.id,
+                    &a.run_id,
+                    &a.thread_id,
+                    &a.owner,
+                    &a.call_id,
+                    &a.tool,
+                    &a.arguments,
+                    &a.args_sha256,
+                    &a.preview,
+                    &a.reason,
+                    &a.state.key(),
+                    &a.created_at,
+                    &a.expires_at,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        }
+        if !c.audit.is_empty() {
+            let (kinds, details): (Vec<String>, Vec<Value>) = c.audit.into_iter().unzip();
+            tx.execute(
+                &tx.prepare_cached(
+                    "INSERT INTO agent.audit (owner, kind, run_id, detail) \
+                     SELECT r.owner, k, r.id, d FROM agent.runs r, unnest($2::text[], $3::jsonb[]) WITH ORDINALITY AS u(k, d, o) \
+                     WHERE r.id = $1 ORDER BY o",
+                )
+                .await
+                .map_err(db)?,
+                &[run_id, &kinds, &details],
+            )
+            .await
+            .map_err(db)?;
+        }
+        if max_seq.is_some() {
+            tx.execute(
+                &tx.prepare_cached("SELECT pg_notify('agent_runs', 'e:' || $1::text)")
+                    .await
+                    .map_err(db)?,
+                &[run_id],
+            )
+            .await
+            .map_err(db)?;
+        }
+        tx.commit().await.map_err(db)
+    }
+
+    async fn decide(
+        &self,
+        lease: &Lease,
+        approval_id: &str,
+        wanted: ApprovalState,
+        decider: &str,
+        audit_kind: &str,
+    ) -> Result<Decided, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        let fenced = tx
+            .query_opt(
+                "SELECT 1 FROM agent.threads WHERE id = $1 AND lock_token = $2 AND lock_expires_at > now() FOR UPDATE",
+                &[&lease.thread_id, &lease.token],
+            )
+            .await
+            .map_err(db)?;
+        if fenced.is_none() {
+            return Err(StoreError::LeaseLost);
+        }
+        let decided = tx
+            .query_opt(
+                &format!(
+                    "UPDATE agent.approvals SET state = $2, decided_by = $3, decided_at = now() \
+                     WHERE id = $1 AND run_id = $4 AND state = 'pending' AND expires_at > now() RETURNING {APPROVAL_COLUMNS}"
+                ),
+                &[&approval_id, &wanted.key(), &decider, &lease.run_id],
+            )
+            .await
+            .map_err(db)?;
+        let continued = match &decided {
+            Some(_) => tx
+                .query_opt(
+                    "UPDATE agent.runs SET state = 'executing' WHERE id = $1 AND state = 'awaiting_confirmation' \
+                     RETURNING last_event_seq",
+                    &[&lease.run_id],
+                )
+                .await
+                .map_err(db)?,
+            None => None,
+        };
+        let (Some(approval_row), Some(run_row)) = (decided, continued) else {
+            drop(tx);
+            let approval_row = client
+                .query_one(
+                    &format!("SELECT {APPROVAL_COLUMNS} FROM agent.approvals WHERE id = $1"),
+                    &[&approval_id],
+                )
+                .await
+                .map_err(db)?;
+            let state: String = client
+                .query_one(
+                    "SELECT state FROM agent.runs WHERE id = $1",
+                    &[&lease.run_id],
+                )
+                .await
+                .map_err(db)?
+                .get(0);
+            return Ok(Decided::Lost {
+                approval: approval(&approval_row)?,
+                run_state: RunState::from_key(&state)?,
+            });
+        };
+        let approval = approval(&approval_row)?;
+        tx.execute(
+            "INSERT INTO agent.audit (owner, kind, run_id, detail) VALUES ($1, $2, $3, $4)",
+            &[
+                &approval.owner,
+                &audit_kind,
+                &approval.run_id,
+                &serde_json::json!({"approval_id": approval.id, "tool": approval.tool}),
+            ],
+        )
+        .await
+        .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(Decided::Won {
+            approval,
+            last_event_seq: run_row.get::<_, i64>(0) as u64,
+        })
+    }
+
+    async fn end_paused(&self, run_id: &str, e: &Ending) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                &format!(
+                    "WITH ended AS ({END_RUN} WHERE id = $1 AND state = 'awaiting_confirmation' {END_RETURNING}) {END_REST}"
+                ),
+                &[
+                    &run_id,
+                    &e.state.key(),
+                    &e.error,
+                    &e.failure_kind,
+                    &(e.seq_gap.max(1) as i64),
+                    &e.event,
+                    &e.message,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        Ok(!rows.is_empty())
+    }
+
+    async fn abandoned_runs(&self, grace: Duration, limit: usize) -> Result<Vec<Run>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                &format!(
+                    "SELECT {RUN_COLUMNS} FROM agent.runs r WHERE state IN ('queued', 'planning', 'executing') \
+                     AND NOT EXISTS (SELECT 1 FROM agent.threads t WHERE t.id = r.thread_id AND t.lock_run_id = r.id \
+                       AND t.lock_expires_at + $2::bigint * interval '1 millisecond' > now()) \
+                     ORDER BY created_at LIMIT $1"
+                ),
+                &[&(limit as i64), &millis(grace)],
+            )
+            .await
+            .map_err(db)?;
+        rows.iter().map(run).collect()
+    }
+
+    async fn end_abandoned(&self, run_id: &str, e: &Ending) -> Result<bool, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        // The thread row lock orders this against the writer's fenced commits.
+        let live = tx
+            .query_opt(
+                "SELECT t.lock_run_id = r.id AND t.lock_expires_at > now() FROM agent.runs r \
+                 JOIN agent.threads t ON t.id = r.thread_id WHERE r.id = $1 FOR UPDATE OF t",
+                &[&run_id],
+            )
+            .await
+            .map_err(db)?;
+        let Some(live) = live else {
+            return Ok(false);
+        };
+        if live.get::<_, Option<bool>>(0).unwrap_or(false) {
+            return Ok(false);
+        }
+        let rows = tx
+            .query(
+                &format!(
+                    "WITH ended AS ({END_RUN} WHERE id = $1 AND state IN ('queued', 'planning', 'executing') {END_RETURNING}), \
+                     freed AS (UPDATE agent.threads SET lock_run_id = NULL, lock_token = NULL, lock_expires_at = NULL \
+                       WHERE id IN (SELECT thread_id FROM ended) AND lock_run_id = $1) {END_REST}"
+                ),
+                &[
+                    &run_id,
+                    &e.state.key(),
+                    &e.error,
+                    &e.failure_kind,
+                    &(e.seq_gap.max(1) as i64),
+                    &e.event,
+                    &e.message,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(!rows.is_empty())
+    }
+
+    async fn archive_history(
+        &self,
+        thread_id: &str,
+        owner: &str,
+        summary: &str,
+        e: &Ending,
+        holder: Option<&Lease>,
+    ) -> Result<Option<Archive>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        // The thread row lock makes concurrent archivers take turns (the loser finds no
+        // history), and a thread another run holds is not archived under it.
+        let held = tx
+            .query_opt(
+                "SELECT lock_expires_at > now() AND lock_token IS DISTINCT FROM $2 FROM agent.threads WHERE id = $1 FOR UPDATE",
+                &[&thread_id, &holder.map(|l| l.token.as_str())],
+            )
+            .await
+            .map_err(db)?;
+        if held.is_none_or(|r| r.get::<_, Option<bool>>(0).unwrap_or(false)) {
+            return Ok(None);
+        }
+        let rows = tx
+            .query(
+                "DELETE FROM agent.llm_history WHERE thread_id = $1 RETURNING seq, turn",
+                &[&thread_id],
+            )
+            .await
+            .map_err(db)?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let mut turns: Vec<(i64, Value)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        turns.sort_by_key(|(seq, _)| *seq);
+        let turns: Vec<Value> = turns.into_iter().map(|(_, t)| t).collect();
+        // Paused runs of the session end with it; their approvals can no longer be used.
+        tx.query(
+            &format!(
+                "WITH ended AS ({END_RUN} WHERE thread_id = $1 AND state = 'awaiting_confirmation' {END_RETURNING}) {END_REST}"
+            ),
+            &[
+                &thread_id,
+                &e.state.key(),
+                &e.error,
+                &e.failure_kind,
+                &(e.seq_gap.max(1) as i64),
+                &e.event,
+                &e.message,
+            ],
+        )
+        .await
+        .map_err(db)?;
+        tx.execute(
+            "UPDATE agent.approvals SET state = 'expired' WHERE thread_id = $1 AND state = 'pending'",
+            &[&thread_id],
+        )
+        .await
+        .map_err(db)?;
+        let row = tx
+            .query_one(
+                "INSERT INTO agent.session_archives (thread_id, owner, summary, transcript, transcript_text, turn_count) \
+                 VALUES ($1, $2, $3, $4, $5, $6) RETURNING archived_at",
+                &[&thread_id, &owner, &summary, &Value::Array(turns.clone()), &transcript_text(&turns), &(turns.len() as i32)],
+            )
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(Some(Archive {
+            thread_id: thread_id.to_owned(),
+            summary: summary.to_owned(),
+            turn_count: turns.len() as u32,
+            archived_at: row.get(0),
+        }))
+    }
+
+    async fn enqueue_task_agent(&self, t: &TaskAgent, max_queued: u32) -> Result<bool, StoreError> {
+        let n = self
+            .client()
+            .await?
+            .execute(
+                "INSERT INTO agent.task_agents (id, owner, parent_thread_id, instructions, goal, state) \
+                 SELECT $1, $2, $3, $4, $5, 'queued' WHERE (SELECT count(*) FROM agent.task_agents \
+                   WHERE owner = $2 AND state IN ('queued', 'running')) < $6",
+                &[&t.id, &t.owner, &t.parent_thread_id, &t.instructions, &t.goal, &i64::from(max_queued)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(n == 1)
+    }
+
+    fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<RunNotice>> {
+        Some(self.notices.subscribe())
     }
 
     async fn add_message(
@@ -314,54 +950,6 @@ impl AgentStore for PgStore {
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
-    async fn append_history(&self, thread_id: &str, turns: &[Value]) -> Result<(), StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(db)?;
-        let next: i64 = tx
-            .query_one(
-                "SELECT COALESCE(max(seq), 0) + 1 FROM agent.llm_history WHERE thread_id = $1",
-                &[&thread_id],
-            )
-            .await
-            .map_err(db)?
-            .get(0);
-        for (i, turn) in turns.iter().enumerate() {
-            tx.execute(
-                "INSERT INTO agent.llm_history (thread_id, seq, turn) VALUES ($1, $2, $3)",
-                &[&thread_id, &(next + i as i64), turn],
-            )
-            .await
-            .map_err(db)?;
-        }
-        tx.commit().await.map_err(db)
-    }
-
-    async fn create_run(&self, r: &Run) -> Result<NewRunOutcome, StoreError> {
-        let client = self.client().await?;
-        let usage = serde_json::to_value(&r.usage).unwrap_or_default();
-        let inserted = client
-            .execute(
-                "INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, usage) VALUES ($1, $2, $3, $4, $5, $6, $7) \
-                 ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING",
-                &[&r.id, &r.thread_id, &r.owner, &r.request_id, &r.state.key(), &r.channel, &usage],
-            )
-            .await
-            .map_err(db)?;
-        if inserted == 1 {
-            return Ok(NewRunOutcome::Created);
-        }
-        let existing = client
-            .query_one(
-                "SELECT id FROM agent.runs WHERE owner = $1 AND request_id = $2",
-                &[&r.owner, &r.request_id],
-            )
-            .await
-            .map_err(db)?;
-        Ok(NewRunOutcome::Duplicate {
-            run_id: existing.get(0),
-        })
-    }
-
     async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError> {
         let row = self
             .client()
@@ -372,7 +960,7 @@ impl AgentStore for PgStore {
             )
             .await
             .map_err(db)?;
-        Ok(row.as_ref().map(run))
+        row.as_ref().map(run).transpose()
     }
 
     async fn find_run_by_request(
@@ -391,73 +979,22 @@ impl AgentStore for PgStore {
             )
             .await
             .map_err(db)?;
-        Ok(row.as_ref().map(run))
-    }
-
-    async fn update_run(&self, run_id: &str, p: RunPatch) -> Result<(), StoreError> {
-        let usage = p
-            .usage
-            .as_ref()
-            .map(|u| serde_json::to_value(u).unwrap_or_default());
-        let iterations = p.iterations.map(|i| i as i32);
-        self.client()
-            .await?
-            .execute(
-                "UPDATE agent.runs SET state = COALESCE($2::text, state), model = COALESCE($3::text, model), \
-                   usage = COALESCE($4::jsonb, usage), iterations = COALESCE($5::integer, iterations), \
-                   error = COALESCE($6::text, error), failure_kind = COALESCE($7::text, failure_kind), \
-                   summary = COALESCE($8::text, summary), started_at = COALESCE($9::timestamptz, started_at), \
-                   finished_at = COALESCE($10::timestamptz, finished_at), \
-                   prompt_sections = COALESCE($11::jsonb, prompt_sections) WHERE id = $1",
-                &[
-                    &run_id,
-                    &p.state.map(RunState::key),
-                    &p.model,
-                    &usage,
-                    &iterations,
-                    &p.error,
-                    &p.failure_kind,
-                    &p.summary,
-                    &p.started_at,
-                    &p.finished_at,
-                    &p.prompt_sections.as_ref().map(|v| serde_json::to_value(v).unwrap_or_default()),
-                ],
-            )
-            .await
-            .map_err(db)?;
-        Ok(())
+        row.as_ref().map(run).transpose()
     }
 
     async fn request_cancel(&self, run_id: &str) -> Result<bool, StoreError> {
         let n = self
             .client()
             .await?
-            .execute(
-                "UPDATE agent.runs SET cancel_requested = true WHERE id = $1 AND state NOT IN ('completed', 'failed', 'cancelled')",
+            .query(
+                "WITH u AS (UPDATE agent.runs SET cancel_requested = true WHERE id = $1 \
+                   AND state IN ('queued', 'planning', 'executing') RETURNING id) \
+                 SELECT pg_notify('agent_runs', 'c:' || id) FROM u",
                 &[&run_id],
             )
             .await
             .map_err(db)?;
-        Ok(n == 1)
-    }
-
-    async fn append_event(&self, run_id: &str, payload: &[u8]) -> Result<u64, StoreError> {
-        // Numbering through the run row serialises appends per run: no gaps, no duplicates.
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(db)?;
-        let seq: i64 = tx
-            .query_one("UPDATE agent.runs SET last_event_seq = last_event_seq + 1 WHERE id = $1 RETURNING last_event_seq", &[&run_id])
-            .await
-            .map_err(db)?
-            .get(0);
-        tx.execute(
-            "INSERT INTO agent.run_events (run_id, seq, payload) VALUES ($1, $2, $3)",
-            &[&run_id, &seq, &payload],
-        )
-        .await
-        .map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        Ok(seq as u64)
+        Ok(n.len() == 1)
     }
 
     async fn events_after(
@@ -466,99 +1003,21 @@ impl AgentStore for PgStore {
         after: u64,
         limit: usize,
     ) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
-        let rows = self
-            .client()
-            .await?
-            .query(
+        let client = self.client().await?;
+        let statement = client
+            .prepare_cached(
                 "SELECT seq, payload FROM agent.run_events WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
-                &[&run_id, &(after as i64), &(limit as i64)],
             )
+            .await
+            .map_err(db)?;
+        let rows = client
+            .query(&statement, &[&run_id, &(after as i64), &(limit as i64)])
             .await
             .map_err(db)?;
         Ok(rows
             .iter()
             .map(|r| (r.get::<_, i64>(0) as u64, r.get(1)))
             .collect())
-    }
-
-    async fn unfinished_runs_before(&self, before: SystemTime) -> Result<Vec<Run>, StoreError> {
-        let rows = self
-            .client()
-            .await?
-            .query(
-                &format!(
-                    "SELECT {RUN_COLUMNS} FROM agent.runs WHERE state IN ('queued', 'planning', 'executing') \
-                     AND COALESCE(started_at, created_at) < $1 ORDER BY created_at LIMIT 500"
-                ),
-                &[&before],
-            )
-            .await
-            .map_err(db)?;
-        Ok(rows.iter().map(run).collect())
-    }
-
-    async fn fail_if_unfinished(
-        &self,
-        run_id: &str,
-        error: &str,
-        failure_kind: &str,
-    ) -> Result<bool, StoreError> {
-        let n = self
-            .client()
-            .await?
-            .execute(
-                "UPDATE agent.runs SET state = 'failed', error = $2, failure_kind = $3, finished_at = now() \
-                 WHERE id = $1 AND state IN ('queued', 'planning', 'executing')",
-                &[&run_id, &error, &failure_kind],
-            )
-            .await
-            .map_err(db)?;
-        Ok(n == 1)
-    }
-
-    async fn archive_history(
-        &self,
-        thread_id: &str,
-        owner: &str,
-        summary: &str,
-    ) -> Result<Option<Archive>, StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(db)?;
-        // The thread row lock makes concurrent archivers take turns; the loser finds no history.
-        tx.execute(
-            "SELECT 1 FROM agent.threads WHERE id = $1 FOR UPDATE",
-            &[&thread_id],
-        )
-        .await
-        .map_err(db)?;
-        let rows = tx
-            .query(
-                "DELETE FROM agent.llm_history WHERE thread_id = $1 RETURNING seq, turn",
-                &[&thread_id],
-            )
-            .await
-            .map_err(db)?;
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        let mut turns: Vec<(i64, Value)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
-        turns.sort_by_key(|(seq, _)| *seq);
-        let turns: Vec<Value> = turns.into_iter().map(|(_, t)| t).collect();
-        let row = tx
-            .query_one(
-                "INSERT INTO agent.session_archives (thread_id, owner, summary, transcript, transcript_text, turn_count) \
-                 VALUES ($1, $2, $3, $4, $5, $6) RETURNING archived_at",
-                &[&thread_id, &owner, &summary, &Value::Array(turns.clone()), &transcript_text(&turns), &(turns.len() as i32)],
-            )
-            .await
-            .map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        Ok(Some(Archive {
-            thread_id: thread_id.to_owned(),
-            summary: summary.to_owned(),
-            turn_count: turns.len() as u32,
-            archived_at: row.get(0),
-        }))
     }
 
     async fn recent_summaries(
@@ -613,18 +1072,6 @@ impl AgentStore for PgStore {
             .await
             .map_err(db)?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
-    }
-
-    async fn enqueue_task_agent(&self, t: &TaskAgent) -> Result<(), StoreError> {
-        self.client()
-            .await?
-            .execute(
-                "INSERT INTO agent.task_agents (id, owner, parent_thread_id, instructions, goal, state) VALUES ($1, $2, $3, $4, $5, 'queued')",
-                &[&t.id, &t.owner, &t.parent_thread_id, &t.instructions, &t.goal],
-            )
-            .await
-            .map_err(db)?;
-        Ok(())
     }
 
     async fn claim_task_agent(
@@ -688,95 +1135,40 @@ impl AgentStore for PgStore {
         Ok(row.as_ref().map(task_agent))
     }
 
-    async fn create_action(&self, a: &Action) -> Result<(), StoreError> {
-        self.client()
-            .await?
-            .execute(
-                "INSERT INTO agent.actions (id, run_id, call_id, tool, arguments, side_effect, state) VALUES ($1, $2, $3, $4, $5, $6, $7) \
-                 ON CONFLICT (id) DO NOTHING",
-                &[&a.id, &a.run_id, &a.call_id, &a.tool, &a.arguments, &a.side_effect, &a.state.key()],
-            )
-            .await
-            .map_err(db)?;
-        Ok(())
-    }
-
-    async fn update_action(
-        &self,
-        id: &str,
-        state: ActionState,
-        result: Option<(&str, Option<&str>)>,
-        approval_id: Option<&str>,
-    ) -> Result<(), StoreError> {
-        let (text, kind) = result.map_or((None, None), |(t, k)| (Some(t), k));
-        self.client()
-            .await?
-            .execute(
-                "UPDATE agent.actions SET state = $2, result_text = COALESCE($3::text, result_text), \
-                   error_kind = CASE WHEN $3::text IS NULL THEN error_kind ELSE $4::text END, \
-                   approval_id = COALESCE($5::text, approval_id), updated_at = now() WHERE id = $1",
-                &[&id, &state.key(), &text, &kind, &approval_id],
-            )
-            .await
-            .map_err(db)?;
-        Ok(())
-    }
-
     async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError> {
-        let rows = self
-            .client()
-            .await?
-            .query(
-                "SELECT id, run_id, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, created_at, \
-                   updated_at FROM agent.actions WHERE run_id = $1 ORDER BY created_at, id",
-                &[&run_id],
+        let client = self.client().await?;
+        let statement = client
+            .prepare_cached(
+                "SELECT id, run_id, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, \
+                   transitions, created_at, updated_at FROM agent.actions WHERE run_id = $1 ORDER BY ord",
             )
             .await
             .map_err(db)?;
-        Ok(rows
-            .iter()
-            .map(|r| Action {
-                id: r.get(0),
-                run_id: r.get(1),
-                call_id: r.get(2),
-                tool: r.get(3),
-                arguments: r.get(4),
-                side_effect: r.get(5),
-                state: ActionState::from_key(r.get(6)),
-                result_text: r.get(7),
-                error_kind: r.get(8),
-                approval_id: r.get(9),
-                created_at: r.get(10),
-                updated_at: r.get(11),
+        let rows = client.query(&statement, &[&run_id]).await.map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                let transitions: Vec<String> =
+                    serde_json::from_value(r.get(10)).unwrap_or_default();
+                Ok(Action {
+                    id: r.get(0),
+                    run_id: r.get(1),
+                    call_id: r.get(2),
+                    tool: r.get(3),
+                    arguments: r.get(4),
+                    side_effect: r.get(5),
+                    state: ActionState::from_key(r.get(6))?,
+                    result_text: r.get(7),
+                    error_kind: r.get(8),
+                    approval_id: r.get(9),
+                    transitions: transitions
+                        .iter()
+                        .map(|k| ActionState::from_key(k))
+                        .collect::<Result<_, _>>()?,
+                    created_at: r.get(11),
+                    updated_at: r.get(12),
+                })
             })
-            .collect())
-    }
-
-    async fn create_approval(&self, a: &Approval) -> Result<(), StoreError> {
-        self.client()
-            .await?
-            .execute(
-                "INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, arguments, args_sha256, preview, reason, \
-                   state, created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
-                &[
-                    &a.id,
-                    &a.run_id,
-                    &a.thread_id,
-                    &a.owner,
-                    &a.call_id,
-                    &a.tool,
-                    &a.arguments,
-                    &a.args_sha256,
-                    &a.preview,
-                    &a.reason,
-                    &a.state.key(),
-                    &a.created_at,
-                    &a.expires_at,
-                ],
-            )
-            .await
-            .map_err(db)?;
-        Ok(())
+            .collect()
     }
 
     async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError> {
@@ -791,31 +1183,7 @@ impl AgentStore for PgStore {
             )
             .await
             .map_err(db)?;
-        Ok(row.as_ref().map(approval))
-    }
-
-    async fn decide_approval(
-        &self,
-        id: &str,
-        state: ApprovalState,
-        decider: &str,
-    ) -> Result<Option<Approval>, StoreError> {
-        let client = self.client().await?;
-        client
-            .execute(
-                "UPDATE agent.approvals SET state = $2, decided_by = $3, decided_at = now() WHERE id = $1 AND state = 'pending'",
-                &[&id, &state.key(), &decider],
-            )
-            .await
-            .map_err(db)?;
-        let row = client
-            .query_opt(
-                &format!("SELECT {APPROVAL_COLUMNS} FROM agent.approvals WHERE id = $1"),
-                &[&id],
-            )
-            .await
-            .map_err(db)?;
-        Ok(row.as_ref().map(approval))
+        row.as_ref().map(approval).transpose()
     }
 
     async fn record_audit(
@@ -853,8 +1221,8 @@ impl AgentStore for PgStore {
 const APPROVAL_COLUMNS: &str = "id, run_id, thread_id, owner, call_id, tool, arguments, args_sha256, preview, reason, state, \
     created_at, expires_at, decided_by, decided_at";
 
-fn approval(r: &Row) -> Approval {
-    Approval {
+fn approval(r: &Row) -> Result<Approval, StoreError> {
+    Ok(Approval {
         id: r.get(0),
         run_id: r.get(1),
         thread_id: r.get(2),
@@ -865,12 +1233,12 @@ fn approval(r: &Row) -> Approval {
         args_sha256: r.get(7),
         preview: r.get(8),
         reason: r.get(9),
-        state: ApprovalState::from_key(r.get(10)),
+        state: ApprovalState::from_key(r.get(10))?,
         created_at: r.get(11),
         expires_at: r.get(12),
         decided_by: r.get(13),
         decided_at: r.get(14),
-    }
+    })
 }
 
 fn archive(r: &Row) -> Archive {
@@ -896,5 +1264,119 @@ fn task_agent(r: &Row) -> TaskAgent {
         attempts: r.get::<_, i32>(6) as u32,
         last_error: r.get(7),
         result: r.get(8),
+    }
+}
+
+/// Ending a run nobody will finish: `$1` selects (see each caller's WHERE), `$2` state, `$3`
+/// error, `$4` failure kind, `$5` seq gap, `$6` terminal event, `$7` optional thread message.
+const END_RUN: &str = "UPDATE agent.runs SET state = $2, error = $3, failure_kind = $4, finished_at = now(), \
+    cancel_requested = cancel_requested OR $2 = 'cancelled', last_event_seq = last_event_seq + $5";
+const END_RETURNING: &str = "RETURNING id, thread_id, last_event_seq";
+const END_REST: &str = ", ev AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, last_event_seq, $6 FROM ended), \
+    ap AS (UPDATE agent.approvals SET state = 'expired' WHERE run_id IN (SELECT id FROM ended) AND state = 'pending'), \
+    msg AS (INSERT INTO agent.messages (thread_id, run_id, source, kind, content) \
+      SELECT thread_id, id, 'error', 'text', $7 FROM ended WHERE $7::text IS NOT NULL) \
+    SELECT id, pg_notify('agent_runs', 'e:' || id) FROM ended";
+
+/// Actions as column arrays, for one multi-row upsert.
+#[derive(Default)]
+struct ActionColumns {
+    id: Vec<String>,
+    call_id: Vec<String>,
+    tool: Vec<String>,
+    arguments: Vec<Value>,
+    side_effect: Vec<bool>,
+    state: Vec<&'static str>,
+    result_text: Vec<Option<String>>,
+    error_kind: Vec<Option<String>>,
+    approval_id: Vec<Option<String>>,
+    transitions: Vec<Value>,
+    created_at: Vec<SystemTime>,
+    updated_at: Vec<SystemTime>,
+}
+
+impl ActionColumns {
+    fn push(&mut self, a: &Action) {
+        self.id.push(a.id.clone());
+        self.call_id.push(a.call_id.clone());
+        self.tool.push(a.tool.clone());
+        self.arguments.push(a.arguments.clone());
+        self.side_effect.push(a.side_effect);
+        self.state.push(a.state.key());
+        self.result_text.push(a.result_text.clone());
+        self.error_kind.push(a.error_kind.clone());
+        self.approval_id.push(a.approval_id.clone());
+        self.transitions.push(Value::Array(
+            a.transitions
+                .iter()
+                .map(|s| Value::String(s.key().to_owned()))
+                .collect(),
+        ));
+        self.created_at.push(a.created_at);
+        self.updated_at.push(a.updated_at);
+    }
+}
+
+/// Forwards run notices from PostgreSQL (LISTEN on [`NOTICE_CHANNEL`]) until `stop`, with a
+/// dedicated connection that is opened again when it drops. After each (re)connect it sends
+/// `Resync`: notices may have been missed meanwhile, so watchers re-read.
+async fn listen(
+    url: String,
+    notices: tokio::sync::broadcast::Sender<RunNotice>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    use futures_util::StreamExt;
+    loop {
+        let session = async {
+            let (client, mut connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .map_err(|e| e.to_string())?;
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            let pump = tokio::spawn(async move {
+                let mut messages =
+                    futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+                while let Some(message) = messages.next().await {
+                    match message {
+                        Ok(tokio_postgres::AsyncMessage::Notification(n)) => {
+                            if tx.send(n.payload().to_owned()).is_err() {
+                                break;
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "run notice connection failed");
+                            break;
+                        }
+                    }
+                }
+            });
+            let listening = client
+                .batch_execute(&format!("LISTEN {NOTICE_CHANNEL}"))
+                .await;
+            if let Err(e) = listening {
+                pump.abort();
+                return Err(e.to_string());
+            }
+            let _ = notices.send(RunNotice::Resync);
+            while let Some(payload) = rx.recv().await {
+                if let Some(notice) = RunNotice::parse(&payload) {
+                    let _ = notices.send(notice);
+                }
+            }
+            pump.abort();
+            Err::<(), String>("the connection closed".into())
+        };
+        tokio::select! {
+            () = stop.cancelled() => return,
+            ended = session => {
+                if let Err(e) = ended {
+                    tracing::warn!(error = %e, "run notices unavailable; watchers poll until it reconnects");
+                }
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
     }
 }

@@ -1,0 +1,462 @@
+//! The one writer of a run segment (E-11, S-4). The lease holder numbers the run's events
+//! itself, shows them to local watchers at once, and makes them durable together with the LLM
+//! turns, action states and messages of the same step in one fenced transaction: before tools
+//! run (a checkpoint), when the next iteration starts, and at the end. Text deltas are
+//! coalesced into rows (every 50 ms or 2 KB). A separate task renews the lease until the
+//! segment ends; losing it stops the run.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant, SystemTime},
+};
+
+use prost::Message as _;
+use steward_proto::agent::v1 as pb;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use super::{event_kind, live::LiveRun};
+use crate::{
+    api::convert,
+    executor::{EventSink, RunEvent},
+    store::{
+        Action, ActionState, Lease, MessageKind, MessageSource, NewMessage, RunCommit, SharedStore,
+        StoreError, action_id,
+    },
+};
+
+/// A coalesced delta row is cut after this long…
+const DELTA_WINDOW: Duration = Duration::from_millis(50);
+/// …or this many bytes.
+const DELTA_BYTES: usize = 2048;
+/// Events shown to watchers but not yet durable are flushed after this long…
+const FLUSH_AFTER: Duration = Duration::from_millis(250);
+/// …or when this many are pending. The monitor's terminal event skips past this window.
+pub(super) const MAX_VOLATILE_EVENTS: usize = 64;
+/// How long a failed flush is retried (a database restart) before the run gives up.
+const FLUSH_RETRY_FOR: Duration = Duration::from_secs(10);
+
+/// Why a segment was stopped before the executor finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum StopReason {
+    /// CancelRun, from this replica or another.
+    Cancelled,
+    /// The lease was lost: someone else may own the run now; write nothing more.
+    LeaseLost,
+    /// The run's progress could not be made durable.
+    WriteFailed(String),
+    /// This replica is shutting down: commit progress, release the lease, write no end.
+    Shutdown,
+}
+
+/// Stops a segment, remembering the first reason.
+#[derive(Clone, Default)]
+pub(super) struct Stopper {
+    pub(super) token: CancellationToken,
+    reason: Arc<Mutex<Option<StopReason>>>,
+}
+
+impl Stopper {
+    pub(super) fn stop(&self, why: StopReason) {
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(why);
+        self.token.cancel();
+    }
+
+    pub(super) fn reason(&self) -> Option<StopReason> {
+        if !self.token.is_cancelled() {
+            return None;
+        }
+        Some(
+            self.reason
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .unwrap_or(StopReason::Cancelled),
+        )
+    }
+}
+
+/// Renews `lease` every third of `ttl` until `done`; a lost lease or a cancel request (from
+/// any replica) stops the segment. Renewal errors are retried until the lease would lapse.
+pub(super) fn keep_lease(
+    store: SharedStore,
+    lease: Lease,
+    ttl: Duration,
+    stopper: Stopper,
+    done: CancellationToken,
+) {
+    tokio::spawn(async move {
+        let every = ttl / 3;
+        let mut last_ok = Instant::now();
+        loop {
+            tokio::select! {
+                () = done.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            match store.renew_lease(&lease, ttl).await {
+                Ok(Some(cancel_requested)) => {
+                    last_ok = Instant::now();
+                    if cancel_requested {
+                        stopper.stop(StopReason::Cancelled);
+                    }
+                }
+                Ok(None) => {
+                    tracing::error!(run_id = %lease.run_id, "the run lost its thread lease; stopping it");
+                    stopper.stop(StopReason::LeaseLost);
+                    return;
+                }
+                Err(e) if last_ok.elapsed() + every >= ttl => {
+                    tracing::error!(run_id = %lease.run_id, error = %e, "could not renew the thread lease before it lapses; stopping the run");
+                    stopper.stop(StopReason::LeaseLost);
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(run_id = %lease.run_id, error = %e, "could not renew the thread lease; retrying");
+                }
+            }
+        }
+    });
+}
+
+/// What the executor (and the policy runner) send the writer, in order.
+pub(super) enum WriterMsg {
+    Event(RunEvent),
+    /// These calls are about to run: record them executing, make everything so far durable,
+    /// then answer.
+    Checkpoint(Vec<String>, oneshot::Sender<Result<(), String>>),
+}
+
+/// The executor's event sink: forwards to the writer, in order.
+pub(super) struct WriterSink(pub(super) mpsc::UnboundedSender<WriterMsg>);
+
+impl EventSink for WriterSink {
+    fn emit(&self, event: RunEvent) {
+        let _ = self.0.send(WriterMsg::Event(event));
+    }
+}
+
+/// Tells the writer that `executing` calls are about to run and waits until that and
+/// everything before it is durable; Err when it could not be.
+pub(super) async fn checkpoint(
+    tx: &mpsc::UnboundedSender<WriterMsg>,
+    executing: Vec<String>,
+) -> Result<(), String> {
+    let (done, wait) = oneshot::channel();
+    tx.send(WriterMsg::Checkpoint(executing, done))
+        .map_err(|_| "the run's writer has stopped".to_owned())?;
+    wait.await
+        .map_err(|_| "the run's writer has stopped".to_owned())?
+}
+
+pub(super) struct RunWriter {
+    store: SharedStore,
+    live: Arc<LiveRun>,
+    pub(super) lease: Lease,
+    thread_id: String,
+    run_id: String,
+    next_seq: u64,
+    pending: RunCommit,
+    pending_since: Option<Instant>,
+    /// (thinking?, text, since) of the delta row being coalesced.
+    delta: Option<(bool, String, Instant)>,
+    /// Terminal events wait for their commit: a client that sees the end can read it.
+    held: Vec<pb::RunEvent>,
+    /// The run's actions by call id, as they are now.
+    pub(super) actions: HashMap<String, Action>,
+    pub(super) side_effects: HashSet<String>,
+}
+
+impl RunWriter {
+    pub(super) fn new(store: SharedStore, live: Arc<LiveRun>, lease: Lease, last_seq: u64) -> Self {
+        Self {
+            store,
+            live,
+            thread_id: lease.thread_id.clone(),
+            run_id: lease.run_id.clone(),
+            lease,
+            next_seq: last_seq + 1,
+            pending: RunCommit::default(),
+            pending_since: None,
+            delta: None,
+            held: Vec::new(),
+            actions: HashMap::new(),
+            side_effects: HashSet::new(),
+        }
+    }
+
+    /// The pending commit, for what the run adds beside its events (turns, patches, …).
+    pub(super) fn pending(&mut self) -> &mut RunCommit {
+        self.pending_since.get_or_insert_with(Instant::now);
+        &mut self.pending
+    }
+
+    /// Numbers an event, shows it to local watchers and queues it for the next commit.
+    pub(super) fn emit(&mut self, kind: pb::run_event::Kind) {
+        if !matches!(
+            kind,
+            pb::run_event::Kind::Delta(_) | pb::run_event::Kind::ThoughtDelta(_)
+        ) {
+            self.cut_delta();
+        }
+        let event = pb::RunEvent {
+            run_id: self.run_id.clone(),
+            seq: self.next_seq,
+            time: Some(convert::timestamp(SystemTime::now())),
+            thread_id: self.thread_id.clone(),
+            kind: Some(kind),
+        };
+        self.next_seq += 1;
+        self.pending()
+            .events
+            .push((event.seq, event.encode_to_vec()));
+        if matches!(
+            event.kind,
+            Some(pb::run_event::Kind::Result(_) | pb::run_event::Kind::Error(_))
+        ) {
+            self.held.push(event);
+        } else {
+            self.live.publish(event);
+        }
+    }
+
+    fn cut_delta(&mut self) {
+        if let Some((thinking, text, _)) = self.delta.take() {
+            self.emit(if thinking {
+                pb::run_event::Kind::ThoughtDelta(pb::ThoughtDeltaEvent { text })
+            } else {
+                pb::run_event::Kind::Delta(pb::DeltaEvent { text, reset: false })
+            });
+        }
+    }
+
+    fn delta(&mut self, thinking: bool, text: String) {
+        match &mut self.delta {
+            Some((t, buf, _)) if *t == thinking => buf.push_str(&text),
+            _ => {
+                self.cut_delta();
+                self.delta = Some((thinking, text, Instant::now()));
+            }
+        }
+        if self
+            .delta
+            .as_ref()
+            .is_some_and(|d| d.1.len() >= DELTA_BYTES)
+        {
+            self.cut_delta();
+        }
+    }
+
+    fn action(&mut self, call_id: &str) -> Option<&mut Action> {
+        self.actions.get_mut(call_id)
+    }
+
+    /// Queues an action as it is now.
+    pub(super) fn stage_action(&mut self, call_id: &str) {
+        if let Some(a) = self.actions.get(call_id).cloned() {
+            let pending = &mut self.pending().actions;
+            match pending.iter_mut().find(|p| p.id == a.id) {
+                Some(staged) => *staged = a,
+                None => pending.push(a),
+            }
+        }
+    }
+
+    /// Takes one executor event: actions, messages and turns for the next commit, the event
+    /// itself for watchers. True when it marks a point to commit at (the next iteration).
+    fn record(&mut self, event: RunEvent) -> bool {
+        match &event {
+            RunEvent::TextDelta(t) => {
+                self.delta(false, t.clone());
+                return false;
+            }
+            RunEvent::ThinkingDelta(t) => {
+                self.delta(true, t.clone());
+                return false;
+            }
+            RunEvent::DeltaReset => {
+                // What was streamed of this turn is void: drop what is not shown yet, tell
+                // the client to discard what it has.
+                self.delta = None;
+                self.emit(pb::run_event::Kind::Delta(pb::DeltaEvent {
+                    text: String::new(),
+                    reset: true,
+                }));
+                return false;
+            }
+            RunEvent::Turn(turn) => {
+                match serde_json::to_value(turn) {
+                    Ok(v) => self.pending().history.push(v),
+                    Err(e) => {
+                        tracing::error!(run_id = %self.run_id, error = %e, "unserializable turn left out of history")
+                    }
+                }
+                return false;
+            }
+            RunEvent::ToolCall {
+                call_id,
+                name,
+                args,
+                ..
+            } => {
+                let now = SystemTime::now();
+                self.actions.insert(
+                    call_id.clone(),
+                    Action {
+                        id: action_id(&self.run_id, call_id),
+                        run_id: self.run_id.clone(),
+                        call_id: call_id.clone(),
+                        tool: name.clone(),
+                        arguments: args.clone(),
+                        side_effect: self.side_effects.contains(name),
+                        state: ActionState::Planned,
+                        result_text: None,
+                        error_kind: None,
+                        approval_id: None,
+                        transitions: vec![ActionState::Planned],
+                        created_at: now,
+                        updated_at: now,
+                    },
+                );
+                self.stage_action(call_id);
+            }
+            RunEvent::ToolResult {
+                call_id,
+                name,
+                ok,
+                preview,
+                text,
+                error_kind,
+                ..
+            } => {
+                if let Some(a) = self.action(call_id) {
+                    a.to(if *ok {
+                        ActionState::Completed
+                    } else {
+                        ActionState::Failed
+                    });
+                    a.result_text = Some(text.clone());
+                    a.error_kind = Some(error_kind.clone()).filter(|k| !k.is_empty());
+                }
+                self.stage_action(call_id);
+                let content = format!("{} {name}: {preview}", if *ok { "Ran" } else { "Tried" });
+                self.pending().messages.push(NewMessage {
+                    source: MessageSource::Agent,
+                    kind: MessageKind::Tool,
+                    content,
+                    metadata: serde_json::json!({ "tool": name, "ok": ok }),
+                });
+            }
+            _ => {}
+        }
+        let next_iteration = matches!(event, RunEvent::Planning { iteration } if iteration > 1);
+        if let Some(kind) = event_kind(&self.run_id, event) {
+            self.emit(kind);
+        }
+        next_iteration
+    }
+
+    /// Commits what is pending, retrying a store that is briefly unavailable.
+    pub(super) async fn flush(&mut self) -> Result<(), StoreError> {
+        self.cut_delta();
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let mut wait = Duration::from_millis(100);
+        loop {
+            match self.store.commit(&self.lease, self.pending.clone()).await {
+                Ok(()) => {
+                    self.pending = RunCommit::default();
+                    self.pending_since = None;
+                    for event in self.held.drain(..) {
+                        self.live.publish(event);
+                    }
+                    return Ok(());
+                }
+                Err(StoreError::LeaseLost) => return Err(StoreError::LeaseLost),
+                Err(e) if started.elapsed() + wait > FLUSH_RETRY_FOR => return Err(e),
+                Err(e) => {
+                    tracing::warn!(run_id = %self.run_id, error = %e, "could not record the run's progress; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    fn due(&self) -> Option<Instant> {
+        let delta = self.delta.as_ref().map(|d| d.2 + DELTA_WINDOW);
+        let flush = self.pending_since.map(|s| s + FLUSH_AFTER);
+        match (delta, flush) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Takes the executor's events until its sink closes, committing at each checkpoint, at
+    /// the start of each later iteration and when events have waited too long. A failed
+    /// commit stops the run (through `stopper`) and is returned.
+    pub(super) async fn pump(
+        &mut self,
+        mut rx: mpsc::UnboundedReceiver<WriterMsg>,
+        stopper: &Stopper,
+    ) -> Result<(), StoreError> {
+        loop {
+            let due = self.due();
+            let msg = tokio::select! {
+                msg = rx.recv() => msg,
+                () = sleep_until(due) => {
+                    if self.delta.as_ref().is_some_and(|d| d.2.elapsed() >= DELTA_WINDOW) {
+                        self.cut_delta();
+                    }
+                    if self.pending_since.is_some_and(|s| s.elapsed() >= FLUSH_AFTER)
+                        || self.pending.events.len() >= MAX_VOLATILE_EVENTS
+                    {
+                        self.flush_or_stop(stopper).await?;
+                    }
+                    continue;
+                }
+            };
+            match msg {
+                None => return Ok(()),
+                Some(WriterMsg::Checkpoint(executing, done)) => {
+                    for call_id in executing {
+                        if let Some(a) = self.action(&call_id) {
+                            a.to(ActionState::Executing);
+                        }
+                        self.stage_action(&call_id);
+                    }
+                    let flushed = self.flush_or_stop(stopper).await;
+                    let _ = done.send(flushed.as_ref().map_err(ToString::to_string).copied());
+                    flushed?;
+                }
+                Some(WriterMsg::Event(event)) => {
+                    if self.record(event) || self.pending.events.len() >= MAX_VOLATILE_EVENTS {
+                        self.flush_or_stop(stopper).await?;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn flush_or_stop(&mut self, stopper: &Stopper) -> Result<(), StoreError> {
+        let flushed = self.flush().await;
+        match &flushed {
+            Ok(()) => {}
+            Err(StoreError::LeaseLost) => stopper.stop(StopReason::LeaseLost),
+            Err(e) => stopper.stop(StopReason::WriteFailed(e.to_string())),
+        }
+        flushed
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}

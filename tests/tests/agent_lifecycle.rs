@@ -1,0 +1,583 @@
+//! The run as one durable state machine (issue 11; A-4..A-8, E-11, S-2..S-4, P-4, O-3), in
+//! process: both services, PostgreSQL, a scripted OpenAI-compatible model, a fake Gmail.
+//! Process-level faults (kill -9, database restarts) are in `agent_faults.rs`.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use steward_proto::{agent::v1 as pb, gateway::v1 as gw};
+use steward_tests::{
+    Backend, Options, TestApp, agent_as,
+    calls::connect_account,
+    fakes::{
+        gmail::FakeGmail,
+        openai::{Answer, FakeOpenAi},
+    },
+    spawn::spawn,
+};
+use tonic::Code;
+
+const SEND_ARGS: &str =
+    r#"{"to":["boss@example.com"],"subject":"Budget","body":"Numbers attached."}"#;
+
+async fn world(answers: Vec<Answer>, env: &[(&str, &str)]) -> (TestApp, FakeOpenAi, FakeGmail) {
+    let model = FakeOpenAi::start(answers).await;
+    let gmail = FakeGmail::start().await;
+    gmail.add_messages("tok-alice", vec![]);
+    let mut all = vec![
+        ("MODEL_CHAIN".to_owned(), "openai/gpt-4o".to_owned()),
+        ("OPENAI_BASE_URL".to_owned(), model.url.clone()),
+        ("GMAIL_API_BASE_URL".to_owned(), gmail.url.clone()),
+    ];
+    all.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    let app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        env: all,
+        ..Options::default()
+    })
+    .await;
+    connect_account(
+        &mut app.gateway_as("alice").await,
+        gw::Integration::Gmail,
+        "alice@example.com",
+        "tok-alice",
+    )
+    .await;
+    (app, model, gmail)
+}
+
+fn input(prompt: &str) -> pb::RunInput {
+    pb::RunInput {
+        prompt: prompt.into(),
+        ..Default::default()
+    }
+}
+
+async fn run_on(addr: std::net::SocketAddr, input: pb::RunInput) -> pb::RunResult {
+    agent_as(addr, "alice")
+        .await
+        .run(pb::RunRequest { input: Some(input) })
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap()
+}
+
+fn approve(id: &str) -> pb::DecideApprovalRequest {
+    pb::DecideApprovalRequest {
+        approval_id: id.into(),
+        decision: pb::Decision::Approve as i32,
+        ..Default::default()
+    }
+}
+
+async fn events(app: &TestApp, run_id: &str, after: u64) -> Vec<pb::RunEvent> {
+    app.agent_as("alice")
+        .await
+        .watch_run(pb::WatchRunRequest {
+            run_id: run_id.into(),
+            after_seq: after,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .filter_map(|r| async move { r.ok().and_then(|r| r.event) })
+        .collect()
+        .await
+}
+
+/// Every event of a run: a watch ends at each stop (a pause, the end), so watch again from
+/// there until nothing follows.
+async fn all_events(app: &TestApp, run_id: &str) -> Vec<pb::RunEvent> {
+    let mut all: Vec<pb::RunEvent> = Vec::new();
+    loop {
+        let after = all.last().map_or(0, |e| e.seq);
+        let more = events(app, run_id, after).await;
+        if more.is_empty() {
+            return all;
+        }
+        all.extend(more);
+    }
+}
+
+fn is_terminal(e: &pb::RunEvent) -> bool {
+    matches!(
+        e.kind,
+        Some(pb::run_event::Kind::Result(_) | pb::run_event::Kind::Error(_))
+    )
+}
+
+async fn sql_count(app: &TestApp, query: &str, run_id: &str) -> i64 {
+    let (client, conn) =
+        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    client.query_one(query, &[&run_id]).await.unwrap().get(0)
+}
+
+#[tokio::test]
+async fn watching_a_finished_run_after_its_last_event_returns_at_once() {
+    let (app, _model, _gmail) = world(vec![Answer::text("Done.")], &[]).await;
+    let result = run_on(app.agent_addr, input("hi")).await;
+    let all = events(&app, &result.run_id, 0).await;
+    assert!(is_terminal(all.last().unwrap()));
+    let last = all.last().unwrap().seq;
+    let nothing = tokio::time::timeout(Duration::from_secs(5), events(&app, &result.run_id, last))
+        .await
+        .expect("a watch after the terminal event ends at once");
+    assert!(nothing.is_empty());
+}
+
+#[tokio::test]
+async fn a_long_streamed_answer_reaches_the_client_whole_in_few_event_rows() {
+    // About 3,000 tokens of text, streamed one word per delta.
+    let answer: String = (0..3000).map(|i| format!("w{} ", i % 97)).collect();
+    let (app, _model, _gmail) = world(vec![Answer::text(answer.trim_end())], &[]).await;
+    let mut alice = app.agent_as("alice").await;
+    let stream = alice
+        .run_stream(pb::RunStreamRequest {
+            input: Some(input("tell me a long story")),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let got: Vec<pb::RunEvent> = stream
+        .filter_map(|r| async move { r.ok().and_then(|r| r.event) })
+        .collect()
+        .await;
+    let text: String = got
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(pb::run_event::Kind::Delta(d)) => Some(d.text.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(text, answer.trim_end(), "the client sees every word once");
+    let seqs: Vec<u64> = got.iter().map(|e| e.seq).collect();
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+    let run_id = got[0].run_id.clone();
+    let rows = sql_count(
+        &app,
+        "SELECT count(*) FROM agent.run_events WHERE run_id = $1",
+        &run_id,
+    )
+    .await;
+    println!("3,000-word answer: {rows} event rows");
+    assert!(rows <= 30, "{rows} event rows for one streamed answer");
+}
+
+#[tokio::test]
+async fn live_registrations_return_to_zero_after_a_thousand_watched_runs() {
+    let app = spawn(Options {
+        backend: Some(Backend::Memory),
+        ..Options::default()
+    })
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    for i in 0..1000 {
+        let stream = alice
+            .run_stream(pb::RunStreamRequest {
+                input: Some(input(&format!("hello {i}"))),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let got: Vec<_> = stream.collect().await;
+        assert!(matches!(
+            got.last()
+                .unwrap()
+                .as_ref()
+                .unwrap()
+                .event
+                .as_ref()
+                .unwrap()
+                .kind,
+            Some(pb::run_event::Kind::Result(_))
+        ));
+    }
+    // Every stream ended with its run; the run's segment deregisters just after its end is
+    // durable, so wait (bounded) for the last one to let go.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while app.live_registrations() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(app.live_registrations(), 0);
+}
+
+/// Pauses a supervised send for approval; returns (run, approval).
+async fn paused_send(app: &TestApp) -> (pb::RunResult, pb::Approval) {
+    let result = run_on(app.agent_addr, input("email my boss the budget")).await;
+    assert_eq!(result.status, pb::RunState::AwaitingConfirmation as i32);
+    let approval = result.approval.clone().unwrap();
+    (result, approval)
+}
+
+#[tokio::test]
+async fn eight_concurrent_approvals_on_two_replicas_continue_the_run_once() {
+    let (mut app, model, gmail) = world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::text("Sent it."),
+            Answer::text("You're welcome."),
+        ],
+        &[],
+    )
+    .await;
+    let second = app.start_another_agent().await;
+    let (paused, approval) = paused_send(&app).await;
+    let before = model.requests().len();
+    let deciders = (0..8).map(|i| {
+        let addr = if i % 2 == 0 { app.agent_addr } else { second };
+        let id = approval.id.clone();
+        tokio::spawn(async move {
+            agent_as(addr, "alice")
+                .await
+                .decide_approval(approve(&id))
+                .await
+        })
+    });
+    let mut states = Vec::new();
+    for d in deciders {
+        let response = d
+            .await
+            .unwrap()
+            .expect("every caller gets an answer")
+            .into_inner();
+        assert_eq!(
+            response.approval.unwrap().state,
+            pb::ApprovalState::Approved as i32
+        );
+        states.push(response.result.unwrap().status);
+    }
+    assert!(
+        states.iter().all(|s| *s == pb::RunState::Completed as i32),
+        "every caller sees the same final state: {states:?}"
+    );
+    assert_eq!(model.requests().len() - before, 1, "one continuation");
+    assert_eq!(gmail.sent().len(), 1, "one email");
+    let all = all_events(&app, &paused.run_id).await;
+    let terminals: Vec<_> = all.iter().filter(|e| is_terminal(e)).collect();
+    assert_eq!(terminals.len(), 2, "the pause and the one end");
+    let seqs: Vec<u64> = all.iter().map(|e| e.seq).collect();
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+    let messages = app
+        .agent_as("alice")
+        .await
+        .list_messages(pb::ListMessagesRequest {
+            thread_id: paused.thread_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .messages;
+    assert!(
+        messages
+            .iter()
+            .all(|m| m.source != pb::MessageSource::Error as i32),
+        "{messages:?}"
+    );
+    // The thread takes the next message.
+    let mut next = input("thanks");
+    next.thread_id = paused.thread_id;
+    assert_eq!(run_on(second, next).await.summary, "You're welcome.");
+}
+
+#[tokio::test]
+async fn an_approval_on_the_other_replica_long_after_the_pause_completes_normally() {
+    let (mut app, _model, gmail) = world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            // The continuation takes a while: the monitors sweep many times meanwhile.
+            Answer::Slow(
+                Box::new(Answer::text("Sent it.")),
+                Duration::from_millis(800),
+            ),
+        ],
+        &[
+            ("HEALTH_MONITOR_INTERVAL", "100ms"),
+            ("RUN_GRACE_PERIOD", "0s"),
+        ],
+    )
+    .await;
+    let second = app
+        .start_another_agent_with(&[("HEALTH_MONITOR_INTERVAL", "100ms")])
+        .await;
+    let (paused, approval) = paused_send(&app).await;
+    // The run started an hour ago as far as its row knows (past every channel's limit).
+    let (client, conn) =
+        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    client
+        .execute(
+            "UPDATE agent.runs SET created_at = now() - interval '1 hour', started_at = now() - interval '1 hour' WHERE id = $1",
+            &[&paused.run_id],
+        )
+        .await
+        .unwrap();
+    let decided = agent_as(second, "alice")
+        .await
+        .decide_approval(approve(&approval.id))
+        .await
+        .unwrap()
+        .into_inner();
+    let result = decided.result.unwrap();
+    assert_eq!(result.status, pb::RunState::Completed as i32, "{result:?}");
+    assert_eq!(result.summary, "Sent it.");
+    assert_eq!(gmail.sent().len(), 1);
+    let all = all_events(&app, &paused.run_id).await;
+    assert_eq!(all.iter().filter(|e| is_terminal(e)).count(), 2);
+}
+
+#[tokio::test]
+async fn cancelling_a_run_that_waits_for_approval_ends_it_and_approving_is_refused() {
+    let (app, _model, gmail) = world(
+        vec![Answer::tool_calls(&[(
+            "call_send",
+            "gmail_send",
+            SEND_ARGS,
+        )])],
+        &[],
+    )
+    .await;
+    let (paused, approval) = paused_send(&app).await;
+    let mut alice = app.agent_as("alice").await;
+    let cancelled = alice
+        .cancel_run(pb::CancelRunRequest {
+            run_id: paused.run_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert_eq!(cancelled.state, pb::RunState::Cancelled as i32);
+    let all = all_events(&app, &paused.run_id).await;
+    match &all.last().unwrap().kind {
+        Some(pb::run_event::Kind::Result(r)) => {
+            assert_eq!(r.status, pb::RunState::Cancelled as i32)
+        }
+        other => panic!("not a cancelled result: {other:?}"),
+    }
+    let err = alice
+        .decide_approval(approve(&approval.id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(gmail.sent().is_empty());
+    let err = alice
+        .cancel_run(pb::CancelRunRequest {
+            run_id: paused.run_id,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "already ended");
+}
+
+#[tokio::test]
+async fn an_approval_after_its_session_was_archived_is_refused_and_the_thread_works() {
+    let (app, _model, gmail) = world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::text("Fresh start."),
+        ],
+        &[],
+    )
+    .await;
+    let (paused, approval) = paused_send(&app).await;
+    // The session goes quiet and a monitor archives it.
+    let (client, conn) =
+        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    client
+        .execute(
+            "UPDATE agent.threads SET updated_at = now() - interval '1 day' WHERE id = $1",
+            &[&paused.thread_id],
+        )
+        .await
+        .unwrap();
+    let store =
+        agent_svc::store::postgres::PgStore::connect(&svc_kit::server_config::DatabaseConfig {
+            url: app.db.as_ref().unwrap().url().to_owned(),
+            pool: svc_kit::pg::PoolOptions {
+                max_connections: 2,
+                acquire_timeout: Duration::from_secs(5),
+            },
+        })
+        .await
+        .unwrap();
+    let monitor = agent_svc::runs::RunService::new(
+        std::sync::Arc::new(store),
+        std::sync::Arc::new(
+            agent_svc::models::ModelsConfig::load(&mut svc_kit::config::Vars::new(|_| None))
+                .build(&reqwest::Client::new())
+                .0,
+        ),
+        None,
+        None,
+        6000,
+    );
+    assert_eq!(monitor.sweep_idle_sessions().await.unwrap(), 1);
+
+    let mut alice = app.agent_as("alice").await;
+    let err = alice
+        .decide_approval(approve(&approval.id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(err.message().contains("archived"), "{}", err.message());
+    assert!(gmail.sent().is_empty());
+    let mut next = input("start over");
+    next.thread_id = paused.thread_id;
+    let result = run_on(app.agent_addr, next).await;
+    assert_eq!(result.status, pb::RunState::Completed as i32);
+    assert_eq!(result.summary, "Fresh start.");
+}
+
+#[tokio::test]
+async fn a_retried_model_stream_tells_the_client_to_discard_its_partial_text() {
+    let cut = Answer::CutOff {
+        events: vec![
+            serde_json::json!({"choices": [{"index": 0, "delta": {"content": "Half an ans"}, "finish_reason": null}]}),
+        ],
+    };
+    let (app, _model, _gmail) = world(vec![cut, Answer::text("A whole answer.")], &[]).await;
+    let mut alice = app.agent_as("alice").await;
+    let got: Vec<pb::RunEvent> = alice
+        .run_stream(pb::RunStreamRequest {
+            input: Some(input("answer me")),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .filter_map(|r| async move { r.ok().and_then(|r| r.event) })
+        .collect()
+        .await;
+    // What a client shows: deltas, discarding everything before a reset.
+    let mut shown = String::new();
+    let mut resets = 0;
+    for e in &got {
+        if let Some(pb::run_event::Kind::Delta(d)) = &e.kind {
+            if d.reset {
+                resets += 1;
+                shown.clear();
+            }
+            shown.push_str(&d.text);
+        }
+    }
+    assert_eq!(resets, 1);
+    assert_eq!(shown, "A whole answer.");
+}
+
+#[tokio::test]
+async fn callers_cannot_pick_the_long_running_channels() {
+    let (app, _model, _gmail) = world(vec![], &[]).await;
+    let mut alice = app.agent_as("alice").await;
+    for channel in [pb::Channel::Scheduled, pb::Channel::Heartbeat] {
+        let mut i = input("work for ten minutes");
+        i.channel = channel as i32;
+        let err = alice
+            .run(pb::RunRequest { input: Some(i) })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(err.message().contains("input.channel"), "{}", err.message());
+    }
+}
+
+#[tokio::test]
+async fn a_user_over_the_active_run_cap_is_told_which_cap() {
+    let (app, _model, _gmail) = world(
+        vec![Answer::Slow(
+            Box::new(Answer::text("slow")),
+            Duration::from_secs(2),
+        )],
+        &[("AGENT_MAX_ACTIVE_RUNS_PER_USER", "1")],
+    )
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    let first = alice
+        .run_stream(pb::RunStreamRequest {
+            input: Some(input("first")),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let err = alice
+        .run(pb::RunRequest {
+            input: Some(input("second, elsewhere")),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert!(
+        err.message().contains("AGENT_MAX_ACTIVE_RUNS_PER_USER"),
+        "{}",
+        err.message()
+    );
+    drop(first);
+    // Another user is not affected.
+    let bob = agent_as(app.agent_addr, "bob")
+        .await
+        .run(pb::RunRequest {
+            input: Some(input("bob's")),
+        })
+        .await;
+    assert!(bob.is_ok(), "{bob:?}");
+}
+
+#[tokio::test]
+async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
+    let (mut app, _model, _gmail) = world(
+        vec![Answer::Slow(
+            Box::new(Answer::text("too late")),
+            Duration::from_secs(20),
+        )],
+        // Lease renewals (every 20 s) are too slow to carry this cancel: the notice must.
+        &[("RUN_LEASE", "60s")],
+    )
+    .await;
+    let second = app.start_another_agent().await;
+    let mut stream = app
+        .agent_as("alice")
+        .await
+        .run_stream(pb::RunStreamRequest {
+            input: Some(input("take your time")),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap().event.unwrap();
+    let started = std::time::Instant::now();
+    agent_as(second, "alice")
+        .await
+        .cancel_run(pb::CancelRunRequest {
+            run_id: first.run_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut last = None;
+    while let Some(Ok(r)) = stream.next().await {
+        last = r.event;
+    }
+    match last.and_then(|e| e.kind) {
+        Some(pb::run_event::Kind::Result(r)) => {
+            assert_eq!(r.status, pb::RunState::Cancelled as i32)
+        }
+        other => panic!("not cancelled: {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the notice reached the other replica, not the lease renewal: {:?}",
+        started.elapsed()
+    );
+}
