@@ -18,3 +18,4 @@ CREATE INDEX approvals_pending_thread ON agent.approvals (thread_id) WHERE state
 CREATE INDEX task_agents_owner_open ON agent.task_agents (owner) WHERE state IN ('queued', 'running');
 ALTER TABLE agent.actions ADD COLUMN ord bigserial;
 CREATE INDEX actions_run_ord ON agent.actions (run_id, ord);
+CREATE INDEX actions_call ON agent.actions (call_id);

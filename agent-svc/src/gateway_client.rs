@@ -156,6 +156,31 @@ impl GatewayClient {
         }
     }
 
+    /// What became of a side-effect call made with `idempotency_key`: its recorded result, or
+    /// `None` when it never reached upstream. Nothing is executed.
+    pub async fn lookup(
+        &self,
+        user: &str,
+        idempotency_key: &str,
+    ) -> Result<Option<ToolOutcome>, GatewayError> {
+        let mut client = GatewayServiceClient::new(self.channel.clone());
+        let request = self.request(
+            pb::LookupCallRequest {
+                idempotency_key: idempotency_key.to_owned(),
+            },
+            user,
+        )?;
+        let response = tokio::time::timeout(self.call_timeout, client.lookup_call(request))
+            .await
+            .map_err(|_| GatewayError::Unavailable("the lookup timed out".into()))??
+            .into_inner();
+        Ok(response
+            .found
+            .then_some(response.result)
+            .flatten()
+            .map(outcome))
+    }
+
     /// The bootstrap context for a session opening (I-8).
     pub async fn bootstrap(
         &self,

@@ -196,6 +196,26 @@ impl Engine {
         (name, Finished::Ran(result), Some(ctx))
     }
 
+    /// What a completed side-effect call with this key returned, without running anything:
+    /// (tool, outcome), or `None` when no call with the key reached upstream.
+    pub async fn recorded(
+        &self,
+        user: &UserId,
+        key: &str,
+    ) -> Result<Option<(String, CallOutcome)>, String> {
+        let Some(stored) = self
+            .idempotency
+            .lookup(user, key)
+            .await
+            .map_err(|e| format!("idempotency store unavailable: {e}"))?
+        else {
+            return Ok(None);
+        };
+        serde_json::from_value::<CallOutcome>(stored.outcome)
+            .map(|o| Some((stored.tool, o)))
+            .map_err(|e| format!("stored result unreadable: {e}"))
+    }
+
     fn outcome(
         &self,
         call_id: String,

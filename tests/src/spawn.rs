@@ -339,6 +339,14 @@ impl TestApp {
     }
 
     /// Stops both services, agent first (it depends on the gateway), and reports how each ended.
+    /// Shuts down the one service listening on `addr` (its drain, as on SIGTERM) and waits.
+    pub async fn stop_service(&mut self, addr: SocketAddr) -> ServeResult {
+        let Some(running) = self.services.iter_mut().find(|s| s.addr == addr) else {
+            return Err(format!("no service listens on {addr}"));
+        };
+        running.stop().await
+    }
+
     pub async fn shutdown(mut self) -> Vec<ServeResult> {
         let mut results = Vec::new();
         for running in &mut self.services {

@@ -581,3 +581,193 @@ async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
         started.elapsed()
     );
 }
+
+#[tokio::test]
+async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_monitor() {
+    let (mut app, _model, _gmail) = world(
+        vec![
+            Answer::Slow(Box::new(Answer::text("too late")), Duration::from_secs(30)),
+            Answer::text("Back again."),
+        ],
+        &[
+            // A lease that would keep the run's thread for a minute if it were not released.
+            ("RUN_LEASE", "60s"),
+            ("SHUTDOWN_DRAIN_TIMEOUT", "1s"),
+            ("HEALTH_MONITOR_INTERVAL", "100ms"),
+            ("RUN_GRACE_PERIOD", "0s"),
+        ],
+    )
+    .await;
+    let second = app.start_another_agent().await;
+    let mut stream = app
+        .agent_as("alice")
+        .await
+        .run_stream(pb::RunStreamRequest {
+            input: Some(input("take your time")),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap().event.unwrap();
+    let stopping = std::time::Instant::now();
+    app.stop_service(app.agent_addr).await.unwrap();
+    let seen: Vec<pb::RunEvent> = agent_as(second, "alice")
+        .await
+        .watch_run(pb::WatchRunRequest {
+            run_id: first.run_id.clone(),
+            after_seq: first.seq,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .filter_map(|r| async move { r.ok().and_then(|r| r.event) })
+        .collect()
+        .await;
+    match &seen.last().unwrap().kind {
+        Some(pb::run_event::Kind::Error(e)) => {
+            assert!(e.message.contains("stopped responding"), "{}", e.message)
+        }
+        other => panic!("not ended by the monitor: {other:?}"),
+    }
+    assert!(
+        stopping.elapsed() < Duration::from_secs(30),
+        "released, not left to lapse: {:?}",
+        stopping.elapsed()
+    );
+    let mut next = input("hello?");
+    next.thread_id = first.thread_id;
+    assert_eq!(run_on(second, next).await.summary, "Back again.");
+}
+
+#[tokio::test]
+async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded() {
+    use agent_svc::store::{
+        Action, ActionState, Admission, Admitted, AgentStore, RunCommit, RunState, RunUsage,
+        action_id, postgres::PgStore,
+    };
+    let (app, model, gmail) = world(vec![Answer::text("One went out, one did not.")], &[]).await;
+    let store = PgStore::connect(&svc_kit::server_config::DatabaseConfig {
+        url: app.db.as_ref().unwrap().url().to_owned(),
+        pool: svc_kit::pg::PoolOptions {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(5),
+        },
+    })
+    .await
+    .unwrap();
+    // A run on another replica asked for two sends and recorded both as executing; one reached
+    // Gmail, then the replica died.
+    store
+        .create_thread("t-crash", "alice", "sends")
+        .await
+        .unwrap();
+    let now = std::time::SystemTime::now();
+    let Admitted::Started(lease) = store
+        .admit(&Admission {
+            run: agent_svc::store::Run {
+                id: "r-crash".into(),
+                thread_id: "t-crash".into(),
+                owner: "alice".into(),
+                request_id: None,
+                state: RunState::Queued,
+                channel: "web".into(),
+                model: String::new(),
+                usage: RunUsage::default(),
+                iterations: 0,
+                error: None,
+                failure_kind: None,
+                summary: String::new(),
+                cancel_requested: false,
+                last_event_seq: 1,
+                prompt_sections: Vec::new(),
+                system_prompt: String::new(),
+                created_at: now,
+                started_at: None,
+                finished_at: None,
+            },
+            new_thread_title: None,
+            user_message: Some("send both".into()),
+            first_event: Vec::new(),
+            lease: Duration::from_secs(60),
+            max_active_runs: 8,
+            supersede_event: Vec::new(),
+            supersede_message: String::new(),
+        })
+        .await
+        .unwrap()
+    else {
+        panic!("not admitted");
+    };
+    let call =
+        |id: &str| serde_json::json!({"id": id, "name": "gmail_send", "arguments": SEND_ARGS});
+    let executing = |call_id: &str| Action {
+        id: action_id("r-crash", call_id),
+        run_id: "r-crash".into(),
+        call_id: call_id.into(),
+        tool: "gmail_send".into(),
+        arguments: serde_json::from_str(SEND_ARGS).unwrap(),
+        side_effect: true,
+        state: ActionState::Executing,
+        result_text: None,
+        error_kind: None,
+        approval_id: None,
+        transitions: vec![ActionState::Planned, ActionState::Executing],
+        created_at: now,
+        updated_at: now,
+    };
+    store
+        .commit(
+            &lease,
+            RunCommit {
+                history: vec![
+                    serde_json::json!({"role": "user", "content": "send both"}),
+                    serde_json::json!({"role": "assistant", "content": {"text": "", "tool_calls": [call("call_sent"), call("call_lost")]}}),
+                ],
+                actions: vec![executing("call_sent"), executing("call_lost")],
+                ..RunCommit::default()
+            },
+        )
+        .await
+        .unwrap();
+    let sent = steward_tests::calls::call_tool_keyed(
+        &mut app.gateway_as("alice").await,
+        "gmail_send",
+        serde_json::from_str(SEND_ARGS).unwrap(),
+        &action_id("r-crash", "call_sent"),
+    )
+    .await;
+    assert!(sent.ok, "{sent:?}");
+    store.release_lease(&lease).await.unwrap();
+
+    let mut next = input("did they go out?");
+    next.thread_id = "t-crash".into();
+    let result = run_on(app.agent_addr, next).await;
+    assert_eq!(result.status, pb::RunState::Completed as i32);
+    let request = &model.requests()[0].1;
+    let tool_messages: Vec<(String, String)> = request["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| {
+            (
+                m["tool_call_id"].as_str().unwrap().to_owned(),
+                m["content"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(tool_messages.len(), 2, "{tool_messages:?}");
+    assert_eq!(tool_messages[0].0, "call_sent");
+    assert!(
+        tool_messages[0].1.contains("completed") && tool_messages[0].1.contains("Sent"),
+        "{}",
+        tool_messages[0].1
+    );
+    assert_eq!(tool_messages[1].0, "call_lost");
+    assert!(
+        tool_messages[1].1.starts_with("Not executed"),
+        "{}",
+        tool_messages[1].1
+    );
+    assert_eq!(gmail.sent().len(), 1, "nothing was sent again");
+}

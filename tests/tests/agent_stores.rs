@@ -461,6 +461,12 @@ async fn a_commit_writes_everything_or_nothing_and_is_fenced_by_the_lease(b: Bac
         ]
     );
     assert_eq!(actions[0].result_text.as_deref(), Some("sent"));
+    let by_call = s
+        .actions_for_calls(&["c2".into(), "nope".into()])
+        .await
+        .unwrap();
+    assert_eq!(by_call.len(), 1);
+    assert_eq!(by_call[0].id, action_id("r1", "c2"));
     assert_eq!(s.audit("alice").await.unwrap()[0].0, "side_effect");
     assert!(
         s.get_thread("alice", "t1")

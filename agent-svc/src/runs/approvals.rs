@@ -203,6 +203,7 @@ impl RunService {
             .get_run(&seg.owner, &seg.run_id)
             .await?
             .ok_or_else(|| ApiError::NotFound(format!("run {}", seg.run_id)))?;
+        writer.usage_before = (run.usage.clone(), run.iterations);
         let call_id = approval.call_id.clone();
         if let Some(action) = self
             .store

@@ -467,8 +467,10 @@ impl RunService {
     }
 
     /// Tool calls left open in the history (a superseded approval, a run whose replica died
-    /// mid-call) get a result now, so the transcript stays valid for every provider.
-    fn close_open_calls(history: &[Turn]) -> Vec<Turn> {
+    /// mid-call) get a result now, so the transcript stays valid for every provider. What the
+    /// result says comes from the record: a side effect that was executing is looked up at
+    /// the gateway (its idempotency record says whether it happened), never assumed.
+    async fn close_open_calls(&self, owner: &str, history: &[Turn]) -> Vec<Turn> {
         let answered: std::collections::HashSet<&str> = history
             .iter()
             .filter_map(|t| match t {
@@ -476,20 +478,79 @@ impl RunService {
                 _ => None,
             })
             .collect();
-        history
+        let open: Vec<&crate::llm::ToolCall> = history
             .iter()
             .flat_map(|t| match t {
                 Turn::Assistant { tool_calls, .. } => tool_calls.iter().collect(),
                 _ => Vec::new(),
             })
             .filter(|c| !answered.contains(c.id.as_str()))
-            .map(|c| Turn::ToolResult {
-                call_id: c.id.clone(),
-                name: c.name.clone(),
-                content: "Not completed: the run that made this call ended before its result was recorded (it was superseded, or its service restarted). It may or may not have happened; do not repeat a side effect without asking the user.".into(),
-                is_error: true,
-            })
-            .collect()
+            .collect();
+        if open.is_empty() {
+            return Vec::new();
+        }
+        let ids: Vec<String> = open.iter().map(|c| c.id.clone()).collect();
+        let actions = self
+            .store
+            .actions_for_calls(&ids)
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "could not read the actions of open calls");
+                Vec::new()
+            });
+        let mut closing = Vec::with_capacity(open.len());
+        for call in open {
+            let action = actions.iter().find(|a| a.call_id == call.id);
+            let (content, is_error) = match action {
+                Some(a) if a.side_effect && a.state == ActionState::Executing => {
+                    match &self.gateway {
+                        Some(g) => match g.lookup(owner, &a.id).await {
+                            Ok(Some(done)) => (
+                                format!(
+                                    "This call completed, but its run ended before it recorded the result. Result: {}",
+                                    done.text
+                                ),
+                                !done.ok,
+                            ),
+                            Ok(None) => (
+                                "Not executed: the run that made this call ended before it ran.".to_owned(),
+                                true,
+                            ),
+                            Err(e) => {
+                                tracing::warn!(call_id = %call.id, error = %e, "could not look up an open side-effect call");
+                                (
+                                    "The outcome is unknown: the run that made this call ended while it was running. It may have happened; do not repeat it without asking the user.".to_owned(),
+                                    true,
+                                )
+                            }
+                        },
+                        None => (
+                            "The outcome is unknown: the run that made this call ended while it was running. It may have happened; do not repeat it without asking the user.".to_owned(),
+                            true,
+                        ),
+                    }
+                }
+                Some(a) if a.state == ActionState::Executing => (
+                    "Not completed: the run that made this call ended first. It only read data; call it again if you still need it.".to_owned(),
+                    true,
+                ),
+                Some(a) if a.state == ActionState::AwaitingConfirmation => (
+                    "Not executed: the user moved on without approving it.".to_owned(),
+                    true,
+                ),
+                _ => (
+                    "Not executed: the run that made this call ended before it ran.".to_owned(),
+                    true,
+                ),
+            };
+            closing.push(Turn::ToolResult {
+                call_id: call.id.clone(),
+                name: call.name.clone(),
+                content,
+                is_error,
+            });
+        }
+        closing
     }
 
     /// The first segment of a run: prompt assembly, then the loop.
@@ -509,7 +570,7 @@ impl RunService {
                 .await;
         }
         let mut history = self.load_history(&seg.thread_id).await?;
-        let closing = Self::close_open_calls(&history);
+        let closing = self.close_open_calls(&seg.owner, &history).await;
         for turn in &closing {
             writer.pending().history.push(to_value(turn)?);
         }
@@ -812,12 +873,7 @@ impl RunService {
             outcome.text = String::new();
         }
         // A continuation adds to what the run's earlier segments used.
-        let before = self
-            .store
-            .get_run(&seg.owner, &seg.run_id)
-            .await?
-            .map(|r| (r.usage, r.iterations))
-            .unwrap_or_default();
+        let before = std::mem::take(&mut writer.usage_before);
         let usage = usage_of(&before.0, &outcome);
         let iterations = before.1 + outcome.iterations;
         let model = outcome

@@ -168,6 +168,8 @@ pub(super) struct RunWriter {
     /// The run's actions by call id, as they are now.
     pub(super) actions: HashMap<String, Action>,
     pub(super) side_effects: HashSet<String>,
+    /// What the run's earlier segments used (usage, iterations): a continuation adds to it.
+    pub(super) usage_before: (crate::store::RunUsage, u32),
 }
 
 impl RunWriter {
@@ -185,6 +187,7 @@ impl RunWriter {
             held: Vec::new(),
             actions: HashMap::new(),
             side_effects: HashSet::new(),
+            usage_before: Default::default(),
         }
     }
 

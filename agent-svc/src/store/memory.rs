@@ -862,6 +862,16 @@ impl AgentStore for MemoryStore {
         })
     }
 
+    async fn actions_for_calls(&self, call_ids: &[String]) -> Result<Vec<Action>, StoreError> {
+        self.with(|s| {
+            s.actions
+                .iter()
+                .filter(|a| call_ids.contains(&a.call_id))
+                .cloned()
+                .collect()
+        })
+    }
+
     async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError> {
         self.with(|s| s.approvals.get(id).filter(|a| a.owner == owner).cloned())
     }

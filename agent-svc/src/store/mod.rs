@@ -528,6 +528,8 @@ pub trait AgentStore: Send + Sync + 'static {
 
     /// A run's actions, oldest first.
     async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError>;
+    /// The actions of these call ids, whatever run made them (call ids are unique).
+    async fn actions_for_calls(&self, call_ids: &[String]) -> Result<Vec<Action>, StoreError>;
 
     /// The approval if it exists and belongs to `owner`.
     async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError>;

@@ -1138,37 +1138,26 @@ impl AgentStore for PgStore {
     async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError> {
         let client = self.client().await?;
         let statement = client
-            .prepare_cached(
-                "SELECT id, run_id, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, \
-                   transitions, created_at, updated_at FROM agent.actions WHERE run_id = $1 ORDER BY ord",
-            )
+            .prepare_cached(&format!(
+                "SELECT {ACTION_COLUMNS} FROM agent.actions WHERE run_id = $1 ORDER BY ord"
+            ))
             .await
             .map_err(db)?;
         let rows = client.query(&statement, &[&run_id]).await.map_err(db)?;
-        rows.iter()
-            .map(|r| {
-                let transitions: Vec<String> =
-                    serde_json::from_value(r.get(10)).unwrap_or_default();
-                Ok(Action {
-                    id: r.get(0),
-                    run_id: r.get(1),
-                    call_id: r.get(2),
-                    tool: r.get(3),
-                    arguments: r.get(4),
-                    side_effect: r.get(5),
-                    state: ActionState::from_key(r.get(6))?,
-                    result_text: r.get(7),
-                    error_kind: r.get(8),
-                    approval_id: r.get(9),
-                    transitions: transitions
-                        .iter()
-                        .map(|k| ActionState::from_key(k))
-                        .collect::<Result<_, _>>()?,
-                    created_at: r.get(11),
-                    updated_at: r.get(12),
-                })
-            })
-            .collect()
+        rows.iter().map(action).collect()
+    }
+
+    async fn actions_for_calls(&self, call_ids: &[String]) -> Result<Vec<Action>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                &format!("SELECT {ACTION_COLUMNS} FROM agent.actions WHERE call_id = ANY($1) ORDER BY ord"),
+                &[&call_ids],
+            )
+            .await
+            .map_err(db)?;
+        rows.iter().map(action).collect()
     }
 
     async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError> {
@@ -1379,4 +1368,29 @@ async fn listen(
             () = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
     }
+}
+
+const ACTION_COLUMNS: &str = "id, run_id, call_id, tool, arguments, side_effect, state, result_text, error_kind, \
+    approval_id, transitions, created_at, updated_at";
+
+fn action(r: &Row) -> Result<Action, StoreError> {
+    let transitions: Vec<String> = serde_json::from_value(r.get(10)).unwrap_or_default();
+    Ok(Action {
+        id: r.get(0),
+        run_id: r.get(1),
+        call_id: r.get(2),
+        tool: r.get(3),
+        arguments: r.get(4),
+        side_effect: r.get(5),
+        state: ActionState::from_key(r.get(6))?,
+        result_text: r.get(7),
+        error_kind: r.get(8),
+        approval_id: r.get(9),
+        transitions: transitions
+            .iter()
+            .map(|k| ActionState::from_key(k))
+            .collect::<Result<_, _>>()?,
+        created_at: r.get(11),
+        updated_at: r.get(12),
+    })
 }

@@ -147,6 +147,33 @@ impl GatewayService for GatewayApi {
         }))
     }
 
+    async fn lookup_call(
+        &self,
+        request: Request<pb::LookupCallRequest>,
+    ) -> Result<Response<pb::LookupCallResponse>, Status> {
+        let user = self.user(&request)?;
+        let key = request.into_inner().idempotency_key;
+        if key.is_empty() || key.len() > 256 {
+            return Err(ApiError::InvalidArgument(
+                "idempotency_key is required (at most 256 bytes)".into(),
+            )
+            .into());
+        }
+        let recorded = self
+            .engine
+            .recorded(&user, &key)
+            .await
+            .map_err(|e| ApiError::Store(crate::store::StoreError::Unavailable(e)))?;
+        Ok(Response::new(match recorded {
+            Some((tool, outcome)) => pb::LookupCallResponse {
+                found: true,
+                result: Some(convert::tool_result(outcome)),
+                tool,
+            },
+            None => pb::LookupCallResponse::default(),
+        }))
+    }
+
     async fn get_bootstrap_context(
         &self,
         request: Request<pb::GetBootstrapContextRequest>,

@@ -216,6 +216,15 @@ impl IdempotencyStore for MemoryStore {
             results: self.results.clone(),
         }))
     }
+
+    async fn lookup(&self, user: &UserId, key: &str) -> Result<Option<StoredResult>, StoreError> {
+        Ok(self
+            .results
+            .lock()
+            .map_err(|_| poisoned())?
+            .get(&(user.clone(), key.to_owned()))
+            .cloned())
+    }
 }
 
 struct MemoryClaim {

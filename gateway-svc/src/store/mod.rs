@@ -141,6 +141,8 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         user: &UserId,
         key: &str,
     ) -> Result<Box<dyn IdempotencyClaim>, StoreError>;
+    /// The stored result of a completed call with this key, without claiming it.
+    async fn lookup(&self, user: &UserId, key: &str) -> Result<Option<StoredResult>, StoreError>;
 }
 
 /// One audit record (G-9): who called what, against which account, how it went. Never

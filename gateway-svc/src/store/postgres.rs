@@ -278,6 +278,23 @@ impl AccountLock for PgAccountLock {
 
 #[async_trait::async_trait]
 impl IdempotencyStore for PgStore {
+    async fn lookup(&self, user: &UserId, key: &str) -> Result<Option<StoredResult>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                "SELECT tool, args_sha256, outcome FROM gateway.idempotency WHERE user_id = $1 AND key = $2",
+                &[&user.as_str(), &key],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.map(|r| StoredResult {
+            tool: r.get(0),
+            args_sha256: r.get(1),
+            outcome: r.get(2),
+        }))
+    }
+
     async fn claim(
         &self,
         user: &UserId,
