@@ -904,6 +904,61 @@ async fn threads_belong_to_their_owner(b: Backend) {
     assert_eq!(s.list_threads("alice", 1, 10).await.unwrap().len(), 1);
 }
 
+async fn a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found(b: Backend) {
+    let s = &b.store;
+    s.ping().await.unwrap();
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    assert!(s.request_cancel("r1").await.unwrap());
+    assert_eq!(
+        s.renew_lease(&lease, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Some(true),
+        "the holder learns of the cancel when it renews"
+    );
+    assert!(
+        s.get_run("alice", "r1")
+            .await
+            .unwrap()
+            .unwrap()
+            .cancel_requested
+    );
+    s.commit(
+        &lease,
+        RunCommit {
+            history: vec![serde_json::json!({"role": "user", "content": "hi"})],
+            release: true,
+            ..RunCommit::default()
+        },
+    )
+    .await
+    .unwrap();
+    let future = SystemTime::now() + Duration::from_secs(60);
+    assert_eq!(
+        s.idle_threads_with_history(future).await.unwrap(),
+        [("t1".to_owned(), "alice".to_owned())]
+    );
+    assert!(
+        s.idle_threads_with_history(SystemTime::now() - Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    s.record_audit(
+        "alice",
+        "approval_requested",
+        Some("r1"),
+        serde_json::json!({"n": 1}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        s.audit("alice").await.unwrap(),
+        [("approval_requested".to_owned(), serde_json::json!({"n": 1}))]
+    );
+    assert!(s.audit("bob").await.unwrap().is_empty());
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod in_memory {
@@ -931,4 +986,5 @@ both_backends!(
     archiving_moves_history_and_ends_paused_runs,
     a_thread_held_by_another_run_is_not_archived,
     the_task_queue_caps_open_tasks_per_user,
+    a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found,
 );
