@@ -2,8 +2,9 @@
 //! itself, shows them to local watchers at once, and makes them durable together with the LLM
 //! turns, action states and messages of the same step in one fenced transaction: before tools
 //! run (a checkpoint), when the next iteration starts, and at the end. Text deltas are
-//! coalesced into rows (every 50 ms or 2 KB). A separate task renews the lease until the
-//! segment ends; losing it stops the run.
+//! coalesced into rows: 2 KB, or a window of 50 ms that doubles with each row of one answer up
+//! to 1 s (a quick first paint, a few dozen rows for a long answer). A separate task renews the
+//! lease until the segment ends; losing it stops the run.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -26,9 +27,12 @@ use crate::{
     },
 };
 
-/// A coalesced delta row is cut after this long…
+/// A coalesced delta row is cut after this long at first (a quick first paint)…
 const DELTA_WINDOW: Duration = Duration::from_millis(50);
-/// …or this many bytes.
+/// …the window doubles with each row of the same answer, up to this (a long answer is a few
+/// dozen rows, not one per 50 ms)…
+const DELTA_WINDOW_MAX: Duration = Duration::from_secs(1);
+/// …or when it holds this many bytes.
 const DELTA_BYTES: usize = 2048;
 /// Events shown to watchers but not yet durable are flushed after this long…
 const FLUSH_AFTER: Duration = Duration::from_millis(250);
@@ -163,6 +167,8 @@ pub(super) struct RunWriter {
     pending_since: Option<Instant>,
     /// (thinking?, text, since) of the delta row being coalesced.
     delta: Option<(bool, String, Instant)>,
+    /// The current delta window (grows while one answer streams, resets after it).
+    delta_window: Duration,
     /// Terminal events wait for their commit: a client that sees the end can read it.
     held: Vec<pb::RunEvent>,
     /// The run's actions by call id, as they are now.
@@ -184,6 +190,7 @@ impl RunWriter {
             pending: RunCommit::default(),
             pending_since: None,
             delta: None,
+            delta_window: DELTA_WINDOW,
             held: Vec::new(),
             actions: HashMap::new(),
             side_effects: HashSet::new(),
@@ -204,6 +211,7 @@ impl RunWriter {
             pb::run_event::Kind::Delta(_) | pb::run_event::Kind::ThoughtDelta(_)
         ) {
             self.cut_delta();
+            self.delta_window = DELTA_WINDOW;
         }
         let event = pb::RunEvent {
             run_id: self.run_id.clone(),
@@ -228,6 +236,7 @@ impl RunWriter {
 
     fn cut_delta(&mut self) {
         if let Some((thinking, text, _)) = self.delta.take() {
+            self.delta_window = (self.delta_window * 2).min(DELTA_WINDOW_MAX);
             self.emit(if thinking {
                 pb::run_event::Kind::ThoughtDelta(pb::ThoughtDeltaEvent { text })
             } else {
@@ -364,7 +373,8 @@ impl RunWriter {
 
     /// Commits what is pending, retrying a store that is briefly unavailable.
     pub(super) async fn flush(&mut self) -> Result<(), StoreError> {
-        self.cut_delta();
+        // A delta row still being coalesced is not an event yet: it is cut by its window, or
+        // by the next event of another kind (every run ends with one).
         if self.pending.is_empty() {
             return Ok(());
         }
@@ -392,7 +402,7 @@ impl RunWriter {
     }
 
     fn due(&self) -> Option<Instant> {
-        let delta = self.delta.as_ref().map(|d| d.2 + DELTA_WINDOW);
+        let delta = self.delta.as_ref().map(|d| d.2 + self.delta_window);
         let flush = self.pending_since.map(|s| s + FLUSH_AFTER);
         match (delta, flush) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -413,7 +423,7 @@ impl RunWriter {
             let msg = tokio::select! {
                 msg = rx.recv() => msg,
                 () = sleep_until(due) => {
-                    if self.delta.as_ref().is_some_and(|d| d.2.elapsed() >= DELTA_WINDOW) {
+                    if self.delta.as_ref().is_some_and(|d| d.2.elapsed() >= self.delta_window) {
                         self.cut_delta();
                     }
                     if self.pending_since.is_some_and(|s| s.elapsed() >= FLUSH_AFTER)

@@ -417,219 +417,149 @@ impl AgentStore for PgStore {
     }
 
     async fn commit(&self, lease: &Lease, c: RunCommit) -> Result<(), StoreError> {
+        use tokio_postgres::types::ToSql;
+        type Param<'a> = &'a (dyn ToSql + Sync);
+        type Write<'a> = std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<u64, tokio_postgres::Error>> + Send + 'a>,
+        >;
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db)?;
-        // The fence: the thread row, locked, still ours and unexpired. It also touches the
-        // thread when messages arrive and frees the lease when the run ends or pauses.
-        let fenced = tx
-            .query_opt(
-                &tx.prepare_cached(
-                    "UPDATE agent.threads SET updated_at = CASE WHEN $3 THEN now() ELSE updated_at END, \
-                       lock_run_id = CASE WHEN $4 THEN NULL ELSE lock_run_id END, \
-                       lock_token = CASE WHEN $4 THEN NULL ELSE lock_token END, \
-                       lock_expires_at = CASE WHEN $4 THEN NULL ELSE lock_expires_at END \
-                     WHERE id = $1 AND lock_token = $2 AND lock_expires_at > now() RETURNING id",
-                )
-                .await
-                .map_err(db)?,
-                &[
-                    &lease.thread_id,
-                    &lease.token,
-                    &!c.messages.is_empty(),
-                    &c.release,
-                ],
-            )
-            .await
-            .map_err(db)?;
-        if fenced.is_none() {
-            return Err(StoreError::LeaseLost);
-        }
         let run_id = &lease.run_id;
+        let touch = !c.messages.is_empty();
         let max_seq = c.events.iter().map(|(seq, _)| *seq as i64).max();
-        if !c.events.is_empty() {
-            let (seqs, payloads): (Vec<i64>, Vec<Vec<u8>>) =
-                c.events.into_iter().map(|(s, p)| (s as i64, p)).unzip();
-            tx.execute(
-                &tx.prepare_cached(
-                    "INSERT INTO agent.run_events (run_id, seq, payload) SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS u(s, p)",
-                )
-                .await
-                .map_err(db)?,
-                &[run_id, &seqs, &payloads],
-            )
-            .await
-            .map_err(db)?;
+        let (seqs, payloads): (Vec<i64>, Vec<Vec<u8>>) =
+            c.events.into_iter().map(|(s, p)| (s as i64, p)).unzip();
+        let mut cols = ActionColumns::default();
+        for a in &c.actions {
+            cols.push(a);
+        }
+        let sources: Vec<&str> = c.messages.iter().map(|m| source_key(m.source)).collect();
+        let kinds: Vec<&str> = c.messages.iter().map(|m| kind_key(m.kind)).collect();
+        let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
+        let metadata: Vec<&Value> = c.messages.iter().map(|m| &m.metadata).collect();
+        let p = &c.patch;
+        let patched = *p != super::RunPatch::default() || max_seq.is_some();
+        let usage = p
+            .usage
+            .as_ref()
+            .map(|u| serde_json::to_value(u).unwrap_or_default());
+        let sections = p
+            .prompt_sections
+            .as_ref()
+            .map(|v| serde_json::to_value(v).unwrap_or_default());
+        let state = p.state.map(RunState::key);
+        let iterations = p.iterations.map(|i| i as i32);
+        let expect = p.expect.map(RunState::key);
+        let (audit_kinds, audit_details): (Vec<String>, Vec<Value>) = c.audit.into_iter().unzip();
+        let approval_state = c.approval.as_ref().map(|a| a.state.key());
+        let t = &tx;
+
+        // Statements are prepared once per pooled connection, then the whole commit goes out
+        // as one pipeline: BEGIN, this, COMMIT — three round trips, whatever it holds.
+        let fence = tx.prepare_cached(SQL_FENCE).await.map_err(db)?;
+        let mut writes: Vec<Write<'_>> = Vec::new();
+        if !seqs.is_empty() {
+            let s = tx.prepare_cached(SQL_EVENTS).await.map_err(db)?;
+            let params: [Param<'_>; 3] = [run_id, &seqs, &payloads];
+            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         if !c.history.is_empty() {
-            tx.execute(
-                &tx.prepare_cached(
-                    "INSERT INTO agent.llm_history (thread_id, seq, turn) \
-                     SELECT $1, b.base + u.o, u.t FROM \
-                       (SELECT COALESCE(max(seq), 0) AS base FROM agent.llm_history WHERE thread_id = $1) b, \
-                       unnest($2::jsonb[]) WITH ORDINALITY AS u(t, o)",
-                )
-                .await
-                .map_err(db)?,
-                &[&lease.thread_id, &c.history],
-            )
-            .await
-            .map_err(db)?;
+            let s = tx.prepare_cached(SQL_HISTORY).await.map_err(db)?;
+            let params: [Param<'_>; 2] = [&lease.thread_id, &c.history];
+            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         if !c.actions.is_empty() {
-            let mut cols = ActionColumns::default();
-            for a in &c.actions {
-                cols.push(a);
-            }
-            tx.execute(
-                &tx.prepare_cached(
-                    "INSERT INTO agent.actions (id, run_id, call_id, tool, arguments, side_effect, state, result_text, error_kind, \
-                       approval_id, transitions, created_at, updated_at) \
-                     SELECT id, $1, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, transitions, \
-                       created_at, updated_at \
-                     FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[], $6::bool[], $7::text[], $8::text[], $9::text[], \
-                       $10::text[], $11::jsonb[], $12::timestamptz[], $13::timestamptz[]) WITH ORDINALITY \
-                       AS u(id, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, transitions, \
-                         created_at, updated_at, o) \
-                     ORDER BY o \
-                     ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, result_text = EXCLUDED.result_text, \
-                       error_kind = EXCLUDED.error_kind, approval_id = EXCLUDED.approval_id, \
-                       transitions = EXCLUDED.transitions, updated_at = EXCLUDED.updated_at",
-                )
-                .await
-                .map_err(db)?,
-                &[
-                    run_id,
-                    &cols.id,
-                    &cols.call_id,
-                    &cols.tool,
-                    &cols.arguments,
-                    &cols.side_effect,
-                    &cols.state,
-                    &cols.result_text,
-                    &cols.error_kind,
-                    &cols.approval_id,
-                    &cols.transitions,
-                    &cols.created_at,
-                    &cols.updated_at,
-                ],
-            )
-            .await
-            .map_err(db)?;
+            let s = tx.prepare_cached(SQL_ACTIONS).await.map_err(db)?;
+            let params: [Param<'_>; 13] = [
+                run_id,
+                &cols.id,
+                &cols.call_id,
+                &cols.tool,
+                &cols.arguments,
+                &cols.side_effect,
+                &cols.state,
+                &cols.result_text,
+                &cols.error_kind,
+                &cols.approval_id,
+                &cols.transitions,
+                &cols.created_at,
+                &cols.updated_at,
+            ];
+            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
-        if !c.messages.is_empty() {
-            let sources: Vec<&str> = c.messages.iter().map(|m| source_key(m.source)).collect();
-            let kinds: Vec<&str> = c.messages.iter().map(|m| kind_key(m.kind)).collect();
-            let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
-            let metadata: Vec<&Value> = c.messages.iter().map(|m| &m.metadata).collect();
-            tx.execute(
-                &tx.prepare_cached(
-                    "INSERT INTO agent.messages (thread_id, run_id, source, kind, content, metadata) \
-                     SELECT $1, $2, s, k, c, m FROM unnest($3::text[], $4::text[], $5::text[], $6::jsonb[]) WITH ORDINALITY \
-                       AS u(s, k, c, m, o) ORDER BY o",
-                )
-                .await
-                .map_err(db)?,
-                &[&lease.thread_id, run_id, &sources, &kinds, &contents, &metadata],
-            )
-            .await
-            .map_err(db)?;
+        if !sources.is_empty() {
+            let s = tx.prepare_cached(SQL_MESSAGES).await.map_err(db)?;
+            let params: [Param<'_>; 6] = [
+                &lease.thread_id,
+                run_id,
+                &sources,
+                &kinds,
+                &contents,
+                &metadata,
+            ];
+            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
-        let p = &c.patch;
-        if *p != super::RunPatch::default() || max_seq.is_some() {
-            let usage = p
-                .usage
-                .as_ref()
-                .map(|u| serde_json::to_value(u).unwrap_or_default());
-            let sections = p
-                .prompt_sections
-                .as_ref()
-                .map(|v| serde_json::to_value(v).unwrap_or_default());
-            tx.execute(
-                &tx.prepare_cached(
-                    "UPDATE agent.runs SET state = COALESCE($2::text, state), model = COALESCE($3::text, model), \
-                       usage = COALESCE($4::jsonb, usage), iterations = COALESCE($5::integer, iterations), \
-                       error = COALESCE($6::text, error), failure_kind = COALESCE($7::text, failure_kind), \
-                       summary = COALESCE($8::text, summary), started_at = COALESCE($9::timestamptz, started_at), \
-                       finished_at = COALESCE($10::timestamptz, finished_at), \
-                       prompt_sections = COALESCE($11::jsonb, prompt_sections), \
-                       system_prompt = COALESCE($12::text, system_prompt), \
-                       last_event_seq = GREATEST(last_event_seq, COALESCE($13::bigint, 0)) \
-                     WHERE id = $1 AND ($14::text IS NULL OR state = $14::text)",
-                )
-                .await
-                .map_err(db)?,
-                &[
-                    run_id,
-                    &p.state.map(RunState::key),
-                    &p.model,
-                    &usage,
-                    &p.iterations.map(|i| i as i32),
-                    &p.error,
-                    &p.failure_kind,
-                    &p.summary,
-                    &p.started_at,
-                    &p.finished_at,
-                    &sections,
-                    &p.system_prompt,
-                    &max_seq,
-                    &p.expect.map(RunState::key),
-                ],
-            )
-            .await
-            .map_err(db)?;
+        if patched {
+            let s = tx.prepare_cached(SQL_PATCH).await.map_err(db)?;
+            let params: [Param<'_>; 14] = [
+                run_id,
+                &state,
+                &p.model,
+                &usage,
+                &iterations,
+                &p.error,
+                &p.failure_kind,
+                &p.summary,
+                &p.started_at,
+                &p.finished_at,
+                &sections,
+                &p.system_prompt,
+                &max_seq,
+                &expect,
+            ];
+            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
-        if let Some(a) = &c.approval {
-            tx.execute(
-                &tx.prepare_cached(
-                    "INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, arguments, args_sha256, preview, \
-                       reason, state, created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
-                )
-                .await
-                .map_err(db)?,
-                &[
-                    &a.id,
-                    &a.run_id,
-                    &a.thread_id,
-                    &a.owner,
-                    &a.call_id,
-                    &a.tool,
-                    &a.arguments,
-                    &a.args_sha256,
-                    &a.preview,
-                    &a.reason,
-                    &a.state.key(),
-                    &a.created_at,
-                    &a.expires_at,
-                ],
-            )
-            .await
-            .map_err(db)?;
+        if let (Some(a), Some(approval_state)) = (&c.approval, &approval_state) {
+            let s = tx.prepare_cached(SQL_APPROVAL).await.map_err(db)?;
+            let params: [Param<'_>; 13] = [
+                &a.id,
+                &a.run_id,
+                &a.thread_id,
+                &a.owner,
+                &a.call_id,
+                &a.tool,
+                &a.arguments,
+                &a.args_sha256,
+                &a.preview,
+                &a.reason,
+                approval_state,
+                &a.created_at,
+                &a.expires_at,
+            ];
+            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
-        if !c.audit.is_empty() {
-            let (kinds, details): (Vec<String>, Vec<Value>) = c.audit.into_iter().unzip();
-            tx.execute(
-                &tx.prepare_cached(
-                    "INSERT INTO agent.audit (owner, kind, run_id, detail) \
-                     SELECT r.owner, k, r.id, d FROM agent.runs r, unnest($2::text[], $3::jsonb[]) WITH ORDINALITY AS u(k, d, o) \
-                     WHERE r.id = $1 ORDER BY o",
-                )
-                .await
-                .map_err(db)?,
-                &[run_id, &kinds, &details],
-            )
-            .await
-            .map_err(db)?;
+        if !audit_kinds.is_empty() {
+            let s = tx.prepare_cached(SQL_AUDIT).await.map_err(db)?;
+            let params: [Param<'_>; 3] = [run_id, &audit_kinds, &audit_details];
+            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         if max_seq.is_some() {
-            tx.execute(
-                &tx.prepare_cached("SELECT pg_notify('agent_runs', 'e:' || $1::text)")
-                    .await
-                    .map_err(db)?,
-                &[run_id],
-            )
-            .await
-            .map_err(db)?;
+            let s = tx.prepare_cached(SQL_NOTIFY).await.map_err(db)?;
+            let params: [Param<'_>; 1] = [run_id];
+            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
+        // The fence goes first in the pipeline; if it fails, whatever followed is rolled back
+        // with the transaction (a NOTIFY is only delivered on commit).
+        let fence_params: [Param<'_>; 4] = [&lease.thread_id, &lease.token, &touch, &c.release];
+        let (fenced, written) = futures_util::future::join(
+            tx.execute_raw(&fence, fence_params),
+            futures_util::future::try_join_all(writes),
+        )
+        .await;
+        if fenced.map_err(db)? == 0 {
+            return Err(StoreError::LeaseLost);
+        }
+        written.map_err(db)?;
         tx.commit().await.map_err(db)
     }
 
@@ -1394,3 +1324,48 @@ fn action(r: &Row) -> Result<Action, StoreError> {
         updated_at: r.get(12),
     })
 }
+
+/// The writer's fence: the thread row, locked, still this lease's and unexpired. It also
+/// touches the thread when messages arrive and frees the lease when the run ends or pauses.
+const SQL_FENCE: &str = "UPDATE agent.threads SET updated_at = CASE WHEN $3 THEN now() ELSE updated_at END, \
+    lock_run_id = CASE WHEN $4 THEN NULL ELSE lock_run_id END, \
+    lock_token = CASE WHEN $4 THEN NULL ELSE lock_token END, \
+    lock_expires_at = CASE WHEN $4 THEN NULL ELSE lock_expires_at END \
+    WHERE id = $1 AND lock_token = $2 AND lock_expires_at > now()";
+const SQL_EVENTS: &str = "INSERT INTO agent.run_events (run_id, seq, payload) \
+    SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS u(s, p)";
+const SQL_HISTORY: &str = "INSERT INTO agent.llm_history (thread_id, seq, turn) \
+    SELECT $1, b.base + u.o, u.t FROM \
+      (SELECT COALESCE(max(seq), 0) AS base FROM agent.llm_history WHERE thread_id = $1) b, \
+      unnest($2::jsonb[]) WITH ORDINALITY AS u(t, o)";
+const SQL_ACTIONS: &str = "INSERT INTO agent.actions (id, run_id, call_id, tool, arguments, side_effect, state, \
+      result_text, error_kind, approval_id, transitions, created_at, updated_at) \
+    SELECT id, $1, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, transitions, \
+      created_at, updated_at \
+    FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[], $6::bool[], $7::text[], $8::text[], $9::text[], \
+      $10::text[], $11::jsonb[], $12::timestamptz[], $13::timestamptz[]) WITH ORDINALITY \
+      AS u(id, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, transitions, \
+        created_at, updated_at, o) \
+    ORDER BY o \
+    ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, result_text = EXCLUDED.result_text, \
+      error_kind = EXCLUDED.error_kind, approval_id = EXCLUDED.approval_id, \
+      transitions = EXCLUDED.transitions, updated_at = EXCLUDED.updated_at";
+const SQL_MESSAGES: &str = "INSERT INTO agent.messages (thread_id, run_id, source, kind, content, metadata) \
+    SELECT $1, $2, s, k, c, m FROM unnest($3::text[], $4::text[], $5::text[], $6::jsonb[]) WITH ORDINALITY \
+      AS u(s, k, c, m, o) ORDER BY o";
+const SQL_PATCH: &str = "UPDATE agent.runs SET state = COALESCE($2::text, state), model = COALESCE($3::text, model), \
+      usage = COALESCE($4::jsonb, usage), iterations = COALESCE($5::integer, iterations), \
+      error = COALESCE($6::text, error), failure_kind = COALESCE($7::text, failure_kind), \
+      summary = COALESCE($8::text, summary), started_at = COALESCE($9::timestamptz, started_at), \
+      finished_at = COALESCE($10::timestamptz, finished_at), \
+      prompt_sections = COALESCE($11::jsonb, prompt_sections), \
+      system_prompt = COALESCE($12::text, system_prompt), \
+      last_event_seq = GREATEST(last_event_seq, COALESCE($13::bigint, 0)) \
+    WHERE id = $1 AND ($14::text IS NULL OR state = $14::text)";
+const SQL_APPROVAL: &str = "INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, arguments, \
+      args_sha256, preview, reason, state, created_at, expires_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
+const SQL_AUDIT: &str = "INSERT INTO agent.audit (owner, kind, run_id, detail) \
+    SELECT r.owner, k, r.id, d FROM agent.runs r, unnest($2::text[], $3::jsonb[]) WITH ORDINALITY AS u(k, d, o) \
+    WHERE r.id = $1 ORDER BY o";
+const SQL_NOTIFY: &str = "SELECT pg_notify('agent_runs', 'e:' || $1::text)";
