@@ -212,116 +212,87 @@ impl AgentStore for PgStore {
     }
 
     async fn admit(&self, a: &Admission) -> Result<Admitted, StoreError> {
+        use tokio_postgres::types::ToSql;
+        type Param<'a> = &'a (dyn ToSql + Sync);
         let run = &a.run;
+        let lease = Lease::new(&run.thread_id, &run.id);
+        let ttl = millis(a.lease);
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db)?;
-        let active: i64 = tx
-            .query_one(
-                &tx.prepare_cached(
-                    "SELECT count(*) FROM agent.runs WHERE owner = $1 AND state IN ('queued', 'planning', 'executing')",
-                )
-                .await
-                .map_err(db)?,
-                &[&run.owner],
-            )
+        // Every statement goes out in one pipeline; what the results say decides between
+        // COMMIT and a rollback that leaves nothing behind.
+        let count = tx.prepare_cached(SQL_LIVE_RUNS).await.map_err(db)?;
+        let take = tx
+            .prepare_cached(if a.new_thread_title.is_some() {
+                SQL_NEW_THREAD
+            } else {
+                SQL_TAKE_THREAD
+            })
             .await
-            .map_err(db)?
-            .get(0);
+            .map_err(db)?;
+        let supersede = tx.prepare_cached(SQL_SUPERSEDE).await.map_err(db)?;
+        let insert = tx.prepare_cached(SQL_ADMIT_RUN).await.map_err(db)?;
+        let title = a.new_thread_title.as_deref().unwrap_or_default();
+        let count_params: [Param<'_>; 1] = [&run.owner];
+        let take_params: [Param<'_>; 6] = match &a.new_thread_title {
+            Some(_) => [
+                &run.thread_id,
+                &run.owner,
+                &title,
+                &run.id,
+                &lease.token,
+                &ttl,
+            ],
+            None => [
+                &run.thread_id,
+                &run.id,
+                &lease.token,
+                &ttl,
+                &run.owner,
+                &title,
+            ],
+        };
+        let supersede_params: [Param<'_>; 3] =
+            [&run.thread_id, &a.supersede_message, &a.supersede_event];
+        let insert_params: [Param<'_>; 7] = [
+            &run.id,
+            &run.thread_id,
+            &run.owner,
+            &run.request_id,
+            &run.channel,
+            &a.first_event,
+            &a.user_message,
+        ];
+        let (active, taken, superseded, inserted) = futures_util::future::join4(
+            tx.query_one(&count, &count_params),
+            tx.execute_raw(&take, take_params),
+            tx.execute_raw(&supersede, supersede_params),
+            tx.query_one(&insert, &insert_params),
+        )
+        .await;
+        let active: i64 = active.map_err(db)?.get(0);
         if active >= i64::from(a.max_active_runs) {
             return Ok(Admitted::TooManyRuns {
                 active: active as u32,
             });
         }
-        let lease = Lease::new(&run.thread_id, &run.id);
-        let ttl = millis(a.lease);
-        match &a.new_thread_title {
-            Some(title) => {
-                tx.execute(
-                    &tx.prepare_cached(
-                        "INSERT INTO agent.threads (id, owner, title, lock_run_id, lock_token, lock_expires_at, last_run_id) \
-                         VALUES ($1, $2, $3, $4, $5, now() + $6::bigint * interval '1 millisecond', $4)",
-                    )
-                    .await
-                    .map_err(db)?,
-                    &[&run.thread_id, &run.owner, title, &run.id, &lease.token, &ttl],
+        if taken.map_err(db)? == 0 {
+            drop(tx);
+            let holder = client
+                .query_opt(
+                    "SELECT CASE WHEN lock_expires_at > now() THEN lock_run_id END FROM agent.threads \
+                     WHERE id = $1 AND owner = $2",
+                    &[&run.thread_id, &run.owner],
                 )
                 .await
-                .map_err(db)?;
-            }
-            None => {
-                let taken = tx
-                    .query_opt(
-                        &tx.prepare_cached(
-                            "UPDATE agent.threads SET lock_run_id = $2, lock_token = $3, \
-                               lock_expires_at = now() + $4::bigint * interval '1 millisecond', last_run_id = $2, updated_at = now() \
-                             WHERE id = $1 AND owner = $5 AND (lock_run_id IS NULL OR lock_expires_at <= now()) RETURNING id",
-                        )
-                        .await
-                        .map_err(db)?,
-                        &[&run.thread_id, &run.id, &lease.token, &ttl, &run.owner],
-                    )
-                    .await
-                    .map_err(db)?;
-                if taken.is_none() {
-                    let holder = tx
-                        .query_opt(
-                            "SELECT CASE WHEN lock_expires_at > now() THEN lock_run_id END FROM agent.threads \
-                             WHERE id = $1 AND owner = $2",
-                            &[&run.thread_id, &run.owner],
-                        )
-                        .await
-                        .map_err(db)?
-                        .ok_or_else(|| StoreError::NotFound(format!("thread {}", run.thread_id)))?;
-                    return Ok(Admitted::Busy {
-                        run_id: holder.get::<_, Option<String>>(0).unwrap_or_default(),
-                    });
-                }
-                // Runs paused on this thread are superseded by the new message (their calls
-                // are closed by the new run), in the same transaction.
-                tx.query(
-                    &tx.prepare_cached(
-                        "WITH ended AS (UPDATE agent.runs SET state = 'cancelled', error = $2, failure_kind = 'cancelled', \
-                           finished_at = now(), last_event_seq = last_event_seq + 1 \
-                           WHERE thread_id = $1 AND state = 'awaiting_confirmation' RETURNING id, last_event_seq), \
-                         ev AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, last_event_seq, $3 FROM ended), \
-                         ap AS (UPDATE agent.approvals SET state = 'expired' WHERE thread_id = $1 AND state = 'pending') \
-                         SELECT pg_notify('agent_runs', 'e:' || id) FROM ended",
-                    )
-                    .await
-                    .map_err(db)?,
-                    &[&run.thread_id, &a.supersede_message, &a.supersede_event],
-                )
-                .await
-                .map_err(db)?;
-            }
+                .map_err(db)?
+                .ok_or_else(|| StoreError::NotFound(format!("thread {}", run.thread_id)))?;
+            return Ok(Admitted::Busy {
+                run_id: holder.get::<_, Option<String>>(0).unwrap_or_default(),
+            });
         }
-        let inserted = tx
-            .query_one(
-                &tx.prepare_cached(
-                    "WITH r AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, last_event_seq) \
-                       VALUES ($1, $2, $3, $4, 'queued', $5, 1) \
-                       ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING RETURNING id), \
-                     e AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, 1, $6 FROM r), \
-                     m AS (INSERT INTO agent.messages (thread_id, run_id, source, kind, content) \
-                       SELECT $2, id, 'user', 'text', $7 FROM r WHERE $7::text IS NOT NULL) \
-                     SELECT count(*) FROM r",
-                )
-                .await
-                .map_err(db)?,
-                &[
-                    &run.id,
-                    &run.thread_id,
-                    &run.owner,
-                    &run.request_id,
-                    &run.channel,
-                    &a.first_event,
-                    &a.user_message,
-                ],
-            )
-            .await
-            .map_err(db)?
-            .get::<_, i64>(0);
-        if inserted == 0 {
+        superseded.map_err(db)?;
+        if inserted.map_err(db)?.get::<_, i64>(0) == 0 {
             drop(tx);
             let first = client
                 .query_one(
@@ -1369,3 +1340,27 @@ const SQL_AUDIT: &str = "INSERT INTO agent.audit (owner, kind, run_id, detail) \
     SELECT r.owner, k, r.id, d FROM agent.runs r, unnest($2::text[], $3::jsonb[]) WITH ORDINALITY AS u(k, d, o) \
     WHERE r.id = $1 ORDER BY o";
 const SQL_NOTIFY: &str = "SELECT pg_notify('agent_runs', 'e:' || $1::text)";
+
+const SQL_LIVE_RUNS: &str = "SELECT count(*) FROM agent.runs WHERE owner = $1 AND state IN ('queued', 'planning', 'executing')";
+const SQL_NEW_THREAD: &str = "INSERT INTO agent.threads (id, owner, title, lock_run_id, lock_token, lock_expires_at, \
+      last_run_id) \
+    VALUES ($1, $2, $3, $4, $5, now() + $6::bigint * interval '1 millisecond', $4)";
+/// Takes an existing thread's lease if it is free or lapsed (`$6`, the title, is unused).
+const SQL_TAKE_THREAD: &str = "UPDATE agent.threads SET lock_run_id = $2, lock_token = $3, \
+      lock_expires_at = now() + $4::bigint * interval '1 millisecond', last_run_id = $2, updated_at = now() \
+    WHERE id = $1 AND owner = $5 AND $6::text IS NOT NULL AND (lock_run_id IS NULL OR lock_expires_at <= now())";
+/// Runs paused on the thread are superseded by the new message (their calls are closed by the
+/// new run), their approvals void.
+const SQL_SUPERSEDE: &str = "WITH ended AS (UPDATE agent.runs SET state = 'cancelled', error = $2, \
+      failure_kind = 'cancelled', finished_at = now(), last_event_seq = last_event_seq + 1 \
+      WHERE thread_id = $1 AND state = 'awaiting_confirmation' RETURNING id, last_event_seq), \
+    ev AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, last_event_seq, $3 FROM ended), \
+    ap AS (UPDATE agent.approvals SET state = 'expired' WHERE thread_id = $1 AND state = 'pending') \
+    SELECT pg_notify('agent_runs', 'e:' || id) FROM ended";
+const SQL_ADMIT_RUN: &str = "WITH r AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, \
+      last_event_seq) VALUES ($1, $2, $3, $4, 'queued', $5, 1) \
+      ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING RETURNING id), \
+    e AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, 1, $6 FROM r), \
+    m AS (INSERT INTO agent.messages (thread_id, run_id, source, kind, content) \
+      SELECT $2, id, 'user', 'text', $7 FROM r WHERE $7::text IS NOT NULL) \
+    SELECT count(*) FROM r";
