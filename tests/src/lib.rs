@@ -10,6 +10,8 @@ pub mod calls;
 pub mod db;
 pub mod fakes;
 pub mod probe_tools;
+pub mod procs;
+pub mod rule_model;
 pub mod spawn;
 
 pub use db::TestDb;
