@@ -112,7 +112,7 @@ impl RunService {
                 self.spawn_segment(
                     segment,
                     lease,
-                    last_event_seq,
+                    From::Seq(last_event_seq),
                     Plan::Continue {
                         approval: Box::new(approval.clone()),
                         approved: approve,

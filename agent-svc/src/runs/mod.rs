@@ -166,6 +166,14 @@ struct Segment {
     channel: limits::Channel,
 }
 
+/// Where a segment starts numbering.
+enum From {
+    /// After this durable seq (a continuation).
+    Seq(u64),
+    /// After this durable first event of a new run.
+    Event(pb::RunEvent),
+}
+
 /// How the executor part of a segment ended.
 enum Driven {
     Finished(Box<executor::Outcome>),
@@ -309,15 +317,22 @@ impl RunService {
             finished_at: None,
         };
         let superseded = "A newer message on this thread superseded this run's pending approval.";
+        let queued = pb::RunEvent {
+            run_id: run.id.clone(),
+            seq: 1,
+            time: Some(convert::timestamp(now)),
+            thread_id: thread_id.clone(),
+            kind: Some(pb::run_event::Kind::Status(pb::StatusEvent {
+                state: pb::RunState::Queued as i32,
+                detail: String::new(),
+            })),
+        };
         let admission = Admission {
             new_thread_title,
             // S-4: the user's message is stored before any model call (a run Steward starts
             // itself has none).
             user_message: input.session.is_none().then(|| input.prompt.clone()),
-            first_event: encode(pb::run_event::Kind::Status(pb::StatusEvent {
-                state: pb::RunState::Queued as i32,
-                detail: String::new(),
-            })),
+            first_event: queued.encode_to_vec(),
             lease: self.lease,
             max_active_runs: self.fair_use.max_active_runs,
             supersede_event: encode(cancelled_result(superseded)),
@@ -349,7 +364,7 @@ impl RunService {
         self.spawn_segment(
             segment,
             lease,
-            1,
+            From::Event(queued),
             Plan::Start {
                 input: Box::new(input),
                 models,
@@ -391,7 +406,13 @@ impl RunService {
     /// Runs one segment of a run in its own task: the lease keeper, the live log for local
     /// watchers, the work, then exactly one terminal commit (or nothing, if the lease is lost:
     /// the monitor ends such runs).
-    fn spawn_segment(self: &Arc<Self>, seg: Segment, lease: Lease, last_seq: u64, plan: Plan) {
+    /// `from`: the last durable event (the segment numbers on after it), or a new run's first
+    /// event, which local watchers then get from memory too.
+    fn spawn_segment(self: &Arc<Self>, seg: Segment, lease: Lease, from: From, plan: Plan) {
+        let (last_seq, first) = match from {
+            From::Seq(seq) => (seq, None),
+            From::Event(event) => (event.seq, Some(event)),
+        };
         let this = self.clone();
         let stopper = Stopper::default();
         self.live
@@ -403,7 +424,14 @@ impl RunService {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(seg.run_id.clone(), stopper.clone());
-        let live_run = self.live.open(&seg.run_id, last_seq);
+        let live_run = match first {
+            Some(event) => {
+                let live_run = self.live.open(&seg.run_id, last_seq - 1);
+                live_run.publish(event);
+                live_run
+            }
+            None => self.live.open(&seg.run_id, last_seq),
+        };
         tokio::spawn(async move {
             let done = tokio_util::sync::CancellationToken::new();
             writer::keep_lease(

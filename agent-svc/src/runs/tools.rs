@@ -114,12 +114,12 @@ impl ToolRunner for PolicyRunner<'_> {
         }
         if !allowed.is_empty() {
             let ids = allowed.iter().map(|c| c.call_id.clone()).collect();
-            match writer::checkpoint(&self.writer, ids).await {
+            let side: Vec<bool> = allowed
+                .iter()
+                .map(|c| self.side_effects.contains(&c.name))
+                .collect();
+            match writer::checkpoint(&self.writer, ids, side.contains(&true)).await {
                 Ok(()) => {
-                    let side: Vec<bool> = allowed
-                        .iter()
-                        .map(|c| self.side_effects.contains(&c.name))
-                        .collect();
                     let results = self.inner.run(allowed).await;
                     for ((pos, outcome), side_effect) in
                         positions.into_iter().zip(results).zip(side)

@@ -1,7 +1,7 @@
 //! The one writer of a run segment (E-11, S-4). The lease holder numbers the run's events
 //! itself, shows them to local watchers at once, and makes them durable together with the LLM
-//! turns, action states and messages of the same step in one fenced transaction: before tools
-//! run (a checkpoint), when the next iteration starts, and at the end. Text deltas are
+//! turns, action states and messages of the same step in one fenced transaction: before a side
+//! effect runs (a checkpoint), when the next iteration starts, and at the end. Text deltas are
 //! coalesced into rows: 2 KB, or a window of 50 ms that doubles with each row of one answer up
 //! to 1 s (a quick first paint, a few dozen rows for a long answer). A separate task renews the
 //! lease until the segment ends; losing it stops the run.
@@ -129,9 +129,9 @@ pub(super) fn keep_lease(
 /// What the executor (and the policy runner) send the writer, in order.
 pub(super) enum WriterMsg {
     Event(RunEvent),
-    /// These calls are about to run: record them executing, make everything so far durable,
-    /// then answer.
-    Checkpoint(Vec<String>, oneshot::Sender<Result<(), String>>),
+    /// These calls are about to run: record them executing; with an answer channel (a side
+    /// effect is among them), make everything so far durable first, then answer.
+    Checkpoint(Vec<String>, Option<oneshot::Sender<Result<(), String>>>),
 }
 
 /// The executor's event sink: forwards to the writer, in order.
@@ -143,17 +143,25 @@ impl EventSink for WriterSink {
     }
 }
 
-/// Tells the writer that `executing` calls are about to run and waits until that and
-/// everything before it is durable; Err when it could not be.
+/// Tells the writer that `executing` calls are about to run. With `durable` (a side effect is
+/// among them) it waits until that and everything before it is committed — a crash from then
+/// on still shows what may have happened; Err when it could not be. Reads are recorded with
+/// the next commit instead (the start of the next iteration), so they cost no round trip.
 pub(super) async fn checkpoint(
     tx: &mpsc::UnboundedSender<WriterMsg>,
     executing: Vec<String>,
+    durable: bool,
 ) -> Result<(), String> {
+    let stopped = || "the run's writer has stopped".to_owned();
+    if !durable {
+        return tx
+            .send(WriterMsg::Checkpoint(executing, None))
+            .map_err(|_| stopped());
+    }
     let (done, wait) = oneshot::channel();
-    tx.send(WriterMsg::Checkpoint(executing, done))
-        .map_err(|_| "the run's writer has stopped".to_owned())?;
-    wait.await
-        .map_err(|_| "the run's writer has stopped".to_owned())?
+    tx.send(WriterMsg::Checkpoint(executing, Some(done)))
+        .map_err(|_| stopped())?;
+    wait.await.map_err(|_| stopped())?
 }
 
 pub(super) struct RunWriter {
@@ -443,9 +451,11 @@ impl RunWriter {
                         }
                         self.stage_action(&call_id);
                     }
-                    let flushed = self.flush_or_stop(stopper).await;
-                    let _ = done.send(flushed.as_ref().map_err(ToString::to_string).copied());
-                    flushed?;
+                    if let Some(done) = done {
+                        let flushed = self.flush_or_stop(stopper).await;
+                        let _ = done.send(flushed.as_ref().map_err(ToString::to_string).copied());
+                        flushed?;
+                    }
                 }
                 Some(WriterMsg::Event(event)) => {
                     if self.record(event) || self.pending.events.len() >= MAX_VOLATILE_EVENTS {
