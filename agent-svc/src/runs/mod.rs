@@ -171,7 +171,7 @@ enum From {
     /// After this durable seq (a continuation).
     Seq(u64),
     /// After this durable first event of a new run.
-    Event(pb::RunEvent),
+    Event(Box<pb::RunEvent>),
 }
 
 /// How the executor part of a segment ended.
@@ -364,7 +364,7 @@ impl RunService {
         self.spawn_segment(
             segment,
             lease,
-            From::Event(queued),
+            From::Event(Box::new(queued)),
             Plan::Start {
                 input: Box::new(input),
                 models,
@@ -411,7 +411,7 @@ impl RunService {
     fn spawn_segment(self: &Arc<Self>, seg: Segment, lease: Lease, from: From, plan: Plan) {
         let (last_seq, first) = match from {
             From::Seq(seq) => (seq, None),
-            From::Event(event) => (event.seq, Some(event)),
+            From::Event(event) => (event.seq, Some(*event)),
         };
         let this = self.clone();
         let stopper = Stopper::default();
