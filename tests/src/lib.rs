@@ -9,6 +9,7 @@
 pub mod calls;
 pub mod db;
 pub mod fakes;
+pub mod pg_server;
 pub mod probe_tools;
 pub mod procs;
 pub mod rule_model;

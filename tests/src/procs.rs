@@ -4,8 +4,9 @@
 //! (its own pid, never a name), and every process a test started is killed when its handle is
 //! dropped.
 //!
-//! [`Cluster`] is one gateway-svc and N agent-svc replicas on one fresh PostgreSQL database,
-//! with a rule-based fake model and a fake Gmail on loopback.
+//! [`Cluster`] is one gateway-svc and N agent-svc replicas on one fresh PostgreSQL database
+//! (or on a database the test provides, [`ClusterOptions::database_url`]), with a rule-based
+//! fake model and a fake Gmail on loopback.
 //!
 //! The binaries are `target/<profile>/agent-svc` and `gateway-svc` beside the test binary
 //! (`target/<profile>/deps/…`). When one is missing or older than the test binary, the first
@@ -306,10 +307,13 @@ pub struct ClusterOptions {
     pub agent_env: Vec<(String, String)>,
     /// Extra settings for the gateway.
     pub gateway_env: Vec<(String, String)>,
+    /// Runs on this database instead of a fresh one on the shared server (the test owns it,
+    /// e.g. on a private server from [`crate::pg_server`]).
+    pub database_url: Option<String>,
 }
 
-/// One gateway-svc and N agent-svc processes on one fresh database, with the fakes.
-/// Fields drop in order: processes first, then the database.
+/// One gateway-svc and N agent-svc processes on one database, with the fakes.
+/// Fields drop in order: processes first, then the database (when the cluster created it).
 pub struct Cluster {
     pub agents: Vec<ServiceProc>,
     pub gateway: ServiceProc,
@@ -317,7 +321,9 @@ pub struct Cluster {
     pub gmail: FakeGmail,
     gateway_env: Vec<(String, String)>,
     agent_env: Vec<(String, String)>,
-    pub db: TestDb,
+    database_url: String,
+    /// The fresh database, unless [`ClusterOptions::database_url`] was given.
+    pub db: Option<TestDb>,
 }
 
 fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
@@ -328,7 +334,14 @@ fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
 
 impl Cluster {
     pub async fn start(options: ClusterOptions) -> Self {
-        let db = TestDb::create().await.expect("create the test database");
+        let (db, database_url) = match options.database_url.clone() {
+            Some(url) => (None, url),
+            None => {
+                let db = TestDb::create().await.expect("create the test database");
+                let url = db.url().to_owned();
+                (Some(db), url)
+            }
+        };
         let model = RuleModel::start_with(options.model).await;
         let gmail = FakeGmail::start().await;
         let mut gateway_env = pairs(&[
@@ -339,7 +352,7 @@ impl Cluster {
             ("SHUTDOWN_DRAIN_TIMEOUT", "1s"),
             ("RATE_LIMITS_GMAIL", "100000/minute"),
         ]);
-        gateway_env.push(("DATABASE_URL".into(), db.url().to_owned()));
+        gateway_env.push(("DATABASE_URL".into(), database_url.clone()));
         gateway_env.push(("GMAIL_API_BASE_URL".into(), gmail.url.clone()));
         gateway_env.extend(options.gateway_env);
         let gateway = ServiceProc::spawn("gateway-svc", gateway_env.clone())
@@ -359,7 +372,7 @@ impl Cluster {
             ("HEALTH_PROBE_INTERVAL", "100ms"),
             ("SHUTDOWN_DRAIN_TIMEOUT", "1s"),
         ]);
-        agent_env.push(("DATABASE_URL".into(), db.url().to_owned()));
+        agent_env.push(("DATABASE_URL".into(), database_url.clone()));
         agent_env.push(("OPENAI_BASE_URL".into(), model.url.clone()));
         agent_env.push(("GATEWAY_URL".into(), format!("http://{}", gateway.addr)));
         agent_env.extend(options.agent_env);
@@ -370,6 +383,7 @@ impl Cluster {
             gmail,
             gateway_env,
             agent_env,
+            database_url,
             db,
         };
         for _ in 0..options.agents {
@@ -445,7 +459,7 @@ impl Cluster {
 
     /// A direct connection to the test database, for assertions the API cannot make.
     pub async fn sql(&self) -> tokio_postgres::Client {
-        let (client, conn) = tokio_postgres::connect(self.db.url(), tokio_postgres::NoTls)
+        let (client, conn) = tokio_postgres::connect(&self.database_url, tokio_postgres::NoTls)
             .await
             .expect("connect to the test database");
         tokio::spawn(conn);

@@ -391,14 +391,16 @@ impl RunWriter {
         loop {
             match self.store.commit(&self.lease, self.pending.clone()).await {
                 Ok(()) => {
-                    self.pending = RunCommit::default();
-                    self.pending_since = None;
-                    for event in self.held.drain(..) {
-                        self.live.publish(event);
-                    }
+                    self.committed();
                     return Ok(());
                 }
                 Err(StoreError::LeaseLost) => return Err(StoreError::LeaseLost),
+                Err(_) if self.landed().await => {
+                    // The COMMIT went through but its answer was lost (the database went away
+                    // right then): doing it again would duplicate it.
+                    self.committed();
+                    return Ok(());
+                }
                 Err(e) if started.elapsed() + wait > FLUSH_RETRY_FOR => return Err(e),
                 Err(e) => {
                     tracing::warn!(run_id = %self.run_id, error = %e, "could not record the run's progress; retrying");
@@ -407,6 +409,26 @@ impl RunWriter {
                 }
             }
         }
+    }
+
+    /// The pending commit is durable: clear it and show the terminal events it held back.
+    fn committed(&mut self) {
+        self.pending = RunCommit::default();
+        self.pending_since = None;
+        for event in self.held.drain(..) {
+            self.live.publish(event);
+        }
+    }
+
+    /// Whether the pending commit is in the store already: its last event is there.
+    async fn landed(&self) -> bool {
+        let Some(last) = self.pending.events.last().map(|(seq, _)| *seq) else {
+            return false;
+        };
+        matches!(
+            self.store.events_after(&self.run_id, last - 1, 1).await,
+            Ok(found) if found.first().is_some_and(|(seq, _)| *seq == last)
+        )
     }
 
     fn due(&self) -> Option<Instant> {

@@ -17,6 +17,10 @@ mod embedded {
     refinery::embed_migrations!("migrations");
 }
 
+// Lease expiry is set and compared with `clock_timestamp()`, not `now()`: `now()` is when the
+// transaction began, and time an admission spent waiting (a locked row, a busy CPU) must not be
+// taken off the lease its holder believes it has.
+
 /// Advisory-lock key serialising agent-svc migrations across replicas ("agentsvc" in ASCII).
 const MIGRATION_LOCK_KEY: i64 = 0x6167_656e_7473_7663;
 
@@ -60,7 +64,7 @@ fn db(e: tokio_postgres::Error) -> StoreError {
 }
 
 const THREAD_COLUMNS: &str = "id, owner, title, created_at, updated_at, \
-    CASE WHEN lock_expires_at > now() THEN lock_run_id END, last_run_id";
+    CASE WHEN lock_expires_at > clock_timestamp() THEN lock_run_id END, last_run_id";
 
 fn thread(r: &Row) -> Thread {
     Thread {
@@ -280,7 +284,7 @@ impl AgentStore for PgStore {
             drop(tx);
             let holder = client
                 .query_opt(
-                    "SELECT CASE WHEN lock_expires_at > now() THEN lock_run_id END FROM agent.threads \
+                    "SELECT CASE WHEN lock_expires_at > clock_timestamp() THEN lock_run_id END FROM agent.threads \
                      WHERE id = $1 AND owner = $2",
                     &[&run.thread_id, &run.owner],
                 )
@@ -325,8 +329,8 @@ impl AgentStore for PgStore {
                 &client
                     .prepare_cached(
                         "UPDATE agent.threads SET lock_run_id = $2, lock_token = $3, \
-                           lock_expires_at = now() + $4::bigint * interval '1 millisecond', last_run_id = $2 \
-                         WHERE id = $1 AND (lock_run_id IS NULL OR lock_expires_at <= now()) RETURNING id",
+                           lock_expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond', last_run_id = $2 \
+                         WHERE id = $1 AND (lock_run_id IS NULL OR lock_expires_at <= clock_timestamp()) RETURNING id",
                     )
                     .await
                     .map_err(db)?,
@@ -339,7 +343,7 @@ impl AgentStore for PgStore {
         }
         let holder = client
             .query_opt(
-                "SELECT CASE WHEN lock_expires_at > now() THEN lock_run_id END FROM agent.threads WHERE id = $1",
+                "SELECT CASE WHEN lock_expires_at > clock_timestamp() THEN lock_run_id END FROM agent.threads WHERE id = $1",
                 &[&thread_id],
             )
             .await
@@ -356,8 +360,8 @@ impl AgentStore for PgStore {
             .query_opt(
                 &client
                     .prepare_cached(
-                        "UPDATE agent.threads t SET lock_expires_at = now() + $3::bigint * interval '1 millisecond' \
-                         WHERE t.id = $1 AND t.lock_token = $2 AND t.lock_expires_at > now() \
+                        "UPDATE agent.threads t SET lock_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond' \
+                         WHERE t.id = $1 AND t.lock_token = $2 AND t.lock_expires_at > clock_timestamp() \
                          RETURNING (SELECT cancel_requested FROM agent.runs r WHERE r.id = t.lock_run_id)",
                     )
                     .await
@@ -546,7 +550,7 @@ impl AgentStore for PgStore {
         let tx = client.transaction().await.map_err(db)?;
         let fenced = tx
             .query_opt(
-                "SELECT 1 FROM agent.threads WHERE id = $1 AND lock_token = $2 AND lock_expires_at > now() FOR UPDATE",
+                "SELECT 1 FROM agent.threads WHERE id = $1 AND lock_token = $2 AND lock_expires_at > clock_timestamp() FOR UPDATE",
                 &[&lease.thread_id, &lease.token],
             )
             .await
@@ -646,7 +650,7 @@ impl AgentStore for PgStore {
                 &format!(
                     "SELECT {RUN_COLUMNS} FROM agent.runs r WHERE state IN ('queued', 'planning', 'executing') \
                      AND NOT EXISTS (SELECT 1 FROM agent.threads t WHERE t.id = r.thread_id AND t.lock_run_id = r.id \
-                       AND t.lock_expires_at + $2::bigint * interval '1 millisecond' > now()) \
+                       AND t.lock_expires_at + $2::bigint * interval '1 millisecond' > clock_timestamp()) \
                      ORDER BY created_at LIMIT $1"
                 ),
                 &[&(limit as i64), &millis(grace)],
@@ -662,7 +666,7 @@ impl AgentStore for PgStore {
         // The thread row lock orders this against the writer's fenced commits.
         let live = tx
             .query_opt(
-                "SELECT t.lock_run_id = r.id AND t.lock_expires_at > now() FROM agent.runs r \
+                "SELECT t.lock_run_id = r.id AND t.lock_expires_at > clock_timestamp() FROM agent.runs r \
                  JOIN agent.threads t ON t.id = r.thread_id WHERE r.id = $1 FOR UPDATE OF t",
                 &[&run_id],
             )
@@ -711,7 +715,7 @@ impl AgentStore for PgStore {
         // history), and a thread another run holds is not archived under it.
         let held = tx
             .query_opt(
-                "SELECT lock_expires_at > now() AND lock_token IS DISTINCT FROM $2 FROM agent.threads WHERE id = $1 FOR UPDATE",
+                "SELECT lock_expires_at > clock_timestamp() AND lock_token IS DISTINCT FROM $2 FROM agent.threads WHERE id = $1 FOR UPDATE",
                 &[&thread_id, &holder.map(|l| l.token.as_str())],
             )
             .await
@@ -1302,7 +1306,7 @@ const SQL_FENCE: &str = "UPDATE agent.threads SET updated_at = CASE WHEN $3 THEN
     lock_run_id = CASE WHEN $4 THEN NULL ELSE lock_run_id END, \
     lock_token = CASE WHEN $4 THEN NULL ELSE lock_token END, \
     lock_expires_at = CASE WHEN $4 THEN NULL ELSE lock_expires_at END \
-    WHERE id = $1 AND lock_token = $2 AND lock_expires_at > now()";
+    WHERE id = $1 AND lock_token = $2 AND lock_expires_at > clock_timestamp()";
 const SQL_EVENTS: &str = "INSERT INTO agent.run_events (run_id, seq, payload) \
     SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS u(s, p)";
 const SQL_HISTORY: &str = "INSERT INTO agent.llm_history (thread_id, seq, turn) \
@@ -1344,11 +1348,11 @@ const SQL_NOTIFY: &str = "SELECT pg_notify('agent_runs', 'e:' || $1::text)";
 const SQL_LIVE_RUNS: &str = "SELECT count(*) FROM agent.runs WHERE owner = $1 AND state IN ('queued', 'planning', 'executing')";
 const SQL_NEW_THREAD: &str = "INSERT INTO agent.threads (id, owner, title, lock_run_id, lock_token, lock_expires_at, \
       last_run_id) \
-    VALUES ($1, $2, $3, $4, $5, now() + $6::bigint * interval '1 millisecond', $4)";
+    VALUES ($1, $2, $3, $4, $5, clock_timestamp() + $6::bigint * interval '1 millisecond', $4)";
 /// Takes an existing thread's lease if it is free or lapsed (`$6`, the title, is unused).
 const SQL_TAKE_THREAD: &str = "UPDATE agent.threads SET lock_run_id = $2, lock_token = $3, \
-      lock_expires_at = now() + $4::bigint * interval '1 millisecond', last_run_id = $2, updated_at = now() \
-    WHERE id = $1 AND owner = $5 AND $6::text IS NOT NULL AND (lock_run_id IS NULL OR lock_expires_at <= now())";
+      lock_expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond', last_run_id = $2, updated_at = now() \
+    WHERE id = $1 AND owner = $5 AND $6::text IS NOT NULL AND (lock_run_id IS NULL OR lock_expires_at <= clock_timestamp())";
 /// Runs paused on the thread are superseded by the new message (their calls are closed by the
 /// new run), their approvals void.
 const SQL_SUPERSEDE: &str = "WITH ended AS (UPDATE agent.runs SET state = 'cancelled', error = $2, \
