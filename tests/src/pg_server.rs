@@ -17,7 +17,7 @@
 //! port and data directory. Dropping the server stops it and removes the directory; a watchdog
 //! does both if the test process dies without running destructors.
 //!
-//! The binaries come from `STEWARD_PG_BIN` (default `/usr/lib/postgresql/15/bin`). The server's
+//! The binaries come from `STEWARD_PG_BIN` (default: the newest `/usr/lib/postgresql/<n>/bin`). The server's
 //! log is echoed with `TEST_LOG=1`.
 
 use std::{
@@ -37,11 +37,19 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 const READY_LINE: &str = "database system is ready to accept connections";
 
+/// `STEWARD_PG_BIN`, or the newest Debian-packaged server (`/usr/lib/postgresql/<n>/bin`).
 fn bin_dir() -> PathBuf {
-    std::env::var_os("STEWARD_PG_BIN").map_or_else(
-        || PathBuf::from("/usr/lib/postgresql/15/bin"),
-        PathBuf::from,
-    )
+    if let Some(dir) = std::env::var_os("STEWARD_PG_BIN") {
+        return PathBuf::from(dir);
+    }
+    let newest = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .max()
+        .unwrap_or(15);
+    PathBuf::from(format!("/usr/lib/postgresql/{newest}/bin"))
 }
 
 /// The real uid of this process, from /proc (std has no getuid).
