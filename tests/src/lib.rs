@@ -6,6 +6,7 @@
 //! `postgres://postgres@127.0.0.1:5432/postgres`, the machine's trust-auth server). Logs are
 //! printed only with `TEST_LOG=1`.
 
+pub mod agent_calls;
 pub mod calls;
 pub mod db;
 pub mod fakes;
@@ -14,6 +15,7 @@ pub mod probe_tools;
 pub mod procs;
 pub mod rule_model;
 pub mod spawn;
+pub mod worlds;
 
 pub use db::TestDb;
 pub use spawn::{

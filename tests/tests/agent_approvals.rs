@@ -4,46 +4,16 @@
 use std::time::Duration;
 
 use agent_svc::store::AgentStore;
-use steward_proto::{agent::v1 as pb, gateway::v1 as gw};
+use steward_proto::agent::v1 as pb;
 use steward_tests::{
-    Backend, Options, TestApp, agent_as,
-    calls::connect_account,
-    fakes::{
-        gmail::FakeGmail,
-        openai::{Answer, FakeOpenAi},
-    },
-    spawn::spawn,
+    TestApp, agent_as,
+    fakes::{gmail::FakeGmail, openai::Answer},
+    worlds::gmail_world,
 };
 use tonic::Code;
 
 const SEND_ARGS: &str =
     r#"{"to":["boss@example.com"],"subject":"Budget","body":"Numbers attached.\nCall me."}"#;
-
-async fn world(answers: Vec<Answer>, env: &[(&str, &str)]) -> (TestApp, FakeGmail) {
-    let model = FakeOpenAi::start(answers).await;
-    let gmail = FakeGmail::start().await;
-    gmail.add_messages("tok-alice", vec![]);
-    let mut all = vec![
-        ("MODEL_CHAIN".to_owned(), "openai/gpt-4o".to_owned()),
-        ("OPENAI_BASE_URL".to_owned(), model.url.clone()),
-        ("GMAIL_API_BASE_URL".to_owned(), gmail.url.clone()),
-    ];
-    all.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
-    let app = spawn(Options {
-        backend: Some(Backend::Postgres),
-        env: all,
-        ..Options::default()
-    })
-    .await;
-    connect_account(
-        &mut app.gateway_as("alice").await,
-        gw::Integration::Gmail,
-        "alice@example.com",
-        "tok-alice",
-    )
-    .await;
-    (app, gmail)
-}
 
 fn send_then(answer: &str) -> Vec<Answer> {
     vec![
@@ -408,4 +378,9 @@ async fn every_action_transition_is_recorded_on_the_run() {
         "{}",
         actions[1].result_text
     );
+}
+
+async fn world(answers: Vec<Answer>, env: &[(&str, &str)]) -> (TestApp, FakeGmail) {
+    let (app, _model, gmail) = gmail_world(answers, env).await;
+    (app, gmail)
 }

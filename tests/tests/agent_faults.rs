@@ -24,6 +24,7 @@ use std::{
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
     UserAgent, agent_as,
+    agent_calls::{get_run, messages, run_once},
     procs::{Cluster, ClusterOptions},
     rule_model::RuleOptions,
 };
@@ -210,55 +211,6 @@ async fn follow(client: &mut UserAgent, run_id: &str, after: u64, bound: Duratio
         Err(_) => out.error = Some(format!("no terminal event within {bound:?}")),
     }
     out
-}
-
-async fn get_run(client: &mut UserAgent, run_id: &str) -> Result<pb::GetRunResponse, String> {
-    client
-        .get_run(pb::GetRunRequest {
-            run_id: run_id.to_owned(),
-        })
-        .await
-        .map(tonic::Response::into_inner)
-        .map_err(|e| format!("GetRun {run_id}: {:?} {}", e.code(), e.message()))
-}
-
-async fn messages(client: &mut UserAgent, thread_id: &str) -> Result<Vec<pb::Message>, String> {
-    let mut all = Vec::new();
-    let mut token = String::new();
-    loop {
-        let page = client
-            .list_messages(pb::ListMessagesRequest {
-                thread_id: thread_id.to_owned(),
-                page_size: 200,
-                page_token: token.clone(),
-            })
-            .await
-            .map_err(|e| format!("ListMessages {thread_id}: {:?} {}", e.code(), e.message()))?
-            .into_inner();
-        all.extend(page.messages);
-        if page.next_page_token.is_empty() {
-            return Ok(all);
-        }
-        token = page.next_page_token;
-    }
-}
-
-async fn run_once(
-    client: &mut UserAgent,
-    prompt: &str,
-    thread_id: &str,
-) -> Result<pb::RunResult, tonic::Status> {
-    let input = pb::RunInput {
-        prompt: prompt.to_owned(),
-        thread_id: thread_id.to_owned(),
-        ..Default::default()
-    };
-    let result = client
-        .run(pb::RunRequest { input: Some(input) })
-        .await?
-        .into_inner()
-        .result;
-    result.ok_or_else(|| tonic::Status::internal("Run returned no result"))
 }
 
 fn approve(approval_id: &str) -> pb::DecideApprovalRequest {

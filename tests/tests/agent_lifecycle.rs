@@ -5,46 +5,14 @@
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use steward_proto::{agent::v1 as pb, gateway::v1 as gw};
+use steward_proto::agent::v1 as pb;
 use steward_tests::{
-    Backend, Options, TestApp, agent_as,
-    calls::connect_account,
-    fakes::{
-        gmail::FakeGmail,
-        openai::{Answer, FakeOpenAi},
-    },
-    spawn::spawn,
+    Backend, Options, TestApp, agent_as, fakes::openai::Answer, spawn::spawn, worlds::gmail_world,
 };
 use tonic::Code;
 
 const SEND_ARGS: &str =
     r#"{"to":["boss@example.com"],"subject":"Budget","body":"Numbers attached."}"#;
-
-async fn world(answers: Vec<Answer>, env: &[(&str, &str)]) -> (TestApp, FakeOpenAi, FakeGmail) {
-    let model = FakeOpenAi::start(answers).await;
-    let gmail = FakeGmail::start().await;
-    gmail.add_messages("tok-alice", vec![]);
-    let mut all = vec![
-        ("MODEL_CHAIN".to_owned(), "openai/gpt-4o".to_owned()),
-        ("OPENAI_BASE_URL".to_owned(), model.url.clone()),
-        ("GMAIL_API_BASE_URL".to_owned(), gmail.url.clone()),
-    ];
-    all.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
-    let app = spawn(Options {
-        backend: Some(Backend::Postgres),
-        env: all,
-        ..Options::default()
-    })
-    .await;
-    connect_account(
-        &mut app.gateway_as("alice").await,
-        gw::Integration::Gmail,
-        "alice@example.com",
-        "tok-alice",
-    )
-    .await;
-    (app, model, gmail)
-}
 
 fn input(prompt: &str) -> pb::RunInput {
     pb::RunInput {
@@ -119,7 +87,7 @@ async fn sql_count(app: &TestApp, query: &str, run_id: &str) -> i64 {
 
 #[tokio::test]
 async fn watching_a_finished_run_after_its_last_event_returns_at_once() {
-    let (app, _model, _gmail) = world(vec![Answer::text("Done.")], &[]).await;
+    let (app, _model, _gmail) = gmail_world(vec![Answer::text("Done.")], &[]).await;
     let result = run_on(app.agent_addr, input("hi")).await;
     let all = events(&app, &result.run_id, 0).await;
     assert!(is_terminal(all.last().unwrap()));
@@ -134,7 +102,7 @@ async fn watching_a_finished_run_after_its_last_event_returns_at_once() {
 async fn a_long_streamed_answer_reaches_the_client_whole_in_few_event_rows() {
     // About 3,000 tokens of text, streamed one word per delta.
     let answer: String = (0..3000).map(|i| format!("w{} ", i % 97)).collect();
-    let (app, _model, _gmail) = world(vec![Answer::text(answer.trim_end())], &[]).await;
+    let (app, _model, _gmail) = gmail_world(vec![Answer::text(answer.trim_end())], &[]).await;
     let mut alice = app.agent_as("alice").await;
     let stream = alice
         .run_stream(pb::RunStreamRequest {
@@ -216,7 +184,7 @@ async fn paused_send(app: &TestApp) -> (pb::RunResult, pb::Approval) {
 
 #[tokio::test]
 async fn eight_concurrent_approvals_on_two_replicas_continue_the_run_once() {
-    let (mut app, model, gmail) = world(
+    let (mut app, model, gmail) = gmail_world(
         vec![
             Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
             Answer::text("Sent it."),
@@ -287,7 +255,7 @@ async fn eight_concurrent_approvals_on_two_replicas_continue_the_run_once() {
 
 #[tokio::test]
 async fn an_approval_on_the_other_replica_long_after_the_pause_completes_normally() {
-    let (mut app, _model, gmail) = world(
+    let (mut app, _model, gmail) = gmail_world(
         vec![
             Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
             // The continuation takes a while: the monitors sweep many times meanwhile.
@@ -335,7 +303,7 @@ async fn an_approval_on_the_other_replica_long_after_the_pause_completes_normall
 
 #[tokio::test]
 async fn cancelling_a_run_that_waits_for_approval_ends_it_and_approving_is_refused() {
-    let (app, _model, gmail) = world(
+    let (app, _model, gmail) = gmail_world(
         vec![Answer::tool_calls(&[(
             "call_send",
             "gmail_send",
@@ -382,7 +350,7 @@ async fn cancelling_a_run_that_waits_for_approval_ends_it_and_approving_is_refus
 
 #[tokio::test]
 async fn an_approval_after_its_session_was_archived_is_refused_and_the_thread_works() {
-    let (app, _model, gmail) = world(
+    let (app, _model, gmail) = gmail_world(
         vec![
             Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
             Answer::text("Fresh start."),
@@ -449,7 +417,7 @@ async fn a_retried_model_stream_tells_the_client_to_discard_its_partial_text() {
             serde_json::json!({"choices": [{"index": 0, "delta": {"content": "Half an ans"}, "finish_reason": null}]}),
         ],
     };
-    let (app, _model, _gmail) = world(vec![cut, Answer::text("A whole answer.")], &[]).await;
+    let (app, _model, _gmail) = gmail_world(vec![cut, Answer::text("A whole answer.")], &[]).await;
     let mut alice = app.agent_as("alice").await;
     let got: Vec<pb::RunEvent> = alice
         .run_stream(pb::RunStreamRequest {
@@ -479,7 +447,7 @@ async fn a_retried_model_stream_tells_the_client_to_discard_its_partial_text() {
 
 #[tokio::test]
 async fn callers_cannot_pick_the_long_running_channels() {
-    let (app, _model, _gmail) = world(vec![], &[]).await;
+    let (app, _model, _gmail) = gmail_world(vec![], &[]).await;
     let mut alice = app.agent_as("alice").await;
     for channel in [pb::Channel::Scheduled, pb::Channel::Heartbeat] {
         let mut i = input("work for ten minutes");
@@ -495,7 +463,7 @@ async fn callers_cannot_pick_the_long_running_channels() {
 
 #[tokio::test]
 async fn a_user_over_the_active_run_cap_is_told_which_cap() {
-    let (app, _model, _gmail) = world(
+    let (app, _model, _gmail) = gmail_world(
         vec![Answer::Slow(
             Box::new(Answer::text("slow")),
             Duration::from_secs(2),
@@ -536,7 +504,7 @@ async fn a_user_over_the_active_run_cap_is_told_which_cap() {
 
 #[tokio::test]
 async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
-    let (mut app, _model, _gmail) = world(
+    let (mut app, _model, _gmail) = gmail_world(
         vec![Answer::Slow(
             Box::new(Answer::text("too late")),
             Duration::from_secs(20),
@@ -584,7 +552,7 @@ async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
 
 #[tokio::test]
 async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_monitor() {
-    let (mut app, _model, _gmail) = world(
+    let (mut app, _model, _gmail) = gmail_world(
         vec![
             Answer::Slow(Box::new(Answer::text("too late")), Duration::from_secs(30)),
             Answer::text("Back again."),
@@ -642,10 +610,11 @@ async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_mo
 #[tokio::test]
 async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded() {
     use agent_svc::store::{
-        Action, ActionState, Admission, Admitted, AgentStore, RunCommit, RunState, RunUsage,
-        action_id, postgres::PgStore,
+        Action, ActionState, Admission, Admitted, AgentStore, RunCommit, action_id,
+        postgres::PgStore,
     };
-    let (app, model, gmail) = world(vec![Answer::text("One went out, one did not.")], &[]).await;
+    let (app, model, gmail) =
+        gmail_world(vec![Answer::text("One went out, one did not.")], &[]).await;
     let store = PgStore::connect(&svc_kit::server_config::DatabaseConfig {
         url: app.db.as_ref().unwrap().url().to_owned(),
         pool: svc_kit::pg::PoolOptions {
@@ -664,27 +633,7 @@ async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded
     let now = std::time::SystemTime::now();
     let Admitted::Started(lease) = store
         .admit(&Admission {
-            run: agent_svc::store::Run {
-                id: "r-crash".into(),
-                thread_id: "t-crash".into(),
-                owner: "alice".into(),
-                request_id: None,
-                state: RunState::Queued,
-                channel: "web".into(),
-                model: String::new(),
-                usage: RunUsage::default(),
-                iterations: 0,
-                error: None,
-                failure_kind: None,
-                summary: String::new(),
-                cancel_requested: false,
-                last_event_seq: 1,
-                prompt_sections: Vec::new(),
-                system_prompt: String::new(),
-                created_at: now,
-                started_at: None,
-                finished_at: None,
-            },
+            run: agent_svc::store::Run::queued("r-crash", "t-crash", "alice", "web"),
             new_thread_title: None,
             user_message: Some("send both".into()),
             first_event: Vec::new(),

@@ -202,11 +202,9 @@ async fn an_empty_model_answer_makes_the_session_silent() {
 
 #[tokio::test]
 async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed() {
-    use std::time::{Duration, SystemTime};
+    use std::time::Duration;
 
-    use agent_svc::store::{
-        Admission, Admitted, AgentStore, Run, RunState, RunUsage, postgres::PgStore,
-    };
+    use agent_svc::store::{Admission, Admitted, AgentStore, Run, postgres::PgStore};
     let (app, _model, _gmail) = world(vec![Answer::text("fresh start")]).await;
     let store = PgStore::connect(&svc_kit::server_config::DatabaseConfig {
         url: app.db.as_ref().unwrap().url().to_owned(),
@@ -223,27 +221,7 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
         .create_thread("t-dead", "alice", "orphaned")
         .await
         .unwrap();
-    let run = Run {
-        id: "r-dead".into(),
-        thread_id: thread.id.clone(),
-        owner: "alice".into(),
-        request_id: None,
-        state: RunState::Queued,
-        channel: "web".into(),
-        model: String::new(),
-        usage: RunUsage::default(),
-        iterations: 0,
-        error: None,
-        failure_kind: None,
-        summary: String::new(),
-        cancel_requested: false,
-        last_event_seq: 1,
-        prompt_sections: Vec::new(),
-        system_prompt: String::new(),
-        created_at: SystemTime::now(),
-        started_at: None,
-        finished_at: None,
-    };
+    let run = Run::queued("r-dead", &thread.id, "alice", "web");
     let admitted = store
         .admit(&Admission {
             run,

@@ -10,7 +10,7 @@ use std::{
 use agent_svc::store::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Decided, Ending,
     Lease, LockOutcome, MessageKind, MessageSource, NewMessage, Run, RunCommit, RunPatch, RunState,
-    RunUsage, StoreError, TaskAgent, action_id, memory::MemoryStore, postgres::PgStore,
+    StoreError, TaskAgent, action_id, memory::MemoryStore, postgres::PgStore,
 };
 use steward_tests::TestDb;
 use svc_kit::{pg::PoolOptions, server_config::DatabaseConfig};
@@ -44,25 +44,8 @@ async fn postgres() -> Backend {
 
 fn new_run(id: &str, thread: &str, owner: &str, request_id: Option<&str>) -> Run {
     Run {
-        id: id.into(),
-        thread_id: thread.into(),
-        owner: owner.into(),
         request_id: request_id.map(str::to_owned),
-        state: RunState::Queued,
-        channel: "web".into(),
-        model: String::new(),
-        usage: RunUsage::default(),
-        iterations: 0,
-        error: None,
-        failure_kind: None,
-        summary: String::new(),
-        cancel_requested: false,
-        last_event_seq: 1,
-        prompt_sections: Vec::new(),
-        system_prompt: String::new(),
-        created_at: SystemTime::now(),
-        started_at: None,
-        finished_at: None,
+        ..Run::queued(id, thread, owner, "web")
     }
 }
 

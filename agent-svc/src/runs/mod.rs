@@ -296,25 +296,14 @@ impl RunService {
         };
         let new_thread = new_thread_title.is_some();
         let run = Run {
-            id: uuid::Uuid::new_v4().to_string(),
-            thread_id: thread_id.clone(),
-            owner: owner.to_owned(),
             request_id: input.request_id.clone(),
-            state: RunState::Queued,
-            channel: input.channel.key().to_owned(),
-            model: String::new(),
-            usage: RunUsage::default(),
-            iterations: 0,
-            error: None,
-            failure_kind: None,
-            summary: String::new(),
-            cancel_requested: false,
-            last_event_seq: 1,
-            prompt_sections: Vec::new(),
-            system_prompt: String::new(),
             created_at: now,
-            started_at: None,
-            finished_at: None,
+            ..Run::queued(
+                &uuid::Uuid::new_v4().to_string(),
+                &thread_id,
+                owner,
+                input.channel.key(),
+            )
         };
         let superseded = "A newer message on this thread superseded this run's pending approval.";
         let queued = pb::RunEvent {

@@ -186,6 +186,33 @@ pub struct Run {
     pub finished_at: Option<SystemTime>,
 }
 
+impl Run {
+    /// A run about to be admitted: queued, its first event (seq 1) written with it.
+    pub fn queued(id: &str, thread_id: &str, owner: &str, channel: &str) -> Self {
+        Self {
+            id: id.to_owned(),
+            thread_id: thread_id.to_owned(),
+            owner: owner.to_owned(),
+            request_id: None,
+            state: RunState::Queued,
+            channel: channel.to_owned(),
+            model: String::new(),
+            usage: RunUsage::default(),
+            iterations: 0,
+            error: None,
+            failure_kind: None,
+            summary: String::new(),
+            cancel_requested: false,
+            last_event_seq: 1,
+            prompt_sections: Vec::new(),
+            system_prompt: String::new(),
+            created_at: SystemTime::now(),
+            started_at: None,
+            finished_at: None,
+        }
+    }
+}
+
 /// Changes to a run; `None` leaves a field as it is.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RunPatch {

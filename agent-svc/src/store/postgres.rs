@@ -622,24 +622,15 @@ impl AgentStore for PgStore {
 
     async fn end_paused(&self, run_id: &str, e: &Ending) -> Result<bool, StoreError> {
         let client = self.client().await?;
-        let rows = client
-            .query(
-                &format!(
-                    "WITH ended AS ({END_RUN} WHERE id = $1 AND state = 'awaiting_confirmation' {END_RETURNING}) {END_REST}"
-                ),
-                &[
-                    &run_id,
-                    &e.state.key(),
-                    &e.error,
-                    &e.failure_kind,
-                    &(e.seq_gap.max(1) as i64),
-                    &e.event,
-                    &e.message,
-                ],
-            )
-            .await
-            .map_err(db)?;
-        Ok(!rows.is_empty())
+        let ended = end_runs(
+            &**client,
+            "id = $1 AND state = 'awaiting_confirmation'",
+            "",
+            run_id,
+            e,
+        )
+        .await?;
+        Ok(ended > 0)
     }
 
     async fn abandoned_runs(&self, grace: Duration, limit: usize) -> Result<Vec<Run>, StoreError> {
@@ -678,27 +669,17 @@ impl AgentStore for PgStore {
         if live.get::<_, Option<bool>>(0).unwrap_or(false) {
             return Ok(false);
         }
-        let rows = tx
-            .query(
-                &format!(
-                    "WITH ended AS ({END_RUN} WHERE id = $1 AND state IN ('queued', 'planning', 'executing') {END_RETURNING}), \
-                     freed AS (UPDATE agent.threads SET lock_run_id = NULL, lock_token = NULL, lock_expires_at = NULL \
-                       WHERE id IN (SELECT thread_id FROM ended) AND lock_run_id = $1) {END_REST}"
-                ),
-                &[
-                    &run_id,
-                    &e.state.key(),
-                    &e.error,
-                    &e.failure_kind,
-                    &(e.seq_gap.max(1) as i64),
-                    &e.event,
-                    &e.message,
-                ],
-            )
-            .await
-            .map_err(db)?;
+        let ended = end_runs(
+            &*tx,
+            "id = $1 AND state IN ('queued', 'planning', 'executing')",
+            ", freed AS (UPDATE agent.threads SET lock_run_id = NULL, lock_token = NULL, lock_expires_at = NULL \
+               WHERE id IN (SELECT thread_id FROM ended) AND lock_run_id = $1)",
+            run_id,
+            e,
+        )
+        .await?;
         tx.commit().await.map_err(db)?;
-        Ok(!rows.is_empty())
+        Ok(ended > 0)
     }
 
     async fn archive_history(
@@ -737,22 +718,14 @@ impl AgentStore for PgStore {
         turns.sort_by_key(|(seq, _)| *seq);
         let turns: Vec<Value> = turns.into_iter().map(|(_, t)| t).collect();
         // Paused runs of the session end with it; their approvals can no longer be used.
-        tx.query(
-            &format!(
-                "WITH ended AS ({END_RUN} WHERE thread_id = $1 AND state = 'awaiting_confirmation' {END_RETURNING}) {END_REST}"
-            ),
-            &[
-                &thread_id,
-                &e.state.key(),
-                &e.error,
-                &e.failure_kind,
-                &(e.seq_gap.max(1) as i64),
-                &e.event,
-                &e.message,
-            ],
+        end_runs(
+            &*tx,
+            "thread_id = $1 AND state = 'awaiting_confirmation'",
+            "",
+            thread_id,
+            e,
         )
-        .await
-        .map_err(db)?;
+        .await?;
         tx.execute(
             "UPDATE agent.approvals SET state = 'expired' WHERE thread_id = $1 AND state = 'pending'",
             &[&thread_id],
@@ -1171,6 +1144,36 @@ const END_REST: &str = ", ev AS (INSERT INTO agent.run_events (run_id, seq, payl
     msg AS (INSERT INTO agent.messages (thread_id, run_id, source, kind, content) \
       SELECT thread_id, id, 'error', 'text', $7 FROM ended WHERE $7::text IS NOT NULL) \
     SELECT id, pg_notify('agent_runs', 'e:' || id) FROM ended";
+
+/// Ends the runs `selector` picks (a condition on `agent.runs`, `$1` = `key`) with `e` in one
+/// statement, `more` adding CTEs after `ended`; how many it ended.
+async fn end_runs(
+    client: &impl tokio_postgres::GenericClient,
+    selector: &str,
+    more: &str,
+    key: &str,
+    e: &Ending,
+) -> Result<usize, StoreError> {
+    let sql =
+        format!("WITH ended AS ({END_RUN} WHERE {selector} {END_RETURNING}){more} {END_REST}");
+    let gap = e.seq_gap.max(1) as i64;
+    let rows = client
+        .query(
+            &sql,
+            &[
+                &key,
+                &e.state.key(),
+                &e.error,
+                &e.failure_kind,
+                &gap,
+                &e.event,
+                &e.message,
+            ],
+        )
+        .await
+        .map_err(db)?;
+    Ok(rows.len())
+}
 
 /// Actions as column arrays, for one multi-row upsert.
 #[derive(Default)]
