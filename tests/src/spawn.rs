@@ -309,6 +309,29 @@ impl TestApp {
         addr
     }
 
+    /// agent-svc's PostgreSQL store on the test database, as another replica would open it.
+    pub async fn agent_store(&self) -> agent_svc::store::postgres::PgStore {
+        agent_svc::store::postgres::PgStore::connect(&svc_kit::server_config::DatabaseConfig {
+            url: self.db.as_ref().expect("a PostgreSQL app").url().to_owned(),
+            pool: svc_kit::pg::PoolOptions {
+                max_connections: 2,
+                acquire_timeout: Duration::from_secs(5),
+            },
+        })
+        .await
+        .expect("open the agent store")
+    }
+
+    /// A plain connection to the test database, for what the API cannot show.
+    pub async fn sql(&self) -> tokio_postgres::Client {
+        let url = self.db.as_ref().expect("a PostgreSQL app").url();
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .expect("connect to the test database");
+        tokio::spawn(conn);
+        client
+    }
+
     /// Live run registrations (segments, watchers, cancels) over every agent replica here.
     pub fn live_registrations(&self) -> usize {
         self.services

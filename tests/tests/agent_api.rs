@@ -235,16 +235,7 @@ async fn a_busy_thread_is_aborted_and_an_expired_lease_frees_it() {
     let mut alice = app.agent_as("alice").await;
     let first = run(&mut alice, input("first")).await.unwrap();
     // Another replica's run holds the thread's lock.
-    let store =
-        agent_svc::store::postgres::PgStore::connect(&svc_kit::server_config::DatabaseConfig {
-            url: app.db.as_ref().unwrap().url().to_owned(),
-            pool: svc_kit::pg::PoolOptions {
-                max_connections: 2,
-                acquire_timeout: Duration::from_secs(5),
-            },
-        })
-        .await
-        .unwrap();
+    let store = app.agent_store().await;
     use agent_svc::store::{AgentStore, LockOutcome};
     let LockOutcome::Acquired(held) = store
         .lock_thread(

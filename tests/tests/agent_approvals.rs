@@ -45,18 +45,6 @@ fn decide(id: &str, decision: pb::Decision) -> pb::DecideApprovalRequest {
     }
 }
 
-async fn agent_store(app: &TestApp) -> agent_svc::store::postgres::PgStore {
-    agent_svc::store::postgres::PgStore::connect(&svc_kit::server_config::DatabaseConfig {
-        url: app.db.as_ref().unwrap().url().to_owned(),
-        pool: svc_kit::pg::PoolOptions {
-            max_connections: 2,
-            acquire_timeout: Duration::from_secs(5),
-        },
-    })
-    .await
-    .unwrap()
-}
-
 #[tokio::test]
 async fn a_supervised_send_waits_with_a_preview_and_approval_on_another_instance_sends_exactly_once()
  {
@@ -129,7 +117,8 @@ async fn a_supervised_send_waits_with_a_preview_and_approval_on_another_instance
         Code::NotFound
     );
 
-    let kinds: Vec<String> = agent_store(&app)
+    let kinds: Vec<String> = app
+        .agent_store()
         .await
         .audit("alice")
         .await
@@ -211,7 +200,8 @@ async fn a_delegated_user_sends_to_an_allowlisted_recipient_without_approval() {
         (pb::RunState::Completed as i32, "Sent.")
     );
     assert_eq!(gmail.sent().len(), 1);
-    let kinds: Vec<String> = agent_store(&app)
+    let kinds: Vec<String> = app
+        .agent_store()
         .await
         .audit("alice")
         .await
@@ -239,11 +229,7 @@ async fn expired_approvals_and_approvals_the_conversation_moved_past_cannot_be_a
     let mut a = app.agent_as("alice").await;
 
     // The first approval expired.
-    let (client, conn) =
-        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+    let client = app.sql().await;
     client
         .execute(
             "UPDATE agent.approvals SET expires_at = now() - interval '1 minute' WHERE id = $1",

@@ -77,11 +77,7 @@ fn is_terminal(e: &pb::RunEvent) -> bool {
 }
 
 async fn sql_count(app: &TestApp, query: &str, run_id: &str) -> i64 {
-    let (client, conn) =
-        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+    let client = app.sql().await;
     client.query_one(query, &[&run_id]).await.unwrap().get(0)
 }
 
@@ -275,11 +271,7 @@ async fn an_approval_on_the_other_replica_long_after_the_pause_completes_normall
         .await;
     let (paused, approval) = paused_send(&app).await;
     // The run started an hour ago as far as its row knows (past every channel's limit).
-    let (client, conn) =
-        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+    let client = app.sql().await;
     client
         .execute(
             "UPDATE agent.runs SET created_at = now() - interval '1 hour', started_at = now() - interval '1 hour' WHERE id = $1",
@@ -360,11 +352,7 @@ async fn an_approval_after_its_session_was_archived_is_refused_and_the_thread_wo
     .await;
     let (paused, approval) = paused_send(&app).await;
     // The session goes quiet and a monitor archives it.
-    let (client, conn) =
-        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+    let client = app.sql().await;
     client
         .execute(
             "UPDATE agent.threads SET updated_at = now() - interval '1 day' WHERE id = $1",
@@ -372,16 +360,7 @@ async fn an_approval_after_its_session_was_archived_is_refused_and_the_thread_wo
         )
         .await
         .unwrap();
-    let store =
-        agent_svc::store::postgres::PgStore::connect(&svc_kit::server_config::DatabaseConfig {
-            url: app.db.as_ref().unwrap().url().to_owned(),
-            pool: svc_kit::pg::PoolOptions {
-                max_connections: 2,
-                acquire_timeout: Duration::from_secs(5),
-            },
-        })
-        .await
-        .unwrap();
+    let store = app.agent_store().await;
     let monitor = agent_svc::runs::RunService::new(
         std::sync::Arc::new(store),
         std::sync::Arc::new(
@@ -611,19 +590,10 @@ async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_mo
 async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded() {
     use agent_svc::store::{
         Action, ActionState, Admission, Admitted, AgentStore, RunCommit, action_id,
-        postgres::PgStore,
     };
     let (app, model, gmail) =
         gmail_world(vec![Answer::text("One went out, one did not.")], &[]).await;
-    let store = PgStore::connect(&svc_kit::server_config::DatabaseConfig {
-        url: app.db.as_ref().unwrap().url().to_owned(),
-        pool: svc_kit::pg::PoolOptions {
-            max_connections: 2,
-            acquire_timeout: Duration::from_secs(5),
-        },
-    })
-    .await
-    .unwrap();
+    let store = app.agent_store().await;
     // A run on another replica asked for two sends and recorded both as executing; one reached
     // Gmail, then the replica died.
     store

@@ -204,17 +204,9 @@ async fn an_empty_model_answer_makes_the_session_silent() {
 async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed() {
     use std::time::Duration;
 
-    use agent_svc::store::{Admission, Admitted, AgentStore, Run, postgres::PgStore};
+    use agent_svc::store::{Admission, Admitted, AgentStore, Run};
     let (app, _model, _gmail) = world(vec![Answer::text("fresh start")]).await;
-    let store = PgStore::connect(&svc_kit::server_config::DatabaseConfig {
-        url: app.db.as_ref().unwrap().url().to_owned(),
-        pool: svc_kit::pg::PoolOptions {
-            max_connections: 2,
-            acquire_timeout: Duration::from_secs(5),
-        },
-    })
-    .await
-    .unwrap();
+    let store = app.agent_store().await;
     // A run that another instance admitted and was executing when it died: its lease (here
     // a millisecond) lapses and nobody renews it.
     let thread = store
@@ -529,11 +521,7 @@ async fn a_task_agent_that_fails_on_a_retriable_error_is_queued_again_with_backo
     ])
     .await;
 
-    let (client, conn) =
-        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+    let client = app.sql().await;
     let row = tokio::time::timeout(std::time::Duration::from_secs(15), async {
         loop {
             let row = client
