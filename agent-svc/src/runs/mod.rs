@@ -454,7 +454,7 @@ impl RunService {
                         .await
                 }
             };
-            this.end(&seg, &mut writer, worked, &stopper).await;
+            this.end(&seg, &mut writer, worked).await;
             done.cancel();
             this.live
                 .cancels
@@ -797,17 +797,11 @@ impl RunService {
 
     /// Ends a segment: its terminal commit (result, pause, cancel or error) with the lease
     /// freed. With the lease lost, nothing is written: the monitor ends the run.
-    async fn end(
-        &self,
-        seg: &Segment,
-        writer: &mut RunWriter,
-        worked: Result<Driven, ApiError>,
-        stopper: &Stopper,
-    ) {
+    async fn end(&self, seg: &Segment, writer: &mut RunWriter, worked: Result<Driven, ApiError>) {
         match worked {
             Ok(Driven::Finished(outcome)) => {
                 if let Err(e) = self.conclude(seg, writer, *outcome).await {
-                    self.fail(seg, writer, &e.to_string());
+                    Self::fail(writer, &e.to_string());
                 }
             }
             Ok(Driven::Stopped(StopReason::Cancelled)) => {
@@ -829,15 +823,14 @@ impl RunService {
                 return;
             }
             Ok(Driven::Stopped(StopReason::WriteFailed(why))) => {
-                self.fail(
-                    seg,
+                Self::fail(
                     writer,
                     &format!("the run could not record its progress ({why})"),
                 );
             }
             Err(e) => {
                 tracing::error!(run_id = %seg.run_id, error = %e, "run failed outside the model loop");
-                self.fail(seg, writer, &e.to_string());
+                Self::fail(writer, &e.to_string());
             }
         }
         writer.pending().release = true;
@@ -851,11 +844,10 @@ impl RunService {
                 let _ = self.store.release_lease(&writer.lease).await;
             }
         }
-        let _ = stopper;
     }
 
     /// An internal failure: the run fails with the message, shown in the thread.
-    fn fail(&self, seg: &Segment, writer: &mut RunWriter, message: &str) {
+    fn fail(writer: &mut RunWriter, message: &str) {
         let pending = writer.pending();
         pending.patch.merge(RunPatch {
             state: Some(RunState::Failed),
@@ -867,7 +859,6 @@ impl RunService {
         pending
             .messages
             .push(NewMessage::text(MessageSource::Error, message));
-        let _ = seg;
         writer.emit(pb::run_event::Kind::Error(pb::ErrorEvent {
             message: message.to_owned(),
             kind: pb::FailureKind::Internal as i32,
