@@ -298,6 +298,16 @@ fn json_field(line: &str, field: &str) -> Option<String> {
     found.as_str().map(str::to_owned)
 }
 
+/// Agent settings for fast failover in fault tests: a 2 s lease, a monitor sweeping every
+/// 500 ms, 1 s of grace after a lease lapsed.
+pub fn fast_failover_env() -> Vec<(String, String)> {
+    pairs(&[
+        ("RUN_LEASE", "2s"),
+        ("HEALTH_MONITOR_INTERVAL", "500ms"),
+        ("RUN_GRACE_PERIOD", "1s"),
+    ])
+}
+
 /// What to start.
 #[derive(Default)]
 pub struct ClusterOptions {

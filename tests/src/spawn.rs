@@ -322,6 +322,21 @@ impl TestApp {
         .expect("open the agent store")
     }
 
+    /// A run service of its own on the test database (offline model, no gateway): what any
+    /// replica's monitor does, on demand.
+    pub async fn monitor(&self) -> agent_svc::runs::RunService {
+        let models = agent_svc::models::ModelsConfig::load(&mut Vars::new(|_| None))
+            .build(&reqwest::Client::new())
+            .0;
+        agent_svc::runs::RunService::new(
+            std::sync::Arc::new(self.agent_store().await),
+            std::sync::Arc::new(models),
+            None,
+            None,
+            6000,
+        )
+    }
+
     /// A plain connection to the test database, for what the API cannot show.
     pub async fn sql(&self) -> tokio_postgres::Client {
         let url = self.db.as_ref().expect("a PostgreSQL app").url();

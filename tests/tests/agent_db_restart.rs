@@ -45,7 +45,7 @@ use steward_tests::{
     agent_calls::{get_run, messages, run_once},
     channel,
     pg_server::PgServer,
-    procs::{Cluster, ClusterOptions},
+    procs::{Cluster, ClusterOptions, fast_failover_env},
     rule_model::RuleOptions,
 };
 use tokio::sync::{Notify, watch};
@@ -53,13 +53,6 @@ use tokio_stream::StreamExt;
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
 };
-
-/// Fast failover settings for every agent replica (as in `agent_faults.rs`).
-const FAST_FAILOVER: [(&str, &str); 3] = [
-    ("RUN_LEASE", "2s"),
-    ("HEALTH_MONITOR_INTERVAL", "500ms"),
-    ("RUN_GRACE_PERIOD", "1s"),
-];
 
 /// How long a run may take to end once the database is back: a writer retries its commits for
 /// about 10 s, a lapsed lease is ended within RUN_LEASE + RUN_GRACE_PERIOD + a sweep.
@@ -72,13 +65,6 @@ const HEALTH_BOUND: Duration = Duration::from_secs(15);
 const WORK_BEFORE_STOP: usize = 2;
 /// How long the second outage lasts: RUN_LEASE + RUN_GRACE_PERIOD, so every lease lapses.
 const SLOW_OUTAGE: Duration = Duration::from_secs(3);
-
-fn failover_env() -> Vec<(String, String)> {
-    FAST_FAILOVER
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-        .collect()
-}
 
 /// Every failed expectation of the test, reported together at the end.
 #[derive(Default)]
@@ -972,7 +958,7 @@ async fn postgres_restarted_mid_run_ends_every_run_and_the_threads_work_afterwar
             slow: Duration::from_millis(1500),
             seed: 11,
         },
-        agent_env: failover_env(),
+        agent_env: fast_failover_env(),
         database_url: Some(pg.url(db)),
         ..ClusterOptions::default()
     })

@@ -25,30 +25,15 @@ use steward_proto::agent::v1 as pb;
 use steward_tests::{
     UserAgent, agent_as,
     agent_calls::{get_run, messages, run_once},
-    procs::{Cluster, ClusterOptions},
+    procs::{Cluster, ClusterOptions, fast_failover_env},
     rule_model::RuleOptions,
 };
 use tokio::sync::Notify;
 use tokio_stream::StreamExt;
 use tonic::Code;
 
-/// Fast failover settings for every agent replica. RUN_LEASE is new with the redesign (unknown
-/// settings are ignored by the current build).
-const FAST_FAILOVER: [(&str, &str); 3] = [
-    ("RUN_LEASE", "2s"),
-    ("HEALTH_MONITOR_INTERVAL", "500ms"),
-    ("RUN_GRACE_PERIOD", "1s"),
-];
-
 /// How long a test waits for a run's terminal event once it should come.
 const TERMINAL_BOUND: Duration = Duration::from_secs(20);
-
-fn failover_env() -> Vec<(String, String)> {
-    FAST_FAILOVER
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-        .collect()
-}
 
 /// Every failed expectation of a test, reported together at the end.
 #[derive(Default)]
@@ -560,7 +545,7 @@ async fn thirty_runs_across_two_replicas_survive_kill_9_of_one_replica() {
         // The dead replica's runs count as live until the monitor ends them; this test is about
         // failover, so the per-user cap on live runs (new with the redesign) is lifted.
         agent_env: [
-            failover_env(),
+            fast_failover_env(),
             vec![("AGENT_MAX_ACTIVE_RUNS_PER_USER".into(), "64".into())],
         ]
         .concat(),
@@ -815,7 +800,7 @@ async fn thirty_runs_across_two_replicas_survive_kill_9_of_one_replica() {
 async fn eight_concurrent_approves_on_two_replicas_continue_the_run_exactly_once() {
     let cluster = Cluster::start(ClusterOptions {
         agents: 2,
-        agent_env: failover_env(),
+        agent_env: fast_failover_env(),
         ..ClusterOptions::default()
     })
     .await;
@@ -969,7 +954,7 @@ async fn age_run(cluster: &Cluster, run_id: &str) -> Result<u64, String> {
 async fn an_approval_decided_after_the_time_limit_on_the_other_replica_completes_normally() {
     let cluster = Cluster::start(ClusterOptions {
         agents: 2,
-        agent_env: failover_env(),
+        agent_env: fast_failover_env(),
         ..ClusterOptions::default()
     })
     .await;
@@ -1058,7 +1043,7 @@ async fn an_approval_decided_after_the_time_limit_on_the_other_replica_completes
 async fn cancel_run_during_an_approval_wait_ends_the_run_and_a_later_approve_is_refused() {
     let cluster = Cluster::start(ClusterOptions {
         agents: 2,
-        agent_env: failover_env(),
+        agent_env: fast_failover_env(),
         ..ClusterOptions::default()
     })
     .await;
@@ -1140,7 +1125,7 @@ async fn cancel_run_during_an_approval_wait_ends_the_run_and_a_later_approve_is_
 async fn a_gateway_killed_mid_tool_call_ends_the_run_and_the_thread_works_after_a_restart() {
     let mut cluster = Cluster::start(ClusterOptions {
         agents: 1,
-        agent_env: failover_env(),
+        agent_env: fast_failover_env(),
         ..ClusterOptions::default()
     })
     .await;

@@ -360,18 +360,7 @@ async fn an_approval_after_its_session_was_archived_is_refused_and_the_thread_wo
         )
         .await
         .unwrap();
-    let store = app.agent_store().await;
-    let monitor = agent_svc::runs::RunService::new(
-        std::sync::Arc::new(store),
-        std::sync::Arc::new(
-            agent_svc::models::ModelsConfig::load(&mut svc_kit::config::Vars::new(|_| None))
-                .build(&reqwest::Client::new())
-                .0,
-        ),
-        None,
-        None,
-        6000,
-    );
+    let monitor = app.monitor().await;
     assert_eq!(monitor.sweep_idle_sessions().await.unwrap(), 1);
 
     let mut alice = app.agent_as("alice").await;

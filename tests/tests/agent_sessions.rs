@@ -230,17 +230,7 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
     assert!(matches!(admitted, Admitted::Started(_)), "{admitted:?}");
 
     // Any replica's monitor: a service built on the same database sweeps once.
-    let runs = agent_svc::runs::RunService::new(
-        std::sync::Arc::new(store),
-        std::sync::Arc::new(
-            agent_svc::models::ModelsConfig::load(&mut svc_kit::config::Vars::new(|_| None))
-                .build(&reqwest::Client::new())
-                .0,
-        ),
-        None,
-        None,
-        6000,
-    );
+    let runs = app.monitor().await;
     assert_eq!(runs.sweep_stale_runs(Duration::ZERO).await.unwrap(), 1);
     assert_eq!(
         runs.sweep_stale_runs(Duration::ZERO).await.unwrap(),
