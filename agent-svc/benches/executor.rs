@@ -41,6 +41,7 @@ impl ToolRunner for InstantTools {
                 text: format!("#7 \"Call dentist\" — {}", c.args),
                 error_kind: String::new(),
                 truncated: false,
+                external: false,
             })
             .collect()
     }

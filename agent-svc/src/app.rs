@@ -33,6 +33,7 @@ pub enum StartError {
 pub struct App {
     config: Config,
     listener: TcpListener,
+    metrics: Option<svc_kit::metrics::Endpoint>,
     store: SharedStore,
     runs: Arc<RunService>,
 }
@@ -47,6 +48,12 @@ impl App {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| StartError::Bind { addr, source })?;
+        let metrics = match config.server.metrics_addr {
+            Some(addr) => svc_kit::metrics::Endpoint::bind(Some(addr))
+                .await
+                .map_err(|source| StartError::Bind { addr, source })?,
+            None => None,
+        };
         let http = reqwest::Client::builder()
             .connect_timeout(std::time::Duration::from_secs(10))
             .build()
@@ -54,8 +61,12 @@ impl App {
         let (models, summary) = config.models.build(&http);
         let gateway = match &config.gateway_token {
             Some(token) => Some(
-                GatewayClient::connect_lazy(&config.gateway_url, token)
-                    .map_err(|e| StartError::Http(e.to_string()))?,
+                GatewayClient::connect_lazy_tls(
+                    &config.gateway_url,
+                    token.expose(),
+                    &config.gateway_tls,
+                )
+                .map_err(|e| StartError::Http(e.to_string()))?,
             ),
             None => {
                 tracing::warn!("GATEWAY_SERVICE_TOKEN is not set: runs have no tools");
@@ -76,6 +87,7 @@ impl App {
         run_service.approval_ttl = config.approval_ttl;
         run_service.lease = config.run_lease;
         run_service.fair_use = config.fair_use;
+        run_service.schedule_rules = config.schedule_rules;
         if !config.policy.side_effects_enabled {
             tracing::warn!(
                 "AGENT_SIDE_EFFECTS_ENABLED=false: every side-effect tool call is denied"
@@ -91,6 +103,7 @@ impl App {
         Ok(Self {
             config,
             listener,
+            metrics,
             store,
             runs,
         })
@@ -99,6 +112,11 @@ impl App {
     /// The run service, for in-process observers (tests, benches).
     pub fn runs(&self) -> Arc<RunService> {
         self.runs.clone()
+    }
+
+    /// Where `/metrics` is served, when METRICS_LISTEN_ADDR is set.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().and_then(|m| m.local_addr())
     }
 
     /// The bound address (useful when the config asked for port 0).
@@ -121,6 +139,10 @@ impl App {
             .config
             .task_workers
             .then(|| self.runs.spawn_task_workers(self.config.task_poll_interval));
+        let schedules = self.config.schedule_workers.then(|| {
+            self.runs
+                .spawn_schedule_workers(self.config.schedule_poll_interval)
+        });
         let max = self.config.server.max_message_bytes;
         let runs = self.runs.clone();
         let api = AgentServiceServer::new(AgentApi::new(
@@ -140,12 +162,13 @@ impl App {
             AGENT_SERVICE_NAME,
             Routes::new(api),
             &self.config.server,
+            self.metrics,
             probe,
             shutdown,
         )
         .await;
         monitor.abort();
-        if let Some(w) = workers {
+        for w in [workers, schedules].into_iter().flatten() {
             w.abort();
         }
         // Runs still going after the drain hand their threads back: their progress is

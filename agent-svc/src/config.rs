@@ -16,7 +16,10 @@ pub struct Config {
     /// `GATEWAY_URL`: where gateway-svc listens.
     pub gateway_url: String,
     /// `GATEWAY_SERVICE_TOKEN`: the secret presented to gateway-svc.
-    pub gateway_token: Option<String>,
+    pub gateway_token: Option<svc_kit::secret::Secret>,
+    /// `GATEWAY_TLS_CA`, `GATEWAY_TLS_CERT`/`GATEWAY_TLS_KEY`, `GATEWAY_TLS_DOMAIN`: TLS (and
+    /// mTLS) to gateway-svc; used exactly when GATEWAY_URL is https.
+    pub gateway_tls: svc_kit::tls::ClientTls,
     pub models: crate::models::ModelsConfig,
     /// `AGENT_MAX_LOOP_STEPS`: overrides the interactive iteration limit, clamped to 1..15.
     pub max_loop_steps: Option<u32>,
@@ -45,6 +48,12 @@ pub struct Config {
     pub task_workers: bool,
     /// `TASK_AGENT_POLL_INTERVAL`: how often an idle worker looks for queued tasks.
     pub task_poll_interval: std::time::Duration,
+    /// `SCHEDULE_WORKERS`: whether this instance fires due schedules (issue 16).
+    pub schedule_workers: bool,
+    /// `SCHEDULE_POLL_INTERVAL`: how often a worker looks for due schedules.
+    pub schedule_poll_interval: std::time::Duration,
+    /// `AGENT_MAX_SCHEDULES_PER_USER`, `AGENT_SCHEDULE_MIN_INTERVAL`.
+    pub schedule_rules: crate::runs::scheduled::ScheduleRules,
 }
 
 impl Config {
@@ -64,7 +73,18 @@ impl Config {
                 format!("{gateway_url:?} is not an http(s) URL; use e.g. {DEFAULT_GATEWAY_URL}"),
             );
         }
-        let gateway_token = vars.optional_string("GATEWAY_SERVICE_TOKEN");
+        let gateway_tls = svc_kit::tls::ClientTls::load(&mut vars, "GATEWAY");
+        if gateway_tls.is_set() && !gateway_url.starts_with("https://") {
+            vars.error(
+                "GATEWAY_URL",
+                format!(
+                    "{gateway_url:?} is plaintext but GATEWAY_TLS_* is set; use an https:// URL"
+                ),
+            );
+        }
+        let gateway_token = vars
+            .optional_string("GATEWAY_SERVICE_TOKEN")
+            .map(svc_kit::secret::Secret::from);
         let models = crate::models::ModelsConfig::load(&mut vars);
         // S1: "default 8, clamp 1..15": out-of-range values are clamped, not refused.
         let max_loop_steps = vars
@@ -96,6 +116,22 @@ impl Config {
             std::time::Duration::from_millis(50),
             std::time::Duration::from_secs(600),
         );
+        let schedule_workers = vars.bool("SCHEDULE_WORKERS", true);
+        let schedule_poll_interval = vars.duration_in(
+            "SCHEDULE_POLL_INTERVAL",
+            std::time::Duration::from_secs(5),
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_secs(60),
+        );
+        let schedule_rules = crate::runs::scheduled::ScheduleRules {
+            max_per_user: vars.int_in("AGENT_MAX_SCHEDULES_PER_USER", 20u32, 0, 10_000),
+            min_interval: vars.duration_in(
+                "AGENT_SCHEDULE_MIN_INTERVAL",
+                std::time::Duration::from_secs(60),
+                std::time::Duration::from_secs(60),
+                std::time::Duration::from_secs(7 * 24 * 3600),
+            ),
+        };
         let monitor_interval = vars.duration_in(
             "HEALTH_MONITOR_INTERVAL",
             std::time::Duration::from_secs(10),
@@ -134,6 +170,7 @@ impl Config {
             server,
             gateway_url,
             gateway_token,
+            gateway_tls,
             models,
             max_loop_steps,
             max_tool_result_chars,
@@ -148,6 +185,9 @@ impl Config {
             summary_count,
             task_workers,
             task_poll_interval,
+            schedule_workers,
+            schedule_poll_interval,
+            schedule_rules,
         })
     }
 }
@@ -191,11 +231,36 @@ fn load_identity(vars: &mut Vars<'_>) -> crate::api::identity::Identity {
     use crate::api::identity::Identity;
     let issuer = vars.optional_string("AUTH_JWT_ISSUER");
     let audience = vars.optional_string("AUTH_JWT_AUDIENCE");
+    let any_audience = vars.bool("AUTH_JWT_ANY_AUDIENCE", false);
     let dev = vars.bool("AUTH_DEV_USER_HEADER", false);
-    match (
-        vars.optional_string("AUTH_JWT_HS256_SECRET"),
-        vars.optional_string("AUTH_JWT_RS256_PUBLIC_KEY"),
-    ) {
+    let development = vars.bool("STEWARD_DEVELOPMENT", false);
+    let jwks_url = vars.optional_string("AUTH_JWKS_URL");
+    let keyed = vars.optional_string("AUTH_JWT_HS256_SECRET").is_some()
+        || vars.optional_string("AUTH_JWT_RS256_PUBLIC_KEY").is_some()
+        || jwks_url.is_some();
+    if keyed && audience.is_none() && !any_audience {
+        // Without an audience, a token the same issuer minted for any other service would do.
+        vars.error(
+            "AUTH_JWT_AUDIENCE",
+            "is required when a JWT key is configured, so tokens your issuer minted for other services \
+             are refused; set it to this service's audience (or AUTH_JWT_ANY_AUDIENCE=true if the issuer \
+             mints tokens for this service only)",
+        );
+    }
+    let hs = vars.optional_string("AUTH_JWT_HS256_SECRET");
+    let rs = vars.optional_string("AUTH_JWT_RS256_PUBLIC_KEY");
+    if let Some(url) = jwks_url {
+        if hs.is_some() || rs.is_some() {
+            vars.error(
+                "AUTH_JWKS_URL",
+                "set one key source: AUTH_JWKS_URL, AUTH_JWT_HS256_SECRET or AUTH_JWT_RS256_PUBLIC_KEY",
+            );
+        } else if !(url.starts_with("https://") || url.starts_with("http://")) {
+            vars.error("AUTH_JWKS_URL", "must be an http(s) URL of a JWK set");
+        }
+        return Identity::jwks(&url, issuer.as_deref(), audience.as_deref());
+    }
+    match (hs, rs) {
         (Some(_), Some(_)) => {
             vars.error(
                 "AUTH_JWT_HS256_SECRET",
@@ -222,6 +287,15 @@ fn load_identity(vars: &mut Vars<'_>) -> crate::api::identity::Identity {
             vars.error("AUTH_JWT_RS256_PUBLIC_KEY", e);
             Identity::DevHeader
         }),
+        (None, None) if dev && !development => {
+            vars.error(
+                "AUTH_DEV_USER_HEADER",
+                "lets any caller name itself with x-user-id, so it also needs STEWARD_DEVELOPMENT=true \
+                 (a development machine, never production); or configure AUTH_JWT_HS256_SECRET / \
+                 AUTH_JWT_RS256_PUBLIC_KEY",
+            );
+            Identity::DevHeader
+        }
         (None, None) if dev => {
             tracing::warn!(
                 "AUTH_DEV_USER_HEADER: callers name themselves with x-user-id; never use this in production"
@@ -253,6 +327,8 @@ mod tests {
             .collect();
         map.entry("AUTH_DEV_USER_HEADER".into())
             .or_insert_with(|| "true".into());
+        map.entry("STEWARD_DEVELOPMENT".into())
+            .or_insert_with(|| "true".into());
         Config::load(Vars::from_map(&map))
     }
 
@@ -271,14 +347,43 @@ mod tests {
         let cfg = load(&[
             ("AUTH_DEV_USER_HEADER", "false"),
             ("AUTH_JWT_HS256_SECRET", &"k".repeat(32)),
+            ("AUTH_JWT_AUDIENCE", "steward"),
         ])
         .unwrap();
         assert!(matches!(
             cfg.identity,
             crate::api::identity::Identity::Jwt { .. }
         ));
-        let err = load(&[("AUTH_JWT_RS256_PUBLIC_KEY", "not a pem")]).unwrap_err();
+        let err = load(&[
+            ("AUTH_JWT_RS256_PUBLIC_KEY", "not a pem"),
+            ("AUTH_JWT_AUDIENCE", "steward"),
+        ])
+        .unwrap_err();
         assert_eq!(err.0[0].var, "AUTH_JWT_RS256_PUBLIC_KEY");
+    }
+
+    #[test]
+    fn a9_a_jwt_key_needs_an_audience_unless_explicitly_waived() {
+        let err = load(&[
+            ("AUTH_DEV_USER_HEADER", "false"),
+            ("AUTH_JWT_HS256_SECRET", &"k".repeat(32)),
+        ])
+        .unwrap_err();
+        assert_eq!(err.0[0].var, "AUTH_JWT_AUDIENCE");
+        assert!(err.0[0].problem.contains("AUTH_JWT_ANY_AUDIENCE"));
+        load(&[
+            ("AUTH_DEV_USER_HEADER", "false"),
+            ("AUTH_JWT_HS256_SECRET", &"k".repeat(32)),
+            ("AUTH_JWT_ANY_AUDIENCE", "true"),
+        ])
+        .unwrap();
+    }
+
+    #[test]
+    fn a9_the_dev_identity_header_needs_the_development_flag_too() {
+        let err = load(&[("STEWARD_DEVELOPMENT", "false")]).unwrap_err();
+        assert_eq!(err.0[0].var, "AUTH_DEV_USER_HEADER");
+        assert!(err.0[0].problem.contains("STEWARD_DEVELOPMENT=true"));
     }
 
     #[test]

@@ -46,6 +46,51 @@ pub const OUTCOME_UNKNOWN: &str = "OUTCOME_UNKNOWN";
 pub struct GatewayTool {
     pub decl: ToolDecl,
     pub side_effect: bool,
+    /// Its output carries words written by others (email, invitations, chat).
+    pub reads_external_content: bool,
+    /// What it stores shows up in later prompts (memories).
+    pub writes_memory: bool,
+}
+
+/// What a call would do, as the gateway resolved it without doing it (P-4, issue 14).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CallPreview {
+    pub text: String,
+    pub recipients: Vec<String>,
+    pub binding: String,
+}
+
+/// One call made outside a run's Execute stream (an approved action, the prompt's memory
+/// lookup): the idempotency key makes a repeat return the first result (P-4).
+#[derive(Debug, Clone, Copy)]
+pub struct OnceCall<'a> {
+    pub user: &'a str,
+    pub run_id: &'a str,
+    pub channel: pb::Channel,
+    pub call_id: &'a str,
+    pub tool: &'a str,
+    pub args: &'a serde_json::Value,
+    pub idempotency_key: &'a str,
+    /// The tools whose external content the run had read (memory provenance).
+    pub read_external_from: &'a [String],
+    /// The approved preview's binding; the gateway refuses the call if it no longer holds.
+    pub expected_binding: &'a str,
+}
+
+impl<'a> OnceCall<'a> {
+    fn proto(&self) -> pb::ToolCall {
+        pb::ToolCall {
+            call_id: self.call_id.to_owned(),
+            tool: self.tool.to_owned(),
+            arguments: Some(pb::tool_call::Arguments::ArgsJson(self.args.to_string())),
+            idempotency_key: self.idempotency_key.to_owned(),
+            channel: self.channel as i32,
+            timeout: None,
+            run_id: self.run_id.to_owned(),
+            read_external_from: self.read_external_from.to_vec(),
+            expected_binding: self.expected_binding.to_owned(),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -58,8 +103,24 @@ pub struct GatewayClient {
 
 impl GatewayClient {
     pub fn connect_lazy(url: &str, token: &str) -> Result<Self, GatewayError> {
-        let channel = Channel::from_shared(url.to_owned())
-            .map_err(|e| GatewayError::Unavailable(format!("bad GATEWAY_URL: {e}")))?
+        Self::connect_lazy_tls(url, token, &svc_kit::tls::ClientTls::default())
+    }
+
+    /// As [`GatewayClient::connect_lazy`]; an `https://` URL gets TLS with `tls` (mTLS when it
+    /// holds a client key pair), never a silent plaintext channel.
+    pub fn connect_lazy_tls(
+        url: &str,
+        token: &str,
+        tls: &svc_kit::tls::ClientTls,
+    ) -> Result<Self, GatewayError> {
+        let mut endpoint = Channel::from_shared(url.to_owned())
+            .map_err(|e| GatewayError::Unavailable(format!("bad GATEWAY_URL: {e}")))?;
+        if url.starts_with("https://") {
+            endpoint = endpoint.tls_config(tls.tonic_config()).map_err(|e| {
+                GatewayError::Unavailable(format!("GATEWAY_URL TLS settings are unusable: {e}"))
+            })?;
+        }
+        let channel = endpoint
             .connect_timeout(Duration::from_secs(5))
             .http2_keep_alive_interval(Duration::from_secs(30))
             .connect_lazy();
@@ -73,6 +134,8 @@ impl GatewayClient {
     fn request<T>(&self, message: T, user: &str) -> Result<Request<T>, GatewayError> {
         let mut request = Request::new(message);
         let md = request.metadata_mut();
+        // One trace from the run to its tool calls on the gateway.
+        svc_kit::telemetry::inject(md);
         md.insert(
             "authorization",
             MetadataValue::try_from(format!("Bearer {}", self.token))
@@ -112,32 +175,65 @@ impl GatewayClient {
                     description: t.description,
                 },
                 side_effect: t.side_effect,
+                reads_external_content: t.reads_external_content,
+                writes_memory: t.writes_memory,
             })
             .collect())
     }
 
-    /// Runs one call through the unary ExecuteTool with `idempotency_key` (an approval id), so
-    /// a retried decision cannot act twice (P-4).
-    #[allow(clippy::too_many_arguments)]
-    pub async fn execute_once(
-        &self,
-        user: &str,
-        run_id: &str,
-        channel: pb::Channel,
-        call_id: &str,
-        tool: &str,
-        args: &serde_json::Value,
-        idempotency_key: &str,
-    ) -> ToolOutcome {
-        let call = pb::ToolCall {
-            call_id: call_id.to_owned(),
-            tool: tool.to_owned(),
-            arguments: Some(pb::tool_call::Arguments::ArgsJson(args.to_string())),
-            idempotency_key: idempotency_key.to_owned(),
-            channel: channel as i32,
-            timeout: None,
-            run_id: run_id.to_owned(),
-        };
+    /// What `call` would do (PreviewCall): the text a person approves, the recipients policy
+    /// checks, the binding execution is held to. A call that cannot be previewed must not run:
+    /// the error is the outcome to give the model.
+    pub async fn preview(&self, call: OnceCall<'_>) -> Result<CallPreview, ToolOutcome> {
+        let mut client = GatewayServiceClient::new(self.channel.clone());
+        let request = self
+            .request(
+                pb::PreviewCallRequest {
+                    call: Some(call.proto()),
+                },
+                call.user,
+            )
+            .map_err(|e| failed("INTERNAL", &e.to_string()))?;
+        let response =
+            match tokio::time::timeout(self.call_timeout, client.preview_call(request)).await {
+                Ok(Ok(r)) => r.into_inner(),
+                Ok(Err(status)) => {
+                    return Err(failed(
+                        "UPSTREAM_UNAVAILABLE",
+                        &format!(
+                            "Not executed: the tool service could not preview it ({}).",
+                            status.message()
+                        ),
+                    ));
+                }
+                Err(_) => {
+                    return Err(failed(
+                        "UPSTREAM_TIMEOUT",
+                        "Not executed: the tool service did not preview it in time.",
+                    ));
+                }
+            };
+        if !response.ok {
+            return Err(ToolOutcome {
+                ok: false,
+                error_kind: kind_name(response.error_kind),
+                text: format!("Not executed: {}", response.text),
+                truncated: false,
+                external: false,
+            });
+        }
+        Ok(CallPreview {
+            text: response.text,
+            recipients: response.recipients,
+            binding: response.binding,
+        })
+    }
+
+    /// Runs one call through the unary ExecuteTool with its idempotency key (an action id),
+    /// so a retried decision cannot act twice (P-4).
+    pub async fn execute_once(&self, call: OnceCall<'_>) -> ToolOutcome {
+        let user = call.user;
+        let call = call.proto();
         let mut client = GatewayServiceClient::new(self.channel.clone());
         let request = match self.request(pb::ExecuteToolRequest { call: Some(call) }, user) {
             Ok(r) => r,
@@ -186,11 +282,12 @@ impl GatewayClient {
         &self,
         user: &str,
         time_zone: &str,
+        channel: pb::Channel,
     ) -> Result<pb::GetBootstrapContextResponse, GatewayError> {
         let mut client = GatewayServiceClient::new(self.channel.clone());
         let request = self.request(
             pb::GetBootstrapContextRequest {
-                channel: pb::Channel::SessionOpen as i32,
+                channel: channel as i32,
                 time_zone: time_zone.to_owned(),
             },
             user,
@@ -262,12 +359,18 @@ impl Drop for ExecuteSession {
 fn outcome(r: pb::ToolResult) -> ToolOutcome {
     ToolOutcome {
         ok: r.ok,
-        error_kind: match pb::ErrorKind::try_from(r.error_kind) {
-            Ok(pb::ErrorKind::Unspecified) | Err(_) => String::new(),
-            Ok(k) => k.as_str_name().trim_start_matches("ERROR_KIND_").to_owned(),
-        },
+        error_kind: kind_name(r.error_kind),
         text: r.text,
         truncated: r.truncated,
+        external: r.carries_external_content,
+    }
+}
+
+/// "RATE_LIMITED" for ERROR_KIND_RATE_LIMITED; empty for none.
+fn kind_name(kind: i32) -> String {
+    match pb::ErrorKind::try_from(kind) {
+        Ok(pb::ErrorKind::Unspecified) | Err(_) => String::new(),
+        Ok(k) => k.as_str_name().trim_start_matches("ERROR_KIND_").to_owned(),
     }
 }
 
@@ -277,6 +380,7 @@ fn failed(kind: &str, text: &str) -> ToolOutcome {
         text: text.to_owned(),
         error_kind: kind.to_owned(),
         truncated: false,
+        external: false,
     }
 }
 
@@ -299,6 +403,8 @@ impl ToolRunner for ExecuteSession {
                     channel: self.channel as i32,
                     timeout: None,
                     run_id: self.run_id.clone(),
+                    read_external_from: call.read_external_from,
+                    expected_binding: call.expected_binding,
                 })),
             };
             let sent = self.tx.send(request).await.is_ok();

@@ -6,12 +6,15 @@ pub mod api;
 pub mod app;
 pub mod config;
 pub mod executor;
+pub mod fence;
 pub mod gateway_client;
 pub mod llm;
+pub mod metrics;
 pub mod models;
 pub mod policy;
 pub mod prompt;
 pub mod runs;
+pub mod schedule;
 pub mod store;
 
 pub use app::{App, StartError};

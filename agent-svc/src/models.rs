@@ -27,7 +27,7 @@ pub const DEFAULT_CONTEXT_WINDOW: usize = 128_000;
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProviderConfig {
     pub base_url: String,
-    pub api_key: Option<String>,
+    pub api_key: Option<svc_kit::secret::Secret>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -64,7 +64,9 @@ impl ModelsConfig {
     pub fn load(vars: &mut Vars<'_>) -> Self {
         let provider = |vars: &mut Vars<'_>, prefix: &str, default: &str| ProviderConfig {
             base_url: vars.string(&format!("{prefix}_BASE_URL"), default),
-            api_key: vars.optional_string(&format!("{prefix}_API_KEY")),
+            api_key: vars
+                .optional_string(&format!("{prefix}_API_KEY"))
+                .map(svc_kit::secret::Secret::from),
         };
         let openai = provider(vars, "OPENAI", DEFAULT_OPENAI_BASE_URL);
         let anthropic = provider(vars, "ANTHROPIC", DEFAULT_ANTHROPIC_BASE_URL);
@@ -100,7 +102,7 @@ impl ModelsConfig {
                 "openai" => &openai.api_key,
                 "anthropic" => &anthropic.api_key,
                 "gemini" => &gemini.api_key,
-                _ => &Some(String::new()),
+                _ => &Some(svc_kit::secret::Secret::new("")),
             };
             // OpenAI-compatible local servers (Ollama, vLLM) need no key; the hosted two do.
             if key.is_none() && p != "openai" {
@@ -177,17 +179,21 @@ impl ModelsConfig {
             "openai" => Arc::new(OpenAi {
                 name: "openai".into(),
                 base_url: self.openai.base_url.clone(),
-                api_key: self.openai.api_key.clone(),
+                api_key: self.openai.api_key.as_ref().map(|k| k.expose().to_owned()),
                 http: http.clone(),
             }),
             "anthropic" => Arc::new(Anthropic {
                 base_url: self.anthropic.base_url.clone(),
-                api_key: self.anthropic.api_key.clone(),
+                api_key: self
+                    .anthropic
+                    .api_key
+                    .as_ref()
+                    .map(|k| k.expose().to_owned()),
                 http: http.clone(),
             }),
             "gemini" => Arc::new(Gemini {
                 base_url: self.gemini.base_url.clone(),
-                api_key: self.gemini.api_key.clone(),
+                api_key: self.gemini.api_key.as_ref().map(|k| k.expose().to_owned()),
                 http: http.clone(),
             }),
             _ => offline.clone(),

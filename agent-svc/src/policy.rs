@@ -44,8 +44,9 @@ pub enum Verdict {
     NeedsApproval(String),
 }
 
-/// Sends and drafts whose recipients the delegated allowlist can cover.
-const ALLOWLISTABLE: [&str; 2] = ["gmail_send", "gmail_draft_create"];
+/// Sends, replies and drafts whose recipients the delegated allowlist can cover (P-1). A
+/// reply's recipients are the ones the gateway resolved from the original message.
+const ALLOWLISTABLE: [&str; 3] = ["gmail_send", "gmail_reply", "gmail_draft_create"];
 
 fn recipients(args: &Value) -> Vec<String> {
     ["to", "cc", "bcc"]
@@ -75,7 +76,39 @@ impl Policy {
         }
     }
 
-    pub fn decide(&self, user: &str, tool: &str, side_effect: bool, args: &Value) -> Verdict {
+    pub fn trust(&self, user: &str) -> TrustLevel {
+        self.users.get(user).map_or(self.default_trust, |p| p.trust)
+    }
+
+    /// Whether deciding on a side-effect call needs its preview first: every decision that
+    /// may ask the user or check recipients does.
+    pub fn wants_preview(&self, user: &str) -> bool {
+        self.side_effects_enabled && self.trust(user) != TrustLevel::Autonomous
+    }
+
+    /// A memory write in a run that has read words written by others (issue 14): what it
+    /// stores would steer every later prompt, so only an autonomous user skips the approval.
+    pub fn decide_memory_write(&self, user: &str, tool: &str, read_from: &[String]) -> Verdict {
+        match self.trust(user) {
+            TrustLevel::Autonomous => Verdict::Allow,
+            TrustLevel::Supervised | TrustLevel::Delegated => Verdict::NeedsApproval(format!(
+                "{tool} would remember something after this run read content written by others ({}); \
+                 the user decides what Steward remembers",
+                read_from.join(", ")
+            )),
+        }
+    }
+
+    /// `resolved`: the recipients as the gateway resolved them (a preview); without it, the
+    /// recipients named in the arguments.
+    pub fn decide(
+        &self,
+        user: &str,
+        tool: &str,
+        side_effect: bool,
+        args: &Value,
+        resolved: Option<&[String]>,
+    ) -> Verdict {
         if !side_effect {
             return Verdict::Allow;
         }
@@ -86,8 +119,7 @@ impl Policy {
             ));
         }
         let policy = self.users.get(user);
-        let trust = policy.map_or(self.default_trust, |p| p.trust);
-        match trust {
+        match self.trust(user) {
             TrustLevel::Autonomous => Verdict::Allow,
             TrustLevel::Supervised => Verdict::NeedsApproval(format!(
                 "{tool} has side effects and the user's trust level is supervised"
@@ -96,7 +128,10 @@ impl Policy {
                 let allowlist: Vec<String> = policy
                     .map(|p| p.allowlist.iter().map(|a| a.to_lowercase()).collect())
                     .unwrap_or_default();
-                let to = recipients(args);
+                let to = resolved.map_or_else(
+                    || recipients(args),
+                    |r| r.iter().map(|a| a.trim().to_lowercase()).collect(),
+                );
                 if ALLOWLISTABLE.contains(&tool)
                     && !to.is_empty()
                     && to.iter().all(|r| allowlist.contains(r))
@@ -112,8 +147,9 @@ impl Policy {
     }
 }
 
-/// A readable preview of what an action will do (P-4): recipients, subject and first lines; an
-/// event's title and time; otherwise the arguments in short.
+/// A preview made from the arguments alone, for when the gateway's (which resolves what the
+/// call will really do) is missing: recipients, subject and first lines; an event's title and
+/// time; otherwise the arguments in short.
 pub fn preview(tool: &str, args: &Value) -> String {
     let s = |k: &str| args.get(k).and_then(Value::as_str).unwrap_or_default();
     let first_lines = |text: &str| text.lines().take(3).collect::<Vec<_>>().join("\n");
@@ -173,11 +209,11 @@ mod tests {
     fn reads_always_run_and_supervised_side_effects_wait() {
         let p = policy(&[]);
         assert_eq!(
-            p.decide("u", "search_gmail", false, &json!({})),
+            p.decide("u", "search_gmail", false, &json!({}), None),
             Verdict::Allow
         );
         assert!(matches!(
-            p.decide("u", "gmail_send", true, &json!({"to": "a@x.com"})),
+            p.decide("u", "gmail_send", true, &json!({"to": "a@x.com"}), None),
             Verdict::NeedsApproval(_)
         ));
     }
@@ -190,35 +226,81 @@ mod tests {
             &["boss@example.com", "Team@Example.com"],
         )]);
         let ok = json!({"to": ["boss@example.com"], "cc": "team@example.com", "subject": "s", "body": "b"});
-        assert_eq!(p.decide("d", "gmail_send", true, &ok), Verdict::Allow);
+        assert_eq!(p.decide("d", "gmail_send", true, &ok, None), Verdict::Allow);
         let stranger = json!({"to": ["boss@example.com", "stranger@else.com"]});
         assert!(matches!(
-            p.decide("d", "gmail_send", true, &stranger),
+            p.decide("d", "gmail_send", true, &stranger, None),
             Verdict::NeedsApproval(_)
         ));
         assert!(matches!(
-            p.decide("d", "calendar_event_create", true, &json!({})),
+            p.decide("d", "calendar_event_create", true, &json!({}), None),
             Verdict::NeedsApproval(_)
         ));
         assert!(matches!(
-            p.decide("d", "gmail_reply", true, &json!({"message_id": "m"})),
+            p.decide("d", "gmail_reply", true, &json!({"message_id": "m"}), None),
             Verdict::NeedsApproval(_)
         ));
+    }
+
+    #[test]
+    fn p1_a_delegated_reply_is_judged_by_the_recipients_the_gateway_resolved() {
+        let p = policy(&[("d", TrustLevel::Delegated, &["boss@example.com"])]);
+        let args = json!({"message_id": "m", "body": "ok"});
+        let boss = ["Boss@Example.com".to_owned()];
+        assert_eq!(
+            p.decide("d", "gmail_reply", true, &args, Some(&boss)),
+            Verdict::Allow
+        );
+        let hijacked = [
+            "boss@example.com".to_owned(),
+            "attacker@evil.test".to_owned(),
+        ];
+        assert!(matches!(
+            p.decide("d", "gmail_reply", true, &args, Some(&hijacked)),
+            Verdict::NeedsApproval(_)
+        ));
+        // Recipients named in the arguments do not count when the gateway resolved others.
+        let claims = json!({"to": "boss@example.com", "subject": "s", "body": "b"});
+        assert!(matches!(
+            p.decide("d", "gmail_send", true, &claims, Some(&hijacked)),
+            Verdict::NeedsApproval(_)
+        ));
+    }
+
+    #[test]
+    fn p1_memory_writes_after_external_content_wait_unless_autonomous() {
+        let p = policy(&[
+            ("a", TrustLevel::Autonomous, &[]),
+            ("d", TrustLevel::Delegated, &["x@y.z"]),
+        ]);
+        let read = ["search_gmail".to_owned()];
+        assert!(
+            matches!(p.decide_memory_write("s", "save_memory", &read), Verdict::NeedsApproval(r) if r.contains("search_gmail"))
+        );
+        assert!(matches!(
+            p.decide_memory_write("d", "save_memory", &read),
+            Verdict::NeedsApproval(_)
+        ));
+        assert_eq!(
+            p.decide_memory_write("a", "save_memory", &read),
+            Verdict::Allow
+        );
+        assert!(p.wants_preview("s") && !p.wants_preview("a"));
     }
 
     #[test]
     fn autonomous_runs_and_the_kill_switch_denies_everyone() {
         let mut p = policy(&[("a", TrustLevel::Autonomous, &[])]);
         assert_eq!(
-            p.decide("a", "gmail_send", true, &json!({})),
+            p.decide("a", "gmail_send", true, &json!({}), None),
             Verdict::Allow
         );
         p.side_effects_enabled = false;
         assert!(
-            matches!(p.decide("a", "gmail_send", true, &json!({})), Verdict::Deny(m) if m.contains("disabled"))
+            matches!(p.decide("a", "gmail_send", true, &json!({}), None), Verdict::Deny(m) if m.contains("disabled"))
         );
         assert_eq!(
-            p.decide("a", "list_tasks", false, &json!({})),
+            p.decide("a", "list_tasks", false, &json!({}), None),
             Verdict::Allow
         );
     }

@@ -1,9 +1,9 @@
 //! The agent-svc binary as an operator runs it: it refuses bad configuration by name and stops
-//! gracefully on SIGTERM.
+//! gracefully on SIGTERM, and `migrate` applies its schema and exits (the Kubernetes Job).
 
 use std::time::Duration;
 
-use svc_kit::testing::{ServerProcess, run_to_exit};
+use svc_kit::testing::{ServerProcess, check_migrate_subcommand, run_to_exit};
 
 const BIN: &str = env!("CARGO_BIN_EXE_agent-svc");
 
@@ -33,6 +33,7 @@ fn sigterm_drains_and_exits_zero() {
         &[
             ("AGENT_LISTEN_ADDR", "127.0.0.1:0"),
             ("AUTH_DEV_USER_HEADER", "true"),
+            ("STEWARD_DEVELOPMENT", "true"),
         ],
     );
     assert!(server.addr.port() != 0);
@@ -43,5 +44,18 @@ fn sigterm_drains_and_exits_zero() {
         exit.stderr.contains("shutdown signal received"),
         "{}",
         exit.stderr
+    );
+}
+
+#[test]
+fn migrate_applies_the_schema_once_and_exits() {
+    check_migrate_subcommand(
+        BIN,
+        &[
+            ("AUTH_DEV_USER_HEADER", "true"),
+            ("STEWARD_DEVELOPMENT", "true"),
+        ],
+        "agent_schema_history",
+        10,
     );
 }

@@ -51,6 +51,7 @@ impl ToolRunner for Tools {
                     .unwrap_or_else(|| format!("{} ran with {}", c.name, c.args)),
                 error_kind: String::new(),
                 truncated: false,
+                external: false,
             })
             .collect()
     }
@@ -155,7 +156,11 @@ async fn a_two_tool_call_run_completes_with_the_right_transcript() {
     match &out.new_turns[2] {
         Turn::ToolResult { name, content, .. } => {
             assert_eq!(name, "list_tasks");
-            assert_eq!(content, r#"list_tasks ran with {"status":"pending"}"#);
+            // What the tool returned is data, fenced (issue 14).
+            assert_eq!(
+                content,
+                "<data source=\"result of list_tasks\">\nlist_tasks ran with {\"status\":\"pending\"}\n</data>"
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -281,12 +286,12 @@ async fn when_every_model_fails_the_user_gets_the_partial_results_sentence() {
         Step::Call(vec![call("list_tasks", "{}")]),
         Step::Fail(ModelError::Status {
             status: 500,
-            message: "boom".into(),
+            detail: "boom".into(),
             retry_after: None,
         }),
         Step::Fail(ModelError::Status {
             status: 503,
-            message: "boom".into(),
+            detail: "boom".into(),
             retry_after: None,
         }),
         Step::Fail(ModelError::Timeout),
@@ -313,17 +318,17 @@ async fn an_exhausted_primary_falls_back_to_the_second_model() {
     let primary = Arc::new(ScriptedModel::new(vec![
         Step::Fail(ModelError::Status {
             status: 429,
-            message: "slow down".into(),
+            detail: "slow down".into(),
             retry_after: None,
         }),
         Step::Fail(ModelError::Status {
             status: 429,
-            message: "slow down".into(),
+            detail: "slow down".into(),
             retry_after: None,
         }),
         Step::Fail(ModelError::Status {
             status: 429,
-            message: "slow down".into(),
+            detail: "slow down".into(),
             retry_after: None,
         }),
     ]));
@@ -346,7 +351,7 @@ async fn an_exhausted_primary_falls_back_to_the_second_model() {
 async fn a_400_is_not_retried() {
     let primary = Arc::new(ScriptedModel::new(vec![Step::Fail(ModelError::Status {
         status: 400,
-        message: "bad".into(),
+        detail: "bad".into(),
         retry_after: None,
     })]));
     let fallback = Arc::new(ScriptedModel::new(vec![Step::Reply("ok".into())]));
@@ -409,8 +414,8 @@ async fn a_forty_kilobyte_tool_result_never_enters_history_uncapped() {
             }
         })
         .unwrap();
-    assert!(content.chars().count() < 6100);
-    assert!(content.ends_with("[... truncated: showing first 6000 of 40000 chars]"));
+    assert!(content.chars().count() < 6150);
+    assert!(content.ends_with("[... truncated: showing first 6000 of 40000 chars]\n</data>"));
 }
 
 /// Requires approval for `gmail_send`, runs everything else.
@@ -428,6 +433,7 @@ impl ToolRunner for Guarded {
                         text: "supervised".into(),
                         error_kind: agent_svc::executor::APPROVAL_REQUIRED.into(),
                         truncated: false,
+                        external: false,
                     }
                 } else {
                     ToolOutcome {
@@ -435,6 +441,7 @@ impl ToolRunner for Guarded {
                         text: format!("{} ran", c.name),
                         error_kind: String::new(),
                         truncated: false,
+                        external: false,
                     }
                 }
             })

@@ -14,8 +14,9 @@ export GATEWAY_SERVICE_TOKEN="${GATEWAY_SERVICE_TOKEN:-local-dev-service-token}"
 
 "$bin/gateway-svc" &
 gateway=$!
-# No JWT issuer locally: callers name themselves with x-user-id (the agent logs this loudly).
-AUTH_DEV_USER_HEADER="${AUTH_DEV_USER_HEADER:-true}" \
+# No JWT issuer locally: callers name themselves with x-user-id, which agent-svc accepts only on
+# a machine flagged as a development one (STEWARD_DEVELOPMENT).
+AUTH_DEV_USER_HEADER="${AUTH_DEV_USER_HEADER:-true}" STEWARD_DEVELOPMENT="${STEWARD_DEVELOPMENT:-true}" \
 GATEWAY_URL="${GATEWAY_URL:-http://127.0.0.1:${GATEWAY_PORT:-50052}}" "$bin/agent-svc" &
 agent=$!
 

@@ -48,6 +48,7 @@ pub enum StartError {
 pub struct App {
     config: Config,
     listener: TcpListener,
+    metrics: Option<svc_kit::metrics::Endpoint>,
     stores: Stores,
     api: GatewayApi,
 }
@@ -151,6 +152,12 @@ impl App {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| StartError::Bind { addr, source })?;
+        let metrics = match config.server.metrics_addr {
+            Some(addr) => svc_kit::metrics::Endpoint::bind(Some(addr))
+                .await
+                .map_err(|source| StartError::Bind { addr, source })?,
+            None => None,
+        };
         if matches!(config.auth, crate::config::CallerAuth::InsecureDev) {
             tracing::warn!(
                 "GATEWAY_ALLOW_INSECURE_DEV_AUTH: any caller may act as any user; never use this in production"
@@ -165,9 +172,15 @@ impl App {
         Ok(Self {
             config,
             listener,
+            metrics,
             stores,
             api,
         })
+    }
+
+    /// Where `/metrics` is served, when METRICS_LISTEN_ADDR is set.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().and_then(|m| m.local_addr())
     }
 
     /// The bound address (useful when the config asked for port 0).
@@ -201,6 +214,7 @@ impl App {
             GATEWAY_SERVICE_NAME,
             Routes::new(api),
             &self.config.server,
+            self.metrics,
             probe,
             shutdown,
         )

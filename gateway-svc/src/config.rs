@@ -29,7 +29,7 @@ pub enum RateLimitBackendKind {
 #[derive(Debug, Clone)]
 pub enum CallerAuth {
     /// `authorization: Bearer <token>` must match.
-    ServiceToken(String),
+    ServiceToken(svc_kit::secret::Secret),
     /// Opt-in for local runs only: any caller is trusted with the user id it names.
     InsecureDev,
 }
@@ -85,7 +85,7 @@ impl Config {
                 );
                 CallerAuth::InsecureDev
             }
-            (Some(token), _) => CallerAuth::ServiceToken(token),
+            (Some(token), _) => CallerAuth::ServiceToken(token.into()),
             (None, true) => CallerAuth::InsecureDev,
             (None, false) => {
                 vars.error(
@@ -170,7 +170,7 @@ impl Config {
             (Some(client_id), Some(client_secret)) => Some(OAuthClient {
                 token_url: vars.string("GOOGLE_OAUTH_TOKEN_URL", DEFAULT_GOOGLE_TOKEN_URL),
                 client_id,
-                client_secret,
+                client_secret: client_secret.into(),
             }),
             (None, None) => None,
             _ => {

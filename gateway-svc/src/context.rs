@@ -37,6 +37,9 @@ pub struct CallContext {
     pub call_id: String,
     pub run_id: Option<String>,
     pub tool: String,
+    /// Where the run had read others' words before this call: the provenance of anything the
+    /// call stores (memories). Empty: the user's own words only.
+    pub read_external_from: Vec<String>,
     services: Arc<Services>,
     upstream_calls: AtomicU32,
     account: Mutex<Option<String>>,
@@ -74,6 +77,7 @@ impl CallContext {
             call_id,
             run_id,
             tool,
+            read_external_from: Vec::new(),
             services,
             upstream_calls: AtomicU32::new(0),
             account: Mutex::new(None),
@@ -196,6 +200,7 @@ impl CallContext {
             Ok(r) => (r.status.as_u16().to_string(), r.body.len()),
             Err(e) => (e.kind().as_str().to_owned(), 0),
         };
+        crate::metrics::upstream_request(integration.key(), &status, started.elapsed());
         self.audit(AuditRecord {
             user: self.user.to_string(),
             kind: "upstream_call".into(),
@@ -261,18 +266,25 @@ fn check_status(service: &'static str, r: UpstreamResponse) -> Result<UpstreamRe
             retry_after: retry_after(&r.headers),
         });
     }
-    let detail = short_detail(&r.body);
+    // What the upstream said stays in the logs (redacted): it can echo tokens or the request,
+    // and it is someone else's words. The model and the user get the classified sentence.
+    tracing::warn!(
+        service,
+        status = status.as_u16(),
+        detail = %svc_kit::text::redacted_excerpt(&short_detail(&r.body), 200),
+        "upstream error"
+    );
     if status == StatusCode::FORBIDDEN {
         return Err(ToolError::PermissionDenied {
             service,
             account: String::new(),
-            detail,
+            detail: "permission denied".into(),
         });
     }
     Err(ToolError::Upstream {
         service,
         status: status.as_u16(),
-        detail,
+        detail: String::new(),
     })
 }
 
@@ -293,8 +305,8 @@ pub fn retry_after(headers: &HeaderMap) -> Duration {
         .unwrap_or(Duration::from_secs(30))
 }
 
-/// The upstream's error message, if it sent a readable one, cut short: enough for the model to
-/// understand, never a body dump.
+/// The upstream's error message, if it sent a readable one, cut short: enough for a log line,
+/// never a body dump.
 fn short_detail(body: &[u8]) -> String {
     let text = String::from_utf8_lossy(body);
     let message = serde_json::from_str::<serde_json::Value>(&text)

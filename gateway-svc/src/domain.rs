@@ -143,6 +143,7 @@ pub enum ErrorKind {
     Cancelled,
     PermissionDenied,
     Internal,
+    ChangedSinceApproval,
 }
 
 impl ErrorKind {
@@ -160,6 +161,7 @@ impl ErrorKind {
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::PermissionDenied => "permission_denied",
             ErrorKind::Internal => "internal",
+            ErrorKind::ChangedSinceApproval => "changed_since_approval",
         }
     }
 }
@@ -174,6 +176,10 @@ pub struct CallRequest {
     pub channel: Channel,
     pub timeout: Option<Duration>,
     pub run_id: Option<String>,
+    /// Where the run had read others' words before this call (memory provenance).
+    pub read_external_from: Vec<String>,
+    /// The approved preview's binding; when set the call runs only if it still holds.
+    pub expected_binding: Option<String>,
 }
 
 /// What a tool call produced, success or failure: the model always gets a sentence.
@@ -191,6 +197,9 @@ pub struct CallOutcome {
     pub account: Option<String>,
     pub latency: Duration,
     pub replayed: bool,
+    /// The text carries words written by others (issue 14).
+    #[serde(default)]
+    pub external: bool,
 }
 
 impl CallOutcome {

@@ -16,7 +16,7 @@ use crate::{
     context::{CallContext, Services, millis},
     domain::{CallOutcome, CallRequest, UserId},
     enforce::{ToolError, caps::cap_text},
-    registry::{Registry, ToolOutput},
+    registry::{MAX_PREVIEW_CHARS, Preview, Registry, ToolOutput},
     store::{AuditRecord, IdempotencyStore, StoredResult},
 };
 
@@ -45,7 +45,17 @@ impl Engine {
         let started = Instant::now();
         let call_id = request.call_id.clone();
         let run_id = request.run_id.clone();
-        let (tool_name, outcome, ctx) = self.run(user, request, cancel).await;
+        let span = tracing::info_span!(
+            "tool_call",
+            otel.name = %format!("tool_call {}", request.tool),
+            tool = %request.tool,
+            call_id = %call_id,
+            run_id = run_id.as_deref().unwrap_or_default(),
+            trace_id = tracing::field::Empty,
+        );
+        svc_kit::telemetry::record_trace_id(&span);
+        let (tool_name, outcome, ctx) =
+            tracing::Instrument::instrument(self.run(user, request, cancel), span).await;
         let upstream_calls = ctx.as_ref().map_or(0, |c| c.upstream_calls());
         let account = ctx.as_ref().and_then(|c| c.account());
         let mut outcome = match outcome {
@@ -66,6 +76,7 @@ impl Engine {
         outcome.latency = started.elapsed();
 
         let status = outcome.error_kind.map_or("ok", |k| k.as_str());
+        crate::metrics::tool_call(&outcome.tool, status, outcome.latency);
         tracing::info!(
             user = %user, tool = %outcome.tool, call_id = %call_id, status, upstream_calls = outcome.upstream_calls,
             latency_ms = millis(outcome.latency), truncated = outcome.truncated, replayed = outcome.replayed,
@@ -151,20 +162,58 @@ impl Engine {
             None
         };
 
-        let ctx = CallContext::new(
-            self.services.clone(),
-            user.clone(),
-            request.channel,
-            request.call_id.clone(),
-            request.run_id.clone(),
-            name.clone(),
-        );
-        let timeout = request
-            .timeout
-            .filter(|t| !t.is_zero())
-            .unwrap_or(self.config.default_timeout)
-            .min(self.config.max_timeout);
+        let ctx = self.context(user, &request, &name);
+        let timeout = self.timeout(&request);
         let service = tool.spec.integration.label();
+        if let Some(expected) = &request.expected_binding {
+            // Resolved in its own context: its reads are not the effect, so a refusal leaves
+            // the idempotency key free.
+            let check = self.context(user, &request, &name);
+            let now = match tokio::time::timeout(timeout, tool.tool.preview(&check, &request.args))
+                .await
+            {
+                Ok(Ok(p)) => p,
+                Ok(Err(e)) => return fail(e),
+                Err(_) => {
+                    return fail(ToolError::UpstreamTimeout {
+                        service,
+                        after: timeout,
+                    });
+                }
+            };
+            if &now.binding != expected {
+                return fail(ToolError::ChangedSinceApproval(format!(
+                    "what {name} would do changed (it would now reach {})",
+                    if now.recipients.is_empty() {
+                        "something else".to_owned()
+                    } else {
+                        now.recipients.join(", ")
+                    }
+                )));
+            }
+        }
+        if tool.spec.side_effect {
+            // P-5: no side effect without its audit record, written before the effect.
+            let intent = AuditRecord {
+                user: user.to_string(),
+                kind: "side_effect_intent".into(),
+                tool: name.clone(),
+                integration: Some(tool.spec.integration.key().to_owned()),
+                account: None,
+                call_id: request.call_id.clone(),
+                run_id: request.run_id.clone(),
+                status: "started".into(),
+                latency_ms: 0,
+                bytes: 0,
+                upstream_calls: 0,
+            };
+            if let Err(e) = self.services.audit.record(intent).await {
+                tracing::error!(error = %e, tool = %name, "side effect refused: its audit record could not be written");
+                return fail(ToolError::Internal(format!(
+                    "not executed, because its audit record could not be written: {e}"
+                )));
+            }
+        }
         // Dropping the tool future on cancel or deadline drops its in-flight HTTP request too.
         let result = tokio::select! {
             r = tokio::time::timeout(timeout, tool.tool.call(&ctx, request.args)) => {
@@ -196,6 +245,73 @@ impl Engine {
         (name, Finished::Ran(result), Some(ctx))
     }
 
+    fn context(&self, user: &UserId, request: &CallRequest, tool: &str) -> CallContext {
+        let mut ctx = CallContext::new(
+            self.services.clone(),
+            user.clone(),
+            request.channel,
+            request.call_id.clone(),
+            request.run_id.clone(),
+            tool.to_owned(),
+        );
+        ctx.read_external_from = request.read_external_from.clone();
+        ctx
+    }
+
+    fn timeout(&self, request: &CallRequest) -> Duration {
+        request
+            .timeout
+            .filter(|t| !t.is_zero())
+            .unwrap_or(self.config.default_timeout)
+            .min(self.config.max_timeout)
+    }
+
+    /// What a call would do (PreviewCall), resolved as its execution would resolve it; nothing
+    /// is sent or changed. Validated and rate-limited like a call; audited as a preview.
+    pub async fn preview(&self, user: &UserId, request: CallRequest) -> Result<Preview, ToolError> {
+        let started = Instant::now();
+        let tool = self
+            .registry
+            .get(&request.tool)
+            .cloned()
+            .ok_or_else(|| ToolError::UnknownTool(request.tool.clone()))?;
+        tool.validate(&request.args)?;
+        let name = tool.spec.name.clone();
+        let ctx = self.context(user, &request, &name);
+        let timeout = self.timeout(&request);
+        let result =
+            match tokio::time::timeout(timeout, tool.tool.preview(&ctx, &request.args)).await {
+                Ok(r) => r,
+                Err(_) => Err(ToolError::UpstreamTimeout {
+                    service: tool.spec.integration.label(),
+                    after: timeout,
+                }),
+            };
+        let record = AuditRecord {
+            user: user.to_string(),
+            kind: "preview".into(),
+            tool: name,
+            integration: Some(tool.spec.integration.key().to_owned()),
+            account: ctx.account(),
+            call_id: request.call_id,
+            run_id: request.run_id,
+            status: result
+                .as_ref()
+                .map_or_else(|e| e.kind().as_str(), |_| "ok")
+                .to_owned(),
+            latency_ms: millis(started.elapsed()),
+            bytes: 0,
+            upstream_calls: ctx.upstream_calls(),
+        };
+        if let Err(e) = self.services.audit.record(record).await {
+            tracing::error!(error = %e, "could not write an audit record");
+        }
+        result.map(|mut p| {
+            p.text = crate::registry::clip(&p.text, MAX_PREVIEW_CHARS);
+            p
+        })
+    }
+
     /// What a completed side-effect call with this key returned, without running anything:
     /// (tool, outcome), or `None` when no call with the key reached upstream.
     pub async fn recorded(
@@ -224,16 +340,27 @@ impl Engine {
         upstream_calls: u32,
         account: Option<String>,
     ) -> CallOutcome {
-        let (text, display, error_kind, retry_after_secs) = match result {
+        let reads_external = self
+            .registry
+            .get(&tool)
+            .is_some_and(|t| t.spec.reads_external_content);
+        let (text, display, error_kind, retry_after_secs, external) = match result {
             Ok(out) => {
                 let text = if out.text.trim().is_empty() {
                     format!("{tool} completed and returned no content.")
                 } else {
                     out.text
                 };
-                (text, out.display, None, 0)
+                (text, out.display, None, 0, reads_external || out.external)
             }
-            Err(e) => (e.to_string(), None, Some(e.kind()), e.retry_after_secs()),
+            // Failures are Steward's own classified sentences.
+            Err(e) => (
+                e.to_string(),
+                None,
+                Some(e.kind()),
+                e.retry_after_secs(),
+                false,
+            ),
         };
         let capped = cap_text(text, self.config.max_result_chars);
         CallOutcome {
@@ -249,6 +376,7 @@ impl Engine {
             account,
             latency: Duration::ZERO,
             replayed: false,
+            external,
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod domain;
 pub mod enforce;
 pub mod engine;
 pub mod integrations;
+pub mod metrics;
 pub mod ratelimit;
 pub mod registry;
 pub mod store;

@@ -21,6 +21,11 @@ pub struct ToolSpec {
     pub integration: Integration,
     /// Upstream API calls one call costs with default arguments.
     pub upstream_cost: u32,
+    /// Its output carries words written by others (email, invitations, chat): a run that read
+    /// it has seen untrusted content (issue 14).
+    pub reads_external_content: bool,
+    /// What it stores shows up in later prompts (memories).
+    pub writes_memory: bool,
 }
 
 impl ToolSpec {
@@ -35,7 +40,21 @@ impl ToolSpec {
             side_effect: false,
             integration,
             upstream_cost: u32::from(integration.provider().is_some()),
+            reads_external_content: false,
+            writes_memory: false,
         }
+    }
+
+    /// Marks the tool's output as someone else's words.
+    pub fn reading_external_content(mut self) -> Self {
+        self.reads_external_content = true;
+        self
+    }
+
+    /// Marks the tool as storing what later prompts show.
+    pub fn writing_memory(mut self) -> Self {
+        self.writes_memory = true;
+        self
     }
 
     /// Marks the tool as acting on the outside world (approval policy keys off this).
@@ -61,6 +80,9 @@ impl ToolSpec {
 pub struct ToolOutput {
     pub text: String,
     pub display: Option<Value>,
+    /// This output carries others' words although the tool does not always (memories taken
+    /// from external content); tools flagged `reads_external_content` always do.
+    pub external: bool,
 }
 
 impl ToolOutput {
@@ -68,9 +90,24 @@ impl ToolOutput {
         Self {
             text: text.into(),
             display: None,
+            external: false,
         }
     }
 }
+
+/// What a call would do, resolved as its execution would resolve it, without doing it (P-4,
+/// issue 14): the text a person approves, every address it would reach, and a binding — a
+/// digest of what was resolved from upstream (not of the arguments, which an approval binds by
+/// itself) — that execution can be held to.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Preview {
+    pub text: String,
+    pub recipients: Vec<String>,
+    pub binding: String,
+}
+
+/// Longest preview text: enough to decide, never a body dump.
+pub const MAX_PREVIEW_CHARS: usize = 4000;
 
 #[async_trait::async_trait]
 pub trait Tool: Send + Sync + 'static {
@@ -79,6 +116,55 @@ pub trait Tool: Send + Sync + 'static {
     /// Runs the call. `args` already passed the schema. Charge the rate limiter through `ctx`
     /// before each upstream call; return errors, never panic.
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError>;
+
+    /// What the call would do. Side-effect tools whose effect depends on upstream state (a
+    /// reply's recipients, an event's current time) resolve it here exactly as `call` does;
+    /// the default shows the arguments in short and binds nothing.
+    async fn preview(&self, _ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
+        let compact = args.to_string();
+        Ok(Preview {
+            text: format!("{} {}", self.spec().name, clip(&compact, 300)),
+            ..Preview::default()
+        })
+    }
+}
+
+/// At most `max` characters of `text`, cut on a character boundary, with "…" when cut.
+pub fn clip(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_owned(),
+    }
+}
+
+/// A single-line field (a subject, an address, a title) as one line of at most `max`
+/// characters: line breaks and other control characters become spaces, so a value cannot
+/// forge further lines (a fake "To:") in the preview a person approves.
+pub fn line(text: &str, max: usize) -> String {
+    let flat: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    clip(&flat, max)
+}
+
+/// The first `n` lines of `text`, each clipped and flattened like [`line`] (a stray `\r`
+/// cannot start a forged line), with "…" when more follow.
+pub fn first_lines(text: &str, n: usize) -> String {
+    let mut lines: Vec<String> = text.lines().take(n).map(|l| line(l, 200)).collect();
+    if text.lines().count() > n {
+        lines.push("…".into());
+    }
+    lines.join("\n")
+}
+
+/// Hex SHA-256 of the parts, joined by newlines: a binding's digest.
+pub fn digest(parts: &[&str]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(parts.join("\n").as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 pub struct RegisteredTool {
@@ -160,5 +246,35 @@ impl Registry {
 
     pub fn all(&self) -> impl Iterator<Item = &Arc<RegisteredTool>> {
         self.tools.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn clipping_marks_the_cut_and_keeps_short_text() {
+        assert_eq!(clip("héllo wörld", 5), "héllo…");
+        assert_eq!(clip("short", 10), "short");
+        assert_eq!(first_lines("a\nb\nc", 2), "a\nb\n…");
+        assert_eq!(digest(&["a", "b"]).len(), 64);
+        assert_ne!(digest(&["a", "b"]), digest(&["ab"]));
+    }
+
+    proptest! {
+        // preview building blocks never panic (any Unicode, any cut point) and stay short.
+        #[test]
+        fn clip_and_first_lines_are_bounded(text in "(?s).{0,400}", max in 0usize..50, n in 0usize..8) {
+            prop_assert!(clip(&text, max).chars().count() <= max + 1);
+            prop_assert!(!line(&text, max).contains(['\n', '\r']));
+            let lines = first_lines(&text, n);
+            prop_assert!(lines.lines().count() <= n + 1);
+            // n lines of at most 200 characters and a "…", their n newlines, and a final "…".
+            prop_assert!(lines.chars().count() <= n * 202 + 1);
+            prop_assert!(!lines.contains('\r'));
+        }
     }
 }

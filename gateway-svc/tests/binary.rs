@@ -1,9 +1,9 @@
 //! The gateway-svc binary as an operator runs it: it refuses bad configuration by name and stops
-//! gracefully on SIGTERM.
+//! gracefully on SIGTERM, and `migrate` applies its schema and exits (the Kubernetes Job).
 
 use std::time::Duration;
 
-use svc_kit::testing::{ServerProcess, run_to_exit};
+use svc_kit::testing::{ServerProcess, check_migrate_subcommand, run_to_exit};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gateway-svc");
 
@@ -43,5 +43,15 @@ fn sigterm_drains_and_exits_zero() {
         exit.stderr.contains("shutdown signal received"),
         "{}",
         exit.stderr
+    );
+}
+
+#[test]
+fn migrate_applies_the_schema_once_and_exits() {
+    check_migrate_subcommand(
+        BIN,
+        &[("GATEWAY_SERVICE_TOKEN", "binary-test-token-0123456789")],
+        "gateway_schema_history",
+        4,
     );
 }

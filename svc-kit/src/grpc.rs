@@ -20,6 +20,12 @@ pub struct ServeOptions {
     /// HTTP/2 keepalive pings keep idle streams (RunStream, Execute) alive through proxies and
     /// detect dead peers.
     pub keepalive_interval: Duration,
+    /// After this a connection is sent GOAWAY, so clients reconnect and rebalance across pods.
+    pub max_connection_age: Duration,
+    /// How long calls on an aged connection may still take before it is closed.
+    pub max_connection_age_grace: Duration,
+    /// TLS (and mTLS with a client CA) on the listener; `None` serves plaintext.
+    pub tls: Option<crate::tls::ServerTls>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -30,18 +36,32 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
+/// The services every Steward process serves beside its own.
+pub const COMMON_SERVICES: [&str; 3] = [
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+];
+
 /// Health and reflection (v1 and v1alpha, since grpcurl 1.8 speaks v1alpha) for the Steward
-/// contracts and the health protocol, so grpcurl works with no proto files at hand.
-pub fn with_reflection(routes: Routes) -> Result<Routes, ServeError> {
-    let v1 = tonic_reflection::server::Builder::configure()
+/// contracts and the health protocol, so grpcurl works with no proto files at hand. Only
+/// `service_name` and the common services are advertised: the descriptor set holds both
+/// services' contracts, but a process lists only what it answers (O-5).
+pub fn with_reflection(routes: Routes, service_name: &str) -> Result<Routes, ServeError> {
+    let names = || std::iter::once(service_name).chain(COMMON_SERVICES);
+    let mut v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(steward_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+    let mut v1alpha = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(steward_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
-    Ok(routes.add_service(v1).add_service(v1alpha))
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+    for name in names() {
+        v1 = v1.with_service_name(name);
+        v1alpha = v1alpha.with_service_name(name);
+    }
+    Ok(routes
+        .add_service(v1.build_v1()?)
+        .add_service(v1alpha.build_v1alpha()?))
 }
 
 /// Serves `routes` on `listener` until `shutdown` resolves, then reports NOT_SERVING, stops
@@ -65,9 +85,16 @@ pub async fn serve(
             let _ = drain_started_tx.send(());
         }
     };
-    let server = Server::builder()
+    let mut builder = Server::builder();
+    if let Some(tls) = &options.tls {
+        builder = builder.tls_config(tls.tonic_config())?;
+    }
+    let server = builder
         .http2_keepalive_interval(Some(options.keepalive_interval))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .max_connection_age(options.max_connection_age)
+        .max_connection_age_grace(options.max_connection_age_grace)
+        .layer(crate::metrics::GrpcMetricsLayer)
         .add_routes(routes)
         .serve_with_incoming_shutdown(incoming, signal);
     tokio::pin!(server);
@@ -102,6 +129,7 @@ pub async fn run<F, Fut, E>(
     service_name: &'static str,
     service_routes: Routes,
     config: &crate::server_config::ServerConfig,
+    metrics: Option<crate::metrics::Endpoint>,
     probe: F,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError>
@@ -111,9 +139,13 @@ where
     E: std::fmt::Display,
 {
     let (readiness, health) = Readiness::new(&[service_name]).await;
-    let routes = with_reflection(service_routes.add_service(health))?;
+    let routes = with_reflection(service_routes.add_service(health), service_name)?;
     let probe_task = readiness.spawn_probe(config.health_probe_interval, probe);
+    let metrics_task = metrics.map(crate::metrics::Endpoint::serve);
     let result = serve(listener, routes, readiness, config.serve.clone(), shutdown).await;
     probe_task.abort();
+    if let Some(task) = metrics_task {
+        task.abort();
+    }
     result
 }

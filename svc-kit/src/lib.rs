@@ -6,11 +6,14 @@
 pub mod config;
 pub mod grpc;
 pub mod health;
+pub mod metrics;
 pub mod pg;
 pub mod process;
+pub mod secret;
 pub mod server_config;
 pub mod shutdown;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod text;
+pub mod tls;

@@ -60,6 +60,34 @@ pub async fn ping(pool: &Pool) -> Result<(), PgError> {
     Ok(())
 }
 
+/// A pooled connection for the `schema` store, timing the wait for it
+/// (`steward_db_pool_wait_seconds`): the first sign of a pool too small for its load.
+pub async fn checkout(
+    pool: &Pool,
+    schema: &'static str,
+) -> Result<deadpool_postgres::Object, deadpool_postgres::PoolError> {
+    let started = std::time::Instant::now();
+    let client = pool.get().await;
+    metrics::histogram!("steward_db_pool_wait_seconds", "schema" => schema)
+        .record(started.elapsed().as_secs_f64());
+    client
+}
+
+/// The pool's size, idle connections and waiters as gauges (`steward_db_pool_connections`),
+/// sampled with each readiness probe.
+pub fn report(pool: &Pool, schema: &'static str) {
+    let status = pool.status();
+    for (state, n) in [
+        ("max", status.max_size),
+        ("open", status.size),
+        ("idle", status.available),
+        ("waiting", status.waiting),
+    ] {
+        metrics::gauge!("steward_db_pool_connections", "schema" => schema, "state" => state)
+            .set(n as f64);
+    }
+}
+
 /// Applies `runner`'s migrations while holding advisory lock `lock_key` (one key per service,
 /// so the two services never wait on each other).
 pub async fn migrate(url: &str, runner: refinery::Runner, lock_key: i64) -> Result<(), PgError> {

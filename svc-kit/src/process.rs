@@ -41,11 +41,78 @@ where
             return ExitCode::FAILURE;
         }
     };
-    match run(app, shutdown).await {
+    let code = match run(app, shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "server failed");
             ExitCode::FAILURE
+        }
+    };
+    crate::telemetry::shutdown();
+    code
+}
+
+/// The `migrate` subcommand: load the config as for serving (exit 2 naming bad variables),
+/// apply the database migrations and exit 0; exit 2 when no database is configured, 1 when
+/// migrating fails. For a Kubernetes Job that runs before a rollout.
+pub async fn migrate<C, E, M>(
+    service: &'static str,
+    load: impl FnOnce() -> Result<C, ConfigErrors>,
+    database_url: impl FnOnce(&C) -> Option<String>,
+    apply: impl FnOnce(String) -> M,
+) -> ExitCode
+where
+    M: Future<Output = Result<(), E>>,
+    E: Display,
+{
+    crate::telemetry::init(service);
+    let config = match load() {
+        Ok(config) => config,
+        Err(errors) => {
+            eprintln!("{service}: {errors}");
+            return ExitCode::from(2);
+        }
+    };
+    let Some(url) = database_url(&config) else {
+        eprintln!("{service} migrate: DATABASE_URL is not set; there is nothing to migrate");
+        return ExitCode::from(2);
+    };
+    match apply(url).await {
+        Ok(()) => {
+            tracing::info!("migrations applied");
+            eprintln!("{service} migrate: the schema is up to date");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{service} migrate: {e}");
+            tracing::error!(error = %e, "migrations failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What the binary was asked to do: serve (no arguments) or `migrate`.
+pub enum Command {
+    Serve,
+    Migrate,
+}
+
+/// Reads the command line; anything else is exit 2 with usage.
+pub fn command(service: &str) -> Result<Command, ExitCode> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .as_slice()
+    {
+        [] => Ok(Command::Serve),
+        ["migrate"] => Ok(Command::Migrate),
+        _ => {
+            eprintln!(
+                "{service}: unknown arguments {args:?}; run with none to serve, or `{service} migrate` to apply the database migrations and exit"
+            );
+            Err(ExitCode::from(2))
         }
     }
 }

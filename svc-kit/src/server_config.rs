@@ -5,10 +5,19 @@ use std::{net::SocketAddr, time::Duration};
 use crate::{config::Vars, grpc::ServeOptions, pg::PoolOptions};
 
 /// PostgreSQL settings; present only when `DATABASE_URL` is set.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct DatabaseConfig {
     pub url: String,
     pub pool: PoolOptions,
+}
+
+impl std::fmt::Debug for DatabaseConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatabaseConfig")
+            .field("url", &crate::secret::redact_url_password(&self.url))
+            .field("pool", &self.pool)
+            .finish()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -21,6 +30,8 @@ pub struct ServerConfig {
     pub max_message_bytes: usize,
     /// `HEALTH_PROBE_INTERVAL`: how often readiness re-checks the store.
     pub health_probe_interval: Duration,
+    /// `METRICS_LISTEN_ADDR`: where Prometheus scrapes `/metrics`; `None` (unset) is off.
+    pub metrics_addr: Option<SocketAddr>,
     pub serve: ServeOptions,
 }
 
@@ -29,6 +40,16 @@ impl ServerConfig {
     /// `AGENT_LISTEN_ADDR`).
     pub fn load(vars: &mut Vars<'_>, prefix: &str, default_listen: SocketAddr) -> Self {
         let listen_addr = vars.socket_addr(&format!("{prefix}_LISTEN_ADDR"), default_listen);
+        let metrics_addr = vars.optional_string("METRICS_LISTEN_ADDR").and_then(|raw| {
+            raw.parse::<SocketAddr>()
+                .map_err(|_| {
+                    vars.error(
+                        "METRICS_LISTEN_ADDR",
+                        format!("{raw:?} is not host:port; use e.g. 0.0.0.0:9464"),
+                    )
+                })
+                .ok()
+        });
         let database = vars.optional_string("DATABASE_URL").and_then(|url| {
             if let Err(e) = url.parse::<tokio_postgres::Config>() {
                 vars.error(
@@ -66,14 +87,34 @@ impl ServerConfig {
             Duration::from_secs(1),
             Duration::from_secs(3600),
         );
+        // Long-lived HTTP/2 connections pin a client to one pod; a maximum age makes clients
+        // reconnect (and rebalance) now and then. In-flight calls get the grace to finish:
+        // longer than the longest run (600 s).
+        let max_connection_age = vars.duration_in(
+            "GRPC_MAX_CONNECTION_AGE",
+            Duration::from_secs(300),
+            Duration::from_secs(1),
+            Duration::from_secs(7 * 24 * 3600),
+        );
+        let max_connection_age_grace = vars.duration_in(
+            "GRPC_MAX_CONNECTION_AGE_GRACE",
+            Duration::from_secs(660),
+            Duration::ZERO,
+            Duration::from_secs(24 * 3600),
+        );
+        let tls = crate::tls::load_server(vars);
         Self {
             listen_addr,
             database,
             max_message_bytes,
             health_probe_interval,
+            metrics_addr,
             serve: ServeOptions {
                 drain_timeout,
                 keepalive_interval,
+                max_connection_age,
+                max_connection_age_grace,
+                tls,
             },
         }
     }

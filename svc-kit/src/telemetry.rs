@@ -1,13 +1,26 @@
-//! Structured logs. JSON lines by default (what log pipelines in Kubernetes expect);
+//! Structured logs and traces. JSON lines by default (what log pipelines in Kubernetes expect);
 //! `LOG_FORMAT=pretty` for humans at a terminal. `RUST_LOG` filters as usual.
+//!
+//! Traces (O-2): when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, spans are exported over OTLP
+//! (HTTP/protobuf to `<endpoint>/v1/traces`, batched; the standard `OTEL_*` variables tune it)
+//! and W3C trace context is propagated: agent-svc injects it into its gRPC metadata to
+//! gateway-svc, and both servers continue the caller's trace (see `metrics::GrpcMetricsLayer`),
+//! so one trace shows a run's model calls and its tool calls on the gateway.
 
+use std::sync::OnceLock;
+
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::{EnvFilter, fmt, prelude::*};
 
+static PROVIDER: OnceLock<SdkTracerProvider> = OnceLock::new();
+
 /// Installs the global subscriber once; later calls (e.g. from tests) are no-ops.
-pub fn init(service: &str) {
+pub fn init(service: &'static str) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let pretty = std::env::var("LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("pretty"));
-    let registry = tracing_subscriber::registry().with(filter);
+    let traces = otlp_tracer(service).map(|t| tracing_opentelemetry::layer().with_tracer(t));
+    let registry = tracing_subscriber::registry().with(filter).with(traces);
     let installed = if pretty {
         registry
             .with(fmt::layer().with_writer(std::io::stderr))
@@ -27,7 +40,109 @@ pub fn init(service: &str) {
         tracing::info!(
             service,
             version = env!("CARGO_PKG_VERSION"),
+            traces = PROVIDER.get().is_some(),
             "logging initialised"
         );
+    }
+}
+
+/// The OTLP tracer, when `OTEL_EXPORTER_OTLP_ENDPOINT` asks for one.
+fn otlp_tracer(service: &'static str) -> Option<opentelemetry_sdk::trace::Tracer> {
+    std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .ok()
+        .filter(|e| !e.trim().is_empty())?;
+    // The exporter reads OTEL_EXPORTER_OTLP_ENDPOINT itself and appends /v1/traces.
+    let exporter = match opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .build()
+    {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!(
+                "{service}: OTEL_EXPORTER_OTLP_ENDPOINT is set but the exporter cannot start: {e}"
+            );
+            return None;
+        }
+    };
+    let provider = SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(
+            opentelemetry_sdk::Resource::builder()
+                .with_service_name(service)
+                .build(),
+        )
+        .build();
+    opentelemetry::global::set_text_map_propagator(
+        opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+    );
+    let tracer = provider.tracer(service);
+    let _ = PROVIDER.set(provider);
+    Some(tracer)
+}
+
+/// Flushes and stops the trace exporter (at the end of the process).
+pub fn shutdown() {
+    if let Some(provider) = PROVIDER.get()
+        && let Err(e) = provider.shutdown()
+    {
+        eprintln!("traces could not be flushed at shutdown: {e}");
+    }
+}
+
+/// Adds the current span's W3C trace context to outgoing gRPC metadata.
+pub fn inject(metadata: &mut tonic::metadata::MetadataMap) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let context = tracing::Span::current().context();
+    opentelemetry::global::get_text_map_propagator(|p| {
+        p.inject_context(&context, &mut MetadataInjector(metadata))
+    });
+}
+
+/// Continues the caller's trace (W3C `traceparent` in the request headers) in `span`, and
+/// records the trace id in the span's `trace_id` field (declared `Empty`), so JSON log lines
+/// inside it carry it.
+pub fn continue_trace(span: &tracing::Span, headers: &http::HeaderMap) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let parent =
+        opentelemetry::global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)));
+    let _ = span.set_parent(parent);
+    record_trace_id(span);
+}
+
+/// Writes `span`'s trace id (when traces are on) into its `trace_id` field.
+pub fn record_trace_id(span: &tracing::Span) {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    if PROVIDER.get().is_none() {
+        return;
+    }
+    let id = span.context().span().span_context().trace_id();
+    if id != opentelemetry::trace::TraceId::INVALID {
+        span.record("trace_id", tracing::field::display(id));
+    }
+}
+
+struct MetadataInjector<'a>(&'a mut tonic::metadata::MetadataMap);
+
+impl opentelemetry::propagation::Injector for MetadataInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(k), Ok(v)) = (
+            tonic::metadata::MetadataKey::from_bytes(key.as_bytes()),
+            tonic::metadata::MetadataValue::try_from(value.as_str()),
+        ) {
+            self.0.insert(k, v);
+        }
+    }
+}
+
+struct HeaderExtractor<'a>(&'a http::HeaderMap);
+
+impl opentelemetry::propagation::Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
     }
 }

@@ -40,6 +40,58 @@ pub fn cap_text(text: String, max_chars: usize) -> Capped {
     }
 }
 
+/// An excerpt of text someone else wrote (a provider's or an upstream's error body) that is
+/// safe for a log line: secret-looking words replaced by `[redacted]`, at most `max_chars`
+/// characters. Never for user-visible text: users get a classified sentence instead.
+pub fn redacted_excerpt(text: &str, max_chars: usize) -> String {
+    let mut out = String::new();
+    let mut after_bearer = false;
+    for word in text.split_whitespace() {
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        let core = word.trim_matches(|c: char| {
+            matches!(
+                c,
+                '"' | '\'' | ',' | ';' | '(' | ')' | '[' | ']' | '{' | '}'
+            )
+        });
+        if !core.is_empty() && (after_bearer || looks_secret(core)) {
+            out.push_str(&word.replace(core, "[redacted]"));
+        } else {
+            out.push_str(word);
+        }
+        after_bearer = core.eq_ignore_ascii_case("bearer");
+        if out.chars().count() > max_chars {
+            break;
+        }
+    }
+    cap_text(out, max_chars).text
+}
+
+/// Keys, tokens and passwords as they usually look: a known key prefix, or a long run of
+/// key characters mixing letters and digits.
+fn looks_secret(word: &str) -> bool {
+    let lower = word.to_ascii_lowercase();
+    if ["sk-", "sk_", "pk_", "xox", "ghp_", "aiza", "ya29."]
+        .iter()
+        .any(|p| lower.starts_with(p) && word.len() >= 8)
+    {
+        return true;
+    }
+    if let Some((key, _)) = lower.split_once('=')
+        && ["key", "token", "secret", "password", "api_key", "apikey"].contains(&key)
+    {
+        return true;
+    }
+    word.len() >= 20
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '+' | '/' | '='))
+        && word.chars().any(|c| c.is_ascii_digit())
+        && word.chars().any(|c| c.is_ascii_alphabetic())
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -82,7 +134,24 @@ mod tests {
         assert_eq!(c.original_chars, 9000);
     }
 
+    #[test]
+    fn secret_looking_words_are_redacted_and_the_rest_kept() {
+        let body = r#"{"error": {"message": "Invalid key sk-live-SECRET123456789012345 for org-77; Authorization: Bearer abc.def token=hunter2 aGVsbG8gd29ybGQgdGhpcyBpcyBsb25nMTIz"}}"#;
+        let e = redacted_excerpt(body, 500);
+        for secret in ["SECRET1234", "abc.def", "hunter2", "aGVsbG8"] {
+            assert!(!e.contains(secret), "{secret} survived in {e}");
+        }
+        assert!(e.contains("Invalid key") && e.contains("org-77"));
+        assert!(redacted_excerpt(&"word ".repeat(500), 50).chars().count() < 120);
+    }
+
     proptest! {
+        #[test]
+        fn redacting_never_panics_and_stays_short(text in "\\PC{0,300}", max in 0usize..100) {
+            let e = redacted_excerpt(&text, max);
+            prop_assert!(e.chars().count() <= max + 60);
+        }
+
         #[test]
         fn capping_never_panics_and_keeps_a_prefix(text in "\\PC{0,300}", max in 0usize..200) {
             let c = cap_text(text.clone(), max);

@@ -99,6 +99,7 @@ fn env(model: &RuleModel) -> HashMap<String, String> {
             ("GATEWAY_SERVICE_TOKEN", SERVICE_TOKEN),
             ("CREDENTIALS_KEY", TEST_CREDENTIALS_KEY),
             ("AUTH_DEV_USER_HEADER", "true"),
+            ("STEWARD_DEVELOPMENT", "true"),
             ("MODEL_CHAIN", "openai/gpt-4o"),
             ("OPENAI_BASE_URL", model.url.as_str()),
             ("SHUTDOWN_DRAIN_TIMEOUT", "2s"),

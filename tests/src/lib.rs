@@ -10,6 +10,7 @@ pub mod agent_calls;
 pub mod calls;
 pub mod db;
 pub mod fakes;
+pub mod obedient_model;
 pub mod pg_server;
 pub mod probe_tools;
 pub mod procs;

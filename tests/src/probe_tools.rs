@@ -56,6 +56,8 @@ fn spec(
         side_effect,
         integration,
         upstream_cost: cost,
+        reads_external_content: false,
+        writes_memory: false,
     }
 }
 

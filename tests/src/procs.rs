@@ -237,6 +237,15 @@ impl ServiceProc {
         }
     }
 
+    /// A field of the first log line containing `message` (e.g. the metrics endpoint's
+    /// `metrics_addr`).
+    pub fn logged(&self, message: &str, field: &str) -> Option<String> {
+        self.log()
+            .iter()
+            .filter(|l| l.contains(message))
+            .find_map(|l| json_field(l, field))
+    }
+
     /// `kill -9 <pid>`: no drain, no goodbye; then reaps the process.
     pub fn kill9(&mut self) {
         if self.dead {
@@ -378,6 +387,7 @@ impl Cluster {
             ("AGENT_LISTEN_ADDR", "127.0.0.1:0"),
             ("GATEWAY_SERVICE_TOKEN", SERVICE_TOKEN),
             ("AUTH_DEV_USER_HEADER", "true"),
+            ("STEWARD_DEVELOPMENT", "true"),
             ("MODEL_CHAIN", "openai/gpt-4o"),
             ("HEALTH_PROBE_INTERVAL", "100ms"),
             ("SHUTDOWN_DRAIN_TIMEOUT", "1s"),

@@ -214,7 +214,7 @@ fn chunk(delta: Value, finish: Option<&str>) -> String {
 }
 
 /// The SSE frames of `reply`, each its own network write.
-fn frames(reply: &Reply, call_id: &str) -> Vec<String> {
+pub(crate) fn frames(reply: &Reply, call_id: &str) -> Vec<String> {
     let mut out = Vec::new();
     match reply {
         Reply::Text(text) => {

@@ -117,6 +117,7 @@ pub async fn spawn(options: Options) -> TestApp {
         ("GATEWAY_SERVICE_TOKEN".into(), SERVICE_TOKEN.into()),
         ("CREDENTIALS_KEY".into(), TEST_CREDENTIALS_KEY.into()),
         ("AUTH_DEV_USER_HEADER".into(), "true".into()),
+        ("STEWARD_DEVELOPMENT".into(), "true".into()),
     ]);
     if let Some(db) = &db {
         env.insert("DATABASE_URL".into(), db.url().to_owned());
@@ -183,6 +184,8 @@ pub async fn start_gateway_with(
 pub async fn start_agent(env: &HashMap<String, String>) -> Result<RunningService, String> {
     let mut env = env.clone();
     env.entry("AUTH_DEV_USER_HEADER".into())
+        .or_insert_with(|| "true".into());
+    env.entry("STEWARD_DEVELOPMENT".into())
         .or_insert_with(|| "true".into());
     let config = agent_svc::Config::load(Vars::from_map(&env)).map_err(|e| e.to_string())?;
     let app = agent_svc::App::build(config)
@@ -345,6 +348,15 @@ impl TestApp {
             .expect("connect to the test database");
         tokio::spawn(conn);
         client
+    }
+
+    /// The run service of every agent replica here, newest first: to drive their workers
+    /// (e.g. schedule firing) with a test's own clock.
+    pub fn agent_replicas(&self) -> Vec<std::sync::Arc<agent_svc::runs::RunService>> {
+        self.services
+            .iter()
+            .filter_map(|s| s.runs.clone())
+            .collect()
     }
 
     /// Live run registrations (segments, watchers, cancels) over every agent replica here.

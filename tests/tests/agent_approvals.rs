@@ -56,7 +56,7 @@ async fn a_supervised_send_waits_with_a_preview_and_approval_on_another_instance
     assert_eq!(approval.tool, "gmail_send");
     assert_eq!(
         approval.preview,
-        "To: boss@example.com\nSubject: Budget\n\nNumbers attached.\nCall me."
+        "Send\nFrom: alice@example.com\nTo: boss@example.com\nSubject: Budget\n\nNumbers attached.\nCall me."
     );
     assert!(approval.reason.contains("supervised"));
     assert_eq!(approval.args_sha256.len(), 64);

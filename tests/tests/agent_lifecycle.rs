@@ -600,6 +600,7 @@ async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded
             max_active_runs: 8,
             supersede_event: Vec::new(),
             supersede_message: String::new(),
+            supersede_paused: true,
         })
         .await
         .unwrap()

@@ -50,6 +50,7 @@ impl ToolRunner for EchoTools {
                 text: format!("{} → {}", c.name, c.args),
                 error_kind: String::new(),
                 truncated: false,
+                external: false,
             })
             .collect()
     }
@@ -156,7 +157,11 @@ async fn openai_two_tool_calls_then_a_streamed_answer() {
             .starts_with("call_")
     );
     assert_ne!(second[3]["tool_call_id"], second[4]["tool_call_id"]);
-    assert_eq!(second[4]["content"], r#"search_memory → {"query":"focus"}"#);
+    // What a tool returned is data (issue 14).
+    assert_eq!(
+        second[4]["content"],
+        "<data source=\"result of search_memory\">\nsearch_memory → {\"query\":\"focus\"}\n</data>"
+    );
 
     let deltas: Vec<String> = events
         .0

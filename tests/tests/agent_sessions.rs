@@ -224,6 +224,7 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
             max_active_runs: 10,
             supersede_event: Vec::new(),
             supersede_message: String::new(),
+            supersede_paused: true,
         })
         .await
         .unwrap();
@@ -352,7 +353,9 @@ async fn an_archived_session_is_summarised_into_the_next_prompt_and_found_by_a_w
         "the summary model wrote the summary"
     );
     assert!(
-        system(2).contains("[RECENT SESSIONS]\n- Alice planned a trip."),
+        system(2).contains(
+            "[RECENT SESSIONS]\n<data source=\"past session summaries\">\n- Alice planned a trip."
+        ),
         "{}",
         system(2)
     );
@@ -370,7 +373,9 @@ async fn an_archived_session_is_summarised_into_the_next_prompt_and_found_by_a_w
         .unwrap()
         .to_owned();
     assert!(
-        tool_result.starts_with("Past sessions matching \"TP1347\" (1):"),
+        tool_result.starts_with(
+            "<data source=\"result of search_agent_history\">\nPast sessions matching \"TP1347\" (1):"
+        ),
         "{tool_result}"
     );
     assert!(
@@ -452,7 +457,8 @@ async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the
     let task_request = &model.requests()[2].1;
     let system = task_request["messages"][0]["content"].as_str().unwrap();
     assert!(
-        system.contains("background task agent") && system.contains("Goal: task summary"),
+        system.contains("background task agent")
+            && system.contains("<data source=\"task goal\">\ntask summary\n</data>"),
         "{system}"
     );
     let tools: Vec<&str> = task_request["tools"]

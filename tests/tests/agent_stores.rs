@@ -9,8 +9,9 @@ use std::{
 
 use agent_svc::store::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Decided, Ending,
-    Lease, LockOutcome, MessageKind, MessageSource, NewMessage, Run, RunCommit, RunPatch, RunState,
-    StoreError, TaskAgent, action_id, memory::MemoryStore, postgres::PgStore,
+    Lease, LockOutcome, MessageKind, MessageSource, NewMessage, Occurrence, Run, RunCommit,
+    RunPatch, RunState, Schedule, ScheduleKind, ScheduleOutcome, Settle, StoreError, TaskAgent,
+    action_id, memory::MemoryStore, postgres::PgStore,
 };
 use steward_tests::TestDb;
 use svc_kit::{pg::PoolOptions, server_config::DatabaseConfig};
@@ -58,6 +59,7 @@ fn admission(run: Run, new_thread: bool, lease: Duration) -> Admission {
         max_active_runs: 3,
         supersede_event: b"superseded".to_vec(),
         supersede_message: "superseded".into(),
+        supersede_paused: true,
         run,
     }
 }
@@ -110,6 +112,9 @@ fn approval(id: &str, run_id: &str, thread_id: &str, ttl: Duration) -> Approval 
         expires_at: now + ttl,
         decided_by: None,
         decided_at: None,
+        // Issue 14: both round-trip through every backend.
+        binding: "digest-of-resolved-recipients".into(),
+        tainted_by: vec!["search_gmail".into()],
     }
 }
 
@@ -693,6 +698,26 @@ async fn a_new_message_supersedes_a_paused_run(b: Backend) {
     let s = &b.store;
     let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
     pause(s, &lease, "a1", Duration::from_secs(600)).await;
+    // A run nobody waits for (a scheduled one) leaves the approval waiting and takes nothing.
+    let unattended = Admission {
+        supersede_paused: false,
+        ..admission(
+            new_run("r0", "t1", "alice", None),
+            false,
+            Duration::from_secs(60),
+        )
+    };
+    assert_eq!(
+        s.admit(&unattended).await.unwrap(),
+        Admitted::AwaitingApproval {
+            run_id: "r1".into()
+        }
+    );
+    assert!(s.get_run("alice", "r0").await.unwrap().is_none());
+    assert_eq!(
+        s.get_approval("alice", "a1").await.unwrap().unwrap().state,
+        ApprovalState::Pending
+    );
     assert!(matches!(
         s.admit(&admission(
             new_run("r2", "t1", "alice", None),
@@ -942,6 +967,306 @@ async fn a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found(b:
     assert!(s.audit("bob").await.unwrap().is_empty());
 }
 
+/// A heartbeat every minute of alice's, created at `t0` (whole seconds: PostgreSQL keeps
+/// microseconds, and the tests compare times).
+fn every_minute(id: &str, owner: &str, t0: SystemTime) -> Schedule {
+    Schedule {
+        id: id.into(),
+        owner: owner.into(),
+        kind: ScheduleKind::Heartbeat,
+        prompt: String::new(),
+        cron: None,
+        every: Some(Duration::from_secs(60)),
+        time_zone: "UTC".into(),
+        enabled: true,
+        thread_id: None,
+        next_due_at: t0 + Duration::from_secs(60),
+        last_outcome: None,
+        last_run_id: None,
+        last_error: None,
+        last_fired_at: None,
+        occurrence_at: None,
+        attempts: 0,
+        created_at: t0,
+        updated_at: t0,
+    }
+}
+
+fn t0() -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_secs(1_900_000_000)
+}
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+async fn schedules_belong_to_their_owner_and_the_per_user_cap_holds(b: Backend) {
+    let s = &b.store;
+    assert!(
+        s.create_schedule(&every_minute("s1", "alice", t0()), 2)
+            .await
+            .unwrap()
+    );
+    assert!(
+        s.create_schedule(&every_minute("s2", "alice", t0() + secs(1)), 2)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !s.create_schedule(&every_minute("s3", "alice", t0()), 2)
+            .await
+            .unwrap()
+    );
+    assert!(
+        s.create_schedule(&every_minute("s4", "bob", t0()), 2)
+            .await
+            .unwrap()
+    );
+    let ids: Vec<String> = s
+        .list_schedules("alice")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|x| x.id)
+        .collect();
+    assert_eq!(ids, ["s1", "s2"]);
+    assert!(s.get_schedule("bob", "s1").await.unwrap().is_none());
+    assert!(!s.delete_schedule("bob", "s1").await.unwrap());
+    let mut changed = every_minute("s1", "bob", t0());
+    assert!(
+        !s.save_schedule(&changed, true).await.unwrap(),
+        "bob cannot change alice's schedule"
+    );
+    changed.owner = "alice".into();
+    changed.prompt = "anything new?".into();
+    changed.enabled = false;
+    assert!(s.save_schedule(&changed, true).await.unwrap());
+    let got = s.get_schedule("alice", "s1").await.unwrap().unwrap();
+    assert_eq!((got.prompt.as_str(), got.enabled), ("anything new?", false));
+    assert!(s.delete_schedule("alice", "s1").await.unwrap());
+    assert!(s.get_schedule("alice", "s1").await.unwrap().is_none());
+}
+
+async fn a_due_occurrence_is_claimed_once_and_missed_slots_collapse_into_it(b: Backend) {
+    let s = &b.store;
+    s.create_schedule(&every_minute("s1", "alice", t0()), 10)
+        .await
+        .unwrap();
+    assert!(
+        s.claim_schedule("w1", t0() + secs(30), secs(600))
+            .await
+            .unwrap()
+            .is_none(),
+        "not due yet"
+    );
+    // Four slots (t0+60 .. t0+240) passed with nobody firing: one occurrence, the first slot's.
+    let now = t0() + secs(250);
+    let o = s
+        .claim_schedule("w1", now, secs(600))
+        .await
+        .unwrap()
+        .expect("due");
+    assert_eq!((o.due_at, o.attempt), (t0() + secs(60), 1));
+    assert_eq!(
+        o.schedule.next_due_at,
+        t0() + secs(300),
+        "the next due time moved past now"
+    );
+    assert!(
+        s.claim_schedule("w2", now, secs(600))
+            .await
+            .unwrap()
+            .is_none(),
+        "held by w1"
+    );
+    let done = Settle::Done {
+        outcome: ScheduleOutcome::Completed,
+        run_id: Some("r1".into()),
+        error: None,
+    };
+    assert!(s.settle_schedule(&o, "w1", &done).await.unwrap());
+    assert!(
+        s.claim_schedule("w2", now, secs(600))
+            .await
+            .unwrap()
+            .is_none(),
+        "nothing owed"
+    );
+    let got = s.get_schedule("alice", "s1").await.unwrap().unwrap();
+    assert_eq!(got.last_outcome, Some(ScheduleOutcome::Completed));
+    assert_eq!(got.last_run_id.as_deref(), Some("r1"));
+    assert_eq!(got.occurrence_at, None);
+    let next = s
+        .claim_schedule("w2", t0() + secs(300), secs(600))
+        .await
+        .unwrap()
+        .expect("due again");
+    assert_eq!(next.due_at, t0() + secs(300));
+}
+
+async fn of_concurrent_claimers_exactly_one_gets_an_occurrence(b: Backend) {
+    let s = &b.store;
+    s.create_schedule(&every_minute("s1", "alice", t0()), 10)
+        .await
+        .unwrap();
+    let claims = futures_util::future::join_all((0..8).map(|i| {
+        let s = s.clone();
+        async move {
+            s.claim_schedule(&format!("w{i}"), t0() + secs(61), secs(600))
+                .await
+                .unwrap()
+        }
+    }))
+    .await;
+    assert_eq!(claims.iter().filter(|c| c.is_some()).count(), 1);
+}
+
+async fn an_occurrence_is_retried_taken_over_or_run_now_only_by_its_rules(b: Backend) {
+    let s = &b.store;
+    s.create_schedule(&every_minute("s1", "alice", t0()), 10)
+        .await
+        .unwrap();
+    let now = t0() + secs(61);
+    let o: Occurrence = s
+        .claim_schedule("w1", now, secs(600))
+        .await
+        .unwrap()
+        .unwrap();
+    let again = Settle::Again {
+        outcome: ScheduleOutcome::Retrying,
+        run_id: Some("r1".into()),
+        error: Some("HTTP 429".into()),
+        at: now + secs(10),
+    };
+    assert!(
+        !s.settle_schedule(&o, "w2", &again).await.unwrap(),
+        "only the holder settles"
+    );
+    assert!(s.settle_schedule(&o, "w1", &again).await.unwrap());
+    assert!(
+        s.claim_schedule("w2", now + secs(5), secs(600))
+            .await
+            .unwrap()
+            .is_none(),
+        "backing off"
+    );
+    let retry = s
+        .claim_schedule("w2", now + secs(10), secs(600))
+        .await
+        .unwrap()
+        .expect("retry due");
+    assert_eq!(
+        (retry.due_at, retry.attempt),
+        (o.due_at, 2),
+        "the same occurrence, attempt 2"
+    );
+    // w2 dies holding it: after the hold another worker takes the same attempt over.
+    let taken = s
+        .claim_schedule("w3", now + secs(611), secs(600))
+        .await
+        .unwrap()
+        .expect("taken over");
+    assert_eq!((taken.due_at, taken.attempt), (o.due_at, 2));
+    let late = Settle::Done {
+        outcome: ScheduleOutcome::Completed,
+        run_id: None,
+        error: None,
+    };
+    assert!(
+        !s.settle_schedule(&retry, "w2", &late).await.unwrap(),
+        "the displaced holder cannot settle"
+    );
+    assert!(matches!(
+        s.claim_schedule_now("alice", "s1", "api", now + secs(612), secs(600))
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    let done = Settle::Done {
+        outcome: ScheduleOutcome::Failed,
+        run_id: None,
+        error: Some("gave up".into()),
+    };
+    assert!(s.settle_schedule(&taken, "w3", &done).await.unwrap());
+    assert!(
+        s.claim_schedule_now("bob", "s1", "api", now, secs(600))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let at_once = s
+        .claim_schedule_now("alice", "s1", "api", now + secs(700), secs(600))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((at_once.due_at, at_once.attempt), (now + secs(700), 1));
+    let got = s.get_schedule("alice", "s1").await.unwrap().unwrap();
+    assert_eq!(got.last_outcome, Some(ScheduleOutcome::Running));
+}
+
+async fn switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_one(b: Backend) {
+    let s = &b.store;
+    s.create_schedule(&every_minute("s1", "alice", t0()), 10)
+        .await
+        .unwrap();
+    s.create_schedule(&every_minute("s2", "alice", t0()), 10)
+        .await
+        .unwrap();
+    let now = t0() + secs(61);
+    let mut waiting = None;
+    let mut running = None;
+    while let Some(o) = s.claim_schedule("w1", now, secs(600)).await.unwrap() {
+        if o.schedule.id == "s1" {
+            waiting = Some(o)
+        } else {
+            running = Some(o)
+        }
+    }
+    let (waiting, running) = (waiting.unwrap(), running.unwrap());
+    let postponed = Settle::Again {
+        outcome: ScheduleOutcome::Postponed,
+        run_id: None,
+        error: Some("busy".into()),
+        at: now + secs(30),
+    };
+    assert!(s.settle_schedule(&waiting, "w1", &postponed).await.unwrap());
+    for id in ["s1", "s2"] {
+        let mut off = s.get_schedule("alice", id).await.unwrap().unwrap();
+        off.enabled = false;
+        off.next_due_at = t0();
+        assert!(s.save_schedule(&off, false).await.unwrap());
+        let got = s.get_schedule("alice", id).await.unwrap().unwrap();
+        assert_eq!(
+            got.next_due_at,
+            t0() + secs(120),
+            "{id}: without reschedule the due time stands"
+        );
+    }
+    assert_eq!(
+        s.get_schedule("alice", "s1")
+            .await
+            .unwrap()
+            .unwrap()
+            .occurrence_at,
+        None
+    );
+    assert!(
+        s.claim_schedule("w2", now + secs(300), secs(600))
+            .await
+            .unwrap()
+            .is_none(),
+        "the waiting occurrence is gone; the running one is still held"
+    );
+    let done = Settle::Done {
+        outcome: ScheduleOutcome::Completed,
+        run_id: Some("r2".into()),
+        error: None,
+    };
+    assert!(
+        s.settle_schedule(&running, "w1", &done).await.unwrap(),
+        "a run in progress still settles after its schedule was switched off"
+    );
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod in_memory {
@@ -970,4 +1295,9 @@ both_backends!(
     a_thread_held_by_another_run_is_not_archived,
     the_task_queue_caps_open_tasks_per_user,
     a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found,
+    schedules_belong_to_their_owner_and_the_per_user_cap_holds,
+    a_due_occurrence_is_claimed_once_and_missed_slots_collapse_into_it,
+    of_concurrent_claimers_exactly_one_gets_an_occurrence,
+    an_occurrence_is_retried_taken_over_or_run_now_only_by_its_rules,
+    switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_one,
 );

@@ -561,7 +561,8 @@ async fn upstream_failures_become_clear_results() {
         (
             "/status/500",
             pb::ErrorKind::UpstreamError,
-            "Gmail returned an error (HTTP 500): Backend Error. It may work if tried again later.",
+            // The upstream's own words stay in the logs (issue 14).
+            "Gmail returned an error (HTTP 500). It may work if tried again later.",
         ),
         (
             "/status/403",

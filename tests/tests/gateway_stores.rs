@@ -348,10 +348,11 @@ async fn memory_search_ranks_the_relevant_note_first(b: Backend) {
             vec!["work".to_owned()],
         ),
     ];
-    s.add_notes(&user("u1"), &notes).await.unwrap();
+    s.add_notes(&user("u1"), &notes, "").await.unwrap();
     s.add_notes(
         &user("u2"),
         &[("Ana is my manager at soccer club".to_owned(), vec![])],
+        "read by search_gmail in run r1",
     )
     .await
     .unwrap();

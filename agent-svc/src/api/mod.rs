@@ -4,6 +4,8 @@
 
 pub mod convert;
 pub mod identity;
+mod jwks;
+mod schedules;
 mod status;
 
 use std::{pin::Pin, sync::Arc};
@@ -31,6 +33,8 @@ pub struct AgentApi {
     store: SharedStore,
     runs: Arc<RunService>,
     identity: identity::Identity,
+    /// This replica's name as the holder of occurrences it starts (RunScheduleNow).
+    worker: String,
 }
 
 impl AgentApi {
@@ -39,15 +43,16 @@ impl AgentApi {
             store,
             runs,
             identity,
+            worker: format!("api-{}", uuid::Uuid::new_v4()),
         }
     }
 
-    fn user<T>(&self, request: &Request<T>) -> Result<String, ApiError> {
-        self.identity.user(request.metadata())
+    async fn user<T>(&self, request: &Request<T>) -> Result<String, ApiError> {
+        self.identity.user(request.metadata()).await
     }
 }
 
-fn terminal_result(event: &pb::RunEvent) -> Option<pb::RunResult> {
+pub(crate) fn terminal_result(event: &pb::RunEvent) -> Option<pb::RunResult> {
     match &event.kind {
         Some(pb::run_event::Kind::Result(r)) => Some(r.clone()),
         Some(pb::run_event::Kind::Error(e)) => Some(pb::RunResult {
@@ -76,7 +81,7 @@ impl AgentService for AgentApi {
         &self,
         request: Request<pb::RunRequest>,
     ) -> Result<Response<pb::RunResponse>, Status> {
-        let user = self.user(&request)?;
+        let user = self.user(&request).await?;
         let input = convert::run_input(request.into_inner().input)?;
         let (run_id, _) = self.runs.start(&user, input).await?;
         let mut events = self.runs.follow(&user, &run_id, 0).await?;
@@ -97,7 +102,7 @@ impl AgentService for AgentApi {
         &self,
         request: Request<pb::RunStreamRequest>,
     ) -> Result<Response<Self::RunStreamStream>, Status> {
-        let user = self.user(&request)?;
+        let user = self.user(&request).await?;
         let input = convert::run_input(request.into_inner().input)?;
         let (run_id, _) = self.runs.start(&user, input).await?;
         let events = self.runs.watch(&user, &run_id, 0).await?;
@@ -110,7 +115,7 @@ impl AgentService for AgentApi {
         &self,
         request: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
-        let user = self.user(&request)?;
+        let user = self.user(&request).await?;
         let r = request.into_inner();
         let gateway = self
             .runs
@@ -118,7 +123,7 @@ impl AgentService for AgentApi {
             .as_ref()
             .ok_or_else(|| ApiError::Unavailable("no gateway is configured".into()))?;
         let context = gateway
-            .bootstrap(&user, &r.time_zone)
+            .bootstrap(&user, &r.time_zone, gw::Channel::SessionOpen)
             .await
             .map_err(|e| match e {
                 GatewayError::Refused(m) => ApiError::InvalidArgument(m),
@@ -165,12 +170,14 @@ impl AgentService for AgentApi {
                 guidance: prompt::NEW_USER_GUIDANCE.into(),
                 bootstrap: None,
                 allowed_tools: Some(vec!["create_memories".into()]),
+                yield_to_approvals: false,
             }
         } else {
             SessionSetup {
                 guidance: prompt::RETURNING_GUIDANCE.into(),
                 bootstrap: Some(context.rendered.clone()),
                 allowed_tools: Some(Vec::new()),
+                yield_to_approvals: false,
             }
         };
         let input = RunInput {
@@ -216,7 +223,7 @@ impl AgentService for AgentApi {
         &self,
         request: Request<pb::DecideApprovalRequest>,
     ) -> Result<Response<pb::DecideApprovalResponse>, Status> {
-        let user = self.user(&request)?;
+        let user = self.user(&request).await?;
         let r = request.into_inner();
         let approve = match pb::Decision::try_from(r.decision) {
             Ok(pb::Decision::Approve) => true,
@@ -286,7 +293,7 @@ impl AgentService for AgentApi {
         &self,
         request: Request<pb::GetRunRequest>,
     ) -> Result<Response<pb::GetRunResponse>, Status> {
-        let user = self.user(&request)?;
+        let user = self.user(&request).await?;
         let id = request.into_inner().run_id;
         let run = self
             .store
@@ -309,7 +316,7 @@ impl AgentService for AgentApi {
         &self,
         request: Request<pb::ListThreadsRequest>,
     ) -> Result<Response<pb::ListThreadsResponse>, Status> {
-        let user = self.user(&request)?;
+        let user = self.user(&request).await?;
         let r = request.into_inner();
         let (offset, size) = convert::page(&r.page_token, r.page_size, 20, 100)?;
         let threads = self
@@ -332,7 +339,7 @@ impl AgentService for AgentApi {
         &self,
         request: Request<pb::ListMessagesRequest>,
     ) -> Result<Response<pb::ListMessagesResponse>, Status> {
-        let user = self.user(&request)?;
+        let user = self.user(&request).await?;
         let r = request.into_inner();
         self.store
             .get_thread(&user, &r.thread_id)
@@ -360,7 +367,7 @@ impl AgentService for AgentApi {
         &self,
         request: Request<pb::CancelRunRequest>,
     ) -> Result<Response<pb::CancelRunResponse>, Status> {
-        let user = self.user(&request)?;
+        let user = self.user(&request).await?;
         let run = self
             .runs
             .cancel(&user, &request.into_inner().run_id)
@@ -374,11 +381,84 @@ impl AgentService for AgentApi {
         &self,
         request: Request<pb::WatchRunRequest>,
     ) -> Result<Response<Self::WatchRunStream>, Status> {
-        let user = self.user(&request)?;
+        let user = self.user(&request).await?;
         let r = request.into_inner();
         let events = self.runs.watch(&user, &r.run_id, r.after_seq).await?;
         Ok(Response::new(Box::pin(events.map(|e| {
             e.map(|event| pb::WatchRunResponse { event: Some(event) })
         }))))
+    }
+
+    async fn create_schedule(
+        &self,
+        request: Request<pb::CreateScheduleRequest>,
+    ) -> Result<Response<pb::CreateScheduleResponse>, Status> {
+        let user = self.user(&request).await?;
+        let new = schedules::new_schedule(request.into_inner())?;
+        let schedule = self.runs.create_schedule(&user, new).await?;
+        Ok(Response::new(pb::CreateScheduleResponse {
+            schedule: Some(schedules::schedule(&schedule)),
+        }))
+    }
+
+    async fn list_schedules(
+        &self,
+        request: Request<pb::ListSchedulesRequest>,
+    ) -> Result<Response<pb::ListSchedulesResponse>, Status> {
+        let user = self.user(&request).await?;
+        let list = self
+            .store
+            .list_schedules(&user)
+            .await
+            .map_err(ApiError::from)?;
+        Ok(Response::new(pb::ListSchedulesResponse {
+            schedules: list.iter().map(schedules::schedule).collect(),
+        }))
+    }
+
+    async fn update_schedule(
+        &self,
+        request: Request<pb::UpdateScheduleRequest>,
+    ) -> Result<Response<pb::UpdateScheduleResponse>, Status> {
+        let user = self.user(&request).await?;
+        let r = request.into_inner();
+        let id = r.schedule_id.clone();
+        let schedule = self
+            .runs
+            .update_schedule(&user, &id, schedules::change(r)?)
+            .await?;
+        Ok(Response::new(pb::UpdateScheduleResponse {
+            schedule: Some(schedules::schedule(&schedule)),
+        }))
+    }
+
+    async fn delete_schedule(
+        &self,
+        request: Request<pb::DeleteScheduleRequest>,
+    ) -> Result<Response<pb::DeleteScheduleResponse>, Status> {
+        let user = self.user(&request).await?;
+        let id = request.into_inner().schedule_id;
+        if !self
+            .store
+            .delete_schedule(&user, &id)
+            .await
+            .map_err(ApiError::from)?
+        {
+            return Err(ApiError::NotFound(format!("schedule {id}")).into());
+        }
+        Ok(Response::new(pb::DeleteScheduleResponse {}))
+    }
+
+    async fn run_schedule_now(
+        &self,
+        request: Request<pb::RunScheduleNowRequest>,
+    ) -> Result<Response<pb::RunScheduleNowResponse>, Status> {
+        let user = self.user(&request).await?;
+        let id = request.into_inner().schedule_id;
+        let (run_id, thread_id) = self.runs.run_schedule_now(&user, &id, &self.worker).await?;
+        Ok(Response::new(pb::RunScheduleNowResponse {
+            run_id,
+            thread_id,
+        }))
     }
 }

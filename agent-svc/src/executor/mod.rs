@@ -27,11 +27,15 @@ use crate::llm::{
 };
 
 /// One tool call to execute, arguments already parsed.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct ToolInvocation {
     pub call_id: String,
     pub name: String,
     pub args: Value,
+    /// Set by the policy, never by the model: the tools whose external content the run had
+    /// read (memory provenance), and the preview binding the call must still match.
+    pub read_external_from: Vec<String>,
+    pub expected_binding: String,
 }
 
 /// What a tool call produced (the gateway's result, or an error made here).
@@ -42,7 +46,27 @@ pub struct ToolOutcome {
     /// Machine-readable kind when not ok, e.g. "RATE_LIMITED".
     pub error_kind: String,
     pub truncated: bool,
+    /// The text carries words written by others (an email, an event, a memory taken from
+    /// them): the run has now read untrusted content (issue 14).
+    pub external: bool,
 }
+
+/// What the model reads as a call's result: what a tool returned is data (issue 14) and goes
+/// in a data block; a failure is a sentence written by Steward (the policy, the gateway's
+/// classified errors) and stays as it is, so the model can act on it.
+pub fn result_content(tool: &str, outcome: &ToolOutcome) -> String {
+    match (outcome.ok, outcome.external) {
+        (true, true) => {
+            crate::fence::block(&format!("{EXTERNAL_SOURCE} from {tool}"), &outcome.text)
+        }
+        (true, false) => crate::fence::block(&format!("result of {tool}"), &outcome.text),
+        (false, _) => outcome.text.clone(),
+    }
+}
+
+/// The source label of results that carry others' words: a later segment reading the
+/// transcript knows from it that the run has seen them.
+pub const EXTERNAL_SOURCE: &str = "external content";
 
 #[async_trait::async_trait]
 pub trait ToolRunner: Send + Sync {
@@ -473,6 +497,7 @@ impl Run<'_> {
                         call_id: call.id.clone(),
                         name: call.name.clone(),
                         args,
+                        ..ToolInvocation::default()
                     });
                     positions.push(i);
                 }
@@ -490,6 +515,7 @@ impl Run<'_> {
                         ),
                         error_kind: "INVALID_ARGUMENTS".into(),
                         truncated: false,
+                        external: false,
                     });
                 }
             }
@@ -518,6 +544,7 @@ impl Run<'_> {
                     text: "The tool did not answer.".into(),
                     error_kind: "INTERNAL".into(),
                     truncated: false,
+                    external: false,
                 })
             })
             .collect();
@@ -538,7 +565,7 @@ impl Run<'_> {
             self.push(Turn::ToolResult {
                 call_id: call.id.clone(),
                 name: call.name.clone(),
-                content: outcome.text.clone(),
+                content: result_content(&call.name, outcome),
                 is_error: !outcome.ok,
             });
         }
@@ -609,6 +636,13 @@ impl Run<'_> {
             Ok(Err(failed)) => Err(failed.to_string()),
             Ok(Ok(done)) => {
                 let price = models.prices.get(&done.model).copied().unwrap_or_default();
+                crate::metrics::model_call(
+                    &done.provider,
+                    &done.model,
+                    &done.response.usage,
+                    price.cost(&done.response.usage),
+                    done.latency,
+                );
                 self.calls.push(CallRecord {
                     provider: done.provider.clone(),
                     model: done.model.clone(),

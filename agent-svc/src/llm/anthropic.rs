@@ -189,10 +189,10 @@ impl ModelProvider for Anthropic {
                         "api_error" => 500,
                         _ => 400,
                     };
-                    let message = v["error"]["message"].as_str().unwrap_or(kind).to_owned();
+                    let message = v["error"]["message"].as_str().unwrap_or(kind);
                     return Err(ModelError::Status {
                         status: if status == 529 { 503 } else { status },
-                        message,
+                        detail: svc_kit::text::redacted_excerpt(message, 200),
                         retry_after: None,
                     });
                 }

@@ -4,11 +4,13 @@ use std::time::Duration;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ModelError {
-    /// The provider answered with an error status.
-    #[error("HTTP {status}: {message}")]
+    /// The provider answered with an error status. What it said is never shown to users (it
+    /// can echo keys or prompt text): they see the status's meaning; logs see `detail`.
+    #[error("HTTP {status} ({})", meaning(*status))]
     Status {
         status: u16,
-        message: String,
+        /// A redacted excerpt of the provider's message, for logs only.
+        detail: String,
         retry_after: Option<Duration>,
     },
     #[error("the call timed out")]
@@ -26,7 +28,30 @@ pub enum ModelError {
     NotConfigured(String),
 }
 
+/// What an error status means, in words a user can read.
+fn meaning(status: u16) -> &'static str {
+    match status {
+        400 | 422 => "the provider rejected the request",
+        401 => "the provider rejected the API key",
+        403 => "the provider refused access",
+        404 => "the model or endpoint was not found",
+        408 => "the provider timed out",
+        413 => "the request was too large for the provider",
+        429 => "rate limited by the provider",
+        500..=599 => "the provider had a server error",
+        _ => "the provider refused the call",
+    }
+}
+
 impl ModelError {
+    /// The provider's own words (redacted) when it sent any: for a log line, never for users.
+    pub fn detail(&self) -> &str {
+        match self {
+            ModelError::Status { detail, .. } => detail,
+            _ => "",
+        }
+    }
+
     /// 429, 500, 502, 503, 504, timeouts, connection errors and cut-off streams may succeed on
     /// a retry; 400, 401, 403, 404 and the rest will not. 500 is retriable because local model
     /// servers answer malformed tool-call JSON with it (S4 failure mode 6).
@@ -67,9 +92,23 @@ mod tests {
     fn status(s: u16) -> ModelError {
         ModelError::Status {
             status: s,
-            message: String::new(),
+            detail: String::new(),
             retry_after: None,
         }
+    }
+
+    #[test]
+    fn a_status_error_shows_its_meaning_never_the_provider_words() {
+        let e = ModelError::Status {
+            status: 400,
+            detail: "bad key sk-live-123".into(),
+            retry_after: None,
+        };
+        assert_eq!(
+            e.to_string(),
+            "HTTP 400 (the provider rejected the request)"
+        );
+        assert_eq!(e.detail(), "bad key sk-live-123");
     }
 
     #[test]

@@ -64,7 +64,10 @@ pub async fn complete(
     deltas: &DeltaSink,
 ) -> Result<Completed, ChainFailed> {
     let mut attempts = Vec::new();
-    for entry in chain {
+    for (i, entry) in chain.iter().enumerate() {
+        if i > 0 {
+            crate::metrics::model_fallback(entry.provider.name(), &entry.model);
+        }
         let mut request = request.clone();
         request.model = entry.model.clone();
         let mut retry = 0;
@@ -74,9 +77,19 @@ pub async fn complete(
                 let _ = deltas.send(Delta::Reset);
             }
             let started = Instant::now();
-            let result = match tokio::time::timeout(
-                policy.call_timeout,
-                entry.provider.complete(&request, deltas),
+            let span = tracing::info_span!(
+                "model_call",
+                otel.name = "model_call",
+                provider = entry.provider.name(),
+                model = %entry.model,
+                retry,
+            );
+            let result = match tracing::Instrument::instrument(
+                tokio::time::timeout(
+                    policy.call_timeout,
+                    entry.provider.complete(&request, deltas),
+                ),
+                span,
             )
             .await
             {
@@ -94,13 +107,15 @@ pub async fn complete(
                     });
                 }
                 Err(e) => {
-                    tracing::warn!(provider = entry.provider.name(), model = %entry.model, retry, error = %e, "model call failed");
+                    tracing::warn!(provider = entry.provider.name(), model = %entry.model, retry, error = %e, detail = e.detail(), "model call failed");
                     attempts.push(format!("{}/{}: {e}", entry.provider.name(), entry.model));
+                    crate::metrics::model_failed(entry.provider.name(), &entry.model);
                     let wait = backoff(policy, retry, e.retry_after());
                     if !e.is_retriable() || retry >= policy.retries || wait.is_none() {
                         break;
                     }
                     tokio::time::sleep(wait.unwrap_or_default()).await;
+                    crate::metrics::model_retry(entry.provider.name(), &entry.model);
                     retry += 1;
                 }
             }

@@ -8,8 +8,8 @@ use futures_util::{Stream, StreamExt};
 
 use super::ModelError;
 
-/// Largest error body read from a provider.
-const MAX_ERROR_BODY: usize = 64 << 10;
+/// Largest error body read from a provider: enough for its message, never a whole dump.
+const MAX_ERROR_BODY: usize = 8 << 10;
 
 /// Checks the status, then yields (event name, data) pairs.
 pub async fn events(
@@ -23,11 +23,10 @@ pub async fn events(
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map(Duration::from_secs);
-        let body = response.bytes().await.unwrap_or_default();
-        let body = &body[..body.len().min(MAX_ERROR_BODY)];
+        let body = read_capped(response, MAX_ERROR_BODY).await;
         return Err(ModelError::Status {
             status: status.as_u16(),
-            message: error_message(body),
+            detail: error_message(&body),
             retry_after,
         });
     }
@@ -43,7 +42,20 @@ pub async fn events(
         }))
 }
 
-/// The provider's error message (`{"error": {"message": ...}}` for all three), cut short.
+/// At most `cap` bytes of a body, chunk by chunk: a huge error body is never read whole.
+async fn read_capped(mut response: reqwest::Response, cap: usize) -> Vec<u8> {
+    let mut body = Vec::new();
+    while body.len() < cap {
+        match response.chunk().await {
+            Ok(Some(chunk)) => body.extend_from_slice(&chunk[..chunk.len().min(cap - body.len())]),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    body
+}
+
+/// The provider's error message (`{"error": {"message": ...}}` for all three) as a redacted
+/// excerpt for logs.
 pub fn error_message(body: &[u8]) -> String {
     let parsed: Option<serde_json::Value> = serde_json::from_slice(body).ok();
     let message = parsed
@@ -55,5 +67,5 @@ pub fn error_message(body: &[u8]) -> String {
         .and_then(|m| m.as_str())
         .map(str::to_owned)
         .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned());
-    message.chars().take(300).collect()
+    svc_kit::text::redacted_excerpt(&message, 200)
 }

@@ -103,6 +103,7 @@ impl RunService {
                 approval,
                 last_event_seq,
             }) => {
+                crate::metrics::approval_decided(approve);
                 let segment = Segment {
                     owner: owner.to_owned(),
                     thread_id: approval.thread_id.clone(),
@@ -223,15 +224,18 @@ impl RunService {
             writer.flush().await?;
             let outcome = match &self.gateway {
                 Some(g) => {
-                    g.execute_once(
-                        &seg.owner,
-                        &seg.run_id,
-                        gateway_channel(seg.channel),
-                        &call_id,
-                        &approval.tool,
-                        &approval.arguments,
-                        &action_id(&seg.run_id, &call_id),
-                    )
+                    g.execute_once(crate::gateway_client::OnceCall {
+                        user: &seg.owner,
+                        run_id: &seg.run_id,
+                        channel: gateway_channel(seg.channel),
+                        call_id: &call_id,
+                        tool: &approval.tool,
+                        args: &approval.arguments,
+                        idempotency_key: &action_id(&seg.run_id, &call_id),
+                        read_external_from: &approval.tainted_by,
+                        // What the user saw must still be what happens (issue 14).
+                        expected_binding: &approval.binding,
+                    })
                     .await
                 }
                 None => unavailable("Tools are unavailable right now."),
@@ -270,9 +274,13 @@ impl RunService {
             truncated: false,
         }));
         let result = Turn::ToolResult {
+            content: if ok {
+                crate::fence::block(&format!("result of {}", approval.tool), &content)
+            } else {
+                content
+            },
             call_id,
             name: approval.tool.clone(),
-            content,
             is_error: !ok,
         };
         let pending = writer.pending();

@@ -151,6 +151,10 @@ impl RunService {
                 if let Err(e) = this.sweep_idle_sessions().await {
                     tracing::warn!(error = %e, "session archiving sweep failed");
                 }
+                match this.store.count_pending_approvals().await {
+                    Ok(n) => crate::metrics::approvals_pending(n),
+                    Err(e) => tracing::warn!(error = %e, "could not count pending approvals"),
+                }
             }
         })
     }
@@ -195,8 +199,13 @@ impl RunService {
                     Err(e) => return Err(e.into()),
                 }
             }
+            // The goal and instructions were written by the model, perhaps after reading
+            // someone else's words: they enter the task run as data, not as orders.
             let input = RunInput {
-                prompt: task.instructions.clone(),
+                prompt: format!(
+                    "Carry out the background task described below for the user.\n{}",
+                    crate::fence::block("task instructions", &task.instructions)
+                ),
                 thread_id: Some(thread_id.clone()),
                 conversation: Vec::new(),
                 attached: Vec::new(),
@@ -207,11 +216,13 @@ impl RunService {
                 model_override: None,
                 session: Some(SessionSetup {
                     guidance: format!(
-                        "You are a background task agent working for the user, without them present. Goal: {}\nWork step by step with your tools and finish with a short report.",
-                        task.goal
+                        "You are a background task agent working for the user, without them present. \
+                         Work step by step with your tools towards the goal below and finish with a short report.\n{}",
+                        crate::fence::block("task goal", &task.goal)
                     ),
                     bootstrap: None,
                     allowed_tools: None,
+                    yield_to_approvals: false,
                 }),
             };
             let (run_id, _) = self.start(&task.owner, input).await?;
@@ -258,22 +269,8 @@ impl RunService {
             }
             (None, error) => {
                 let error = error.unwrap_or_default();
-                // E-12: rate limits 5 tries, network 3, anything else 2; backoff from 10 s.
-                let tries = if error.contains("HTTP 429") {
-                    5
-                } else if ["timed out", "connection", "cut off", "unreachable"]
-                    .iter()
-                    .any(|k| error.contains(k))
-                {
-                    3
-                } else {
-                    2
-                };
-                if task.attempts < tries {
-                    let backoff = Duration::from_secs(10)
-                        .saturating_mul(1 << (task.attempts.saturating_sub(1)).min(10));
-                    let retry_at =
-                        SystemTime::now() + backoff.mul_f64(1.0 + rand::random::<f64>() * 0.25);
+                if let Some(backoff) = retry_backoff(&error, task.attempts) {
+                    let retry_at = SystemTime::now() + backoff;
                     tracing::warn!(task = %task.id, attempt = task.attempts, %error, "task agent failed; retrying later");
                     self.store
                         .settle_task_agent(&task.id, "queued", None, Some(&error), Some(retry_at))
@@ -301,4 +298,31 @@ impl RunService {
             tracing::error!(task = %task.id, error = %e, "could not record a task agent's outcome");
         }
     }
+}
+
+/// E-12's retry schedule for unattended work that failed after `attempts` tries: rate limits get
+/// 5 tries, network trouble 3, anything else 2, with exponential backoff from 10 s and up to 25%
+/// jitter. `None`: give up.
+pub(super) fn retry_backoff(error: &str, attempts: u32) -> Option<Duration> {
+    let tries = if error.contains("HTTP 429") || error.contains("rate limit") {
+        5
+    } else if [
+        "timed out",
+        "connection",
+        "cut off",
+        "unreachable",
+        "unavailable",
+    ]
+    .iter()
+    .any(|k| error.contains(k))
+    {
+        3
+    } else {
+        2
+    };
+    (attempts < tries).then(|| {
+        Duration::from_secs(10)
+            .saturating_mul(1 << attempts.saturating_sub(1).min(10))
+            .mul_f64(1.0 + rand::random::<f64>() * 0.25)
+    })
 }

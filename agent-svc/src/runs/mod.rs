@@ -33,7 +33,7 @@ use crate::{
     executor::{
         self, Executor, ModelSetup, RunEvent, RunRequest, Stop, ToolOutcome, ToolRunner, limits,
     },
-    gateway_client::GatewayClient,
+    gateway_client::{GatewayClient, OnceCall},
     llm::{
         ModelRequest, Turn,
         resilient::{self, ChainEntry, RetryPolicy},
@@ -48,7 +48,9 @@ use crate::{
 
 mod approvals;
 mod background;
+mod guard;
 mod live;
+pub mod scheduled;
 mod tools;
 mod writer;
 
@@ -89,6 +91,10 @@ pub struct SessionSetup {
     pub bootstrap: Option<String>,
     /// The only tools it may use; `None`: every tool.
     pub allowed_tools: Option<Vec<String>>,
+    /// Nobody is waiting for this run (a scheduled run): a run of the thread paused for the
+    /// user's approval is left waiting and this run is refused as busy, instead of the usual
+    /// superseding of the paused run by a new message.
+    pub yield_to_approvals: bool,
 }
 
 /// Per-user fair-use caps: beyond them a call is RESOURCE_EXHAUSTED naming the cap.
@@ -135,6 +141,7 @@ pub struct RunService {
     /// RUN_LEASE: the thread lease of a running run, renewed every third of it (E-11).
     pub lease: Duration,
     pub fair_use: FairUse,
+    pub schedule_rules: scheduled::ScheduleRules,
     live: Arc<live::Live>,
     /// Segments running here, to stop them at shutdown.
     stoppers: Mutex<HashMap<String, Stopper>>,
@@ -201,6 +208,7 @@ impl RunService {
             max_tool_result_chars,
             lease: Duration::from_secs(30),
             fair_use: FairUse::default(),
+            schedule_rules: scheduled::ScheduleRules::default(),
             live: Arc::default(),
             stoppers: Mutex::default(),
             watchers: Arc::default(),
@@ -326,6 +334,7 @@ impl RunService {
             max_active_runs: self.fair_use.max_active_runs,
             supersede_event: encode(cancelled_result(superseded)),
             supersede_message: superseded.into(),
+            supersede_paused: !input.session.as_ref().is_some_and(|s| s.yield_to_approvals),
             run,
         };
         let run_id = admission.run.id.clone();
@@ -337,6 +346,11 @@ impl RunService {
                 )));
             }
             Admitted::Duplicate { run_id, thread_id } => return Ok((run_id, thread_id)),
+            Admitted::AwaitingApproval { run_id: paused } => {
+                return Err(ApiError::Aborted(format!(
+                    "thread {thread_id} has a run waiting for your approval ({paused}); it runs once that is decided"
+                )));
+            }
             Admitted::TooManyRuns { active } => {
                 return Err(ApiError::ResourceExhausted(format!(
                     "you have {active} runs in progress, the limit (AGENT_MAX_ACTIVE_RUNS_PER_USER) is {}; wait for one to finish",
@@ -421,52 +435,67 @@ impl RunService {
             }
             None => self.live.open(&seg.run_id, last_seq),
         };
-        tokio::spawn(async move {
-            let done = tokio_util::sync::CancellationToken::new();
-            writer::keep_lease(
-                this.store.clone(),
-                lease.clone(),
-                this.lease,
-                stopper.clone(),
-                done.clone(),
-            );
-            let mut writer = RunWriter::new(this.store.clone(), live_run.clone(), lease, last_seq);
-            let worked = match plan {
-                Plan::Start {
-                    input,
-                    models,
-                    new_thread,
-                    archive_first,
-                } => {
-                    this.begin(
-                        &seg,
-                        &mut writer,
-                        &input,
+        let span = tracing::info_span!(
+            "run",
+            otel.name = "run",
+            run_id = %seg.run_id,
+            thread_id = %seg.thread_id,
+            channel = seg.channel.key(),
+            trace_id = tracing::field::Empty,
+        );
+        svc_kit::telemetry::record_trace_id(&span);
+        tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                crate::metrics::run_active(1.0);
+                let done = tokio_util::sync::CancellationToken::new();
+                writer::keep_lease(
+                    this.store.clone(),
+                    lease.clone(),
+                    this.lease,
+                    stopper.clone(),
+                    done.clone(),
+                );
+                let mut writer =
+                    RunWriter::new(this.store.clone(), live_run.clone(), lease, last_seq);
+                let worked = match plan {
+                    Plan::Start {
+                        input,
                         models,
                         new_thread,
                         archive_first,
-                        &stopper,
-                    )
-                    .await
-                }
-                Plan::Continue { approval, approved } => {
-                    this.resume(&seg, &mut writer, *approval, approved, &stopper)
+                    } => {
+                        this.begin(
+                            &seg,
+                            &mut writer,
+                            &input,
+                            models,
+                            new_thread,
+                            archive_first,
+                            &stopper,
+                        )
                         .await
-                }
-            };
-            this.end(&seg, &mut writer, worked).await;
-            done.cancel();
-            this.live
-                .cancels
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&seg.run_id);
-            this.live.close(&seg.run_id, &live_run);
-            this.stoppers
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&seg.run_id);
-        });
+                    }
+                    Plan::Continue { approval, approved } => {
+                        this.resume(&seg, &mut writer, *approval, approved, &stopper)
+                            .await
+                    }
+                };
+                this.end(&seg, &mut writer, worked).await;
+                done.cancel();
+                this.live
+                    .cancels
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&seg.run_id);
+                crate::metrics::run_active(-1.0);
+                this.live.close(&seg.run_id, &live_run);
+                this.stoppers
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&seg.run_id);
+            },
+            span,
+        ));
     }
 
     async fn load_history(&self, thread_id: &str) -> Result<Vec<Turn>, ApiError> {
@@ -524,8 +553,8 @@ impl RunService {
                         Some(g) => match g.lookup(owner, &a.id).await {
                             Ok(Some(done)) => (
                                 format!(
-                                    "This call completed, but its run ended before it recorded the result. Result: {}",
-                                    done.text
+                                    "This call completed, but its run ended before it recorded the result. Result:\n{}",
+                                    executor::result_content(&call.name, &done)
                                 ),
                                 !done.ok,
                             ),
@@ -620,7 +649,13 @@ impl RunService {
         let mut limits = limits::profile(input.channel, self.max_loop_steps);
         limits.max_total_tokens = input.max_total_tokens;
         limits.max_cost_usd = input.max_cost_usd;
-        let prompt = self.assemble(seg, input, &models).await;
+        if !input.attached.is_empty() {
+            writer.guard.read(guard::ATTACHED);
+        }
+        if seg.channel == limits::Channel::TaskAgent {
+            writer.guard.read(guard::TASK_INSTRUCTIONS);
+        }
+        let prompt = self.assemble(seg, input, &models, &writer.guard).await;
         writer.pending().patch.merge(RunPatch {
             state: Some(RunState::Planning),
             started_at: Some(SystemTime::now()),
@@ -649,8 +684,17 @@ impl RunService {
         seg: &Segment,
         input: &RunInput,
         models: &ModelSetup,
+        guard: &guard::CallGuard,
     ) -> crate::prompt::Prompt {
-        let about_user = self.about_user(seg, input).await;
+        let about_user = match self.about_user(seg, input).await {
+            Some((text, external)) => {
+                if external {
+                    guard.read(guard::MEMORY);
+                }
+                Some(text)
+            }
+            None => None,
+        };
         let recent_sessions = match self
             .store
             .recent_summaries(&seg.owner, self.summary_count)
@@ -680,7 +724,7 @@ impl RunService {
 
     /// [ABOUT THE USER]: what memory holds that bears on the prompt. A failure never blocks
     /// the run (B-1); it is logged and the section left out.
-    async fn about_user(&self, seg: &Segment, input: &RunInput) -> Option<String> {
+    async fn about_user(&self, seg: &Segment, input: &RunInput) -> Option<(String, bool)> {
         let gateway = self.gateway.as_ref()?;
         let query = if input.session.is_some() {
             "preferences goals priorities".to_owned()
@@ -688,22 +732,25 @@ impl RunService {
             input.prompt.clone()
         };
         let outcome = gateway
-            .execute_once(
-                &seg.owner,
-                &seg.run_id,
-                gateway_channel(input.channel),
-                "about-user",
-                "search_memory",
-                &serde_json::json!({ "query": query.chars().take(500).collect::<String>(), "limit": 5 }),
-                "",
-            )
+            .execute_once(OnceCall {
+                user: &seg.owner,
+                run_id: &seg.run_id,
+                channel: gateway_channel(input.channel),
+                call_id: "about-user",
+                tool: "search_memory",
+                args: &serde_json::json!({ "query": query.chars().take(500).collect::<String>(), "limit": 5 }),
+                idempotency_key: "",
+                read_external_from: &[],
+                expected_binding: "",
+            })
             .await;
         if !outcome.ok {
             tracing::warn!(run_id = %seg.run_id, error = %outcome.text, "memory unavailable for [ABOUT THE USER]");
             return None;
         }
         // "No memories match ..." is a fact worth nothing in the prompt.
-        (!outcome.text.starts_with("No memories")).then_some(outcome.text)
+        // The flag: some of them were taken from others' words (issue 14).
+        (!outcome.text.starts_with("No memories")).then_some((outcome.text, outcome.external))
     }
 
     /// Lists the tools, opens the Execute stream behind the policy, and runs the executor with
@@ -719,15 +766,24 @@ impl RunService {
     ) -> Result<Driven, ApiError> {
         let gw_channel = gateway_channel(seg.channel);
         let mut side_effects = std::collections::HashSet::new();
+        let mut external_readers = std::collections::HashSet::new();
+        let mut memory_writers = std::collections::HashSet::new();
         if let Some(g) = &self.gateway {
             match g.list_tools(&seg.owner, gw_channel).await {
                 Ok(list) => {
                     for t in list {
+                        // Known even when not offered: the transcript may hold their results.
+                        if t.reads_external_content {
+                            external_readers.insert(t.decl.name.clone());
+                        }
                         if allowed.is_some_and(|only| !only.contains(&t.decl.name)) {
                             continue;
                         }
                         if t.side_effect {
                             side_effects.insert(t.decl.name.clone());
+                        }
+                        if t.writes_memory {
+                            memory_writers.insert(t.decl.name.clone());
                         }
                         request.tools.push(t.decl);
                     }
@@ -747,6 +803,8 @@ impl RunService {
             request.tools.push(tools::task_agent_tool());
         }
         writer.side_effects = side_effects.clone();
+        let guard = writer.guard.clone();
+        guard.read_history(&request.history, &external_readers);
         let session = match (&self.gateway, request.tools.is_empty()) {
             (Some(g), false) => Some(
                 g.open(&seg.owner, &seg.run_id, gw_channel)
@@ -772,6 +830,11 @@ impl RunService {
                 policy: &self.policy,
                 user: &seg.owner,
                 side_effects: &side_effects,
+                external_readers: &external_readers,
+                memory_writers: &memory_writers,
+                guard: &guard,
+                gateway: self.gateway.as_ref(),
+                channel: gw_channel,
                 store: &self.store,
                 run_id: &seg.run_id,
                 writer: tx.clone(),
@@ -834,8 +897,15 @@ impl RunService {
             }
         }
         writer.pending().release = true;
+        let state = writer.pending().patch.state;
         match writer.flush().await {
-            Ok(()) => {}
+            Ok(()) => {
+                if let Some(state) = state {
+                    crate::metrics::run_ended(state.key());
+                    // One line per run segment; the run span adds run_id, thread_id, trace_id.
+                    tracing::info!(state = state.key(), "run segment ended");
+                }
+            }
             Err(StoreError::LeaseLost) => {
                 tracing::error!(run_id = %seg.run_id, "the run lost its lease before its end was recorded; the health monitor will end it");
             }
@@ -905,6 +975,12 @@ impl RunService {
         } = &outcome.stop
         {
             let now = SystemTime::now();
+            let shown = writer.guard.take_preview(call_id).unwrap_or_else(|| {
+                crate::gateway_client::CallPreview {
+                    text: crate::policy::preview(name, arguments),
+                    ..Default::default()
+                }
+            });
             let approval = Approval {
                 id: uuid::Uuid::new_v4().to_string(),
                 run_id: seg.run_id.clone(),
@@ -914,13 +990,15 @@ impl RunService {
                 tool: name.clone(),
                 arguments: arguments.clone(),
                 args_sha256: sha256_hex(arguments),
-                preview: crate::policy::preview(name, arguments),
+                preview: shown.text,
                 reason: reason.clone(),
                 state: ApprovalState::Pending,
                 created_at: now,
                 expires_at: now + self.approval_ttl,
                 decided_by: None,
                 decided_at: None,
+                binding: shown.binding,
+                tainted_by: writer.guard.read_from(),
             };
             if let Some(a) = writer.actions.get_mut(call_id) {
                 a.to(ActionState::AwaitingConfirmation);
@@ -946,6 +1024,7 @@ impl RunService {
                 ..RunPatch::default()
             });
             pending.approval = Some(approval);
+            crate::metrics::approval_requested();
             writer.emit(pb::run_event::Kind::ApprovalRequired(
                 pb::ApprovalRequiredEvent {
                     approval: Some(approval_pb.clone()),
@@ -1150,6 +1229,7 @@ impl WatchSlot {
             )));
         }
         *n += 1;
+        crate::metrics::watchers(1.0);
         Ok(Self {
             watchers: watchers.clone(),
             owner: owner.to_owned(),
@@ -1159,6 +1239,7 @@ impl WatchSlot {
 
 impl Drop for WatchSlot {
     fn drop(&mut self) {
+        crate::metrics::watchers(-1.0);
         let mut open = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(n) = open.get_mut(&self.owner) {
             *n -= 1;
@@ -1279,5 +1360,6 @@ fn unavailable(text: &str) -> ToolOutcome {
         text: text.to_owned(),
         error_kind: "UPSTREAM_UNAVAILABLE".into(),
         truncated: false,
+        external: false,
     }
 }

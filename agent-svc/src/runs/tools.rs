@@ -4,7 +4,9 @@
 use super::*;
 use crate::{
     executor::{APPROVAL_REQUIRED, ToolInvocation},
-    policy::Verdict,
+    gateway_client::{CallPreview, GatewayClient, OnceCall},
+    policy::{TrustLevel, Verdict},
+    runs::guard::CallGuard,
 };
 
 /// Applies the approval policy to every call before it reaches the gateway.
@@ -16,6 +18,14 @@ pub(super) struct PolicyRunner<'a> {
     pub(super) policy: &'a Policy,
     pub(super) user: &'a str,
     pub(super) side_effects: &'a std::collections::HashSet<String>,
+    /// Tools whose output is someone else's words, and tools whose writes reach later prompts.
+    pub(super) external_readers: &'a std::collections::HashSet<String>,
+    pub(super) memory_writers: &'a std::collections::HashSet<String>,
+    /// What the run has read; the previews of calls left for approval.
+    pub(super) guard: &'a CallGuard,
+    /// Previews come from the gateway, which resolves what a call would really do.
+    pub(super) gateway: Option<&'a GatewayClient>,
+    pub(super) channel: gw::Channel,
     pub(super) store: &'a SharedStore,
     pub(super) run_id: &'a str,
     /// The run's writer: calls are recorded as executing, durably, before they run.
@@ -49,11 +59,44 @@ impl ToolRunner for PolicyRunner<'_> {
                 continue;
             }
             let side_effect = self.side_effects.contains(&call.name);
-            match self
-                .policy
-                .decide(self.user, &call.name, side_effect, &call.args)
+            let read_from = self.guard.read_from();
+            let remembers_others =
+                self.memory_writers.contains(&call.name) && !read_from.is_empty();
+            let mut call = call;
+            call.read_external_from = read_from.clone();
+            let preview = if (side_effect && self.policy.wants_preview(self.user))
+                || (remembers_others && self.policy.trust(self.user) != TrustLevel::Autonomous)
             {
+                match self.preview(&call).await {
+                    Ok(p) => Some(p),
+                    Err(not_run) => {
+                        outcomes[i] = Some(not_run);
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
+            let verdict = if side_effect {
+                self.policy.decide(
+                    self.user,
+                    &call.name,
+                    true,
+                    &call.args,
+                    preview.as_ref().map(|p| p.recipients.as_slice()),
+                )
+            } else if remembers_others {
+                self.policy
+                    .decide_memory_write(self.user, &call.name, &read_from)
+            } else {
+                Verdict::Allow
+            };
+            match verdict {
                 Verdict::Allow => {
+                    // Held to what the decision saw: if it changes before execution, refused.
+                    if let Some(p) = &preview {
+                        call.expected_binding = p.binding.clone();
+                    }
                     if side_effect
                         && let Err(e) = self
                             .store
@@ -80,6 +123,7 @@ impl ToolRunner for PolicyRunner<'_> {
                         text,
                         error_kind: "DENIED".into(),
                         truncated: false,
+                        external: false,
                     });
                 }
                 Verdict::NeedsApproval(_) if self.background => {
@@ -91,15 +135,20 @@ impl ToolRunner for PolicyRunner<'_> {
                         ),
                         error_kind: "DENIED".into(),
                         truncated: false,
+                        external: false,
                     });
                 }
                 Verdict::NeedsApproval(reason) if !paused => {
                     paused = true;
+                    if let Some(p) = preview {
+                        self.guard.keep_preview(&call.call_id, p);
+                    }
                     outcomes[i] = Some(ToolOutcome {
                         ok: false,
                         text: reason,
                         error_kind: APPROVAL_REQUIRED.into(),
                         truncated: false,
+                        external: false,
                     });
                 }
                 Verdict::NeedsApproval(_) => {
@@ -108,6 +157,7 @@ impl ToolRunner for PolicyRunner<'_> {
                         text: "Not executed: another action of this turn is waiting for approval; ask for this one again after it is decided.".into(),
                         error_kind: "DEFERRED".into(),
                         truncated: false,
+                        external: false,
                     });
                 }
             }
@@ -120,10 +170,15 @@ impl ToolRunner for PolicyRunner<'_> {
                 .collect();
             match writer::checkpoint(&self.writer, ids, side.contains(&true)).await {
                 Ok(()) => {
+                    let names: Vec<String> = allowed.iter().map(|c| c.name.clone()).collect();
                     let results = self.inner.run(allowed).await;
-                    for ((pos, outcome), side_effect) in
-                        positions.into_iter().zip(results).zip(side)
+                    for (((pos, outcome), side_effect), name) in
+                        positions.into_iter().zip(results).zip(side).zip(names)
                     {
+                        if outcome.ok && (outcome.external || self.external_readers.contains(&name))
+                        {
+                            self.guard.read(&name);
+                        }
                         outcomes[pos] = Some(ambiguity(outcome, side_effect));
                     }
                 }
@@ -144,9 +199,36 @@ impl ToolRunner for PolicyRunner<'_> {
                     text: "The tool did not answer.".into(),
                     error_kind: "INTERNAL".into(),
                     truncated: false,
+                    external: false,
                 })
             })
             .collect()
+    }
+}
+
+impl PolicyRunner<'_> {
+    /// What the call would do, resolved by the gateway. Without a gateway nothing can run
+    /// anyway; the arguments' own preview stands in.
+    async fn preview(&self, call: &ToolInvocation) -> Result<CallPreview, ToolOutcome> {
+        let Some(gateway) = self.gateway else {
+            return Ok(CallPreview {
+                text: crate::policy::preview(&call.name, &call.args),
+                ..CallPreview::default()
+            });
+        };
+        gateway
+            .preview(OnceCall {
+                user: self.user,
+                run_id: self.run_id,
+                channel: self.channel,
+                call_id: &call.call_id,
+                tool: &call.name,
+                args: &call.args,
+                idempotency_key: "",
+                read_external_from: &call.read_external_from,
+                expected_binding: "",
+            })
+            .await
     }
 }
 
@@ -221,6 +303,7 @@ async fn enqueue_task_agent(
             ),
             error_kind: "RATE_LIMITED".into(),
             truncated: false,
+            external: false,
         },
         Ok(true) => ToolOutcome {
             ok: true,
@@ -230,12 +313,14 @@ async fn enqueue_task_agent(
             ),
             error_kind: String::new(),
             truncated: false,
+            external: false,
         },
         Err(e) => ToolOutcome {
             ok: false,
             text: format!("Could not start a task agent ({e})."),
             error_kind: "UPSTREAM_UNAVAILABLE".into(),
             truncated: false,
+            external: false,
         },
     }
 }
@@ -282,6 +367,7 @@ async fn search_history(store: &SharedStore, user: &str, args: &serde_json::Valu
                 text,
                 error_kind: String::new(),
                 truncated: false,
+                external: false,
             }
         }
         Err(e) => ToolOutcome {
@@ -289,6 +375,7 @@ async fn search_history(store: &SharedStore, user: &str, args: &serde_json::Valu
             text: format!("Past sessions are unavailable right now ({e})."),
             error_kind: "UPSTREAM_UNAVAILABLE".into(),
             truncated: false,
+            external: false,
         },
     }
 }
@@ -314,6 +401,7 @@ impl ToolRunner for NoTools {
                 text: "Tools are unavailable right now.".into(),
                 error_kind: "UPSTREAM_UNAVAILABLE".into(),
                 truncated: false,
+                external: false,
             })
             .collect()
     }

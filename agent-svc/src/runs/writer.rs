@@ -182,6 +182,8 @@ pub(super) struct RunWriter {
     /// The run's actions by call id, as they are now.
     pub(super) actions: HashMap<String, Action>,
     pub(super) side_effects: HashSet<String>,
+    /// What the segment has read and the previews of its paused calls (issue 14).
+    pub(super) guard: Arc<super::guard::CallGuard>,
     /// What the run's earlier segments used (usage, iterations): a continuation adds to it.
     pub(super) usage_before: (crate::store::RunUsage, u32),
 }
@@ -202,6 +204,7 @@ impl RunWriter {
             held: Vec::new(),
             actions: HashMap::new(),
             side_effects: HashSet::new(),
+            guard: Arc::default(),
             usage_before: Default::default(),
         }
     }

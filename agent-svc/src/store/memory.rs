@@ -12,8 +12,8 @@ use serde_json::Value;
 
 use super::{
     Action, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive, Decided, Ending,
-    Lease, LockOutcome, Message, MessageKind, MessageSource, Run, RunCommit, RunPatch, RunState,
-    StoreError, TaskAgent, Thread, transcript_text,
+    Lease, LockOutcome, Message, MessageKind, MessageSource, Occurrence, Run, RunCommit, RunPatch,
+    RunState, Schedule, ScheduleOutcome, Settle, StoreError, TaskAgent, Thread, transcript_text,
 };
 
 /// A thread's lease: holder run, fencing token, expiry on the monotonic clock.
@@ -35,6 +35,32 @@ impl ThreadRow {
     }
 }
 
+/// A schedule and who holds its occurrence in progress until when (no worker: free to take
+/// again at that time).
+struct ScheduleRow {
+    schedule: Schedule,
+    holder: Option<String>,
+    held_until: Option<SystemTime>,
+}
+
+impl ScheduleRow {
+    fn claim(
+        &mut self,
+        worker: &str,
+        due_at: SystemTime,
+        now: SystemTime,
+        hold: Duration,
+    ) -> Occurrence {
+        self.holder = Some(worker.to_owned());
+        self.held_until = Some(now + hold);
+        Occurrence {
+            schedule: self.schedule.clone(),
+            due_at,
+            attempt: self.schedule.attempts,
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
     threads: HashMap<String, ThreadRow>,
@@ -46,6 +72,7 @@ struct State {
     actions: Vec<Action>,
     archives: Vec<(String, Archive, String)>,
     tasks: Vec<(TaskAgent, SystemTime, Option<SystemTime>)>,
+    schedules: Vec<ScheduleRow>,
     audit: Vec<(String, String, Value)>,
 }
 
@@ -319,6 +346,15 @@ impl AgentStore for MemoryStore {
                         });
                     }
                 }
+            }
+            if !a.supersede_paused
+                && let Some(paused) = s.runs.values().find(|r| {
+                    r.thread_id == run.thread_id && r.state == RunState::AwaitingConfirmation
+                })
+            {
+                return Ok(Admitted::AwaitingApproval {
+                    run_id: paused.id.clone(),
+                });
             }
             let lease = Lease::new(&run.thread_id, &run.id);
             let row = s.threads.get_mut(&run.thread_id).expect("checked above");
@@ -852,6 +888,225 @@ impl AgentStore for MemoryStore {
         })
     }
 
+    async fn create_schedule(
+        &self,
+        sch: &Schedule,
+        max_per_owner: u32,
+    ) -> Result<bool, StoreError> {
+        self.with(|s| {
+            let mine = s
+                .schedules
+                .iter()
+                .filter(|r| r.schedule.owner == sch.owner)
+                .count();
+            if mine as u32 >= max_per_owner {
+                return Ok(false);
+            }
+            if s.schedules.iter().any(|r| r.schedule.id == sch.id) {
+                return Err(StoreError::Conflict(format!("schedule {}", sch.id)));
+            }
+            s.schedules.push(ScheduleRow {
+                schedule: sch.clone(),
+                holder: None,
+                held_until: None,
+            });
+            Ok(true)
+        })?
+    }
+
+    async fn get_schedule(&self, owner: &str, id: &str) -> Result<Option<Schedule>, StoreError> {
+        self.with(|s| {
+            s.schedules
+                .iter()
+                .find(|r| r.schedule.id == id && r.schedule.owner == owner)
+                .map(|r| r.schedule.clone())
+        })
+    }
+
+    async fn list_schedules(&self, owner: &str) -> Result<Vec<Schedule>, StoreError> {
+        self.with(|s| {
+            let mut mine: Vec<Schedule> = s
+                .schedules
+                .iter()
+                .filter(|r| r.schedule.owner == owner)
+                .map(|r| r.schedule.clone())
+                .collect();
+            mine.sort_by_key(|x| x.created_at);
+            mine
+        })
+    }
+
+    async fn save_schedule(&self, sch: &Schedule, reschedule: bool) -> Result<bool, StoreError> {
+        self.with(|s| {
+            let Some(row) = s
+                .schedules
+                .iter_mut()
+                .find(|r| r.schedule.id == sch.id && r.schedule.owner == sch.owner)
+            else {
+                return false;
+            };
+            let r = &mut row.schedule;
+            r.prompt = sch.prompt.clone();
+            r.cron = sch.cron.clone();
+            r.every = sch.every;
+            r.time_zone = sch.time_zone.clone();
+            r.enabled = sch.enabled;
+            if reschedule {
+                r.next_due_at = sch.next_due_at;
+            }
+            if !sch.enabled && row.holder.is_none() && r.occurrence_at.is_some() {
+                r.occurrence_at = None;
+                r.attempts = 0;
+                row.held_until = None;
+            }
+            r.updated_at = SystemTime::now();
+            true
+        })
+    }
+
+    async fn delete_schedule(&self, owner: &str, id: &str) -> Result<bool, StoreError> {
+        self.with(|s| {
+            let before = s.schedules.len();
+            s.schedules
+                .retain(|r| !(r.schedule.id == id && r.schedule.owner == owner));
+            s.schedules.len() < before
+        })
+    }
+
+    async fn claim_schedule(
+        &self,
+        worker: &str,
+        now: SystemTime,
+        hold: Duration,
+    ) -> Result<Option<Occurrence>, StoreError> {
+        self.with(|s| {
+            // An occurrence already begun is finished even if the schedule was switched off
+            // meanwhile (RunScheduleNow works on a switched-off schedule too).
+            let Some(row) = s
+                .schedules
+                .iter_mut()
+                .find(|r| match r.schedule.occurrence_at {
+                    None => r.schedule.enabled && r.schedule.next_due_at <= now,
+                    Some(_) => r.held_until.is_none_or(|t| t <= now),
+                })
+            else {
+                return Ok(None);
+            };
+            let due_at = match row.schedule.occurrence_at {
+                Some(due) => due,
+                None => {
+                    let due = row.schedule.next_due_at;
+                    let following = match row.schedule.following_due(now) {
+                        Ok(t) => t,
+                        Err(e) => {
+                            // As on PostgreSQL: switched off with the reason, never blocking.
+                            row.schedule.enabled = false;
+                            row.schedule.last_outcome = Some(ScheduleOutcome::Failed);
+                            row.schedule.last_error = Some(e.to_string());
+                            return Err(e);
+                        }
+                    };
+                    row.schedule.next_due_at = following;
+                    row.schedule.occurrence_at = Some(due);
+                    row.schedule.attempts = 1;
+                    row.schedule.last_outcome = Some(ScheduleOutcome::Running);
+                    row.schedule.last_fired_at = Some(now);
+                    due
+                }
+            };
+            Ok(Some(row.claim(worker, due_at, now, hold)))
+        })?
+    }
+
+    async fn claim_schedule_now(
+        &self,
+        owner: &str,
+        id: &str,
+        worker: &str,
+        now: SystemTime,
+        hold: Duration,
+    ) -> Result<Option<Occurrence>, StoreError> {
+        self.with(|s| {
+            let Some(row) = s
+                .schedules
+                .iter_mut()
+                .find(|r| r.schedule.id == id && r.schedule.owner == owner)
+            else {
+                return Ok(None);
+            };
+            if row.schedule.occurrence_at.is_some() {
+                return Err(StoreError::Conflict(format!(
+                    "an occurrence of schedule {id} (run {})",
+                    row.schedule
+                        .last_run_id
+                        .as_deref()
+                        .unwrap_or("not started yet")
+                )));
+            }
+            row.schedule.occurrence_at = Some(now);
+            row.schedule.attempts = 1;
+            row.schedule.last_outcome = Some(ScheduleOutcome::Running);
+            row.schedule.last_fired_at = Some(now);
+            Ok(Some(row.claim(worker, now, now, hold)))
+        })?
+    }
+
+    async fn settle_schedule(
+        &self,
+        occurrence: &Occurrence,
+        worker: &str,
+        settle: &Settle,
+    ) -> Result<bool, StoreError> {
+        self.with(|s| {
+            let Some(row) = s.schedules.iter_mut().find(|r| {
+                r.schedule.id == occurrence.schedule.id
+                    && r.schedule.occurrence_at == Some(occurrence.due_at)
+                    && r.holder.as_deref() == Some(worker)
+            }) else {
+                return false;
+            };
+            let sch = &mut row.schedule;
+            match settle {
+                Settle::Running { run_id, until } => {
+                    sch.last_run_id = Some(run_id.clone());
+                    sch.last_outcome = Some(ScheduleOutcome::Running);
+                    sch.last_error = None;
+                    row.held_until = Some(*until);
+                }
+                Settle::Again {
+                    outcome,
+                    run_id,
+                    error,
+                    at,
+                } => {
+                    if *outcome == ScheduleOutcome::Retrying {
+                        sch.attempts += 1;
+                    }
+                    sch.last_outcome = Some(*outcome);
+                    sch.last_run_id = run_id.clone().or(sch.last_run_id.take());
+                    sch.last_error = error.clone();
+                    row.holder = None;
+                    row.held_until = Some(*at);
+                }
+                Settle::Done {
+                    outcome,
+                    run_id,
+                    error,
+                } => {
+                    sch.last_outcome = Some(*outcome);
+                    sch.last_run_id = run_id.clone().or(sch.last_run_id.take());
+                    sch.last_error = error.clone();
+                    sch.occurrence_at = None;
+                    sch.attempts = 0;
+                    row.holder = None;
+                    row.held_until = None;
+                }
+            }
+            sch.updated_at = SystemTime::now();
+            true
+        })
+    }
+
     async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError> {
         self.with(|s| {
             s.actions
@@ -869,6 +1124,16 @@ impl AgentStore for MemoryStore {
                 .filter(|a| call_ids.contains(&a.call_id))
                 .cloned()
                 .collect()
+        })
+    }
+
+    async fn count_pending_approvals(&self) -> Result<u64, StoreError> {
+        let now = SystemTime::now();
+        self.with(|s| {
+            s.approvals
+                .values()
+                .filter(|a| a.state == ApprovalState::Pending && a.expires_at > now)
+                .count() as u64
         })
     }
 

@@ -354,6 +354,9 @@ pub struct Admission {
     /// encoded terminal event and message, their pending approvals expired.
     pub supersede_event: Vec<u8>,
     pub supersede_message: String,
+    /// False for a run nobody is waiting for (a scheduled run): a run of the thread paused for
+    /// the user's approval is left alone and the admission is `AwaitingApproval` instead.
+    pub supersede_paused: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -371,6 +374,11 @@ pub enum Admitted {
     /// The owner has `active` live runs, at or over the cap.
     TooManyRuns {
         active: u32,
+    },
+    /// A run of the thread waits for the user's approval and this admission may not supersede
+    /// it (`supersede_paused` is false).
+    AwaitingApproval {
+        run_id: String,
     },
 }
 
@@ -553,11 +561,52 @@ pub trait AgentStore: Send + Sync + 'static {
     ) -> Result<(), StoreError>;
     async fn get_task_agent(&self, owner: &str, id: &str) -> Result<Option<TaskAgent>, StoreError>;
 
+    /// Stores a new schedule unless the owner already has `max_per_owner`; false then.
+    async fn create_schedule(&self, s: &Schedule, max_per_owner: u32) -> Result<bool, StoreError>;
+    async fn get_schedule(&self, owner: &str, id: &str) -> Result<Option<Schedule>, StoreError>;
+    /// Oldest first.
+    async fn list_schedules(&self, owner: &str) -> Result<Vec<Schedule>, StoreError>;
+    /// Writes the definition of an existing schedule (prompt, recurrence, zone, enabled) and,
+    /// when `reschedule`, its next due time (otherwise a claim that moved it meanwhile stands).
+    /// Switching it off drops an occurrence that is waiting (postponed or retrying) but not one
+    /// whose run is in progress. False when it is gone.
+    async fn save_schedule(&self, s: &Schedule, reschedule: bool) -> Result<bool, StoreError>;
+    async fn delete_schedule(&self, owner: &str, id: &str) -> Result<bool, StoreError>;
+    /// Takes the next occurrence to fire at `now`, exclusively across replicas (SKIP LOCKED):
+    /// an enabled due schedule with no occurrence in progress (its next due time moves past `now`, so
+    /// slots missed while nobody fired collapse into this one), or an occurrence whose hold
+    /// expired (postponed, retrying, or its worker died). Held for `worker` until `now + hold`.
+    async fn claim_schedule(
+        &self,
+        worker: &str,
+        now: SystemTime,
+        hold: Duration,
+    ) -> Result<Option<Occurrence>, StoreError>;
+    /// Starts an occurrence of the owner's schedule at `now` (RunScheduleNow). `Conflict` while
+    /// another occurrence is in progress; `None` when there is no such schedule.
+    async fn claim_schedule_now(
+        &self,
+        owner: &str,
+        id: &str,
+        worker: &str,
+        now: SystemTime,
+        hold: Duration,
+    ) -> Result<Option<Occurrence>, StoreError>;
+    /// Records how `occurrence` went, if `worker` still holds it; false otherwise.
+    async fn settle_schedule(
+        &self,
+        occurrence: &Occurrence,
+        worker: &str,
+        settle: &Settle,
+    ) -> Result<bool, StoreError>;
+
     /// A run's actions, oldest first.
     async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError>;
     /// The actions of these call ids, whatever run made them (call ids are unique).
     async fn actions_for_calls(&self, call_ids: &[String]) -> Result<Vec<Action>, StoreError>;
 
+    /// Approvals still waiting for a decision (pending and unexpired), across every owner.
+    async fn count_pending_approvals(&self) -> Result<u64, StoreError>;
     /// The approval if it exists and belongs to `owner`.
     async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError>;
     /// An audit record of a side effect or an approval event (P-5).
@@ -772,4 +821,162 @@ pub struct Approval {
     pub expires_at: SystemTime,
     pub decided_by: Option<String>,
     pub decided_at: Option<SystemTime>,
+    /// What the gateway's preview resolved (PreviewCallResponse.binding): the approved call
+    /// runs only if it still holds. Empty: nothing was resolved beyond the arguments.
+    pub binding: String,
+    /// The tools whose external content the run had read when it asked (issue 14).
+    pub tainted_by: Vec<String>,
+}
+
+/// What a scheduled run is for: its guidance, channel and limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleKind {
+    Briefing,
+    CheckIn,
+    Heartbeat,
+}
+
+impl ScheduleKind {
+    pub fn key(self) -> &'static str {
+        match self {
+            ScheduleKind::Briefing => "briefing",
+            ScheduleKind::CheckIn => "check_in",
+            ScheduleKind::Heartbeat => "heartbeat",
+        }
+    }
+
+    pub fn from_key(k: &str) -> Result<Self, StoreError> {
+        Ok(match k {
+            "briefing" => ScheduleKind::Briefing,
+            "check_in" => ScheduleKind::CheckIn,
+            "heartbeat" => ScheduleKind::Heartbeat,
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "unknown ScheduleKind {other:?}"
+                )));
+            }
+        })
+    }
+}
+
+/// How a schedule's latest occurrence went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleOutcome {
+    Running,
+    Completed,
+    AwaitingApproval,
+    Retrying,
+    Failed,
+    Postponed,
+}
+
+impl ScheduleOutcome {
+    pub fn key(self) -> &'static str {
+        match self {
+            ScheduleOutcome::Running => "running",
+            ScheduleOutcome::Completed => "completed",
+            ScheduleOutcome::AwaitingApproval => "awaiting_approval",
+            ScheduleOutcome::Retrying => "retrying",
+            ScheduleOutcome::Failed => "failed",
+            ScheduleOutcome::Postponed => "postponed",
+        }
+    }
+
+    pub fn from_key(k: &str) -> Result<Self, StoreError> {
+        Ok(match k {
+            "running" => ScheduleOutcome::Running,
+            "completed" => ScheduleOutcome::Completed,
+            "awaiting_approval" => ScheduleOutcome::AwaitingApproval,
+            "retrying" => ScheduleOutcome::Retrying,
+            "failed" => ScheduleOutcome::Failed,
+            "postponed" => ScheduleOutcome::Postponed,
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "unknown ScheduleOutcome {other:?}"
+                )));
+            }
+        })
+    }
+}
+
+/// A recurring run of one user (issue 16). At most one occurrence is in progress at a time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Schedule {
+    pub id: String,
+    pub owner: String,
+    pub kind: ScheduleKind,
+    pub prompt: String,
+    /// Five-field cron read in `time_zone`, or else `every`.
+    pub cron: Option<String>,
+    pub every: Option<Duration>,
+    pub time_zone: String,
+    pub enabled: bool,
+    /// The thread occurrences post to; `None`: a new thread per occurrence.
+    pub thread_id: Option<String>,
+    pub next_due_at: SystemTime,
+    pub last_outcome: Option<ScheduleOutcome>,
+    pub last_run_id: Option<String>,
+    pub last_error: Option<String>,
+    pub last_fired_at: Option<SystemTime>,
+    /// The due time of the occurrence in progress, until it settles.
+    pub occurrence_at: Option<SystemTime>,
+    /// Attempts of the occurrence in progress (E-12 retries).
+    pub attempts: u32,
+    pub created_at: SystemTime,
+    pub updated_at: SystemTime,
+}
+
+impl Schedule {
+    /// The recurrence the stored fields describe; a stored value this build cannot read is
+    /// `Corrupt`, never a silent default.
+    pub fn recurrence(&self) -> Result<crate::schedule::Recurrence, StoreError> {
+        match (&self.cron, self.every) {
+            (Some(expr), _) => crate::schedule::Recurrence::cron(expr, &self.time_zone)
+                .map_err(|e| StoreError::Corrupt(format!("schedule {}: {e}", self.id))),
+            (None, Some(period)) => Ok(crate::schedule::Recurrence::every(period)),
+            (None, None) => Err(StoreError::Corrupt(format!(
+                "schedule {} has neither cron nor interval",
+                self.id
+            ))),
+        }
+    }
+
+    /// The due time after the one that fires at `now`: strictly after `now`, so every slot
+    /// that passed unfired collapses into the occurrence being claimed.
+    pub fn following_due(&self, now: SystemTime) -> Result<SystemTime, StoreError> {
+        let after = now.max(self.next_due_at);
+        self.recurrence()?
+            .next_due(self.created_at, after)
+            .ok_or_else(|| StoreError::Corrupt(format!("schedule {} never fires again", self.id)))
+    }
+}
+
+/// One occurrence of a schedule, held by the worker that claimed it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Occurrence {
+    pub schedule: Schedule,
+    pub due_at: SystemTime,
+    /// 1 for the first try; the run's request id includes it, so a worker that takes over a
+    /// dead worker's occurrence finds its run instead of starting a second.
+    pub attempt: u32,
+}
+
+/// How an occurrence went.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Settle {
+    /// Its run started (or is still going): the hold is extended to `until`.
+    Running { run_id: String, until: SystemTime },
+    /// Try it again at `at`: postponed (busy thread) or retrying (the next attempt).
+    Again {
+        outcome: ScheduleOutcome,
+        run_id: Option<String>,
+        error: Option<String>,
+        at: SystemTime,
+    },
+    /// Finished with it (completed, awaiting approval, or failed for good).
+    Done {
+        outcome: ScheduleOutcome,
+        run_id: Option<String>,
+        error: Option<String>,
+    },
 }

@@ -9,8 +9,9 @@ use tokio_postgres::Row;
 
 use super::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive,
-    Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, NOTICE_CHANNEL, Run,
-    RunCommit, RunNotice, RunState, RunUsage, StoreError, TaskAgent, Thread, transcript_text,
+    Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, NOTICE_CHANNEL,
+    Occurrence, Run, RunCommit, RunNotice, RunState, RunUsage, Schedule, ScheduleKind,
+    ScheduleOutcome, Settle, StoreError, TaskAgent, Thread, transcript_text,
 };
 
 mod embedded {
@@ -32,11 +33,18 @@ pub struct PgStore {
 }
 
 impl PgStore {
-    /// Applies pending migrations, then opens the pool.
-    pub async fn connect(config: &DatabaseConfig) -> Result<Self, StoreError> {
+    /// Applies pending migrations of the `agent` schema and returns (the `migrate` subcommand,
+    /// for a Kubernetes Job; start-up does the same first).
+    pub async fn migrate(url: &str) -> Result<(), StoreError> {
         let mut runner = embedded::migrations::runner();
         runner.set_migration_table_name("agent_schema_history");
-        pg::migrate(&config.url, runner, MIGRATION_LOCK_KEY).await?;
+        pg::migrate(url, runner, MIGRATION_LOCK_KEY).await?;
+        Ok(())
+    }
+
+    /// Applies pending migrations, then opens the pool.
+    pub async fn connect(config: &DatabaseConfig) -> Result<Self, StoreError> {
+        Self::migrate(&config.url).await?;
         let pool = pg::pool(&config.url, &config.pool)?;
         let (notices, _) = tokio::sync::broadcast::channel(1024);
         let stop = tokio_util::sync::CancellationToken::new();
@@ -49,7 +57,9 @@ impl PgStore {
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        self.pool.get().await.map_err(StoreError::unavailable)
+        pg::checkout(&self.pool, "agent")
+            .await
+            .map_err(StoreError::unavailable)
     }
 }
 
@@ -160,6 +170,7 @@ impl AgentStore for PgStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
+        pg::report(&self.pool, "agent");
         Ok(pg::ping(&self.pool).await?)
     }
 
@@ -234,7 +245,14 @@ impl AgentStore for PgStore {
             })
             .await
             .map_err(db)?;
-        let supersede = tx.prepare_cached(SQL_SUPERSEDE).await.map_err(db)?;
+        let supersede = tx
+            .prepare_cached(if a.supersede_paused {
+                SQL_SUPERSEDE
+            } else {
+                SQL_PAUSED
+            })
+            .await
+            .map_err(db)?;
         let insert = tx.prepare_cached(SQL_ADMIT_RUN).await.map_err(db)?;
         let title = a.new_thread_title.as_deref().unwrap_or_default();
         let count_params: [Param<'_>; 1] = [&run.owner];
@@ -258,6 +276,8 @@ impl AgentStore for PgStore {
         };
         let supersede_params: [Param<'_>; 3] =
             [&run.thread_id, &a.supersede_message, &a.supersede_event];
+        // SQL_PAUSED only counts the paused runs ($1).
+        let supersede_params = &supersede_params[..if a.supersede_paused { 3 } else { 1 }];
         let insert_params: [Param<'_>; 7] = [
             &run.id,
             &run.thread_id,
@@ -270,7 +290,7 @@ impl AgentStore for PgStore {
         let (active, taken, superseded, inserted) = futures_util::future::join4(
             tx.query_one(&count, &count_params),
             tx.execute_raw(&take, take_params),
-            tx.execute_raw(&supersede, supersede_params),
+            tx.execute_raw(&supersede, supersede_params.iter().copied()),
             tx.query_one(&insert, &insert_params),
         )
         .await;
@@ -295,7 +315,16 @@ impl AgentStore for PgStore {
                 run_id: holder.get::<_, Option<String>>(0).unwrap_or_default(),
             });
         }
-        superseded.map_err(db)?;
+        if superseded.map_err(db)? > 0 && !a.supersede_paused {
+            drop(tx);
+            let paused = client
+                .query_one(SQL_PAUSED, &[&run.thread_id])
+                .await
+                .map_err(db)?;
+            return Ok(Admitted::AwaitingApproval {
+                run_id: paused.get(0),
+            });
+        }
         if inserted.map_err(db)?.get::<_, i64>(0) == 0 {
             drop(tx);
             let first = client
@@ -496,7 +525,7 @@ impl AgentStore for PgStore {
         }
         if let (Some(a), Some(approval_state)) = (&c.approval, &approval_state) {
             let s = tx.prepare_cached(SQL_APPROVAL).await.map_err(db)?;
-            let params: [Param<'_>; 13] = [
+            let params: [Param<'_>; 15] = [
                 &a.id,
                 &a.run_id,
                 &a.thread_id,
@@ -510,6 +539,8 @@ impl AgentStore for PgStore {
                 approval_state,
                 &a.created_at,
                 &a.expires_at,
+                &a.binding,
+                &a.tainted_by,
             ];
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
@@ -977,6 +1008,279 @@ impl AgentStore for PgStore {
         Ok(row.as_ref().map(task_agent))
     }
 
+    async fn create_schedule(
+        &self,
+        sch: &Schedule,
+        max_per_owner: u32,
+    ) -> Result<bool, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        // Two creates of one owner must not both pass the cap.
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('schedules:' || $1))",
+            &[&sch.owner],
+        )
+        .await
+        .map_err(db)?;
+        let n: i64 = tx
+            .query_one(
+                "SELECT count(*) FROM agent.schedules WHERE owner = $1",
+                &[&sch.owner],
+            )
+            .await
+            .map_err(db)?
+            .get(0);
+        if n >= i64::from(max_per_owner) {
+            return Ok(false);
+        }
+        tx.execute(
+            "INSERT INTO agent.schedules (id, owner, kind, prompt, cron, every_secs, time_zone, enabled, thread_id, \
+               next_due_at, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $11)",
+            &[
+                &sch.id,
+                &sch.owner,
+                &sch.kind.key(),
+                &sch.prompt,
+                &sch.cron,
+                &sch.every.map(|d| d.as_secs() as i64),
+                &sch.time_zone,
+                &sch.enabled,
+                &sch.thread_id,
+                &sch.next_due_at,
+                &sch.created_at,
+            ],
+        )
+        .await
+        .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(true)
+    }
+
+    async fn get_schedule(&self, owner: &str, id: &str) -> Result<Option<Schedule>, StoreError> {
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!(
+                    "SELECT {SCHEDULE_COLUMNS} FROM agent.schedules WHERE id = $1 AND owner = $2"
+                ),
+                &[&id, &owner],
+            )
+            .await
+            .map_err(db)?;
+        row.as_ref().map(schedule).transpose()
+    }
+
+    async fn list_schedules(&self, owner: &str) -> Result<Vec<Schedule>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                &format!(
+                    "SELECT {SCHEDULE_COLUMNS} FROM agent.schedules WHERE owner = $1 ORDER BY created_at, id"
+                ),
+                &[&owner],
+            )
+            .await
+            .map_err(db)?;
+        rows.iter().map(schedule).collect()
+    }
+
+    async fn save_schedule(&self, sch: &Schedule, reschedule: bool) -> Result<bool, StoreError> {
+        let n = self
+            .client()
+            .await?
+            .execute(
+                "UPDATE agent.schedules SET prompt = $3, cron = $4, every_secs = $5, time_zone = $6, enabled = $7, \
+                   next_due_at = CASE WHEN $9 THEN $8 ELSE next_due_at END, \
+                   occurrence_at = CASE WHEN NOT $7 AND holder IS NULL THEN NULL ELSE occurrence_at END, \
+                   attempts = CASE WHEN NOT $7 AND holder IS NULL THEN 0 ELSE attempts END, \
+                   held_until = CASE WHEN NOT $7 AND holder IS NULL THEN NULL ELSE held_until END, \
+                   updated_at = now() WHERE id = $1 AND owner = $2",
+                &[
+                    &sch.id,
+                    &sch.owner,
+                    &sch.prompt,
+                    &sch.cron,
+                    &sch.every.map(|d| d.as_secs() as i64),
+                    &sch.time_zone,
+                    &sch.enabled,
+                    &sch.next_due_at,
+                    &reschedule,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        Ok(n == 1)
+    }
+
+    async fn delete_schedule(&self, owner: &str, id: &str) -> Result<bool, StoreError> {
+        let n = self
+            .client()
+            .await?
+            .execute(
+                "DELETE FROM agent.schedules WHERE id = $1 AND owner = $2",
+                &[&id, &owner],
+            )
+            .await
+            .map_err(db)?;
+        Ok(n == 1)
+    }
+
+    async fn claim_schedule(
+        &self,
+        worker: &str,
+        now: SystemTime,
+        hold: Duration,
+    ) -> Result<Option<Occurrence>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        let Some(row) = tx
+            .query_opt(
+                &format!(
+                    "SELECT {SCHEDULE_COLUMNS} FROM agent.schedules WHERE \
+                       (enabled AND occurrence_at IS NULL AND next_due_at <= $1) \
+                        OR (occurrence_at IS NOT NULL AND held_until <= $1) \
+                     LIMIT 1 FOR UPDATE SKIP LOCKED"
+                ),
+                &[&now],
+            )
+            .await
+            .map_err(db)?
+        else {
+            return Ok(None);
+        };
+        let mut sch = schedule(&row)?;
+        let due_at = match sch.occurrence_at {
+            Some(due) => due,
+            None => {
+                let following = match sch.following_due(now) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        // An unreadable schedule is switched off with the reason, so it cannot
+                        // block the queue; the owner sees why in ListSchedules.
+                        tx.execute(
+                            "UPDATE agent.schedules SET enabled = false, last_outcome = 'failed', last_error = $2, \
+                               updated_at = now() WHERE id = $1",
+                            &[&sch.id, &e.to_string()],
+                        )
+                        .await
+                        .map_err(db)?;
+                        tx.commit().await.map_err(db)?;
+                        return Err(e);
+                    }
+                };
+                let due = sch.next_due_at;
+                sch.next_due_at = following;
+                sch.occurrence_at = Some(due);
+                sch.attempts = 1;
+                sch.last_outcome = Some(ScheduleOutcome::Running);
+                sch.last_fired_at = Some(now);
+                due
+            }
+        };
+        hold_occurrence(&tx, &sch, worker, now + hold).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(Some(Occurrence {
+            attempt: sch.attempts,
+            schedule: sch,
+            due_at,
+        }))
+    }
+
+    async fn claim_schedule_now(
+        &self,
+        owner: &str,
+        id: &str,
+        worker: &str,
+        now: SystemTime,
+        hold: Duration,
+    ) -> Result<Option<Occurrence>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        let Some(row) = tx
+            .query_opt(
+                &format!(
+                    "SELECT {SCHEDULE_COLUMNS} FROM agent.schedules WHERE id = $1 AND owner = $2 FOR UPDATE"
+                ),
+                &[&id, &owner],
+            )
+            .await
+            .map_err(db)?
+        else {
+            return Ok(None);
+        };
+        let mut sch = schedule(&row)?;
+        if sch.occurrence_at.is_some() {
+            return Err(StoreError::Conflict(format!(
+                "an occurrence of schedule {id} (run {})",
+                sch.last_run_id.as_deref().unwrap_or("not started yet")
+            )));
+        }
+        sch.occurrence_at = Some(now);
+        sch.attempts = 1;
+        sch.last_outcome = Some(ScheduleOutcome::Running);
+        sch.last_fired_at = Some(now);
+        hold_occurrence(&tx, &sch, worker, now + hold).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(Some(Occurrence {
+            attempt: 1,
+            schedule: sch,
+            due_at: now,
+        }))
+    }
+
+    async fn settle_schedule(
+        &self,
+        occurrence: &Occurrence,
+        worker: &str,
+        settle: &Settle,
+    ) -> Result<bool, StoreError> {
+        // $1 id, $2 occurrence, $3 worker: only the holder of this very occurrence settles it.
+        const HELD: &str = "WHERE id = $1 AND occurrence_at = $2 AND holder = $3";
+        let client = self.client().await?;
+        let key = (&occurrence.schedule.id, &occurrence.due_at, &worker);
+        let n = match settle {
+            Settle::Running { run_id, until } => {
+                client
+                    .execute(
+                        &format!(
+                            "UPDATE agent.schedules SET last_run_id = $4, last_outcome = 'running', last_error = NULL, \
+                               held_until = $5, updated_at = now() {HELD}"
+                        ),
+                        &[key.0, key.1, key.2, run_id, until],
+                    )
+                    .await
+            }
+            Settle::Again { outcome, run_id, error, at } => {
+                client
+                    .execute(
+                        &format!(
+                            "UPDATE agent.schedules SET attempts = attempts + CASE WHEN $4 = 'retrying' THEN 1 ELSE 0 END, \
+                               last_outcome = $4, last_run_id = COALESCE($5, last_run_id), last_error = $6, \
+                               holder = NULL, held_until = $7, updated_at = now() {HELD}"
+                        ),
+                        &[key.0, key.1, key.2, &outcome.key(), run_id, error, at],
+                    )
+                    .await
+            }
+            Settle::Done { outcome, run_id, error } => {
+                client
+                    .execute(
+                        &format!(
+                            "UPDATE agent.schedules SET occurrence_at = NULL, attempts = 0, last_outcome = $4, \
+                               last_run_id = COALESCE($5, last_run_id), last_error = $6, holder = NULL, held_until = NULL, \
+                               updated_at = now() {HELD}"
+                        ),
+                        &[key.0, key.1, key.2, &outcome.key(), run_id, error],
+                    )
+                    .await
+            }
+        }
+        .map_err(db)?;
+        Ok(n == 1)
+    }
+
     async fn settle_task_agent(
         &self,
         id: &str,
@@ -1038,6 +1342,20 @@ impl AgentStore for PgStore {
         rows.iter().map(action).collect()
     }
 
+    async fn count_pending_approvals(&self) -> Result<u64, StoreError> {
+        let n: i64 = self
+            .client()
+            .await?
+            .query_one(
+                "SELECT count(*) FROM agent.approvals WHERE state = 'pending' AND expires_at > now()",
+                &[],
+            )
+            .await
+            .map_err(db)?
+            .get(0);
+        Ok(n.max(0) as u64)
+    }
+
     async fn get_approval(&self, owner: &str, id: &str) -> Result<Option<Approval>, StoreError> {
         let row = self
             .client()
@@ -1086,7 +1404,7 @@ impl AgentStore for PgStore {
 }
 
 const APPROVAL_COLUMNS: &str = "id, run_id, thread_id, owner, call_id, tool, arguments, args_sha256, preview, reason, state, \
-    created_at, expires_at, decided_by, decided_at";
+    created_at, expires_at, decided_by, decided_at, binding, tainted_by";
 
 fn approval(r: &Row) -> Result<Approval, StoreError> {
     Ok(Approval {
@@ -1105,6 +1423,8 @@ fn approval(r: &Row) -> Result<Approval, StoreError> {
         expires_at: r.get(12),
         decided_by: r.get(13),
         decided_at: r.get(14),
+        binding: r.get(15),
+        tainted_by: r.get(16),
     })
 }
 
@@ -1119,6 +1439,62 @@ fn archive(r: &Row) -> Archive {
 
 const TASK_COLUMNS: &str =
     "id, owner, parent_thread_id, instructions, goal, state, attempts, last_error, result";
+
+const SCHEDULE_COLUMNS: &str = "id, owner, kind, prompt, cron, every_secs, time_zone, enabled, thread_id, \
+    next_due_at, last_outcome, last_run_id, last_error, last_fired_at, occurrence_at, attempts, created_at, updated_at";
+
+fn schedule(r: &Row) -> Result<Schedule, StoreError> {
+    Ok(Schedule {
+        id: r.get(0),
+        owner: r.get(1),
+        kind: ScheduleKind::from_key(r.get(2))?,
+        prompt: r.get(3),
+        cron: r.get(4),
+        every: r
+            .get::<_, Option<i64>>(5)
+            .map(|s| Duration::from_secs(s.max(1) as u64)),
+        time_zone: r.get(6),
+        enabled: r.get(7),
+        thread_id: r.get(8),
+        next_due_at: r.get(9),
+        last_outcome: r
+            .get::<_, Option<&str>>(10)
+            .map(ScheduleOutcome::from_key)
+            .transpose()?,
+        last_run_id: r.get(11),
+        last_error: r.get(12),
+        last_fired_at: r.get(13),
+        occurrence_at: r.get(14),
+        attempts: r.get::<_, i32>(15).max(0) as u32,
+        created_at: r.get(16),
+        updated_at: r.get(17),
+    })
+}
+
+/// Writes a claimed occurrence and its holder (inside the claiming transaction).
+async fn hold_occurrence(
+    tx: &deadpool_postgres::Transaction<'_>,
+    sch: &Schedule,
+    worker: &str,
+    until: SystemTime,
+) -> Result<(), StoreError> {
+    tx.execute(
+        "UPDATE agent.schedules SET occurrence_at = $2, next_due_at = $3, attempts = $4, last_outcome = 'running', \
+           last_fired_at = $5, holder = $6, held_until = $7, updated_at = now() WHERE id = $1",
+        &[
+            &sch.id,
+            &sch.occurrence_at,
+            &sch.next_due_at,
+            &(sch.attempts as i32),
+            &sch.last_fired_at,
+            &worker,
+            &until,
+        ],
+    )
+    .await
+    .map_err(db)?;
+    Ok(())
+}
 
 fn task_agent(r: &Row) -> TaskAgent {
     TaskAgent {
@@ -1341,8 +1717,8 @@ const SQL_PATCH: &str = "UPDATE agent.runs SET state = COALESCE($2::text, state)
       last_event_seq = GREATEST(last_event_seq, COALESCE($13::bigint, 0)) \
     WHERE id = $1 AND ($14::text IS NULL OR state = $14::text)";
 const SQL_APPROVAL: &str = "INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, arguments, \
-      args_sha256, preview, reason, state, created_at, expires_at) \
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
+      args_sha256, preview, reason, state, created_at, expires_at, binding, tainted_by) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
 const SQL_AUDIT: &str = "INSERT INTO agent.audit (owner, kind, run_id, detail) \
     SELECT r.owner, k, r.id, d FROM agent.runs r, unnest($2::text[], $3::jsonb[]) WITH ORDINALITY AS u(k, d, o) \
     WHERE r.id = $1 ORDER BY o";
@@ -1364,6 +1740,10 @@ const SQL_SUPERSEDE: &str = "WITH ended AS (UPDATE agent.runs SET state = 'cance
     ev AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, last_event_seq, $3 FROM ended), \
     ap AS (UPDATE agent.approvals SET state = 'expired' WHERE thread_id = $1 AND state = 'pending') \
     SELECT pg_notify('agent_runs', 'e:' || id) FROM ended";
+/// The thread's runs paused for approval, for an admission that must not supersede them (the
+/// thread lease taken first in the same transaction keeps any other run from pausing meanwhile).
+const SQL_PAUSED: &str =
+    "SELECT id FROM agent.runs WHERE thread_id = $1 AND state = 'awaiting_confirmation' LIMIT 1";
 const SQL_ADMIT_RUN: &str = "WITH r AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, \
       last_event_seq) VALUES ($1, $2, $3, $4, 'queued', $5, 1) \
       ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING RETURNING id), \

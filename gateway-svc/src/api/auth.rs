@@ -18,7 +18,7 @@ pub(super) fn authenticate(auth: &CallerAuth, metadata: &MetadataMap) -> Result<
             .ok_or(ApiError::Unauthenticated(
                 "missing `authorization: Bearer <service token>` metadata",
             ))?;
-        if !constant_time_eq(presented.as_bytes(), expected.as_bytes()) {
+        if !constant_time_eq(presented.as_bytes(), expected.expose().as_bytes()) {
             return Err(ApiError::Unauthenticated("the service token is not valid"));
         }
     }
@@ -50,7 +50,7 @@ mod tests {
 
     #[test]
     fn the_service_token_and_the_user_are_both_required() {
-        let auth = CallerAuth::ServiceToken("0123456789abcdefXYZ".into());
+        let auth = CallerAuth::ServiceToken(svc_kit::secret::Secret::new("0123456789abcdefXYZ"));
         assert!(matches!(
             authenticate(&auth, &md(&[])),
             Err(ApiError::Unauthenticated(_))

@@ -10,7 +10,7 @@ use crate::{
     credentials::AccountInfo,
     domain::{CallOutcome, CallRequest, Channel, ErrorKind, Integration},
     enforce::ToolError,
-    registry::ToolSpec,
+    registry::{Preview, ToolSpec},
     store::AccountStatus,
 };
 
@@ -64,6 +64,7 @@ fn error_kind_to_pb(k: ErrorKind) -> pb::ErrorKind {
         ErrorKind::Cancelled => pb::ErrorKind::Cancelled,
         ErrorKind::PermissionDenied => pb::ErrorKind::PermissionDenied,
         ErrorKind::Internal => pb::ErrorKind::Internal,
+        ErrorKind::ChangedSinceApproval => pb::ErrorKind::ChangedSinceApproval,
     }
 }
 
@@ -130,6 +131,14 @@ pub fn call_request(call: pb::ToolCall) -> Result<CallRequest, Rejected> {
         channel: channel(call.channel),
         timeout,
         run_id: Some(call.run_id).filter(|r| !r.is_empty()),
+        read_external_from: call
+            .read_external_from
+            .into_iter()
+            .filter(|s| !s.trim().is_empty())
+            .take(20)
+            .map(|s| s.chars().take(64).collect())
+            .collect(),
+        expected_binding: Some(call.expected_binding).filter(|b| !b.is_empty()),
     })
 }
 
@@ -153,6 +162,26 @@ pub fn tool_result(o: CallOutcome) -> pb::ToolResult {
             nanos: o.latency.subsec_nanos() as i32,
         }),
         replayed: o.replayed,
+        carries_external_content: o.external,
+    }
+}
+
+/// A preview, or why there is none (a sentence, as for a failed call: the call must not run).
+pub fn preview_response(result: Result<Preview, ToolError>) -> pb::PreviewCallResponse {
+    match result {
+        Ok(p) => pb::PreviewCallResponse {
+            ok: true,
+            text: p.text,
+            error_kind: pb::ErrorKind::Unspecified as i32,
+            recipients: p.recipients,
+            binding: p.binding,
+        },
+        Err(e) => pb::PreviewCallResponse {
+            ok: false,
+            text: e.to_string(),
+            error_kind: error_kind_to_pb(e.kind()) as i32,
+            ..pb::PreviewCallResponse::default()
+        },
     }
 }
 
@@ -166,6 +195,8 @@ pub fn tool_spec(spec: &ToolSpec, availability: pb::ToolAvailability) -> pb::Too
         integration: integration_to_pb(spec.integration) as i32,
         upstream_cost: spec.upstream_cost,
         availability: availability as i32,
+        reads_external_content: spec.reads_external_content,
+        writes_memory: spec.writes_memory,
     }
 }
 

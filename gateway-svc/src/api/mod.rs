@@ -72,6 +72,7 @@ fn rejected_outcome(r: convert::Rejected) -> CallOutcome {
         account: None,
         latency: std::time::Duration::ZERO,
         replayed: false,
+        external: false,
     }
 }
 
@@ -120,7 +121,13 @@ impl GatewayService for GatewayApi {
         let user = self.user(&request)?;
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(RESULT_BUFFER);
-        tokio::spawn(serve_execute_stream(self.engine.clone(), user, inbound, tx));
+        // The stream and its calls stay in the caller's trace (the run on agent-svc).
+        tokio::spawn(tracing::Instrument::in_current_span(serve_execute_stream(
+            self.engine.clone(),
+            user,
+            inbound,
+            tx,
+        )));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -145,6 +152,22 @@ impl GatewayService for GatewayApi {
         Ok(Response::new(pb::ExecuteToolResponse {
             result: Some(convert::tool_result(outcome)),
         }))
+    }
+
+    async fn preview_call(
+        &self,
+        request: Request<pb::PreviewCallRequest>,
+    ) -> Result<Response<pb::PreviewCallResponse>, Status> {
+        let user = self.user(&request)?;
+        let call = request
+            .into_inner()
+            .call
+            .ok_or_else(|| ApiError::InvalidArgument("call is required".into()))?;
+        let result = match convert::call_request(call) {
+            Ok(call) => self.engine.preview(&user, call).await,
+            Err(rejected) => Err(rejected.error),
+        };
+        Ok(Response::new(convert::preview_response(result)))
     }
 
     async fn lookup_call(
@@ -312,12 +335,12 @@ async fn serve_execute_stream(
                     let token = stream_cancel.child_token();
                     inflight.insert(call.call_id.clone(), token.clone());
                     let (engine, user, tx) = (engine.clone(), user.clone(), tx.clone());
-                    tasks.spawn(async move {
+                    tasks.spawn(tracing::Instrument::in_current_span(async move {
                         let call_id = call.call_id.clone();
                         let outcome = engine.execute(&user, call, token).await;
                         send(tx, outcome).await;
                         call_id
-                    });
+                    }));
                 }
                 Ok(Some(pb::ExecuteRequest { kind: Some(pb::execute_request::Kind::Cancel(c)) })) => {
                     if let Some(token) = inflight.get(&c.call_id) {

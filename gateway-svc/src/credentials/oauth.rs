@@ -13,7 +13,7 @@ use crate::enforce::caps::read_capped;
 pub struct OAuthClient {
     pub token_url: String,
     pub client_id: String,
-    pub client_secret: String,
+    pub client_secret: svc_kit::secret::Secret,
 }
 
 /// Fresh tokens from the endpoint.
@@ -58,7 +58,7 @@ impl OAuthClient {
                 ("grant_type", "refresh_token"),
                 ("refresh_token", refresh_token),
                 ("client_id", &self.client_id),
-                ("client_secret", &self.client_secret),
+                ("client_secret", self.client_secret.expose()),
             ])
             .timeout(Duration::from_secs(15))
             .send()

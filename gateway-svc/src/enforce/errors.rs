@@ -78,6 +78,10 @@ pub enum ToolError {
     },
     #[error("The call was cancelled before it finished.")]
     Cancelled,
+    /// The call carried the binding of an approved preview and what it would do now differs
+    /// (issue 14): nothing was done.
+    #[error("Not done: {0} since the user approved it. Ask the user to approve it again.")]
+    ChangedSinceApproval(String),
     #[error("The tool failed unexpectedly ({0}). Try again later.")]
     Internal(String),
 }
@@ -108,6 +112,7 @@ impl ToolError {
             ToolError::UpstreamTimeout { .. } => ErrorKind::UpstreamTimeout,
             ToolError::UpstreamUnavailable { .. } => ErrorKind::UpstreamUnavailable,
             ToolError::Cancelled => ErrorKind::Cancelled,
+            ToolError::ChangedSinceApproval(_) => ErrorKind::ChangedSinceApproval,
             ToolError::Internal(_) => ErrorKind::Internal,
         }
     }

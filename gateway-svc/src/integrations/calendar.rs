@@ -11,7 +11,7 @@ use crate::{
     context::CallContext,
     domain::Integration,
     enforce::ToolError,
-    registry::{Tool, ToolOutput, ToolSpec},
+    registry::{Preview, Tool, ToolOutput, ToolSpec, digest, first_lines, line},
     time::parse_when,
 };
 
@@ -42,6 +42,20 @@ struct Event {
     start: EventTime,
     #[serde(default)]
     end: EventTime,
+    #[serde(default)]
+    attendees: Vec<Attendee>,
+}
+
+#[derive(Deserialize, Default)]
+struct Attendee {
+    #[serde(default)]
+    email: String,
+}
+
+impl Event {
+    fn attendee_list(&self) -> Vec<String> {
+        self.attendees.iter().map(|a| a.email.clone()).collect()
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -165,6 +179,7 @@ impl Tool for Search {
                 "max_results": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
                 "account": {"type": "string"}}}),
         )
+        .reading_external_content()
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -257,6 +272,117 @@ impl Tool for Write {
         }
     }
 
+    /// Title, time, attendees and place as they will be; for an update, the event as it is
+    /// now and what changes, bound to its current time and attendees.
+    async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
+        let field = |k: &str| text_arg(args, k).unwrap_or_default();
+        let new_attendees: Option<Vec<String>> =
+            args.get("attendees").and_then(Value::as_array).map(|l| {
+                l.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            });
+        let zone = field("time_zone");
+        let when = |start: &str, end: &str| {
+            format!(
+                "{} to {}{}",
+                line(start, 40),
+                line(end, 40),
+                if zone.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", line(&zone, 40))
+                }
+            )
+        };
+        if !self.update {
+            let attendees = new_attendees.unwrap_or_default();
+            let mut text = format!(
+                "Create event \"{}\"\nWhen: {}\n",
+                line(&field("summary"), 200),
+                when(&field("start"), &field("end"))
+            );
+            push_attendees(&mut text, "Attendees (invited)", &attendees);
+            push_optional(&mut text, "Location", &field("location"));
+            push_optional(
+                &mut text,
+                "Description",
+                &first_lines(&field("description"), 3),
+            );
+            return Ok(Preview {
+                text,
+                recipients: attendees,
+                binding: String::new(),
+            });
+        }
+        let account = account(ctx, args, "calendar_event_update").await?;
+        let current = self.current(ctx, &account, args).await?;
+        let old_attendees = current.attendee_list();
+        let mut text = format!(
+            "Update event [{}] \"{}\" in {account}\nNow: {} to {}\n",
+            line(&current.id, 100),
+            line(&current.summary, 200),
+            current.start.show(),
+            current.end.show()
+        );
+        push_attendees(&mut text, "Attendees now", &old_attendees);
+        text.push_str("Changes:\n");
+        for (key, label) in [
+            ("summary", "Title"),
+            ("location", "Location"),
+            ("description", "Description"),
+        ] {
+            if let Some(v) = text_arg(args, key) {
+                text.push_str(&format!("- {label} → {}\n", line(&v, 300)));
+            }
+        }
+        if args.get("start").is_some() || args.get("end").is_some() {
+            text.push_str(&format!(
+                "- Time → {}\n",
+                when(&field("start"), &field("end"))
+            ));
+        }
+        let mut recipients = old_attendees.clone();
+        if let Some(list) = &new_attendees {
+            let added: Vec<String> = list
+                .iter()
+                .filter(|a| !old_attendees.contains(a))
+                .cloned()
+                .collect();
+            let removed: Vec<String> = old_attendees
+                .iter()
+                .filter(|a| !list.contains(a))
+                .cloned()
+                .collect();
+            push_attendees(&mut text, "- Invites", &added);
+            push_attendees(&mut text, "- Removes", &removed);
+            recipients = list.clone();
+        }
+        let mut bound = old_attendees.clone();
+        bound.sort();
+        Ok(Preview {
+            text,
+            recipients,
+            binding: digest(&[
+                &current.id,
+                current
+                    .start
+                    .date_time
+                    .as_deref()
+                    .or(current.start.date.as_deref())
+                    .unwrap_or(""),
+                current
+                    .end
+                    .date_time
+                    .as_deref()
+                    .or(current.end.date.as_deref())
+                    .unwrap_or(""),
+                &bound.join(","),
+            ]),
+        })
+    }
+
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let tool = if self.update {
             "calendar_event_update"
@@ -315,12 +441,7 @@ impl Tool for Write {
         ctx.charge(Integration::GoogleCalendar, &account, 1).await?;
         let body = Value::Object(body);
         let r = if self.update {
-            let id: String = text_arg(&args, "event_id")
-                .unwrap_or_default()
-                .chars()
-                .filter(char::is_ascii_alphanumeric)
-                .collect();
-            let url = format!("{base}/{id}");
+            let url = format!("{base}/{}", event_id(&args));
             ctx.send(Integration::GoogleCalendar, &account, |t| {
                 ctx.http().patch(&url).json(&body).bearer_auth(t)
             })
@@ -342,5 +463,51 @@ impl Tool for Write {
             "{verb} event {} in {account}.",
             render(&event)
         )))
+    }
+}
+
+/// The event id as it goes into a URL: letters and digits only.
+fn event_id(args: &Value) -> String {
+    text_arg(args, "event_id")
+        .unwrap_or_default()
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .collect()
+}
+
+fn push_attendees(text: &mut String, label: &str, list: &[String]) {
+    if !list.is_empty() {
+        text.push_str(&format!("{label}: {}\n", line(&list.join(", "), 500)));
+    }
+}
+
+fn push_optional(text: &mut String, label: &str, value: &str) {
+    if !value.is_empty() {
+        text.push_str(&format!("{label}: {}\n", line(value, 300)));
+    }
+}
+
+impl Write {
+    /// The event an update would change, as it is now.
+    async fn current(
+        &self,
+        ctx: &CallContext,
+        account: &str,
+        args: &Value,
+    ) -> Result<Event, ToolError> {
+        let calendar = text_arg(args, "calendar_id").unwrap_or_else(|| "primary".into());
+        let url = format!("{}/{}", self.api.events_url(&calendar), event_id(args));
+        ctx.charge(Integration::GoogleCalendar, account, 1).await?;
+        let r = ctx
+            .send(Integration::GoogleCalendar, account, |t| {
+                ctx.http().get(&url).bearer_auth(t)
+            })
+            .await?;
+        if r.status == reqwest::StatusCode::NOT_FOUND {
+            return Err(ToolError::NotFound(format!(
+                "I couldn't find that event in {account}'s calendar {calendar:?}."
+            )));
+        }
+        r.json(SERVICE)
     }
 }

@@ -21,7 +21,7 @@ use crate::{
     credentials::AccountInfo,
     domain::{Channel, Integration},
     enforce::ToolError,
-    registry::{Tool, ToolOutput, ToolSpec},
+    registry::{Preview, Tool, ToolOutput, ToolSpec, digest, first_lines, line},
     time::{short_date, zone},
 };
 
@@ -372,7 +372,7 @@ impl Tool for SearchGmail {
                 "query": {"type": "string", "maxLength": 500, "default": "in:inbox"},
                 "account": {"type": "string", "description": "One connected address; all when omitted"},
                 "max_results": {"type": "integer", "minimum": 1, "maximum": 50,
-                                "description": "Per account; default 5 (10 on scheduled runs)"}}})).with_aliases(&["gmail_search"]).with_cost(6)
+                                "description": "Per account; default 5 (10 on scheduled runs)"}}})).with_aliases(&["gmail_search"]).with_cost(6).reading_external_content()
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -439,6 +439,7 @@ impl Tool for SearchGmail {
         Ok(ToolOutput {
             text: sections.join("\n"),
             display: Some(json!({ "messages": display })),
+            external: true,
         })
     }
 }
@@ -566,6 +567,7 @@ impl Tool for GetGmail {
                 "message_id": {"type": "string", "minLength": 1, "maxLength": 100},
                 "account": {"type": "string", "description": "The account search_gmail listed it under"}}}),
         )
+        .reading_external_content()
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -612,6 +614,7 @@ impl Tool for ThreadRead {
                 "thread_id": {"type": "string", "minLength": 1, "maxLength": 100},
                 "account": {"type": "string"}}}),
         )
+        .reading_external_content()
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -719,6 +722,41 @@ impl Tool for Compose {
         }
     }
 
+    /// Everything the message will be, from the arguments: nothing upstream to resolve, so no
+    /// binding beyond the arguments the approval already binds.
+    async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
+        let name = self.spec().name;
+        let from = one_account(
+            ctx.accounts(Integration::Gmail).await?,
+            text_arg(args, "account").as_deref(),
+            &name,
+        )?;
+        let (to, cc, bcc) = (
+            recipients(args, "to"),
+            recipients(args, "cc"),
+            recipients(args, "bcc"),
+        );
+        let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
+        let verb = match self.kind {
+            ComposeKind::Send => "Send",
+            ComposeKind::Draft => "Save as a draft (not sent)",
+        };
+        let text = message_preview(
+            verb,
+            &from,
+            &[("To", &to), ("Cc", &cc), ("Bcc", &bcc)],
+            args.get("subject")
+                .and_then(Value::as_str)
+                .unwrap_or_default(),
+            body,
+        );
+        Ok(Preview {
+            text,
+            recipients: [to, cc, bcc].concat(),
+            binding: String::new(),
+        })
+    }
+
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let name = self.spec().name;
         let from = one_account(
@@ -804,58 +842,40 @@ impl Tool for Reply {
                 "account": {"type": "string"}}})).with_side_effect().with_cost(2)
     }
 
+    /// The recipients, subject and thread exactly as `call` will use them, from the original
+    /// message; the binding is their digest, so an approval holds only while they hold.
+    async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
+        let r = self.resolve(ctx, args).await?;
+        let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
+        let text = message_preview(
+            &format!(
+                "Reply in thread {} (to the email from {})",
+                r.thread_id,
+                line(r.original_from.as_str(), 120)
+            ),
+            &r.from,
+            &[("To", &r.to)],
+            &r.subject,
+            body,
+        );
+        Ok(Preview {
+            text,
+            binding: r.binding(),
+            recipients: r.to,
+        })
+    }
+
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let id = text_arg(&args, "message_id").unwrap_or_default();
-        let from = one_account(
-            ctx.accounts(Integration::Gmail).await?,
-            text_arg(&args, "account").as_deref(),
-            "gmail_reply",
-        )?;
-        let original =
-            self.0.get_message(ctx, &from, &id).await?.ok_or_else(|| {
-                ToolError::NotFound(format!("I couldn't find email {id} in {from}."))
-            })?;
-        let reply_to = if original.header("Reply-To").is_empty() {
-            original.header("From")
-        } else {
-            original.header("Reply-To")
-        };
-        let mut to = vec![address(reply_to).to_owned()];
-        if args
-            .get("reply_all")
-            .and_then(Value::as_bool)
-            .unwrap_or(false)
-        {
-            for field in ["To", "Cc"] {
-                for a in original
-                    .header(field)
-                    .split(',')
-                    .map(address)
-                    .filter(|a| !a.is_empty())
-                {
-                    if !a.eq_ignore_ascii_case(&from)
-                        && !to.iter().any(|t| t.eq_ignore_ascii_case(a))
-                    {
-                        to.push(a.to_owned());
-                    }
-                }
-            }
-        }
-        let subject = original.header("Subject");
-        let subject = if subject.to_ascii_lowercase().starts_with("re:") {
-            subject.to_owned()
-        } else {
-            format!("Re: {subject}")
-        };
-        let message_id = strip_angles(original.header("Message-ID")).to_owned();
-        let mut references: Vec<String> = original
-            .header("References")
-            .split_whitespace()
-            .map(|r| strip_angles(r).to_owned())
-            .collect();
-        if !message_id.is_empty() {
-            references.push(message_id.clone());
-        }
+        let ResolvedReply {
+            from,
+            to,
+            subject,
+            message_id,
+            references,
+            thread_id,
+            original_subject,
+            ..
+        } = self.resolve(ctx, &args).await?;
         let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
         let mut message = MessageBuilder::new()
             .from(from.as_str())
@@ -878,22 +898,163 @@ impl Tool for Reply {
                 ctx,
                 &from,
                 "/gmail/v1/users/me/messages/send",
-                json!({"raw": raw, "threadId": original.thread_id}),
+                json!({"raw": raw, "threadId": thread_id}),
             )
             .await?;
         Ok(ToolOutput::text(format!(
-            "Replied to \"{}\" from {from} to {} in thread {} (message {}).",
-            original.header("Subject"),
+            "Replied to \"{original_subject}\" from {from} to {} in thread {thread_id} (message {}).",
             to.join(", "),
-            original.thread_id,
             sent["id"].as_str().unwrap_or("?")
         )))
     }
 }
 
+/// A reply as it will be sent, resolved from the original message.
+struct ResolvedReply {
+    from: String,
+    to: Vec<String>,
+    subject: String,
+    message_id: String,
+    references: Vec<String>,
+    thread_id: String,
+    original_subject: String,
+    original_from: String,
+}
+
+impl ResolvedReply {
+    /// Digest of who the reply reaches and where it goes.
+    fn binding(&self) -> String {
+        let mut to: Vec<String> = self.to.iter().map(|a| a.to_ascii_lowercase()).collect();
+        to.sort();
+        digest(&[&self.from, &self.thread_id, &to.join(",")])
+    }
+}
+
+impl Reply {
+    /// The one place a reply's recipients are decided: Reply-To (else From) of the original,
+    /// plus its To and Cc with reply_all, never the sender's own address.
+    async fn resolve(&self, ctx: &CallContext, args: &Value) -> Result<ResolvedReply, ToolError> {
+        let id = text_arg(args, "message_id").unwrap_or_default();
+        let from = one_account(
+            ctx.accounts(Integration::Gmail).await?,
+            text_arg(args, "account").as_deref(),
+            "gmail_reply",
+        )?;
+        let original =
+            self.0.get_message(ctx, &from, &id).await?.ok_or_else(|| {
+                ToolError::NotFound(format!("I couldn't find email {id} in {from}."))
+            })?;
+        let reply_to = if original.header("Reply-To").is_empty() {
+            original.header("From")
+        } else {
+            original.header("Reply-To")
+        };
+        let mut to: Vec<String> = Vec::new();
+        let mut add = |a: &str| {
+            if !a.is_empty()
+                && !a.eq_ignore_ascii_case(&from)
+                && !to.iter().any(|t| t.eq_ignore_ascii_case(a))
+            {
+                to.push(a.to_owned());
+            }
+        };
+        for a in reply_to.split(',').map(address) {
+            add(a);
+        }
+        if args
+            .get("reply_all")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+        {
+            for field in ["To", "Cc"] {
+                for a in original.header(field).split(',').map(address) {
+                    add(a);
+                }
+            }
+        }
+        if to.is_empty() {
+            return Err(ToolError::InvalidArguments {
+                tool: "gmail_reply".into(),
+                detail: format!("email {id} has no sender to reply to"),
+            });
+        }
+        let original_subject = original.header("Subject").to_owned();
+        let subject = if original_subject.to_ascii_lowercase().starts_with("re:") {
+            original_subject.clone()
+        } else {
+            format!("Re: {original_subject}")
+        };
+        let message_id = strip_angles(original.header("Message-ID")).to_owned();
+        let mut references: Vec<String> = original
+            .header("References")
+            .split_whitespace()
+            .map(|r| strip_angles(r).to_owned())
+            .collect();
+        if !message_id.is_empty() {
+            references.push(message_id.clone());
+        }
+        Ok(ResolvedReply {
+            from,
+            to,
+            subject,
+            message_id,
+            references,
+            thread_id: original.thread_id.clone(),
+            original_from: original.header("From").to_owned(),
+            original_subject,
+        })
+    }
+}
+
+/// A message as a person approving it should see it: what happens, from whom, to whom, the
+/// subject and the first lines of the body.
+fn message_preview(
+    verb: &str,
+    from: &str,
+    lists: &[(&str, &Vec<String>)],
+    subject: &str,
+    body: &str,
+) -> String {
+    let mut out = format!("{verb}\nFrom: {}\n", line(from, 200));
+    for (name, list) in lists {
+        if !list.is_empty() {
+            out.push_str(&format!("{name}: {}\n", line(&list.join(", "), 500)));
+        }
+    }
+    out.push_str(&format!(
+        "Subject: {}\n\n{}",
+        line(subject, 200),
+        first_lines(body, 5)
+    ));
+    out
+}
+
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    proptest! {
+        // whatever the model or an email puts in the fields, a message preview is built
+        // without panicking, keeps its structure and stays short enough to read.
+        #[test]
+        fn message_previews_never_panic_and_stay_bounded(
+            from in "(?s).{0,80}",
+            to in proptest::collection::vec("(?s).{0,60}", 0..60),
+            subject in "(?s).{0,2000}",
+            body in "(?s).{0,20000}",
+        ) {
+            let p = message_preview("Send", &from, &[("To", &to)], &subject, &body);
+            let head: Vec<&str> = p.split("\n\n").next().unwrap_or_default().lines().collect();
+            prop_assert_eq!(head[0], "Send");
+            prop_assert!(head[1].starts_with("From: "));
+            // One line per field whatever the fields hold: nothing can forge a "To:".
+            prop_assert!(head.len() <= 4, "{:?}", head);
+            prop_assert!(head.last().unwrap().starts_with("Subject: "));
+            prop_assert!(p.chars().count() <= 80 + 520 + 210 + 6 * 201 + 64);
+        }
+    }
 
     fn part(mime: &str, charset: &str, data: &[u8]) -> Part {
         Part {

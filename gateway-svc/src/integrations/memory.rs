@@ -11,7 +11,7 @@ use crate::{
     context::CallContext,
     domain::Integration,
     enforce::ToolError,
-    registry::{Tool, ToolOutput, ToolSpec},
+    registry::{Preview, Tool, ToolOutput, ToolSpec, clip},
     store::NoteStore,
     time::{short_date, zone},
 };
@@ -34,6 +34,13 @@ fn note_schema() -> Value {
         "tags": {"type": "array", "maxItems": 10, "items": {"type": "string", "minLength": 1, "maxLength": 50}}}})
 }
 
+fn notes_from(args: &Value) -> Vec<(String, Vec<String>)> {
+    args.get("memories")
+        .and_then(Value::as_array)
+        .map(|m| m.iter().map(note_from).collect())
+        .unwrap_or_default()
+}
+
 fn note_from(v: &Value) -> (String, Vec<String>) {
     let content = text_arg(v, "content").unwrap_or_default();
     let tags = v
@@ -49,7 +56,46 @@ fn note_from(v: &Value) -> (String, Vec<String>) {
     (content, tags)
 }
 
-// Remembering is internal state, not an action on the outside world, so it needs no approval.
+/// The provenance a memory written in this call gets: empty for the user's own words.
+fn origin(ctx: &CallContext) -> String {
+    if ctx.read_external_from.is_empty() {
+        return String::new();
+    }
+    let mut origin = format!("read by {}", ctx.read_external_from.join(", "));
+    if let Some(run) = &ctx.run_id {
+        origin.push_str(&format!(" in run {run}"));
+    }
+    origin
+}
+
+/// The exact text of the memories a call would store, and where they would come from.
+fn memory_preview(notes: &[(String, Vec<String>)], ctx: &CallContext) -> Preview {
+    let mut text = format!(
+        "Remember {} about the user (shown in later conversations):",
+        if notes.len() == 1 {
+            "this".to_owned()
+        } else {
+            format!("these {}", notes.len())
+        }
+    );
+    for (content, tags) in notes {
+        text.push_str(&format!("\n- \"{}\"", clip(content, 1000)));
+        if !tags.is_empty() {
+            text.push_str(&format!(" (tags: {})", tags.join(", ")));
+        }
+    }
+    let origin = origin(ctx);
+    if !origin.is_empty() {
+        text.push_str(&format!("\nWritten after this run {origin}."));
+    }
+    Preview {
+        text,
+        ..Preview::default()
+    }
+}
+
+// Remembering is internal state, not an action on the outside world: no approval for the
+// user's own words; after reading someone else's, agent-svc's policy asks first (issue 14).
 struct SaveMemory(Arc<dyn NoteStore>);
 
 #[async_trait::async_trait]
@@ -60,12 +106,17 @@ impl Tool for SaveMemory {
             "Remember one fact about the user for later conversations.",
             note_schema(),
         )
+        .writing_memory()
+    }
+
+    async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
+        Ok(memory_preview(&[note_from(args)], ctx))
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let notes = self
             .0
-            .add_notes(&ctx.user, &[note_from(&args)])
+            .add_notes(&ctx.user, &[note_from(&args)], &origin(ctx))
             .await
             .map_err(store_error)?;
         Ok(ToolOutput::text(format!("Saved memory #{}.", notes[0].id)))
@@ -83,17 +134,18 @@ impl Tool for CreateMemories {
             json!({"type": "object", "additionalProperties": false, "required": ["memories"], "properties": {
                 "memories": {"type": "array", "minItems": 1, "maxItems": 20, "items": note_schema()}}}),
         )
+        .writing_memory()
+    }
+
+    async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
+        Ok(memory_preview(&notes_from(args), ctx))
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let notes: Vec<_> = args
-            .get("memories")
-            .and_then(Value::as_array)
-            .map(|m| m.iter().map(note_from).collect())
-            .unwrap_or_default();
+        let notes = notes_from(&args);
         let saved = self
             .0
-            .add_notes(&ctx.user, &notes)
+            .add_notes(&ctx.user, &notes, &origin(ctx))
             .await
             .map_err(store_error)?;
         let ids: Vec<String> = saved.iter().map(|n| format!("#{}", n.id)).collect();
@@ -135,8 +187,14 @@ impl Tool for SearchMemory {
             .iter()
             .enumerate()
             .map(|(i, n)| {
+                // Others' words are marked as such wherever a memory is read back.
+                let origin = if n.origin.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (from external content: {})", n.origin)
+                };
                 format!(
-                    "{}. [#{}] {} (saved {})",
+                    "{}. [#{}] {} (saved {}{origin})",
                     i + 1,
                     n.id,
                     n.content,
@@ -144,10 +202,14 @@ impl Tool for SearchMemory {
                 )
             })
             .collect();
-        Ok(ToolOutput::text(format!(
-            "Memories matching \"{query}\" ({}):\n{}",
-            notes.len(),
-            lines.join("\n")
-        )))
+        Ok(ToolOutput {
+            // Memories taken from others' words carry them into whatever reads them.
+            external: notes.iter().any(|n| !n.origin.is_empty()),
+            ..ToolOutput::text(format!(
+                "Memories matching \"{query}\" ({}):\n{}",
+                notes.len(),
+                lines.join("\n")
+            ))
+        })
     }
 }

@@ -78,6 +78,9 @@ impl Tool for GetReminders {
             json!({"type": "object", "additionalProperties": false, "properties": {
                 "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10}}}),
         )
+        // Items may have been written by the agent from others' words and carry no
+        // provenance yet: a run that read them is treated as having read external content.
+        .reading_external_content()
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {

@@ -74,10 +74,17 @@ fn slack_body(team: &str, r: UpstreamResponse) -> Result<Value, ToolError> {
             service: SERVICE,
             retry_after: std::time::Duration::from_secs(30),
         },
+        // Slack's error codes are machine words; anything else it sent is not repeated.
         _ => ToolError::Upstream {
             service: SERVICE,
             status: 200,
-            detail: error,
+            detail: if error.len() <= 40
+                && error.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+            {
+                error
+            } else {
+                String::new()
+            },
         },
     })
 }
@@ -118,6 +125,8 @@ impl Tool for Channels {
                 "limit": {"type": "integer", "minimum": 1, "maximum": 600, "default": 100},
                 "workspace": {"type": "string", "description": "Team id; the first connected when omitted"}}}),
         )
+        // Channel names and messages are written by other people.
+        .reading_external_content()
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -197,6 +206,8 @@ impl Tool for Read {
                 "limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
                 "workspace": {"type": "string"}}}),
         )
+        // Channel names and messages are written by other people.
+        .reading_external_content()
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {

@@ -119,6 +119,9 @@ impl Tool for ListTasks {
             json!({"type": "object", "additionalProperties": false, "properties": {
                 "status": {"type": "string", "enum": ["all", "pending", "completed"], "default": "pending"}}}),
         )
+        // Items may have been written by the agent from others' words and carry no
+        // provenance yet: a run that read them is treated as having read external content.
+        .reading_external_content()
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {

@@ -272,6 +272,7 @@ impl RateLimiter {
 
 fn metrics_rate_limited(integration: Integration) {
     tracing::info!(integration = integration.key(), "rate limit hit");
+    crate::metrics::rate_limit_denied(integration.key());
 }
 
 pub fn unix_now() -> u64 {

@@ -393,6 +393,7 @@ impl NoteStore for MemoryStore {
         &self,
         user: &UserId,
         notes: &[(String, Vec<String>)],
+        origin: &str,
     ) -> Result<Vec<Note>, StoreError> {
         let mut stored = self.notes.lock().map_err(|_| poisoned())?;
         let mut out = Vec::new();
@@ -402,6 +403,7 @@ impl NoteStore for MemoryStore {
                 content: content.clone(),
                 tags: tags.clone(),
                 created_at: SystemTime::now(),
+                origin: origin.to_owned(),
             };
             stored.push((user.clone(), note.clone()));
             out.push(note);

@@ -249,14 +249,19 @@ pub struct Note {
     pub content: String,
     pub tags: Vec<String>,
     pub created_at: SystemTime,
+    /// Where it came from (issue 14): empty for the user's own words, otherwise the external
+    /// content the run had read when it was written.
+    pub origin: String,
 }
 
 #[async_trait::async_trait]
 pub trait NoteStore: Send + Sync + 'static {
+    /// Stores `notes` (content, tags), all with the same `origin`.
     async fn add_notes(
         &self,
         user: &UserId,
         notes: &[(String, Vec<String>)],
+        origin: &str,
     ) -> Result<Vec<Note>, StoreError>;
     /// Best match first; short and partial queries still find notes that start with their words.
     async fn search_notes(

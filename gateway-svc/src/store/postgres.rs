@@ -34,11 +34,18 @@ pub struct PgStore {
 }
 
 impl PgStore {
-    /// Applies pending migrations, then opens the pool.
-    pub async fn connect(config: &DatabaseConfig) -> Result<Self, StoreError> {
+    /// Applies pending migrations of the `gateway` schema and returns (the `migrate` subcommand,
+    /// for a Kubernetes Job; start-up does the same first).
+    pub async fn migrate(url: &str) -> Result<(), StoreError> {
         let mut runner = embedded::migrations::runner();
         runner.set_migration_table_name("gateway_schema_history");
-        pg::migrate(&config.url, runner, MIGRATION_LOCK_KEY).await?;
+        pg::migrate(url, runner, MIGRATION_LOCK_KEY).await?;
+        Ok(())
+    }
+
+    /// Applies pending migrations, then opens the pool.
+    pub async fn connect(config: &DatabaseConfig) -> Result<Self, StoreError> {
+        Self::migrate(&config.url).await?;
         let pool = pg::pool(&config.url, &config.pool)?;
         Ok(Self { pool })
     }
@@ -61,7 +68,9 @@ impl PgStore {
     }
 
     async fn client(&self) -> Result<Object, StoreError> {
-        self.pool.get().await.map_err(StoreError::unavailable)
+        pg::checkout(&self.pool, "gateway")
+            .await
+            .map_err(StoreError::unavailable)
     }
 }
 
@@ -72,6 +81,7 @@ fn db(e: tokio_postgres::Error) -> StoreError {
 #[async_trait::async_trait]
 impl Ping for PgStore {
     async fn ping(&self) -> Result<(), StoreError> {
+        pg::report(&self.pool, "gateway");
         Ok(pg::ping(&self.pool).await?)
     }
 }
@@ -530,6 +540,7 @@ fn note_from_row(r: &Row) -> Note {
         content: r.get(1),
         tags: r.get(2),
         created_at: r.get(3),
+        origin: r.get(4),
     }
 }
 
@@ -539,6 +550,7 @@ impl NoteStore for PgStore {
         &self,
         user: &UserId,
         notes: &[(String, Vec<String>)],
+        origin: &str,
     ) -> Result<Vec<Note>, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db)?;
@@ -547,9 +559,9 @@ impl NoteStore for PgStore {
             let search_text = format!("{content} {}", tags.join(" "));
             let row = tx
                 .query_one(
-                    "INSERT INTO gateway.memories (user_id, content, tags, search_text) VALUES ($1, $2, $3, $4) \
-                     RETURNING id, content, tags, created_at",
-                    &[&user.as_str(), content, tags, &search_text],
+                    "INSERT INTO gateway.memories (user_id, content, tags, search_text, origin) \
+                     VALUES ($1, $2, $3, $4, $5) RETURNING id, content, tags, created_at, origin",
+                    &[&user.as_str(), content, tags, &search_text, &origin],
                 )
                 .await
                 .map_err(db)?;
@@ -570,7 +582,7 @@ impl NoteStore for PgStore {
         // Full-text search with every word (stemmed, ranked by cover density) first ...
         let rows = client
             .query(
-                "SELECT id, content, tags, created_at FROM gateway.memories, websearch_to_tsquery('english', $2) q \
+                "SELECT id, content, tags, created_at, origin FROM gateway.memories, websearch_to_tsquery('english', $2) q \
                  WHERE user_id = $1 AND tsv @@ q ORDER BY ts_rank_cd(tsv, q) DESC, id DESC LIMIT $3",
                 &[&user.as_str(), &query, &limit],
             )
@@ -586,7 +598,7 @@ impl NoteStore for PgStore {
         }
         let rows = client
             .query(
-                "SELECT id, content, tags, created_at FROM gateway.memories, to_tsquery('simple', $2) q \
+                "SELECT id, content, tags, created_at, origin FROM gateway.memories, to_tsquery('simple', $2) q \
                  WHERE user_id = $1 AND to_tsvector('simple', search_text) @@ q \
                  ORDER BY ts_rank_cd(to_tsvector('simple', search_text), q) DESC, id DESC LIMIT $3",
                 &[&user.as_str(), &terms.join(" | "), &limit],

@@ -12,7 +12,7 @@ use axum::{
     extract::{Path, Query, State},
     http::{HeaderMap, StatusCode},
     response::{IntoResponse, Response},
-    routing::{get, patch},
+    routing::get,
 };
 use serde_json::{Value, json};
 
@@ -38,7 +38,10 @@ impl FakeCalendar {
                 "/calendar/v3/calendars/{cal}/events",
                 get(list).post(insert),
             )
-            .route("/calendar/v3/calendars/{cal}/events/{id}", patch(update))
+            .route(
+                "/calendar/v3/calendars/{cal}/events/{id}",
+                get(one).patch(update),
+            )
             .with_state(state.clone());
         let (url, _) = super::serve(router).await;
         Self { url, state }
@@ -114,6 +117,30 @@ async fn insert(
     event["status"] = json!("confirmed");
     events.push(event.clone());
     Json(event).into_response()
+}
+
+async fn one(
+    State(s): State<Arc<CalendarState>>,
+    headers: HeaderMap,
+    Path((_, id)): Path<(String, String)>,
+) -> Response {
+    if !authorised(&headers) {
+        return StatusCode::UNAUTHORIZED.into_response();
+    }
+    match s
+        .events
+        .lock()
+        .expect("lock")
+        .iter()
+        .find(|e| e["id"] == json!(id))
+    {
+        Some(event) => Json(event.clone()).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": {"code": 404, "message": "Not Found"}})),
+        )
+            .into_response(),
+    }
 }
 
 async fn update(

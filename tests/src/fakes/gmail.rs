@@ -37,6 +37,8 @@ pub struct FakeMessage {
     pub snippet: String,
     /// (mime type, charset, raw bytes) of each body part; a filename makes it an attachment.
     pub parts: Vec<(String, String, Vec<u8>, Option<String>)>,
+    /// The Reply-To header, when the sender set one.
+    pub reply_to: Option<String>,
 }
 
 impl FakeMessage {
@@ -62,17 +64,22 @@ impl FakeMessage {
             internal_date_ms: 1_771_900_000_000 + n as u64 * 60_000,
             snippet: format!("Your weekly digest #{n} &#39;highlights&#39; inside"),
             parts: vec![("text/html".into(), "utf-8".into(), html.into_bytes(), None)],
+            reply_to: None,
         }
     }
 
     fn header_list(&self) -> Vec<(String, String)> {
-        vec![
+        let mut headers = vec![
             ("From".into(), self.from.clone()),
             ("To".into(), self.to.clone()),
             ("Subject".into(), self.subject.clone()),
             ("Date".into(), "Tue, 24 Feb 2026 10:00:00 +0000".into()),
             ("Message-ID".into(), self.message_id.clone()),
-        ]
+        ];
+        if let Some(reply_to) = &self.reply_to {
+            headers.push(("Reply-To".into(), reply_to.clone()));
+        }
+        headers
     }
 
     fn metadata_json(&self, wanted: &[String]) -> Value {
@@ -181,14 +188,17 @@ impl FakeGmail {
             .insert(token.to_owned(), (status, body.to_owned()));
     }
 
+    /// Adds messages to a mailbox; one with the id of a message already there replaces it (a
+    /// test can change a message between two calls).
     pub fn add_messages(&self, token: &str, messages: Vec<FakeMessage>) {
-        self.state
-            .mailboxes
-            .lock()
-            .expect("lock")
-            .entry(token.to_owned())
-            .or_default()
-            .extend(messages);
+        let mut boxes = self.state.mailboxes.lock().expect("lock");
+        let mailbox = boxes.entry(token.to_owned()).or_default();
+        for m in messages {
+            match mailbox.iter_mut().find(|old| old.id == m.id) {
+                Some(old) => *old = m,
+                None => mailbox.push(m),
+            }
+        }
     }
 
     /// Label requests answered (hanging ones excluded).

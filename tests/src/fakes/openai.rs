@@ -17,6 +17,8 @@ pub enum Answer {
         status: u16,
         retry_after: Option<u64>,
     },
+    /// An error status with exactly this body (what a provider echoes back, secrets and all).
+    ErrorBody { status: u16, body: String },
     /// A stream that stops after these events without finish_reason or [DONE].
     CutOff { events: Vec<Value> },
     /// The inner answer, after a pause.
@@ -61,6 +63,11 @@ impl Answer {
             Answer::Stream { events, chunk } => Prepared::Sse { body: sse(&events, true), chunk },
             Answer::CutOff { events } => Prepared::Sse { body: sse(&events, false), chunk: 9 },
             Answer::Slow(inner, pause) => Prepared::Delayed(Box::new(inner.prepared()), pause),
+            Answer::ErrorBody { status, body } => Prepared::Error {
+                status,
+                retry_after: None,
+                body,
+            },
             Answer::Error { status, retry_after } => Prepared::Error {
                 status,
                 retry_after,

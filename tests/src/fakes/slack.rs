@@ -20,6 +20,8 @@ use serde_json::json;
 pub struct SlackState {
     pub rate_limited: AtomicBool,
     pub calls: AtomicUsize,
+    /// Messages channel C00000001 answers with instead of its two standard ones.
+    pub history: std::sync::Mutex<Option<Vec<serde_json::Value>>>,
 }
 
 #[derive(Clone)]
@@ -112,8 +114,11 @@ async fn history(
     if q.get("channel").map(String::as_str) != Some("C00000001") {
         return Json(json!({"ok": false, "error": "channel_not_found"})).into_response();
     }
-    Json(json!({"ok": true, "has_more": false, "messages": [
-        {"type": "message", "user": "U012AB3CD", "text": "Deploy is done", "ts": "1771920000.000200"},
-        {"type": "message", "user": "U045EF6GH", "text": "Standup moved to 10:00", "ts": "1771916400.000100"}]}))
-    .into_response()
+    let messages = s.history.lock().expect("lock").clone().unwrap_or_else(|| {
+        vec![
+            json!({"type": "message", "user": "U012AB3CD", "text": "Deploy is done", "ts": "1771920000.000200"}),
+            json!({"type": "message", "user": "U045EF6GH", "text": "Standup moved to 10:00", "ts": "1771916400.000100"}),
+        ]
+    });
+    Json(json!({"ok": true, "has_more": false, "messages": messages})).into_response()
 }

@@ -1,5 +1,10 @@
 //! Helpers for tests that run a service binary as a real process (feature `testing`): start it
-//! with a chosen environment, learn its port from its own "listening" log line, signal it.
+//! with a chosen environment, learn its port from its own "listening" log line, signal it; and
+//! one throwaway PostgreSQL database per test ([`TestDb`]).
+
+mod db;
+
+pub use db::TestDb;
 
 use std::{
     io::{BufRead, BufReader},
@@ -27,7 +32,20 @@ pub struct Exit {
 /// Runs `bin` to completion with `env` (the parent's environment is cleared but for PATH), for
 /// start-up failures. Gives up after `timeout`.
 pub fn run_to_exit(bin: &str, env: &[(&str, &str)], timeout: Duration) -> Exit {
-    let mut child = command(bin, env).spawn().expect("spawn the service binary");
+    run_to_exit_with_args(bin, &[], env, timeout)
+}
+
+/// As [`run_to_exit`], with command-line arguments (a subcommand such as `migrate`).
+pub fn run_to_exit_with_args(
+    bin: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    timeout: Duration,
+) -> Exit {
+    let mut child = command(bin, env)
+        .args(args)
+        .spawn()
+        .expect("spawn the service binary");
     let lines = pump_stderr(&mut child);
     let status = wait_with_timeout(&mut child, timeout);
     Exit {
@@ -132,4 +150,58 @@ fn json_field(line: &str, field: &str) -> Option<String> {
     let start = line.find(&key)? + key.len();
     let end = line[start..].find('"')?;
     Some(line[start..start + end].to_owned())
+}
+
+/// Checks `bin migrate` as a Kubernetes Job runs it: on a fresh database it applies every
+/// migration up to `latest` (read from `history_table`) and exits 0; a second run finds nothing
+/// to do and exits 0; with no DATABASE_URL it exits 2 naming the variable; unknown arguments
+/// exit 2 with usage. `env` is the rest of the service's configuration.
+pub fn check_migrate_subcommand(bin: &str, env: &[(&str, &str)], history_table: &str, latest: i32) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let db = rt.block_on(TestDb::create()).expect("a test database");
+    let mut with_db = env.to_vec();
+    with_db.push(("DATABASE_URL", db.url()));
+    for round in ["first", "second"] {
+        let exit = run_to_exit_with_args(bin, &["migrate"], &with_db, Duration::from_secs(60));
+        assert!(
+            exit.status.success(),
+            "{round} migrate: {:?}\n{}",
+            exit.status,
+            exit.stderr
+        );
+        assert!(
+            exit.stderr.contains("the schema is up to date"),
+            "{}",
+            exit.stderr
+        );
+    }
+    let applied: i32 = rt.block_on(async {
+        let (client, conn) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect to the migrated database");
+        let conn = tokio::spawn(conn);
+        let v = client
+            .query_one(&format!("SELECT max(version) FROM {history_table}"), &[])
+            .await
+            .expect("the history table exists")
+            .get(0);
+        drop(client);
+        let _ = conn.await;
+        v
+    });
+    assert_eq!(applied, latest);
+
+    let exit = run_to_exit_with_args(bin, &["migrate"], env, Duration::from_secs(30));
+    assert_eq!(exit.status.code(), Some(2), "{}", exit.stderr);
+    assert!(
+        exit.stderr.contains("DATABASE_URL is not set"),
+        "{}",
+        exit.stderr
+    );
+    let exit = run_to_exit_with_args(bin, &["migrat"], env, Duration::from_secs(30));
+    assert_eq!(exit.status.code(), Some(2), "{}", exit.stderr);
+    assert!(exit.stderr.contains("migrate` to apply"), "{}", exit.stderr);
 }

@@ -1,0 +1,78 @@
+//! agent-svc's Prometheus series, named in one place (O-2). RPC counts and latencies come from
+//! svc-kit's server layer; these are the domain events, recorded where they happen.
+
+use std::time::Duration;
+
+use crate::llm::TokenUsage;
+
+/// A model call that answered: count, tokens by kind, cost (micro-USD, as counters are whole
+/// numbers), latency and retries, by provider and model.
+pub fn model_call(
+    provider: &str,
+    model: &str,
+    usage: &TokenUsage,
+    cost_usd: f64,
+    latency: Duration,
+) {
+    let (p, m) = (provider.to_owned(), model.to_owned());
+    metrics::counter!("steward_model_calls_total", "provider" => p.clone(), "model" => m.clone(), "outcome" => "ok").increment(1);
+    for (kind, n) in [
+        ("input", usage.input_tokens),
+        ("output", usage.output_tokens),
+        ("cached", usage.cached_tokens),
+    ] {
+        metrics::counter!("steward_model_tokens_total", "provider" => p.clone(), "model" => m.clone(), "kind" => kind)
+            .increment(n);
+    }
+    metrics::counter!("steward_model_cost_microusd_total", "provider" => p.clone(), "model" => m.clone())
+        .increment((cost_usd * 1e6).round().max(0.0) as u64);
+    metrics::histogram!("steward_model_call_seconds", "provider" => p, "model" => m)
+        .record(latency.as_secs_f64());
+}
+
+/// A model attempt that failed (it may be retried or fall back).
+pub fn model_failed(provider: &str, model: &str) {
+    metrics::counter!("steward_model_calls_total", "provider" => provider.to_owned(), "model" => model.to_owned(), "outcome" => "error")
+        .increment(1);
+}
+
+pub fn model_retry(provider: &str, model: &str) {
+    metrics::counter!("steward_model_retries_total", "provider" => provider.to_owned(), "model" => model.to_owned())
+        .increment(1);
+}
+
+/// The chain moved on to its next entry.
+pub fn model_fallback(to_provider: &str, to_model: &str) {
+    metrics::counter!("steward_model_fallbacks_total", "provider" => to_provider.to_owned(), "model" => to_model.to_owned())
+        .increment(1);
+}
+
+/// A run segment started or ended on this replica: runs executing here now.
+pub fn run_active(delta: f64) {
+    metrics::gauge!("steward_runs_active").increment(delta);
+}
+
+/// A run segment ended in `state` (completed, failed, cancelled, or awaiting_confirmation).
+pub fn run_ended(state: &'static str) {
+    metrics::counter!("steward_runs_ended_total", "state" => state).increment(1);
+}
+
+pub fn approval_requested() {
+    metrics::counter!("steward_approvals_requested_total").increment(1);
+}
+
+pub fn approval_decided(approved: bool) {
+    let decision = if approved { "approved" } else { "rejected" };
+    metrics::counter!("steward_approvals_decided_total", "decision" => decision).increment(1);
+}
+
+/// Approvals waiting for a decision, across replicas, as the health monitor last counted them
+/// in the store (every replica reports the same number: take the max, not the sum).
+pub fn approvals_pending(n: u64) {
+    metrics::gauge!("steward_approvals_pending").set(n as f64);
+}
+
+/// Open WatchRun/RunStream streams on this replica.
+pub fn watchers(delta: f64) {
+    metrics::gauge!("steward_stream_watchers").increment(delta);
+}

@@ -1,0 +1,104 @@
+//! What a run has read and what its paused calls were shown as (issue 14): the provenance the
+//! policy and the gateway need once a run has seen words written by others, and the previews
+//! an approval is created from. One per segment, shared by the policy runner and the writer.
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    sync::Mutex,
+};
+
+use crate::{gateway_client::CallPreview, llm::Turn};
+
+/// Where a run took in someone else's words, besides tool results.
+pub(super) const ATTACHED: &str = "attached context";
+pub(super) const TASK_INSTRUCTIONS: &str = "task instructions";
+pub(super) const MEMORY: &str = "memories taken from external content";
+
+#[derive(Debug, Default)]
+pub(super) struct CallGuard {
+    read_from: Mutex<BTreeSet<String>>,
+    previews: Mutex<HashMap<String, CallPreview>>,
+}
+
+impl CallGuard {
+    /// Records that the run has read external content from `source`.
+    pub(super) fn read(&self, source: &str) {
+        if let Ok(mut r) = self.read_from.lock() {
+            r.insert(source.to_owned());
+        }
+    }
+
+    /// Every external source the run has read, sorted; empty: only the user's own words.
+    pub(super) fn read_from(&self) -> Vec<String> {
+        self.read_from
+            .lock()
+            .map(|r| r.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// The transcript's results that carried others' words count as read: the model sees
+    /// them again in this segment. They are known by the tool that reads external content, or
+    /// by the source label their data block was given when they arrived.
+    pub(super) fn read_history(
+        &self,
+        history: &[Turn],
+        external: &std::collections::HashSet<String>,
+    ) {
+        let marked = format!("<data source=\"{}", crate::executor::EXTERNAL_SOURCE);
+        for turn in history {
+            if let Turn::ToolResult {
+                name,
+                content,
+                is_error: false,
+                ..
+            } = turn
+                && (external.contains(name) || content.starts_with(&marked))
+            {
+                self.read(name);
+            }
+        }
+    }
+
+    pub(super) fn keep_preview(&self, call_id: &str, preview: CallPreview) {
+        if let Ok(mut p) = self.previews.lock() {
+            p.insert(call_id.to_owned(), preview);
+        }
+    }
+
+    pub(super) fn take_preview(&self, call_id: &str) -> Option<CallPreview> {
+        self.previews
+            .lock()
+            .ok()
+            .and_then(|mut p| p.remove(call_id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn only_successful_results_of_external_readers_count_as_read() {
+        let guard = CallGuard::default();
+        let result = |name: &str, is_error| Turn::ToolResult {
+            call_id: name.into(),
+            name: name.into(),
+            content: "x".into(),
+            is_error,
+        };
+        let external: HashSet<String> = ["search_gmail".into(), "slack_read".into()].into();
+        guard.read_history(
+            &[
+                result("search_gmail", false),
+                result("slack_read", true),
+                result("list_tasks", false),
+            ],
+            &external,
+        );
+        assert_eq!(guard.read_from(), ["search_gmail"]);
+        guard.read(ATTACHED);
+        assert_eq!(guard.read_from(), [ATTACHED, "search_gmail"]);
+    }
+}

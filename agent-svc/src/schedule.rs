@@ -1,0 +1,327 @@
+//! When a schedule is due (E-2, B-4): a five-field cron expression read in the user's IANA time
+//! zone, or a fixed interval. Validation here is what CreateSchedule and UpdateSchedule report
+//! (INVALID_ARGUMENT naming the field); the store calls [`Recurrence::next_due`] when it claims
+//! an occurrence, so every replica computes the same next time.
+//!
+//! Daylight saving: cron times are civil times in the zone, resolved by jiff (`jiff-cron`). A
+//! daily 09:00 stays 09:00 local across both transitions, once per day. A time that does not
+//! exist on a spring-forward day fires shifted forward by the gap (02:30 in Europe/Berlin fires
+//! at 03:30 that day); a time that exists twice on a fall-back day fires once, at the second of
+//! the two.
+
+use std::{str::FromStr, time::Duration, time::SystemTime};
+
+use jiff::{Timestamp, Zoned, tz::TimeZone};
+
+/// What the schedule's next occurrence is computed from.
+#[derive(Debug, Clone)]
+pub enum Recurrence {
+    Cron {
+        expr: String,
+        zone: TimeZone,
+        schedule: Box<jiff_cron::Schedule>,
+    },
+    /// Every `period` from the schedule's anchor (its creation), whatever the clock on the wall.
+    Every { period: Duration },
+}
+
+/// Day-of-week names in standard cron order (0 = Sunday; 7 is Sunday too).
+const DAYS: [&str; 7] = ["Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"];
+
+impl Recurrence {
+    /// A standard five-field cron expression (minute hour day-of-month month day-of-week) in
+    /// `zone`. Errors name the field (`cron` or `time_zone`) and what to fix.
+    pub fn cron(expr: &str, zone: &str) -> Result<Self, String> {
+        let zone_name = zone.trim();
+        if zone_name.is_empty() {
+            return Err(
+                "time_zone is required with cron: an IANA name such as \"Europe/Berlin\"".into(),
+            );
+        }
+        let tz = TimeZone::get(zone_name).map_err(|_| {
+            format!(
+                "time_zone {zone_name:?} is not an IANA time zone name (e.g. \"Europe/Berlin\")"
+            )
+        })?;
+        let fields: Vec<&str> = expr.split_whitespace().collect();
+        if fields.len() != 5 {
+            return Err(format!(
+                "cron {expr:?} has {} fields; write five: minute hour day-of-month month day-of-week (e.g. \"0 9 * * 1-5\")",
+                fields.len()
+            ));
+        }
+        if fields[2] != "*" && fields[4] != "*" {
+            return Err(format!(
+                "cron {expr:?} restricts both day-of-month and day-of-week; restrict one of them"
+            ));
+        }
+        let days = weekdays(fields[4]).map_err(|e| format!("cron {expr:?}: day-of-week {e}"))?;
+        // jiff-cron counts weekdays 1..7 from Sunday; standard cron counts 0..6. Names are the
+        // same in both, so the field is handed over as names.
+        let full = format!(
+            "0 {} {} {} {} {}",
+            fields[0], fields[1], fields[2], fields[3], days
+        );
+        let schedule = jiff_cron::Schedule::from_str(&full)
+            .map_err(|e| format!("cron {expr:?} is not a valid expression: {e}"))?;
+        let recurrence = Recurrence::Cron {
+            expr: fields.join(" "),
+            zone: tz,
+            schedule: Box::new(schedule),
+        };
+        if recurrence
+            .next_due(SystemTime::now(), SystemTime::now())
+            .is_none()
+        {
+            return Err(format!("cron {expr:?} never fires"));
+        }
+        Ok(recurrence)
+    }
+
+    pub fn every(period: Duration) -> Self {
+        Recurrence::Every { period }
+    }
+
+    /// The first occurrence strictly after `after`. `anchor` is where an interval counts from.
+    pub fn next_due(&self, anchor: SystemTime, after: SystemTime) -> Option<SystemTime> {
+        match self {
+            Recurrence::Every { period } => {
+                let period = period.as_secs().max(1);
+                let since = after
+                    .duration_since(anchor)
+                    .map(|d| d.as_secs() / period + 1)
+                    .unwrap_or(0);
+                anchor.checked_add(Duration::from_secs(since.checked_mul(period)?))
+            }
+            Recurrence::Cron { zone, schedule, .. } => {
+                let at = Timestamp::try_from(after).ok()?;
+                let from = Zoned::new(at, zone.clone());
+                let next = schedule.after(from).next()?;
+                Some(SystemTime::from(next.timestamp()))
+            }
+        }
+    }
+
+    /// The shortest gap between the next few occurrences after `from`: what "too frequent" is
+    /// judged by.
+    pub fn shortest_gap(&self, from: SystemTime) -> Duration {
+        if let Recurrence::Every { period } = self {
+            return *period;
+        }
+        let mut shortest = Duration::MAX;
+        let mut last = match self.next_due(from, from) {
+            Some(t) => t,
+            None => return shortest,
+        };
+        for _ in 0..48 {
+            let Some(next) = self.next_due(from, last) else {
+                break;
+            };
+            shortest = shortest.min(next.duration_since(last).unwrap_or_default());
+            last = next;
+        }
+        shortest
+    }
+
+    /// The cron expression as the user wrote it (normalised spacing), if this is one.
+    pub fn cron_expr(&self) -> Option<&str> {
+        match self {
+            Recurrence::Cron { expr, .. } => Some(expr),
+            Recurrence::Every { .. } => None,
+        }
+    }
+}
+
+/// A standard cron day-of-week field (`*`, lists, ranges, `a/step` and `a-b/step`, numbers 0–7
+/// where 0 and 7 are Sunday, three-letter or full English names) as a comma-separated list of
+/// day names.
+fn weekdays(field: &str) -> Result<String, String> {
+    if field == "*" {
+        return Ok("*".into());
+    }
+    const NAMES: [&[&str]; 7] = [
+        &["sun", "sunday"],
+        &["mon", "monday"],
+        &["tue", "tues", "tuesday"],
+        &["wed", "wednesday"],
+        &["thu", "thur", "thurs", "thursday"],
+        &["fri", "friday"],
+        &["sat", "saturday"],
+    ];
+    // 0..=7, keeping 7 (Sunday at the end of a range) distinct from 0 until the set is built.
+    let day = |s: &str| -> Result<usize, String> {
+        if let Ok(n) = s.parse::<usize>() {
+            return if n <= 7 {
+                Ok(n)
+            } else {
+                Err(format!("{n} is out of range 0-7"))
+            };
+        }
+        let lower = s.to_ascii_lowercase();
+        NAMES
+            .iter()
+            .position(|names| names.contains(&lower.as_str()))
+            .ok_or_else(|| format!("{s:?} is not a day (0-7 or Sun..Sat)"))
+    };
+    let mut set = [false; 7];
+    for part in field.split(',') {
+        let (range, step) = match part.split_once('/') {
+            Some((r, s)) => (
+                r,
+                Some(
+                    s.parse::<usize>()
+                        .ok()
+                        .filter(|s| *s > 0)
+                        .ok_or_else(|| format!("step {s:?} must be a positive number"))?,
+                ),
+            ),
+            None => (part, None),
+        };
+        let (from, to) = match range.split_once('-') {
+            _ if range == "*" => (0, 6),
+            Some((a, b)) => {
+                let (a, b) = (day(a)?, day(b)?);
+                if a > b {
+                    return Err(format!("range {range:?} runs backwards"));
+                }
+                (a, b)
+            }
+            // "a/step" runs from a to the end of the week, as in standard cron.
+            None if step.is_some() => (day(range)?, 6),
+            None => (day(range)?, day(range)?),
+        };
+        for d in (from..=to).step_by(step.unwrap_or(1)) {
+            set[d % 7] = true;
+        }
+    }
+    Ok(DAYS
+        .iter()
+        .zip(set)
+        .filter(|(_, on)| *on)
+        .map(|(d, _)| *d)
+        .collect::<Vec<_>>()
+        .join(","))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use jiff::civil::date;
+
+    fn at(s: &str) -> SystemTime {
+        let z: Zoned = s.parse().unwrap();
+        SystemTime::from(z.timestamp())
+    }
+
+    fn local(t: SystemTime, zone: &str) -> String {
+        Zoned::new(
+            Timestamp::try_from(t).unwrap(),
+            TimeZone::get(zone).unwrap(),
+        )
+        .strftime("%Y-%m-%d %H:%M %Z")
+        .to_string()
+    }
+
+    fn occurrences(r: &Recurrence, from: SystemTime, n: usize) -> Vec<SystemTime> {
+        let mut out = Vec::new();
+        let mut t = from;
+        for _ in 0..n {
+            t = r.next_due(from, t).unwrap();
+            out.push(t);
+        }
+        out
+    }
+
+    #[test]
+    fn e2_a_daily_nine_oclock_briefing_neither_skips_nor_doubles_across_daylight_saving() {
+        let r = Recurrence::cron("0 9 * * *", "Europe/Berlin").unwrap();
+        for (start, label) in [
+            (
+                "2026-03-27T12:00:00+01:00[Europe/Berlin]",
+                "spring forward on 03-29",
+            ),
+            (
+                "2026-10-23T12:00:00+02:00[Europe/Berlin]",
+                "fall back on 10-25",
+            ),
+        ] {
+            let got: Vec<String> = occurrences(&r, at(start), 4)
+                .into_iter()
+                .map(|t| local(t, "Europe/Berlin"))
+                .collect();
+            let day = |d: i8, m: i8| {
+                let z = date(2026, m, d)
+                    .at(9, 0, 0, 0)
+                    .in_tz("Europe/Berlin")
+                    .unwrap();
+                z.strftime("%Y-%m-%d %H:%M %Z").to_string()
+            };
+            let want: Vec<String> = if label.starts_with("spring") {
+                (28..=31).map(|d| day(d, 3)).collect()
+            } else {
+                (24..=27).map(|d| day(d, 10)).collect()
+            };
+            assert_eq!(got, want, "{label}");
+        }
+    }
+
+    #[test]
+    fn e2_a_time_inside_the_gap_fires_once_after_it_and_a_repeated_time_fires_once() {
+        let r = Recurrence::cron("30 2 * * *", "Europe/Berlin").unwrap();
+        let spring = occurrences(&r, at("2026-03-28T12:00:00+01:00[Europe/Berlin]"), 2);
+        assert_eq!(local(spring[0], "Europe/Berlin"), "2026-03-29 03:30 CEST");
+        assert_eq!(local(spring[1], "Europe/Berlin"), "2026-03-30 02:30 CEST");
+        let autumn = occurrences(&r, at("2026-10-24T12:00:00+02:00[Europe/Berlin]"), 2);
+        assert_eq!(local(autumn[0], "Europe/Berlin"), "2026-10-25 02:30 CET");
+        assert_eq!(local(autumn[1], "Europe/Berlin"), "2026-10-26 02:30 CET");
+    }
+
+    #[test]
+    fn weekdays_count_from_sunday_zero_as_in_standard_cron() {
+        let r = Recurrence::cron("0 9 * * 1-5", "UTC").unwrap();
+        // 2026-11-20 is a Friday: the next two are Monday and Tuesday.
+        let got = occurrences(&r, at("2026-11-20T10:00:00+00:00[UTC]"), 2);
+        assert_eq!(local(got[0], "UTC"), "2026-11-23 09:00 UTC");
+        assert_eq!(local(got[1], "UTC"), "2026-11-24 09:00 UTC");
+        assert_eq!(weekdays("0").unwrap(), "Sun");
+        assert_eq!(weekdays("7").unwrap(), "Sun");
+        assert_eq!(weekdays("5-7").unwrap(), "Sun,Fri,Sat");
+        assert_eq!(weekdays("*/2").unwrap(), "Sun,Tue,Thu,Sat");
+        assert_eq!(weekdays("mon,WED").unwrap(), "Mon,Wed");
+        assert_eq!(weekdays("0-7").unwrap(), "Sun,Mon,Tue,Wed,Thu,Fri,Sat");
+        assert_eq!(weekdays("1-5/2").unwrap(), "Mon,Wed,Fri");
+        assert_eq!(weekdays("5/1").unwrap(), "Fri,Sat");
+        assert_eq!(weekdays("Thursday,sun").unwrap(), "Sun,Thu");
+        assert!(weekdays("Monkey").unwrap_err().contains("not a day"));
+        assert!(weekdays("5-1").unwrap_err().contains("backwards"));
+        assert!(weekdays("*/0").unwrap_err().contains("positive"));
+    }
+
+    #[test]
+    fn every_minute_is_sixty_seconds_apart_and_an_interval_counts_from_its_anchor() {
+        let r = Recurrence::cron("* * * * *", "Europe/Berlin").unwrap();
+        assert_eq!(r.shortest_gap(SystemTime::now()), Duration::from_secs(60));
+        let anchor = at("2026-11-22T10:00:00+00:00[UTC]");
+        let e = Recurrence::every(Duration::from_secs(3600));
+        assert_eq!(
+            e.next_due(anchor, anchor),
+            Some(anchor + Duration::from_secs(3600))
+        );
+        assert_eq!(
+            e.next_due(anchor, anchor + Duration::from_secs(3 * 3600 + 5)),
+            Some(anchor + Duration::from_secs(4 * 3600))
+        );
+    }
+
+    #[test]
+    fn bad_expressions_and_zones_name_what_to_fix() {
+        let err = |e: &str, z: &str| Recurrence::cron(e, z).unwrap_err();
+        assert!(err("0 9 * *", "UTC").contains("4 fields"));
+        assert!(err("61 9 * * *", "UTC").starts_with("cron "));
+        assert!(err("0 9 1 * 1", "UTC").contains("both day-of-month and day-of-week"));
+        assert!(err("0 9 * * 8", "UTC").contains("out of range"));
+        assert!(err("0 9 * * *", "Mars/Olympus").contains("time_zone"));
+        assert!(err("0 9 * * *", "").contains("time_zone is required"));
+        assert!(err("0 0 30 2 *", "UTC").contains("never fires"));
+    }
+}

@@ -1,0 +1,26 @@
+//! gateway-svc's Prometheus series, named in one place (O-2). RPC counts and latencies come from
+//! svc-kit's server layer; these are the domain events, recorded where they happen.
+
+use std::time::Duration;
+
+/// A tool call's end: by tool and outcome (`ok` or the error kind), with its latency.
+pub fn tool_call(tool: &str, outcome: &str, latency: Duration) {
+    metrics::counter!("steward_tool_calls_total", "tool" => tool.to_owned(), "outcome" => outcome.to_owned())
+        .increment(1);
+    metrics::histogram!("steward_tool_call_seconds", "tool" => tool.to_owned())
+        .record(latency.as_secs_f64());
+}
+
+/// One upstream HTTP request (Gmail, Calendar, Slack, OAuth): its latency and status.
+pub fn upstream_request(integration: &'static str, status: &str, latency: Duration) {
+    metrics::counter!("steward_upstream_requests_total", "integration" => integration, "status" => status.to_owned())
+        .increment(1);
+    metrics::histogram!("steward_upstream_request_seconds", "integration" => integration)
+        .record(latency.as_secs_f64());
+}
+
+/// A call refused by the per-user rate limit before any upstream request.
+pub fn rate_limit_denied(integration: &'static str) {
+    metrics::counter!("steward_rate_limit_denials_total", "integration" => integration)
+        .increment(1);
+}

@@ -1,0 +1,719 @@
+//! Scheduled runs through the real services (issue 16; E-2, E-12, B-4, I-1, O-3): schedules
+//! are owner-scoped and validated; every occurrence starts exactly one run across replicas;
+//! missed slots run once; a busy thread postpones; briefings read metadata only, archive their
+//! session and leave side effects waiting for approval.
+//!
+//! The replicas' own workers are switched off (`SCHEDULE_WORKERS=false`) and the test fires
+//! them with its own clock through `RunService::fire_due_schedules`, whose handles resolve
+//! when each occurrence has settled: minutes pass in the test without anyone waiting for them.
+
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use agent_svc::{
+    executor::budget::TokenCounter,
+    runs::{RunService, scheduled::Fired},
+    store::{AgentStore, LockOutcome, ScheduleOutcome},
+};
+use steward_proto::{agent::v1 as pb, gateway::v1 as gw};
+use steward_tests::{
+    Backend, TestApp, UserAgent,
+    agent_calls::{get_run, messages},
+    calls::connect_account,
+    fakes::{gmail::FakeMessage, openai::Answer},
+    spawn_app_with,
+    worlds::gmail_world,
+};
+use tokio_stream::StreamExt;
+
+const NO_WORKERS: (&str, &str) = ("SCHEDULE_WORKERS", "false");
+
+fn every_minute_in_berlin(kind: pb::ScheduleKind) -> pb::CreateScheduleRequest {
+    pb::CreateScheduleRequest {
+        kind: kind as i32,
+        cron: "* * * * *".into(),
+        time_zone: "Europe/Berlin".into(),
+        ..Default::default()
+    }
+}
+
+async fn create(
+    client: &mut UserAgent,
+    request: pb::CreateScheduleRequest,
+) -> Result<pb::Schedule, tonic::Status> {
+    Ok(client
+        .create_schedule(request)
+        .await?
+        .into_inner()
+        .schedule
+        .expect("the created schedule"))
+}
+
+async fn listed(client: &mut UserAgent) -> Vec<pb::Schedule> {
+    client
+        .list_schedules(pb::ListSchedulesRequest {})
+        .await
+        .expect("ListSchedules")
+        .into_inner()
+        .schedules
+}
+
+fn time(t: &Option<prost_types::Timestamp>) -> SystemTime {
+    let t = t.as_ref().expect("a timestamp");
+    SystemTime::UNIX_EPOCH + Duration::new(t.seconds as u64, t.nanos as u32)
+}
+
+/// Every replica fires what is due at `now`, all at once; returns every occurrence fired,
+/// once it has settled.
+async fn fire_everywhere(replicas: &[Arc<RunService>], now: SystemTime) -> Vec<Fired> {
+    let fired =
+        futures_util::future::join_all(replicas.iter().enumerate().map(|(i, r)| async move {
+            r.fire_due_schedules(&format!("replica-{i}"), now)
+                .await
+                .expect("fire due schedules")
+        }))
+        .await;
+    let mut settled = Vec::new();
+    for handle in fired.into_iter().flatten() {
+        settled.push(handle.await.expect("the occurrence settles"));
+    }
+    settled
+}
+
+async fn runs_on(app: &TestApp, thread_id: &str) -> Vec<(String, String)> {
+    app.sql()
+        .await
+        .query(
+            "SELECT id, coalesce(request_id, '') FROM agent.runs WHERE thread_id = $1 ORDER BY created_at",
+            &[&thread_id],
+        )
+        .await
+        .expect("query runs")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+#[tokio::test]
+async fn o3_a_schedule_every_minute_in_berlin_fires_once_per_minute_across_three_replicas() {
+    let mut app = spawn_app_with(Backend::Postgres, &[NO_WORKERS]).await;
+    app.start_another_agent_with(&[NO_WORKERS]).await;
+    app.start_another_agent_with(&[NO_WORKERS]).await;
+    let replicas = app.agent_replicas();
+    assert_eq!(replicas.len(), 3);
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        every_minute_in_berlin(pb::ScheduleKind::Heartbeat),
+    )
+    .await
+    .expect("CreateSchedule");
+    let first = time(&schedule.next_due_at);
+
+    let mut run_ids = Vec::new();
+    for minute in 0..5u64 {
+        let now = first + Duration::from_secs(minute * 60 + 1);
+        let fired = fire_everywhere(&replicas, now).await;
+        assert_eq!(
+            fired.len(),
+            1,
+            "minute {minute}: exactly one occurrence fires"
+        );
+        assert_eq!(fired[0].outcome, ScheduleOutcome::Completed, "{fired:?}");
+        run_ids.push(fired[0].run_id.clone().expect("its run"));
+        let later = now + Duration::from_secs(30);
+        assert!(
+            fire_everywhere(&replicas, now).await.is_empty()
+                && fire_everywhere(&replicas, later).await.is_empty(),
+            "minute {minute}: nothing more fires until the next minute"
+        );
+    }
+
+    let runs = runs_on(&app, &schedule.thread_id).await;
+    assert_eq!(runs.len(), 5, "one run per occurrence: {runs:?}");
+    let mut keys: Vec<&String> = runs.iter().map(|(_, k)| k).collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 5, "five distinct occurrences: {keys:?}");
+    let now = listed(&mut alice).await;
+    assert_eq!(now[0].last_outcome, pb::ScheduleOutcome::Completed as i32);
+    assert_eq!(now[0].last_run_id, run_ids[4]);
+    assert_eq!(
+        time(&now[0].next_due_at),
+        first + Duration::from_secs(5 * 60)
+    );
+    // The thread the schedule writes to is the user's like any other.
+    let threads = alice
+        .list_threads(pb::ListThreadsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .threads;
+    assert!(threads.iter().any(|t| t.id == schedule.thread_id));
+    assert_eq!(
+        messages(&mut alice, &schedule.thread_id)
+            .await
+            .unwrap()
+            .iter()
+            .filter(|m| m.source == pb::MessageSource::Agent as i32)
+            .count(),
+        5,
+        "each heartbeat's answer is posted to the thread"
+    );
+}
+
+#[tokio::test]
+async fn e12_occurrences_missed_while_every_replica_was_down_run_once_on_recovery() {
+    let mut app = spawn_app_with(Backend::Postgres, &[NO_WORKERS]).await;
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        every_minute_in_berlin(pb::ScheduleKind::CheckIn),
+    )
+    .await
+    .unwrap();
+    let first = time(&schedule.next_due_at);
+    app.stop_service(app.agent_addr)
+        .await
+        .expect("the only agent stops");
+
+    // Three slots pass with no replica up; then one comes back.
+    let addr = app.start_another_agent_with(&[NO_WORKERS]).await;
+    let replicas = vec![app.agent_replicas()[0].clone()];
+    let recovered = first + Duration::from_secs(2 * 60 + 20);
+    let fired = fire_everywhere(&replicas, recovered).await;
+    assert_eq!(fired.len(), 1, "the missed slots run once, not three times");
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Completed);
+    assert!(fire_everywhere(&replicas, recovered).await.is_empty());
+    let mut alice = steward_tests::agent_as(addr, "alice").await;
+    let after = listed(&mut alice).await;
+    assert_eq!(
+        time(&after[0].next_due_at),
+        first + Duration::from_secs(3 * 60),
+        "the next slot is the first one after recovery"
+    );
+    assert_eq!(runs_on(&app, &schedule.thread_id).await.len(), 1);
+}
+
+#[tokio::test]
+async fn a_busy_thread_postpones_the_occurrence_and_it_runs_once_when_free() {
+    let app = spawn_app_with(Backend::Postgres, &[NO_WORKERS]).await;
+    let replicas = app.agent_replicas();
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        every_minute_in_berlin(pb::ScheduleKind::Heartbeat),
+    )
+    .await
+    .unwrap();
+    let first = time(&schedule.next_due_at);
+    let store = app.agent_store().await;
+    let LockOutcome::Acquired(lease) = store
+        .lock_thread(&schedule.thread_id, "a-users-run", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("the thread was free")
+    };
+
+    let now = first + Duration::from_secs(1);
+    let fired = fire_everywhere(&replicas, now).await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Postponed);
+    assert!(runs_on(&app, &schedule.thread_id).await.is_empty());
+    let shown = listed(&mut alice).await;
+    assert_eq!(shown[0].last_outcome, pb::ScheduleOutcome::Postponed as i32);
+    assert!(
+        shown[0].last_error.contains("already has an active run"),
+        "{}",
+        shown[0].last_error
+    );
+
+    store.release_lease(&lease).await.unwrap();
+    assert!(
+        fire_everywhere(&replicas, now + Duration::from_secs(10))
+            .await
+            .is_empty(),
+        "a postponed occurrence waits its turn"
+    );
+    let fired = fire_everywhere(&replicas, now + Duration::from_secs(31)).await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Completed);
+    assert_eq!(runs_on(&app, &schedule.thread_id).await.len(), 1);
+}
+
+/// Twelve large newsletters in an inbox (ten of them unread).
+fn newsletters(prefix: &str) -> Vec<FakeMessage> {
+    (0..12)
+        .map(|n| FakeMessage::html_newsletter(&format!("{prefix}{n:02}"), n))
+        .collect()
+}
+
+#[tokio::test]
+async fn b4_a_briefing_over_two_inboxes_reads_metadata_only_stays_under_3000_tokens_and_archives() {
+    let answers = vec![
+        Answer::tool_calls(&[("call_unread", "search_gmail", r#"{"query": "in:inbox"}"#)]),
+        Answer::text("Twenty unread newsletters from Acme across both inboxes; nothing urgent."),
+    ];
+    let (app, model, gmail) = gmail_world(answers, &[NO_WORKERS]).await;
+    gmail.add_messages("tok-alice", newsletters("a"));
+    gmail.add_messages("tok-alice-work", newsletters("w"));
+    gmail.set_unread("tok-alice", 10);
+    gmail.set_unread("tok-alice-work", 10);
+    connect_account(
+        &mut app.gateway_as("alice").await,
+        gw::Integration::Gmail,
+        "alice@work.example",
+        "tok-alice-work",
+    )
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        pb::CreateScheduleRequest {
+            kind: pb::ScheduleKind::Briefing as i32,
+            cron: "0 7 * * *".into(),
+            time_zone: "Europe/Berlin".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+
+    let fired = fire_everywhere(
+        &app.agent_replicas(),
+        time(&schedule.next_due_at) + Duration::from_secs(1),
+    )
+    .await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Completed, "{fired:?}");
+
+    // The run's model calls (the archive's summary call has no tools).
+    let requests: Vec<_> = model
+        .requests()
+        .into_iter()
+        .filter(|(_, body)| body["tools"].as_array().is_some_and(|t| !t.is_empty()))
+        .collect();
+    assert_eq!(requests.len(), 2, "one search, one answer");
+    let counter = TokenCounter::for_model("gpt-4o");
+    for (_, body) in &requests {
+        let sent = serde_json::to_string(body).unwrap();
+        assert!(
+            !sent.contains("BODY-ONLY-TEXT"),
+            "no email body reaches the model"
+        );
+        let tokens = counter.text(&sent);
+        assert!(tokens < 3000, "a briefing request is {tokens} tokens");
+    }
+    let answered = serde_json::to_string(&requests[1].1).unwrap();
+    assert!(
+        answered.contains("Acme weekly #9") && answered.contains("alice@work.example"),
+        "the search covered both inboxes"
+    );
+    assert!(
+        !answered.contains("Acme weekly #11") && answered.matches("Acme weekly #").count() == 20,
+        "I-1: a scheduled run gets at most 10 results per account"
+    );
+    let offered: Vec<&str> = requests[0].1["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t["function"]["name"].as_str())
+        .collect();
+    assert!(offered.contains(&"search_gmail") && offered.contains(&"gmail_send"));
+    assert!(
+        !offered.contains(&"get_gmail") && !offered.contains(&"gmail_thread_read"),
+        "a briefing is not offered tools that read bodies: {offered:?}"
+    );
+    let listed_ids = gmail
+        .recorded()
+        .iter()
+        .filter(|r| r.path.ends_with("/messages") && r.method == "GET")
+        .count();
+    assert_eq!(listed_ids, 2, "one metadata list per account");
+
+    // The briefing is posted to the thread, and its session archived (S2).
+    let thread = &schedule.thread_id;
+    let posted = messages(&mut alice, thread).await.unwrap();
+    assert!(
+        posted
+            .iter()
+            .any(|m| m.source == pb::MessageSource::Agent as i32
+                && m.content.contains("Twenty unread newsletters")),
+        "{posted:?}"
+    );
+    let sql = app.sql().await;
+    let history: i64 = sql
+        .query_one(
+            "SELECT count(*) FROM agent.llm_history WHERE thread_id = $1",
+            &[thread],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let archives: i64 = sql
+        .query_one(
+            "SELECT count(*) FROM agent.session_archives WHERE thread_id = $1",
+            &[thread],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!((history, archives), (0, 1), "the session was archived");
+}
+
+#[tokio::test]
+async fn a_briefing_that_wants_to_send_under_supervised_trust_leaves_a_pending_approval_and_sends_nothing()
+ {
+    let answers = vec![Answer::tool_calls(&[(
+        "call_send",
+        "gmail_send",
+        r#"{"to": "boss@example.com", "subject": "Status", "body": "All good."}"#,
+    )])];
+    let (app, _model, gmail) = gmail_world(answers, &[NO_WORKERS]).await;
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        pb::CreateScheduleRequest {
+            kind: pb::ScheduleKind::Briefing as i32,
+            prompt: "Send my boss a status update.".into(),
+            interval: Some(prost_types::Duration {
+                seconds: 3600,
+                nanos: 0,
+            }),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let fired = fire_everywhere(
+        &app.agent_replicas(),
+        time(&schedule.next_due_at) + Duration::from_secs(1),
+    )
+    .await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].outcome, ScheduleOutcome::AwaitingApproval);
+    assert!(gmail.sent().is_empty(), "nothing is sent unattended");
+    let run = get_run(&mut alice, fired[0].run_id.as_deref().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        run.run.unwrap().state,
+        pb::RunState::AwaitingConfirmation as i32,
+        "the approval waits for the user (the session is not archived under it)"
+    );
+    let send = run
+        .actions
+        .iter()
+        .find(|a| a.tool == "gmail_send")
+        .expect("the send's action");
+    assert_eq!(send.state, pb::ActionState::AwaitingConfirmation as i32);
+    assert_eq!(
+        listed(&mut alice).await[0].last_outcome,
+        pb::ScheduleOutcome::AwaitingApproval as i32
+    );
+}
+
+#[tokio::test]
+async fn run_schedule_now_starts_a_run_the_caller_can_watch() {
+    let app = spawn_app_with(Backend::Memory, &[NO_WORKERS]).await;
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        pb::CreateScheduleRequest {
+            new_thread_per_run: true,
+            ..every_minute_in_berlin(pb::ScheduleKind::CheckIn)
+        },
+    )
+    .await
+    .unwrap();
+    assert!(schedule.thread_id.is_empty(), "a new thread per occurrence");
+    let started = alice
+        .run_schedule_now(pb::RunScheduleNowRequest {
+            schedule_id: schedule.id.clone(),
+        })
+        .await
+        .expect("RunScheduleNow")
+        .into_inner();
+    let mut events = alice
+        .watch_run(pb::WatchRunRequest {
+            run_id: started.run_id.clone(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut last = None;
+    while let Some(event) = events.next().await {
+        last = event.unwrap().event;
+    }
+    match last.and_then(|e| e.kind) {
+        Some(pb::run_event::Kind::Result(r)) => {
+            assert_eq!(r.status, pb::RunState::Completed as i32, "{}", r.error);
+            assert!(!r.summary.is_empty());
+        }
+        other => panic!("the stream ends with a result: {other:?}"),
+    }
+    let threads = alice
+        .list_threads(pb::ListThreadsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .threads;
+    assert!(threads.iter().any(|t| t.id == started.thread_id));
+}
+
+#[tokio::test]
+async fn another_users_schedule_is_not_found_and_bad_input_names_the_field() {
+    let app = spawn_app_with(
+        Backend::Memory,
+        &[NO_WORKERS, ("AGENT_MAX_SCHEDULES_PER_USER", "2")],
+    )
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    let mut bob = app.agent_as("bob").await;
+    let mine = create(
+        &mut alice,
+        every_minute_in_berlin(pb::ScheduleKind::Briefing),
+    )
+    .await
+    .unwrap();
+
+    let id = mine.id.clone();
+    let update = bob
+        .update_schedule(pb::UpdateScheduleRequest {
+            schedule_id: id.clone(),
+            enabled: Some(false),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    let delete = bob
+        .delete_schedule(pb::DeleteScheduleRequest {
+            schedule_id: id.clone(),
+        })
+        .await
+        .unwrap_err();
+    let now = bob
+        .run_schedule_now(pb::RunScheduleNowRequest {
+            schedule_id: id.clone(),
+        })
+        .await
+        .unwrap_err();
+    for status in [update, delete, now] {
+        assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    }
+    assert!(listed(&mut bob).await.is_empty());
+    assert_eq!(listed(&mut alice).await.len(), 1, "alice's is untouched");
+
+    let bad =
+        |cron: &str, zone: &str, interval: i64, kind: pb::ScheduleKind| pb::CreateScheduleRequest {
+            kind: kind as i32,
+            cron: cron.into(),
+            time_zone: zone.into(),
+            interval: (interval > 0).then_some(prost_types::Duration {
+                seconds: interval,
+                nanos: 0,
+            }),
+            ..Default::default()
+        };
+    use pb::ScheduleKind::{Briefing, Unspecified};
+    for (request, field) in [
+        (bad("61 9 * * *", "Europe/Berlin", 0, Briefing), "cron"),
+        (bad("0 9 * *", "Europe/Berlin", 0, Briefing), "cron"),
+        (bad("0 9 * * *", "Mars/Olympus", 0, Briefing), "time_zone"),
+        (bad("0 9 * * *", "", 0, Briefing), "time_zone"),
+        (bad("", "", 30, Briefing), "interval"),
+        (bad("", "", 10_000_000_000_000, Briefing), "interval"),
+        (bad("", "", 0, Briefing), "cron or interval"),
+        (bad("0 9 * * *", "UTC", 0, Unspecified), "kind"),
+    ] {
+        let status = create(&mut alice, request).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(
+            status.message().contains(field),
+            "{field}: {}",
+            status.message()
+        );
+    }
+    create(&mut alice, bad("0 9 * * 1-5", "Europe/Berlin", 0, Briefing))
+        .await
+        .expect("a second schedule is within the cap");
+    let over = create(&mut alice, bad("0 9 * * *", "UTC", 0, Briefing))
+        .await
+        .unwrap_err();
+    assert_eq!(over.code(), tonic::Code::ResourceExhausted);
+    assert!(over.message().contains("AGENT_MAX_SCHEDULES_PER_USER"));
+
+    // A switched-off schedule does not fire.
+    let off = alice
+        .update_schedule(pb::UpdateScheduleRequest {
+            schedule_id: id.clone(),
+            enabled: Some(false),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .schedule
+        .unwrap();
+    assert!(!off.enabled);
+    let far = time(&off.next_due_at) + Duration::from_secs(3600);
+    assert!(fire_everywhere(&app.agent_replicas(), far).await.is_empty());
+    let bad_update = alice
+        .update_schedule(pb::UpdateScheduleRequest {
+            schedule_id: id,
+            cron: Some("0 25 * * *".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(bad_update.code(), tonic::Code::InvalidArgument);
+    assert!(bad_update.message().contains("cron"));
+}
+
+#[tokio::test]
+async fn e12_a_failed_scheduled_run_is_retried_on_its_schedule_then_recorded_as_failed() {
+    let refused = || Answer::ErrorBody {
+        status: 400,
+        body: r#"{"error": {"message": "this request is malformed"}}"#.into(),
+    };
+    let (app, _model, _gmail) = gmail_world(vec![refused(), refused()], &[NO_WORKERS]).await;
+    let replicas = app.agent_replicas();
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        every_minute_in_berlin(pb::ScheduleKind::Heartbeat),
+    )
+    .await
+    .unwrap();
+    let now = time(&schedule.next_due_at) + Duration::from_secs(1);
+
+    let fired = fire_everywhere(&replicas, now).await;
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Retrying, "{fired:?}");
+    let shown = listed(&mut alice).await;
+    assert_eq!(shown[0].last_outcome, pb::ScheduleOutcome::Retrying as i32);
+    assert!(!shown[0].last_error.is_empty());
+    assert!(
+        fire_everywhere(&replicas, now + Duration::from_secs(5))
+            .await
+            .is_empty(),
+        "E-12: the retry backs off at least 10 s"
+    );
+    let fired = fire_everywhere(&replicas, now + Duration::from_secs(13)).await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(
+        fired[0].outcome,
+        ScheduleOutcome::Failed,
+        "E-12: two tries for an error that is neither a rate limit nor the network"
+    );
+    let runs = runs_on(&app, &schedule.thread_id).await;
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert!(
+        runs[0].1.ends_with(":1") && runs[1].1.ends_with(":2"),
+        "{runs:?}"
+    );
+    let shown = listed(&mut alice).await;
+    assert_eq!(shown[0].last_outcome, pb::ScheduleOutcome::Failed as i32);
+    assert_eq!(shown[0].last_run_id, runs[1].0);
+}
+
+#[tokio::test]
+async fn a_scheduled_run_waits_for_the_users_pending_approval_instead_of_voiding_it() {
+    let answers = vec![
+        Answer::tool_calls(&[(
+            "call_send",
+            "gmail_send",
+            r#"{"to": "boss@example.com", "subject": "Status", "body": "All good."}"#,
+        )]),
+        Answer::text("Sent."),
+        Answer::text("All quiet."),
+    ];
+    let (app, _model, gmail) = gmail_world(answers, &[NO_WORKERS]).await;
+    let replicas = app.agent_replicas();
+    let mut alice = app.agent_as("alice").await;
+    let paused = steward_tests::agent_calls::run_once(&mut alice, "tell my boss all is good", "")
+        .await
+        .unwrap();
+    let approval = paused.approval.expect("the send waits for approval");
+    let schedule = create(
+        &mut alice,
+        pb::CreateScheduleRequest {
+            thread_id: paused.thread_id.clone(),
+            ..every_minute_in_berlin(pb::ScheduleKind::Heartbeat)
+        },
+    )
+    .await
+    .unwrap();
+    let now = time(&schedule.next_due_at) + Duration::from_secs(1);
+
+    let fired = fire_everywhere(&replicas, now).await;
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Postponed);
+    assert!(
+        listed(&mut alice).await[0]
+            .last_error
+            .contains("waiting for your approval")
+    );
+    let decided = alice
+        .decide_approval(pb::DecideApprovalRequest {
+            approval_id: approval.id.clone(),
+            decision: pb::Decision::Approve as i32,
+            ..Default::default()
+        })
+        .await
+        .expect("the approval is still there to decide")
+        .into_inner();
+    assert_eq!(
+        decided.result.unwrap().status,
+        pb::RunState::Completed as i32
+    );
+    assert_eq!(gmail.sent().len(), 1);
+
+    let fired = fire_everywhere(&replicas, now + Duration::from_secs(31)).await;
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Completed, "{fired:?}");
+}
+
+#[tokio::test]
+async fn an_occurrence_whose_worker_died_is_taken_over_once_its_hold_expires() {
+    let app = spawn_app_with(Backend::Postgres, &[NO_WORKERS]).await;
+    let replicas = app.agent_replicas();
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        every_minute_in_berlin(pb::ScheduleKind::Heartbeat),
+    )
+    .await
+    .unwrap();
+    let now = time(&schedule.next_due_at) + Duration::from_secs(1);
+    // A replica claims the occurrence and dies before it starts the run.
+    let store = app.agent_store().await;
+    let claimed = store
+        .claim_schedule("replica-that-died", now, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("due");
+    assert!(
+        fire_everywhere(&replicas, now + Duration::from_secs(30))
+            .await
+            .is_empty(),
+        "held by the dead replica"
+    );
+    let fired = fire_everywhere(&replicas, now + Duration::from_secs(61)).await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Completed);
+    assert_eq!(runs_on(&app, &schedule.thread_id).await.len(), 1);
+    let late = agent_svc::store::Settle::Done {
+        outcome: ScheduleOutcome::Failed,
+        run_id: None,
+        error: None,
+    };
+    assert!(
+        !store
+            .settle_schedule(&claimed, "replica-that-died", &late)
+            .await
+            .unwrap(),
+        "the dead replica's claim no longer counts"
+    );
+}

@@ -1,0 +1,168 @@
+//! Each service process serves its own Prometheus endpoint (issue 12, O-2): after real runs
+//! through real agent-svc and gateway-svc processes, a scrape of each endpoint parses and
+//! shows its series with non-zero values.
+
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
+
+use steward_proto::agent::v1 as pb;
+use steward_tests::{
+    agent_calls::run_once,
+    procs::{Cluster, ClusterOptions, ServiceProc},
+};
+use tokio_stream::StreamExt;
+
+/// `name{labels} value` lines of a Prometheus text exposition, summed per metric name.
+fn parse(text: &str) -> BTreeMap<String, f64> {
+    let mut series = BTreeMap::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let (key, value) = line.rsplit_once(' ').expect("a sample line has a value");
+        let name = key.split('{').next().unwrap_or(key).to_owned();
+        let value: f64 = value.parse().expect("a numeric sample value");
+        *series.entry(name).or_default() += value;
+    }
+    series
+}
+
+async fn scrape(addr: SocketAddr) -> BTreeMap<String, f64> {
+    let body = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .expect("the metrics endpoint answers")
+        .text()
+        .await
+        .expect("a text body");
+    parse(&body)
+}
+
+fn metrics_addr(service: &ServiceProc) -> SocketAddr {
+    service
+        .logged("metrics endpoint bound", "metrics_addr")
+        .expect("the service logs its metrics address")
+        .parse()
+        .expect("a socket address")
+}
+
+fn assert_positive(series: &BTreeMap<String, f64>, names: &[&str], who: &str) {
+    for name in names {
+        let value = series.get(*name).copied().unwrap_or_default();
+        assert!(
+            value > 0.0,
+            "{who}: {name} is {value}; series present: {:?}",
+            series.keys().collect::<Vec<_>>()
+        );
+    }
+}
+
+#[tokio::test]
+async fn o2_each_service_serves_its_own_series_with_real_values() {
+    let metrics = ("METRICS_LISTEN_ADDR".to_owned(), "127.0.0.1:0".to_owned());
+    let cluster = Cluster::start(ClusterOptions {
+        agents: 1,
+        agent_env: vec![
+            metrics.clone(),
+            ("MODEL_PRICES".into(), "gpt-4o=2.5/10/1.25".into()),
+            ("HEALTH_MONITOR_INTERVAL".into(), "100ms".into()),
+        ],
+        gateway_env: vec![metrics, ("RATE_LIMITS_GMAIL".into(), "3/minute".into())],
+        ..ClusterOptions::default()
+    })
+    .await;
+    cluster.connect_gmail("alice", "tok-alice").await;
+    let mut alice = cluster.agent(0, "alice").await;
+
+    // Each search of the empty mailbox is one upstream request: the limit denies the fourth.
+    for _ in 0..5 {
+        run_once(&mut alice, "search my mail for the budget", "")
+            .await
+            .expect("a search run");
+    }
+    // One streamed run: a watcher opens and closes.
+    let mut events = alice
+        .run_stream(pb::RunStreamRequest {
+            input: Some(pb::RunInput {
+                prompt: "what is new?".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("RunStream")
+        .into_inner();
+    while let Some(event) = events.next().await {
+        event.expect("a run event");
+    }
+    let paused = run_once(&mut alice, "send the numbers subject: Q3", "")
+        .await
+        .expect("a send run");
+    assert!(paused.approval.is_some(), "the send waits for approval");
+
+    let agent = metrics_addr(&cluster.agents[0]);
+    let gateway = metrics_addr(&cluster.gateway);
+    assert_ne!(agent, gateway);
+
+    // The pending-approvals gauge is the monitor's count; wait (bounded) for its next sweep.
+    let agent_series = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let s = scrape(agent).await;
+            if s.get("steward_approvals_pending")
+                .copied()
+                .unwrap_or_default()
+                > 0.0
+            {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("the monitor counts the pending approval");
+    assert_positive(
+        &agent_series,
+        &[
+            "grpc_server_handled_total",
+            "grpc_server_handling_seconds_count",
+            "steward_model_calls_total",
+            "steward_model_tokens_total",
+            "steward_model_cost_microusd_total",
+            "steward_model_call_seconds_count",
+            "steward_runs_ended_total",
+            "steward_approvals_requested_total",
+            "steward_approvals_pending",
+            "steward_db_pool_connections",
+            "steward_db_pool_wait_seconds_count",
+        ],
+        "agent-svc",
+    );
+    for present in ["steward_runs_active", "steward_stream_watchers"] {
+        assert!(
+            agent_series.contains_key(present),
+            "agent-svc: {present} missing"
+        );
+    }
+    assert!(
+        !agent_series.contains_key("steward_tool_calls_total"),
+        "agent-svc serves only its own series"
+    );
+
+    let gateway_series = scrape(gateway).await;
+    assert_positive(
+        &gateway_series,
+        &[
+            "grpc_server_handled_total",
+            "grpc_server_handling_seconds_count",
+            "steward_tool_calls_total",
+            "steward_tool_call_seconds_count",
+            "steward_upstream_requests_total",
+            "steward_upstream_request_seconds_count",
+            "steward_rate_limit_denials_total",
+            "steward_db_pool_connections",
+            "steward_db_pool_wait_seconds_count",
+        ],
+        "gateway-svc",
+    );
+    assert!(
+        !gateway_series.contains_key("steward_model_calls_total"),
+        "gateway-svc serves only its own series"
+    );
+}
