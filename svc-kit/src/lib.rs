@@ -8,6 +8,7 @@ pub mod grpc;
 pub mod health;
 pub mod metrics;
 pub mod pg;
+pub mod pg_tls;
 pub mod process;
 pub mod secret;
 pub mod server_config;

@@ -1,20 +1,25 @@
 //! PostgreSQL: a deadpool pool for the service, and embedded migrations applied at start-up on a
 //! dedicated connection under a PostgreSQL advisory lock, so replicas starting together apply each
-//! migration exactly once and the losers wait for the winner instead of failing.
+//! migration exactly once and the losers wait for the winner instead of failing. Every connection
+//! — pooled, migrating or listening — is opened through [`Target`], so TLS is used exactly as
+//! DATABASE_URL's `sslmode` asks.
 
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::NoTls;
 
+pub use crate::pg_tls::Target;
 pub use deadpool_postgres::Pool as PgPool;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PgError {
     #[error("DATABASE_URL is not a valid PostgreSQL connection string: {0}")]
     BadUrl(tokio_postgres::Error),
-    #[error("cannot connect to PostgreSQL: {0}")]
+    #[error("cannot connect to PostgreSQL: {}", crate::pg::cause(.0))]
     Connect(tokio_postgres::Error),
+    #[error("DATABASE_URL's TLS settings cannot be used: {0}")]
+    Tls(String),
     #[error("cannot build the connection pool: {0}")]
     Pool(String),
     #[error("PostgreSQL query failed: {0}")]
@@ -35,14 +40,14 @@ pub struct PoolOptions {
 
 /// Builds the pool. Connections are opened lazily; call [`ping`] to check the server answers.
 pub fn pool(url: &str, options: &PoolOptions) -> Result<Pool, PgError> {
-    let pg_config: tokio_postgres::Config = url.parse().map_err(PgError::BadUrl)?;
-    let manager = Manager::from_config(
-        pg_config,
-        NoTls,
-        ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        },
-    );
+    let Target { config, tls } = Target::parse(url)?;
+    let manager_config = ManagerConfig {
+        recycling_method: RecyclingMethod::Fast,
+    };
+    let manager = match tls {
+        Some(tls) => Manager::from_config(config, tls, manager_config),
+        None => Manager::from_config(config, NoTls, manager_config),
+    };
     Pool::builder(manager)
         .max_size(options.max_connections)
         .runtime(Runtime::Tokio1)
@@ -51,6 +56,19 @@ pub fn pool(url: &str, options: &PoolOptions) -> Result<Pool, PgError> {
         .recycle_timeout(Some(options.acquire_timeout))
         .build()
         .map_err(|e| PgError::Pool(e.to_string()))
+}
+
+/// The most specific words of a connection error: tokio-postgres's own Display says only "db
+/// error" or "error performing TLS handshake" and keeps the server's message or the TLS reason in
+/// its source.
+pub(crate) fn cause(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{}: {}", db.severity(), db.message()),
+        None => match std::error::Error::source(e) {
+            Some(source) => format!("{e}: {source}"),
+            None => e.to_string(),
+        },
+    }
 }
 
 /// One round trip through the pool: what readiness means for a database-backed service.
@@ -91,12 +109,13 @@ pub fn report(pool: &Pool, schema: &'static str) {
 /// Applies `runner`'s migrations while holding advisory lock `lock_key` (one key per service,
 /// so the two services never wait on each other).
 pub async fn migrate(url: &str, runner: refinery::Runner, lock_key: i64) -> Result<(), PgError> {
-    let (mut client, connection) = tokio_postgres::connect(url, NoTls)
-        .await
-        .map_err(PgError::Connect)?;
+    use futures_util::StreamExt;
+    let (mut client, mut messages) = Target::parse(url)?.connect().await?;
     let connection = tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::warn!(error = %e, "migration connection closed with an error");
+        while let Some(message) = messages.next().await {
+            if let Err(e) = message {
+                tracing::warn!(error = %e, "migration connection closed with an error");
+            }
         }
     });
     client

@@ -69,7 +69,9 @@ impl Target {
     ) -> Result<
         (
             Client,
-            std::pin::Pin<Box<dyn Stream<Item = Result<AsyncMessage, tokio_postgres::Error>> + Send>>,
+            std::pin::Pin<
+                Box<dyn Stream<Item = Result<AsyncMessage, tokio_postgres::Error>> + Send>,
+            >,
         ),
         PgError,
     > {

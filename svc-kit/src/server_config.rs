@@ -51,12 +51,20 @@ impl ServerConfig {
                 .ok()
         });
         let database = vars.optional_string("DATABASE_URL").and_then(|url| {
-            if let Err(e) = url.parse::<tokio_postgres::Config>() {
-                vars.error(
-                    "DATABASE_URL",
-                    format!("not a PostgreSQL connection string ({e}); use e.g. postgres://user@host:5432/db"),
-                );
-                return None;
+            // Parsed as the pool will parse it, TLS settings and `sslrootcert` file included.
+            match crate::pg::Target::parse(&url) {
+                Err(crate::pg::PgError::BadUrl(e)) => {
+                    vars.error(
+                        "DATABASE_URL",
+                        format!("not a PostgreSQL connection string ({e}); use e.g. postgres://user@host:5432/db"),
+                    );
+                    return None;
+                }
+                Err(e) => {
+                    vars.error("DATABASE_URL", e.to_string());
+                    return None;
+                }
+                Ok(_) => {}
             }
             let max_connections = vars.int_in("DATABASE_MAX_CONNECTIONS", 16usize, 1, 1000);
             let acquire_timeout = vars.duration_in(

@@ -17,6 +17,9 @@
 //! port and data directory. Dropping the server stops it and removes the directory; a watchdog
 //! does both if the test process dies without running destructors.
 //!
+//! [`PgServer::start_tls`] gives the server a certificate (`ssl=on`) and accepts TCP clients only
+//! over TLS (`hostssl` in pg_hba.conf), for the tests of DATABASE_URL's `sslmode`.
+//!
 //! The binaries come from `STEWARD_PG_BIN` (default: the newest `/usr/lib/postgresql/<n>/bin`). The server's
 //! log is echoed with `TEST_LOG=1`.
 
@@ -161,12 +164,24 @@ pub struct PgServer {
     run_as: Option<(u32, u32)>,
     postmaster: Option<Postmaster>,
     log: Arc<Mutex<Vec<String>>>,
+    /// Whether the postmaster is started with `ssl=on` (its certificate is in the data directory).
+    tls: bool,
 }
 
 impl PgServer {
     /// initdb in a fresh directory, then the postmaster on a free port, ready. Blocking; see
     /// [`PgServer::spawn`].
     pub fn start() -> Result<Self, String> {
+        Self::start_with(None)
+    }
+
+    /// As [`PgServer::start`], serving TLS with this PEM certificate chain and key and refusing
+    /// TCP clients that do not use it.
+    pub fn start_tls(cert_pem: &str, key_pem: &str) -> Result<Self, String> {
+        Self::start_with(Some((cert_pem, key_pem)))
+    }
+
+    fn start_with(tls: Option<(&str, &str)>) -> Result<Self, String> {
         let bin = bin_dir();
         if !bin.join("postgres").exists() {
             return Err(format!(
@@ -195,6 +210,7 @@ impl PgServer {
             run_as,
             postmaster: None,
             log: Arc::default(),
+            tls: tls.is_some(),
         };
         if let Some((uid, gid)) = run_as {
             std::os::unix::fs::chown(&server.dir, Some(uid), Some(gid))
@@ -226,6 +242,9 @@ impl PgServer {
                 String::from_utf8_lossy(&out.stderr)
             ));
         }
+        if let Some((cert, key)) = tls {
+            server.install_certificate(cert, key)?;
+        }
         // A free port: bind port 0, read it, let go. Another process could take it in between;
         // the start then fails loudly.
         server.port = TcpListener::bind("127.0.0.1:0")
@@ -234,6 +253,33 @@ impl PgServer {
             .port();
         server.launch()?;
         Ok(server)
+    }
+
+    /// Writes the certificate and key where `ssl=on` looks for them (the key readable by the
+    /// server's user only, as PostgreSQL insists) and turns every TCP `host` rule into `hostssl`.
+    fn install_certificate(&self, cert: &str, key: &str) -> Result<(), String> {
+        use std::os::unix::fs::PermissionsExt;
+        for (name, pem, mode) in [("server.crt", cert, 0o644), ("server.key", key, 0o600)] {
+            let path = self.data.join(name);
+            std::fs::write(&path, pem).map_err(|e| format!("write {}: {e}", path.display()))?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+            if let Some((uid, gid)) = self.run_as {
+                std::os::unix::fs::chown(&path, Some(uid), Some(gid))
+                    .map_err(|e| format!("chown {}: {e}", path.display()))?;
+            }
+        }
+        let hba = self.data.join("pg_hba.conf");
+        let rules = std::fs::read_to_string(&hba)
+            .map_err(|e| format!("read {}: {e}", hba.display()))?
+            .lines()
+            .map(|line| match line.strip_prefix("host ") {
+                Some(rest) => format!("hostssl {rest}"),
+                None => line.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        std::fs::write(&hba, rules + "\n").map_err(|e| format!("write {}: {e}", hba.display()))
     }
 
     /// [`PgServer::start`] off the async runtime.
@@ -280,6 +326,7 @@ impl PgServer {
                 "-c",
                 "logging_collector=off",
             ])
+            .args(["-c", if self.tls { "ssl=on" } else { "ssl=off" }])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -362,7 +409,13 @@ impl PgServer {
 
     /// Creates database `name`.
     pub async fn create_database(&self, name: &str) -> Result<(), String> {
-        let (client, conn) = tokio_postgres::connect(&self.url("postgres"), NoTls)
+        // Over the unix socket, which pg_hba.conf trusts with or without TLS on TCP.
+        let socket = format!(
+            "host={} port={} user=postgres dbname=postgres",
+            self.dir.display(),
+            self.port
+        );
+        let (client, conn) = tokio_postgres::connect(&socket, NoTls)
             .await
             .map_err(|e| format!("connect to the private PostgreSQL: {e}"))?;
         let conn = tokio::spawn(conn);

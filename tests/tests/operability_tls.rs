@@ -1,7 +1,8 @@
 //! TLS between the services and to their callers (issue 12, O-5): with certificates made by the
 //! test (a private CA, a server certificate for localhost, a client certificate), a run goes
 //! caller → agent-svc over TLS and agent-svc → gateway-svc over mTLS; a client without a
-//! certificate and a plaintext client are refused by the mTLS gateway.
+//! certificate and a plaintext client are refused by the mTLS gateway. Both services also reach a
+//! private PostgreSQL that accepts TLS only, as DATABASE_URL's `sslmode` asks.
 
 use std::{collections::HashMap, path::PathBuf, time::Duration};
 
@@ -15,6 +16,7 @@ use steward_proto::{
 };
 use steward_tests::{
     fakes::openai::{Answer, FakeOpenAi},
+    pg_server::PgServer,
     start_agent, start_gateway, wait_for_status,
 };
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
@@ -253,4 +255,136 @@ async fn a_plaintext_gateway_url_with_tls_settings_or_a_missing_certificate_stop
         err.contains("GRPC_TLS_KEY") && err.contains("cannot read"),
         "{err}"
     );
+}
+
+/// Connections of the test database's services, as the server sees them: (over TLS, not).
+async fn connections_by_tls(pg: &PgServer, db: &str) -> (i64, i64) {
+    let socket = format!(
+        "host={} port={} user=postgres dbname=postgres",
+        pg.dir().display(),
+        pg.port()
+    );
+    let (client, conn) = tokio_postgres::connect(&socket, tokio_postgres::NoTls)
+        .await
+        .expect("the private server's socket");
+    tokio::spawn(conn);
+    let row = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE s.ssl), count(*) FILTER (WHERE NOT s.ssl) \
+             FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.datname = $1 AND a.client_addr IS NOT NULL",
+            &[&db],
+        )
+        .await
+        .expect("read pg_stat_ssl");
+    (row.get(0), row.get(1))
+}
+
+#[tokio::test]
+async fn o5_both_services_reach_a_tls_only_postgresql_and_plaintext_or_an_unknown_ca_is_refused_clearly()
+ {
+    let pki = Pki::create();
+    let read = |name: &str| std::fs::read_to_string(pki.path(name)).expect("a PEM file");
+    let (cert, key) = (read("server.pem"), read("server.key"));
+    let pg = tokio::task::spawn_blocking(move || PgServer::start_tls(&cert, &key))
+        .await
+        .unwrap()
+        .expect("a private PostgreSQL with a certificate");
+    pg.create_database("steward_tls").await.expect("a database");
+    let url = |query: &str| {
+        format!(
+            "postgres://postgres@127.0.0.1:{}/steward_tls?{query}",
+            pg.port()
+        )
+    };
+    let verified = url(&format!(
+        "sslmode=verify-full&sslrootcert={}",
+        pki.path("ca.pem")
+    ));
+
+    let env = |database_url: &str| -> HashMap<String, String> {
+        [
+            ("GATEWAY_LISTEN_ADDR", "127.0.0.1:0"),
+            ("AGENT_LISTEN_ADDR", "127.0.0.1:0"),
+            ("DATABASE_URL", database_url),
+            ("GATEWAY_SERVICE_TOKEN", steward_tests::SERVICE_TOKEN),
+            ("HEALTH_PROBE_INTERVAL", "100ms"),
+            ("SHUTDOWN_DRAIN_TIMEOUT", "1s"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+    };
+    let mut gateway = start_gateway(&env(&verified))
+        .await
+        .expect("gateway-svc migrates and serves over TLS to PostgreSQL");
+    let mut agent_env = env(&verified);
+    agent_env.insert(
+        "GATEWAY_URL".into(),
+        format!("http://127.0.0.1:{}", gateway.addr.port()),
+    );
+    let mut agent = start_agent(&agent_env)
+        .await
+        .expect("agent-svc migrates and serves over TLS to PostgreSQL");
+
+    // A run that writes through agent-svc's store and reads tasks from gateway-svc's.
+    let channel = Channel::from_shared(format!("http://{}", agent.addr))
+        .unwrap()
+        .connect()
+        .await
+        .expect("agent-svc");
+    let mut request = tonic::Request::new(pb::RunRequest {
+        input: Some(pb::RunInput {
+            prompt: "what tasks do I have?".into(),
+            ..Default::default()
+        }),
+    });
+    request
+        .metadata_mut()
+        .insert("x-user-id", "alice".parse().unwrap());
+    let result = AgentServiceClient::new(channel)
+        .run(request)
+        .await
+        .expect("Run")
+        .into_inner()
+        .result
+        .unwrap();
+    assert_eq!(
+        result.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        result.error
+    );
+    assert!(
+        result.summary.contains("No pending tasks."),
+        "{}",
+        result.summary
+    );
+    let (encrypted, plain) = connections_by_tls(&pg, "steward_tls").await;
+    assert!(encrypted > 0, "no TLS connection from the services");
+    assert_eq!(plain, 0, "a service connected in plaintext");
+    agent.stop().await.expect("agent-svc stops");
+    gateway.stop().await.expect("gateway-svc stops");
+
+    // Plaintext to the TLS-only server: PostgreSQL's own refusal, not "db error".
+    let err = start_gateway(&env(&url("sslmode=disable")))
+        .await
+        .err()
+        .expect("plaintext refused");
+    assert!(err.contains("no encryption"), "{err}");
+    // TLS, but the server's CA is not trusted (the public web roots): a certificate error.
+    let err = start_gateway(&env(&url("sslmode=verify-full")))
+        .await
+        .err()
+        .expect("an unknown issuer refused");
+    assert!(
+        err.contains("invalid peer certificate: UnknownIssuer"),
+        "{err}"
+    );
+    // A mode tokio-postgres cannot honour is named, not ignored.
+    let err = start_gateway(&env(&url("sslmode=verify-ca")))
+        .await
+        .err()
+        .expect("verify-ca refused");
+    assert!(err.contains("sslmode=verify-ca"), "{err}");
 }

@@ -1601,13 +1601,13 @@ async fn listen(
     use futures_util::StreamExt;
     loop {
         let session = async {
-            let (client, mut connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            let (client, mut messages) = pg::Target::parse(&url)
+                .map_err(|e| e.to_string())?
+                .connect()
                 .await
                 .map_err(|e| e.to_string())?;
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
             let pump = tokio::spawn(async move {
-                let mut messages =
-                    futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
                 while let Some(message) = messages.next().await {
                     match message {
                         Ok(tokio_postgres::AsyncMessage::Notification(n)) => {
