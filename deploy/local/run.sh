@@ -3,24 +3,53 @@
 # network beyond loopback. agent-svc on :50051, gateway-svc on :50052. Ctrl-C stops both
 # gracefully. Any variable from the README's configuration table can be set in the environment
 # (e.g. DATABASE_URL to use PostgreSQL instead of the in-memory stores).
+#
+# --demo also starts fake Gmail, Calendar and Slack servers on loopback (the ones the tests use)
+# and connects their demo accounts for user `me`, so a metadata-only search, an approval and a
+# send can be watched without a Google or Slack account.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-cargo build --bins -p gateway-svc -p agent-svc
+demo=false
+case "${1:-}" in
+  "") ;;
+  --demo) demo=true ;;
+  *) echo "usage: $0 [--demo]" >&2; exit 2 ;;
+esac
+
+if $demo; then
+  cargo build --bins -p gateway-svc -p agent-svc -p steward-tests
+else
+  cargo build --bins -p gateway-svc -p agent-svc
+fi
 bin="${CARGO_TARGET_DIR:-target}/debug"
 export LOG_FORMAT="${LOG_FORMAT:-pretty}"
 # The secret agent-svc presents to gateway-svc; a fixed local value so grpcurl users can use it.
 export GATEWAY_SERVICE_TOKEN="${GATEWAY_SERVICE_TOKEN:-local-dev-service-token}"
+gateway_port="${GATEWAY_PORT:-50052}"
+
+upstreams=""
+if $demo; then
+  settings=$(mktemp)
+  "$bin/steward-demo-upstreams" --env-file "$settings" --user me \
+    --gateway "http://127.0.0.1:$gateway_port" &
+  upstreams=$!
+  # The fakes write their URLs once they listen (a few milliseconds).
+  for _ in $(seq 100); do [ -s "$settings" ] && break; sleep 0.1; done
+  [ -s "$settings" ] || { echo "the demo upstreams did not start" >&2; exit 1; }
+  set -a; . "$settings"; set +a
+  rm -f "$settings"
+fi
 
 "$bin/gateway-svc" &
 gateway=$!
 # No JWT issuer locally: callers name themselves with x-user-id, which agent-svc accepts only on
 # a machine flagged as a development one (STEWARD_DEVELOPMENT).
 AUTH_DEV_USER_HEADER="${AUTH_DEV_USER_HEADER:-true}" STEWARD_DEVELOPMENT="${STEWARD_DEVELOPMENT:-true}" \
-GATEWAY_URL="${GATEWAY_URL:-http://127.0.0.1:${GATEWAY_PORT:-50052}}" "$bin/agent-svc" &
+GATEWAY_URL="${GATEWAY_URL:-http://127.0.0.1:$gateway_port}" "$bin/agent-svc" &
 agent=$!
 
-stop() { kill -TERM "$agent" "$gateway" 2>/dev/null || true; }
+stop() { kill -TERM "$agent" "$gateway" $upstreams 2>/dev/null || true; }
 trap stop INT TERM
 cat <<MSG
 Steward is starting: agent-svc on 127.0.0.1:50051, gateway-svc on 127.0.0.1:50052.
@@ -30,9 +59,21 @@ Try:  grpcurl -plaintext 127.0.0.1:50051 list
         127.0.0.1:50052 steward.gateway.v1.GatewayService/ListTools
 Ctrl-C stops both.
 MSG
+if $demo; then
+  cat <<'MSG'
+Demo: user `me` has Gmail, Calendar and Slack connected to local fakes (nothing leaves this machine).
+      grpcurl -plaintext -H 'x-user-id: me' -d '{"input":{"prompt":"what is new in my email?"}}' \
+        127.0.0.1:50051 steward.agent.v1.AgentService/Run
+      grpcurl -plaintext -H 'x-user-id: me' \
+        -d '{"input":{"prompt":"Send an email to maria@client.example saying the contract looks good."}}' \
+        127.0.0.1:50051 steward.agent.v1.AgentService/Run
+      grpcurl -plaintext -H 'x-user-id: me' -d '{"approval_id":"<approval.id from above>","decision":"DECISION_APPROVE"}' \
+        127.0.0.1:50051 steward.agent.v1.AgentService/DecideApproval
+MSG
+fi
 # Whichever exits first (a crash, or Ctrl-C) takes the other down with it.
 status=0
 wait -n "$agent" "$gateway" || status=$?
 stop
-wait "$agent" "$gateway" 2>/dev/null || true
+wait "$agent" "$gateway" $upstreams 2>/dev/null || true
 exit "$status"

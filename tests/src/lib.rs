@@ -9,6 +9,7 @@
 pub mod agent_calls;
 pub mod calls;
 pub mod db;
+pub mod demo;
 pub mod fakes;
 pub mod obedient_model;
 pub mod pg_server;
@@ -21,6 +22,6 @@ pub mod worlds;
 pub use db::TestDb;
 pub use spawn::{
     Backend, Options, RunningService, SERVICE_TOKEN, TestApp, UserAgent, UserGateway, agent_as,
-    channel, gateway_as, spawn, spawn_app, spawn_app_with, start_agent, start_gateway,
-    start_gateway_with, wait_for_status,
+    channel, gateway_as, gateway_with_token, spawn, spawn_app, spawn_app_with, start_agent,
+    start_gateway, start_gateway_with, wait_for_status,
 };

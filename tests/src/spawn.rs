@@ -244,13 +244,16 @@ pub type UserGateway =
 
 /// A gateway client acting for `user` on the gateway at `addr`.
 pub async fn gateway_as(addr: SocketAddr, user: &str) -> UserGateway {
+    gateway_with_token(channel(addr).await, user, SERVICE_TOKEN)
+}
+
+/// A gateway client acting for `user` over `channel`, presenting `token` as the service secret.
+pub fn gateway_with_token(channel: Channel, user: &str, token: &str) -> UserGateway {
     let interceptor = AsUser {
         user: user.parse().expect("ASCII user id"),
-        auth: format!("Bearer {SERVICE_TOKEN}")
-            .parse()
-            .expect("ASCII token"),
+        auth: format!("Bearer {token}").parse().expect("ASCII token"),
     };
-    GatewayServiceClient::with_interceptor(channel(addr).await, interceptor)
+    GatewayServiceClient::with_interceptor(channel, interceptor)
 }
 
 /// Adds `x-user-id` (the agent's dev identity mode) to every call.

@@ -97,6 +97,21 @@ fn rules(request: &ModelRequest) -> Step {
                     "save_memory".into(),
                     serde_json::json!({ "content": fact }).to_string(),
                 )])
+            } else if let Some(to) = recipient(text)
+                .filter(|_| lower.starts_with("send ") || lower.starts_with("email "))
+                && has("gmail_send")
+            {
+                // "send an email to maria@client.example saying …": a side effect, so the local
+                // stack shows an approval (supervised by default) before anything is sent.
+                Step::Call(vec![(
+                    "gmail_send".into(),
+                    serde_json::json!({
+                        "to": [to],
+                        "subject": "A note from Steward",
+                        "body": text,
+                    })
+                    .to_string(),
+                )])
             } else if (lower.contains("email") || lower.contains("mail")) && has("search_gmail") {
                 Step::Call(vec![(
                     "search_gmail".into(),
@@ -110,6 +125,18 @@ fn rules(request: &ModelRequest) -> Step {
         }
         _ => Step::Reply(format!("I'm the offline scripted model ({NAME}).")),
     }
+}
+
+/// The first word of `text` that looks like a mail address, without trailing punctuation.
+fn recipient(text: &str) -> Option<String> {
+    text.split_whitespace()
+        .map(|w| w.trim_matches(|c: char| !c.is_alphanumeric() && c != '@' && c != '.'))
+        .map(|w| w.trim_end_matches('.'))
+        .find(|w| {
+            w.split_once('@')
+                .is_some_and(|(l, d)| !l.is_empty() && d.contains('.'))
+        })
+        .map(str::to_owned)
 }
 
 #[async_trait::async_trait]
@@ -184,6 +211,7 @@ fn turn_len(t: &Turn) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::llm::ToolDecl;
 
     fn request(system: &str) -> ModelRequest {
         ModelRequest {
@@ -193,6 +221,33 @@ mod tests {
             tools: vec![],
             max_output_tokens: 100,
         }
+    }
+
+    #[test]
+    fn asked_to_send_an_email_the_offline_model_calls_gmail_send_with_the_address_it_was_given() {
+        let mut req = request("[PERSONA]\nx");
+        req.turns = vec![Turn::User(
+            "Send an email to maria@client.example saying the contract looks good.".into(),
+        )];
+        req.tools = ["gmail_send", "search_gmail"]
+            .map(|name| ToolDecl {
+                name: name.into(),
+                description: String::new(),
+                parameters: serde_json::json!({}),
+            })
+            .into();
+        let Step::Call(calls) = rules(&req) else {
+            panic!("expected a call")
+        };
+        assert_eq!(calls[0].0, "gmail_send");
+        let args: serde_json::Value = serde_json::from_str(&calls[0].1).unwrap();
+        assert_eq!(args["to"], serde_json::json!(["maria@client.example"]));
+        // Without an address it is a search, as before.
+        req.turns = vec![Turn::User("send me a summary of my email".into())];
+        let Step::Call(calls) = rules(&req) else {
+            panic!("expected a call")
+        };
+        assert_eq!(calls[0].0, "search_gmail");
     }
 
     #[test]

@@ -311,7 +311,10 @@ async fn list(
     let matching: Vec<Value> = messages
         .iter()
         .filter(|m| {
-            query.is_empty() || query == "in:inbox" || m.subject.to_lowercase().contains(&query)
+            // Every fake message is unread in INBOX (see `metadata_json`); other queries match
+            // the subject.
+            matches!(query.as_str(), "" | "in:inbox" | "is:unread")
+                || m.subject.to_lowercase().contains(&query)
         })
         .take(max)
         .map(|m| json!({"id": m.id, "threadId": m.thread_id}))
