@@ -83,12 +83,47 @@ pub async fn ping(pool: &Pool) -> Result<(), PgError> {
 pub async fn checkout(
     pool: &Pool,
     schema: &'static str,
-) -> Result<deadpool_postgres::Object, deadpool_postgres::PoolError> {
+) -> Result<Pooled, deadpool_postgres::PoolError> {
     let started = std::time::Instant::now();
     let client = pool.get().await;
+    let now = std::time::Instant::now();
     metrics::histogram!("steward_db_pool_wait_seconds", "schema" => schema)
-        .record(started.elapsed().as_secs_f64());
-    client
+        .record(now.duration_since(started).as_secs_f64());
+    Ok(Pooled {
+        client: client?,
+        schema,
+        since: now,
+    })
+}
+
+/// A pooled connection that, when returned to the pool, records how long the store operation
+/// held it (`steward_db_operation_seconds`): the latency of its statements and round trips,
+/// measured once here rather than around every statement.
+pub struct Pooled {
+    client: deadpool_postgres::Object,
+    schema: &'static str,
+    since: std::time::Instant,
+}
+
+impl std::ops::Deref for Pooled {
+    type Target = deadpool_postgres::Object;
+
+    fn deref(&self) -> &Self::Target {
+        &self.client
+    }
+}
+
+impl std::ops::DerefMut for Pooled {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.client
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        metrics::histogram!("steward_db_operation_seconds", "schema" => self.schema)
+            .record(self.since.elapsed().as_secs_f64());
+    }
 }
 
 /// The pool's size, idle connections and waiters as gauges (`steward_db_pool_connections`),

@@ -95,7 +95,7 @@ async fn o2_each_service_serves_its_own_series_with_real_values() {
     let paused = run_once(&mut alice, "send the numbers subject: Q3", "")
         .await
         .expect("a send run");
-    assert!(paused.approval.is_some(), "the send waits for approval");
+    let approval = paused.approval.expect("the send waits for approval");
 
     let agent = metrics_addr(&cluster.agents[0]);
     let gateway = metrics_addr(&cluster.gateway);
@@ -131,7 +131,21 @@ async fn o2_each_service_serves_its_own_series_with_real_values() {
             "steward_approvals_pending",
             "steward_db_pool_connections",
             "steward_db_pool_wait_seconds_count",
+            "steward_db_operation_seconds_count",
         ],
+        "agent-svc",
+    );
+    alice
+        .decide_approval(pb::DecideApprovalRequest {
+            approval_id: approval.id,
+            decision: pb::Decision::Approve as i32,
+            ..Default::default()
+        })
+        .await
+        .expect("DecideApproval");
+    assert_positive(
+        &scrape(agent).await,
+        &["steward_approvals_decided_total"],
         "agent-svc",
     );
     for present in ["steward_runs_active", "steward_stream_watchers"] {
@@ -158,6 +172,7 @@ async fn o2_each_service_serves_its_own_series_with_real_values() {
             "steward_rate_limit_denials_total",
             "steward_db_pool_connections",
             "steward_db_pool_wait_seconds_count",
+            "steward_db_operation_seconds_count",
         ],
         "gateway-svc",
     );

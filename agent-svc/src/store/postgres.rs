@@ -56,7 +56,7 @@ impl PgStore {
         })
     }
 
-    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+    async fn client(&self) -> Result<pg::Pooled, StoreError> {
         pg::checkout(&self.pool, "agent")
             .await
             .map_err(StoreError::unavailable)
@@ -654,7 +654,7 @@ impl AgentStore for PgStore {
     async fn end_paused(&self, run_id: &str, e: &Ending) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let ended = end_runs(
-            &**client,
+            &***client,
             "id = $1 AND state = 'awaiting_confirmation'",
             "",
             run_id,

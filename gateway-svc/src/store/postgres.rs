@@ -8,7 +8,7 @@
 
 use std::{sync::Arc, time::SystemTime};
 
-use deadpool_postgres::Object;
+use svc_kit::pg::Pooled as Object;
 use svc_kit::{pg, server_config::DatabaseConfig};
 use tokio_postgres::Row;
 
