@@ -77,6 +77,7 @@ impl Config {
         let server = ServerConfig::load(&mut vars, "GATEWAY", default_listen);
 
         let insecure = vars.bool("GATEWAY_ALLOW_INSECURE_DEV_AUTH", false);
+        let development = vars.bool("STEWARD_DEVELOPMENT", false);
         let auth = match (vars.optional_string("GATEWAY_SERVICE_TOKEN"), insecure) {
             (Some(token), _) if token.len() < 16 => {
                 vars.error(
@@ -86,6 +87,16 @@ impl Config {
                 CallerAuth::InsecureDev
             }
             (Some(token), _) => CallerAuth::ServiceToken(token.into()),
+            (None, true) if !development => {
+                // As agent-svc's dev identity header: a second, separate flag, so one stray
+                // variable in a production manifest cannot open the gateway to every caller.
+                vars.error(
+                    "GATEWAY_ALLOW_INSECURE_DEV_AUTH",
+                    "lets any caller act as any user, so it also needs STEWARD_DEVELOPMENT=true \
+                     (a development machine, never production); or set GATEWAY_SERVICE_TOKEN",
+                );
+                CallerAuth::InsecureDev
+            }
             (None, true) => CallerAuth::InsecureDev,
             (None, false) => {
                 vars.error(
@@ -257,8 +268,26 @@ mod tests {
     }
 
     #[test]
+    fn a9_insecure_dev_auth_needs_the_development_flag_too() {
+        let err = load(&[("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true")]).unwrap_err();
+        assert_eq!(err.0[0].var, "GATEWAY_ALLOW_INSECURE_DEV_AUTH");
+        assert!(err.0[0].problem.contains("STEWARD_DEVELOPMENT=true"));
+        assert!(
+            load(&[
+                ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
+                ("STEWARD_DEVELOPMENT", "true"),
+            ])
+            .is_ok()
+        );
+    }
+
+    #[test]
     fn a_local_run_listens_on_50052_with_the_in_memory_store_and_spec_defaults() {
-        let cfg = load(&[("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true")]).unwrap();
+        let cfg = load(&[
+            ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
+            ("STEWARD_DEVELOPMENT", "true"),
+        ])
+        .unwrap();
         assert_eq!(cfg.server.listen_addr.to_string(), DEFAULT_LISTEN);
         assert!(cfg.server.database.is_none());
         assert_eq!(cfg.max_result_chars, 6000);
@@ -285,6 +314,7 @@ mod tests {
     fn bad_limits_keys_and_sizes_are_each_named() {
         let err = load(&[
             ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
+            ("STEWARD_DEVELOPMENT", "true"),
             ("GRPC_MAX_MESSAGE_BYTES", "1GiB"),
             ("RATE_LIMITS_GMAIL", "30/fortnight"),
             ("CREDENTIALS_KEY", "short"),

@@ -298,3 +298,46 @@ async fn p1_tool_results_reach_the_model_fenced_as_data() {
         "{result}"
     );
 }
+
+#[tokio::test]
+async fn p5_an_autonomous_side_effect_whose_agent_audit_record_cannot_be_written_is_not_executed() {
+    let answers = vec![
+        Answer::tool_calls(&[(
+            "call_send",
+            "gmail_send",
+            r#"{"to": "boss@example.com", "subject": "Budget", "body": "The numbers."}"#,
+        )]),
+        Answer::text("I could not send it."),
+    ];
+    let (app, model, gmail) =
+        gmail_world(answers, &[("AGENT_DEFAULT_TRUST_LEVEL", "autonomous")]).await;
+    // agent-svc's audit table refuses side-effect records (a full disk, a revoked grant, ...).
+    app.sql()
+        .await
+        .batch_execute(
+            "ALTER TABLE agent.audit ADD CONSTRAINT no_side_effects CHECK (kind <> 'side_effect')",
+        )
+        .await
+        .unwrap();
+    let done = run(&app, "send the budget to my boss").await;
+    assert_eq!(
+        done.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        done.error
+    );
+    assert!(gmail.sent().is_empty(), "sent without an audit record");
+    let seen = model.server.seen();
+    let told = seen.last().expect("the model was told").body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .and_then(|m| m["content"].as_str())
+        .expect("a tool message")
+        .to_owned();
+    assert!(
+        told.contains("Not executed: its audit record could not be written"),
+        "{told}"
+    );
+}

@@ -275,112 +275,12 @@ impl Tool for Write {
     /// Title, time, attendees and place as they will be; for an update, the event as it is
     /// now and what changes, bound to its current time and attendees.
     async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
-        let field = |k: &str| text_arg(args, k).unwrap_or_default();
-        let new_attendees: Option<Vec<String>> =
-            args.get("attendees").and_then(Value::as_array).map(|l| {
-                l.iter()
-                    .filter_map(Value::as_str)
-                    .map(str::to_owned)
-                    .collect()
-            });
-        let zone = field("time_zone");
-        let when = |start: &str, end: &str| {
-            format!(
-                "{} to {}{}",
-                line(start, 40),
-                line(end, 40),
-                if zone.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({})", line(&zone, 40))
-                }
-            )
-        };
         if !self.update {
-            let attendees = new_attendees.unwrap_or_default();
-            let mut text = format!(
-                "Create event \"{}\"\nWhen: {}\n",
-                line(&field("summary"), 200),
-                when(&field("start"), &field("end"))
-            );
-            push_attendees(&mut text, "Attendees (invited)", &attendees);
-            push_optional(&mut text, "Location", &field("location"));
-            push_optional(
-                &mut text,
-                "Description",
-                &first_lines(&field("description"), 3),
-            );
-            return Ok(Preview {
-                text,
-                recipients: attendees,
-                binding: String::new(),
-            });
+            return Ok(create_preview(args));
         }
         let account = account(ctx, args, "calendar_event_update").await?;
         let current = self.current(ctx, &account, args).await?;
-        let old_attendees = current.attendee_list();
-        let mut text = format!(
-            "Update event [{}] \"{}\" in {account}\nNow: {} to {}\n",
-            line(&current.id, 100),
-            line(&current.summary, 200),
-            current.start.show(),
-            current.end.show()
-        );
-        push_attendees(&mut text, "Attendees now", &old_attendees);
-        text.push_str("Changes:\n");
-        for (key, label) in [
-            ("summary", "Title"),
-            ("location", "Location"),
-            ("description", "Description"),
-        ] {
-            if let Some(v) = text_arg(args, key) {
-                text.push_str(&format!("- {label} → {}\n", line(&v, 300)));
-            }
-        }
-        if args.get("start").is_some() || args.get("end").is_some() {
-            text.push_str(&format!(
-                "- Time → {}\n",
-                when(&field("start"), &field("end"))
-            ));
-        }
-        let mut recipients = old_attendees.clone();
-        if let Some(list) = &new_attendees {
-            let added: Vec<String> = list
-                .iter()
-                .filter(|a| !old_attendees.contains(a))
-                .cloned()
-                .collect();
-            let removed: Vec<String> = old_attendees
-                .iter()
-                .filter(|a| !list.contains(a))
-                .cloned()
-                .collect();
-            push_attendees(&mut text, "- Invites", &added);
-            push_attendees(&mut text, "- Removes", &removed);
-            recipients = list.clone();
-        }
-        let mut bound = old_attendees.clone();
-        bound.sort();
-        Ok(Preview {
-            text,
-            recipients,
-            binding: digest(&[
-                &current.id,
-                current
-                    .start
-                    .date_time
-                    .as_deref()
-                    .or(current.start.date.as_deref())
-                    .unwrap_or(""),
-                current
-                    .end
-                    .date_time
-                    .as_deref()
-                    .or(current.end.date.as_deref())
-                    .unwrap_or(""),
-                &bound.join(","),
-            ]),
-        })
+        Ok(update_preview(&account, &current, args))
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -475,6 +375,112 @@ fn event_id(args: &Value) -> String {
         .collect()
 }
 
+/// The attendees an event write names, when it names them.
+fn attendees_arg(args: &Value) -> Option<Vec<String>> {
+    args.get("attendees").and_then(Value::as_array).map(|l| {
+        l.iter()
+            .filter_map(Value::as_str)
+            .map(str::to_owned)
+            .collect()
+    })
+}
+
+/// "start to end (zone)" from a write's arguments, each part on one clipped line.
+fn when_arg(args: &Value) -> String {
+    let field = |k: &str| text_arg(args, k).unwrap_or_default();
+    let zone = field("time_zone");
+    format!(
+        "{} to {}{}",
+        line(&field("start"), 40),
+        line(&field("end"), 40),
+        if zone.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", line(&zone, 40))
+        }
+    )
+}
+
+/// What `calendar_event_create` will create. Pure, so property tests can feed it anything.
+fn create_preview(args: &Value) -> Preview {
+    let field = |k: &str| text_arg(args, k).unwrap_or_default();
+    let attendees = attendees_arg(args).unwrap_or_default();
+    let mut text = format!(
+        "Create event \"{}\"\nWhen: {}\n",
+        line(&field("summary"), 200),
+        when_arg(args)
+    );
+    push_attendees(&mut text, "Attendees (invited)", &attendees);
+    push_optional(&mut text, "Location", &field("location"));
+    push_optional(
+        &mut text,
+        "Description",
+        &first_lines(&field("description"), 3),
+    );
+    Preview {
+        text,
+        recipients: attendees,
+        binding: String::new(),
+    }
+}
+
+/// What `calendar_event_update` will change on `current` (as the calendar has it now), bound
+/// to the event's current time and attendees. Pure, like [`create_preview`].
+fn update_preview(account: &str, current: &Event, args: &Value) -> Preview {
+    let old_attendees = current.attendee_list();
+    let mut text = format!(
+        "Update event [{}] \"{}\" in {}\nNow: {} to {}\n",
+        line(&current.id, 100),
+        line(&current.summary, 200),
+        line(account, 200),
+        line(&current.start.show(), 60),
+        line(&current.end.show(), 60)
+    );
+    push_attendees(&mut text, "Attendees now", &old_attendees);
+    text.push_str("Changes:\n");
+    for (key, label) in [
+        ("summary", "Title"),
+        ("location", "Location"),
+        ("description", "Description"),
+    ] {
+        if let Some(v) = text_arg(args, key) {
+            text.push_str(&format!("- {label} → {}\n", line(&v, 300)));
+        }
+    }
+    if args.get("start").is_some() || args.get("end").is_some() {
+        text.push_str(&format!("- Time → {}\n", when_arg(args)));
+    }
+    let mut recipients = old_attendees.clone();
+    if let Some(list) = attendees_arg(args) {
+        let added: Vec<String> = list
+            .iter()
+            .filter(|a| !old_attendees.contains(a))
+            .cloned()
+            .collect();
+        let removed: Vec<String> = old_attendees
+            .iter()
+            .filter(|a| !list.contains(a))
+            .cloned()
+            .collect();
+        push_attendees(&mut text, "- Invites", &added);
+        push_attendees(&mut text, "- Removes", &removed);
+        recipients = list;
+    }
+    let mut bound = old_attendees;
+    bound.sort();
+    let time = |t: &EventTime| t.date_time.clone().or(t.date.clone()).unwrap_or_default();
+    Preview {
+        text,
+        recipients,
+        binding: digest(&[
+            &current.id,
+            &time(&current.start),
+            &time(&current.end),
+            &bound.join(","),
+        ]),
+    }
+}
+
 fn push_attendees(text: &mut String, label: &str, list: &[String]) {
     if !list.is_empty() {
         text.push_str(&format!("{label}: {}\n", line(&list.join(", "), 500)));
@@ -509,5 +515,96 @@ impl Write {
             )));
         }
         r.json(SERVICE)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    use super::*;
+
+    fn event_time(dt: String) -> EventTime {
+        EventTime {
+            date_time: Some(dt),
+            date: None,
+            time_zone: None,
+        }
+    }
+
+    /// Every line of a preview starts with one of `labels`: no field, whoever wrote it, can add
+    /// a line of its own (a forged "Attendees" or "Changes") to what a person approves.
+    fn assert_lines(text: &str, labels: &[&str]) -> Result<(), TestCaseError> {
+        for l in text.lines() {
+            prop_assert!(
+                labels.iter().any(|p| l.starts_with(p)),
+                "unexpected line {:?} in\n{}",
+                l,
+                text
+            );
+        }
+        Ok(())
+    }
+
+    proptest! {
+        // Q-3, U-3: whatever the model puts in the arguments, a create preview is built without
+        // panicking, keeps its structure and stays short enough to read.
+        #[test]
+        fn create_previews_never_panic_and_keep_their_lines(
+            summary in "(?s).{0,300}",
+            start in "(?s).{0,60}",
+            end in "(?s).{0,60}",
+            zone in "(?s).{0,60}",
+            location in "(?s).{0,400}",
+            description in "(?s).{0,2000}",
+            attendees in proptest::collection::vec("(?s).{0,80}", 0..30),
+        ) {
+            let args = json!({"summary": summary, "start": start, "end": end, "time_zone": zone,
+                              "location": location, "description": description, "attendees": attendees});
+            let p = create_preview(&args);
+            prop_assert!(p.text.starts_with("Create event \""));
+            prop_assert!(p.text.lines().nth(1).is_some_and(|l| l.starts_with("When: ")));
+            assert_lines(&p.text, &["Create event \"", "When: ", "Attendees (invited): ", "Location: ", "Description: "])?;
+            prop_assert_eq!(p.recipients, attendees);
+            prop_assert!(p.text.chars().count() <= 230 + 150 + 530 + 330 + 330);
+        }
+
+        // The same for an update, whose current event comes from the calendar (other people's
+        // invitations included), so its id, title, times and attendees are hostile too.
+        #[test]
+        fn update_previews_never_panic_keep_their_lines_and_bind_the_current_event(
+            id in "(?s).{0,120}",
+            current_summary in "(?s).{0,300}",
+            current_start in "(?s).{0,80}",
+            current_end in "(?s).{0,80}",
+            current_attendees in proptest::collection::vec("(?s).{0,80}", 0..20),
+            summary in proptest::option::of("(?s).{0,300}"),
+            start in proptest::option::of("(?s).{0,60}"),
+            attendees in proptest::option::of(proptest::collection::vec("(?s).{0,80}", 0..20)),
+        ) {
+            let current = Event {
+                id,
+                summary: current_summary,
+                location: String::new(),
+                start: event_time(current_start),
+                end: event_time(current_end),
+                attendees: current_attendees.iter().map(|e| Attendee { email: e.clone() }).collect(),
+            };
+            let mut args = json!({"event_id": "e"});
+            if let Some(s) = &summary { args["summary"] = json!(s); }
+            if let Some(s) = &start { args["start"] = json!(s); }
+            if let Some(a) = &attendees { args["attendees"] = json!(a); }
+            let p = update_preview("me@example.com", &current, &args);
+            prop_assert!(p.text.starts_with("Update event ["));
+            assert_lines(&p.text, &["Update event [", "Now: ", "Attendees now: ", "Changes:",
+                                    "- Title → ", "- Location → ", "- Description → ", "- Time → ",
+                                    "- Invites: ", "- Removes: "])?;
+            prop_assert_eq!(p.binding.len(), 64);
+            prop_assert_eq!(&p.recipients, attendees.as_ref().unwrap_or(&current_attendees));
+            // The binding follows the current event, not what the call asks to change.
+            let unchanged = update_preview("me@example.com", &current, &json!({"event_id": "e"}));
+            prop_assert_eq!(p.binding, unchanged.binding);
+        }
     }
 }
