@@ -341,3 +341,62 @@ async fn p5_an_autonomous_side_effect_whose_agent_audit_record_cannot_be_written
         "{told}"
     );
 }
+
+/// A ListThreads call with `authorization: Bearer <HS256 token of claims>`.
+async fn list_threads_with_token(
+    addr: std::net::SocketAddr,
+    secret: &str,
+    claims: serde_json::Value,
+) -> Result<(), tonic::Status> {
+    let token = jsonwebtoken::encode(
+        &jsonwebtoken::Header::default(),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()),
+    )
+    .expect("sign a token");
+    let mut request = tonic::Request::new(pb::ListThreadsRequest::default());
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("ASCII"),
+    );
+    pb::agent_service_client::AgentServiceClient::new(steward_tests::channel(addr).await)
+        .list_threads(request)
+        .await
+        .map(|_| ())
+}
+
+#[tokio::test]
+async fn a9_a_token_minted_for_another_audience_is_unauthenticated() {
+    let secret = "a-long-random-secret-of-32-chars!";
+    let env: std::collections::HashMap<String, String> = [
+        ("AGENT_LISTEN_ADDR", "127.0.0.1:0"),
+        ("AUTH_DEV_USER_HEADER", "false"),
+        ("STEWARD_DEVELOPMENT", "false"),
+        ("AUTH_JWT_HS256_SECRET", secret),
+        ("AUTH_JWT_AUDIENCE", "steward-agent"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    let mut agent = steward_tests::start_agent(&env)
+        .await
+        .expect("agent-svc starts with a JWT key and an audience");
+    let exp = jiff::Timestamp::now().as_second() + 600;
+    list_threads_with_token(
+        agent.addr,
+        secret,
+        json!({"sub": "alice", "exp": exp, "aud": "steward-agent"}),
+    )
+    .await
+    .expect("a token for this service is accepted");
+    for claims in [
+        json!({"sub": "alice", "exp": exp, "aud": "billing"}),
+        json!({"sub": "alice", "exp": exp}),
+    ] {
+        let refused = list_threads_with_token(agent.addr, secret, claims.clone())
+            .await
+            .expect_err("refused");
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{claims}");
+    }
+    agent.stop().await.expect("agent-svc stops");
+}
