@@ -37,6 +37,12 @@ impl From<tonic::Status> for GatewayError {
     }
 }
 
+/// How often a run asks for its tools before it fails, the first wait between two tries
+/// (tripled after each), and how long one try may take.
+const LIST_TOOLS_ATTEMPTS: u32 = 3;
+const LIST_TOOLS_FIRST_RETRY: std::time::Duration = std::time::Duration::from_millis(200);
+const LIST_TOOLS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The error kind of a call whose request was sent but whose answer never came (timeout, the
 /// stream went away): it may or may not have happened upstream.
 pub const OUTCOME_UNKNOWN: &str = "OUTCOME_UNKNOWN";
@@ -147,6 +153,40 @@ impl GatewayClient {
                 .map_err(|_| GatewayError::Refused("user id is not ASCII".into()))?,
         );
         Ok(request)
+    }
+
+    /// [`GatewayClient::list_tools`], each attempt under [`LIST_TOOLS_TIMEOUT`], tried again
+    /// while gateway-svc cannot be reached (a restart, a rollout) up to [`LIST_TOOLS_ATTEMPTS`]
+    /// times; a refusal is final at once.
+    pub async fn list_tools_retrying(
+        &self,
+        user: &str,
+        channel: pb::Channel,
+    ) -> Result<Vec<GatewayTool>, GatewayError> {
+        let mut delay = LIST_TOOLS_FIRST_RETRY;
+        let mut attempt = 1;
+        loop {
+            let error = match tokio::time::timeout(
+                LIST_TOOLS_TIMEOUT,
+                self.list_tools(user, channel),
+            )
+            .await
+            {
+                Ok(Ok(tools)) => return Ok(tools),
+                Ok(Err(refused @ GatewayError::Refused(_))) => return Err(refused),
+                Ok(Err(unavailable)) => unavailable,
+                Err(_) => GatewayError::Unavailable(format!(
+                    "ListTools had no answer within {LIST_TOOLS_TIMEOUT:?}"
+                )),
+            };
+            if attempt == LIST_TOOLS_ATTEMPTS {
+                return Err(error);
+            }
+            tracing::warn!(attempt, error = %error, "ListTools failed; trying again");
+            tokio::time::sleep(delay).await;
+            delay *= 3;
+            attempt += 1;
+        }
     }
 
     pub async fn list_tools(

@@ -27,7 +27,7 @@ pub enum PgError {
     #[error("migration failed: {0}")]
     Migration(#[from] refinery::Error),
     #[error("no pooled connection: {0}")]
-    Checkout(#[from] deadpool_postgres::PoolError),
+    Checkout(String),
 }
 
 /// Pool settings, from each service's config.
@@ -71,34 +71,87 @@ pub(crate) fn cause(e: &tokio_postgres::Error) -> String {
     }
 }
 
+/// Warns at start when pools of this size could open more connections than the server allows:
+/// both services use the same default size, so twice this pool (one replica each) must fit in
+/// `max_connections` less the superuser reserve. Past that PostgreSQL refuses new connections
+/// ("too many clients") under load, long after the start looked fine.
+pub async fn warn_if_pools_exceed_server(pool: &Pool, options: &PoolOptions) {
+    let limits = async {
+        let client = pool.get().await.map_err(|e| checkout_error(e, pool))?;
+        let row = client
+            .query_one(
+                "SELECT current_setting('max_connections')::int, \
+                        current_setting('superuser_reserved_connections')::int",
+                &[],
+            )
+            .await?;
+        Ok::<_, PgError>((row.get::<_, i32>(0), row.get::<_, i32>(1)))
+    };
+    match limits.await {
+        Ok((max, reserved)) => {
+            let usable = (max - reserved).max(0) as usize;
+            let both = 2 * options.max_connections;
+            if both > usable {
+                tracing::warn!(
+                    database_max_connections = options.max_connections,
+                    server_max_connections = max,
+                    "DATABASE_MAX_CONNECTIONS={}: agent-svc and gateway-svc with pools this size can open {both} \
+                     connections, more than the {usable} this PostgreSQL allows (max_connections {max} less {reserved} \
+                     reserved); keep replicas × DATABASE_MAX_CONNECTIONS of both services under {usable}",
+                    options.max_connections
+                );
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "could not read the server's connection limits"),
+    }
+}
+
 /// One round trip through the pool: what readiness means for a database-backed service.
 pub async fn ping(pool: &Pool) -> Result<(), PgError> {
-    let client = pool.get().await?;
+    let client = pool.get().await.map_err(|e| checkout_error(e, pool))?;
     client.simple_query("SELECT 1").await?;
     Ok(())
 }
 
 /// A pooled connection for the `schema` store, timing the wait for it
 /// (`steward_db_pool_wait_seconds`): the first sign of a pool too small for its load.
-pub async fn checkout(
-    pool: &Pool,
-    schema: &'static str,
-) -> Result<Pooled, deadpool_postgres::PoolError> {
+pub async fn checkout(pool: &Pool, schema: &'static str) -> Result<Pooled, PgError> {
     let started = std::time::Instant::now();
     let client = pool.get().await;
     let now = std::time::Instant::now();
     metrics::histogram!("steward_db_pool_wait_seconds", "schema" => schema)
         .record(now.duration_since(started).as_secs_f64());
     Ok(Pooled {
-        client: client?,
+        client: client.map_err(|e| checkout_error(e, pool))?,
         schema,
         since: now,
     })
 }
 
+/// What went wrong getting a connection, in words an operator can act on: deadpool's own
+/// Display says "Error occurred while creating a new object: db error" even when PostgreSQL
+/// said "sorry, too many clients already".
+fn checkout_error(e: deadpool_postgres::PoolError, pool: &Pool) -> PgError {
+    use deadpool_postgres::PoolError;
+    PgError::Checkout(match e {
+        PoolError::Backend(e) => format!("opening a connection failed: {}", cause(&e)),
+        PoolError::Timeout(_) => {
+            let s = pool.status();
+            format!(
+                "none free within DATABASE_ACQUIRE_TIMEOUT ({} of {} open, {} idle, {} waiting); \
+                 raise DATABASE_MAX_CONNECTIONS or find what holds them",
+                s.size, s.max_size, s.available, s.waiting
+            )
+        }
+        PoolError::Closed => "the pool is closed (the service is stopping)".into(),
+        other => other.to_string(),
+    })
+}
+
 /// A pooled connection that, when returned to the pool, records how long the store operation
-/// held it (`steward_db_operation_seconds`): the latency of its statements and round trips,
-/// measured once here rather than around every statement.
+/// held it (`steward_db_connection_held_seconds`): its statements' latency and round trips,
+/// plus anything done while holding it — a long tail there is a connection held across
+/// upstream I/O, the way a pool runs dry.
 pub struct Pooled {
     client: deadpool_postgres::Object,
     schema: &'static str,
@@ -121,7 +174,7 @@ impl std::ops::DerefMut for Pooled {
 
 impl Drop for Pooled {
     fn drop(&mut self) {
-        metrics::histogram!("steward_db_operation_seconds", "schema" => self.schema)
+        metrics::histogram!("steward_db_connection_held_seconds", "schema" => self.schema)
             .record(self.since.elapsed().as_secs_f64());
     }
 }
@@ -150,6 +203,7 @@ pub async fn migrate(url: &str, runner: refinery::Runner, lock_key: i64) -> Resu
         while let Some(message) = messages.next().await {
             if let Err(e) = message {
                 tracing::warn!(error = %e, "migration connection closed with an error");
+                break;
             }
         }
     });

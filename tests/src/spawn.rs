@@ -296,13 +296,14 @@ impl TestApp {
     /// As [`TestApp::start_another_agent`], with some settings changed.
     pub async fn start_another_agent_with(&mut self, extra: &[(&str, &str)]) -> SocketAddr {
         let mut env = self.env.clone();
-        for (k, v) in extra {
-            env.insert((*k).to_owned(), (*v).to_owned());
-        }
         env.insert(
             "GATEWAY_URL".into(),
             format!("http://{}", self.gateway_addr),
         );
+        // After the defaults, so a test can point a replica elsewhere (a dead gateway).
+        for (k, v) in extra {
+            env.insert((*k).to_owned(), (*v).to_owned());
+        }
         let agent = start_agent(&env).await.expect("start another agent-svc");
         let addr = agent.addr;
         wait_for_status(

@@ -769,7 +769,9 @@ impl RunService {
         let mut external_readers = std::collections::HashSet::new();
         let mut memory_writers = std::collections::HashSet::new();
         if let Some(g) = &self.gateway {
-            match g.list_tools(&seg.owner, gw_channel).await {
+            // a run never goes on without the tools it was meant to have — that would
+            // report COMPLETED with a different meaning. Retried briefly, then a clear failure.
+            match g.list_tools_retrying(&seg.owner, gw_channel).await {
                 Ok(list) => {
                     for t in list {
                         // Known even when not offered: the transcript may hold their results.
@@ -789,8 +791,9 @@ impl RunService {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "tools unavailable for this run");
-                    request.system.push_str("\n\nTools are unavailable right now; say so if the user needs data you cannot see.");
+                    return Err(ApiError::Unavailable(format!(
+                        "this run could not list its tools ({e}); nothing was done. Try again shortly."
+                    )));
                 }
             }
         }
@@ -893,7 +896,12 @@ impl RunService {
             }
             Err(e) => {
                 tracing::error!(run_id = %seg.run_id, error = %e, "run failed outside the model loop");
-                Self::fail(writer, &e.to_string());
+                // Within a run, Unavailable is gateway-svc (the stores fail as ApiError::Store).
+                let kind = match e {
+                    ApiError::Unavailable(_) => pb::FailureKind::GatewayUnavailable,
+                    _ => pb::FailureKind::Internal,
+                };
+                Self::fail_as(writer, &e.to_string(), kind);
             }
         }
         writer.pending().release = true;
@@ -918,11 +926,20 @@ impl RunService {
 
     /// An internal failure: the run fails with the message, shown in the thread.
     fn fail(writer: &mut RunWriter, message: &str) {
+        Self::fail_as(writer, message, pb::FailureKind::Internal);
+    }
+
+    /// The run fails with the message, shown in the thread, and its failure kind.
+    fn fail_as(writer: &mut RunWriter, message: &str, kind: pb::FailureKind) {
+        let key = match kind {
+            pb::FailureKind::GatewayUnavailable => "gateway_unavailable",
+            _ => "internal",
+        };
         let pending = writer.pending();
         pending.patch.merge(RunPatch {
             state: Some(RunState::Failed),
             error: Some(message.to_owned()),
-            failure_kind: Some("internal".into()),
+            failure_kind: Some(key.into()),
             finished_at: Some(SystemTime::now()),
             ..RunPatch::default()
         });
@@ -931,7 +948,7 @@ impl RunService {
             .push(NewMessage::text(MessageSource::Error, message));
         writer.emit(pb::run_event::Kind::Error(pb::ErrorEvent {
             message: message.to_owned(),
-            kind: pb::FailureKind::Internal as i32,
+            kind: kind as i32,
         }));
     }
 

@@ -46,6 +46,7 @@ impl PgStore {
     pub async fn connect(config: &DatabaseConfig) -> Result<Self, StoreError> {
         Self::migrate(&config.url).await?;
         let pool = pg::pool(&config.url, &config.pool)?;
+        pg::warn_if_pools_exceed_server(&pool, &config.pool).await;
         let (notices, _) = tokio::sync::broadcast::channel(1024);
         let stop = tokio_util::sync::CancellationToken::new();
         tokio::spawn(listen(config.url.clone(), notices.clone(), stop.clone()));

@@ -8,7 +8,7 @@
 
 use std::{sync::Arc, time::SystemTime};
 
-use svc_kit::pg::Pooled as Object;
+use svc_kit::pg::Pooled;
 use svc_kit::{pg, server_config::DatabaseConfig};
 use tokio_postgres::Row;
 
@@ -47,6 +47,7 @@ impl PgStore {
     pub async fn connect(config: &DatabaseConfig) -> Result<Self, StoreError> {
         Self::migrate(&config.url).await?;
         let pool = pg::pool(&config.url, &config.pool)?;
+        pg::warn_if_pools_exceed_server(&pool, &config.pool).await;
         Ok(Self { pool })
     }
 
@@ -67,7 +68,7 @@ impl PgStore {
         }
     }
 
-    async fn client(&self) -> Result<Object, StoreError> {
+    async fn client(&self) -> Result<Pooled, StoreError> {
         pg::checkout(&self.pool, "gateway")
             .await
             .map_err(StoreError::unavailable)
@@ -107,7 +108,7 @@ fn account_from_row(row: &Row) -> Result<StoredAccount, StoreError> {
     })
 }
 
-async fn upsert(client: &Object, a: &StoredAccount) -> Result<(), StoreError> {
+async fn upsert(client: &Pooled, a: &StoredAccount) -> Result<(), StoreError> {
     client
         .execute(
             "INSERT INTO gateway.accounts \
@@ -229,18 +230,18 @@ impl AccountStore for PgStore {
 
 /// A transaction on a pooled connection that rolls back if dropped unfinished.
 struct OpenTx {
-    client: Option<Object>,
+    client: Option<Pooled>,
 }
 
 impl OpenTx {
-    async fn begin(client: Object) -> Result<Self, StoreError> {
+    async fn begin(client: Pooled) -> Result<Self, StoreError> {
         client.batch_execute("BEGIN").await.map_err(db)?;
         Ok(Self {
             client: Some(client),
         })
     }
 
-    fn client(&self) -> &Object {
+    fn client(&self) -> &Pooled {
         self.client
             .as_ref()
             .expect("an OpenTx holds its client until it finishes")
