@@ -26,42 +26,57 @@ bin="${CARGO_TARGET_DIR:-target}/debug"
 export LOG_FORMAT="${LOG_FORMAT:-pretty}"
 # The secret agent-svc presents to gateway-svc; a fixed local value so grpcurl users can use it.
 export GATEWAY_SERVICE_TOKEN="${GATEWAY_SERVICE_TOKEN:-local-dev-service-token}"
-gateway_port="${GATEWAY_PORT:-50052}"
+gateway_url="${GATEWAY_URL:-http://127.0.0.1:50052}"
 
-upstreams=""
+# Each child runs in a session of its own (setsid), so Ctrl-C reaches only this script, which
+# sends each child one SIGTERM: a graceful drain. (A second signal would make them exit at once.)
+pids=()
+stopped=false
+stop() {
+  $stopped && return
+  stopped=true
+  [ ${#pids[@]} -eq 0 ] || kill -TERM "${pids[@]}" 2>/dev/null || true
+}
+settings=""
+trap 'stop; [ -z "$settings" ] || rm -f "$settings"' EXIT
+trap 'stop' INT TERM
+
 if $demo; then
   settings=$(mktemp)
-  "$bin/steward-demo-upstreams" --env-file "$settings" --user me \
-    --gateway "http://127.0.0.1:$gateway_port" &
-  upstreams=$!
+  setsid "$bin/steward-demo-upstreams" --env-file "$settings" --user me --gateway "$gateway_url" &
+  pids+=($!)
   # The fakes write their URLs once they listen (a few milliseconds).
-  for _ in $(seq 100); do [ -s "$settings" ] && break; sleep 0.1; done
+  for _ in $(seq 100); do
+    [ -s "$settings" ] && break
+    kill -0 "${pids[0]}" 2>/dev/null || break
+    sleep 0.1
+  done
   [ -s "$settings" ] || { echo "the demo upstreams did not start" >&2; exit 1; }
   set -a; . "$settings"; set +a
-  rm -f "$settings"
 fi
 
-"$bin/gateway-svc" &
-gateway=$!
+setsid "$bin/gateway-svc" &
+pids+=($!)
 # No JWT issuer locally: callers name themselves with x-user-id, which agent-svc accepts only on
 # a machine flagged as a development one (STEWARD_DEVELOPMENT).
 AUTH_DEV_USER_HEADER="${AUTH_DEV_USER_HEADER:-true}" STEWARD_DEVELOPMENT="${STEWARD_DEVELOPMENT:-true}" \
-GATEWAY_URL="${GATEWAY_URL:-http://127.0.0.1:$gateway_port}" "$bin/agent-svc" &
-agent=$!
+GATEWAY_URL="$gateway_url" setsid "$bin/agent-svc" &
+pids+=($!)
 
-stop() { kill -TERM "$agent" "$gateway" $upstreams 2>/dev/null || true; }
-trap stop INT TERM
 cat <<MSG
-Steward is starting: agent-svc on 127.0.0.1:50051, gateway-svc on 127.0.0.1:50052.
+Steward is starting: agent-svc on 127.0.0.1:50051, gateway-svc on $gateway_url.
 Try:  grpcurl -plaintext 127.0.0.1:50051 list
       grpcurl -plaintext 127.0.0.1:50051 grpc.health.v1.Health/Check
       grpcurl -plaintext -H "authorization: Bearer $GATEWAY_SERVICE_TOKEN" -H 'x-steward-user-id: me' \
         127.0.0.1:50052 steward.gateway.v1.GatewayService/ListTools
-Ctrl-C stops both.
+Ctrl-C stops everything.
 MSG
 if $demo; then
+  if [ -n "${MODEL_CHAIN:-}" ]; then
+    echo "Demo: MODEL_CHAIN is set, so prompts and the fake mailbox's metadata go to $MODEL_CHAIN."
+  fi
   cat <<'MSG'
-Demo: user `me` has Gmail, Calendar and Slack connected to local fakes (nothing leaves this machine).
+Demo: user `me` has Gmail, Calendar and Slack connected to local fakes on loopback.
       grpcurl -plaintext -H 'x-user-id: me' -d '{"input":{"prompt":"what is new in my email?"}}' \
         127.0.0.1:50051 steward.agent.v1.AgentService/Run
       grpcurl -plaintext -H 'x-user-id: me' \
@@ -71,9 +86,9 @@ Demo: user `me` has Gmail, Calendar and Slack connected to local fakes (nothing 
         127.0.0.1:50051 steward.agent.v1.AgentService/DecideApproval
 MSG
 fi
-# Whichever exits first (a crash, or Ctrl-C) takes the other down with it.
+# Whichever exits first (a crash, or Ctrl-C) takes the others down with it.
 status=0
-wait -n "$agent" "$gateway" || status=$?
+wait -n "${pids[@]}" || status=$?
 stop
-wait "$agent" "$gateway" $upstreams 2>/dev/null || true
+wait "${pids[@]}" 2>/dev/null || true
 exit "$status"

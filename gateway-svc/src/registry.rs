@@ -138,14 +138,26 @@ pub fn clip(text: &str, max: usize) -> String {
 }
 
 /// A single-line field (a subject, an address, a title) as one line of at most `max`
-/// characters: line breaks and other control characters become spaces, so a value cannot
-/// forge further lines (a fake "To:") in the preview a person approves.
+/// characters: line breaks, other control characters, Unicode's line and paragraph separators
+/// and its bidirectional overrides become spaces, so a value can neither forge further lines (a
+/// fake "To:") nor reorder what a person reads in the preview they approve.
 pub fn line(text: &str, max: usize) -> String {
     let flat: String = text
         .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
+        .map(|c| if is_layout_control(c) { ' ' } else { c })
         .collect();
     clip(&flat, max)
+}
+
+/// Characters that break a line or change the reading order when displayed.
+fn is_layout_control(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{2028}' | '\u{2029}' | '\u{200E}' | '\u{200F}' | '\u{061C}'
+        )
+        || ('\u{202A}'..='\u{202E}').contains(&c)
+        || ('\u{2066}'..='\u{2069}').contains(&c)
 }
 
 /// The first `n` lines of `text`, each clipped and flattened like [`line`] (a stray `\r`
@@ -264,12 +276,22 @@ mod tests {
         assert_ne!(digest(&["a", "b"]), digest(&["ab"]));
     }
 
+    #[test]
+    fn a_field_cannot_break_its_line_or_reverse_what_follows() {
+        let flat = line(
+            "Budget\u{2028}To: attacker@evil.test\u{202E}txt.exe\u{2066}x",
+            100,
+        );
+        assert_eq!(flat, "Budget To: attacker@evil.test txt.exe x");
+    }
+
     proptest! {
         // preview building blocks never panic (any Unicode, any cut point) and stay short.
         #[test]
         fn clip_and_first_lines_are_bounded(text in "(?s).{0,400}", max in 0usize..50, n in 0usize..8) {
             prop_assert!(clip(&text, max).chars().count() <= max + 1);
-            prop_assert!(!line(&text, max).contains(['\n', '\r']));
+            let flat = line(&text, max);
+            prop_assert!(!flat.contains(['\n', '\r', '\u{2028}', '\u{2029}', '\u{202E}']), "{:?}", flat);
             let lines = first_lines(&text, n);
             prop_assert!(lines.lines().count() <= n + 1);
             // n lines of at most 200 characters and a "…", their n newlines, and a final "…".

@@ -25,3 +25,11 @@ pub use spawn::{
     channel, gateway_as, gateway_with_token, spawn, spawn_app, spawn_app_with, start_agent,
     start_gateway, start_gateway_with, wait_for_status,
 };
+
+/// Settings as a map, from literal pairs: the shape `start_agent` and `start_gateway` take.
+pub fn env(pairs: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}

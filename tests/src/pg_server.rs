@@ -407,15 +407,20 @@ impl PgServer {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
     }
 
+    /// A key=value connection string for database `db` over the server's unix socket, which
+    /// pg_hba.conf trusts whether or not TCP clients must use TLS.
+    pub fn socket_dsn(&self, db: &str) -> String {
+        format!(
+            "host={} port={} user=postgres dbname={db}",
+            self.dir.display(),
+            self.port
+        )
+    }
+
     /// Creates database `name`.
     pub async fn create_database(&self, name: &str) -> Result<(), String> {
         // Over the unix socket, which pg_hba.conf trusts with or without TLS on TCP.
-        let socket = format!(
-            "host={} port={} user=postgres dbname=postgres",
-            self.dir.display(),
-            self.port
-        );
-        let (client, conn) = tokio_postgres::connect(&socket, NoTls)
+        let (client, conn) = tokio_postgres::connect(&self.socket_dsn("postgres"), NoTls)
             .await
             .map_err(|e| format!("connect to the private PostgreSQL: {e}"))?;
         let conn = tokio::spawn(conn);

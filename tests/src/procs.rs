@@ -268,28 +268,11 @@ impl ServiceProc {
             return Err(format!("{} was already stopped", self.name));
         }
         self.stop_watchdog();
-        let status = Command::new("kill")
-            .args(["-TERM", &self.pid.to_string()])
-            .status()
-            .map_err(|e| format!("run kill: {e}"))?;
-        if !status.success() {
-            return Err(format!("kill -TERM {} failed", self.pid));
-        }
-        let deadline = Instant::now() + bound;
-        loop {
-            if let Some(exit) = self.child.try_wait().map_err(|e| e.to_string())? {
-                self.dead = true;
-                return Ok(exit);
-            }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "{} did not exit within {bound:?} of SIGTERM",
-                    self.name
-                ));
-            }
-            // Polling a child's exit: std offers no wait with a timeout.
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        svc_kit::testing::signal(self.pid, "-TERM")?;
+        let exit = svc_kit::testing::wait_until_exit(&mut self.child, bound)
+            .ok_or_else(|| format!("{} did not exit within {bound:?} of SIGTERM", self.name))?;
+        self.dead = true;
+        Ok(exit)
     }
 
     pub fn is_dead(&self) -> bool {

@@ -463,6 +463,17 @@ async fn run_schedule_now_starts_a_run_the_caller_can_watch() {
         .into_inner()
         .threads;
     assert!(threads.iter().any(|t| t.id == started.thread_id));
+    // E-2: it ran on the scheduled channel, so under that channel's limits (15 / 600 s).
+    let run = alice
+        .get_run(pb::GetRunRequest {
+            run_id: started.run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .expect("the run");
+    assert_eq!(run.channel, pb::Channel::Scheduled as i32);
 }
 
 #[tokio::test]

@@ -368,16 +368,13 @@ async fn list_threads_with_token(
 #[tokio::test]
 async fn a9_a_token_minted_for_another_audience_is_unauthenticated() {
     let secret = "a-long-random-secret-of-32-chars!";
-    let env: std::collections::HashMap<String, String> = [
+    let env = steward_tests::env(&[
         ("AGENT_LISTEN_ADDR", "127.0.0.1:0"),
         ("AUTH_DEV_USER_HEADER", "false"),
         ("STEWARD_DEVELOPMENT", "false"),
         ("AUTH_JWT_HS256_SECRET", secret),
         ("AUTH_JWT_AUDIENCE", "steward-agent"),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .collect();
+    ]);
     let mut agent = steward_tests::start_agent(&env)
         .await
         .expect("agent-svc starts with a JWT key and an audience");

@@ -131,7 +131,7 @@ async fn o2_each_service_serves_its_own_series_with_real_values() {
             "steward_approvals_pending",
             "steward_db_pool_connections",
             "steward_db_pool_wait_seconds_count",
-            "steward_db_operation_seconds_count",
+            "steward_db_connection_held_seconds_count",
         ],
         "agent-svc",
     );
@@ -172,7 +172,7 @@ async fn o2_each_service_serves_its_own_series_with_real_values() {
             "steward_rate_limit_denials_total",
             "steward_db_pool_connections",
             "steward_db_pool_wait_seconds_count",
-            "steward_db_operation_seconds_count",
+            "steward_db_connection_held_seconds_count",
         ],
         "gateway-svc",
     );

@@ -58,6 +58,19 @@ impl Pki {
             (cert.pem(), key.serialize_pem())
         };
         let (server_cert, server_key) = leaf("steward server", ExtendedKeyUsagePurpose::ServerAuth);
+        // PostgreSQL's certificate names `localhost` only, so connecting to 127.0.0.1 tells
+        // verify-ca (chain) from verify-full (chain and name).
+        let (pg_cert, pg_key) = {
+            let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+            params
+                .distinguished_name
+                .push(DnType::CommonName, "postgres");
+            let key = KeyPair::generate().unwrap();
+            (
+                params.signed_by(&key, &ca).unwrap().pem(),
+                key.serialize_pem(),
+            )
+        };
         let (client_cert, client_key) = leaf("agent-svc", ExtendedKeyUsagePurpose::ClientAuth);
         let pki = Self {
             dir,
@@ -71,6 +84,8 @@ impl Pki {
             ("server.key", server_key.as_str()),
             ("client.pem", pki.client_cert.as_str()),
             ("client.key", pki.client_key.as_str()),
+            ("pg.pem", pg_cert.as_str()),
+            ("pg.key", pg_key.as_str()),
         ] {
             std::fs::write(pki.dir.join(name), pem).expect("write a PEM file");
         }
@@ -259,12 +274,7 @@ async fn a_plaintext_gateway_url_with_tls_settings_or_a_missing_certificate_stop
 
 /// Connections of the test database's services, as the server sees them: (over TLS, not).
 async fn connections_by_tls(pg: &PgServer, db: &str) -> (i64, i64) {
-    let socket = format!(
-        "host={} port={} user=postgres dbname=postgres",
-        pg.dir().display(),
-        pg.port()
-    );
-    let (client, conn) = tokio_postgres::connect(&socket, tokio_postgres::NoTls)
+    let (client, conn) = tokio_postgres::connect(&pg.socket_dsn("postgres"), tokio_postgres::NoTls)
         .await
         .expect("the private server's socket");
     tokio::spawn(conn);
@@ -280,40 +290,47 @@ async fn connections_by_tls(pg: &PgServer, db: &str) -> (i64, i64) {
     (row.get(0), row.get(1))
 }
 
+/// One round trip through a pool on `url`, its error as text.
+async fn ping(url: &str) -> Result<(), String> {
+    let pool = svc_kit::pg::pool(
+        url,
+        &svc_kit::pg::PoolOptions {
+            max_connections: 1,
+            acquire_timeout: Duration::from_secs(5),
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    svc_kit::pg::ping(&pool).await.map_err(|e| e.to_string())
+}
+
 #[tokio::test]
-async fn o5_both_services_reach_a_tls_only_postgresql_and_plaintext_or_an_unknown_ca_is_refused_clearly()
- {
+async fn o5_both_services_reach_a_tls_only_postgresql_and_each_sslmode_checks_what_libpq_checks() {
     let pki = Pki::create();
     let read = |name: &str| std::fs::read_to_string(pki.path(name)).expect("a PEM file");
-    let (cert, key) = (read("server.pem"), read("server.key"));
+    let (cert, key) = (read("pg.pem"), read("pg.key"));
     let pg = tokio::task::spawn_blocking(move || PgServer::start_tls(&cert, &key))
         .await
         .unwrap()
         .expect("a private PostgreSQL with a certificate");
     pg.create_database("steward_tls").await.expect("a database");
-    let url = |query: &str| {
+    let url = |host: &str, query: &str| {
         format!(
-            "postgres://postgres@127.0.0.1:{}/steward_tls?{query}",
+            "postgres://postgres@{host}:{}/steward_tls?{query}",
             pg.port()
         )
     };
-    let verified = url(&format!(
-        "sslmode=verify-full&sslrootcert={}",
-        pki.path("ca.pem")
-    ));
+    let ca = format!("sslrootcert={}", pki.path("ca.pem"));
+    let verified = url("localhost", &format!("sslmode=verify-full&{ca}"));
 
     let env = |database_url: &str| -> HashMap<String, String> {
-        [
+        steward_tests::env(&[
             ("GATEWAY_LISTEN_ADDR", "127.0.0.1:0"),
             ("AGENT_LISTEN_ADDR", "127.0.0.1:0"),
             ("DATABASE_URL", database_url),
             ("GATEWAY_SERVICE_TOKEN", steward_tests::SERVICE_TOKEN),
             ("HEALTH_PROBE_INTERVAL", "100ms"),
             ("SHUTDOWN_DRAIN_TIMEOUT", "1s"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
+        ])
     };
     let mut gateway = start_gateway(&env(&verified))
         .await
@@ -366,25 +383,35 @@ async fn o5_both_services_reach_a_tls_only_postgresql_and_plaintext_or_an_unknow
     agent.stop().await.expect("agent-svc stops");
     gateway.stop().await.expect("gateway-svc stops");
 
+    // 127.0.0.1 is not a name on the certificate: only the modes that check names refuse it.
+    for query in [
+        format!("sslmode=verify-ca&{ca}"),
+        format!("sslmode=require&{ca}"),
+        "sslmode=require".to_owned(),
+    ] {
+        ping(&url("127.0.0.1", &query))
+            .await
+            .unwrap_or_else(|e| panic!("{query}: {e}"));
+    }
+    let err = ping(&url("127.0.0.1", &format!("sslmode=verify-full&{ca}")))
+        .await
+        .expect_err("another name refused");
+    assert!(err.contains("certificate not valid for name"), "{err}");
     // Plaintext to the TLS-only server: PostgreSQL's own refusal, not "db error".
-    let err = start_gateway(&env(&url("sslmode=disable")))
+    let err = start_gateway(&env(&url("127.0.0.1", "sslmode=disable")))
         .await
         .err()
         .expect("plaintext refused");
     assert!(err.contains("no encryption"), "{err}");
     // TLS, but the server's CA is not trusted (the public web roots): a certificate error.
-    let err = start_gateway(&env(&url("sslmode=verify-full")))
+    let err = ping(&url("localhost", "sslmode=verify-full"))
+        .await
+        .expect_err("an unknown issuer refused");
+    assert!(err.contains("UnknownIssuer"), "{err}");
+    // A mode that does not exist is named at start, not ignored.
+    let err = start_gateway(&env(&url("localhost", "sslmode=verify-maybe")))
         .await
         .err()
-        .expect("an unknown issuer refused");
-    assert!(
-        err.contains("invalid peer certificate: UnknownIssuer"),
-        "{err}"
-    );
-    // A mode tokio-postgres cannot honour is named, not ignored.
-    let err = start_gateway(&env(&url("sslmode=verify-ca")))
-        .await
-        .err()
-        .expect("verify-ca refused");
-    assert!(err.contains("sslmode=verify-ca"), "{err}");
+        .expect("an unknown mode refused");
+    assert!(err.contains("sslmode=verify-maybe"), "{err}");
 }

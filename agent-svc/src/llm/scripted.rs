@@ -84,7 +84,22 @@ fn rules(request: &ModelRequest) -> Step {
         }
         Some(Turn::User(text)) => {
             let lower = text.to_lowercase();
-            if lower.contains("task") && has("list_tasks") {
+            if let Some(to) = recipient(text)
+                .filter(|_| lower.starts_with("send ") || lower.starts_with("email "))
+                && has("gmail_send")
+            {
+                // "send an email to maria@client.example saying …": a side effect, so the local
+                // stack shows an approval (supervised by default) before anything is sent.
+                Step::Call(vec![(
+                    "gmail_send".into(),
+                    serde_json::json!({
+                        "to": [to],
+                        "subject": "A note from Steward",
+                        "body": message_of(text),
+                    })
+                    .to_string(),
+                )])
+            } else if lower.contains("task") && has("list_tasks") {
                 Step::Call(vec![(
                     "list_tasks".into(),
                     r#"{"status":"pending"}"#.into(),
@@ -96,21 +111,6 @@ fn rules(request: &ModelRequest) -> Step {
                 Step::Call(vec![(
                     "save_memory".into(),
                     serde_json::json!({ "content": fact }).to_string(),
-                )])
-            } else if let Some(to) = recipient(text)
-                .filter(|_| lower.starts_with("send ") || lower.starts_with("email "))
-                && has("gmail_send")
-            {
-                // "send an email to maria@client.example saying …": a side effect, so the local
-                // stack shows an approval (supervised by default) before anything is sent.
-                Step::Call(vec![(
-                    "gmail_send".into(),
-                    serde_json::json!({
-                        "to": [to],
-                        "subject": "A note from Steward",
-                        "body": text,
-                    })
-                    .to_string(),
                 )])
             } else if (lower.contains("email") || lower.contains("mail")) && has("search_gmail") {
                 Step::Call(vec![(
@@ -125,6 +125,20 @@ fn rules(request: &ModelRequest) -> Step {
         }
         _ => Step::Reply(format!("I'm the offline scripted model ({NAME}).")),
     }
+}
+
+/// What to say in "send an email to x saying …" (or "that …"); the whole request otherwise.
+fn message_of(text: &str) -> String {
+    let lower = text.to_lowercase();
+    [" saying ", " that "]
+        .iter()
+        .find_map(|w| {
+            lower
+                .find(w)
+                .map(|at| text[at + w.len()..].trim().to_owned())
+        })
+        .filter(|m| !m.is_empty())
+        .unwrap_or_else(|| text.to_owned())
 }
 
 /// The first word of `text` that looks like a mail address, without trailing punctuation.
@@ -242,6 +256,21 @@ mod tests {
         assert_eq!(calls[0].0, "gmail_send");
         let args: serde_json::Value = serde_json::from_str(&calls[0].1).unwrap();
         assert_eq!(args["to"], serde_json::json!(["maria@client.example"]));
+        assert_eq!(args["body"], "the contract looks good.");
+        // Sending comes first, whatever else the request mentions.
+        req.tools.push(ToolDecl {
+            name: "list_tasks".into(),
+            description: String::new(),
+            parameters: serde_json::json!({}),
+        });
+        req.turns = vec![Turn::User(
+            "Send an email to a@b.example about the task".into(),
+        )];
+        let Step::Call(calls) = rules(&req) else {
+            panic!("expected a call")
+        };
+        assert_eq!(calls[0].0, "gmail_send");
+        req.tools.pop();
         // Without an address it is a search, as before.
         req.turns = vec![Turn::User("send me a summary of my email".into())];
         let Step::Call(calls) = rules(&req) else {

@@ -58,7 +58,7 @@ impl Event {
     }
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, Debug)]
 #[serde(rename_all = "camelCase")]
 struct EventTime {
     date_time: Option<String>,
@@ -525,12 +525,41 @@ mod tests {
 
     use super::*;
 
-    fn event_time(dt: String) -> EventTime {
-        EventTime {
-            date_time: Some(dt),
-            date: None,
-            time_zone: None,
-        }
+    /// A time as the calendar may send it: a real timestamp in a real zone, an all-day date,
+    /// or anything at all (other people's invitations are hostile too).
+    fn event_time() -> impl Strategy<Value = EventTime> {
+        let zone = proptest::option::of(prop_oneof![
+            Just("Europe/Berlin".to_owned()),
+            Just("America/New_York".to_owned()),
+            "(?s).{0,40}",
+        ]);
+        let stamp = (0i64..4_000_000_000).prop_map(|s| {
+            jiff::Timestamp::from_second(s)
+                .expect("in range")
+                .to_string()
+        });
+        prop_oneof![
+            (stamp, zone.clone()).prop_map(|(dt, time_zone)| EventTime {
+                date_time: Some(dt),
+                date: None,
+                time_zone,
+            }),
+            "(?s).{0,40}".prop_map(|d| EventTime {
+                date_time: None,
+                date: Some(d),
+                time_zone: None,
+            }),
+            ("(?s).{0,80}", zone).prop_map(|(dt, time_zone)| EventTime {
+                date_time: Some(dt),
+                date: None,
+                time_zone,
+            }),
+        ]
+    }
+
+    /// An optional text argument: absent, or anything.
+    fn maybe(max: usize) -> impl Strategy<Value = Option<String>> {
+        proptest::option::of(proptest::string::string_regex(&format!("(?s).{{0,{max}}}")).unwrap())
     }
 
     /// Every line of a preview starts with one of `labels`: no field, whoever wrote it, can add
@@ -576,24 +605,26 @@ mod tests {
         fn update_previews_never_panic_keep_their_lines_and_bind_the_current_event(
             id in "(?s).{0,120}",
             current_summary in "(?s).{0,300}",
-            current_start in "(?s).{0,80}",
-            current_end in "(?s).{0,80}",
+            current_start in event_time(),
+            current_end in event_time(),
             current_attendees in proptest::collection::vec("(?s).{0,80}", 0..20),
-            summary in proptest::option::of("(?s).{0,300}"),
-            start in proptest::option::of("(?s).{0,60}"),
+            changes in (maybe(300), maybe(60), maybe(60), maybe(60), maybe(400), maybe(2000)),
             attendees in proptest::option::of(proptest::collection::vec("(?s).{0,80}", 0..20)),
         ) {
             let current = Event {
                 id,
                 summary: current_summary,
                 location: String::new(),
-                start: event_time(current_start),
-                end: event_time(current_end),
+                start: current_start,
+                end: current_end,
                 attendees: current_attendees.iter().map(|e| Attendee { email: e.clone() }).collect(),
             };
             let mut args = json!({"event_id": "e"});
-            if let Some(s) = &summary { args["summary"] = json!(s); }
-            if let Some(s) = &start { args["start"] = json!(s); }
+            let (summary, start, end, zone, location, description) = changes;
+            for (key, value) in [("summary", summary), ("start", start), ("end", end), ("time_zone", zone),
+                                 ("location", location), ("description", description)] {
+                if let Some(v) = value { args[key] = json!(v); }
+            }
             if let Some(a) = &attendees { args["attendees"] = json!(a); }
             let p = update_preview("me@example.com", &current, &args);
             prop_assert!(p.text.starts_with("Update event ["));

@@ -80,11 +80,7 @@ impl ServerProcess {
 
     /// Sends SIGTERM, as Kubernetes does before stopping a pod.
     pub fn terminate(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM failed");
+        signal(self.child.id(), "-TERM").expect("SIGTERM");
     }
 
     /// Waits for the process to exit, killing it after `timeout`.
@@ -128,20 +124,39 @@ fn pump_stderr(child: &mut Child) -> mpsc::Receiver<String> {
     rx
 }
 
-fn wait_with_timeout(child: &mut Child, timeout: Duration) -> ExitStatus {
+/// `kill <signal> <pid>`: a signal to one process by its own pid, never by name.
+pub fn signal(pid: u32, signal: &str) -> Result<(), String> {
+    let status = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .map_err(|e| format!("run kill: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("kill {signal} {pid} failed"))
+    }
+}
+
+/// The child's exit status once it exits, or `None` if it is still running after `timeout`.
+pub fn wait_until_exit(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Some(status) = child.try_wait().expect("wait on the child") {
-            return status;
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
         }
         if Instant::now() >= deadline {
-            let _ = child.kill();
-            panic!("the process did not exit within {timeout:?}");
+            return None;
         }
-        // A child process has no async exit notification in std; a short poll is the honest
-        // option here and it does not synchronise test logic, it only reaps.
+        // std offers no wait with a timeout; polling the child is the portable way.
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+fn wait_with_timeout(child: &mut Child, timeout: Duration) -> ExitStatus {
+    wait_until_exit(child, timeout).unwrap_or_else(|| {
+        let _ = child.kill();
+        panic!("the process did not exit within {timeout:?}");
+    })
 }
 
 /// Extracts a string field from a flat JSON log line without a JSON dependency.

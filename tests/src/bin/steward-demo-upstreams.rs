@@ -1,8 +1,8 @@
 //! The demo upstreams of `./deploy/local/run.sh --demo` as a process: starts fake Gmail,
 //! Calendar and Slack on loopback, writes the gateway settings that point at them to the file
 //! named by `--env-file` (KEY=value lines), waits for gateway-svc at `--gateway` to serve,
-//! connects the demo accounts of `--user`, then reports each message the fake Gmail is sent
-//! until SIGINT or SIGTERM. The service secret comes from `GATEWAY_SERVICE_TOKEN`.
+//! connects the demo accounts of `--user`, then reports each message the fake Gmail sends or
+//! drafts until SIGINT or SIGTERM. The service secret comes from `GATEWAY_SERVICE_TOKEN`.
 
 use std::time::{Duration, Instant};
 
@@ -76,7 +76,12 @@ async fn main() -> anyhow::Result<()> {
         .iter()
         .map(|(k, v)| format!("{k}={v}\n"))
         .collect();
-    std::fs::write(&args.env_file, lines).with_context(|| format!("write {}", args.env_file))?;
+    // Written whole, then renamed: the runner reads it as soon as it is there.
+    let partial = format!("{}.partial", args.env_file);
+    std::fs::write(&partial, lines).with_context(|| format!("write {partial}"))?;
+    std::fs::rename(&partial, &args.env_file)
+        .with_context(|| format!("rename {partial} to {}", args.env_file))?;
+    println!("demo upstreams: settings written to {}", args.env_file);
 
     let channel = serving_gateway(&args.gateway).await?;
     demo.connect(&mut gateway_with_token(channel, &args.user, &token))
@@ -100,7 +105,7 @@ async fn main() -> anyhow::Result<()> {
             _ = tick.tick() => {
                 let sent = demo.sent_to();
                 for to in &sent[reported..] {
-                    println!("demo Gmail: a message was sent to {to}");
+                    println!("demo Gmail: a message to {to} was sent (or saved as a draft)");
                 }
                 reported = sent.len();
             }
