@@ -97,6 +97,7 @@ async fn o2_one_trace_spans_the_run_on_agent_svc_and_its_tool_call_on_gateway_sv
         loop {
             let found = traces(&spans).into_values().find(|t| {
                 t.contains(&("agent-svc".to_owned(), "run".to_owned()))
+                    && t.contains(&("agent-svc".to_owned(), "iteration".to_owned()))
                     && t.iter().any(|(s, n)| s == "agent-svc" && n == "model_call")
                     && t.iter()
                         .any(|(s, n)| s == "gateway-svc" && n == "tool_call list_tasks")

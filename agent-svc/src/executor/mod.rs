@@ -329,7 +329,11 @@ impl Run<'_> {
             if self.over_budget() {
                 return self.final_turn(Stop::Budget).await;
             }
-            match self.iteration(tools, &mut same_tool).await {
+            // One span per iteration (O-2): the model call and the tool calls it made sit
+            // under it in a trace, numbered as the run's Planning events are.
+            let span = tracing::info_span!("iteration", n = self.iterations + 1);
+            match tracing::Instrument::instrument(self.iteration(tools, &mut same_tool), span).await
+            {
                 Step::Continue => {}
                 Step::Done(outcome) => return *outcome,
             }
