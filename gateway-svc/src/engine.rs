@@ -20,6 +20,10 @@ use crate::{
     store::{AuditRecord, IdempotencyStore, StoredResult},
 };
 
+/// How much longer than the call itself an idempotency key is held: its preview check and
+/// audit record come first.
+const CLAIM_MARGIN: Duration = Duration::from_secs(30);
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub max_result_chars: usize,
@@ -132,8 +136,13 @@ impl Engine {
                         .into(),
                 });
             };
-            let claim = match self.idempotency.claim(user, key).await {
+            // Held for as long as this call may take, plus its preview and audit before it.
+            let hold = self.timeout(&request) + CLAIM_MARGIN;
+            let claim = match self.idempotency.claim(user, key, hold).await {
                 Ok(claim) => claim,
+                Err(crate::store::StoreError::InProgress(why)) => {
+                    return fail(ToolError::Internal(why));
+                }
                 Err(e) => {
                     return fail(ToolError::Internal(format!(
                         "idempotency store unavailable: {e}"

@@ -46,6 +46,9 @@ async fn postgres() -> Backend {
     }
 }
 
+/// How long a test's idempotency claims may be held.
+const HOLD: std::time::Duration = std::time::Duration::from_secs(10);
+
 fn user(id: &str) -> UserId {
     UserId::parse(id).unwrap()
 }
@@ -142,7 +145,7 @@ async fn a_dropped_lock_releases_without_writing(b: Backend) {
 
 async fn an_idempotency_key_replays_its_first_result(b: Backend) {
     let s = &b.stores.idempotency;
-    let claim = s.claim(&user("u1"), "k1").await.unwrap();
+    let claim = s.claim(&user("u1"), "k1", HOLD).await.unwrap();
     assert!(claim.existing().is_none());
     let stored = StoredResult {
         tool: "send".into(),
@@ -151,17 +154,80 @@ async fn an_idempotency_key_replays_its_first_result(b: Backend) {
     };
     claim.complete(stored.clone()).await.unwrap();
     assert_eq!(
-        s.claim(&user("u1"), "k1").await.unwrap().existing(),
+        s.claim(&user("u1"), "k1", HOLD).await.unwrap().existing(),
         Some(&stored)
     );
     assert!(
-        s.claim(&user("u2"), "k1")
+        s.claim(&user("u2"), "k1", HOLD)
             .await
             .unwrap()
             .existing()
             .is_none(),
         "keys are per user"
     );
+}
+
+async fn a_held_key_makes_a_second_claim_wait_for_its_result_and_a_dropped_one_frees_it(
+    b: Backend,
+) {
+    let s = b.stores.idempotency.clone();
+    let first = s.claim(&user("u1"), "k2", HOLD).await.unwrap();
+    assert!(first.existing().is_none());
+    // As many calls in flight as the PostgreSQL pool has connections (8), and the store still
+    // answers at once: a claim pins no connection while its call runs upstream.
+    let mut held = Vec::new();
+    for i in 0..8 {
+        held.push(
+            s.claim(&user("u1"), &format!("busy-{i}"), HOLD)
+                .await
+                .unwrap(),
+        );
+    }
+    let answered = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        s.lookup(&user("u1"), "busy-0"),
+    )
+    .await
+    .expect("the store answers while eight calls hold their keys")
+    .unwrap();
+    assert!(answered.is_none(), "a pending call has no result yet");
+    drop(held);
+    let waiting = {
+        let s = s.clone();
+        tokio::spawn(async move {
+            s.claim(&user("u1"), "k2", HOLD)
+                .await
+                .map(|c| c.existing().cloned())
+        })
+    };
+    let stored = StoredResult {
+        tool: "send".into(),
+        args_sha256: "abc".into(),
+        outcome: serde_json::json!({"text": "sent once"}),
+    };
+    first.complete(stored.clone()).await.unwrap();
+    assert_eq!(
+        waiting.await.unwrap().unwrap(),
+        Some(stored),
+        "the second call replays the first one's result instead of acting again"
+    );
+
+    // A claim let go without a result (nothing reached upstream) leaves the key free.
+    let given_up = s.claim(&user("u1"), "k3", HOLD).await.unwrap();
+    drop(given_up);
+    let again = tokio::time::timeout(HOLD, s.claim(&user("u1"), "k3", HOLD))
+        .await
+        .expect("the key was freed, not left until its hold lapsed")
+        .unwrap();
+    assert!(again.existing().is_none());
+    // A key still held past the waiter's own patience: a clear error, not a second action.
+    let err = s
+        .claim(&user("u1"), "k3", std::time::Duration::from_millis(200))
+        .await
+        .err()
+        .expect("still held")
+        .to_string();
+    assert!(err.contains("still in progress"), "{err}");
 }
 
 async fn audit_records_come_back_in_order_per_user(b: Backend) {
@@ -435,6 +501,7 @@ both_backends!(
     an_account_lock_is_exclusive_until_saved,
     a_dropped_lock_releases_without_writing,
     an_idempotency_key_replays_its_first_result,
+    a_held_key_makes_a_second_claim_wait_for_its_result_and_a_dropped_one_frees_it,
     audit_records_come_back_in_order_per_user,
     rate_limits_allow_exactly_the_limit_then_name_the_wait,
     tasks_are_listed_pending_first_by_due_date_and_scoped_to_their_user,

@@ -200,9 +200,13 @@ impl IdempotencyStore for MemoryStore {
         &self,
         user: &UserId,
         key: &str,
+        hold: std::time::Duration,
     ) -> Result<Box<dyn IdempotencyClaim>, StoreError> {
         let k = (user.clone(), key.to_owned());
-        let guard = self.result_locks.lock(&k).await?;
+        // In one process a holder cannot die without its guard; the wait is still bounded.
+        let guard = tokio::time::timeout(hold, self.result_locks.lock(&k))
+            .await
+            .map_err(|_| StoreError::InProgress(super::in_progress(hold)))??;
         let existing = self
             .results
             .lock()

@@ -20,6 +20,9 @@ use crate::{
 pub enum StoreError {
     #[error("the database is unavailable: {0}")]
     Unavailable(String),
+    /// Another call holds this idempotency key and is still running.
+    #[error("{0}")]
+    InProgress(String),
 }
 
 impl StoreError {
@@ -116,6 +119,15 @@ pub trait AccountStore: Send + Sync + 'static {
     ) -> Result<Box<dyn AccountLock>, StoreError>;
 }
 
+/// What a call waiting for another call with its idempotency key is told when that one is
+/// still running after `waited`.
+pub fn in_progress(waited: std::time::Duration) -> String {
+    format!(
+        "an identical call (same idempotency key) is still in progress after {waited:?}; do not \
+         repeat it, its result will be recorded under that key"
+    )
+}
+
 /// The stored result of a side-effect call, replayed for a repeated idempotency key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StoredResult {
@@ -124,8 +136,9 @@ pub struct StoredResult {
     pub outcome: serde_json::Value,
 }
 
-/// An idempotency key held exclusively until completed or dropped, so two concurrent calls
-/// with one key run upstream once.
+/// An idempotency key held exclusively until completed or dropped (dropped: the key is free
+/// again, for a call that never reached upstream), so two concurrent calls with one key run
+/// upstream once.
 #[async_trait::async_trait]
 pub trait IdempotencyClaim: Send {
     /// The result stored by an earlier call with this key, if any.
@@ -136,10 +149,14 @@ pub trait IdempotencyClaim: Send {
 
 #[async_trait::async_trait]
 pub trait IdempotencyStore: Send + Sync + 'static {
+    /// Claims `key` for one call that may take up to `hold`: a key another call holds is
+    /// waited for (its stored result then replayed), for at most `hold`; a holder that died is
+    /// taken over once its hold lapsed.
     async fn claim(
         &self,
         user: &UserId,
         key: &str,
+        hold: std::time::Duration,
     ) -> Result<Box<dyn IdempotencyClaim>, StoreError>;
     /// The stored result of a completed call with this key, without claiming it.
     async fn lookup(&self, user: &UserId, key: &str) -> Result<Option<StoredResult>, StoreError>;

@@ -6,7 +6,10 @@
 //! connection; if the holder is dropped without finishing, the connection is rolled back before
 //! it returns to the pool.
 
-use std::{sync::Arc, time::SystemTime};
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use svc_kit::pg::Pooled;
 use svc_kit::{pg, server_config::DatabaseConfig};
@@ -294,7 +297,8 @@ impl IdempotencyStore for PgStore {
             .client()
             .await?
             .query_opt(
-                "SELECT tool, args_sha256, outcome FROM gateway.idempotency WHERE user_id = $1 AND key = $2",
+                "SELECT tool, args_sha256, outcome FROM gateway.idempotency \
+                 WHERE user_id = $1 AND key = $2 AND state = 'done'",
                 &[&user.as_str(), &key],
             )
             .await
@@ -310,42 +314,66 @@ impl IdempotencyStore for PgStore {
         &self,
         user: &UserId,
         key: &str,
+        hold: Duration,
     ) -> Result<Box<dyn IdempotencyClaim>, StoreError> {
-        let tx = OpenTx::begin(self.client().await?).await?;
-        let lock_key = format!("{user}\u{1f}{key}");
-        tx.client()
-            .execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended($1, 1))",
-                &[&lock_key],
-            )
-            .await
-            .map_err(db)?;
-        let row = tx
-            .client()
-            .query_opt(
-                "SELECT tool, args_sha256, outcome FROM gateway.idempotency WHERE user_id = $1 AND key = $2",
-                &[&user.as_str(), &key],
-            )
-            .await
-            .map_err(db)?;
-        let existing = row.map(|r| StoredResult {
-            tool: r.get(0),
-            args_sha256: r.get(1),
-            outcome: r.get(2),
-        });
-        Ok(Box::new(PgClaim {
-            tx,
-            user: user.clone(),
-            key: key.to_owned(),
-            existing,
-        }))
+        // A committed 'pending' row is the claim: no connection is held while the call runs
+        // upstream (a burst of slow sends cannot drain the pool). Every statement is one short
+        // checkout.
+        // Who holds the row: only its holder may complete or free it.
+        let holder = format!("{:032x}", rand::random::<u128>());
+        let hold_ms = i64::try_from(hold.as_millis()).unwrap_or(i64::MAX);
+        let deadline = tokio::time::Instant::now() + hold;
+        let mut pause = Duration::from_millis(25);
+        loop {
+            let won = self
+                .client()
+                .await?
+                .query_opt(
+                    "INSERT INTO gateway.idempotency AS i (user_id, key, tool, args_sha256, state, holder, lease_until) \
+                     VALUES ($1, $2, '', '', 'pending', $3, clock_timestamp() + $4 * interval '1 millisecond') \
+                     ON CONFLICT (user_id, key) DO UPDATE SET holder = EXCLUDED.holder, lease_until = EXCLUDED.lease_until \
+                     WHERE i.state = 'pending' AND i.lease_until < clock_timestamp() \
+                     RETURNING 1",
+                    &[&user.as_str(), &key, &holder, &(hold_ms as f64)],
+                )
+                .await
+                .map_err(db)?
+                .is_some();
+            if won {
+                return Ok(Box::new(PgClaim {
+                    pool: self.pool.clone(),
+                    user: user.clone(),
+                    key: key.to_owned(),
+                    holder: Some(holder.clone()),
+                    existing: None,
+                }));
+            }
+            if let Some(done) = self.lookup(user, key).await? {
+                return Ok(Box::new(PgClaim {
+                    pool: self.pool.clone(),
+                    user: user.clone(),
+                    key: key.to_owned(),
+                    holder: None,
+                    existing: Some(done),
+                }));
+            }
+            // Another call holds the key: wait for its result (or for its hold to lapse, or
+            // for it to let go without acting), never longer than this call may take.
+            if tokio::time::Instant::now() + pause > deadline {
+                return Err(StoreError::InProgress(super::in_progress(hold)));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
     }
 }
 
 struct PgClaim {
-    tx: OpenTx,
+    pool: pg::PgPool,
     user: UserId,
     key: String,
+    /// Set while this claim holds the key's pending row.
+    holder: Option<String>,
     existing: Option<StoredResult>,
 }
 
@@ -355,17 +383,52 @@ impl IdempotencyClaim for PgClaim {
         self.existing.as_ref()
     }
 
-    async fn complete(self: Box<Self>, result: StoredResult) -> Result<(), StoreError> {
-        self.tx
-            .client()
+    async fn complete(mut self: Box<Self>, result: StoredResult) -> Result<(), StoreError> {
+        let Some(holder) = self.holder.take() else {
+            return Ok(());
+        };
+        let client = pg::checkout(&self.pool, "gateway")
+            .await
+            .map_err(StoreError::unavailable)?;
+        client
             .execute(
-                "INSERT INTO gateway.idempotency (user_id, key, tool, args_sha256, outcome) VALUES ($1, $2, $3, $4, $5) \
-                 ON CONFLICT (user_id, key) DO NOTHING",
-                &[&self.user.as_str(), &self.key, &result.tool, &result.args_sha256, &result.outcome],
+                "UPDATE gateway.idempotency SET state = 'done', tool = $4, args_sha256 = $5, outcome = $6, \
+                 holder = NULL, lease_until = NULL WHERE user_id = $1 AND key = $2 AND holder = $3",
+                &[&self.user.as_str(), &self.key, &holder, &result.tool, &result.args_sha256, &result.outcome],
             )
             .await
             .map_err(db)?;
-        self.tx.commit().await
+        Ok(())
+    }
+}
+
+impl Drop for PgClaim {
+    /// A claim given up without a result (nothing reached upstream) frees its key at once, so
+    /// a retry need not wait for the hold to lapse.
+    fn drop(&mut self) {
+        let Some(holder) = self.holder.take() else {
+            return;
+        };
+        let (pool, user, key) = (self.pool.clone(), self.user.clone(), self.key.clone());
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let freed = async {
+                    pg::checkout(&pool, "gateway")
+                        .await
+                        .map_err(StoreError::unavailable)?
+                        .execute(
+                            "DELETE FROM gateway.idempotency WHERE user_id = $1 AND key = $2 \
+                             AND state = 'pending' AND holder = $3",
+                            &[&user.as_str(), &key, &holder],
+                        )
+                        .await
+                        .map_err(db)
+                };
+                if let Err(e) = freed.await {
+                    tracing::warn!(error = %e, "an idempotency key stays held until its hold lapses");
+                }
+            });
+        }
     }
 }
 

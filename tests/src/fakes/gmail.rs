@@ -137,6 +137,8 @@ pub struct GmailState {
     pub recorded: Mutex<Vec<Recorded>>,
     /// Decoded RFC 5322 messages sent or drafted, with the threadId given.
     pub sent: Mutex<Vec<(String, Option<String>)>>,
+    /// How long each send takes to be answered (a slow upstream).
+    send_delay: Mutex<Option<std::time::Duration>>,
 }
 
 #[derive(Clone)]
@@ -177,6 +179,11 @@ impl FakeGmail {
             .lock()
             .expect("lock")
             .insert(token.to_owned());
+    }
+
+    /// Every send is answered only after `delay`.
+    pub fn delay_sends(&self, delay: std::time::Duration) {
+        *self.state.send_delay.lock().expect("lock") = Some(delay);
     }
 
     /// Requests with `token` get this status and body.
@@ -383,6 +390,10 @@ async fn send(
         return r;
     }
     record(&s, "POST", "/messages/send", None);
+    let delay = *s.send_delay.lock().expect("lock");
+    if let Some(delay) = delay {
+        tokio::time::sleep(delay).await;
+    }
     let raw = decode_raw(body["raw"].as_str().unwrap_or_default());
     let thread = body["threadId"].as_str().map(str::to_owned);
     let mut sent = s.sent.lock().expect("lock");
