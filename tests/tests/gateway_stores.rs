@@ -143,6 +143,30 @@ async fn a_dropped_lock_releases_without_writing(b: Backend) {
     assert_eq!(again.current().unwrap().access_token, vec![1, 2, 3]);
 }
 
+async fn account_locks_held_during_refreshes_pin_no_connection(b: Backend) {
+    let s = &b.stores.accounts;
+    let mut held = Vec::new();
+    // As many refreshes in flight as the PostgreSQL pool has connections (8).
+    for i in 0..8 {
+        let name = format!("r{i}@x.com");
+        s.upsert_account(account("u1", &name)).await.unwrap();
+        held.push(
+            s.lock_account(&user("u1"), Integration::Gmail, &name)
+                .await
+                .unwrap(),
+        );
+    }
+    let listed = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        s.list_accounts(&user("u1")),
+    )
+    .await
+    .expect("the store answers while eight refreshes hold their accounts")
+    .unwrap();
+    assert_eq!(listed.len(), 8);
+    drop(held);
+}
+
 async fn an_idempotency_key_replays_its_first_result(b: Backend) {
     let s = &b.stores.idempotency;
     let claim = s.claim(&user("u1"), "k1", HOLD).await.unwrap();
@@ -500,6 +524,7 @@ both_backends!(
     accounts_are_scoped_to_their_user_and_round_trip,
     an_account_lock_is_exclusive_until_saved,
     a_dropped_lock_releases_without_writing,
+    account_locks_held_during_refreshes_pin_no_connection,
     an_idempotency_key_replays_its_first_result,
     a_held_key_makes_a_second_claim_wait_for_its_result_and_a_dropped_one_frees_it,
     audit_records_come_back_in_order_per_user,

@@ -120,7 +120,8 @@ async fn upsert(client: &Pooled, a: &StoredAccount) -> Result<(), StoreError> {
              ON CONFLICT (user_id, integration, account) DO UPDATE SET \
                access_token = EXCLUDED.access_token, refresh_token = EXCLUDED.refresh_token, \
                expires_at = EXCLUDED.expires_at, scopes = EXCLUDED.scopes, status = EXCLUDED.status, \
-               connected_at = EXCLUDED.connected_at, updated_at = now()",
+               connected_at = EXCLUDED.connected_at, updated_at = now(), \
+               refresh_holder = NULL, refresh_until = NULL",
             &[
                 &a.user.as_str(),
                 &a.integration.key(),
@@ -214,67 +215,76 @@ impl AccountStore for PgStore {
         integration: Integration,
         account: &str,
     ) -> Result<Box<dyn AccountLock>, StoreError> {
-        let tx = OpenTx::begin(self.client().await?).await?;
-        let row = tx
-            .client()
-            .query_opt(
-                &format!(
-                    "SELECT {ACCOUNT_COLUMNS} FROM gateway.accounts \
-                     WHERE user_id = $1 AND integration = $2 AND account = $3 FOR UPDATE"
-                ),
-                &[&user.as_str(), &integration.key(), &account],
-            )
-            .await
-            .map_err(db)?;
-        let current = row.as_ref().map(account_from_row).transpose()?;
-        Ok(Box::new(PgAccountLock { tx, current }))
-    }
-}
-
-/// A transaction on a pooled connection that rolls back if dropped unfinished.
-struct OpenTx {
-    client: Option<Pooled>,
-}
-
-impl OpenTx {
-    async fn begin(client: Pooled) -> Result<Self, StoreError> {
-        client.batch_execute("BEGIN").await.map_err(db)?;
-        Ok(Self {
-            client: Some(client),
-        })
-    }
-
-    fn client(&self) -> &Pooled {
-        self.client
-            .as_ref()
-            .expect("an OpenTx holds its client until it finishes")
-    }
-
-    async fn commit(mut self) -> Result<(), StoreError> {
-        let client = self
-            .client
-            .take()
-            .expect("an OpenTx holds its client until it finishes");
-        client.batch_execute("COMMIT").await.map_err(db)
-    }
-}
-
-impl Drop for OpenTx {
-    fn drop(&mut self) {
-        if let Some(client) = self.client.take() {
-            // Roll back before the connection goes back to the pool; a dropped holder must not
-            // leave a transaction (and its locks) open on a shared connection.
-            tokio::spawn(async move {
-                if let Err(e) = client.batch_execute("ROLLBACK").await {
-                    tracing::warn!(error = %e, "rollback of an abandoned transaction failed");
-                }
-            });
+        // A committed lease on the row, not a row lock in an open transaction: the token
+        // endpoint is called while nothing of the pool is held.
+        let holder = format!("{:032x}", rand::random::<u128>());
+        let hold_ms = REFRESH_HOLD.as_millis() as f64;
+        let deadline = tokio::time::Instant::now() + REFRESH_HOLD;
+        let mut pause = Duration::from_millis(25);
+        loop {
+            let client = self.client().await?;
+            let taken = client
+                .query_opt(
+                    &format!(
+                        "UPDATE gateway.accounts SET refresh_holder = $4, \
+                           refresh_until = clock_timestamp() + $5 * interval '1 millisecond' \
+                         WHERE user_id = $1 AND integration = $2 AND account = $3 \
+                           AND (refresh_until IS NULL OR refresh_until < clock_timestamp()) \
+                         RETURNING {ACCOUNT_COLUMNS}"
+                    ),
+                    &[
+                        &user.as_str(),
+                        &integration.key(),
+                        &account,
+                        &holder,
+                        &hold_ms,
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            if let Some(row) = taken {
+                return Ok(Box::new(PgAccountLock {
+                    pool: self.pool.clone(),
+                    holder: Some(holder),
+                    current: Some(account_from_row(&row)?),
+                }));
+            }
+            let exists = client
+                .query_opt(
+                    "SELECT 1 FROM gateway.accounts WHERE user_id = $1 AND integration = $2 AND account = $3",
+                    &[&user.as_str(), &integration.key(), &account],
+                )
+                .await
+                .map_err(db)?
+                .is_some();
+            drop(client);
+            if !exists {
+                return Ok(Box::new(PgAccountLock {
+                    pool: self.pool.clone(),
+                    holder: None,
+                    current: None,
+                }));
+            }
+            // Another replica is refreshing this account: wait for it to finish (its token is
+            // then usable) or for its lease to lapse.
+            if tokio::time::Instant::now() + pause > deadline {
+                return Err(StoreError::Unavailable(format!(
+                    "the account {account} is still being refreshed by another replica after {REFRESH_HOLD:?}"
+                )));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
         }
     }
 }
 
+/// How long a token refresh may hold its account: longer than the token endpoint's timeout.
+const REFRESH_HOLD: Duration = Duration::from_secs(60);
+
 struct PgAccountLock {
-    tx: OpenTx,
+    pool: pg::PgPool,
+    /// Set while this lock holds the account's lease.
+    holder: Option<String>,
     current: Option<StoredAccount>,
 }
 
@@ -284,9 +294,68 @@ impl AccountLock for PgAccountLock {
         self.current.as_ref()
     }
 
-    async fn save(self: Box<Self>, updated: StoredAccount) -> Result<(), StoreError> {
-        upsert(self.tx.client(), &updated).await?;
-        self.tx.commit().await
+    async fn save(mut self: Box<Self>, a: StoredAccount) -> Result<(), StoreError> {
+        let Some(holder) = self.holder.take() else {
+            return Err(StoreError::Unavailable(format!(
+                "the account {} is gone; nothing to save",
+                a.account
+            )));
+        };
+        // Only while the lease is this lock's: a reconnect meanwhile (which clears it) wins.
+        pg::checkout(&self.pool, "gateway")
+            .await
+            .map_err(StoreError::unavailable)?
+            .execute(
+                "UPDATE gateway.accounts SET access_token = $5, refresh_token = $6, expires_at = $7, \
+                   scopes = $8, status = $9, updated_at = now(), refresh_holder = NULL, refresh_until = NULL \
+                 WHERE user_id = $1 AND integration = $2 AND account = $3 AND refresh_holder = $4",
+                &[
+                    &a.user.as_str(),
+                    &a.integration.key(),
+                    &a.account,
+                    &holder,
+                    &a.access_token,
+                    &a.refresh_token,
+                    &a.expires_at,
+                    &a.scopes,
+                    &a.status.key(),
+                ],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+}
+
+impl Drop for PgAccountLock {
+    /// A lock let go without saving (the refresh failed) frees the account at once.
+    fn drop(&mut self) {
+        let Some(holder) = self.holder.take() else {
+            return;
+        };
+        let Some(a) = self.current.take() else {
+            return;
+        };
+        let pool = self.pool.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let freed = async {
+                    pg::checkout(&pool, "gateway")
+                        .await
+                        .map_err(StoreError::unavailable)?
+                        .execute(
+                            "UPDATE gateway.accounts SET refresh_holder = NULL, refresh_until = NULL \
+                             WHERE user_id = $1 AND integration = $2 AND account = $3 AND refresh_holder = $4",
+                            &[&a.user.as_str(), &a.integration.key(), &a.account, &holder],
+                        )
+                        .await
+                        .map_err(db)
+                };
+                if let Err(e) = freed.await {
+                    tracing::warn!(error = %e, "an account stays leased until its refresh hold lapses");
+                }
+            });
+        }
     }
 }
 
