@@ -158,6 +158,86 @@ pub struct Pooled {
     since: std::time::Instant,
 }
 
+/// A statement to run on a [`Pooled`] connection: SQL text (prepared through the
+/// connection's statement cache) or a statement the caller prepared.
+pub enum Sql<'a> {
+    Text(&'a str),
+    Prepared(&'a tokio_postgres::Statement),
+}
+
+impl<'a> From<&'a str> for Sql<'a> {
+    fn from(text: &'a str) -> Self {
+        Sql::Text(text)
+    }
+}
+
+impl<'a> From<&'a String> for Sql<'a> {
+    fn from(text: &'a String) -> Self {
+        Sql::Text(text)
+    }
+}
+
+impl<'a> From<&'a tokio_postgres::Statement> for Sql<'a> {
+    fn from(statement: &'a tokio_postgres::Statement) -> Self {
+        Sql::Prepared(statement)
+    }
+}
+
+type Params<'p> = &'p [&'p (dyn tokio_postgres::types::ToSql + Sync)];
+
+/// Statements run on a `Pooled` connection by their SQL text go through the connection's
+/// statement cache: prepared once per connection, then one round trip each, where an
+/// unprepared string costs a prepare round trip every time (issue 13). These shadow the
+/// client's own methods of the same names, so every store gets the cache without a change at
+/// each call site.
+impl Pooled {
+    async fn statement(
+        &self,
+        sql: Sql<'_>,
+    ) -> Result<tokio_postgres::Statement, tokio_postgres::Error> {
+        match sql {
+            Sql::Text(text) => self.client.prepare_cached(text).await,
+            Sql::Prepared(statement) => Ok(statement.clone()),
+        }
+    }
+
+    pub async fn query<'a>(
+        &self,
+        sql: impl Into<Sql<'a>>,
+        params: Params<'_>,
+    ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+        let statement = self.statement(sql.into()).await?;
+        self.client.query(&statement, params).await
+    }
+
+    pub async fn query_one<'a>(
+        &self,
+        sql: impl Into<Sql<'a>>,
+        params: Params<'_>,
+    ) -> Result<tokio_postgres::Row, tokio_postgres::Error> {
+        let statement = self.statement(sql.into()).await?;
+        self.client.query_one(&statement, params).await
+    }
+
+    pub async fn query_opt<'a>(
+        &self,
+        sql: impl Into<Sql<'a>>,
+        params: Params<'_>,
+    ) -> Result<Option<tokio_postgres::Row>, tokio_postgres::Error> {
+        let statement = self.statement(sql.into()).await?;
+        self.client.query_opt(&statement, params).await
+    }
+
+    pub async fn execute<'a>(
+        &self,
+        sql: impl Into<Sql<'a>>,
+        params: Params<'_>,
+    ) -> Result<u64, tokio_postgres::Error> {
+        let statement = self.statement(sql.into()).await?;
+        self.client.execute(&statement, params).await
+    }
+}
+
 impl std::ops::Deref for Pooled {
     type Target = deadpool_postgres::Object;
 

@@ -32,20 +32,30 @@ impl RateLimitBackend for PgRateLimits {
         cost: u32,
         now: u64,
     ) -> Result<Decision, StoreError> {
-        let mut client = self.pool.get().await.map_err(StoreError::unavailable)?;
+        let mut client = svc_kit::pg::checkout(&self.pool, "gateway")
+            .await
+            .map_err(StoreError::unavailable)?;
         let tx = client.transaction().await.map_err(StoreError::db)?;
-        let storage_key = key.storage_key();
-        tx.execute(
-            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-            &[&storage_key],
+        // Each statement prepared once per connection (the statement cache), not per call.
+        let (lock, read, write) = futures_util::try_join!(
+            tx.prepare_cached("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"),
+            tx.prepare_cached(
+                "SELECT window_secs, window_start, used FROM gateway.rate_windows WHERE limit_key = $1"
+            ),
+            tx.prepare_cached(
+                "INSERT INTO gateway.rate_windows (limit_key, window_secs, window_start, used) \
+                 VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (limit_key, window_secs) \
+                 DO UPDATE SET window_start = EXCLUDED.window_start, used = EXCLUDED.used"
+            ),
         )
-        .await
         .map_err(StoreError::db)?;
+        let storage_key = key.storage_key();
+        tx.execute(&lock, &[&storage_key])
+            .await
+            .map_err(StoreError::db)?;
         let rows = tx
-            .query(
-                "SELECT window_secs, window_start, used FROM gateway.rate_windows WHERE limit_key = $1",
-                &[&storage_key],
-            )
+            .query(&read, &[&storage_key])
             .await
             .map_err(StoreError::db)?;
         let counts: Vec<WindowCount> = rows
@@ -59,10 +69,7 @@ impl RateLimitBackend for PgRateLimits {
         if matches!(decision, Decision::Allowed(_)) {
             for (window, start, used) in updated {
                 tx.execute(
-                    "INSERT INTO gateway.rate_windows (limit_key, window_secs, window_start, used) \
-                     VALUES ($1, $2, $3, $4) \
-                     ON CONFLICT (limit_key, window_secs) \
-                     DO UPDATE SET window_start = EXCLUDED.window_start, used = EXCLUDED.used",
+                    &write,
                     &[
                         &storage_key,
                         &(window.seconds() as i32),
