@@ -21,6 +21,19 @@ async fn run(app: &TestApp, prompt: &str) -> pb::RunResult {
         .expect("Run")
 }
 
+/// The tool result the model was shown in its last request.
+fn last_tool_message(model: &steward_tests::fakes::openai::FakeOpenAi) -> String {
+    let seen = model.server.seen();
+    seen.last().expect("the model was called").body["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .and_then(|m| m["content"].as_str())
+        .expect("a tool message")
+        .to_owned()
+}
+
 async fn approve(app: &TestApp, approval_id: &str) -> pb::RunResult {
     let mut alice = app.agent_as("alice").await;
     alice
@@ -278,16 +291,7 @@ async fn p1_tool_results_reach_the_model_fenced_as_data() {
         "{}",
         done.error
     );
-    let seen = model.server.seen();
-    let second = &seen.last().expect("the model saw the result").body;
-    let result = second["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["role"] == "tool")
-        .and_then(|m| m["content"].as_str())
-        .expect("a tool message")
-        .to_owned();
+    let result = last_tool_message(&model);
     assert!(
         result.starts_with("<data source=\"external content from search_gmail\">\n"),
         "{result}"
@@ -327,15 +331,7 @@ async fn p5_an_autonomous_side_effect_whose_agent_audit_record_cannot_be_written
         done.error
     );
     assert!(gmail.sent().is_empty(), "sent without an audit record");
-    let seen = model.server.seen();
-    let told = seen.last().expect("the model was told").body["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["role"] == "tool")
-        .and_then(|m| m["content"].as_str())
-        .expect("a tool message")
-        .to_owned();
+    let told = last_tool_message(&model);
     assert!(
         told.contains("Not executed: its audit record could not be written"),
         "{told}"

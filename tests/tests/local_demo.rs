@@ -3,21 +3,10 @@
 //! and the approved send reach the fake Gmail — the same pieces the runner starts, in process.
 
 use steward_proto::agent::v1 as pb;
-use steward_tests::{Backend, Options, demo::Demo, spawn};
+use steward_tests::{Backend, Options, agent_calls::run_once, demo::Demo, spawn};
 
 async fn run(agent: &mut steward_tests::UserAgent, prompt: &str) -> pb::RunResult {
-    agent
-        .run(pb::RunRequest {
-            input: Some(pb::RunInput {
-                prompt: prompt.into(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .expect("Run")
-        .into_inner()
-        .result
-        .expect("a result")
+    run_once(agent, prompt, "").await.expect("Run")
 }
 
 #[tokio::test]

@@ -219,8 +219,7 @@ impl AccountStore for PgStore {
         // endpoint is called while nothing of the pool is held.
         let holder = format!("{:032x}", rand::random::<u128>());
         let hold_ms = REFRESH_HOLD.as_millis() as f64;
-        let deadline = tokio::time::Instant::now() + REFRESH_HOLD;
-        let mut pause = Duration::from_millis(25);
+        let mut wait = Patience::new(REFRESH_HOLD);
         loop {
             let client = self.client().await?;
             let taken = client
@@ -267,14 +266,39 @@ impl AccountStore for PgStore {
             }
             // Another replica is refreshing this account: wait for it to finish (its token is
             // then usable) or for its lease to lapse.
-            if tokio::time::Instant::now() + pause > deadline {
+            if !wait.pause().await {
                 return Err(StoreError::Unavailable(format!(
                     "the account {account} is still being refreshed by another replica after {REFRESH_HOLD:?}"
                 )));
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(500));
         }
+    }
+}
+
+/// Waiting for another holder's lease (a claim, a refresh) to end: pauses from 25 ms doubling
+/// to 500 ms, for at most the given time. Polling, because the holder's end is a row update
+/// on any replica; a wait here holds no connection.
+struct Patience {
+    deadline: tokio::time::Instant,
+    pause: Duration,
+}
+
+impl Patience {
+    fn new(at_most: Duration) -> Self {
+        Self {
+            deadline: tokio::time::Instant::now() + at_most,
+            pause: Duration::from_millis(25),
+        }
+    }
+
+    /// Waits one pause; false (without waiting) when that would pass the deadline.
+    async fn pause(&mut self) -> bool {
+        if tokio::time::Instant::now() + self.pause > self.deadline {
+            return false;
+        }
+        tokio::time::sleep(self.pause).await;
+        self.pause = (self.pause * 2).min(Duration::from_millis(500));
+        true
     }
 }
 
@@ -391,8 +415,7 @@ impl IdempotencyStore for PgStore {
         // Who holds the row: only its holder may complete or free it.
         let holder = format!("{:032x}", rand::random::<u128>());
         let hold_ms = i64::try_from(hold.as_millis()).unwrap_or(i64::MAX);
-        let deadline = tokio::time::Instant::now() + hold;
-        let mut pause = Duration::from_millis(25);
+        let mut wait = Patience::new(hold);
         loop {
             let won = self
                 .client()
@@ -428,11 +451,9 @@ impl IdempotencyStore for PgStore {
             }
             // Another call holds the key: wait for its result (or for its hold to lapse, or
             // for it to let go without acting), never longer than this call may take.
-            if tokio::time::Instant::now() + pause > deadline {
+            if !wait.pause().await {
                 return Err(StoreError::InProgress(super::in_progress(hold)));
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(500));
         }
     }
 }
