@@ -66,7 +66,8 @@ impl App {
                     token.expose(),
                     &config.gateway_tls,
                 )
-                .map_err(|e| StartError::Http(e.to_string()))?,
+                .map_err(|e| StartError::Http(e.to_string()))?
+                .with_tools_cache(config.tools_cache_ttl),
             ),
             None => {
                 tracing::warn!("GATEWAY_SERVICE_TOKEN is not set: runs have no tools");

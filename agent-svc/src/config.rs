@@ -20,6 +20,8 @@ pub struct Config {
     /// `GATEWAY_TLS_CA`, `GATEWAY_TLS_CERT`/`GATEWAY_TLS_KEY`, `GATEWAY_TLS_DOMAIN`: TLS (and
     /// mTLS) to gateway-svc; used exactly when GATEWAY_URL is https.
     pub gateway_tls: svc_kit::tls::ClientTls,
+    /// `AGENT_TOOLS_CACHE_TTL`: how long a user's tool list is reused (0: ask every run).
+    pub tools_cache_ttl: std::time::Duration,
     pub models: crate::models::ModelsConfig,
     /// `AGENT_MAX_LOOP_STEPS`: overrides the interactive iteration limit, clamped to 1..15.
     pub max_loop_steps: Option<u32>,
@@ -85,6 +87,12 @@ impl Config {
         let gateway_token = vars
             .optional_string("GATEWAY_SERVICE_TOKEN")
             .map(svc_kit::secret::Secret::from);
+        let tools_cache_ttl = vars.duration_in(
+            "AGENT_TOOLS_CACHE_TTL",
+            std::time::Duration::from_secs(5),
+            std::time::Duration::ZERO,
+            std::time::Duration::from_secs(300),
+        );
         let models = crate::models::ModelsConfig::load(&mut vars);
         // S1: "default 8, clamp 1..15": out-of-range values are clamped, not refused.
         let max_loop_steps = vars
@@ -171,6 +179,7 @@ impl Config {
             gateway_url,
             gateway_token,
             gateway_tls,
+            tools_cache_ttl,
             models,
             max_loop_steps,
             max_tool_result_chars,

@@ -105,7 +105,13 @@ pub struct GatewayClient {
     token: String,
     /// How long one tool call may take before the run stops waiting for it.
     pub call_timeout: Duration,
+    /// Each user's tool list per channel, reused for a few seconds: a burst of runs asks the
+    /// gateway once (issue 13). A newly connected account shows within the TTL.
+    tools: Option<ToolsCache>,
 }
+
+/// Tool lists by (user, channel).
+type ToolsCache = moka::future::Cache<(String, i32), Arc<Vec<GatewayTool>>>;
 
 impl GatewayClient {
     pub fn connect_lazy(url: &str, token: &str) -> Result<Self, GatewayError> {
@@ -134,7 +140,19 @@ impl GatewayClient {
             channel,
             token: token.to_owned(),
             call_timeout: Duration::from_secs(60),
+            tools: None,
         })
+    }
+
+    /// Reuses each user's tool list for `ttl` (zero: no reuse).
+    pub fn with_tools_cache(mut self, ttl: Duration) -> Self {
+        self.tools = (!ttl.is_zero()).then(|| {
+            moka::future::Cache::builder()
+                .max_capacity(10_000)
+                .time_to_live(ttl)
+                .build()
+        });
+        self
     }
 
     fn request<T>(&self, message: T, user: &str) -> Result<Request<T>, GatewayError> {
@@ -155,10 +173,30 @@ impl GatewayClient {
         Ok(request)
     }
 
+    /// The user's tools on `channel`: from the cache while fresh, else
     /// [`GatewayClient::list_tools`], each attempt under [`LIST_TOOLS_TIMEOUT`], tried again
     /// while gateway-svc cannot be reached (a restart, a rollout) up to [`LIST_TOOLS_ATTEMPTS`]
-    /// times; a refusal is final at once.
+    /// times; a refusal is final at once. Only a successful list is kept.
     pub async fn list_tools_retrying(
+        &self,
+        user: &str,
+        channel: pb::Channel,
+    ) -> Result<Vec<GatewayTool>, GatewayError> {
+        let key = (user.to_owned(), channel as i32);
+        if let Some(cache) = &self.tools
+            && let Some(tools) = cache.get(&key).await
+        {
+            return Ok(tools.as_ref().clone());
+        }
+        let tools = self.list_tools_fresh(user, channel).await?;
+        if let Some(cache) = &self.tools {
+            cache.insert(key, Arc::new(tools.clone())).await;
+        }
+        Ok(tools)
+    }
+
+    /// ListTools with its retries, never from the cache.
+    async fn list_tools_fresh(
         &self,
         user: &str,
         channel: pb::Channel,

@@ -181,3 +181,44 @@ async fn o2_each_service_serves_its_own_series_with_real_values() {
         "gateway-svc serves only its own series"
     );
 }
+
+/// Sum of the samples of `name` whose labels include `label`.
+async fn scrape_labelled(addr: SocketAddr, name: &str, label: &str) -> f64 {
+    let body = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .expect("the metrics endpoint answers")
+        .text()
+        .await
+        .expect("a text body");
+    body.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn a_burst_of_runs_by_one_user_lists_the_tools_once() {
+    let cluster = Cluster::start(ClusterOptions {
+        agents: 1,
+        agent_env: vec![("AGENT_TOOLS_CACHE_TTL".into(), "1m".into())],
+        gateway_env: vec![("METRICS_LISTEN_ADDR".to_owned(), "127.0.0.1:0".to_owned())],
+        ..ClusterOptions::default()
+    })
+    .await;
+    let gateway = metrics_addr(&cluster.gateway);
+    let mut alice = cluster.agent(0, "alice").await;
+    let mut bob = cluster.agent(0, "bob").await;
+    for _ in 0..3 {
+        run_once(&mut alice, "what is new?", "")
+            .await
+            .expect("a run");
+    }
+    run_once(&mut bob, "what is new?", "").await.expect("a run");
+    let listed = scrape_labelled(
+        gateway,
+        "grpc_server_handled_total",
+        r#"grpc_method="ListTools""#,
+    )
+    .await;
+    assert_eq!(listed, 2.0, "one ListTools per user, not per run");
+}
