@@ -22,8 +22,8 @@ pub mod worlds;
 pub use db::TestDb;
 pub use spawn::{
     Backend, Options, RunningService, SERVICE_TOKEN, TestApp, UserAgent, UserGateway, agent_as,
-    channel, gateway_as, gateway_with_token, spawn, spawn_app, spawn_app_with, start_agent,
-    start_gateway, start_gateway_with, wait_for_status,
+    agent_over, channel, gateway_as, gateway_with_token, spawn, spawn_app, spawn_app_with,
+    start_agent, start_gateway, start_gateway_with, wait_for_status,
 };
 
 /// Settings as a map, from literal pairs: the shape `start_agent` and `start_gateway` take.

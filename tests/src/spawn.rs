@@ -275,10 +275,12 @@ pub type UserAgent =
 
 /// An agent client acting for `user` on the agent at `addr`.
 pub async fn agent_as(addr: SocketAddr, user: &str) -> UserAgent {
-    AgentServiceClient::with_interceptor(
-        channel(addr).await,
-        AsAgentUser(user.parse().expect("ASCII user id")),
-    )
+    agent_over(channel(addr).await, user)
+}
+
+/// An agent client acting for `user` over `channel` (e.g. one with TLS).
+pub fn agent_over(channel: Channel, user: &str) -> UserAgent {
+    AgentServiceClient::with_interceptor(channel, AsAgentUser(user.parse().expect("ASCII user id")))
 }
 
 impl TestApp {

@@ -10,11 +10,10 @@ use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
     KeyPair,
 };
-use steward_proto::{
-    AGENT_SERVICE_NAME,
-    agent::v1::{self as pb, agent_service_client::AgentServiceClient},
-};
+use steward_proto::{AGENT_SERVICE_NAME, agent::v1 as pb};
 use steward_tests::{
+    agent_calls::run_once,
+    agent_over,
     fakes::openai::{Answer, FakeOpenAi},
     pg_server::PgServer,
     start_agent, start_gateway, wait_for_status,
@@ -184,23 +183,13 @@ async fn o5_a_run_crosses_tls_to_the_agent_and_mtls_to_the_gateway_and_others_ar
         .await
         .expect("a TLS connection to agent-svc");
     wait_for_status(channel.clone(), AGENT_SERVICE_NAME, ServingStatus::Serving).await;
-    let mut client = AgentServiceClient::new(channel);
-    let mut request = tonic::Request::new(pb::RunRequest {
-        input: Some(pb::RunInput {
-            prompt: "what tasks do I have?".into(),
-            ..Default::default()
-        }),
-    });
-    request
-        .metadata_mut()
-        .insert("x-user-id", "alice".parse().unwrap());
-    let result = client
-        .run(request)
-        .await
-        .expect("Run over TLS")
-        .into_inner()
-        .result
-        .unwrap();
+    let result = run_once(
+        &mut agent_over(channel, "alice"),
+        "what tasks do I have?",
+        "",
+    )
+    .await
+    .expect("Run over TLS");
     assert_eq!(
         result.status,
         pb::RunState::Completed as i32,
@@ -350,22 +339,13 @@ async fn o5_both_services_reach_a_tls_only_postgresql_and_each_sslmode_checks_wh
         .connect()
         .await
         .expect("agent-svc");
-    let mut request = tonic::Request::new(pb::RunRequest {
-        input: Some(pb::RunInput {
-            prompt: "what tasks do I have?".into(),
-            ..Default::default()
-        }),
-    });
-    request
-        .metadata_mut()
-        .insert("x-user-id", "alice".parse().unwrap());
-    let result = AgentServiceClient::new(channel)
-        .run(request)
-        .await
-        .expect("Run")
-        .into_inner()
-        .result
-        .unwrap();
+    let result = run_once(
+        &mut agent_over(channel, "alice"),
+        "what tasks do I have?",
+        "",
+    )
+    .await
+    .expect("Run");
     assert_eq!(
         result.status,
         pb::RunState::Completed as i32,
