@@ -17,7 +17,7 @@ use agent_svc::{
         ToolRunner, limits,
     },
     llm::{
-        ToolDecl,
+        ToolDecl, ToolSet,
         resilient::{ChainEntry, RetryPolicy},
         scripted::{ScriptedModel, Step},
     },
@@ -76,7 +76,7 @@ async fn measure(tools: &[ToolDecl], model_name: &str, counter: &str) {
         "{model_name}: tiktoken={} tool schema tokens={} (counted in {:?})",
         matches!(
             tokenizer,
-            agent_svc::executor::budget::TokenCounter::Tiktoken(_)
+            agent_svc::executor::budget::TokenCounter::Tiktoken { .. }
         ),
         sample.0,
         sample.1
@@ -102,6 +102,7 @@ async fn measure(tools: &[ToolDecl], model_name: &str, counter: &str) {
                 retry: RetryPolicy::default(),
                 max_output_tokens: 2048,
                 context_window: 200_000,
+                history_tokens: 0,
                 prices: HashMap::new(),
                 final_turn_grace: Duration::from_secs(10),
             }),
@@ -111,7 +112,8 @@ async fn measure(tools: &[ToolDecl], model_name: &str, counter: &str) {
             system: "You are Steward, a chief of staff. Never fabricate data.".repeat(20),
             history: vec![],
             prompt: "What's on my plate?".into(),
-            tools: tools.to_vec(),
+            // As a run gets its tools: the user's list, then the prepared set equal to it.
+            tools: ToolSet::shared(tools.to_vec()),
             limits: limits::profile(limits::Channel::Web, None),
             stop_after: None,
             resume: false,
@@ -138,6 +140,6 @@ fn started_count(
     tools: &[ToolDecl],
 ) -> (usize, Duration) {
     let started = Instant::now();
-    let n = counter.tools(tools);
+    let n = counter.tools(&ToolSet::new(tools.to_vec()));
     (n, started.elapsed())
 }

@@ -40,6 +40,14 @@ pub struct App {
 
 impl App {
     pub async fn build(config: Config) -> Result<Self, StartError> {
+        // The tokenizer's tables take a while to load: load them now, beside the migrations,
+        // not in the first run (issue 13). Only the one the first model uses.
+        let first_model = config.models.chain.first().map(|(_, m)| m.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Some(model) = first_model {
+                crate::executor::budget::TokenCounter::for_model(&model);
+            }
+        });
         let store: SharedStore = match &config.server.database {
             Some(db) => Arc::new(PgStore::connect(db).await?),
             None => Arc::new(MemoryStore::new()),

@@ -19,6 +19,9 @@ use crate::{
 };
 
 pub const DEFAULT_OPENAI_BASE_URL: &str = "https://api.openai.com/v1";
+/// Earlier turns beyond this go out of the prompt (still searchable with the history tool):
+/// a long thread's runs stay cheap (issue 13: ≤ 8K input tokens after 50 turns).
+pub const DEFAULT_HISTORY_TOKENS: usize = 3_000;
 pub const DEFAULT_ANTHROPIC_BASE_URL: &str = "https://api.anthropic.com";
 pub const DEFAULT_GEMINI_BASE_URL: &str = "https://generativelanguage.googleapis.com";
 pub const DEFAULT_CONTEXT_WINDOW: usize = 128_000;
@@ -39,6 +42,8 @@ pub struct ModelsConfig {
     pub openai: ProviderConfig,
     pub anthropic: ProviderConfig,
     pub gemini: ProviderConfig,
+    /// `ANTHROPIC_PROMPT_CACHE`: cache breakpoints on the stable prefix (tools, system, history).
+    pub anthropic_prompt_cache: bool,
     /// `MODEL_RETRIES` (E-6, S0 AC-19): retries per chain entry, set explicitly.
     pub retries: u32,
     /// `MODEL_MAX_OUTPUT_TOKENS` (E-7).
@@ -49,6 +54,9 @@ pub struct ModelsConfig {
     pub context_windows: HashMap<String, usize>,
     /// `MODEL_PRICES`: `model=input/output/cached,...` in US dollars per million tokens.
     pub prices: HashMap<String, Price>,
+    /// `AGENT_HISTORY_TOKENS`: the thread's earlier turns sent with a call, at most (0: no
+    /// limit but the context window).
+    pub history_tokens: usize,
 }
 
 const PROVIDERS: [&str; 4] = ["openai", "anthropic", "gemini", scripted::NAME];
@@ -71,6 +79,13 @@ impl ModelsConfig {
         let openai = provider(vars, "OPENAI", DEFAULT_OPENAI_BASE_URL);
         let anthropic = provider(vars, "ANTHROPIC", DEFAULT_ANTHROPIC_BASE_URL);
         let gemini = provider(vars, "GEMINI", DEFAULT_GEMINI_BASE_URL);
+        let anthropic_prompt_cache = vars.bool("ANTHROPIC_PROMPT_CACHE", true);
+        let history_tokens = vars.int_in(
+            "AGENT_HISTORY_TOKENS",
+            DEFAULT_HISTORY_TOKENS,
+            0,
+            10_000_000,
+        );
 
         let chain = match vars.raw("MODEL_CHAIN") {
             None => {
@@ -161,11 +176,13 @@ impl ModelsConfig {
             openai,
             anthropic,
             gemini,
+            anthropic_prompt_cache,
             retries,
             max_output_tokens,
             call_timeout,
             context_windows,
             prices,
+            history_tokens,
         }
     }
 
@@ -190,6 +207,7 @@ impl ModelsConfig {
                     .as_ref()
                     .map(|k| k.expose().to_owned()),
                 http: http.clone(),
+                prompt_cache: self.anthropic_prompt_cache,
             }),
             "gemini" => Arc::new(Gemini {
                 base_url: self.gemini.base_url.clone(),
@@ -226,6 +244,7 @@ impl ModelsConfig {
                 .get(first)
                 .copied()
                 .unwrap_or(DEFAULT_CONTEXT_WINDOW),
+            history_tokens: self.history_tokens,
             prices: self.prices.clone(),
             final_turn_grace: Duration::from_secs(10),
         };

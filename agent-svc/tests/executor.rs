@@ -14,7 +14,7 @@ use agent_svc::{
         limits::{Channel, profile},
     },
     llm::{
-        ModelError, ToolDecl, Turn,
+        ModelError, ToolDecl, ToolSet, Turn,
         resilient::{ChainEntry, RetryPolicy},
         scripted::{ScriptedModel, Step},
     },
@@ -82,6 +82,7 @@ fn setup(models: Vec<(Arc<ScriptedModel>, &str)>) -> Executor {
             },
             max_output_tokens: 2048,
             context_window: 128_000,
+            history_tokens: 0,
             prices: HashMap::from([(
                 "primary".to_owned(),
                 Price {
@@ -101,7 +102,7 @@ fn request(tools: &[&str]) -> RunRequest {
         system: "You are Steward.".into(),
         history: vec![],
         prompt: "What should I do today?".into(),
-        tools: tools.iter().map(|t| decl(t)).collect(),
+        tools: Arc::new(ToolSet::new(tools.iter().map(|t| decl(t)).collect())),
         limits: profile(Channel::Web, None),
         stop_after: None,
         resume: false,

@@ -16,7 +16,7 @@ use agent_svc::{
     },
     gateway_client::GatewayClient,
     llm::{
-        ModelProvider, ToolDecl,
+        ModelProvider, ToolDecl, ToolSet,
         openai::OpenAi,
         resilient::{ChainEntry, RetryPolicy},
     },
@@ -76,6 +76,7 @@ fn executor(chain: Vec<ChainEntry>) -> Executor {
             },
             max_output_tokens: 2048,
             context_window: 128_000,
+            history_tokens: 0,
             prices: HashMap::new(),
             final_turn_grace: Duration::from_secs(5),
         }),
@@ -88,14 +89,16 @@ fn request(tools: &[&str]) -> RunRequest {
         system: "You are Steward.".into(),
         history: vec![],
         prompt: "Plan my day".into(),
-        tools: tools
-            .iter()
-            .map(|t| ToolDecl {
-                name: (*t).into(),
-                description: "d".into(),
-                parameters: serde_json::json!({"type": "object"}),
-            })
-            .collect(),
+        tools: Arc::new(ToolSet::new(
+            tools
+                .iter()
+                .map(|t| ToolDecl {
+                    name: (*t).into(),
+                    description: "d".into(),
+                    parameters: serde_json::json!({"type": "object"}),
+                })
+                .collect(),
+        )),
         limits: profile(Channel::Web, None),
         stop_after: None,
         resume: false,
@@ -321,7 +324,7 @@ async fn a_run_executes_its_tools_on_gateway_svc_over_the_execute_stream() {
             .any(|t| t.decl.name == "add_task" && !t.side_effect)
     );
     let mut req = request(&[]);
-    req.tools = tools.into_iter().map(|t| t.decl).collect();
+    req.tools = Arc::new(ToolSet::new(tools.into_iter().map(|t| t.decl).collect()));
     let session = gateway
         .open("alice", "run-1", pb::Channel::Web)
         .await
@@ -381,6 +384,7 @@ mod anthropic_and_gemini {
             base_url: base.into(),
             api_key: Some("sk-ant-test".into()),
             http: reqwest::Client::new(),
+            prompt_cache: true,
         })
     }
 
@@ -446,7 +450,11 @@ mod anthropic_and_gemini {
         let seen = fake.seen();
         assert_eq!(seen[0].headers["x-api-key"], "sk-ant-test");
         assert_eq!(seen[0].headers["anthropic-version"], "2023-06-01");
-        assert_eq!(seen[0].body["system"], "You are Steward.");
+        assert_eq!(seen[0].body["system"][0]["text"], "You are Steward.");
+        assert_eq!(
+            seen[0].body["system"][0]["cache_control"]["type"], "ephemeral",
+            "the system text is a cache breakpoint"
+        );
         assert_eq!(seen[0].body["max_tokens"], 2048);
         assert_eq!(seen[0].body["tools"][1]["input_schema"]["type"], "object");
         let messages = seen[1].body["messages"].as_array().unwrap().clone();

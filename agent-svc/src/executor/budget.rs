@@ -2,14 +2,15 @@
 //! tokenizer where there is one (tiktoken for OpenAI models) and calibrated characters-per-token
 //! ratios otherwise; tool definitions measured from the serialized schemas of each request; the
 //! oldest history evicted first, never splitting a tool call from its results and never touching
-//! the current turn.
+//! the current turn. Tool declarations are counted once per tool set and turns once each as
+//! they join the transcript (issue 13): fitting a call adds numbers, it encodes nothing.
 
 use std::sync::OnceLock;
 
 use tiktoken_rs::CoreBPE;
 
 use super::transcript::units;
-use crate::llm::{ToolDecl, Turn};
+use crate::llm::{ToolSet, Turn};
 
 /// Above this many estimated tokens the system prompt is logged at WARN before the call
 /// (S0 AC-20).
@@ -24,7 +25,11 @@ const PER_TURN_OVERHEAD: usize = 4;
 
 #[derive(Clone, Copy)]
 pub enum TokenCounter {
-    Tiktoken(&'static CoreBPE),
+    /// `slot` tells the tokenizers apart for the counts a tool set keeps.
+    Tiktoken {
+        bpe: &'static CoreBPE,
+        slot: usize,
+    },
     Ratio,
 }
 
@@ -42,23 +47,33 @@ impl TokenCounter {
     /// The counter for a model name: tiktoken for OpenAI families, ratios for the rest.
     pub fn for_model(model: &str) -> Self {
         let m = model.to_ascii_lowercase();
-        let bpe = if m.starts_with("gpt-4o")
+        let (bpe, slot) = if m.starts_with("gpt-4o")
             || m.starts_with("gpt-4.1")
             || m.starts_with("gpt-5")
             || m.starts_with('o') && m.chars().nth(1).is_some_and(|c| c.is_ascii_digit())
         {
-            o200k()
+            (o200k(), 0)
         } else if m.starts_with("gpt-4") || m.starts_with("gpt-3.5") {
-            cl100k()
+            (cl100k(), 1)
         } else {
-            None
+            (None, 2)
         };
-        bpe.map_or(TokenCounter::Ratio, TokenCounter::Tiktoken)
+        bpe.map_or(TokenCounter::Ratio, |bpe| TokenCounter::Tiktoken {
+            bpe,
+            slot,
+        })
+    }
+
+    fn slot(&self) -> usize {
+        match self {
+            TokenCounter::Tiktoken { slot, .. } => *slot,
+            TokenCounter::Ratio => 2,
+        }
     }
 
     pub fn text(&self, s: &str) -> usize {
         match self {
-            TokenCounter::Tiktoken(bpe) => bpe.encode_ordinary(s).len(),
+            TokenCounter::Tiktoken { bpe, .. } => bpe.encode_ordinary(s).len(),
             TokenCounter::Ratio => {
                 (s.chars().count() as f64 / PROSE_CHARS_PER_TOKEN).ceil() as usize
             }
@@ -67,20 +82,16 @@ impl TokenCounter {
 
     fn json(&self, s: &str) -> usize {
         match self {
-            TokenCounter::Tiktoken(_) => self.text(s),
+            TokenCounter::Tiktoken { .. } => self.text(s),
             TokenCounter::Ratio => {
                 (s.chars().count() as f64 / JSON_CHARS_PER_TOKEN).ceil() as usize
             }
         }
     }
 
-    /// Tokens of the tool definitions exactly as this request serializes them.
-    pub fn tools(&self, tools: &[ToolDecl]) -> usize {
-        let serialized: Vec<_> = tools
-            .iter()
-            .map(|t| serde_json::json!({"name": t.name, "description": t.description, "parameters": t.parameters}))
-            .collect();
-        self.json(&serde_json::Value::Array(serialized).to_string())
+    /// Tokens of the tool definitions as a request declares them, counted once per set.
+    pub fn tools(&self, tools: &ToolSet) -> usize {
+        tools.tokens(self.slot(), |serialized| self.json(serialized))
     }
 
     pub fn turn(&self, t: &Turn) -> usize {
@@ -102,55 +113,73 @@ impl TokenCounter {
 /// What fitting the transcript did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fit {
+    /// The call sends `turns[evicted_turns..]`.
     pub evicted_turns: usize,
     pub estimated_input_tokens: usize,
-    pub tool_tokens: usize,
 }
 
-/// Evicts whole units from the front of `turns` until system + tools + turns + the output
-/// reserve fit `window` and what is kept starts with a user turn. The last user turn and everything after it (the current turn) always
-/// stay, even if they alone do not fit: the provider then answers with a clear error.
-pub fn fit(
-    counter: TokenCounter,
-    system: &str,
-    tools: &[ToolDecl],
-    turns: &mut Vec<Turn>,
-    window: usize,
-    reserve_output: usize,
-) -> Fit {
-    let tool_tokens = counter.tools(tools);
-    let fixed = counter.text(system) + tool_tokens + reserve_output;
-    let sizes: Vec<usize> = turns.iter().map(|t| counter.turn(t)).collect();
-    let mut total: usize = fixed + sizes.iter().sum::<usize>();
+/// The limits a call's input is fitted to.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    /// The model's context window.
+    pub window: usize,
+    /// Kept free for the answer.
+    pub reserve_output: usize,
+    /// At most this many tokens of earlier turns (the thread's history) go with a call; older
+    /// ones stay searchable through the history tool. Zero: no limit but the window.
+    pub history: usize,
+}
+
+/// Which leading turns a call leaves out, given each turn's tokens (`sizes`) and the tokens of
+/// everything else (`fixed`: system text and tools).
+///
+/// Whole units go from the front, never splitting a tool call from its results, and what is
+/// kept starts with a user turn. The last user turn and everything after it (the current turn)
+/// always stay, even if they alone do not fit: the provider then answers with a clear error.
+///
+/// The history limit cuts in steps of half the limit, counted from the start of the history,
+/// so the cut moves only every few runs and the kept history stays a stable prefix that a
+/// provider's prompt cache can serve.
+pub fn fit(turns: &[Turn], sizes: &[usize], fixed: usize, budget: Budget) -> Fit {
+    debug_assert_eq!(turns.len(), sizes.len());
     let current_start = turns
         .iter()
         .rposition(|t| matches!(t, Turn::User(_)))
         .unwrap_or(0);
+    let history: usize = sizes[..current_start].iter().sum();
+    let must_drop = if budget.history > 0 && history > budget.history {
+        let step = (budget.history / 2).max(1);
+        (history - budget.history).div_ceil(step) * step
+    } else {
+        0
+    };
+    let mut total: usize = fixed + budget.reserve_output + sizes.iter().sum::<usize>();
+    let mut dropped = 0;
     let mut cut = 0;
     for (start, end) in units(turns) {
         if end > current_start {
             break;
         }
-        // Keep going past the window while the kept part would start with a non-user turn:
+        // Keep going past the limits while the kept part would start with a non-user turn:
         // providers (Anthropic, Gemini) require the transcript to open with the user.
-        if total <= window && matches!(turns[start], Turn::User(_)) {
+        if total <= budget.window && dropped >= must_drop && matches!(turns[start], Turn::User(_)) {
             break;
         }
-        total -= sizes[start..end].iter().sum::<usize>();
+        let unit: usize = sizes[start..end].iter().sum();
+        total -= unit;
+        dropped += unit;
         cut = end;
     }
-    turns.drain(..cut);
     Fit {
         evicted_turns: cut,
-        estimated_input_tokens: total - reserve_output,
-        tool_tokens,
+        estimated_input_tokens: total - budget.reserve_output,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::ToolCall;
+    use crate::llm::{ToolCall, ToolDecl};
 
     fn pair(id: &str, size: usize) -> Vec<Turn> {
         vec![
@@ -175,7 +204,7 @@ mod tests {
     fn tiktoken_counts_openai_models_and_ratios_the_rest() {
         assert!(matches!(
             TokenCounter::for_model("gpt-4o-mini"),
-            TokenCounter::Tiktoken(_)
+            TokenCounter::Tiktoken { .. }
         ));
         assert!(matches!(
             TokenCounter::for_model("claude-sonnet-4"),
@@ -187,18 +216,18 @@ mod tests {
 
     #[test]
     fn tool_definitions_are_measured_not_assumed() {
-        let small = vec![ToolDecl {
+        let small = ToolSet::new(vec![ToolDecl {
             name: "a".into(),
             description: "d".into(),
             parameters: serde_json::json!({"type": "object"}),
-        }];
-        let big: Vec<_> = (0..15)
+        }]);
+        let big = ToolSet::new((0..15)
             .map(|i| ToolDecl {
                 name: format!("tool_{i}"),
                 description: "a long description of what this tool does and when to use it".repeat(3),
                 parameters: serde_json::json!({"type": "object", "properties": {"q": {"type": "string", "description": "query"}}}),
             })
-            .collect();
+            .collect());
         assert!(TokenCounter::Ratio.tools(&big) > 30 * TokenCounter::Ratio.tools(&small));
     }
 
@@ -212,17 +241,62 @@ mod tests {
         });
         turns.push(Turn::User("second question".into()));
         turns.extend(pair("b", 4000));
-        let before = turns.len();
-        let fit = fit(TokenCounter::Ratio, "system", &[], &mut turns, 2000, 200);
+        let counter = TokenCounter::Ratio;
+        let sizes: Vec<usize> = turns.iter().map(|t| counter.turn(t)).collect();
+        let budget = Budget {
+            window: 2000,
+            reserve_output: 200,
+            history: 0,
+        };
+        let fit = fit(&turns, &sizes, counter.text("system"), budget);
         assert_eq!(
             fit.evicted_turns, 4,
             "the first question, its pair and the answer go"
         );
-        assert_eq!(turns.len(), before - 4);
+        let turns = &turns[fit.evicted_turns..];
         assert_eq!(turns[0], Turn::User("second question".into()));
         assert!(
-            super::super::transcript::check_pairs(&turns).is_ok(),
+            super::super::transcript::check_pairs(turns).is_ok(),
             "no pair is split"
+        );
+    }
+
+    fn exchange(n: usize) -> Vec<Turn> {
+        vec![
+            Turn::User(format!("question {n} {}", "words ".repeat(20))),
+            Turn::Assistant {
+                text: format!("answer {n} {}", "words ".repeat(40)),
+                tool_calls: vec![],
+            },
+        ]
+    }
+
+    #[test]
+    fn history_is_held_to_its_limit_and_cut_in_steps_so_the_prefix_stays_stable() {
+        let counter = TokenCounter::Ratio;
+        let budget = Budget {
+            window: 200_000,
+            reserve_output: 2048,
+            history: 1000,
+        };
+        let mut cuts = Vec::new();
+        for prior in 10..60 {
+            let mut turns: Vec<Turn> = (0..prior).flat_map(exchange).collect();
+            turns.push(Turn::User("now".into()));
+            let sizes: Vec<usize> = turns.iter().map(|t| counter.turn(t)).collect();
+            let fit = fit(&turns, &sizes, 0, budget);
+            let kept: usize = sizes[fit.evicted_turns..sizes.len() - 1].iter().sum();
+            assert!(
+                kept <= budget.history,
+                "{prior} prior exchanges keep {kept} tokens"
+            );
+            assert!(matches!(turns[fit.evicted_turns], Turn::User(_)));
+            cuts.push(fit.evicted_turns);
+        }
+        cuts.dedup();
+        assert!(
+            cuts.len() < 50 / 2,
+            "the cut moves in steps, not with every run: {cuts:?}"
         );
     }
 }

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 
 use self::{budget::TokenCounter, limits::Limits, transcript::check_pairs};
 use crate::llm::{
-    Delta, ModelRequest, TokenUsage, ToolCall, ToolDecl, Turn,
+    Delta, ModelRequest, TokenUsage, ToolCall, ToolSet, Turn,
     resilient::{self, ChainEntry, RetryPolicy},
 };
 
@@ -138,6 +138,9 @@ pub struct ModelSetup {
     pub max_output_tokens: u32,
     /// Context window of the chain's first model, in tokens.
     pub context_window: usize,
+    /// AGENT_HISTORY_TOKENS: at most this many tokens of the thread's earlier turns go with a
+    /// call (0: only the window limits them).
+    pub history_tokens: usize,
     pub prices: HashMap<String, Price>,
     /// Extra time the final tool-less turn may take after the wall-time limit.
     pub final_turn_grace: Duration,
@@ -149,7 +152,8 @@ pub struct RunRequest {
     /// Earlier transcript of the thread, oldest first.
     pub history: Vec<Turn>,
     pub prompt: String,
-    pub tools: Vec<ToolDecl>,
+    /// Prepared once per tool set and shared across runs (see [`ToolSet::shared`]).
+    pub tools: Arc<ToolSet>,
     pub limits: Limits,
     /// A tool after which a conversational agent stops (E-4): `send_message`.
     pub stop_after: Option<String>,
@@ -272,6 +276,10 @@ struct Run<'a> {
     sink: &'a dyn EventSink,
     started: Instant,
     turns: Vec<Turn>,
+    /// Tokens of each turn, counted once as it joins `turns`.
+    sizes: Vec<usize>,
+    counter: TokenCounter,
+    system_tokens: usize,
     history_len: usize,
     gathered: Vec<String>,
     calls: Vec<CallRecord>,
@@ -292,6 +300,9 @@ impl Executor {
         if !req.resume {
             turns.push(Turn::User(req.prompt.clone()));
         }
+        let first_model = self.models.chain.first().map_or("", |e| e.model.as_str());
+        let counter = TokenCounter::for_model(first_model);
+        let sizes = turns.iter().map(|t| counter.turn(t)).collect();
         let mut run = Run {
             models: &self.models,
             max_tool_result_chars: self.max_tool_result_chars,
@@ -299,6 +310,9 @@ impl Executor {
             sink,
             started: Instant::now(),
             turns,
+            sizes,
+            counter,
+            system_tokens: counter.text(&req.system),
             history_len,
             gathered: Vec::new(),
             calls: Vec::new(),
@@ -364,10 +378,8 @@ impl Run<'_> {
             .limits
             .max_wall
             .saturating_sub(self.started.elapsed());
-        let response = match self
-            .call_model(&self.req.tools.clone(), "", remaining)
-            .await
-        {
+        let req = self.req;
+        let response = match self.call_model(&req.tools, "", remaining).await {
             Ok(Some(r)) => r,
             Ok(None) => return Step::Done(Box::new(self.final_turn(Stop::TimeLimit).await)),
             Err(failed) => {
@@ -580,42 +592,52 @@ impl Run<'_> {
     /// attempts when every model failed.
     async fn call_model(
         &mut self,
-        tools: &[ToolDecl],
+        tools: &ToolSet,
         system_suffix: &str,
         remaining: Duration,
     ) -> Result<Option<crate::llm::ModelResponse>, String> {
         let models = self.models;
-        let first_model = models.chain.first().map_or("", |e| e.model.as_str());
-        let counter = TokenCounter::for_model(first_model);
-        let system = format!("{}{system_suffix}", self.req.system);
-        let system_tokens = counter.text(&system);
+        let counter = self.counter;
+        let (system, system_tokens) = if system_suffix.is_empty() {
+            (
+                std::borrow::Cow::Borrowed(self.req.system.as_str()),
+                self.system_tokens,
+            )
+        } else {
+            (
+                std::borrow::Cow::Owned(format!("{}{system_suffix}", self.req.system)),
+                self.system_tokens + counter.text(system_suffix),
+            )
+        };
         if system_tokens > budget::SYSTEM_PROMPT_WARN_TOKENS {
             tracing::warn!(
                 system_tokens,
                 "assembled system prompt is over 50K estimated tokens"
             );
         }
-        let mut window = self.turns.clone();
         let fit = budget::fit(
-            counter,
-            &system,
-            tools,
-            &mut window,
-            models.context_window,
-            models.max_output_tokens as usize,
+            &self.turns,
+            &self.sizes,
+            system_tokens + counter.tools(tools),
+            budget::Budget {
+                window: models.context_window,
+                reserve_output: models.max_output_tokens as usize,
+                history: models.history_tokens,
+            },
         );
         if fit.evicted_turns > 0 {
-            tracing::info!(
+            tracing::debug!(
                 evicted = fit.evicted_turns,
                 tokens = fit.estimated_input_tokens,
-                "evicted old history to fit the context window"
+                "older history left out to fit the history limit and the context window"
             );
         }
         let request = ModelRequest {
-            model: String::new(),
-            system,
-            turns: window,
-            tools: tools.to_vec(),
+            model: "",
+            system: &system,
+            turns: &self.turns[fit.evicted_turns..],
+            tools,
+            stable_turns: self.history_len.saturating_sub(fit.evicted_turns),
             max_output_tokens: models.max_output_tokens,
         };
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -681,7 +703,8 @@ impl Run<'_> {
                 .max_wall
                 .saturating_sub(self.started.elapsed())
                 .max(self.models.final_turn_grace);
-            if let Ok(Some(response)) = self.call_model(&[], &suffix, remaining).await {
+            let none = ToolSet::none();
+            if let Ok(Some(response)) = self.call_model(&none, &suffix, remaining).await {
                 let text = response.text.trim().to_owned();
                 if !text.is_empty() {
                     self.push(Turn::Assistant {
@@ -726,6 +749,7 @@ impl Run<'_> {
 
     fn push(&mut self, turn: Turn) {
         self.sink.emit(RunEvent::Turn(turn.clone()));
+        self.sizes.push(self.counter.turn(&turn));
         self.turns.push(turn);
     }
 

@@ -19,6 +19,8 @@ pub struct Anthropic {
     pub base_url: String,
     pub api_key: Option<String>,
     pub http: reqwest::Client,
+    /// `ANTHROPIC_PROMPT_CACHE`: mark the stable prefix for Anthropic's prompt cache.
+    pub prompt_cache: bool,
 }
 
 /// Tool arguments as the object Anthropic requires; a malformed call replays as `{}` (its
@@ -30,9 +32,15 @@ fn input_object(arguments: &str) -> Value {
         .unwrap_or_else(|| json!({}))
 }
 
-pub fn body(request: &ModelRequest) -> Value {
+/// The request body without its tools (see [`encode`]). With `cache`, prompt-cache
+/// breakpoints mark the stable prefix: the system text, the end of the thread's history (the
+/// same in every call of this run and the next) and the end of this call's transcript (the
+/// prefix of this run's next call). The tools carry the fourth (see `ToolSet`).
+pub fn body(request: &ModelRequest, cache: bool) -> Value {
     let mut messages: Vec<Value> = Vec::new();
-    for turn in &request.turns {
+    // Where each turn's last block landed: (message, block).
+    let mut landed: Vec<(usize, usize)> = Vec::with_capacity(request.turns.len());
+    for turn in request.turns {
         let (role, block) = match turn {
             Turn::User(text) => ("user", json!({"type": "text", "text": text})),
             Turn::Assistant { text, tool_calls } => {
@@ -43,6 +51,11 @@ pub fn body(request: &ModelRequest) -> Value {
                 for c in tool_calls {
                     blocks.push(json!({"type": "tool_use", "id": c.id, "name": c.name, "input": input_object(&c.arguments)}));
                 }
+                if blocks.is_empty() {
+                    // The API refuses an empty content list; an empty answer is an empty text.
+                    blocks.push(json!({"type": "text", "text": "(no answer)"}));
+                }
+                landed.push((messages.len(), blocks.len() - 1));
                 messages.push(json!({"role": "assistant", "content": blocks}));
                 continue;
             }
@@ -58,30 +71,64 @@ pub fn body(request: &ModelRequest) -> Value {
         };
         // Consecutive user-side blocks (all results of one turn) share one message, as the API
         // requires alternating roles.
+        let at = messages.len();
         match messages.last_mut() {
             Some(last) if last["role"] == role && role == "user" => {
                 if let Some(blocks) = last["content"].as_array_mut() {
                     blocks.push(block);
+                    landed.push((at - 1, blocks.len() - 1));
                 }
             }
-            _ => messages.push(json!({"role": role, "content": [block]})),
+            _ => {
+                landed.push((at, 0));
+                messages.push(json!({"role": role, "content": [block]}));
+            }
         }
     }
-    let mut body = json!({
+    let mut system = vec![json!({"type": "text", "text": request.system})];
+    if cache {
+        // The clock changes with every run: in the system text it would void the cached
+        // prefix from there on, history included. It goes after the cached part instead, at
+        // the end of the last user message (or, when there is none, after the system text).
+        if let Some((stable, now)) = request.system.rsplit_once(CLOCK_SECTION) {
+            system = vec![json!({"type": "text", "text": stable})];
+            let clock =
+                json!({"type": "text", "text": format!("{}{now}", CLOCK_SECTION.trim_start())});
+            match messages.last_mut() {
+                Some(last) if last["role"] == "user" => {
+                    if let Some(blocks) = last["content"].as_array_mut() {
+                        blocks.push(clock);
+                    }
+                }
+                _ => system.push(clock),
+            }
+        }
+        system[0]["cache_control"] = json!({"type": "ephemeral"});
+        let history_end = request.stable_turns.checked_sub(1);
+        for at in [history_end, landed.len().checked_sub(1)]
+            .into_iter()
+            .flatten()
+            .filter_map(|i| landed.get(i))
+        {
+            messages[at.0]["content"][at.1]["cache_control"] = json!({"type": "ephemeral"});
+        }
+    }
+    json!({
         "model": request.model,
         "max_tokens": request.max_output_tokens,
-        "system": request.system,
+        "system": system,
         "messages": messages,
         "stream": true,
-    });
-    if !request.tools.is_empty() {
-        body["tools"] = request
-            .tools
-            .iter()
-            .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.parameters}))
-            .collect();
-    }
-    body
+    })
+}
+
+/// Where the system text's clock starts (see `prompt::build`: always its last section).
+const CLOCK_SECTION: &str = "\n\n[CURRENT TIME]\n";
+
+/// The request body on the wire: [`body`] with the tool set's prepared declarations.
+pub fn encode(request: &ModelRequest, cache: bool) -> Vec<u8> {
+    let tools = (!request.tools.is_empty()).then(|| request.tools.anthropic_wire(cache));
+    super::tool_set::encode_with_tools(&body(request, cache), tools)
 }
 
 #[async_trait::async_trait]
@@ -107,7 +154,8 @@ impl ModelProvider for Anthropic {
             ))
             .header("x-api-key", key)
             .header("anthropic-version", API_VERSION)
-            .json(&body(request))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(encode(request, self.prompt_cache))
             .send()
             .await
             .map_err(|e| ModelError::from_reqwest(&e))?;

@@ -17,9 +17,10 @@ pub struct Gemini {
     pub http: reqwest::Client,
 }
 
+/// The request body without its tools (see [`encode`]).
 pub fn body(request: &ModelRequest) -> Value {
     let mut contents: Vec<Value> = Vec::new();
-    for turn in &request.turns {
+    for turn in request.turns {
         let (role, part) = match turn {
             Turn::User(text) => ("user", json!({"text": text})),
             Turn::Assistant { text, tool_calls } => {
@@ -59,20 +60,17 @@ pub fn body(request: &ModelRequest) -> Value {
             _ => contents.push(json!({"role": role, "parts": [part]})),
         }
     }
-    let mut body = json!({
+    json!({
         "systemInstruction": {"parts": [{"text": request.system}]},
         "contents": contents,
         "generationConfig": {"maxOutputTokens": request.max_output_tokens},
-    });
-    if !request.tools.is_empty() {
-        let declarations: Vec<Value> = request
-            .tools
-            .iter()
-            .map(|t| json!({"name": t.name, "description": t.description, "parametersJsonSchema": t.parameters}))
-            .collect();
-        body["tools"] = json!([{ "functionDeclarations": declarations }]);
-    }
-    body
+    })
+}
+
+/// The request body on the wire: [`body`] with the tool set's prepared declarations.
+pub fn encode(request: &ModelRequest) -> Vec<u8> {
+    let tools = (!request.tools.is_empty()).then(|| request.tools.gemini_wire());
+    super::tool_set::encode_with_tools(&body(request), tools)
 }
 
 #[async_trait::async_trait]
@@ -104,7 +102,8 @@ impl ModelProvider for Gemini {
             .post(url)
             .query(&[("alt", "sse")])
             .header("x-goog-api-key", key)
-            .json(&body(request))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(encode(request))
             .send()
             .await
             .map_err(|e| ModelError::from_reqwest(&e))?;

@@ -9,6 +9,7 @@ pub mod openai;
 pub mod resilient;
 pub mod scripted;
 pub mod sse;
+pub mod tool_set;
 
 use std::time::Duration;
 
@@ -16,6 +17,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 pub use error::ModelError;
+pub use tool_set::ToolSet;
 
 /// A tool the model may call, as declared to the provider.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,13 +56,18 @@ pub enum Turn {
     },
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct ModelRequest {
-    pub model: String,
-    pub system: String,
-    pub turns: Vec<Turn>,
+/// One model call's input, borrowed from the run: a call (and each retry or fallback of it)
+/// copies nothing of the transcript or the tools.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelRequest<'a> {
+    pub model: &'a str,
+    pub system: &'a str,
+    pub turns: &'a [Turn],
     /// Empty means the model must answer in text (the final turn after a limit).
-    pub tools: Vec<ToolDecl>,
+    pub tools: &'a ToolSet,
+    /// How many leading turns are the same in the next call of this run (the history before
+    /// the current user turn): a provider with a prompt cache marks where they end.
+    pub stable_turns: usize,
     /// Always explicit (E-7, S0 AC-19).
     pub max_output_tokens: u32,
 }

@@ -32,9 +32,10 @@ impl std::fmt::Debug for OpenAi {
     }
 }
 
+/// The request body without its tools (see [`encode`]).
 pub fn body(request: &ModelRequest) -> Value {
     let mut messages = vec![json!({"role": "system", "content": request.system})];
-    for turn in &request.turns {
+    for turn in request.turns {
         messages.push(match turn {
             Turn::User(text) => json!({"role": "user", "content": text}),
             Turn::Assistant { text, tool_calls } if tool_calls.is_empty() => json!({"role": "assistant", "content": text}),
@@ -47,21 +48,19 @@ pub fn body(request: &ModelRequest) -> Value {
             Turn::ToolResult { call_id, content, .. } => json!({"role": "tool", "tool_call_id": call_id, "content": content}),
         });
     }
-    let mut body = json!({
+    json!({
         "model": request.model,
         "messages": messages,
         "max_tokens": request.max_output_tokens,
         "stream": true,
         "stream_options": {"include_usage": true},
-    });
-    if !request.tools.is_empty() {
-        body["tools"] = request
-            .tools
-            .iter()
-            .map(|t| json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}))
-            .collect();
-    }
-    body
+    })
+}
+
+/// The request body on the wire: [`body`] with the tool set's prepared declarations.
+pub fn encode(request: &ModelRequest) -> Vec<u8> {
+    let tools = (!request.tools.is_empty()).then(|| request.tools.openai_wire());
+    super::tool_set::encode_with_tools(&body(request), tools)
 }
 
 #[derive(Deserialize)]
@@ -128,7 +127,11 @@ impl ModelProvider for OpenAi {
         deltas: &DeltaSink,
     ) -> Result<ModelResponse, ModelError> {
         let url = format!("{}/chat/completions", self.base_url.trim_end_matches('/'));
-        let mut http = self.http.post(&url).json(&body(request));
+        let mut http = self
+            .http
+            .post(&url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(encode(request));
         if let Some(key) = &self.api_key {
             http = http.bearer_auth(key);
         }

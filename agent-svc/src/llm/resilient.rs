@@ -60,7 +60,7 @@ pub struct ChainFailed {
 pub async fn complete(
     chain: &[ChainEntry],
     policy: &RetryPolicy,
-    request: &ModelRequest,
+    request: &ModelRequest<'_>,
     deltas: &DeltaSink,
 ) -> Result<Completed, ChainFailed> {
     let mut attempts = Vec::new();
@@ -68,8 +68,10 @@ pub async fn complete(
         if i > 0 {
             crate::metrics::model_fallback(entry.provider.name(), &entry.model);
         }
-        let mut request = request.clone();
-        request.model = entry.model.clone();
+        let request = ModelRequest {
+            model: &entry.model,
+            ..*request
+        };
         let mut retry = 0;
         loop {
             if !attempts.is_empty() {

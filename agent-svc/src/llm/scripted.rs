@@ -4,9 +4,11 @@
 
 use std::{collections::VecDeque, sync::Mutex};
 
+#[cfg(test)]
+use super::ToolSet;
 use super::{
     Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse, TokenUsage, ToolCall,
-    Turn,
+    ToolDecl, Turn,
 };
 
 pub const NAME: &str = "scripted-offline";
@@ -26,7 +28,17 @@ pub enum Step {
 pub struct ScriptedModel {
     script: Mutex<VecDeque<Step>>,
     /// Requests seen, for tests.
-    pub seen: Mutex<Vec<ModelRequest>>,
+    pub seen: Mutex<Vec<SeenRequest>>,
+}
+
+/// What a request held, kept for tests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeenRequest {
+    pub model: String,
+    pub system: String,
+    pub turns: Vec<Turn>,
+    pub tools: Vec<ToolDecl>,
+    pub max_output_tokens: u32,
 }
 
 impl ScriptedModel {
@@ -165,7 +177,13 @@ impl ModelProvider for ScriptedModel {
         deltas: &DeltaSink,
     ) -> Result<ModelResponse, ModelError> {
         if let Ok(mut seen) = self.seen.lock() {
-            seen.push(request.clone());
+            seen.push(SeenRequest {
+                model: request.model.to_owned(),
+                system: request.system.to_owned(),
+                turns: request.turns.to_vec(),
+                tools: request.tools.to_vec(),
+                max_output_tokens: request.max_output_tokens,
+            });
         }
         let input_tokens =
             (request.system.len() + request.turns.iter().map(turn_len).sum::<usize>()) as u64 / 4;
@@ -225,32 +243,40 @@ fn turn_len(t: &Turn) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::ToolDecl;
 
-    fn request(system: &str) -> ModelRequest {
-        ModelRequest {
-            model: NAME.into(),
-            system: system.into(),
-            turns: vec![Turn::User("(opened)".into())],
-            tools: vec![],
+    fn rules_for(system: &str, prompt: &str, tools: &[&str]) -> Step {
+        let tools = ToolSet::new(
+            tools
+                .iter()
+                .map(|name| ToolDecl {
+                    name: (*name).into(),
+                    description: String::new(),
+                    parameters: serde_json::json!({}),
+                })
+                .collect(),
+        );
+        rules(&ModelRequest {
+            model: NAME,
+            system,
+            turns: &[Turn::User(prompt.into())],
+            tools: &tools,
+            stable_turns: 0,
             max_output_tokens: 100,
-        }
+        })
+    }
+
+    fn request_rules(system: &str) -> Step {
+        rules_for(system, "(opened)", &[])
     }
 
     #[test]
     fn asked_to_send_an_email_the_offline_model_calls_gmail_send_with_the_address_it_was_given() {
-        let mut req = request("[PERSONA]\nx");
-        req.turns = vec![Turn::User(
-            "Send an email to maria@client.example saying the contract looks good.".into(),
-        )];
-        req.tools = ["gmail_send", "search_gmail"]
-            .map(|name| ToolDecl {
-                name: name.into(),
-                description: String::new(),
-                parameters: serde_json::json!({}),
-            })
-            .into();
-        let Step::Call(calls) = rules(&req) else {
+        let mail = ["gmail_send", "search_gmail"];
+        let Step::Call(calls) = rules_for(
+            "[PERSONA]\nx",
+            "Send an email to maria@client.example saying the contract looks good.",
+            &mail,
+        ) else {
             panic!("expected a call")
         };
         assert_eq!(calls[0].0, "gmail_send");
@@ -258,22 +284,17 @@ mod tests {
         assert_eq!(args["to"], serde_json::json!(["maria@client.example"]));
         assert_eq!(args["body"], "the contract looks good.");
         // Sending comes first, whatever else the request mentions.
-        req.tools.push(ToolDecl {
-            name: "list_tasks".into(),
-            description: String::new(),
-            parameters: serde_json::json!({}),
-        });
-        req.turns = vec![Turn::User(
-            "Send an email to a@b.example about the task".into(),
-        )];
-        let Step::Call(calls) = rules(&req) else {
+        let Step::Call(calls) = rules_for(
+            "[PERSONA]\nx",
+            "Send an email to a@b.example about the task",
+            &["gmail_send", "search_gmail", "list_tasks"],
+        ) else {
             panic!("expected a call")
         };
         assert_eq!(calls[0].0, "gmail_send");
-        req.tools.pop();
         // Without an address it is a search, as before.
-        req.turns = vec![Turn::User("send me a summary of my email".into())];
-        let Step::Call(calls) = rules(&req) else {
+        let Step::Call(calls) = rules_for("[PERSONA]\nx", "send me a summary of my email", &mail)
+        else {
             panic!("expected a call")
         };
         assert_eq!(calls[0].0, "search_gmail");
@@ -281,14 +302,14 @@ mod tests {
 
     #[test]
     fn the_offline_model_greets_new_and_returning_users_from_the_session_sections() {
-        let Step::Reply(new) = rules(&request("[PERSONA]\nx\n\n[SESSION OPEN]\nfirst session"))
+        let Step::Reply(new) = request_rules("[PERSONA]\nx\n\n[SESSION OPEN]\nfirst session")
         else {
             panic!()
         };
         assert!(new.ends_with("What's eating your time right now?"));
-        let Step::Reply(back) = rules(&request(
+        let Step::Reply(back) = request_rules(
             "[SESSION OPEN]\ng\n\n[BOOTSTRAP CONTEXT]\nTasks: 1 active task.\nEmail: Unread: a 3\n\n[CURRENT TIME]\nnow",
-        )) else {
+        ) else {
             panic!()
         };
         assert_eq!(

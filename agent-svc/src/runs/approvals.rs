@@ -319,7 +319,7 @@ impl RunService {
             system,
             history,
             prompt: String::new(),
-            tools: Vec::new(),
+            tools: crate::llm::ToolSet::none(),
             limits: limits::profile(seg.channel, self.max_loop_steps),
             stop_after: None,
             resume: true,

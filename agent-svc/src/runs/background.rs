@@ -51,11 +51,15 @@ impl RunService {
             })
             .collect();
         if let Some(entry) = &self.summary_model {
+            let turns = [Turn::User(
+                transcript.join("\n").chars().take(20_000).collect(),
+            )];
             let request = ModelRequest {
-                model: entry.model.clone(),
-                system: "Summarise this conversation in 2-3 sentences for your future self: who, what was decided, what is still open.".into(),
-                turns: vec![Turn::User(transcript.join("\n").chars().take(20_000).collect())],
-                tools: Vec::new(),
+                model: &entry.model,
+                system: "Summarise this conversation in 2-3 sentences for your future self: who, what was decided, what is still open.",
+                turns: &turns,
+                tools: &crate::llm::ToolSet::none(),
+                stable_turns: 0,
                 max_output_tokens: 300,
             };
             let (tx, _rx) = mpsc::unbounded_channel();

@@ -667,7 +667,7 @@ impl RunService {
             system: prompt.text,
             history,
             prompt: input.prompt.clone(),
-            tools: Vec::new(),
+            tools: crate::llm::ToolSet::none(),
             limits,
             stop_after: None,
             resume: false,
@@ -768,6 +768,7 @@ impl RunService {
         let mut side_effects = std::collections::HashSet::new();
         let mut external_readers = std::collections::HashSet::new();
         let mut memory_writers = std::collections::HashSet::new();
+        let mut decls = Vec::new();
         if let Some(g) = &self.gateway {
             // a run never goes on without the tools it was meant to have — that would
             // report COMPLETED with a different meaning. Retried briefly, then a clear failure.
@@ -787,7 +788,7 @@ impl RunService {
                         if t.writes_memory {
                             memory_writers.insert(t.decl.name.clone());
                         }
-                        request.tools.push(t.decl);
+                        decls.push(t.decl);
                     }
                 }
                 Err(e) => {
@@ -798,13 +799,14 @@ impl RunService {
             }
         }
         if allowed.is_none_or(|only| only.iter().any(|t| t == HISTORY_TOOL)) {
-            request.tools.push(tools::history_tool());
+            decls.push(tools::history_tool());
         }
         if seg.channel != limits::Channel::TaskAgent
             && allowed.is_none_or(|only| only.iter().any(|t| t == TASK_AGENT_TOOL))
         {
-            request.tools.push(tools::task_agent_tool());
+            decls.push(tools::task_agent_tool());
         }
+        request.tools = crate::llm::ToolSet::shared(decls);
         writer.side_effects = side_effects.clone();
         let guard = writer.guard.clone();
         guard.read_history(&request.history, &external_readers);

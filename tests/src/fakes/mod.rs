@@ -1,6 +1,7 @@
 //! Fake upstreams on loopback, speaking the real wire formats, recording what they were sent.
 
 pub mod anthropic;
+pub mod anthropic_cache;
 pub mod calendar;
 pub mod gemini;
 pub mod gmail;
