@@ -100,6 +100,11 @@ async fn measure(cache_ttl: &str, label: &str) {
         pct(0.99),
         samples.last().copied().unwrap_or(Duration::ZERO)
     );
+    steward_tests::bench::summary(
+        &format!("GetBootstrapContext p50 ({label})"),
+        &format!("{:.2} ms", pct(0.5).as_secs_f64() * 1000.0),
+        "",
+    );
 }
 
 #[tokio::main]

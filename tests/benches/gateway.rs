@@ -16,16 +16,12 @@ use gateway_svc::{
     store::postgres::PgStore,
 };
 use steward_proto::gateway::v1::{self as pb, tool_call::Arguments};
-use steward_tests::{Backend, Options, TestDb, probe_tools, spawn::spawn};
+use steward_tests::{Backend, Options, TestDb, bench::percentile, probe_tools, spawn::spawn};
 use svc_kit::{pg::PoolOptions, server_config::DatabaseConfig};
 use tokio_stream::StreamExt;
 
 const CALLS: usize = 3000;
 const WARMUP: usize = 300;
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
 
 async fn stream_overhead(backend: Backend, label: &str) {
     let app = spawn(Options {
@@ -68,6 +64,17 @@ async fn stream_overhead(backend: Backend, label: &str) {
         percentile(&samples, 0.50),
         percentile(&samples, 0.99),
         samples[samples.len() - 1]
+    );
+    let p50 = percentile(&samples, 0.50).as_secs_f64() * 1e6;
+    let target = if matches!(backend, Backend::Postgres) {
+        "≤ 400 µs"
+    } else {
+        ""
+    };
+    steward_tests::bench::summary(
+        &format!("gateway call p50 ({label})"),
+        &format!("{p50:.0} µs"),
+        target,
     );
 }
 

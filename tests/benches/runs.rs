@@ -18,6 +18,12 @@
 //! (health probes, the health monitor, task-agent polling) is slowed or switched off so that it
 //! does not count. Autovacuum may add a little.
 //!
+//! Beside Steward, the same scenarios run through two peer frameworks on the same fake model
+//! server in the same bench run (`bench/peers/peer_bench.py`: LangGraph and the OpenAI Agents
+//! SDK, from the virtualenv `bench/peers/setup.sh` makes; `PEERS_PYTHON` names its python, or
+//! `bench/.venv-peers/bin/python` is used when it exists; without either the peers are skipped
+//! and the bench says so). Their per-iteration overhead over Steward's is the ratio reported.
+//!
 //! Run: `cargo bench -p steward-tests --bench runs` (needs the test PostgreSQL).
 //! `BENCH_RUNS` (default 200) sets the measured runs per scenario and backend; a tenth of that
 //! (at least 10) warms up first. Latency is measured with the two scenarios alternating, so
@@ -27,7 +33,9 @@ use std::{collections::HashMap, time::Duration, time::Instant};
 
 use steward_proto::{AGENT_SERVICE_NAME, GATEWAY_SERVICE_NAME, agent::v1 as pb};
 use steward_tests::{
-    RunningService, SERVICE_TOKEN, TestDb, UserAgent, agent_as, channel,
+    RunningService, SERVICE_TOKEN, TestDb, UserAgent, agent_as,
+    bench::{percentile, summary},
+    channel,
     rule_model::RuleModel,
     spawn::{TEST_CREDENTIALS_KEY, start_agent, start_gateway},
     wait_for_status,
@@ -84,10 +92,6 @@ fn counts() -> (usize, usize) {
         .filter(|n| *n > 0)
         .unwrap_or(200);
     (runs, (runs / 10).max(10))
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
 /// Settings for both services; `None` databases mean the in-memory stores.
@@ -502,5 +506,105 @@ async fn main() {
         );
     }
     println!("{statements_note}");
+
+    let steward: Vec<(&str, f64)> = ["memory", "postgres"]
+        .into_iter()
+        .filter_map(|b| Some((b, per_iteration_ms(&rows, b)?)))
+        .collect();
+    for (backend, ms) in &steward {
+        summary(
+            &format!("overhead per tool iteration, Steward {backend}"),
+            &format!("{ms:.2} ms"),
+            "",
+        );
+    }
+    match peers_python() {
+        None => println!(
+            "peers skipped: no PEERS_PYTHON and no bench/.venv-peers (run bench/peers/setup.sh)"
+        ),
+        Some(python) => {
+            println!();
+            println!(
+                "| framework | 1-call p50 / p99 | {K}-tool p50 / p99 | overhead/iteration p50 |"
+            );
+            println!("|---|---|---|---|");
+            for framework in ["langgraph", "openai-agents"] {
+                let peer = run_peer(&python, framework, &model.url, runs, warmup);
+                println!(
+                    "| {framework} {} | {:.2} / {:.2} ms | {:.2} / {:.2} ms | {:.2} ms |",
+                    peer["version"].as_str().unwrap_or("?"),
+                    peer["1-call"]["p50_ms"].as_f64().unwrap_or(f64::NAN),
+                    peer["1-call"]["p99_ms"].as_f64().unwrap_or(f64::NAN),
+                    peer["4-tool"]["p50_ms"].as_f64().unwrap_or(f64::NAN),
+                    peer["4-tool"]["p99_ms"].as_f64().unwrap_or(f64::NAN),
+                    peer["per_iteration_ms"].as_f64().unwrap_or(f64::NAN),
+                );
+                let theirs = peer["per_iteration_ms"].as_f64().unwrap_or(f64::NAN);
+                summary(
+                    &format!("overhead per tool iteration, {framework}"),
+                    &format!("{theirs:.2} ms"),
+                    "",
+                );
+                for (backend, ours) in &steward {
+                    let target = match (framework, *backend) {
+                        ("langgraph", "memory") => "≥ 30×",
+                        ("langgraph", _) => "≥ 8×",
+                        _ => "",
+                    };
+                    summary(
+                        &format!("{framework} per iteration ÷ Steward {backend}"),
+                        &format!("{:.1}×", theirs / ours),
+                        target,
+                    );
+                }
+            }
+        }
+    }
     println!("bench time {:.1} s", started.elapsed().as_secs_f64());
+}
+
+/// (p50 4-tool − p50 1-call) / K of a backend, in ms.
+fn per_iteration_ms(rows: &[Row], backend: &str) -> Option<f64> {
+    let p50 = |scenario: Scenario| {
+        rows.iter()
+            .find(|r| r.backend == backend && r.scenario == scenario)
+            .map(|r| r.p50.as_secs_f64() * 1000.0)
+    };
+    Some((p50(Scenario::Tools)? - p50(Scenario::OneCall)?) / K as f64)
+}
+
+fn peers_python() -> Option<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("PEERS_PYTHON") {
+        return Some(p.into());
+    }
+    let venv =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/.venv-peers/bin/python");
+    venv.exists().then_some(venv)
+}
+
+/// One peer framework's measurement (`bench/peers/peer_bench.py`), as its JSON line.
+fn run_peer(
+    python: &std::path::Path,
+    framework: &str,
+    url: &str,
+    runs: usize,
+    warmup: usize,
+) -> serde_json::Value {
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/peers/peer_bench.py");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .args(["--framework", framework, "--base-url", url])
+        .args(["--runs", &runs.to_string(), "--warmup", &warmup.to_string()])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("could not run {}: {e}", python.display()));
+    assert!(
+        out.status.success(),
+        "{framework} bench failed ({}); see its message above",
+        out.status
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(line.trim())
+        .unwrap_or_else(|e| panic!("{framework} bench printed {line:?}, not one JSON line: {e}"))
 }

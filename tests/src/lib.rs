@@ -7,6 +7,7 @@
 //! printed only with `TEST_LOG=1`.
 
 pub mod agent_calls;
+pub mod bench;
 pub mod calls;
 pub mod db;
 pub mod demo;

@@ -1,0 +1,444 @@
+//! Many concurrent runs on one small machine (issue 13, Q-2): N streaming runs (default 1,000)
+//! started together against one agent-svc and one gateway-svc, both real release processes.
+//! Each run is two model turns that take 1 s each (the rule-based fake model on loopback waits
+//! that long before answering) and one `list_tasks` call through the gateway; every run is its
+//! own user on a new thread, as a backend serving many people sees them.
+//!
+//! Per backend (in memory; PostgreSQL with the default pool of 16 per service) it reports:
+//! - added latency p50/p99: a run's time from `RunStream` to its terminal event, less the 2 s
+//!   the model takes;
+//! - peak RSS of agent-svc (`VmHWM`, start-up included);
+//! - CPU per run of each service (user + system time over the wave / N, from `/proc`);
+//! - transactions per run on PostgreSQL (`pg_stat_database` of each service's database, read
+//!   once the services have exited, less a start and stop with no runs);
+//! - that every run completed with its stream intact (numbered without gaps, one result).
+//!
+//! Run: `cargo bench -p steward-tests --bench load` (needs the test PostgreSQL).
+//! `LOAD_RUNS` sets N, `LOAD_BACKENDS` picks `memory`, `postgres` or both (`memory,postgres`),
+//! `LOAD_MODEL_DELAY_MS` the model's time per turn (default 1000).
+
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use steward_proto::{AGENT_SERVICE_NAME, GATEWAY_SERVICE_NAME, agent::v1 as pb};
+use steward_tests::{
+    TestDb, agent_over,
+    bench::{percentile, summary, transactions_when_idle},
+    channel,
+    procs::ServiceProc,
+    rule_model::{RuleModel, RuleOptions},
+    spawn::{SERVICE_TOKEN, TEST_CREDENTIALS_KEY},
+    wait_for_status,
+};
+use tokio_stream::StreamExt;
+use tonic_health::pb::health_check_response::ServingStatus;
+
+/// Runs per client connection: callers spread over connections as a fleet of callers would.
+const RUNS_PER_CONNECTION: usize = 100;
+
+struct Settings {
+    runs: usize,
+    backends: Vec<String>,
+    model_delay: Duration,
+}
+
+fn settings() -> Settings {
+    let var = |name: &str| std::env::var(name).ok();
+    Settings {
+        runs: var("LOAD_RUNS")
+            .and_then(|v| v.parse().ok())
+            .filter(|n| *n > 0)
+            .unwrap_or(1000),
+        backends: var("LOAD_BACKENDS")
+            .unwrap_or_else(|| "memory,postgres".into())
+            .split(',')
+            .map(|b| b.trim().to_owned())
+            .collect(),
+        model_delay: Duration::from_millis(
+            var("LOAD_MODEL_DELAY_MS")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1000),
+        ),
+    }
+}
+
+fn env(model: &RuleModel) -> Vec<(String, String)> {
+    [
+        ("AGENT_LISTEN_ADDR", "127.0.0.1:0"),
+        ("GATEWAY_LISTEN_ADDR", "127.0.0.1:0"),
+        ("GATEWAY_SERVICE_TOKEN", SERVICE_TOKEN),
+        ("CREDENTIALS_KEY", TEST_CREDENTIALS_KEY),
+        ("AUTH_DEV_USER_HEADER", "true"),
+        ("STEWARD_DEVELOPMENT", "true"),
+        ("MODEL_CHAIN", "openai/gpt-4o-mini"),
+        ("OPENAI_BASE_URL", model.url.as_str()),
+        ("SHUTDOWN_DRAIN_TIMEOUT", "5s"),
+        // Background work off: it is not per-run cost, and it would count as transactions.
+        ("HEALTH_PROBE_INTERVAL", "300s"),
+        ("HEALTH_MONITOR_INTERVAL", "3600s"),
+        ("TASK_AGENT_WORKERS", "false"),
+        ("SCHEDULE_WORKERS", "false"),
+        ("RUST_LOG", "info"),
+    ]
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .to_vec()
+}
+
+struct Services {
+    gateway: ServiceProc,
+    agent: ServiceProc,
+    /// From spawning each process to its "listening" line, then to its health saying SERVING.
+    cold_start: (Duration, Duration),
+}
+
+async fn start(model: &RuleModel, dbs: Option<(&TestDb, &TestDb)>) -> Services {
+    let base = env(model);
+    let mut gw_env = base.clone();
+    let mut agent_env = base;
+    if let Some((agent_db, gw_db)) = dbs {
+        gw_env.push(("DATABASE_URL".into(), gw_db.url().to_owned()));
+        agent_env.push(("DATABASE_URL".into(), agent_db.url().to_owned()));
+    }
+    let spawned = Instant::now();
+    let gateway = ServiceProc::spawn("gateway-svc", gw_env)
+        .await
+        .expect("start gateway-svc");
+    wait_for_status(
+        channel(gateway.addr).await,
+        GATEWAY_SERVICE_NAME,
+        ServingStatus::Serving,
+    )
+    .await;
+    let gateway_ready = spawned.elapsed();
+    agent_env.push(("GATEWAY_URL".into(), format!("http://{}", gateway.addr)));
+    let spawned = Instant::now();
+    let agent = ServiceProc::spawn("agent-svc", agent_env)
+        .await
+        .expect("start agent-svc");
+    wait_for_status(
+        channel(agent.addr).await,
+        AGENT_SERVICE_NAME,
+        ServingStatus::Serving,
+    )
+    .await;
+    Services {
+        gateway,
+        agent,
+        cold_start: (spawned.elapsed(), gateway_ready),
+    }
+}
+
+impl Services {
+    fn stop(mut self) {
+        for p in [&mut self.agent, &mut self.gateway] {
+            let status = p
+                .terminate(Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("{} stops: {e}", p.name));
+            assert!(status.success(), "{} exits cleanly: {status}", p.name);
+        }
+    }
+}
+
+/// User + system CPU time of a process so far.
+fn cpu(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let fields: Vec<&str> = stat[stat.rfind(')').expect("comm") + 2..]
+        .split(' ')
+        .collect();
+    let ticks: u64 =
+        fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime");
+    Duration::from_millis(ticks * 1000 / clock_ticks())
+}
+
+fn clock_ticks() -> u64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100)
+}
+
+/// Peak resident set of a process, in MiB.
+fn peak_rss_mib(pid: u32) -> f64 {
+    memory_mib(pid, "VmHWM:")
+}
+
+/// A memory figure of `/proc/<pid>/status` (e.g. `VmRSS:`), in MiB.
+fn memory_mib(pid: u32, field: &str) -> f64 {
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/<pid>/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
+        / 1024.0
+}
+
+/// One streaming run to its end: its latency, after checking the stream.
+async fn one_run(
+    channel: tonic::transport::Channel,
+    user: String,
+    go: tokio::sync::watch::Receiver<bool>,
+) -> Result<Duration, String> {
+    let mut go = go;
+    let mut client = agent_over(channel, &user);
+    go.wait_for(|g| *g).await.map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let input = pb::RunInput {
+        prompt: "check my tasks".into(),
+        ..Default::default()
+    };
+    let mut stream = client
+        .run_stream(pb::RunStreamRequest { input: Some(input) })
+        .await
+        .map_err(|s| format!("{user}: RunStream refused: {s}"))?
+        .into_inner();
+    let mut seq = 0;
+    let mut result = None;
+    while let Some(item) = stream.next().await {
+        let event = item
+            .map_err(|s| format!("{user}: stream broke: {s}"))?
+            .event
+            .ok_or("an empty event")?;
+        seq += 1;
+        if event.seq != seq {
+            return Err(format!("{user}: event {} after {}", event.seq, seq - 1));
+        }
+        match event.kind {
+            Some(pb::run_event::Kind::Result(r)) => result = Some(r),
+            Some(pb::run_event::Kind::Error(e)) => {
+                return Err(format!("{user}: the run failed: {}", e.message));
+            }
+            _ => {}
+        }
+    }
+    let elapsed = started.elapsed();
+    let result = result.ok_or_else(|| format!("{user}: the stream ended without a result"))?;
+    if result.status() != pb::RunState::Completed {
+        return Err(format!("{user}: {:?}: {}", result.status(), result.error));
+    }
+    if result.usage.map(|u| u.model_calls) != Some(2) {
+        return Err(format!(
+            "{user}: expected two model calls: {:?}",
+            result.usage
+        ));
+    }
+    Ok(elapsed)
+}
+
+struct Wave {
+    added_p50: Duration,
+    added_p99: Duration,
+    wall: Duration,
+    agent_cpu_per_run: Duration,
+    gateway_cpu_per_run: Duration,
+    agent_peak_rss_mib: f64,
+}
+
+async fn wave(services: &Services, runs: usize, model_delay: Duration) -> Wave {
+    let mut channels = Vec::new();
+    for _ in 0..runs.div_ceil(RUNS_PER_CONNECTION) {
+        channels.push(channel(services.agent.addr).await);
+    }
+    let (go_tx, go) = tokio::sync::watch::channel(false);
+    let tasks: Vec<_> = (0..runs)
+        .map(|i| {
+            let ch = channels[i / RUNS_PER_CONNECTION].clone();
+            tokio::spawn(one_run(ch, format!("load-{i}"), go.clone()))
+        })
+        .collect();
+    let cpu_before = (cpu(services.agent.pid), cpu(services.gateway.pid));
+    let started = Instant::now();
+    go_tx.send(true).expect("runs are waiting");
+    let mut latencies = Vec::with_capacity(runs);
+    let mut failures = Vec::new();
+    for t in tasks {
+        match t.await.expect("run task") {
+            Ok(d) => latencies.push(d),
+            Err(e) => failures.push(e),
+        }
+    }
+    let wall = started.elapsed();
+    let cpu_after = (cpu(services.agent.pid), cpu(services.gateway.pid));
+    assert!(
+        failures.is_empty(),
+        "{} of {runs} runs did not complete intact; first: {}",
+        failures.len(),
+        failures[0]
+    );
+    latencies.sort();
+    let model_time = model_delay * 2;
+    Wave {
+        added_p50: percentile(&latencies, 0.50).saturating_sub(model_time),
+        added_p99: percentile(&latencies, 0.99).saturating_sub(model_time),
+        wall,
+        agent_cpu_per_run: (cpu_after.0 - cpu_before.0) / runs as u32,
+        gateway_cpu_per_run: (cpu_after.1 - cpu_before.1) / runs as u32,
+        agent_peak_rss_mib: peak_rss_mib(services.agent.pid),
+    }
+}
+
+async fn admin() -> tokio_postgres::Client {
+    let url = std::env::var("STEWARD_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the test PostgreSQL");
+    tokio::spawn(conn);
+    client
+}
+
+/// (agent, gateway) transactions so far, once neither service is connected.
+async fn transactions(admin: &tokio_postgres::Client, dbs: (&TestDb, &TestDb)) -> (i64, i64) {
+    (
+        transactions_when_idle(admin, dbs.0.name()).await,
+        transactions_when_idle(admin, dbs.1.name()).await,
+    )
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1000.0)
+}
+
+#[tokio::main]
+async fn main() {
+    let s = settings();
+    let model = RuleModel::start_with(RuleOptions {
+        delay: Some((s.model_delay, s.model_delay)),
+        ..RuleOptions::default()
+    })
+    .await;
+    let mut rows = Vec::new();
+    for backend in &s.backends {
+        match backend.as_str() {
+            "memory" => {
+                let services = start(&model, None).await;
+                // Idle: serving, no run yet. (The first model's tokenizer loads in the
+                // background at start; give it its moment so idle means idle.)
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                let idle = (
+                    memory_mib(services.agent.pid, "VmRSS:"),
+                    memory_mib(services.gateway.pid, "VmRSS:"),
+                );
+                println!(
+                    "cold start to SERVING (in memory): agent-svc {} (gateway up), gateway-svc {}; idle RSS agent {:.1} MiB, gateway {:.1} MiB",
+                    ms(services.cold_start.0),
+                    ms(services.cold_start.1),
+                    idle.0,
+                    idle.1
+                );
+                summary(
+                    "cold start to SERVING, agent-svc",
+                    &ms(services.cold_start.0),
+                    "",
+                );
+                summary(
+                    "cold start to SERVING, gateway-svc",
+                    &ms(services.cold_start.1),
+                    "",
+                );
+                summary("idle RSS, agent-svc", &format!("{:.1} MiB", idle.0), "");
+                summary("idle RSS, gateway-svc", &format!("{:.1} MiB", idle.1), "");
+                let w = wave(&services, s.runs, s.model_delay).await;
+                services.stop();
+                rows.push(("memory", w, None));
+            }
+            "postgres" => {
+                let admin = admin().await;
+                let agent_db = TestDb::create().await.expect("agent database");
+                let gw_db = TestDb::create().await.expect("gateway database");
+                let dbs = (&agent_db, &gw_db);
+                // Migrations, then a start and stop alone: what the measured cycle costs
+                // besides its runs.
+                start(&model, Some(dbs)).await.stop();
+                let migrated = transactions(&admin, dbs).await;
+                start(&model, Some(dbs)).await.stop();
+                let idle = transactions(&admin, dbs).await;
+                let startup = (idle.0 - migrated.0, idle.1 - migrated.1);
+                let services = start(&model, Some(dbs)).await;
+                let w = wave(&services, s.runs, s.model_delay).await;
+                services.stop();
+                let after = transactions(&admin, dbs).await;
+                let per_run = |i: usize| {
+                    let (a, b, c) = match i {
+                        0 => (after.0, idle.0, startup.0),
+                        _ => (after.1, idle.1, startup.1),
+                    };
+                    (a - b - c) as f64 / s.runs as f64
+                };
+                rows.push(("postgres", w, Some((per_run(0), per_run(1)))));
+            }
+            other => panic!("LOAD_BACKENDS: unknown backend {other:?}; use memory and/or postgres"),
+        }
+    }
+
+    println!();
+    println!(
+        "{} concurrent streaming runs, each 2 model turns of {} ms + 1 list_tasks through the gateway; release processes, {} runs per client connection",
+        s.runs,
+        s.model_delay.as_millis(),
+        RUNS_PER_CONNECTION
+    );
+    println!(
+        "| backend | N | added latency p50 / p99 | wall | peak RSS agent | CPU per run agent / gateway | transactions per run (agent + gateway) |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut summaries = HashMap::new();
+    for (backend, w, tx) in &rows {
+        let tx_text = tx.map_or("–".to_owned(), |(a, g)| {
+            format!("{:.1} ({a:.1} + {g:.1})", a + g)
+        });
+        println!(
+            "| {backend} | {} | {} / {} | {:.1} s | {:.0} MiB | {:.2} / {:.2} ms | {tx_text} |",
+            s.runs,
+            ms(w.added_p50),
+            ms(w.added_p99),
+            w.wall.as_secs_f64(),
+            w.agent_peak_rss_mib,
+            w.agent_cpu_per_run.as_secs_f64() * 1000.0,
+            w.gateway_cpu_per_run.as_secs_f64() * 1000.0,
+        );
+        summaries.insert(
+            *backend,
+            (w.added_p99, w.agent_peak_rss_mib, w.agent_cpu_per_run, *tx),
+        );
+    }
+    for (backend, (p99, rss, cpu, tx)) in summaries {
+        let n = s.runs;
+        let p99_target = if backend == "memory" {
+            "≤ 250 ms"
+        } else {
+            "≤ 600 ms"
+        };
+        summary(
+            &format!("{n} runs, {backend}: added latency p99"),
+            &ms(p99),
+            p99_target,
+        );
+        summary(
+            &format!("{n} runs, {backend}: peak agent RSS"),
+            &format!("{rss:.0} MiB"),
+            "≤ 150 MiB",
+        );
+        if backend == "memory" {
+            summary(
+                &format!("{n} runs, memory: agent CPU per run"),
+                &format!("{:.2} ms", cpu.as_secs_f64() * 1000.0),
+                "≤ 0.5 ms",
+            );
+        }
+        if let Some((a, g)) = tx {
+            summary(
+                &format!("{n} runs, postgres: transactions per run"),
+                &format!("{:.1}", a + g),
+                "≤ 12",
+            );
+        }
+    }
+}
