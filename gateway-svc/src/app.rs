@@ -12,6 +12,7 @@ use tonic::service::Routes;
 
 use crate::{
     api::GatewayApi,
+    audit::AuditTrail,
     bootstrap::Bootstrap,
     config::{Config, RateLimitBackendKind},
     context::Services,
@@ -50,6 +51,7 @@ pub struct App {
     listener: TcpListener,
     metrics: Option<svc_kit::metrics::Endpoint>,
     stores: Stores,
+    audit: Arc<AuditTrail>,
     api: GatewayApi,
 }
 
@@ -64,10 +66,14 @@ impl App {
         config: Config,
         extra_tools: Vec<Arc<dyn Tool>>,
     ) -> Result<Self, StartError> {
-        let stores = match &config.server.database {
+        let mut stores = match &config.server.database {
             Some(db) => PgStore::connect(db).await?.stores(),
             None => MemoryStore::stores(),
         };
+        // Every audit record goes through the trail; reads of it (`stores().audit`) see what
+        // is still queued.
+        let audit = AuditTrail::start(stores.audit.clone(), &config.audit_queue);
+        stores.audit = audit.clone();
         let cipher = match (&config.credentials_key, stores.backend) {
             (Some(key), _) => Some(key.clone()),
             (None, "memory") => {
@@ -109,7 +115,7 @@ impl App {
             credentials: credentials.clone(),
             limiter,
             http,
-            audit: stores.audit.clone(),
+            audit: audit.clone(),
             max_body_bytes: config.max_body_bytes,
         });
         let upstreams = Upstreams {
@@ -174,8 +180,15 @@ impl App {
             listener,
             metrics,
             stores,
+            audit,
             api,
         })
+    }
+
+    /// The audit trail: its batching writer's statistics, and `flush` for a test that reads
+    /// the database directly.
+    pub fn audit(&self) -> Arc<AuditTrail> {
+        self.audit.clone()
     }
 
     /// Where `/metrics` is served, when METRICS_LISTEN_ADDR is set.
@@ -195,11 +208,17 @@ impl App {
         &self.stores
     }
 
-    /// Serves until `shutdown` resolves, then drains.
+    /// Serves until `shutdown` resolves, then drains: the calls in flight, then the audit
+    /// queue (closed, and written out by the drain deadline; see [`AuditTrail::close`]).
     pub async fn run(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), StartError> {
+        let (signalled, signalled_at) = tokio::sync::oneshot::channel();
+        let shutdown = async move {
+            shutdown.await;
+            let _ = signalled.send(tokio::time::Instant::now());
+        };
         let max = self.config.server.max_message_bytes;
         let api = GatewayServiceServer::new(self.api)
             .max_decoding_message_size(max)
@@ -209,7 +228,7 @@ impl App {
             let ping = ping.clone();
             async move { ping.ping().await }
         };
-        svc_kit::grpc::run(
+        let served = svc_kit::grpc::run(
             self.listener,
             GATEWAY_SERVICE_NAME,
             Routes::new(api),
@@ -218,7 +237,17 @@ impl App {
             probe,
             shutdown,
         )
-        .await?;
+        .await;
+        // The drain deadline (SHUTDOWN_DRAIN_TIMEOUT after the signal), and never less than a
+        // short grace after the calls drained: the pod's termination grace covers it.
+        let drain = self.config.server.serve.drain_timeout;
+        let now = tokio::time::Instant::now();
+        let deadline = signalled_at
+            .await
+            .map_or(now + drain, |at| at + drain)
+            .max(now + self.config.audit_queue.flush_grace.min(drain));
+        self.audit.close(deadline).await;
+        served?;
         Ok(())
     }
 }

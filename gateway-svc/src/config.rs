@@ -25,6 +25,35 @@ pub enum RateLimitBackendKind {
     Postgres,
 }
 
+/// The batching audit writer for calls with no side effect (issue 13, `crate::audit`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditQueueConfig {
+    /// `AUDIT_QUEUE_CAPACITY`: records that may wait for the writer; past this a call waits
+    /// for space (backpressure, never a drop).
+    pub capacity: usize,
+    /// `AUDIT_MAX_BATCH`: the most records one INSERT writes.
+    pub max_batch: usize,
+    /// A failed batch is retried after this, the pause doubling each time ...
+    pub retry_first: Duration,
+    /// ... up to this.
+    pub retry_max: Duration,
+    /// On shutdown the writer has until the drain deadline (SHUTDOWN_DRAIN_TIMEOUT after the
+    /// signal) to write what is queued, and at least this long after the calls drained.
+    pub flush_grace: Duration,
+}
+
+impl Default for AuditQueueConfig {
+    fn default() -> Self {
+        Self {
+            capacity: 2048,
+            max_batch: 256,
+            retry_first: Duration::from_millis(100),
+            retry_max: Duration::from_secs(5),
+            flush_grace: Duration::from_secs(5),
+        }
+    }
+}
+
 /// How callers prove they are agent-svc (or an operator).
 #[derive(Debug, Clone)]
 pub enum CallerAuth {
@@ -65,6 +94,8 @@ pub struct Config {
     pub bootstrap_source_timeout: Duration,
     /// `BOOTSTRAP_CACHE_TTL`: how long a user's bootstrap context is reused; 0 disables.
     pub bootstrap_cache_ttl: Duration,
+    /// `AUDIT_QUEUE_CAPACITY`, `AUDIT_MAX_BATCH`
+    pub audit_queue: AuditQueueConfig,
 }
 
 impl Config {
@@ -225,6 +256,14 @@ impl Config {
             Duration::from_secs(300),
         );
 
+        let audit_default = AuditQueueConfig::default();
+        let audit_queue = AuditQueueConfig {
+            capacity: vars.int_in("AUDIT_QUEUE_CAPACITY", audit_default.capacity, 1, 1_000_000),
+            // An INSERT of up to 10,000 rows stays well inside one statement's limits.
+            max_batch: vars.int_in("AUDIT_MAX_BATCH", audit_default.max_batch, 1, 10_000),
+            ..audit_default
+        };
+
         vars.finish(Self {
             server,
             auth,
@@ -242,6 +281,7 @@ impl Config {
             slack_base_url,
             bootstrap_source_timeout,
             bootstrap_cache_ttl,
+            audit_queue,
         })
     }
 
@@ -296,6 +336,35 @@ mod tests {
             "30/minute,500/hour,5000/day"
         );
         assert!(cfg.limits_for(Integration::Tasks).is_none());
+        assert_eq!(cfg.audit_queue, AuditQueueConfig::default());
+    }
+
+    #[test]
+    fn the_audit_queue_is_sized_from_the_environment_within_bounds() {
+        let base = [
+            ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
+            ("STEWARD_DEVELOPMENT", "true"),
+        ];
+        let cfg = load(&[
+            base[0],
+            base[1],
+            ("AUDIT_QUEUE_CAPACITY", "64"),
+            ("AUDIT_MAX_BATCH", "16"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (cfg.audit_queue.capacity, cfg.audit_queue.max_batch),
+            (64, 16)
+        );
+        let err = load(&[
+            base[0],
+            base[1],
+            ("AUDIT_QUEUE_CAPACITY", "0"),
+            ("AUDIT_MAX_BATCH", "20000"),
+        ])
+        .unwrap_err();
+        let vars: Vec<_> = err.0.iter().map(|e| e.var.as_str()).collect();
+        assert_eq!(vars, ["AUDIT_QUEUE_CAPACITY", "AUDIT_MAX_BATCH"]);
     }
 
     #[test]

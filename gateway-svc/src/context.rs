@@ -14,10 +14,11 @@ use reqwest::{RequestBuilder, StatusCode, header::HeaderMap};
 use serde::de::DeserializeOwned;
 
 use crate::{
+    audit::AuditTrail,
     credentials::{AccountInfo, Credentials},
     domain::{Channel, Integration, UserId},
     enforce::{ToolError, caps::read_capped},
-    ratelimit::{LimitKey, RateLimiter},
+    ratelimit::{LimitKey, RateLimiter, Reservation, Window},
     store::{AuditLog, AuditRecord},
 };
 
@@ -26,7 +27,8 @@ pub struct Services {
     pub credentials: Credentials,
     pub limiter: RateLimiter,
     pub http: reqwest::Client,
-    pub audit: Arc<dyn AuditLog>,
+    /// Written at once (`record`) or through the batching writer (`record_later`).
+    pub audit: Arc<AuditTrail>,
     /// Hard cap on any upstream response body.
     pub max_body_bytes: usize,
 }
@@ -40,6 +42,9 @@ pub struct CallContext {
     /// Where the run had read others' words before this call: the provenance of anything the
     /// call stores (memories). Empty: the user's own words only.
     pub read_external_from: Vec<String>,
+    /// The call's audit records go through the batching writer: a call of a tool with no side
+    /// effect. Otherwise each is written before the call goes on.
+    pub(crate) audit_later: bool,
     services: Arc<Services>,
     upstream_calls: AtomicU32,
     account: Mutex<Option<String>>,
@@ -78,6 +83,7 @@ impl CallContext {
             run_id,
             tool,
             read_external_from: Vec::new(),
+            audit_later: false,
             services,
             upstream_calls: AtomicU32::new(0),
             account: Mutex::new(None),
@@ -125,6 +131,33 @@ impl CallContext {
             account: account.to_owned(),
         };
         self.services.limiter.charge(&key, cost).await
+    }
+
+    /// As [`CallContext::charge`], keeping the charge so that what it did not use can be given
+    /// back with [`CallContext::refund`].
+    pub async fn reserve(
+        &self,
+        integration: Integration,
+        account: &str,
+        cost: u32,
+    ) -> Result<Reservation, ToolError> {
+        self.use_account(account);
+        let key = LimitKey {
+            user: self.user.clone(),
+            integration,
+            account: account.to_owned(),
+        };
+        self.services.limiter.reserve(&key, cost).await
+    }
+
+    /// Gives back `unused` calls of a reservation.
+    pub async fn refund(&self, reservation: &Reservation, unused: u32) {
+        self.services.limiter.refund(reservation, unused).await;
+    }
+
+    /// The most one charge to `integration` can ever be, and its window (`None`: no limits).
+    pub fn tightest_limit(&self, integration: Integration) -> Option<(u32, Window)> {
+        self.services.limiter.tightest(integration)
     }
 
     /// Sends an authorised request for `account`: `build` makes the request with the bearer
@@ -219,6 +252,10 @@ impl CallContext {
     }
 
     pub async fn audit(&self, record: AuditRecord) {
+        if self.audit_later {
+            self.services.audit.record_later(record).await;
+            return;
+        }
         if let Err(e) = self.services.audit.record(record).await {
             tracing::error!(error = %e, "could not write an audit record");
         }

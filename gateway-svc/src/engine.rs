@@ -1,7 +1,8 @@
 //! One tool call, start to finish, with every protection in a fixed order: registry lookup →
 //! argument validation (G-3) → idempotency (P-4) → the tool under its deadline and the caller's
-//! cancellation → error-to-string (G-4) → result cap (G-5) → audit (G-9). Whatever happens, the
-//! caller gets a `CallOutcome` with a sentence in it.
+//! cancellation → error-to-string (G-4) → result cap (G-5) → audit (G-9: a side effect's
+//! records written at once, a read's through the batching writer, see `crate::audit`).
+//! Whatever happens, the caller gets a `CallOutcome` with a sentence in it.
 
 use std::{
     sync::Arc,
@@ -17,7 +18,7 @@ use crate::{
     domain::{CallOutcome, CallRequest, UserId},
     enforce::{ToolError, caps::cap_text},
     registry::{MAX_PREVIEW_CHARS, Preview, Registry, ToolOutput},
-    store::{AuditRecord, IdempotencyStore, StoredResult},
+    store::{AuditLog, AuditRecord, IdempotencyStore, StoredResult},
 };
 
 /// How much longer than the call itself an idempotency key is held: its preview check and
@@ -86,14 +87,12 @@ impl Engine {
             latency_ms = millis(outcome.latency), truncated = outcome.truncated, replayed = outcome.replayed,
             "tool call"
         );
+        let spec = self.registry.get(&outcome.tool).map(|t| &t.spec);
         let record = AuditRecord {
             user: user.to_string(),
             kind: "tool_call".into(),
             tool: outcome.tool.clone(),
-            integration: self
-                .registry
-                .get(&outcome.tool)
-                .map(|t| t.spec.integration.key().to_owned()),
+            integration: spec.map(|s| s.integration.key().to_owned()),
             account: outcome.account.clone(),
             call_id,
             run_id,
@@ -102,8 +101,15 @@ impl Engine {
             bytes: u32::try_from(outcome.text.len()).unwrap_or(u32::MAX),
             upstream_calls: outcome.upstream_calls,
         };
-        if let Err(e) = self.services.audit.record(record).await {
-            tracing::error!(error = %e, "could not write an audit record");
+        if spec.is_some_and(|s| s.side_effect) {
+            // A side effect's record is written before its result is returned.
+            if let Err(e) = self.services.audit.record(record).await {
+                tracing::error!(error = %e, "could not write an audit record");
+            }
+        } else {
+            // Reads (and calls that never ran): through the batching writer, off the call's
+            // path; never dropped, waits for space when the queue is full.
+            self.services.audit.record_later(record).await;
         }
         outcome
     }
@@ -171,7 +177,10 @@ impl Engine {
             None
         };
 
-        let ctx = self.context(user, &request, &name);
+        let mut ctx = self.context(user, &request, &name);
+        // A read's upstream records go through the batching writer; a side effect's are written
+        // as they happen.
+        ctx.audit_later = !tool.spec.side_effect;
         let timeout = self.timeout(&request);
         let service = tool.spec.integration.label();
         if let Some(expected) = &request.expected_binding {

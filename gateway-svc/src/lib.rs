@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod app;
+pub mod audit;
 pub mod bootstrap;
 pub mod config;
 pub mod context;

@@ -24,3 +24,30 @@ pub fn rate_limit_denied(integration: &'static str) {
     metrics::counter!("steward_rate_limit_denials_total", "integration" => integration)
         .increment(1);
 }
+
+/// Audit records of read-only calls waiting for the batching writer (queued or being
+/// written): a gauge moved by `delta`.
+pub fn audit_queue_depth(delta: i64) {
+    let gauge = metrics::gauge!("steward_gateway_audit_queue_depth");
+    if delta >= 0 {
+        gauge.increment(delta as f64);
+    } else {
+        gauge.decrement(delta.unsigned_abs() as f64);
+    }
+}
+
+/// A call found the audit queue full and waited for space (backpressure, never a drop).
+pub fn audit_queue_waited() {
+    metrics::counter!("steward_gateway_audit_queue_waits_total").increment(1);
+}
+
+/// The batching writer wrote one batch of `records` in one INSERT.
+pub fn audit_batch_written(records: usize) {
+    metrics::histogram!("steward_gateway_audit_batch_records").record(records as f64);
+    metrics::counter!("steward_gateway_audit_records_written_total").increment(records as u64);
+}
+
+/// A batch write failed; the batch is kept and retried.
+pub fn audit_write_failed() {
+    metrics::counter!("steward_gateway_audit_write_failures_total").increment(1);
+}

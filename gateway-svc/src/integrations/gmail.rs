@@ -21,6 +21,7 @@ use crate::{
     credentials::AccountInfo,
     domain::{Channel, Integration},
     enforce::ToolError,
+    ratelimit::Window,
     registry::{Preview, Tool, ToolOutput, ToolSpec, digest, first_lines, line},
     time::{short_date, zone},
 };
@@ -50,6 +51,14 @@ struct MessageList {
 #[derive(Deserialize)]
 struct MessageRef {
     id: String,
+}
+
+/// What one account's search found.
+struct Found {
+    messages: Vec<Result<Message, String>>,
+    /// Set when the search was cut to fit the tightest rate-limit window (its limit and
+    /// window) and found as many as fit: there may be more.
+    capped: Option<(u32, Window)>,
 }
 
 #[derive(Deserialize, Default, Clone)]
@@ -148,38 +157,55 @@ impl GmailApi {
         Ok(label.messages_unread.unwrap_or(0))
     }
 
-    /// Metadata of the messages matching `query` in one account: 1 list + 1 batch request,
-    /// charged 1 + N before each is made.
+    /// Metadata of the messages matching `query` in one account: 1 list + 1 batch request.
+    /// 1 + `max` is reserved before the list, so a user without that much budget left is
+    /// refused before any request is made; what the list did not find is given back after it.
+    /// A `max` past what one charge can ever be (the tightest window's limit, less the list) is
+    /// cut to fit, and the answer says so.
     async fn search_account(
         &self,
         ctx: &CallContext,
         account: &str,
         query: &str,
         max: u32,
-    ) -> Result<Vec<Result<Message, String>>, ToolError> {
-        ctx.charge(Integration::Gmail, account, 1).await?;
+    ) -> Result<Found, ToolError> {
+        let wanted = max.clamp(1, batch::MAX_PER_BATCH as u32);
+        let (fetch, tightest) = match ctx.tightest_limit(Integration::Gmail) {
+            Some((limit, window)) if limit >= 2 && wanted > limit - 1 => {
+                (limit - 1, Some((limit, window)))
+            }
+            _ => (wanted, None),
+        };
+        let reservation = ctx.reserve(Integration::Gmail, account, 1 + fetch).await?;
         let list_url = self.url("/gmail/v1/users/me/messages");
-        let max_s = max.to_string();
-        let list = ctx
+        let max_s = fetch.to_string();
+        let listed = ctx
             .send(Integration::Gmail, account, |token| {
                 ctx.http()
                     .get(&list_url)
                     .query(&[("q", query), ("maxResults", max_s.as_str())])
                     .bearer_auth(token)
             })
-            .await?;
-        let ids: Vec<String> = list
-            .json::<MessageList>(SERVICE)?
-            .messages
-            .into_iter()
-            .map(|m| m.id)
-            .collect();
+            .await
+            .and_then(|list| list.json::<MessageList>(SERVICE));
+        let mut ids: Vec<String> = match listed {
+            Ok(list) => list.messages.into_iter().map(|m| m.id).collect(),
+            Err(e) => {
+                // No metadata fetch will follow: none of it was used.
+                ctx.refund(&reservation, fetch).await;
+                return Err(e);
+            }
+        };
+        ids.truncate(fetch as usize);
+        ctx.refund(&reservation, fetch - ids.len() as u32).await;
+        // Cut to fit, and as many found as fit: there may be more.
+        let capped = tightest.filter(|_| ids.len() == fetch as usize);
         if ids.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Found {
+                messages: Vec::new(),
+                capped,
+            });
         }
-        let ids = &ids[..ids.len().min(batch::MAX_PER_BATCH)];
-        ctx.charge(Integration::Gmail, account, ids.len() as u32)
-            .await?;
         let paths: Vec<String> = ids
             .iter()
             .map(|id| {
@@ -217,7 +243,7 @@ impl GmailApi {
                 service: SERVICE,
                 detail,
             })?;
-        Ok(ids
+        let messages = ids
             .iter()
             .enumerate()
             .map(|(i, id)| match parts.get(&i) {
@@ -226,7 +252,8 @@ impl GmailApi {
                 Some(p) => Err(format!("[{id}] (could not be fetched: HTTP {})", p.status)),
                 None => Err(format!("[{id}] (missing from Gmail's batch answer)")),
             })
-            .collect())
+            .collect();
+        Ok(Found { messages, capped })
     }
 
     async fn get_message(
@@ -402,8 +429,10 @@ impl Tool for SearchGmail {
                     section.push_str(&format!("\n(unavailable: {e})"));
                     failures.push(e);
                 }
-                Ok(messages) if messages.is_empty() => section.push_str("\nNo messages match."),
-                Ok(messages) => {
+                Ok(Found { messages, .. }) if messages.is_empty() => {
+                    section.push_str("\nNo messages match.");
+                }
+                Ok(Found { messages, capped }) => {
                     for (i, m) in messages.iter().enumerate() {
                         match m {
                             Ok(m) => {
@@ -426,6 +455,13 @@ impl Tool for SearchGmail {
                             }
                             Err(note) => section.push_str(&format!("\n{}. {note}", i + 1)),
                         }
+                    }
+                    if let Some((limit, window)) = capped {
+                        section.push_str(&format!(
+                            "\n(At most {} per search: the Gmail limit is {limit} calls per {}.)",
+                            limit - 1,
+                            window.label()
+                        ));
                     }
                 }
             }

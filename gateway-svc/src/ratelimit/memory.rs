@@ -2,7 +2,7 @@
 
 use std::{collections::HashMap, sync::Mutex};
 
-use super::{Decision, LimitKey, Limits, RateLimitBackend, WindowCount, decide};
+use super::{Decision, LimitKey, Limits, RateLimitBackend, WindowCount, decide, refunded};
 use crate::store::StoreError;
 
 /// Past this many keys, windows that ended are pruned on the next charge.
@@ -39,5 +39,22 @@ impl RateLimitBackend for MemoryRateLimits {
             *entry = updated;
         }
         Ok(decision)
+    }
+
+    async fn refund(
+        &self,
+        key: &LimitKey,
+        _limits: &Limits,
+        amount: u32,
+        charged_at: u64,
+    ) -> Result<(), StoreError> {
+        let mut counts = self
+            .counts
+            .lock()
+            .map_err(|_| StoreError::Unavailable("rate limiter lock poisoned".into()))?;
+        if let Some(entry) = counts.get_mut(&key.storage_key()) {
+            *entry = refunded(entry, amount, charged_at);
+        }
+        Ok(())
     }
 }

@@ -1,7 +1,8 @@
 //! Per-user upstream rate limits (G-6, S0 AC-04..AC-07).
 //!
 //! Limits apply per (user, integration, account) to the underlying API calls, charged before the
-//! calls are made: a Gmail search of N messages costs 1 + N. Windows are fixed and aligned to
+//! calls are made: a Gmail search of N messages costs 1 + N, reserved as 1 + max_results before
+//! its first request, the messages it did not find given back after the list ([`Reservation`]). Windows are fixed and aligned to
 //! the minute, hour and day (UTC), so every replica agrees on them and a denial can say exactly
 //! when the window reopens. Two backends implement one decision: in-process (the default) and
 //! PostgreSQL (shared by every replica, exact under concurrency).
@@ -189,6 +190,23 @@ pub fn decide(
     (Decision::Allowed(usage), updated)
 }
 
+/// Stored counts after giving back `amount` of a charge made at `charged_at`, shared by both
+/// backends: only the windows that charge went into lose it (one that has rolled over since
+/// keeps its count, so a refund never grants budget in a window it was not charged to), and
+/// never below zero.
+pub fn refunded(counts: &[WindowCount], amount: u32, charged_at: u64) -> Vec<WindowCount> {
+    counts
+        .iter()
+        .map(|&(window, start, used)| {
+            if start == window.start(charged_at) {
+                (window, start, used.saturating_sub(amount))
+            } else {
+                (window, start, used)
+            }
+        })
+        .collect()
+}
+
 #[async_trait::async_trait]
 pub trait RateLimitBackend: Send + Sync + 'static {
     /// Atomically charges `cost` to every window of `key` if all of them can take it.
@@ -199,6 +217,26 @@ pub trait RateLimitBackend: Send + Sync + 'static {
         cost: u32,
         now: u64,
     ) -> Result<Decision, StoreError>;
+
+    /// Atomically gives back `amount` of a charge to `key` made at `charged_at` that was not
+    /// used, as [`refunded`] says: only in the windows of `limits` that charge went into, never
+    /// taking one below zero.
+    async fn refund(
+        &self,
+        key: &LimitKey,
+        limits: &Limits,
+        amount: u32,
+        charged_at: u64,
+    ) -> Result<(), StoreError>;
+}
+
+/// A charge that went through, so what it reserved and did not use can be given back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub key: LimitKey,
+    pub cost: u32,
+    /// When it was charged (Unix seconds): a refund goes to the windows of that moment.
+    pub at: u64,
 }
 
 /// The limiter tools call: picks the integration's limits, charges, warns at 80%, and turns a
@@ -222,11 +260,32 @@ impl RateLimiter {
 
     /// Charges `cost` upstream calls to `key` now. Integrations without limits always pass.
     pub async fn charge(&self, key: &LimitKey, cost: u32) -> Result<(), ToolError> {
+        self.reserve(key, cost).await.map(drop)
+    }
+
+    /// The smallest limit of `integration`'s windows and that window: the most one charge can
+    /// ever be. `None` when the integration has no limits.
+    pub fn tightest(&self, integration: Integration) -> Option<(u32, Window)> {
+        (self.limits)(integration)?
+            .0
+            .into_iter()
+            .map(|(w, n)| (n, w))
+            .min_by_key(|(n, w)| (*n, w.seconds()))
+    }
+
+    /// As [`RateLimiter::charge`], returning the charge so that what it did not use can be
+    /// given back with [`RateLimiter::refund`] (a search reserves 1 + max_results up front).
+    pub async fn reserve(&self, key: &LimitKey, cost: u32) -> Result<Reservation, ToolError> {
+        let now = unix_now();
+        let reservation = Reservation {
+            key: key.clone(),
+            cost,
+            at: now,
+        };
         let Some(limits) = (self.limits)(key.integration) else {
-            return Ok(());
+            return Ok(reservation);
         };
         let service = key.integration.label();
-        let now = unix_now();
         let decision = self
             .backend
             .charge(key, &limits, cost, now)
@@ -245,7 +304,7 @@ impl RateLimiter {
                         );
                     }
                 }
-                Ok(())
+                Ok(reservation)
             }
             Decision::Denied { window, limit, .. } if cost > limit => Err(ToolError::OverBudget {
                 service,
@@ -266,6 +325,30 @@ impl RateLimiter {
                     retry_after,
                 })
             }
+        }
+    }
+
+    /// Gives back `unused` calls of `reservation` (at most what it charged). A refund that
+    /// cannot be made leaves the user with less budget than they have, never more: it is
+    /// logged, not an error of the call.
+    pub async fn refund(&self, reservation: &Reservation, unused: u32) {
+        let amount = unused.min(reservation.cost);
+        if amount == 0 {
+            return;
+        }
+        let key = &reservation.key;
+        let Some(limits) = (self.limits)(key.integration) else {
+            return;
+        };
+        if let Err(e) = self
+            .backend
+            .refund(key, &limits, amount, reservation.at)
+            .await
+        {
+            tracing::warn!(
+                error = %e, user = %key.user, integration = key.integration.key(), account = %key.account,
+                amount, "could not give back unused rate-limit budget"
+            );
         }
     }
 }
@@ -309,6 +392,30 @@ mod tests {
                 retry_after: Duration::from_secs(42)
             }
         );
+    }
+
+    #[test]
+    fn a_refund_goes_only_to_the_windows_it_was_charged_to_and_never_below_zero() {
+        let charged_at = 1_000_000_038;
+        let minute = Window::Minute.start(charged_at);
+        let hour = Window::Hour.start(charged_at);
+        let counts = [
+            (Window::Minute, minute, 7),
+            (Window::Hour, hour, 3),
+            // A day window from before the charge (stale): untouched.
+            (Window::Day, Window::Day.start(charged_at) - 86_400, 9),
+        ];
+        assert_eq!(
+            refunded(&counts, 5, charged_at),
+            [
+                (Window::Minute, minute, 2),
+                (Window::Hour, hour, 0),
+                (Window::Day, Window::Day.start(charged_at) - 86_400, 9),
+            ]
+        );
+        // The minute rolled over since the charge: the new minute keeps its count.
+        let later = [(Window::Minute, minute + 60, 4)];
+        assert_eq!(refunded(&later, 3, charged_at), later);
     }
 
     #[test]

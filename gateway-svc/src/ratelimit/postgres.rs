@@ -1,6 +1,6 @@
-//! Rate-limit counters in PostgreSQL, shared by every replica. Each charge runs in one
-//! transaction holding an advisory lock on the key, so concurrent charges for one key are
-//! serialised and the count is exact; different keys never wait on each other.
+//! Rate-limit counters in PostgreSQL, shared by every replica. Each charge (and each refund)
+//! runs in one transaction holding an advisory lock on the key, so concurrent charges for one
+//! key are serialised and the count is exact; different keys never wait on each other.
 
 use deadpool_postgres::Pool;
 
@@ -83,5 +83,46 @@ impl RateLimitBackend for PgRateLimits {
         }
         tx.commit().await.map_err(StoreError::db)?;
         Ok(decision)
+    }
+
+    async fn refund(
+        &self,
+        key: &LimitKey,
+        limits: &Limits,
+        amount: u32,
+        charged_at: u64,
+    ) -> Result<(), StoreError> {
+        // The windows the charge went into, as `refunded` picks them; a row whose window has
+        // rolled over since has another start and is left alone.
+        let (secs, starts): (Vec<i32>, Vec<i64>) = limits
+            .0
+            .iter()
+            .map(|(w, _)| (w.seconds() as i32, w.start(charged_at) as i64))
+            .unzip();
+        let mut client = svc_kit::pg::checkout(&self.pool, "gateway")
+            .await
+            .map_err(StoreError::unavailable)?;
+        let tx = client.transaction().await.map_err(StoreError::db)?;
+        // Under the key's advisory lock, as a charge: a charge reads and then writes absolute
+        // counts, so a refund between the two would otherwise be lost.
+        let (lock, give_back) = futures_util::try_join!(
+            tx.prepare_cached("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"),
+            tx.prepare_cached(
+                "UPDATE gateway.rate_windows AS w SET used = GREATEST(w.used - $2, 0) \
+                 FROM unnest($3::int4[], $4::int8[]) AS c(secs, start) \
+                 WHERE w.limit_key = $1 AND w.window_secs = c.secs AND w.window_start = c.start"
+            ),
+        )
+        .map_err(StoreError::db)?;
+        let storage_key = key.storage_key();
+        tx.execute(&lock, &[&storage_key])
+            .await
+            .map_err(StoreError::db)?;
+        let amount = i32::try_from(amount).unwrap_or(i32::MAX);
+        tx.execute(&give_back, &[&storage_key, &amount, &secs, &starts])
+            .await
+            .map_err(StoreError::db)?;
+        tx.commit().await.map_err(StoreError::db)?;
+        Ok(())
     }
 }

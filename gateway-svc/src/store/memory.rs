@@ -9,9 +9,9 @@ use std::{
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::{
-    AccountLock, AccountStore, AuditLog, AuditRecord, IdempotencyClaim, IdempotencyStore, Note,
-    NoteStore, Ping, Reminder, ReminderStore, StoreError, StoredAccount, StoredResult, Stores,
-    Task, TaskFilter, TaskPatch, TaskStore, words,
+    AccountLock, AccountStore, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
+    IdempotencyStore, Note, NoteStore, Ping, Reminder, ReminderStore, StoreError, StoredAccount,
+    StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
 };
 use crate::domain::{Integration, UserId};
 
@@ -261,6 +261,17 @@ impl AuditLog for MemoryStore {
             audit.pop_front();
         }
         audit.push_back(record);
+        Ok(())
+    }
+
+    async fn record_many(&self, entries: &[AuditEntry]) -> Result<(), StoreError> {
+        let mut audit = self.audit.lock().map_err(|_| poisoned())?;
+        for entry in entries {
+            if audit.len() == AUDIT_CAPACITY {
+                audit.pop_front();
+            }
+            audit.push_back(entry.record.clone());
+        }
         Ok(())
     }
 

@@ -181,9 +181,31 @@ pub struct AuditRecord {
     pub upstream_calls: u32,
 }
 
+/// An audit record with the time it happened: a record written later by the batching writer
+/// (`crate::audit`) keeps the time of its call, not of its write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditEntry {
+    pub at: SystemTime,
+    pub record: AuditRecord,
+}
+
+impl AuditEntry {
+    /// `record`, happening now.
+    pub fn now(record: AuditRecord) -> Self {
+        Self {
+            at: SystemTime::now(),
+            record,
+        }
+    }
+}
+
 #[async_trait::async_trait]
 pub trait AuditLog: Send + Sync + 'static {
+    /// Writes one record now, stamped with the time of the write.
     async fn record(&self, record: AuditRecord) -> Result<(), StoreError>;
+    /// Writes `entries` in their order, all or none, each with its own time: one statement
+    /// for the whole batch.
+    async fn record_many(&self, entries: &[AuditEntry]) -> Result<(), StoreError>;
     /// The most recent records for a user, newest last (for tests and operators).
     async fn recent(&self, user: &UserId, limit: usize) -> Result<Vec<AuditRecord>, StoreError>;
 }

@@ -16,7 +16,7 @@ use svc_kit::{pg, server_config::DatabaseConfig};
 use tokio_postgres::Row;
 
 use super::{
-    AccountLock, AccountStatus, AccountStore, AuditLog, AuditRecord, IdempotencyClaim,
+    AccountLock, AccountStatus, AccountStore, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
     IdempotencyStore, Note, NoteStore, Ping, Reminder, ReminderStore, StoreError, StoredAccount,
     StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
 };
@@ -522,6 +522,12 @@ impl Drop for PgClaim {
     }
 }
 
+/// Text PostgreSQL can store: it refuses NUL, and one such value would fail its whole audit
+/// batch on every retry, stalling the queue behind it.
+fn pg_text(s: &str) -> String {
+    s.replace('\0', "\u{fffd}")
+}
+
 #[async_trait::async_trait]
 impl AuditLog for PgStore {
     async fn record(&self, r: AuditRecord) -> Result<(), StoreError> {
@@ -542,6 +548,71 @@ impl AuditLog for PgStore {
                     &(r.latency_ms as i32),
                     &(r.bytes as i32),
                     &(r.upstream_calls as i32),
+                ],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn record_many(&self, entries: &[AuditEntry]) -> Result<(), StoreError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        // One column array per field, unnested into rows in their order: one statement text
+        // whatever the batch size, so it is prepared once per connection (statement cache).
+        let n = entries.len();
+        let mut at = Vec::with_capacity(n);
+        let mut user = Vec::with_capacity(n);
+        let mut kind = Vec::with_capacity(n);
+        let mut tool = Vec::with_capacity(n);
+        let mut integration = Vec::with_capacity(n);
+        let mut account = Vec::with_capacity(n);
+        let mut call_id = Vec::with_capacity(n);
+        let mut run_id = Vec::with_capacity(n);
+        let mut status = Vec::with_capacity(n);
+        let mut latency_ms = Vec::with_capacity(n);
+        let mut bytes = Vec::with_capacity(n);
+        let mut upstream_calls = Vec::with_capacity(n);
+        for AuditEntry { at: t, record: r } in entries {
+            at.push(*t);
+            user.push(pg_text(&r.user));
+            kind.push(pg_text(&r.kind));
+            tool.push(pg_text(&r.tool));
+            integration.push(r.integration.as_deref().map(pg_text));
+            account.push(r.account.as_deref().map(pg_text));
+            call_id.push(pg_text(&r.call_id));
+            run_id.push(r.run_id.as_deref().map(pg_text));
+            status.push(pg_text(&r.status));
+            latency_ms.push(r.latency_ms as i32);
+            bytes.push(r.bytes as i32);
+            upstream_calls.push(r.upstream_calls as i32);
+        }
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO gateway.audit (at, user_id, kind, tool, integration, account, call_id, run_id, \
+                   status, latency_ms, bytes, upstream_calls) \
+                 SELECT at, user_id, kind, tool, integration, account, call_id, run_id, status, latency_ms, \
+                   bytes, upstream_calls \
+                 FROM unnest($1::timestamptz[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
+                   $7::text[], $8::text[], $9::text[], $10::int4[], $11::int4[], $12::int4[]) WITH ORDINALITY \
+                   AS r(at, user_id, kind, tool, integration, account, call_id, run_id, status, latency_ms, \
+                   bytes, upstream_calls, n) \
+                 ORDER BY n",
+                &[
+                    &at,
+                    &user,
+                    &kind,
+                    &tool,
+                    &integration,
+                    &account,
+                    &call_id,
+                    &run_id,
+                    &status,
+                    &latency_ms,
+                    &bytes,
+                    &upstream_calls,
                 ],
             )
             .await
