@@ -83,8 +83,8 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::RunResponse>, Status> {
         let user = self.user(&request).await?;
         let input = convert::run_input(request.into_inner().input)?;
-        let (run_id, _) = self.runs.start(&user, input).await?;
-        let mut events = self.runs.follow(&user, &run_id, 0).await?;
+        let (run_id, thread_id) = self.runs.start(&user, input).await?;
+        let mut events = self.runs.follow_started(&run_id, &thread_id);
         while let Some(event) = events.next().await {
             if let Some(result) = terminal_result(&event?) {
                 return Ok(Response::new(pb::RunResponse {
@@ -104,8 +104,8 @@ impl AgentService for AgentApi {
     ) -> Result<Response<Self::RunStreamStream>, Status> {
         let user = self.user(&request).await?;
         let input = convert::run_input(request.into_inner().input)?;
-        let (run_id, _) = self.runs.start(&user, input).await?;
-        let events = self.runs.watch(&user, &run_id, 0).await?;
+        let (run_id, thread_id) = self.runs.start(&user, input).await?;
+        let events = self.runs.watch_started(&user, &run_id, &thread_id)?;
         Ok(Response::new(Box::pin(events.map(|e| {
             e.map(|event| pb::RunStreamResponse { event: Some(event) })
         }))))
@@ -193,7 +193,7 @@ impl AgentService for AgentApi {
             session: Some(session),
         };
         let (run_id, thread_id) = self.runs.start(&user, input).await?;
-        let mut events = self.runs.follow(&user, &run_id, 0).await?;
+        let mut events = self.runs.follow_started(&run_id, &thread_id);
         let mut result = None;
         while let Some(event) = events.next().await {
             if let Some(r) = terminal_result(&event?) {

@@ -615,7 +615,12 @@ impl RunService {
             self.archive(&seg.owner, &seg.thread_id, Some(&writer.lease))
                 .await;
         }
-        let mut history = self.load_history(&seg.thread_id).await?;
+        // A thread this admission created has no history yet: nothing to read.
+        let mut history = if new_thread {
+            Vec::new()
+        } else {
+            self.load_history(&seg.thread_id).await?
+        };
         let closing = self.close_open_calls(&seg.owner, &history).await;
         for turn in &closing {
             writer.pending().history.push(to_value(turn)?);
@@ -1197,6 +1202,46 @@ impl RunService {
             let _held = &slot;
             e
         }))
+    }
+
+    /// WatchRun from the first event of a run this caller has just started: as [`watch`],
+    /// without reading the run first (see [`follow_started`]).
+    ///
+    /// [`watch`]: RunService::watch
+    /// [`follow_started`]: RunService::follow_started
+    pub fn watch_started(
+        self: &Arc<Self>,
+        owner: &str,
+        run_id: &str,
+        thread_id: &str,
+    ) -> Result<impl Stream<Item = Result<pb::RunEvent, tonic::Status>> + Send + 'static, ApiError>
+    {
+        let slot = WatchSlot::take(&self.watchers, owner, self.fair_use.max_watchers)?;
+        let events = self.follow_started(run_id, thread_id);
+        Ok(tokio_stream::StreamExt::map(events, move |e| {
+            let _held = &slot;
+            e
+        }))
+    }
+
+    /// Follows a run [`start`](RunService::start) just returned, from its first event. Its
+    /// thread is known and a run always has events, so there is nothing to read first: one
+    /// round trip and transaction fewer per run (issue 13). A run that already ended (a
+    /// repeated request id) is replayed from the store to its terminal event, as any watch is.
+    pub fn follow_started(
+        self: &Arc<Self>,
+        run_id: &str,
+        thread_id: &str,
+    ) -> tokio_stream::wrappers::ReceiverStream<Result<pb::RunEvent, tonic::Status>> {
+        let rx = live::Follow {
+            live: self.live.clone(),
+            store: self.store.clone(),
+            run_id: run_id.to_owned(),
+            thread_id: thread_id.to_owned(),
+            after: 0,
+        }
+        .start();
+        tokio_stream::wrappers::ReceiverStream::new(rx)
     }
 
     /// Follows a run for this service's own callers (Run, DecideApproval, OpenSession).
