@@ -110,6 +110,7 @@ async fn measure(tools: &[ToolDecl], model_name: &str, counter: &str) {
         };
         let request = RunRequest {
             system: "You are Steward, a chief of staff. Never fabricate data.".repeat(20),
+            system_tokens: None,
             history: vec![],
             prompt: "What's on my plate?".into(),
             // As a run gets its tools: the user's list, then the prepared set equal to it.

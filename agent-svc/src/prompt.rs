@@ -10,9 +10,14 @@ Reliability rules: never state data that no tool returned; confirm every action 
 ask when a request is ambiguous; say plainly when something failed or was not available.";
 
 /// The persona with the standing rule that data blocks are never instructions (issue 14).
-fn persona() -> String {
-    format!("{PERSONA}\n{}", fence::RULE)
+fn persona() -> &'static str {
+    static TEXT: std::sync::LazyLock<String> =
+        std::sync::LazyLock::new(|| format!("{PERSONA}\n{}", fence::RULE));
+    TEXT.as_str()
 }
+
+/// A section header's brackets and the blank line before it.
+const SECTION_HEADER_TOKENS: usize = 4;
 
 /// Only for interactive, user-initiated channels (S0 AC-10).
 pub const OPERATING_MODEL: &str = "Before responding: check the user's tasks when the request touches their work, and \
@@ -58,12 +63,14 @@ pub struct PromptInput {
 pub struct Prompt {
     pub text: String,
     pub sections: Vec<(String, u32)>,
+    /// The whole text's estimated tokens: the sections and their headers.
+    pub tokens: usize,
 }
 
 pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Prompt {
     // Only PERSONA, OPERATING MODEL, SESSION OPEN (the operator's text) and CURRENT TIME are
     // ours; everything else is data and enters fenced.
-    let mut sections: Vec<(&str, String)> = vec![("PERSONA", persona())];
+    let mut sections: Vec<(&str, String)> = vec![("PERSONA", persona().to_owned())];
     if matches!(input.channel, Some(Channel::Web | Channel::Telegram)) {
         sections.push(("OPERATING MODEL", OPERATING_MODEL.to_owned()));
     }
@@ -116,13 +123,26 @@ pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Pro
         .map(|(name, body)| format!("[{name}]\n{body}"))
         .collect::<Vec<_>>()
         .join("\n\n");
-    let measured = sections
+    // The operator's fixed sections are the same every run: counted once per tokenizer.
+    let measured: Vec<(String, u32)> = sections
         .iter()
-        .map(|(name, body)| ((*name).to_owned(), counter.text(body) as u32))
+        .map(|(name, body)| {
+            let tokens = match *name {
+                "PERSONA" => counter.constant(persona()),
+                "OPERATING MODEL" => counter.constant(OPERATING_MODEL),
+                _ => counter.text(body),
+            };
+            ((*name).to_owned(), tokens as u32)
+        })
         .collect();
+    let tokens = measured
+        .iter()
+        .map(|(name, n)| *n as usize + counter.text(name) + SECTION_HEADER_TOKENS)
+        .sum();
     Prompt {
         text,
         sections: measured,
+        tokens,
     }
 }
 

@@ -100,6 +100,7 @@ fn setup(models: Vec<(Arc<ScriptedModel>, &str)>) -> Executor {
 fn request(tools: &[&str]) -> RunRequest {
     RunRequest {
         system: "You are Steward.".into(),
+        system_tokens: None,
         history: vec![],
         prompt: "What should I do today?".into(),
         tools: Arc::new(ToolSet::new(tools.iter().map(|t| decl(t)).collect())),

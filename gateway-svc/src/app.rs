@@ -238,14 +238,16 @@ impl App {
             shutdown,
         )
         .await;
-        // The drain deadline (SHUTDOWN_DRAIN_TIMEOUT after the signal), and never less than a
-        // short grace after the calls drained: the pod's termination grace covers it.
+        // The drain deadline (SHUTDOWN_DRAIN_TIMEOUT after the signal), and never less than
+        // AuditQueueConfig::flush_grace after the calls drained — also with a drain timeout of
+        // 0 — so the queue has a moment to be written out; the pod's termination grace (30 s
+        // by default) covers it.
         let drain = self.config.server.serve.drain_timeout;
         let now = tokio::time::Instant::now();
         let deadline = signalled_at
             .await
             .map_or(now + drain, |at| at + drain)
-            .max(now + self.config.audit_queue.flush_grace.min(drain));
+            .max(now + self.config.audit_queue.flush_grace);
         self.audit.close(deadline).await;
         served?;
         Ok(())

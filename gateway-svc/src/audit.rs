@@ -1,24 +1,36 @@
 //! The gateway's audit trail (G-9, P-5, issue 13): one place every audit record goes through,
 //! by one of two paths.
 //!
-//! - [`AuditLog::record`] writes at once, before the caller goes on. Side effects use it: the
-//!   intent record before the effect (no side effect without its record written first) and
-//!   every later record of a side-effect call.
-//! - [`AuditTrail::record_later`] hands the record of a call with no side effect to a bounded
-//!   queue drained by one writer task, which writes whatever has gathered as one multi-row
-//!   INSERT ([`AuditLog::record_many`]) while the calls go on. Nothing is dropped: a full queue
-//!   makes the caller wait for space (counted, and warned about at most every
-//!   [`WARN_EVERY`]); a batch that fails is kept and retried with capped exponential backoff;
-//!   closing the queue ([`AuditTrail::close`], when the service drains) writes everything still
-//!   queued, and whatever cannot be written by the deadline is logged loudly with its count.
-//!   Each record keeps the time of its call, not of its write.
+//! - [`AuditLog::record`] writes at once, before the caller goes on. Every call that writes
+//!   anything uses it — side effects (the intent record before the effect: no side effect
+//!   without its record written first) and Steward's own writes (tasks, memories, reminders) —
+//!   and so does every call whose tool is not declared read-only (`Tool::read_only`).
+//! - [`AuditTrail::enqueue`] hands the records of a read-only call to a bounded queue drained
+//!   by one writer task, which writes whatever has gathered as one multi-row INSERT
+//!   ([`AuditLog::record_many`]) while the calls go on. Nothing is dropped on the way: a full
+//!   queue makes the caller wait for space (counted, and warned about at most every
+//!   `AuditQueueConfig::warn_every`); the wait runs in a task of its own, so a caller that
+//!   gives up (a timeout, a cancelled run, a client gone) does not take the record with it. A
+//!   batch that fails transiently (no connection, the pool, 08xxx, 40xxx, 57xxx, a full
+//!   disk) is kept and retried with capped exponential backoff; one the database refuses for
+//!   good (SQLSTATE classes 22, 23, 42, P0001) is split until the refused records stand alone,
+//!   the rest are written, and each refused one is logged in full at ERROR and counted
+//!   (`steward_gateway_audit_records_rejected_total`). Closing the queue
+//!   ([`AuditTrail::close`], when the service drains) writes everything still queued;
+//!   whatever cannot be written by the deadline is logged loudly with its count. Each record
+//!   keeps the time of its call, not of its write. A writer that panics is reported at ERROR
+//!   at once with what it lost; from then on records are written at once.
+//!
+//! What the queue holds is in memory only: a crash (SIGKILL, OOM) loses up to
+//! AUDIT_QUEUE_CAPACITY records of read-only calls (G-9). Records of calls that write anything
+//! never wait in it.
 //!
 //! Reading through the trail ([`AuditLog::recent`]) first waits for everything queued before
 //! the read, so a caller reads its own calls' records.
 
 use std::{
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant},
@@ -29,7 +41,7 @@ use tokio::{
         mpsc::{self, error::TrySendError},
         oneshot, watch,
     },
-    task::JoinHandle,
+    task::{AbortHandle, JoinError},
 };
 use tokio_util::sync::CancellationToken;
 
@@ -39,14 +51,11 @@ use crate::{
     store::{AuditEntry, AuditLog, AuditRecord, StoreError},
 };
 
-/// A full queue is warned about at most this often (every wait is counted in the metric).
-pub const WARN_EVERY: Duration = Duration::from_secs(10);
-
 /// What the writer has done so far, for tests and operators (`AuditTrail::stats`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AuditStats {
-    /// Records handed to the writer and not yet written: queued, or in the batch being written
-    /// (the `steward_gateway_audit_queue_depth` gauge).
+    /// Records in the queue and not yet written: queued, or in the batch being written
+    /// (the `steward_gateway_audit_queue_depth` gauge). Only records really queued count.
     pub pending: usize,
     /// Records written by the writer.
     pub written: u64,
@@ -54,10 +63,33 @@ pub struct AuditStats {
     pub batches: u64,
     /// The most records one batch held.
     pub largest_batch: usize,
-    /// Batch writes that failed (each then retried).
+    /// Batch writes that failed (each then retried, or split when the database refused it).
     pub failures: u64,
+    /// Records the database refused for good, logged instead of written.
+    pub rejected: u64,
     /// Calls that found the queue full and waited for space.
     pub waits: u64,
+}
+
+/// How the writer task ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriterEnd {
+    /// The queue was closed and everything in it written (or refused and logged).
+    Finished,
+    /// It panicked: what it held is lost.
+    Panicked,
+    /// It was stopped at the drain deadline.
+    Aborted,
+}
+
+/// The writer could not confirm that the records queued before a flush are written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the audit writer stopped before writing what was queued ({pending} record(s) not written)"
+)]
+pub struct FlushError {
+    /// Records still counted as queued when the flush gave up.
+    pub pending: usize,
 }
 
 // Nearly every item is a record; boxing it would add an allocation per call for the rare flush.
@@ -72,9 +104,12 @@ pub struct AuditTrail {
     store: Arc<dyn AuditLog>,
     queue: mpsc::Sender<Item>,
     capacity: usize,
+    warn_every: Duration,
     stats: Arc<watch::Sender<AuditStats>>,
     closing: CancellationToken,
-    writer: Mutex<Option<JoinHandle<()>>>,
+    /// Set (by the task that watches the writer) once the writer has ended, and how.
+    ended: watch::Receiver<Option<WriterEnd>>,
+    writer: AbortHandle,
     /// When the next full-queue warning may be logged, in ms since `epoch`.
     next_warning_ms: AtomicU64,
     /// Waits since the last warning, reported with the next one.
@@ -97,42 +132,131 @@ impl AuditTrail {
             retry_max: config.retry_max.max(config.retry_first),
             closing: closing.clone(),
         };
+        let writer = tokio::spawn(writer.run(received));
+        let abort = writer.abort_handle();
+        let (ended_tx, ended) = watch::channel(None);
+        // Whoever else is waiting, the writer's end is noticed, and a panic is loud at once.
+        let watched = stats.clone();
+        tokio::spawn(async move {
+            let end = match writer.await {
+                Ok(()) => WriterEnd::Finished,
+                Err(e) if e.is_panic() => {
+                    let pending = watched.borrow().pending;
+                    crate::metrics::audit_records_lost(pending);
+                    tracing::error!(
+                        pending,
+                        panic = %panic_text(e),
+                        "AUDIT WRITER PANICKED: {pending} queued audit record(s) of read-only calls \
+                         are lost; from now on each record is written at once"
+                    );
+                    WriterEnd::Panicked
+                }
+                Err(_) => WriterEnd::Aborted,
+            };
+            ended_tx.send_replace(Some(end));
+        });
         Arc::new(Self {
             store,
             queue,
             capacity,
+            warn_every: config.warn_every,
             stats,
             closing,
-            writer: Mutex::new(Some(tokio::spawn(writer.run(received)))),
+            ended,
+            writer: abort,
             next_warning_ms: AtomicU64::new(0),
             unwarned_waits: AtomicU64::new(0),
             epoch: Instant::now(),
         })
     }
 
-    /// Hands `record` to the batching writer; returns once it is queued, waiting for space
-    /// when the queue is full. After [`AuditTrail::close`] it is written at once instead.
-    pub async fn record_later(&self, record: AuditRecord) {
-        // Counted before it is queued, so the writer never settles more than was counted.
-        self.stats.send_modify(|s| s.pending += 1);
-        crate::metrics::audit_queue_depth(1);
-        let item = match self.queue.try_send(Item::Record(AuditEntry::now(record))) {
-            Ok(()) => return,
-            Err(TrySendError::Full(item)) => item,
-            Err(TrySendError::Closed(item)) => return self.write_now(item).await,
-        };
-        self.waited();
-        if let Err(mpsc::error::SendError(item)) = self.queue.send(item).await {
-            self.write_now(item).await;
+    /// Hands one record of a read-only call to the batching writer; see
+    /// [`AuditTrail::enqueue`].
+    pub async fn record_later(self: &Arc<Self>, record: AuditRecord) {
+        self.enqueue(vec![AuditEntry::now(record)]).await;
+    }
+
+    /// Hands the records of a read-only call, in their order, to the batching writer. Returns
+    /// once all are queued, waiting for space when the queue is full. After
+    /// [`AuditTrail::close`] (or once the writer died) they are written at once instead.
+    ///
+    /// Cancellation-safe: with room in the queue nothing is awaited; otherwise the waiting
+    /// (and any write at once) runs in a task of its own, which dropping this future does not
+    /// cancel. A record is counted as pending only once it is really in the queue.
+    pub async fn enqueue(self: &Arc<Self>, entries: Vec<AuditEntry>) {
+        let mut entries = entries.into_iter();
+        let mut rest = Vec::new();
+        while let Some(entry) = entries.next() {
+            match self.queue.try_reserve() {
+                Ok(permit) => {
+                    // Counted before the writer can see it, with no await in between.
+                    self.queued();
+                    permit.send(Item::Record(entry));
+                }
+                Err(full_or_closed) => {
+                    if matches!(full_or_closed, TrySendError::Full(())) {
+                        self.waited();
+                    }
+                    rest.push(entry);
+                    rest.extend(entries);
+                    break;
+                }
+            }
+        }
+        if rest.is_empty() {
+            return;
+        }
+        let trail = self.clone();
+        let task = tokio::spawn(async move {
+            let mut rest = rest.into_iter();
+            while let Some(entry) = rest.next() {
+                match trail.queue.reserve().await {
+                    Ok(permit) => {
+                        trail.queued();
+                        permit.send(Item::Record(entry));
+                    }
+                    Err(_closed) => {
+                        let mut now = vec![entry];
+                        now.extend(rest);
+                        trail.write_now(now).await;
+                        return;
+                    }
+                }
+            }
+        });
+        // Dropping the handle (this future dropped) leaves the task running.
+        if let Err(e) = task.await
+            && e.is_panic()
+        {
+            tracing::error!(panic = %panic_text(e), "handing audit records to the writer panicked");
         }
     }
 
-    /// Waits until every record queued before this call is written (while the store refuses
-    /// writes, until it takes them again). Returns at once once the queue is closed.
-    pub async fn flush(&self) {
+    /// Waits until every record queued before this call is written or, refused for good,
+    /// logged (while the store refuses writes transiently, until it takes them again). Fails
+    /// when the writer stopped first — it panicked, or was stopped at the drain deadline — or
+    /// when the queue is closed with records still unwritten.
+    pub async fn flush(&self) -> Result<(), FlushError> {
         let (done, written) = oneshot::channel();
         if self.queue.send(Item::Flush(done)).await.is_ok() {
-            let _ = written.await;
+            // Dropped unanswered: the writer died with the flush in its queue.
+            return written.await.map_err(|_| self.flush_error());
+        }
+        // The queue takes nothing more: it was closed (shutdown), or its writer died. Wait for
+        // the writer's end; only a writer that wrote everything out is a success.
+        let mut ended = self.ended.clone();
+        let end = ended.wait_for(Option::is_some).await.ok().and_then(|e| *e);
+        let pending = self.stats.borrow().pending;
+        if end == Some(WriterEnd::Finished) && pending == 0 {
+            Ok(())
+        } else {
+            Err(FlushError { pending })
+        }
+    }
+
+    fn flush_error(&self) -> FlushError {
+        FlushError {
+            pending: self.stats.borrow().pending,
         }
     }
 
@@ -143,55 +267,81 @@ impl AuditTrail {
 
     /// Closes the queue — records handed over from now on are written at once — and waits
     /// until `deadline` for the writer to write everything still queued. Returns how many
-    /// records it could not write (each logged as lost, loudly, with the count).
+    /// records it could not write (logged as lost, loudly, with the count): 0 only when the
+    /// writer finished.
     pub async fn close(&self, deadline: tokio::time::Instant) -> usize {
         self.closing.cancel();
-        let writer = self.writer.lock().ok().and_then(|mut w| w.take());
-        let Some(mut writer) = writer else {
-            return 0;
-        };
         let queued = self.stats.borrow().pending;
-        if tokio::time::timeout_at(deadline, &mut writer).await.is_ok() {
-            tracing::info!(
-                flushed = queued,
-                "audit queue closed; every queued record is written"
-            );
-            return 0;
+        let mut ended = self.ended.clone();
+        let end = tokio::time::timeout_at(deadline, ended.wait_for(Option::is_some))
+            .await
+            .map(|e| e.ok().and_then(|e| *e));
+        match end {
+            Ok(Some(WriterEnd::Finished)) => {
+                tracing::info!(
+                    flushed = queued,
+                    "audit queue closed; every queued record is written"
+                );
+                0
+            }
+            Ok(Some(WriterEnd::Panicked)) => {
+                // Already reported, and counted as lost, when it panicked.
+                let unwritten = self.stats.borrow().pending;
+                tracing::error!(
+                    unwritten,
+                    "AUDIT RECORDS LOST: the audit writer had panicked; {unwritten} audit record(s) \
+                     of read-only calls were not written"
+                );
+                unwritten
+            }
+            Ok(_) | Err(_) => {
+                self.writer.abort();
+                let unwritten = self.stats.borrow().pending;
+                crate::metrics::audit_records_lost(unwritten);
+                tracing::error!(
+                    unwritten,
+                    "AUDIT RECORDS LOST: {unwritten} audit record(s) of read-only calls could not \
+                     be written before the drain deadline (is the database down?)"
+                );
+                unwritten
+            }
         }
-        writer.abort();
-        let unwritten = self.stats.borrow().pending;
-        tracing::error!(
-            unwritten,
-            "AUDIT RECORDS LOST: {unwritten} audit record(s) of read-only calls could not be written \
-             before the drain deadline (is the database down?)"
-        );
-        unwritten
     }
 
-    /// A record that can no longer be queued (the queue is closed: the service is stopping)
-    /// is written at once, like a side effect's.
-    async fn write_now(&self, item: Item) {
-        self.stats.send_modify(|s| s.pending -= 1);
-        crate::metrics::audit_queue_depth(-1);
-        if let Item::Record(entry) = item
-            && let Err(e) = self.store.record_many(std::slice::from_ref(&entry)).await
-        {
-            tracing::error!(error = %e, tool = %entry.record.tool, "could not write an audit record");
+    /// Records that can no longer be queued (the queue is closed: the service is stopping, or
+    /// the writer died) are written at once, like a side effect's.
+    async fn write_now(&self, entries: Vec<AuditEntry>) {
+        if let Err(e) = self.store.record_many(&entries).await {
+            crate::metrics::audit_records_lost(entries.len());
+            for entry in &entries {
+                log_unwritten(entry, &e, "AUDIT RECORD LOST: could not write it at once");
+            }
         }
+    }
+
+    /// One record went into the queue.
+    fn queued(&self) {
+        self.stats.send_modify(|s| s.pending += 1);
+        crate::metrics::audit_queue_depth(1);
     }
 
     /// A caller found the queue full: counted every time, warned about at most every
-    /// [`WARN_EVERY`] (with the count since the last warning).
+    /// `warn_every` (with the count since the last warning).
     fn waited(&self) {
         self.stats.send_modify(|s| s.waits += 1);
         crate::metrics::audit_queue_waited();
         let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
         let next = self.next_warning_ms.load(Ordering::Relaxed);
-        let every = u64::try_from(WARN_EVERY.as_millis()).unwrap_or(u64::MAX);
+        let every = u64::try_from(self.warn_every.as_millis()).unwrap_or(u64::MAX);
         if now >= next
             && self
                 .next_warning_ms
-                .compare_exchange(next, now + every, Ordering::Relaxed, Ordering::Relaxed)
+                .compare_exchange(
+                    next,
+                    now.saturating_add(every),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
                 .is_ok()
         {
             let waits = self.unwarned_waits.swap(0, Ordering::Relaxed) + 1;
@@ -220,8 +370,44 @@ impl AuditLog for AuditTrail {
     }
 
     async fn recent(&self, user: &UserId, limit: usize) -> Result<Vec<AuditRecord>, StoreError> {
-        self.flush().await;
+        self.flush()
+            .await
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
         self.store.recent(user, limit).await
+    }
+}
+
+/// A record that was not written, logged with every field (an audit record holds no secrets
+/// and no content: G-9) so the trail can be rebuilt from the logs.
+fn log_unwritten(entry: &AuditEntry, error: &StoreError, what: &str) {
+    let r = &entry.record;
+    let at = jiff::Timestamp::try_from(entry.at).map_or_else(|_| String::new(), |t| t.to_string());
+    tracing::error!(
+        error = %error,
+        at,
+        user = %r.user,
+        kind = %r.kind,
+        tool = %r.tool,
+        integration = r.integration.as_deref().unwrap_or_default(),
+        account = r.account.as_deref().unwrap_or_default(),
+        call_id = %r.call_id,
+        run_id = r.run_id.as_deref().unwrap_or_default(),
+        status = %r.status,
+        latency_ms = r.latency_ms,
+        bytes = r.bytes,
+        upstream_calls = r.upstream_calls,
+        "{what}"
+    );
+}
+
+fn panic_text(e: JoinError) -> String {
+    match e.try_into_panic() {
+        Ok(panic) => panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(no message)".to_owned()),
+        Err(e) => e.to_string(),
     }
 }
 
@@ -271,18 +457,61 @@ impl Writer {
         }
     }
 
-    /// Writes one batch, retrying until it is written: a batch is never dropped.
+    /// Writes one batch: what the database refuses for good is isolated (the batch halved
+    /// until each refused record stands alone), logged and counted, and everything else is
+    /// written, in order; a transient failure is retried until it passes. Nothing is dropped
+    /// silently.
     async fn write(&self, entries: &[AuditEntry]) {
+        // Parts still to write, the next one last.
+        let mut todo: Vec<&[AuditEntry]> = vec![entries];
+        while let Some(part) = todo.pop() {
+            match self.write_retrying(part).await {
+                Ok(()) => self.settled(part.len(), true),
+                Err(e) if part.len() == 1 => {
+                    self.settled(1, false);
+                    crate::metrics::audit_record_rejected();
+                    log_unwritten(
+                        &part[0],
+                        &e,
+                        "AUDIT RECORD REJECTED: the database refused it for good; it is not written",
+                    );
+                }
+                Err(_) => {
+                    let (first, second) = part.split_at(part.len() / 2);
+                    todo.push(second);
+                    todo.push(first);
+                }
+            }
+        }
+    }
+
+    /// Writes `part`, retrying transient failures with capped backoff; returns the error when
+    /// the database refused it for good.
+    async fn write_retrying(&self, part: &[AuditEntry]) -> Result<(), StoreError> {
         let mut pause = self.retry_first;
         let mut attempt: u32 = 0;
-        while let Err(e) = self.store.record_many(entries).await {
-            attempt += 1;
+        loop {
+            let Err(e) = self.store.record_many(part).await else {
+                return Ok(());
+            };
             self.stats.send_modify(|s| s.failures += 1);
             crate::metrics::audit_write_failed();
+            if e.is_permanent() {
+                if part.len() > 1 {
+                    tracing::warn!(
+                        error = %e,
+                        batch = part.len(),
+                        "the database refused a batch of audit records; writing it in parts to \
+                         find the refused record(s)"
+                    );
+                }
+                return Err(e);
+            }
+            attempt += 1;
             tracing::error!(
                 error = %e,
                 waiting = self.stats.borrow().pending,
-                batch = entries.len(),
+                batch = part.len(),
                 attempt,
                 retry_in_ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
                 "could not write audit records; keeping them and retrying"
@@ -290,21 +519,34 @@ impl Writer {
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(self.retry_max);
         }
-        let n = entries.len();
+    }
+
+    /// `n` records left the queue: written (one more INSERT) or rejected.
+    fn settled(&self, n: usize, written: bool) {
         self.stats.send_modify(|s| {
-            s.pending -= n;
-            s.written += n as u64;
-            s.batches += 1;
-            s.largest_batch = s.largest_batch.max(n);
+            debug_assert!(
+                s.pending >= n,
+                "settling more audit records than were queued"
+            );
+            s.pending = s.pending.saturating_sub(n);
+            if written {
+                s.written += n as u64;
+                s.batches += 1;
+                s.largest_batch = s.largest_batch.max(n);
+            } else {
+                s.rejected += n as u64;
+            }
         });
         crate::metrics::audit_queue_depth(-(n as i64));
-        crate::metrics::audit_batch_written(n);
+        if written {
+            crate::metrics::audit_batch_written(n);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicBool;
+    use std::sync::{Mutex, atomic::AtomicBool};
 
     use serde_json::{Value, json};
     use tokio::sync::watch;
@@ -321,14 +563,18 @@ mod tests {
         store::memory::MemoryStore,
     };
 
-    /// An audit log whose batch writes can be held (`open`), made to fail (`down`), and
-    /// watched starting (`started`). Single-record writes (`record`) always go through.
+    /// An audit log whose batch writes can be held (`open`), made to fail transiently
+    /// (`down`), made to refuse given call ids for good (`refuse`), made to panic once
+    /// (`panic_once`), and watched starting (`started`). Single-record writes (`record`)
+    /// always go through.
     struct FakeLog {
         batches: Mutex<Vec<Vec<AuditRecord>>>,
         singles: Mutex<Vec<AuditRecord>>,
         open: watch::Sender<bool>,
         started: watch::Sender<usize>,
         down: AtomicBool,
+        refuse: Mutex<Vec<String>>,
+        panic_once: AtomicBool,
     }
 
     impl FakeLog {
@@ -339,6 +585,8 @@ mod tests {
                 open: watch::Sender::new(open),
                 started: watch::Sender::new(0),
                 down: AtomicBool::new(false),
+                refuse: Mutex::new(Vec::new()),
+                panic_once: AtomicBool::new(false),
             })
         }
 
@@ -368,6 +616,16 @@ mod tests {
                 .map(|r| r.call_id.clone())
                 .collect()
         }
+
+        fn kinds(&self) -> Vec<(String, String)> {
+            self.batches
+                .lock()
+                .unwrap()
+                .iter()
+                .flatten()
+                .map(|r| (r.kind.clone(), r.call_id.clone()))
+                .collect()
+        }
     }
 
     #[async_trait::async_trait]
@@ -380,8 +638,19 @@ mod tests {
         async fn record_many(&self, entries: &[AuditEntry]) -> Result<(), StoreError> {
             self.started.send_modify(|n| *n += 1);
             self.open.subscribe().wait_for(|open| *open).await.unwrap();
+            assert!(
+                !self.panic_once.swap(false, Ordering::SeqCst),
+                "the store blew up"
+            );
             if self.down.load(Ordering::SeqCst) {
                 return Err(StoreError::Unavailable("the database is down".into()));
+            }
+            let refused = self.refuse.lock().unwrap().clone();
+            if entries.iter().any(|e| refused.contains(&e.record.call_id)) {
+                return Err(StoreError::Rejected {
+                    code: "23514".into(),
+                    message: "new row violates check constraint".into(),
+                });
             }
             self.batches
                 .lock()
@@ -436,6 +705,14 @@ mod tests {
         range.map(|i| format!("c{i}")).collect()
     }
 
+    /// A guard against a hang: a test waits on conditions, never on time, but fails rather
+    /// than hangs when the condition never comes.
+    async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(10), f)
+            .await
+            .unwrap_or_else(|_| panic!("{what} did not happen"))
+    }
+
     #[tokio::test]
     async fn records_gathered_while_a_batch_is_written_go_in_one_insert() {
         let log = FakeLog::new(false);
@@ -448,7 +725,7 @@ mod tests {
         }
         assert_eq!(trail.stats().borrow().pending, 10);
         log.open();
-        trail.flush().await;
+        trail.flush().await.unwrap();
         assert_eq!(log.batch_sizes(), [1, 9]);
         assert_eq!(log.call_ids(), ids(0..10), "every record, in order");
         let stats = trail.stats().borrow().clone();
@@ -484,15 +761,53 @@ mod tests {
             "the caller waits while the queue is full"
         );
         assert!(log.call_ids().is_empty());
+        assert_eq!(
+            trail.stats().borrow().pending,
+            3,
+            "only what is queued counts"
+        );
         log.open();
         waiting.await.unwrap();
-        trail.flush().await;
+        trail.flush().await.unwrap();
         assert_eq!(log.call_ids(), ids(0..4));
         assert_eq!(
             log.batch_sizes(),
             [1, 1, 1, 1],
             "at most AUDIT_MAX_BATCH per insert"
         );
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_gives_up_while_the_queue_is_full_leaves_its_record_queued() {
+        let log = FakeLog::new(false);
+        let trail = AuditTrail::start(log.clone(), &config(1, 1));
+        trail.record_later(record("c0")).await;
+        log.started(1).await;
+        trail.record_later(record("c1")).await;
+        // The queue is full; a caller waits for space, then is dropped (its tool call timed
+        // out, its run was cancelled, its client went away).
+        let waiting = tokio::spawn({
+            let trail = trail.clone();
+            async move { trail.record_later(record("c2")).await }
+        });
+        trail.stats().wait_for(|s| s.waits == 1).await.unwrap();
+        waiting.abort();
+        assert!(waiting.await.unwrap_err().is_cancelled());
+        assert_eq!(
+            trail.stats().borrow().pending,
+            2,
+            "c2 is not counted before it is really queued"
+        );
+        log.open();
+        within(
+            "the abandoned record being written",
+            trail.stats().wait_for(|s| s.written == 3),
+        )
+        .await
+        .unwrap();
+        assert_eq!(log.call_ids(), ids(0..3), "the abandoned record is kept");
+        trail.flush().await.unwrap();
+        assert_eq!(trail.stats().borrow().pending, 0, "and the count settles");
     }
 
     #[tokio::test]
@@ -507,13 +822,61 @@ mod tests {
         assert!(log.call_ids().is_empty());
         assert_eq!(trail.stats().borrow().pending, 5, "nothing dropped");
         log.down.store(false, Ordering::SeqCst);
-        trail.flush().await;
+        trail.flush().await.unwrap();
         assert_eq!(
             log.call_ids(),
             ids(0..5),
             "each record exactly once, in order"
         );
-        assert_eq!(trail.stats().borrow().pending, 0);
+        let stats = trail.stats().borrow().clone();
+        assert_eq!((stats.pending, stats.rejected), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_record_the_database_refuses_for_good_is_isolated_counted_and_blocks_nothing() {
+        let log = FakeLog::new(false);
+        log.refuse.lock().unwrap().push("bad".into());
+        let trail = AuditTrail::start(log.clone(), &config(64, 64));
+        trail.record_later(record("c0")).await;
+        log.started(1).await;
+        // One batch with a refused record in the middle.
+        for id in ["c1", "c2", "bad", "c3", "c4"] {
+            trail.record_later(record(id)).await;
+        }
+        log.open();
+        within("the flush", trail.flush()).await.unwrap();
+        assert_eq!(
+            log.call_ids(),
+            ids(0..5),
+            "every other record written, in order"
+        );
+        let stats = trail.stats().borrow().clone();
+        assert_eq!((stats.rejected, stats.written, stats.pending), (1, 5, 0));
+        assert!(
+            log.batch_sizes().len() <= 4,
+            "split, not one insert per record: {:?}",
+            log.batch_sizes()
+        );
+        // Not retried forever: the queue keeps flowing.
+        trail.record_later(record("c5")).await;
+        within("the next flush", trail.flush()).await.unwrap();
+        assert_eq!(log.call_ids(), ids(0..6));
+    }
+
+    #[tokio::test]
+    async fn a_writer_that_panics_is_reported_and_later_records_are_written_at_once() {
+        let log = FakeLog::new(true);
+        log.panic_once.store(true, Ordering::SeqCst);
+        let trail = AuditTrail::start(log.clone(), &config(64, 64));
+        trail.record_later(record("c0")).await;
+        let err = within("the failed flush", trail.flush()).await.unwrap_err();
+        assert_eq!(err.pending, 1, "c0 died with the writer");
+        // The queue is gone with its writer: a record is written before record_later returns.
+        trail.record_later(record("c1")).await;
+        assert_eq!(log.call_ids(), ["c1"]);
+        assert!(trail.flush().await.is_err(), "a dead writer never flushes");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        assert_eq!(within("close", trail.close(deadline)).await, 1);
     }
 
     #[tokio::test]
@@ -539,7 +902,8 @@ mod tests {
         trail.record_later(record("c5")).await;
         assert_eq!(log.call_ids(), ids(0..6));
         assert_eq!(trail.stats().borrow().pending, 0);
-        trail.flush().await; // returns at once on a closed queue
+        // A closed queue whose writer wrote everything out: nothing to wait for.
+        trail.flush().await.unwrap();
     }
 
     #[tokio::test]
@@ -553,6 +917,11 @@ mod tests {
         // The store never answers: the deadline is what ends the wait.
         let deadline = tokio::time::Instant::now() + Duration::from_millis(50);
         assert_eq!(trail.close(deadline).await, 3);
+        assert_eq!(
+            trail.flush().await,
+            Err(FlushError { pending: 3 }),
+            "a flush cannot pretend they were written"
+        );
     }
 
     #[tokio::test]
@@ -571,39 +940,74 @@ mod tests {
         assert_eq!(read[0].call_id, "c0");
     }
 
-    /// A tool with no side effect, and one with: the latter asserts its intent record was
-    /// written before it runs.
+    /// What a probe tool does.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Kind {
+        /// Reads only (`read_only`), recording one upstream call as it goes.
+        Read,
+        /// Writes Steward's own data (as add_task does): no side effect, not read-only.
+        Write,
+        /// A side effect: asserts its intent record was written before it runs.
+        Act,
+    }
+
     struct Probe {
-        side_effect: bool,
+        kind: Kind,
         log: Arc<FakeLog>,
+        /// Calls that returned from the tool (not yet from the engine).
+        finished: Arc<watch::Sender<usize>>,
     }
 
     #[async_trait::async_trait]
     impl Tool for Probe {
         fn spec(&self) -> ToolSpec {
-            let name = if self.side_effect { "act" } else { "read" };
+            let name = match self.kind {
+                Kind::Read => "read",
+                Kind::Write => "write",
+                Kind::Act => "act",
+            };
             let spec = ToolSpec::new(name, Integration::Tasks, name, json!({"type": "object"}));
-            if self.side_effect {
+            if self.kind == Kind::Act {
                 spec.with_side_effect()
             } else {
                 spec
             }
         }
 
-        async fn call(&self, _ctx: &CallContext, _args: Value) -> Result<ToolOutput, ToolError> {
-            if self.side_effect {
-                let intents = self.log.singles.lock().unwrap().clone();
-                if !intents.iter().any(|r| r.kind == "side_effect_intent") {
-                    return Err(ToolError::Internal(
-                        "acted before the intent was written".into(),
-                    ));
+        fn read_only(&self) -> bool {
+            self.kind == Kind::Read
+        }
+
+        async fn call(&self, ctx: &CallContext, _args: Value) -> Result<ToolOutput, ToolError> {
+            match self.kind {
+                Kind::Read => {
+                    ctx.audit(AuditRecord {
+                        kind: "upstream_call".into(),
+                        call_id: ctx.call_id.clone(),
+                        ..record("upstream")
+                    })
+                    .await;
+                }
+                Kind::Write => {}
+                Kind::Act => {
+                    let intents = self.log.singles.lock().unwrap().clone();
+                    if !intents.iter().any(|r| r.kind == "side_effect_intent") {
+                        return Err(ToolError::Internal(
+                            "acted before the intent was written".into(),
+                        ));
+                    }
                 }
             }
+            self.finished.send_modify(|n| *n += 1);
             Ok(ToolOutput::text("done"))
         }
     }
 
-    fn engine(log: &Arc<FakeLog>, trail: Arc<AuditTrail>) -> Engine {
+    fn engine(
+        log: &Arc<FakeLog>,
+        trail: Arc<AuditTrail>,
+        timeout: Duration,
+    ) -> (Engine, watch::Receiver<usize>) {
         let stores = MemoryStore::stores();
         let http = reqwest::Client::new();
         let services = Arc::new(Services {
@@ -618,26 +1022,28 @@ mod tests {
             audit: trail,
             max_body_bytes: 1 << 20,
         });
-        let tools: Vec<Arc<dyn Tool>> = vec![
-            Arc::new(Probe {
-                side_effect: false,
-                log: log.clone(),
-            }),
-            Arc::new(Probe {
-                side_effect: true,
-                log: log.clone(),
-            }),
-        ];
-        Engine {
+        let finished = Arc::new(watch::Sender::new(0));
+        let tools: Vec<Arc<dyn Tool>> = [Kind::Read, Kind::Write, Kind::Act]
+            .into_iter()
+            .map(|kind| {
+                Arc::new(Probe {
+                    kind,
+                    log: log.clone(),
+                    finished: finished.clone(),
+                }) as Arc<dyn Tool>
+            })
+            .collect();
+        let engine = Engine {
             registry: Arc::new(Registry::new(tools).unwrap()),
             services,
             idempotency: stores.idempotency.clone(),
             config: EngineConfig {
                 max_result_chars: 6000,
-                default_timeout: Duration::from_secs(10),
-                max_timeout: Duration::from_secs(10),
+                default_timeout: timeout,
+                max_timeout: timeout,
             },
-        }
+        };
+        (engine, finished.subscribe())
     }
 
     fn call(tool: &str, call_id: &str) -> CallRequest {
@@ -654,11 +1060,25 @@ mod tests {
         }
     }
 
+    fn singles(log: &FakeLog) -> Vec<(String, String)> {
+        log.singles
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| (r.kind.clone(), r.call_id.clone()))
+            .collect()
+    }
+
+    fn pair(kind: &str, call_id: &str) -> (String, String) {
+        (kind.to_owned(), call_id.to_owned())
+    }
+
     #[tokio::test]
-    async fn a_reads_record_is_queued_off_the_call_path_and_a_side_effects_written_at_once() {
+    async fn a_reads_records_are_queued_off_the_call_path_and_every_writing_calls_written_at_once()
+    {
         let log = FakeLog::new(false);
         let trail = AuditTrail::start(log.clone(), &config(64, 64));
-        let engine = engine(&log, trail.clone());
+        let (engine, _) = engine(&log, trail.clone(), Duration::from_secs(10));
         let user = UserId::parse("u1").unwrap();
 
         // The batch writer cannot write, yet reads complete: their records wait in the queue.
@@ -671,7 +1091,11 @@ mod tests {
             .execute(&user, call("read", "r2"), CancellationToken::new())
             .await;
         assert!(read.error_kind.is_none(), "{}", read.text);
-        assert_eq!(trail.stats().borrow().pending, 2);
+        assert_eq!(
+            trail.stats().borrow().pending,
+            4,
+            "upstream + tool_call each"
+        );
 
         // A side effect: its intent before it runs (the tool checks), its result record
         // before the call returns, neither through the queue.
@@ -679,24 +1103,108 @@ mod tests {
             .execute(&user, call("act", "a1"), CancellationToken::new())
             .await;
         assert!(act.error_kind.is_none(), "{}", act.text);
-        let singles: Vec<_> = log
-            .singles
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|r| (r.kind.clone(), r.call_id.clone()))
-            .collect();
+        // A write of Steward's own data (add_task, save_memory, create_reminder ...): no side
+        // effect, but not read-only either, so written before the call returns.
+        let write = engine
+            .execute(&user, call("write", "w1"), CancellationToken::new())
+            .await;
+        assert!(write.error_kind.is_none(), "{}", write.text);
+        // A call of an unknown tool declares nothing: written at once too.
+        engine
+            .execute(&user, call("nope", "n1"), CancellationToken::new())
+            .await;
         assert_eq!(
-            singles,
+            singles(&log),
             [
-                ("side_effect_intent".to_owned(), "a1".to_owned()),
-                ("tool_call".to_owned(), "a1".to_owned())
+                pair("side_effect_intent", "a1"),
+                pair("tool_call", "a1"),
+                pair("tool_call", "w1"),
+                pair("tool_call", "n1"),
             ]
         );
-        assert_eq!(trail.stats().borrow().pending, 2);
+        assert_eq!(trail.stats().borrow().pending, 4);
 
         log.open();
-        trail.flush().await;
-        assert_eq!(log.call_ids(), ["r1", "r2"]);
+        trail.flush().await.unwrap();
+        assert_eq!(
+            log.kinds(),
+            [
+                pair("upstream_call", "r1"),
+                pair("tool_call", "r1"),
+                pair("upstream_call", "r2"),
+                pair("tool_call", "r2"),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_read_that_finishes_while_the_queue_is_full_is_not_an_upstream_timeout() {
+        let log = FakeLog::new(false);
+        let trail = AuditTrail::start(log.clone(), &config(1, 1));
+        // A short deadline: waiting for the queue inside it would fail the call.
+        let (engine, mut finished) = engine(&log, trail.clone(), Duration::from_millis(100));
+        let user = UserId::parse("u1").unwrap();
+        trail.record_later(record("c0")).await;
+        log.started(1).await;
+        trail.record_later(record("c1")).await; // the queue is full
+
+        let running = tokio::spawn({
+            let (engine, user) = (engine.clone(), user.clone());
+            async move {
+                engine
+                    .execute(&user, call("read", "r1"), CancellationToken::new())
+                    .await
+            }
+        });
+        // The tool itself finishes although the queue is full: its upstream record does not
+        // wait for space inside the call ...
+        within("the tool finishing", finished.wait_for(|n| *n == 1))
+            .await
+            .unwrap();
+        // ... the engine does, after the call, outside its deadline.
+        trail.stats().wait_for(|s| s.waits >= 1).await.unwrap();
+        assert!(!running.is_finished());
+        log.open();
+        let outcome = within("the call", running).await.unwrap();
+        assert!(outcome.error_kind.is_none(), "{}", outcome.text);
+        assert_eq!(outcome.text, "done");
+        trail.flush().await.unwrap();
+        assert_eq!(
+            log.kinds(),
+            [
+                pair("tool_call", "c0"),
+                pair("tool_call", "c1"),
+                pair("upstream_call", "r1"),
+                pair("tool_call", "r1"),
+            ],
+            "the read's records are kept, its upstream call first"
+        );
+    }
+
+    #[test]
+    fn a_tool_declared_read_only_cannot_declare_writes() {
+        struct Liar;
+        #[async_trait::async_trait]
+        impl Tool for Liar {
+            fn spec(&self) -> ToolSpec {
+                ToolSpec::new(
+                    "liar",
+                    Integration::Memory,
+                    "liar",
+                    json!({"type": "object"}),
+                )
+                .writing_memory()
+            }
+            fn read_only(&self) -> bool {
+                true
+            }
+            async fn call(&self, _: &CallContext, _: Value) -> Result<ToolOutput, ToolError> {
+                Ok(ToolOutput::text(""))
+            }
+        }
+        assert!(matches!(
+            Registry::new(vec![Arc::new(Liar)]),
+            Err(crate::registry::RegistryError::ReadOnlyWrites(_))
+        ));
     }
 }

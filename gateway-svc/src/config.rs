@@ -25,20 +25,23 @@ pub enum RateLimitBackendKind {
     Postgres,
 }
 
-/// The batching audit writer for calls with no side effect (issue 13, `crate::audit`).
+/// The batching audit writer for read-only calls (issue 13, `crate::audit`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuditQueueConfig {
     /// `AUDIT_QUEUE_CAPACITY`: records that may wait for the writer; past this a call waits
-    /// for space (backpressure, never a drop).
+    /// for space (backpressure, never a drop). Also the most a crash (SIGKILL, OOM) can lose.
     pub capacity: usize,
     /// `AUDIT_MAX_BATCH`: the most records one INSERT writes.
     pub max_batch: usize,
-    /// A failed batch is retried after this, the pause doubling each time ...
+    /// A batch that failed transiently is retried after this, the pause doubling each time ...
     pub retry_first: Duration,
     /// ... up to this.
     pub retry_max: Duration,
+    /// A full queue is warned about at most this often (every wait is counted in the metric).
+    pub warn_every: Duration,
     /// On shutdown the writer has until the drain deadline (SHUTDOWN_DRAIN_TIMEOUT after the
-    /// signal) to write what is queued, and at least this long after the calls drained.
+    /// signal) to write what is queued, and at least this long after the calls drained, even
+    /// with SHUTDOWN_DRAIN_TIMEOUT=0.
     pub flush_grace: Duration,
 }
 
@@ -49,6 +52,7 @@ impl Default for AuditQueueConfig {
             max_batch: 256,
             retry_first: Duration::from_millis(100),
             retry_max: Duration::from_secs(5),
+            warn_every: Duration::from_secs(10),
             flush_grace: Duration::from_secs(5),
         }
     }

@@ -18,8 +18,8 @@ use crate::{
     credentials::{AccountInfo, Credentials},
     domain::{Channel, Integration, UserId},
     enforce::{ToolError, caps::read_capped},
-    ratelimit::{LimitKey, RateLimiter, Reservation, Window},
-    store::{AuditLog, AuditRecord},
+    ratelimit::{HeldReservation, LimitKey, RateLimiter, Window},
+    store::{AuditEntry, AuditLog, AuditRecord},
 };
 
 /// Shared by every call.
@@ -27,7 +27,7 @@ pub struct Services {
     pub credentials: Credentials,
     pub limiter: RateLimiter,
     pub http: reqwest::Client,
-    /// Written at once (`record`) or through the batching writer (`record_later`).
+    /// Written at once (`record`) or through the batching writer (`enqueue`).
     pub audit: Arc<AuditTrail>,
     /// Hard cap on any upstream response body.
     pub max_body_bytes: usize,
@@ -42,9 +42,13 @@ pub struct CallContext {
     /// Where the run had read others' words before this call: the provenance of anything the
     /// call stores (memories). Empty: the user's own words only.
     pub read_external_from: Vec<String>,
-    /// The call's audit records go through the batching writer: a call of a tool with no side
-    /// effect. Otherwise each is written before the call goes on.
+    /// A read-only call (`Tool::read_only`): its audit records (upstream calls) are kept here
+    /// and handed to the batching writer with its tool_call record once the call is over,
+    /// outside its deadline ([`CallContext::take_deferred`]). Otherwise each is written before
+    /// the call goes on.
     pub(crate) audit_later: bool,
+    /// The records kept while `audit_later`, each with its time.
+    deferred: Mutex<Vec<AuditEntry>>,
     services: Arc<Services>,
     upstream_calls: AtomicU32,
     account: Mutex<Option<String>>,
@@ -84,6 +88,7 @@ impl CallContext {
             tool,
             read_external_from: Vec::new(),
             audit_later: false,
+            deferred: Mutex::new(Vec::new()),
             services,
             upstream_calls: AtomicU32::new(0),
             account: Mutex::new(None),
@@ -133,26 +138,26 @@ impl CallContext {
         self.services.limiter.charge(&key, cost).await
     }
 
-    /// As [`CallContext::charge`], keeping the charge so that what it did not use can be given
-    /// back with [`CallContext::refund`].
-    pub async fn reserve(
+    /// Reserves between `min` and `max` upstream calls against the user's limits for
+    /// `account`: `max` when every window has room for it, otherwise as many as every window
+    /// has left if that is at least `min`; below `min` the call is refused like a charge.
+    /// What the reservation does not use is given back with [`HeldReservation::refund`]; a
+    /// reservation dropped unsettled (the call cancelled or timed out) gives back what it was
+    /// told would be unused if dropped.
+    pub async fn reserve_up_to(
         &self,
         integration: Integration,
         account: &str,
-        cost: u32,
-    ) -> Result<Reservation, ToolError> {
+        min: u32,
+        max: u32,
+    ) -> Result<HeldReservation, ToolError> {
         self.use_account(account);
         let key = LimitKey {
             user: self.user.clone(),
             integration,
             account: account.to_owned(),
         };
-        self.services.limiter.reserve(&key, cost).await
-    }
-
-    /// Gives back `unused` calls of a reservation.
-    pub async fn refund(&self, reservation: &Reservation, unused: u32) {
-        self.services.limiter.refund(reservation, unused).await;
+        self.services.limiter.reserve_up_to(&key, min, max).await
     }
 
     /// The most one charge to `integration` can ever be, and its window (`None`: no limits).
@@ -251,13 +256,48 @@ impl CallContext {
         result
     }
 
+    /// Audits one record of this call: kept for the batching writer when the call is
+    /// read-only (never waiting here, inside the call's deadline, for room in the queue),
+    /// written at once otherwise.
     pub async fn audit(&self, record: AuditRecord) {
-        if self.audit_later {
-            self.services.audit.record_later(record).await;
+        // (A poisoned lock: written at once rather than lost.)
+        if self.audit_later
+            && let Ok(mut deferred) = self.deferred.lock()
+        {
+            deferred.push(AuditEntry::now(record));
             return;
         }
         if let Err(e) = self.services.audit.record(record).await {
             tracing::error!(error = %e, "could not write an audit record");
+        }
+    }
+
+    /// The records kept for the batching writer so far, in their order (see `audit_later`).
+    pub(crate) fn take_deferred(&self) -> Vec<AuditEntry> {
+        self.deferred
+            .lock()
+            .map(|mut d| std::mem::take(&mut *d))
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for CallContext {
+    /// A call dropped before the engine queued its records (its caller went away mid-call)
+    /// still hands over the upstream records it kept.
+    fn drop(&mut self) {
+        let deferred = self.take_deferred();
+        if deferred.is_empty() {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let audit = self.services.audit.clone();
+                runtime.spawn(async move { audit.enqueue(deferred).await });
+            }
+            Err(_) => tracing::error!(
+                records = deferred.len(),
+                "AUDIT RECORDS LOST: a call's audit records were dropped outside the runtime"
+            ),
         }
     }
 }

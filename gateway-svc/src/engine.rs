@@ -1,8 +1,10 @@
 //! One tool call, start to finish, with every protection in a fixed order: registry lookup →
 //! argument validation (G-3) → idempotency (P-4) → the tool under its deadline and the caller's
-//! cancellation → error-to-string (G-4) → result cap (G-5) → audit (G-9: a side effect's
-//! records written at once, a read's through the batching writer, see `crate::audit`).
-//! Whatever happens, the caller gets a `CallOutcome` with a sentence in it.
+//! cancellation → error-to-string (G-4) → result cap (G-5) → audit (G-9: the records of a call
+//! that writes anything — a side effect, or Steward's own tasks, memories, reminders — and of
+//! any tool not declared read-only are written before the call returns; a read-only call's
+//! records go to the batching writer once the call is over, outside its deadline, see
+//! `crate::audit`). Whatever happens, the caller gets a `CallOutcome` with a sentence in it.
 
 use std::{
     sync::Arc,
@@ -18,7 +20,7 @@ use crate::{
     domain::{CallOutcome, CallRequest, UserId},
     enforce::{ToolError, caps::cap_text},
     registry::{MAX_PREVIEW_CHARS, Preview, Registry, ToolOutput},
-    store::{AuditLog, AuditRecord, IdempotencyStore, StoredResult},
+    store::{AuditEntry, AuditLog, AuditRecord, IdempotencyStore, StoredResult},
 };
 
 /// How much longer than the call itself an idempotency key is held: its preview check and
@@ -87,12 +89,12 @@ impl Engine {
             latency_ms = millis(outcome.latency), truncated = outcome.truncated, replayed = outcome.replayed,
             "tool call"
         );
-        let spec = self.registry.get(&outcome.tool).map(|t| &t.spec);
+        let tool = self.registry.get(&outcome.tool);
         let record = AuditRecord {
             user: user.to_string(),
             kind: "tool_call".into(),
             tool: outcome.tool.clone(),
-            integration: spec.map(|s| s.integration.key().to_owned()),
+            integration: tool.map(|t| t.spec.integration.key().to_owned()),
             account: outcome.account.clone(),
             call_id,
             run_id,
@@ -101,15 +103,22 @@ impl Engine {
             bytes: u32::try_from(outcome.text.len()).unwrap_or(u32::MAX),
             upstream_calls: outcome.upstream_calls,
         };
-        if spec.is_some_and(|s| s.side_effect) {
-            // A side effect's record is written before its result is returned.
+        if tool.is_some_and(|t| t.read_only) {
+            // A read-only call: its upstream records (kept in its context while it ran) and
+            // this one go to the batching writer, off the call's path and outside its deadline;
+            // never dropped, waiting here for space when the queue is full.
+            let mut entries = ctx
+                .as_ref()
+                .map(CallContext::take_deferred)
+                .unwrap_or_default();
+            entries.push(AuditEntry::now(record));
+            self.services.audit.enqueue(entries).await;
+        } else {
+            // Anything that may write (a side effect, Steward's own data, an unknown or
+            // undeclared tool): written before the result is returned.
             if let Err(e) = self.services.audit.record(record).await {
                 tracing::error!(error = %e, "could not write an audit record");
             }
-        } else {
-            // Reads (and calls that never ran): through the batching writer, off the call's
-            // path; never dropped, waits for space when the queue is full.
-            self.services.audit.record_later(record).await;
         }
         outcome
     }
@@ -178,9 +187,9 @@ impl Engine {
         };
 
         let mut ctx = self.context(user, &request, &name);
-        // A read's upstream records go through the batching writer; a side effect's are written
-        // as they happen.
-        ctx.audit_later = !tool.spec.side_effect;
+        // A read-only call's upstream records are kept for the batching writer (queued in
+        // `execute`, after the call); any other call's are written as they happen.
+        ctx.audit_later = tool.read_only;
         let timeout = self.timeout(&request);
         let service = tool.spec.integration.label();
         if let Some(expected) = &request.expected_binding {

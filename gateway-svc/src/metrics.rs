@@ -47,7 +47,20 @@ pub fn audit_batch_written(records: usize) {
     metrics::counter!("steward_gateway_audit_records_written_total").increment(records as u64);
 }
 
-/// A batch write failed; the batch is kept and retried.
+/// A batch write failed: retried when the failure is transient, split to isolate the refused
+/// record(s) when the database refused it for good.
 pub fn audit_write_failed() {
     metrics::counter!("steward_gateway_audit_write_failures_total").increment(1);
+}
+
+/// The database refused one audit record for good (a constraint, a bad value, a trigger, a
+/// missing privilege): it is logged in full at ERROR instead of written.
+pub fn audit_record_rejected() {
+    metrics::counter!("steward_gateway_audit_records_rejected_total").increment(1);
+}
+
+/// Audit records of read-only calls that were never written: still queued when the writer was
+/// stopped at the drain deadline or died, or refused when written at once after that.
+pub fn audit_records_lost(records: usize) {
+    metrics::counter!("steward_gateway_audit_records_lost_total").increment(records as u64);
 }

@@ -16,7 +16,9 @@ pub struct ToolSpec {
     pub description: String,
     /// JSON Schema of the arguments object.
     pub schema: Value,
-    /// Sends, creates or changes something outside Steward. Policy keys off this.
+    /// Sends, creates or changes something outside Steward. Policy keys off this. A tool
+    /// without it may still write Steward's own data (tasks, memories, reminders): whether a
+    /// call writes anything at all is [`Tool::read_only`].
     pub side_effect: bool,
     pub integration: Integration,
     /// Upstream API calls one call costs with default arguments.
@@ -29,7 +31,8 @@ pub struct ToolSpec {
 }
 
 impl ToolSpec {
-    /// A tool that changes nothing outside Steward, with no aliases, costing one upstream call
+    /// A tool that changes nothing outside Steward (not read-only unless its `Tool` says so,
+    /// see [`Tool::read_only`]), with no aliases, costing one upstream call
     /// for integrations with an upstream and none for built-in data; the methods below adjust.
     pub fn new(name: &str, integration: Integration, description: &str, schema: Value) -> Self {
         Self {
@@ -113,6 +116,16 @@ pub const MAX_PREVIEW_CHARS: usize = 4000;
 pub trait Tool: Send + Sync + 'static {
     fn spec(&self) -> ToolSpec;
 
+    /// The tool only reads: it writes nothing, outside Steward (no side effect) or inside it
+    /// (no task, memory, reminder or other stored change). Only such calls' audit records may
+    /// be deferred to the batching writer (`crate::audit`); every other call's records are
+    /// written before it returns. The default, `false`, is the conservative one: a tool that
+    /// does not declare itself read-only is audited synchronously. A read-only tool may not
+    /// declare a side effect or memory writes ([`Registry::new`] refuses it).
+    fn read_only(&self) -> bool {
+        false
+    }
+
     /// Runs the call. `args` already passed the schema. Charge the rate limiter through `ctx`
     /// before each upstream call; return errors, never panic.
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError>;
@@ -182,6 +195,8 @@ pub fn digest(parts: &[&str]) -> String {
 pub struct RegisteredTool {
     pub spec: ToolSpec,
     pub tool: Arc<dyn Tool>,
+    /// [`Tool::read_only`], asked once at registration.
+    pub read_only: bool,
     validator: jsonschema::Validator,
 }
 
@@ -218,6 +233,8 @@ pub enum RegistryError {
     BadSchema { tool: String, detail: String },
     #[error("the name {0:?} is declared twice")]
     Duplicate(String),
+    #[error("tool {0}: declared read-only, yet it declares a side effect or memory writes")]
+    ReadOnlyWrites(String),
 }
 
 #[derive(Default)]
@@ -236,6 +253,10 @@ impl Registry {
                     tool: spec.name.clone(),
                     detail: e.to_string(),
                 })?;
+            let read_only = tool.read_only();
+            if read_only && (spec.side_effect || spec.writes_memory) {
+                return Err(RegistryError::ReadOnlyWrites(spec.name.clone()));
+            }
             let index = registry.tools.len();
             for name in std::iter::once(&spec.name).chain(&spec.aliases) {
                 if registry.by_name.insert(name.clone(), index).is_some() {
@@ -245,6 +266,7 @@ impl Registry {
             registry.tools.push(Arc::new(RegisteredTool {
                 spec,
                 tool,
+                read_only,
                 validator,
             }));
         }

@@ -151,6 +151,11 @@ impl Tool for ProbeEcho {
         )
     }
 
+    /// It only reads, so its audit goes through the batching writer, as a search's does.
+    fn read_only(&self) -> bool {
+        true
+    }
+
     async fn call(&self, _ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         Ok(ToolOutput::text(args["text"].as_str().unwrap_or("echo")))
     }

@@ -87,6 +87,7 @@ fn executor(chain: Vec<ChainEntry>) -> Executor {
 fn request(tools: &[&str]) -> RunRequest {
     RunRequest {
         system: "You are Steward.".into(),
+        system_tokens: None,
         history: vec![],
         prompt: "Plan my day".into(),
         tools: Arc::new(ToolSet::new(

@@ -5,11 +5,11 @@ use std::{collections::HashMap, time::Duration};
 
 use steward_proto::gateway::v1::{self as pb, tool_call::Arguments};
 use steward_tests::{
-    Backend, Options, TestDb, UserGateway,
+    Backend, Options, SERVICE_TOKEN, TestDb, UserGateway, channel, env,
     fakes::{oauth::FakeOAuth, probe::FakeProbe},
     gateway_as, probe_tools,
     spawn::spawn,
-    start_gateway_with,
+    start_gateway_with, wait_for_status,
 };
 use tokio_stream::StreamExt;
 
@@ -608,10 +608,52 @@ async fn calls_without_the_service_token_or_a_user_are_unauthenticated() {
     assert!(err.message().contains("authorization"), "{}", err.message());
 }
 
+/// A gateway on a fresh PostgreSQL database with the probe tools, run by the test itself so
+/// it can reach the gateway's audit trail (to flush it before reading the table).
+struct OwnGateway {
+    db: TestDb,
+    audit: std::sync::Arc<gateway_svc::audit::AuditTrail>,
+    addr: std::net::SocketAddr,
+    _probe: FakeProbe,
+}
+
+async fn own_gateway() -> OwnGateway {
+    let probe = FakeProbe::start().await;
+    let db = TestDb::create().await.unwrap();
+    let vars = env(&[
+        ("DATABASE_URL", db.url()),
+        ("GATEWAY_LISTEN_ADDR", "127.0.0.1:0"),
+        ("GATEWAY_SERVICE_TOKEN", SERVICE_TOKEN),
+        (
+            "CREDENTIALS_KEY",
+            "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=",
+        ),
+        ("HEALTH_PROBE_INTERVAL", "100ms"),
+    ]);
+    let config = gateway_svc::Config::load(svc_kit::config::Vars::from_map(&vars)).unwrap();
+    let app = gateway_svc::App::build_with_tools(config, probe_tools::all(&probe.url))
+        .await
+        .unwrap();
+    let (audit, addr) = (app.audit(), app.local_addr());
+    tokio::spawn(app.run(std::future::pending()));
+    wait_for_status(
+        channel(addr).await,
+        steward_proto::GATEWAY_SERVICE_NAME,
+        tonic_health::pb::health_check_response::ServingStatus::Serving,
+    )
+    .await;
+    OwnGateway {
+        db,
+        audit,
+        addr,
+        _probe: probe,
+    }
+}
+
 #[tokio::test]
 async fn every_tool_call_and_upstream_call_is_audited_without_secrets() {
-    let w = world(Backend::Postgres, &[]).await;
-    let mut g = w.app.gateway_as("u1").await;
+    let w = own_gateway().await;
+    let mut g = gateway_as(w.addr, "u1").await;
     connect(&mut g, "access-1", 3600).await;
     execute(
         &mut g,
@@ -622,10 +664,12 @@ async fn every_tool_call_and_upstream_call_is_audited_without_secrets() {
         ),
     )
     .await;
-    let (client, conn) =
-        tokio_postgres::connect(w.app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
+    // The call has answered; a read-only call's records may still be queued for the batching
+    // writer (the answer does not wait for them), so the table is read after a flush.
+    w.audit.flush().await.unwrap();
+    let (client, conn) = tokio_postgres::connect(w.db.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
     tokio::spawn(conn);
     let rows = client
         .query("SELECT kind, tool, account, status, bytes, upstream_calls FROM gateway.audit WHERE user_id = 'u1' ORDER BY id", &[])

@@ -1,7 +1,9 @@
 //! The gateway's hot path (issue 13; G-6, G-9, Q-2): the audit records of read-only calls go
 //! through a bounded queue written in multi-row batches — never dropped, flushed on shutdown,
-//! retried while the database refuses them — and a Gmail search reserves its whole cost
-//! before its first request, giving back what it did not use.
+//! retried while the database fails transiently, the records it refuses for good isolated,
+//! logged and counted — while every call that writes anything is audited before it returns;
+//! and a Gmail search reserves its whole cost before its first request (or what is left, when
+//! that still covers the list and one message), giving back what it did not use.
 //!
 //! No test sleeps to synchronise: each waits on the writer's statistics, a lock it holds, or
 //! the answer it needs.
@@ -15,11 +17,14 @@ use gateway_svc::{
     App, Config,
     audit::AuditTrail,
     config::AuditQueueConfig,
+    context::CallContext,
     domain::{Integration, UserId},
+    enforce::ToolError,
     ratelimit::{Decision, LimitKey, Limits, RateLimitBackend, memory::MemoryRateLimits},
+    registry::{Tool, ToolOutput, ToolSpec},
     store::{AuditEntry, AuditRecord, Stores, postgres::PgStore},
 };
-use serde_json::json;
+use serde_json::{Value, json};
 use steward_proto::{
     GATEWAY_SERVICE_NAME,
     gateway::v1::{self as pb, tool_call::Arguments},
@@ -216,46 +221,115 @@ async fn g9_a_batch_insert_on_postgres_writes_every_field_in_order() {
     assert_eq!(mine, vec![full_stored, bare]);
 }
 
+fn fast_retries() -> AuditQueueConfig {
+    AuditQueueConfig {
+        retry_first: Duration::from_millis(5),
+        retry_max: Duration::from_millis(20),
+        ..AuditQueueConfig::default()
+    }
+}
+
 #[tokio::test]
-async fn g9_a_writer_the_database_refuses_retries_and_every_record_lands_once_it_recovers() {
+async fn g9_a_writer_the_database_fails_transiently_retries_and_every_record_lands_once_it_recovers()
+ {
     let db = TestDb::create().await.unwrap();
     let stores = pg_stores(&db).await;
     let client = sql(&db).await;
-    // The database refuses audit inserts (a full disk, a revoked grant, a failover ...).
+    // Every audit insert fails with a condition a retry can get past: a full disk (53100).
     client
         .batch_execute(
             "CREATE FUNCTION gateway.refuse_audit() RETURNS trigger LANGUAGE plpgsql AS \
-               $$ BEGIN RAISE EXCEPTION 'audit writes refused'; END $$; \
+               $$ BEGIN RAISE EXCEPTION 'no space left on device' USING ERRCODE = '53100'; END $$; \
              CREATE TRIGGER refuse_audit BEFORE INSERT ON gateway.audit \
                FOR EACH STATEMENT EXECUTE FUNCTION gateway.refuse_audit();",
         )
         .await
         .unwrap();
-    let trail = AuditTrail::start(
-        stores.audit.clone(),
-        &AuditQueueConfig {
-            retry_first: Duration::from_millis(5),
-            retry_max: Duration::from_millis(20),
-            ..AuditQueueConfig::default()
-        },
-    );
+    let trail = AuditTrail::start(stores.audit.clone(), &fast_retries());
     for i in 0..5 {
         trail.record_later(record("u1", &format!("c{i}"))).await;
     }
     trail.stats().wait_for(|s| s.failures >= 2).await.unwrap();
     assert!(audit_rows(&client).await.is_empty());
-    assert_eq!(trail.stats().borrow().pending, 5, "kept, not dropped");
+    let stats = trail.stats().borrow().clone();
+    assert_eq!((stats.pending, stats.rejected), (5, 0), "kept, not dropped");
 
     client
         .batch_execute("DROP TRIGGER refuse_audit ON gateway.audit")
         .await
         .unwrap();
-    trail.flush().await;
+    trail.flush().await.unwrap();
     assert_eq!(
         audit_rows(&client).await,
         ["c0", "c1", "c2", "c3", "c4"],
         "every record exactly once, in order"
     );
+    assert_eq!(trail.stats().borrow().rejected, 0);
+}
+
+#[tokio::test]
+async fn g9_records_the_database_refuses_for_good_are_counted_and_the_rest_written() {
+    let db = TestDb::create().await.unwrap();
+    let stores = pg_stores(&db).await;
+    let mut client = sql(&db).await;
+    // Two records the database will never take: one breaks a CHECK constraint (23514), one a
+    // trigger refuses with RAISE (P0001). Retrying them would stall the queue forever.
+    client
+        .batch_execute(
+            "ALTER TABLE gateway.audit ADD CONSTRAINT no_bad_check CHECK (call_id <> 'bad-check'); \
+             CREATE FUNCTION gateway.refuse_one() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN IF NEW.call_id = 'bad-raise' THEN RAISE EXCEPTION 'refused'; END IF; \
+                  RETURN NEW; END $$; \
+             CREATE TRIGGER refuse_one BEFORE INSERT ON gateway.audit \
+               FOR EACH ROW EXECUTE FUNCTION gateway.refuse_one();",
+        )
+        .await
+        .unwrap();
+    let trail = AuditTrail::start(stores.audit.clone(), &fast_retries());
+    // Held back while they gather, so they go as one batch.
+    {
+        let lock = lock_audit_table(&mut client).await;
+        for id in ["c0", "bad-check", "c1", "bad-raise", "c2"] {
+            trail.record_later(record("u1", id)).await;
+        }
+        lock.commit().await.unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(20), trail.flush())
+        .await
+        .expect("refused records do not stall the queue")
+        .unwrap();
+    assert_eq!(audit_rows(&client).await, ["c0", "c1", "c2"]);
+    let stats = trail.stats().borrow().clone();
+    assert_eq!((stats.rejected, stats.written, stats.pending), (2, 3, 0));
+    // And the queue keeps flowing.
+    trail.record_later(record("u1", "c3")).await;
+    trail.flush().await.unwrap();
+    assert_eq!(audit_rows(&client).await, ["c0", "c1", "c2", "c3"]);
+}
+
+/// `read_echo {text}`: no upstream; returns its text. Declared read-only, so its audit record
+/// goes through the batching writer (the shared probe tools declare nothing, so theirs are
+/// written before the call returns).
+struct ReadEcho;
+
+#[async_trait::async_trait]
+impl Tool for ReadEcho {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new(
+            "read_echo",
+            Integration::Tasks,
+            "test: returns its text",
+            json!({"type": "object", "properties": {"text": {"type": "string"}}}),
+        )
+    }
+
+    fn read_only(&self) -> bool {
+        true
+    }
+
+    async fn call(&self, _ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        Ok(ToolOutput::text(args["text"].as_str().unwrap_or_default()))
+    }
 }
 
 /// One gateway on a fresh database, run by the test so it can reach the audit trail.
@@ -278,12 +352,12 @@ async fn gateway() -> Gateway {
             "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=",
         ),
         ("HEALTH_PROBE_INTERVAL", "100ms"),
-        ("SHUTDOWN_DRAIN_TIMEOUT", "2s"),
+        ("SHUTDOWN_DRAIN_TIMEOUT", "10s"),
     ]);
     let config = Config::load(Vars::from_map(&vars)).unwrap();
-    let app = App::build_with_tools(config, probe_tools::all("http://127.0.0.1:9"))
-        .await
-        .unwrap();
+    let mut tools = probe_tools::all("http://127.0.0.1:9");
+    tools.push(Arc::new(ReadEcho));
+    let app = App::build_with_tools(config, tools).await.unwrap();
     let audit = app.audit();
     let addr = app.local_addr();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -305,7 +379,7 @@ async fn gateway() -> Gateway {
     }
 }
 
-/// `n` probe_echo calls over one Execute stream, one after another, as a run makes them.
+/// `n` read_echo calls over one Execute stream, one after another, as a run makes them.
 async fn echo_calls(g: &mut UserGateway, n: usize) {
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let mut results = g
@@ -316,7 +390,7 @@ async fn echo_calls(g: &mut UserGateway, n: usize) {
     for i in 0..n {
         let call = pb::ToolCall {
             call_id: format!("c{i}"),
-            tool: "probe_echo".into(),
+            tool: "read_echo".into(),
             arguments: Some(Arguments::ArgsJson(r#"{"text":"hello"}"#.into())),
             ..Default::default()
         };
@@ -352,7 +426,7 @@ async fn g9_reads_answer_before_their_audit_is_written_and_their_records_arrive_
         assert_eq!(gw.audit.stats().borrow().pending, 10);
         lock.commit().await.unwrap();
     }
-    gw.audit.flush().await;
+    gw.audit.flush().await.unwrap();
     let rows = audit_rows(&client).await;
     assert_eq!(rows, (0..10).map(|i| format!("c{i}")).collect::<Vec<_>>());
     let stats = gw.audit.stats().borrow().clone();
@@ -373,17 +447,11 @@ async fn g9_a_draining_gateway_writes_every_queued_audit_record_before_it_exits(
     drop(g);
     assert_eq!(gw.audit.stats().borrow().pending, 7);
     // SIGTERM: the calls are drained (none is open), then the queue is closed and written
-    // out; the gateway does not exit while its writer waits for this lock (the drain deadline
-    // is 2 s away).
+    // out; the gateway waits for its writer, which waits for this lock (the drain deadline is
+    // 10 s away).
     let _ = gw.stop.take().unwrap().send(());
-    assert!(
-        tokio::time::timeout(Duration::from_millis(500), &mut gw.task)
-            .await
-            .is_err(),
-        "the gateway exited with audit records still queued"
-    );
     lock.commit().await.unwrap();
-    tokio::time::timeout(Duration::from_secs(10), &mut gw.task)
+    tokio::time::timeout(Duration::from_secs(20), &mut gw.task)
         .await
         .expect("the gateway stops within its drain")
         .unwrap()
@@ -391,6 +459,34 @@ async fn g9_a_draining_gateway_writes_every_queued_audit_record_before_it_exits(
     // Written before run returned, not eventually.
     assert_eq!(gw.audit.stats().borrow().pending, 0);
     assert_eq!(audit_rows(&client).await.len(), 7);
+}
+
+#[tokio::test]
+async fn g9_a_call_that_writes_steward_data_is_audited_before_it_returns() {
+    let gw = gateway().await;
+    let client = sql(&gw.db).await;
+    let mut g = gateway_as(gw.addr, "u1").await;
+    // add_task has no side effect outside Steward, but it writes: not read-only.
+    let added = call_tool(&mut g, "add_task", json!({"title": "File the report"})).await;
+    assert!(added.ok, "{}", added.text);
+    // No flush: the record is in the table as the call returns, and never went through the
+    // queue.
+    let rows = client
+        .query(
+            "SELECT kind, tool FROM gateway.audit WHERE user_id = 'u1' ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let got: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(got, [("tool_call".to_owned(), "add_task".to_owned())]);
+    let stats = gw.audit.stats().borrow().clone();
+    assert_eq!((stats.pending, stats.written), (0, 0));
+    // A read, by contrast, is queued (and written by the writer).
+    let listed = call_tool(&mut g, "list_tasks", json!({})).await;
+    assert!(listed.ok, "{}", listed.text);
+    gw.audit.flush().await.unwrap();
+    assert_eq!(gw.audit.stats().borrow().written, 1);
 }
 
 // --- Rate limits: a search reserves 1 + max_results and gives back what it did not use. ---
@@ -525,15 +621,68 @@ async fn gmail_world(backend: Backend, limits: &str, messages: usize) -> GmailWo
     }
 }
 
-async fn a_search_the_budget_cannot_cover_makes_no_request(backend: Backend) {
+fn list_requests(gmail: &FakeGmail) -> usize {
+    gmail
+        .recorded()
+        .into_iter()
+        .filter(|r| r.path.ends_with("/messages"))
+        .count()
+}
+
+async fn a_search_the_budget_cannot_fully_cover_is_cut_to_what_is_left(backend: Backend) {
     let mut w = gmail_world(backend, "10/day", 3).await;
     for _ in 0..4 {
         let r = call_tool(&mut w.g, "get_gmail", json!({"message_id": "aa0000"})).await;
         assert!(r.ok, "{}", r.text);
     }
-    // 6 of 10 left; a search of up to 6 messages needs 7.
+    // 6 of 10 left; a search of up to 6 messages would need 7, but the list and the 3
+    // messages there are fit: cut to 5, it finds all 3 and says nothing of a cut.
+    let found = call_tool(&mut w.g, "search_gmail", json!({"max_results": 6})).await;
+    assert!(found.ok, "{}", found.text);
+    assert_eq!(found.upstream_calls, 2);
+    assert!(found.text.contains("3. [aa0002]"), "{}", found.text);
+    assert!(!found.text.contains("At most"), "{}", found.text);
+    // It paid 1 + 3: 2 left. A search of up to 5 is cut to the list and 1 message, and says so.
+    let cut = call_tool(&mut w.g, "search_gmail", json!({"max_results": 5})).await;
+    assert!(cut.ok, "{}", cut.text);
+    assert!(cut.text.contains("1. [aa0000]"), "{}", cut.text);
+    assert!(!cut.text.contains("[aa0001]"), "{}", cut.text);
+    assert!(
+        cut.text
+            .contains("(At most 1 this time: 2 of the 10 Gmail calls per day were left.)"),
+        "{}",
+        cut.text
+    );
+    // Nothing left now.
+    let spent = call_tool(&mut w.g, "get_gmail", json!({"message_id": "aa0000"})).await;
+    assert_eq!(
+        spent.error_kind,
+        pb::ErrorKind::RateLimited as i32,
+        "{}",
+        spent.text
+    );
+}
+
+#[tokio::test]
+async fn g6_a_search_the_remaining_budget_cannot_fully_cover_is_cut_to_what_is_left() {
+    a_search_the_budget_cannot_fully_cover_is_cut_to_what_is_left(Backend::Memory).await;
+}
+
+#[tokio::test]
+async fn g6_a_search_the_remaining_budget_cannot_fully_cover_is_cut_to_what_is_left_on_postgres() {
+    a_search_the_budget_cannot_fully_cover_is_cut_to_what_is_left(Backend::Postgres).await;
+}
+
+async fn a_search_with_fewer_than_two_calls_left_makes_no_request(backend: Backend) {
+    let mut w = gmail_world(backend, "10/day", 3).await;
+    for _ in 0..9 {
+        let r = call_tool(&mut w.g, "get_gmail", json!({"message_id": "aa0000"})).await;
+        assert!(r.ok, "{}", r.text);
+    }
+    // 1 of 10 left: not even the list and one message.
+    let lists = list_requests(&w.gmail);
     let before = w.gmail.recorded().len();
-    let denied = call_tool(&mut w.g, "search_gmail", json!({"max_results": 6})).await;
+    let denied = call_tool(&mut w.g, "search_gmail", json!({"max_results": 1})).await;
     assert!(!denied.ok);
     assert_eq!(denied.error_kind, pb::ErrorKind::RateLimited as i32);
     assert!(
@@ -544,24 +693,25 @@ async fn a_search_the_budget_cannot_cover_makes_no_request(backend: Backend) {
         denied.text
     );
     assert_eq!(denied.upstream_calls, 0);
+    assert_eq!(lists, list_requests(&w.gmail));
     assert_eq!(
         w.gmail.recorded().len(),
         before,
         "a denied search sends Gmail nothing, not even its list request"
     );
-    // One that fits goes through: the denial charged nothing.
-    let fits = call_tool(&mut w.g, "search_gmail", json!({"max_results": 5})).await;
+    // The denial charged nothing: the last call still fits.
+    let fits = call_tool(&mut w.g, "get_gmail", json!({"message_id": "aa0000"})).await;
     assert!(fits.ok, "{}", fits.text);
 }
 
 #[tokio::test]
-async fn g6_a_search_the_remaining_budget_cannot_cover_is_refused_before_any_request() {
-    a_search_the_budget_cannot_cover_makes_no_request(Backend::Memory).await;
+async fn g6_a_search_with_fewer_than_two_calls_left_is_refused_before_any_request() {
+    a_search_with_fewer_than_two_calls_left_makes_no_request(Backend::Memory).await;
 }
 
 #[tokio::test]
-async fn g6_a_search_the_remaining_budget_cannot_cover_is_refused_before_any_request_on_postgres() {
-    a_search_the_budget_cannot_cover_makes_no_request(Backend::Postgres).await;
+async fn g6_a_search_with_fewer_than_two_calls_left_is_refused_before_any_request_on_postgres() {
+    a_search_with_fewer_than_two_calls_left_makes_no_request(Backend::Postgres).await;
 }
 
 async fn a_search_that_finds_fewer_gives_the_rest_back(backend: Backend) {

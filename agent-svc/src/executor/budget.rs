@@ -80,6 +80,23 @@ impl TokenCounter {
         }
     }
 
+    /// Tokens of a text that never changes (the operator's fixed prompt sections), counted
+    /// once per tokenizer.
+    pub fn constant(&self, s: &'static str) -> usize {
+        type Seen = std::sync::Mutex<std::collections::HashMap<(usize, usize, usize), usize>>;
+        static SEEN: std::sync::LazyLock<Seen> = std::sync::LazyLock::new(Seen::default);
+        // A &'static str's address names its text for the life of the process.
+        let key = (self.slot(), s.as_ptr() as usize, s.len());
+        if let Some(n) = SEEN.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return *n;
+        }
+        let n = self.text(s);
+        SEEN.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, n);
+        n
+    }
+
     fn json(&self, s: &str) -> usize {
         match self {
             TokenCounter::Tiktoken { .. } => self.text(s),

@@ -149,6 +149,9 @@ pub struct ModelSetup {
 #[derive(Debug, Clone)]
 pub struct RunRequest {
     pub system: String,
+    /// The system text's tokens when the prompt assembler measured them already (counted
+    /// here otherwise).
+    pub system_tokens: Option<usize>,
     /// Earlier transcript of the thread, oldest first.
     pub history: Vec<Turn>,
     pub prompt: String,
@@ -312,7 +315,9 @@ impl Executor {
             turns,
             sizes,
             counter,
-            system_tokens: counter.text(&req.system),
+            system_tokens: req
+                .system_tokens
+                .unwrap_or_else(|| counter.text(&req.system)),
             history_len,
             gathered: Vec::new(),
             calls: Vec::new(),

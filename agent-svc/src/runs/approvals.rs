@@ -317,6 +317,7 @@ impl RunService {
         };
         let request = RunRequest {
             system,
+            system_tokens: None,
             history,
             prompt: String::new(),
             tools: crate::llm::ToolSet::none(),

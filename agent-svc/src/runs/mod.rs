@@ -670,6 +670,7 @@ impl RunService {
         });
         let request = RunRequest {
             system: prompt.text,
+            system_tokens: Some(prompt.tokens),
             history,
             prompt: input.prompt.clone(),
             tools: crate::llm::ToolSet::none(),

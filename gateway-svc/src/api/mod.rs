@@ -30,9 +30,6 @@ type ResultStream = Pin<Box<dyn Stream<Item = Result<pb::ExecuteResponse, Status
 /// How many results may wait for a slow reader before tool tasks pause.
 const RESULT_BUFFER: usize = 64;
 
-/// How long a unary ExecuteTool waits for its queued audit records to be written.
-const UNARY_AUDIT_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
 /// The GatewayService implementation.
 pub struct GatewayApi {
     engine: Engine,
@@ -152,17 +149,6 @@ impl GatewayService for GatewayApi {
             }
             Err(rejected) => rejected_outcome(rejected),
         };
-        // A unary call (grpcurl, an approved action) returns once its audit records are
-        // written, so its caller can read them at once; the Execute stream, the runs' hot
-        // path, does not wait. Bounded: while the database is down the records stay queued.
-        if tokio::time::timeout(UNARY_AUDIT_WAIT, self.engine.services.audit.flush())
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                "ExecuteTool answered before its audit records were written; they stay queued"
-            );
-        }
         Ok(Response::new(pb::ExecuteToolResponse {
             result: Some(convert::tool_result(outcome)),
         }))

@@ -39,6 +39,7 @@ impl From<ApiError> for Status {
             ApiError::FailedPrecondition(_) => Status::failed_precondition(message),
             ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
             ApiError::Store(StoreError::InProgress(_)) => Status::aborted(message),
+            ApiError::Store(StoreError::Rejected { .. }) => Status::internal(message),
         }
     }
 }

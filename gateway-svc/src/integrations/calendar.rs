@@ -167,6 +167,11 @@ struct Search(CalendarApi);
 
 #[async_trait::async_trait]
 impl Tool for Search {
+    /// Reads only: its audit records may be written after it answers.
+    fn read_only(&self) -> bool {
+        true
+    }
+
     fn spec(&self) -> ToolSpec {
         spec(
             "calendar_search",

@@ -56,9 +56,44 @@ struct MessageRef {
 /// What one account's search found.
 struct Found {
     messages: Vec<Result<Message, String>>,
-    /// Set when the search was cut to fit the tightest rate-limit window (its limit and
-    /// window) and found as many as fit: there may be more.
-    capped: Option<(u32, Window)>,
+    /// Set when the search asked Gmail for fewer than wanted and found as many as it asked
+    /// for: there may be more.
+    cut: Option<Cut>,
+}
+
+/// Why a search asked Gmail for fewer messages than wanted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    /// More than one charge can ever be: the tightest window's limit, less the list.
+    Limit { limit: u32, window: Window },
+    /// More than the user has left now: `left` calls were left in the fullest window.
+    Budget {
+        fetched: u32,
+        left: u32,
+        limit: u32,
+        window: Window,
+    },
+}
+
+impl Cut {
+    fn note(self) -> String {
+        match self {
+            Cut::Limit { limit, window } => format!(
+                "(At most {} per search: the Gmail limit is {limit} calls per {}.)",
+                limit - 1,
+                window.label()
+            ),
+            Cut::Budget {
+                fetched,
+                left,
+                limit,
+                window,
+            } => format!(
+                "(At most {fetched} this time: {left} of the {limit} Gmail calls per {} were left.)",
+                window.label()
+            ),
+        }
+    }
 }
 
 #[derive(Deserialize, Default, Clone)]
@@ -158,10 +193,11 @@ impl GmailApi {
     }
 
     /// Metadata of the messages matching `query` in one account: 1 list + 1 batch request.
-    /// 1 + `max` is reserved before the list, so a user without that much budget left is
-    /// refused before any request is made; what the list did not find is given back after it.
-    /// A `max` past what one charge can ever be (the tightest window's limit, less the list) is
-    /// cut to fit, and the answer says so.
+    /// 1 + `max` is reserved before the list, so a user without budget left is refused before
+    /// any request is made; what the list did not find is given back after it. A `max` past
+    /// what one charge can ever be (the tightest window's limit, less the list) is cut to fit;
+    /// so is one past what the user has left, as long as the list and one message fit (2
+    /// calls) — fewer left is a refusal. Either cut is said in the answer.
     async fn search_account(
         &self,
         ctx: &CallContext,
@@ -170,13 +206,28 @@ impl GmailApi {
         max: u32,
     ) -> Result<Found, ToolError> {
         let wanted = max.clamp(1, batch::MAX_PER_BATCH as u32);
-        let (fetch, tightest) = match ctx.tightest_limit(Integration::Gmail) {
+        let (mut fetch, mut cut) = match ctx.tightest_limit(Integration::Gmail) {
             Some((limit, window)) if limit >= 2 && wanted > limit - 1 => {
-                (limit - 1, Some((limit, window)))
+                (limit - 1, Some(Cut::Limit { limit, window }))
             }
             _ => (wanted, None),
         };
-        let reservation = ctx.reserve(Integration::Gmail, account, 1 + fetch).await?;
+        let mut reservation = ctx
+            .reserve_up_to(Integration::Gmail, account, 2, 1 + fetch)
+            .await?;
+        if reservation.cost() < 1 + fetch {
+            fetch = reservation.cost() - 1;
+            if let Some((window, limit)) = reservation.full_window() {
+                cut = Some(Cut::Budget {
+                    fetched: fetch,
+                    left: reservation.cost(),
+                    limit,
+                    window,
+                });
+            }
+        }
+        // Cancelled (or timed out) before the list is read: no metadata fetch was made.
+        reservation.unused_if_dropped(fetch);
         let list_url = self.url("/gmail/v1/users/me/messages");
         let max_s = fetch.to_string();
         let listed = ctx
@@ -192,18 +243,19 @@ impl GmailApi {
             Ok(list) => list.messages.into_iter().map(|m| m.id).collect(),
             Err(e) => {
                 // No metadata fetch will follow: none of it was used.
-                ctx.refund(&reservation, fetch).await;
+                reservation.refund(fetch).await;
                 return Err(e);
             }
         };
         ids.truncate(fetch as usize);
-        ctx.refund(&reservation, fetch - ids.len() as u32).await;
-        // Cut to fit, and as many found as fit: there may be more.
-        let capped = tightest.filter(|_| ids.len() == fetch as usize);
+        // What remains is the batch request's, sent or not.
+        reservation.refund(fetch - ids.len() as u32).await;
+        // Cut, and as many found as asked for: there may be more.
+        let cut = cut.filter(|_| ids.len() == fetch as usize);
         if ids.is_empty() {
             return Ok(Found {
                 messages: Vec::new(),
-                capped,
+                cut,
             });
         }
         let paths: Vec<String> = ids
@@ -253,7 +305,7 @@ impl GmailApi {
                 None => Err(format!("[{id}] (missing from Gmail's batch answer)")),
             })
             .collect();
-        Ok(Found { messages, capped })
+        Ok(Found { messages, cut })
     }
 
     async fn get_message(
@@ -392,6 +444,11 @@ struct SearchGmail(GmailApi);
 
 #[async_trait::async_trait]
 impl Tool for SearchGmail {
+    /// Reads only: its audit records may be written after it answers.
+    fn read_only(&self) -> bool {
+        true
+    }
+
     fn spec(&self) -> ToolSpec {
         spec("search_gmail", "Search the user's email (Gmail search syntax, e.g. `from:boss is:unread newer_than:7d`). \
              Returns id, sender, subject, date and Gmail's snippet per message, never bodies; \
@@ -432,7 +489,7 @@ impl Tool for SearchGmail {
                 Ok(Found { messages, .. }) if messages.is_empty() => {
                     section.push_str("\nNo messages match.");
                 }
-                Ok(Found { messages, capped }) => {
+                Ok(Found { messages, cut }) => {
                     for (i, m) in messages.iter().enumerate() {
                         match m {
                             Ok(m) => {
@@ -456,12 +513,9 @@ impl Tool for SearchGmail {
                             Err(note) => section.push_str(&format!("\n{}. {note}", i + 1)),
                         }
                     }
-                    if let Some((limit, window)) = capped {
-                        section.push_str(&format!(
-                            "\n(At most {} per search: the Gmail limit is {limit} calls per {}.)",
-                            limit - 1,
-                            window.label()
-                        ));
+                    if let Some(cut) = cut {
+                        section.push('\n');
+                        section.push_str(&cut.note());
                     }
                 }
             }
@@ -594,6 +648,11 @@ struct GetGmail(GmailApi);
 
 #[async_trait::async_trait]
 impl Tool for GetGmail {
+    /// Reads only: its audit records may be written after it answers.
+    fn read_only(&self) -> bool {
+        true
+    }
+
     fn spec(&self) -> ToolSpec {
         spec(
             "get_gmail",
@@ -642,6 +701,11 @@ struct ThreadRead(GmailApi);
 
 #[async_trait::async_trait]
 impl Tool for ThreadRead {
+    /// Reads only: its audit records may be written after it answers.
+    fn read_only(&self) -> bool {
+        true
+    }
+
     fn spec(&self) -> ToolSpec {
         spec(
             "gmail_thread_read",

@@ -161,6 +161,11 @@ struct SearchMemory(Arc<dyn NoteStore>);
 
 #[async_trait::async_trait]
 impl Tool for SearchMemory {
+    /// Reads only: its audit records may be written after it answers.
+    fn read_only(&self) -> bool {
+        true
+    }
+
     fn spec(&self) -> ToolSpec {
         spec(
             "search_memory",

@@ -71,6 +71,11 @@ struct GetReminders(Arc<dyn ReminderStore>);
 
 #[async_trait::async_trait]
 impl Tool for GetReminders {
+    /// Reads only: its audit records may be written after it answers.
+    fn read_only(&self) -> bool {
+        true
+    }
+
     fn spec(&self) -> ToolSpec {
         spec(
             "get_reminders",

@@ -117,6 +117,11 @@ struct Channels(SlackApi);
 
 #[async_trait::async_trait]
 impl Tool for Channels {
+    /// Reads only: its audit records may be written after it answers.
+    fn read_only(&self) -> bool {
+        true
+    }
+
     fn spec(&self) -> ToolSpec {
         spec(
             "slack_channels",
@@ -197,6 +202,11 @@ struct Read(SlackApi);
 
 #[async_trait::async_trait]
 impl Tool for Read {
+    /// Reads only: its audit records may be written after it answers.
+    fn read_only(&self) -> bool {
+        true
+    }
+
     fn spec(&self) -> ToolSpec {
         spec(
             "slack_read",

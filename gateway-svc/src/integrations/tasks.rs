@@ -112,6 +112,11 @@ struct ListTasks(Arc<dyn TaskStore>);
 
 #[async_trait::async_trait]
 impl Tool for ListTasks {
+    /// Reads only: its audit records may be written after it answers.
+    fn read_only(&self) -> bool {
+        true
+    }
+
     fn spec(&self) -> ToolSpec {
         spec(
             "list_tasks",

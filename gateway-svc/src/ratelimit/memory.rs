@@ -2,7 +2,7 @@
 
 use std::{collections::HashMap, sync::Mutex};
 
-use super::{Decision, LimitKey, Limits, RateLimitBackend, WindowCount, decide, refunded};
+use super::{Decision, LimitKey, Limits, RateLimitBackend, WindowCount, decide_up_to, refunded};
 use crate::store::StoreError;
 
 /// Past this many keys, windows that ended are pruned on the next charge.
@@ -15,13 +15,14 @@ pub struct MemoryRateLimits {
 
 #[async_trait::async_trait]
 impl RateLimitBackend for MemoryRateLimits {
-    async fn charge(
+    async fn charge_up_to(
         &self,
         key: &LimitKey,
         limits: &Limits,
-        cost: u32,
+        min: u32,
+        max: u32,
         now: u64,
-    ) -> Result<Decision, StoreError> {
+    ) -> Result<(Decision, u32), StoreError> {
         let mut counts = self
             .counts
             .lock()
@@ -34,11 +35,11 @@ impl RateLimitBackend for MemoryRateLimits {
             });
         }
         let entry = counts.entry(key.storage_key()).or_default();
-        let (decision, updated) = decide(limits, entry, cost, now);
+        let (decision, updated, cost) = decide_up_to(limits, entry, min, max, now);
         if matches!(decision, Decision::Allowed(_)) {
             *entry = updated;
         }
-        Ok(decision)
+        Ok((decision, cost))
     }
 
     async fn refund(

@@ -2,7 +2,9 @@
 //!
 //! Limits apply per (user, integration, account) to the underlying API calls, charged before the
 //! calls are made: a Gmail search of N messages costs 1 + N, reserved as 1 + max_results before
-//! its first request, the messages it did not find given back after the list ([`Reservation`]). Windows are fixed and aligned to
+//! its first request — or as much as every window has left, when that is less but still covers
+//! the list and one message —, the messages it did not find given back after the list
+//! ([`HeldReservation`]). Windows are fixed and aligned to
 //! the minute, hour and day (UTC), so every replica agrees on them and a denial can say exactly
 //! when the window reopens. Two backends implement one decision: in-process (the default) and
 //! PostgreSQL (shared by every replica, exact under concurrency).
@@ -190,6 +192,35 @@ pub fn decide(
     (Decision::Allowed(usage), updated)
 }
 
+/// The decision for a charge of as much of `max` as every window has room for, but at least
+/// `min` (capped at `max`), shared by both backends: `max` when it fits; otherwise the room left
+/// in the fullest window when that is at least `min`; otherwise the denial of `min`. Returns
+/// the decision, the counts to store when allowed, and the cost decided on.
+pub fn decide_up_to(
+    limits: &Limits,
+    counts: &[WindowCount],
+    min: u32,
+    max: u32,
+    now: u64,
+) -> (Decision, Vec<WindowCount>, u32) {
+    let room = limits
+        .0
+        .iter()
+        .map(|&(window, limit)| {
+            let start = window.start(now);
+            let used = counts
+                .iter()
+                .find(|(w, s, _)| *w == window && *s == start)
+                .map_or(0, |(_, _, used)| *used);
+            limit.saturating_sub(used)
+        })
+        .min()
+        .unwrap_or(u32::MAX);
+    let cost = max.min(room).max(min.min(max));
+    let (decision, updated) = decide(limits, counts, cost, now);
+    (decision, updated, cost)
+}
+
 /// Stored counts after giving back `amount` of a charge made at `charged_at`, shared by both
 /// backends: only the windows that charge went into lose it (one that has rolled over since
 /// keeps its count, so a refund never grants budget in a window it was not charged to), and
@@ -216,7 +247,23 @@ pub trait RateLimitBackend: Send + Sync + 'static {
         limits: &Limits,
         cost: u32,
         now: u64,
-    ) -> Result<Decision, StoreError>;
+    ) -> Result<Decision, StoreError> {
+        self.charge_up_to(key, limits, cost, cost, now)
+            .await
+            .map(|(decision, _)| decision)
+    }
+
+    /// Atomically charges every window of `key` as [`decide_up_to`] says: `max` if all can
+    /// take it, else as much as all have left if that is at least `min`, else nothing (the
+    /// denial of `min`). Returns the decision and the cost decided on.
+    async fn charge_up_to(
+        &self,
+        key: &LimitKey,
+        limits: &Limits,
+        min: u32,
+        max: u32,
+        now: u64,
+    ) -> Result<(Decision, u32), StoreError>;
 
     /// Atomically gives back `amount` of a charge to `key` made at `charged_at` that was not
     /// used, as [`refunded`] says: only in the windows of `limits` that charge went into, never
@@ -260,7 +307,7 @@ impl RateLimiter {
 
     /// Charges `cost` upstream calls to `key` now. Integrations without limits always pass.
     pub async fn charge(&self, key: &LimitKey, cost: u32) -> Result<(), ToolError> {
-        self.reserve(key, cost).await.map(drop)
+        self.reserve_up_to(key, cost, cost).await.map(drop)
     }
 
     /// The smallest limit of `integration`'s windows and that window: the most one charge can
@@ -273,27 +320,38 @@ impl RateLimiter {
             .min_by_key(|(n, w)| (*n, w.seconds()))
     }
 
-    /// As [`RateLimiter::charge`], returning the charge so that what it did not use can be
-    /// given back with [`RateLimiter::refund`] (a search reserves 1 + max_results up front).
-    pub async fn reserve(&self, key: &LimitKey, cost: u32) -> Result<Reservation, ToolError> {
+    /// Charges `key` as much of `max` as every window has left, but at least `min` (else the
+    /// call is refused as a charge of `min` would be), keeping the charge so that what it did
+    /// not use can be given back (a search reserves 1 + max_results up front).
+    pub async fn reserve_up_to(
+        &self,
+        key: &LimitKey,
+        min: u32,
+        max: u32,
+    ) -> Result<HeldReservation, ToolError> {
         let now = unix_now();
-        let reservation = Reservation {
-            key: key.clone(),
-            cost,
-            at: now,
+        let held = |cost: u32, usage: Vec<WindowUsage>| HeldReservation {
+            limiter: self.clone(),
+            reservation: Reservation {
+                key: key.clone(),
+                cost,
+                at: now,
+            },
+            usage,
+            if_dropped: 0,
         };
         let Some(limits) = (self.limits)(key.integration) else {
-            return Ok(reservation);
+            return Ok(held(max, Vec::new()));
         };
         let service = key.integration.label();
-        let decision = self
+        let (decision, cost) = self
             .backend
-            .charge(key, &limits, cost, now)
+            .charge_up_to(key, &limits, min, max, now)
             .await
             .map_err(|e| ToolError::Internal(format!("rate limiter unavailable: {e}")))?;
         match decision {
             Decision::Allowed(usage) => {
-                for u in usage {
+                for u in &usage {
                     let threshold = u.limit * 4 / 5;
                     // Warn once per window: on the charge that crosses 80%.
                     if u.used >= threshold && u.used.saturating_sub(cost) < threshold {
@@ -304,7 +362,7 @@ impl RateLimiter {
                         );
                     }
                 }
-                Ok(reservation)
+                Ok(held(cost, usage))
             }
             Decision::Denied { window, limit, .. } if cost > limit => Err(ToolError::OverBudget {
                 service,
@@ -349,6 +407,64 @@ impl RateLimiter {
                 error = %e, user = %key.user, integration = key.integration.key(), account = %key.account,
                 amount, "could not give back unused rate-limit budget"
             );
+        }
+    }
+}
+
+/// A reservation a call holds: settled with [`HeldReservation::refund`] (what it did not use
+/// goes back), or, dropped unsettled because its call was cancelled or timed out, giving back
+/// what [`HeldReservation::unused_if_dropped`] last said — in a task of its own, since a drop
+/// cannot wait.
+pub struct HeldReservation {
+    limiter: RateLimiter,
+    reservation: Reservation,
+    /// Each window after the charge (empty when the integration has no limits).
+    usage: Vec<WindowUsage>,
+    if_dropped: u32,
+}
+
+impl HeldReservation {
+    /// The calls reserved.
+    pub fn cost(&self) -> u32 {
+        self.reservation.cost
+    }
+
+    /// The shortest window this reservation filled, and its limit: the one that kept it
+    /// smaller than asked.
+    pub fn full_window(&self) -> Option<(Window, u32)> {
+        self.usage
+            .iter()
+            .find(|u| u.used >= u.limit)
+            .map(|u| (u.window, u.limit))
+    }
+
+    /// How much to give back if this reservation is dropped before it is settled (what
+    /// surely has not been used yet).
+    pub fn unused_if_dropped(&mut self, unused: u32) {
+        self.if_dropped = unused.min(self.reservation.cost);
+    }
+
+    /// Settles the reservation, giving back `unused` of it. The refund runs in a task of its
+    /// own: a caller dropped meanwhile does not lose it.
+    pub async fn refund(mut self, unused: u32) {
+        self.if_dropped = 0;
+        if unused == 0 {
+            return;
+        }
+        let (limiter, reservation) = (self.limiter.clone(), self.reservation.clone());
+        let _ = tokio::spawn(async move { limiter.refund(&reservation, unused).await }).await;
+    }
+}
+
+impl Drop for HeldReservation {
+    fn drop(&mut self) {
+        let unused = std::mem::take(&mut self.if_dropped);
+        if unused == 0 {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (limiter, reservation) = (self.limiter.clone(), self.reservation.clone());
+            runtime.spawn(async move { limiter.refund(&reservation, unused).await });
         }
     }
 }
@@ -416,6 +532,72 @@ mod tests {
         // The minute rolled over since the charge: the new minute keeps its count.
         let later = [(Window::Minute, minute + 60, 4)];
         assert_eq!(refunded(&later, 3, charged_at), later);
+    }
+
+    #[test]
+    fn a_charge_up_to_takes_what_every_window_has_left_but_never_less_than_its_minimum() {
+        let limits: Limits = "10/minute,100/hour".parse().unwrap();
+        let now = 1_000_000_038;
+        let minute = Window::Minute.start(now);
+        let hour = Window::Hour.start(now);
+        let cost = |counts: &[WindowCount], min, max| {
+            let (d, _, cost) = decide_up_to(&limits, counts, min, max, now);
+            matches!(d, Decision::Allowed(_)).then_some(cost)
+        };
+        // Room for all of it.
+        assert_eq!(cost(&[], 2, 7), Some(7));
+        // 6 left this minute (the hour has more): cut to 6.
+        assert_eq!(cost(&[(Window::Minute, minute, 4)], 2, 7), Some(6));
+        // The fullest window decides: 3 left this hour.
+        assert_eq!(
+            cost(
+                &[(Window::Minute, minute, 1), (Window::Hour, hour, 97)],
+                2,
+                7
+            ),
+            Some(3)
+        );
+        // Fewer than the minimum left: refused, with the denial of the minimum.
+        let (d, updated, _) = decide_up_to(&limits, &[(Window::Minute, minute, 9)], 2, 7, now);
+        assert!(
+            matches!(
+                d,
+                Decision::Denied {
+                    window: Window::Minute,
+                    limit: 10,
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
+        assert!(updated.is_empty());
+        // A plain charge is a charge up to itself.
+        assert_eq!(cost(&[(Window::Minute, minute, 4)], 7, 7), None);
+    }
+
+    #[tokio::test]
+    async fn a_reservation_dropped_unsettled_gives_back_what_it_was_told_is_unused() {
+        let limiter = RateLimiter::new(Arc::new(memory::MemoryRateLimits::default()), |_| {
+            Some("10/day".parse().unwrap())
+        });
+        let key = LimitKey {
+            user: UserId::parse("u1").unwrap(),
+            integration: Integration::Gmail,
+            account: "a@x.com".into(),
+        };
+        let mut held = limiter.reserve_up_to(&key, 2, 10).await.unwrap();
+        assert_eq!(held.cost(), 10);
+        assert!(limiter.charge(&key, 1).await.is_err(), "all 10 reserved");
+        // The search was cancelled during its list request: its 9 fetches never happened.
+        held.unused_if_dropped(9);
+        drop(held);
+        // The refund runs in a task of its own; on this single-threaded runtime it has run
+        // once this task has yielded to it.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        limiter.charge(&key, 9).await.unwrap();
+        assert!(limiter.charge(&key, 1).await.is_err(), "9 back, no more");
     }
 
     #[test]

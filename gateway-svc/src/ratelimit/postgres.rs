@@ -4,7 +4,7 @@
 
 use deadpool_postgres::Pool;
 
-use super::{Decision, LimitKey, Limits, RateLimitBackend, Window, WindowCount, decide};
+use super::{Decision, LimitKey, Limits, RateLimitBackend, Window, WindowCount, decide_up_to};
 use crate::store::StoreError;
 
 pub struct PgRateLimits {
@@ -25,13 +25,14 @@ fn window_from_secs(secs: i32) -> Option<Window> {
 
 #[async_trait::async_trait]
 impl RateLimitBackend for PgRateLimits {
-    async fn charge(
+    async fn charge_up_to(
         &self,
         key: &LimitKey,
         limits: &Limits,
-        cost: u32,
+        min: u32,
+        max: u32,
         now: u64,
-    ) -> Result<Decision, StoreError> {
+    ) -> Result<(Decision, u32), StoreError> {
         let mut client = svc_kit::pg::checkout(&self.pool, "gateway")
             .await
             .map_err(StoreError::unavailable)?;
@@ -65,7 +66,7 @@ impl RateLimitBackend for PgRateLimits {
                 Some((w, r.get::<_, i64>(1) as u64, r.get::<_, i32>(2) as u32))
             })
             .collect();
-        let (decision, updated) = decide(limits, &counts, cost, now);
+        let (decision, updated, cost) = decide_up_to(limits, &counts, min, max, now);
         if matches!(decision, Decision::Allowed(_)) {
             for (window, start, used) in updated {
                 tx.execute(
@@ -82,7 +83,7 @@ impl RateLimitBackend for PgRateLimits {
             }
         }
         tx.commit().await.map_err(StoreError::db)?;
-        Ok(decision)
+        Ok((decision, cost))
     }
 
     async fn refund(

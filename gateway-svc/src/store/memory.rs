@@ -256,12 +256,7 @@ impl IdempotencyClaim for MemoryClaim {
 #[async_trait::async_trait]
 impl AuditLog for MemoryStore {
     async fn record(&self, record: AuditRecord) -> Result<(), StoreError> {
-        let mut audit = self.audit.lock().map_err(|_| poisoned())?;
-        if audit.len() == AUDIT_CAPACITY {
-            audit.pop_front();
-        }
-        audit.push_back(record);
-        Ok(())
+        self.record_many(&[AuditEntry::now(record)]).await
     }
 
     async fn record_many(&self, entries: &[AuditEntry]) -> Result<(), StoreError> {

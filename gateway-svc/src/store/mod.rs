@@ -23,6 +23,12 @@ pub enum StoreError {
     /// Another call holds this idempotency key and is still running.
     #[error("{0}")]
     InProgress(String),
+    /// The database refused this data for good: writing it again cannot succeed (SQLSTATE
+    /// class 22 data exception, 23 integrity constraint, 42 syntax or access rule — a missing
+    /// privilege among them —, or P0001, a trigger's RAISE). Only audit writes report it
+    /// (see [`StoreError::audit_write`]); other writes say `Unavailable`.
+    #[error("the database refused the record: {message} ({code})")]
+    Rejected { code: String, message: String },
 }
 
 impl StoreError {
@@ -37,6 +43,35 @@ impl StoreError {
             None => StoreError::Unavailable(e.to_string()),
         }
     }
+
+    /// An audit write's failure, classified for the batching writer (`crate::audit`): what
+    /// the server refused for good is [`StoreError::Rejected`] (never retried: the record is
+    /// isolated and logged); everything else — no connection, the pool, a serialization
+    /// failure or deadlock (40xxx), the server shutting down or an admin's cancel (57xxx), a
+    /// broken connection (08xxx), a full disk — is `Unavailable` and retried.
+    pub fn audit_write(e: tokio_postgres::Error) -> Self {
+        match e.as_db_error() {
+            Some(db) if is_permanent(db.code().code()) => StoreError::Rejected {
+                code: db.code().code().to_owned(),
+                message: db.message().to_owned(),
+            },
+            _ => Self::db(e),
+        }
+    }
+
+    /// The write can never succeed as it is; retrying it is pointless.
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, StoreError::Rejected { .. })
+    }
+}
+
+/// SQLSTATEs that no retry of the same statement and data can get past: classes 22, 23 and 42,
+/// and P0001 (`RAISE EXCEPTION` without its own code).
+pub fn is_permanent(sqlstate: &str) -> bool {
+    sqlstate == "P0001"
+        || ["22", "23", "42"]
+            .iter()
+            .any(|class| sqlstate.starts_with(class))
 }
 
 impl From<svc_kit::pg::PgError> for StoreError {
@@ -204,7 +239,9 @@ pub trait AuditLog: Send + Sync + 'static {
     /// Writes one record now, stamped with the time of the write.
     async fn record(&self, record: AuditRecord) -> Result<(), StoreError>;
     /// Writes `entries` in their order, all or none, each with its own time: one statement
-    /// for the whole batch.
+    /// for the whole batch. A batch the database refuses for good (one bad record in it, or
+    /// any record at all) fails with [`StoreError::Rejected`]; a failure a retry can get past
+    /// with `Unavailable`.
     async fn record_many(&self, entries: &[AuditEntry]) -> Result<(), StoreError>;
     /// The most recent records for a user, newest last (for tests and operators).
     async fn recent(&self, user: &UserId, limit: usize) -> Result<Vec<AuditRecord>, StoreError>;

@@ -528,31 +528,17 @@ fn pg_text(s: &str) -> String {
     s.replace('\0', "\u{fffd}")
 }
 
+/// A count as PostgreSQL `int4`: saturated at its maximum, never wrapped to a negative.
+fn int4(n: u32) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
 #[async_trait::async_trait]
 impl AuditLog for PgStore {
+    /// One record now: the batch statement with one row, so both paths share one statement,
+    /// one clock (the gateway's) and one sanitiser.
     async fn record(&self, r: AuditRecord) -> Result<(), StoreError> {
-        self.client()
-            .await?
-            .execute(
-                "INSERT INTO gateway.audit (user_id, kind, tool, integration, account, call_id, run_id, status, \
-                   latency_ms, bytes, upstream_calls) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
-                &[
-                    &r.user,
-                    &r.kind,
-                    &r.tool,
-                    &r.integration,
-                    &r.account,
-                    &r.call_id,
-                    &r.run_id,
-                    &r.status,
-                    &(r.latency_ms as i32),
-                    &(r.bytes as i32),
-                    &(r.upstream_calls as i32),
-                ],
-            )
-            .await
-            .map_err(db)?;
-        Ok(())
+        self.record_many(&[AuditEntry::now(r)]).await
     }
 
     async fn record_many(&self, entries: &[AuditEntry]) -> Result<(), StoreError> {
@@ -584,9 +570,9 @@ impl AuditLog for PgStore {
             call_id.push(pg_text(&r.call_id));
             run_id.push(r.run_id.as_deref().map(pg_text));
             status.push(pg_text(&r.status));
-            latency_ms.push(r.latency_ms as i32);
-            bytes.push(r.bytes as i32);
-            upstream_calls.push(r.upstream_calls as i32);
+            latency_ms.push(int4(r.latency_ms));
+            bytes.push(int4(r.bytes));
+            upstream_calls.push(int4(r.upstream_calls));
         }
         self.client()
             .await?
@@ -616,7 +602,9 @@ impl AuditLog for PgStore {
                 ],
             )
             .await
-            .map_err(db)?;
+            // A refused record is told apart from an outage: the batching writer isolates the
+            // first and retries the second.
+            .map_err(StoreError::audit_write)?;
         Ok(())
     }
 
@@ -802,31 +790,31 @@ impl NoteStore for PgStore {
         query: &str,
         limit: usize,
     ) -> Result<Vec<Note>, StoreError> {
-        let client = self.client().await?;
         let limit = limit as i64;
-        // Full-text search with every word (stemmed, ranked by cover density) first ...
-        let rows = client
-            .query(
-                "SELECT id, content, tags, created_at, origin FROM gateway.memories, websearch_to_tsquery('english', $2) q \
-                 WHERE user_id = $1 AND tsv @@ q ORDER BY ts_rank_cd(tsv, q) DESC, id DESC LIMIT $3",
-                &[&user.as_str(), &query, &limit],
-            )
-            .await
-            .map_err(db)?;
-        if !rows.is_empty() {
-            return Ok(rows.iter().map(note_from_row).collect());
-        }
-        // ... then any word as a prefix, so "meet" or a half-typed name still finds something.
+        // Full-text search with every word (stemmed, ranked by cover density) first; only when
+        // that finds nothing, any word as a prefix, so "meet" or a half-typed name still finds
+        // something. One statement, one round trip: every run's [ABOUT THE USER] asks this
+        // (issue 13), and most find nothing the first way.
         let terms: Vec<String> = words(query).into_iter().map(|w| format!("{w}:*")).collect();
-        if terms.is_empty() {
-            return Ok(Vec::new());
-        }
-        let rows = client
+        let rows = self
+            .client()
+            .await?
             .query(
-                "SELECT id, content, tags, created_at, origin FROM gateway.memories, to_tsquery('simple', $2) q \
-                 WHERE user_id = $1 AND to_tsvector('simple', search_text) @@ q \
-                 ORDER BY ts_rank_cd(to_tsvector('simple', search_text), q) DESC, id DESC LIMIT $3",
-                &[&user.as_str(), &terms.join(" | "), &limit],
+                "WITH exact AS ( \
+                   SELECT id, content, tags, created_at, origin, ts_rank_cd(tsv, q) AS rank \
+                   FROM gateway.memories, websearch_to_tsquery('english', $2) q \
+                   WHERE user_id = $1 AND tsv @@ q ORDER BY rank DESC, id DESC LIMIT $3), \
+                 loose AS ( \
+                   SELECT id, content, tags, created_at, origin, \
+                          ts_rank_cd(to_tsvector('simple', search_text), q) AS rank \
+                   FROM gateway.memories, to_tsquery('simple', $4) q \
+                   WHERE $4 <> '' AND NOT EXISTS (SELECT 1 FROM exact) AND user_id = $1 \
+                     AND to_tsvector('simple', search_text) @@ q \
+                   ORDER BY rank DESC, id DESC LIMIT $3) \
+                 SELECT id, content, tags, created_at, origin FROM ( \
+                   SELECT *, 0 AS pass FROM exact UNION ALL SELECT *, 1 AS pass FROM loose) found \
+                 ORDER BY pass, rank DESC, id DESC",
+                &[&user.as_str(), &query, &limit, &terms.join(" | ")],
             )
             .await
             .map_err(db)?;
