@@ -12,7 +12,6 @@ export PEERS_PYTHON
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 
-cargo build --release -p agent-svc -p gateway-svc
 for bench in runs load gateway bootstrap tokens; do
   echo "== cargo bench -p steward-tests --bench $bench"
   cargo bench -p steward-tests --bench "$bench" | tee -a "$out"
