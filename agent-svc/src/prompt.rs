@@ -67,6 +67,10 @@ pub struct Prompt {
     pub tokens: usize,
 }
 
+/// The sections whose text changes from one run to the next, always the last ones, in this
+/// order (those a run has): a provider's prompt cache can hold everything before them.
+pub const PER_RUN_SECTIONS: [&str; 3] = ["ABOUT THE USER", "ATTACHED CONTEXT", "CURRENT TIME"];
+
 pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Prompt {
     // Only PERSONA, OPERATING MODEL, SESSION OPEN (the operator's text) and CURRENT TIME are
     // ours; everything else is data and enters fenced.
@@ -74,6 +78,24 @@ pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Pro
     if matches!(input.channel, Some(Channel::Web | Channel::Telegram)) {
         sections.push(("OPERATING MODEL", OPERATING_MODEL.to_owned()));
     }
+    if let Some(g) = &input.session_guidance {
+        sections.push(("SESSION OPEN", g.clone()));
+    }
+    if let Some(b) = &input.bootstrap {
+        sections.push(("BOOTSTRAP CONTEXT", fence::block("bootstrap context", b)));
+    }
+    if !input.recent_sessions.is_empty() {
+        let lines: Vec<String> = input
+            .recent_sessions
+            .iter()
+            .map(|s| format!("- {s}"))
+            .collect();
+        sections.push((
+            "RECENT SESSIONS",
+            fence::block("past session summaries", &lines.join("\n")),
+        ));
+    }
+    // What changes from run to run comes last (see PER_RUN_SECTIONS).
     if let Some(about) = input.about_user.as_ref().filter(|a| !a.trim().is_empty()) {
         sections.push(("ABOUT THE USER", fence::block("memory", about)));
     }
@@ -95,23 +117,6 @@ pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Pro
         sections.push((
             "ATTACHED CONTEXT",
             fence::block("attached by the client", &lines.join("\n")),
-        ));
-    }
-    if let Some(g) = &input.session_guidance {
-        sections.push(("SESSION OPEN", g.clone()));
-    }
-    if let Some(b) = &input.bootstrap {
-        sections.push(("BOOTSTRAP CONTEXT", fence::block("bootstrap context", b)));
-    }
-    if !input.recent_sessions.is_empty() {
-        let lines: Vec<String> = input
-            .recent_sessions
-            .iter()
-            .map(|s| format!("- {s}"))
-            .collect();
-        sections.push((
-            "RECENT SESSIONS",
-            fence::block("past session summaries", &lines.join("\n")),
         ));
     }
     let now = jiff::Timestamp::try_from(now)
@@ -235,8 +240,8 @@ mod tests {
             [
                 "PERSONA",
                 "OPERATING MODEL",
-                "ABOUT THE USER",
                 "BOOTSTRAP CONTEXT",
+                "ABOUT THE USER",
                 "CURRENT TIME"
             ]
         );

@@ -103,6 +103,16 @@ async fn anthropic_app(fake: &CachingAnthropic, cache: &str) -> steward_tests::T
 async fn e10_with_anthropic_caching_a_repeated_run_reads_most_of_its_input_from_the_cache() {
     let fake = CachingAnthropic::start().await;
     let app = anthropic_app(&fake, "true").await;
+    // Something remembered that each prompt finds: [ABOUT THE USER] differs run to run.
+    let saved = steward_tests::calls::call_tool(
+        &mut app.gateway_as("alice").await,
+        "create_memories",
+        serde_json::json!({"memories": [
+            {"content": "Keeps tasks for the hiring loop"},
+            {"content": "Reviews tasks again every Friday"}]}),
+    )
+    .await;
+    assert!(saved.ok, "{}", saved.text);
     let mut agent = app.agent_as("alice").await;
 
     let first = run_once(&mut agent, "check my tasks", "")

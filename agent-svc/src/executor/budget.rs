@@ -170,6 +170,12 @@ pub fn fit(turns: &[Turn], sizes: &[usize], fixed: usize, budget: Budget) -> Fit
     } else {
         0
     };
+    // The history limit never takes the last exchange before the current turn (the answer a
+    // follow-up question refers to); only the context window may.
+    let last_exchange = turns[..current_start]
+        .iter()
+        .rposition(|t| matches!(t, Turn::User(_)))
+        .unwrap_or(0);
     let mut total: usize = fixed + budget.reserve_output + sizes.iter().sum::<usize>();
     let mut dropped = 0;
     let mut cut = 0;
@@ -177,9 +183,10 @@ pub fn fit(turns: &[Turn], sizes: &[usize], fixed: usize, budget: Budget) -> Fit
         if end > current_start {
             break;
         }
+        let history_over = dropped < must_drop && start < last_exchange;
         // Keep going past the limits while the kept part would start with a non-user turn:
         // providers (Anthropic, Gemini) require the transcript to open with the user.
-        if total <= budget.window && dropped >= must_drop && matches!(turns[start], Turn::User(_)) {
+        if total <= budget.window && !history_over && matches!(turns[start], Turn::User(_)) {
             break;
         }
         let unit: usize = sizes[start..end].iter().sum();
@@ -315,5 +322,39 @@ mod tests {
             cuts.len() < 50 / 2,
             "the cut moves in steps, not with every run: {cuts:?}"
         );
+    }
+
+    #[test]
+    fn the_history_limit_keeps_the_last_exchange_whatever_its_size() {
+        let counter = TokenCounter::Ratio;
+        let budget = Budget {
+            window: 200_000,
+            reserve_output: 2048,
+            history: 3000,
+        };
+        // A small old exchange, then one whose tool results alone are over the limit.
+        let mut turns = exchange(0);
+        turns.push(Turn::User("compare my two inboxes".into()));
+        turns.extend(pair("a", 6000));
+        turns.extend(pair("b", 6000));
+        turns.push(Turn::Assistant {
+            text: "Work has 3 unread, home has 12.".into(),
+            tool_calls: vec![],
+        });
+        turns.push(Turn::User("reply to the second one".into()));
+        let sizes: Vec<usize> = turns.iter().map(|t| counter.turn(t)).collect();
+        let kept = fit(&turns, &sizes, 0, budget).evicted_turns;
+        assert_eq!(
+            turns[kept],
+            Turn::User("compare my two inboxes".into()),
+            "the old exchange goes, the one the follow-up refers to stays"
+        );
+        // Only the window may take it.
+        let tight = Budget {
+            window: 3000,
+            ..budget
+        };
+        let kept = fit(&turns, &sizes, 0, tight).evicted_turns;
+        assert_eq!(turns[kept], Turn::User("reply to the second one".into()));
     }
 }

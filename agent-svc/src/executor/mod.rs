@@ -384,7 +384,7 @@ impl Run<'_> {
             .max_wall
             .saturating_sub(self.started.elapsed());
         let req = self.req;
-        let response = match self.call_model(&req.tools, "", remaining).await {
+        let response = match self.call_model(&req.tools, false, "", remaining).await {
             Ok(Some(r)) => r,
             Ok(None) => return Step::Done(Box::new(self.final_turn(Stop::TimeLimit).await)),
             Err(failed) => {
@@ -598,6 +598,7 @@ impl Run<'_> {
     async fn call_model(
         &mut self,
         tools: &ToolSet,
+        answer_only: bool,
         system_suffix: &str,
         remaining: Duration,
     ) -> Result<Option<crate::llm::ModelResponse>, String> {
@@ -642,6 +643,7 @@ impl Run<'_> {
             system: &system,
             turns: &self.turns[fit.evicted_turns..],
             tools,
+            answer_only,
             stable_turns: self.history_len.saturating_sub(fit.evicted_turns),
             max_output_tokens: models.max_output_tokens,
         };
@@ -708,8 +710,11 @@ impl Run<'_> {
                 .max_wall
                 .saturating_sub(self.started.elapsed())
                 .max(self.models.final_turn_grace);
-            let none = ToolSet::none();
-            if let Ok(Some(response)) = self.call_model(&none, &suffix, remaining).await {
+            // The run's tools, declared but not callable: Anthropic refuses tool blocks in a
+            // transcript without them, and they are its cached prefix.
+            let req = self.req;
+            if let Ok(Some(response)) = self.call_model(&req.tools, true, &suffix, remaining).await
+            {
                 let text = response.text.trim().to_owned();
                 if !text.is_empty() {
                     self.push(Turn::Assistant {

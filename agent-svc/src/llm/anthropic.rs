@@ -87,20 +87,21 @@ pub fn body(request: &ModelRequest, cache: bool) -> Value {
     }
     let mut system = vec![json!({"type": "text", "text": request.system})];
     if cache {
-        // The clock changes with every run: in the system text it would void the cached
-        // prefix from there on, history included. It goes after the cached part instead, at
-        // the end of the last user message (or, when there is none, after the system text).
-        if let Some((stable, now)) = request.system.rsplit_once(CLOCK_SECTION) {
+        // The sections that change with every run (what is remembered about the user for this
+        // prompt, attachments, the clock) would void the cached prefix from there on, history
+        // included. They go after the cached part instead: at the end of the last user message
+        // (or, when there is none, after the system text).
+        if let Some(at) = per_run_start(request.system) {
+            let (stable, per_run) = request.system.split_at(at);
             system = vec![json!({"type": "text", "text": stable})];
-            let clock =
-                json!({"type": "text", "text": format!("{}{now}", CLOCK_SECTION.trim_start())});
+            let tail = json!({"type": "text", "text": per_run.trim_start()});
             match messages.last_mut() {
                 Some(last) if last["role"] == "user" => {
                     if let Some(blocks) = last["content"].as_array_mut() {
-                        blocks.push(clock);
+                        blocks.push(tail);
                     }
                 }
-                _ => system.push(clock),
+                _ => system.push(tail),
             }
         }
         system[0]["cache_control"] = json!({"type": "ephemeral"});
@@ -113,17 +114,27 @@ pub fn body(request: &ModelRequest, cache: bool) -> Value {
             messages[at.0]["content"][at.1]["cache_control"] = json!({"type": "ephemeral"});
         }
     }
-    json!({
+    let mut body = json!({
         "model": request.model,
         "max_tokens": request.max_output_tokens,
         "system": system,
         "messages": messages,
         "stream": true,
-    })
+    });
+    if request.answer_only && !request.tools.is_empty() {
+        body["tool_choice"] = json!({"type": "none"});
+    }
+    body
 }
 
-/// Where the system text's clock starts (see `prompt::build`: always its last section).
-const CLOCK_SECTION: &str = "\n\n[CURRENT TIME]\n";
+/// Where the system text's per-run sections start (`prompt::PER_RUN_SECTIONS`, always last;
+/// a header inside data cannot look like one, see `fence`).
+fn per_run_start(system: &str) -> Option<usize> {
+    crate::prompt::PER_RUN_SECTIONS
+        .iter()
+        .filter_map(|name| system.find(&format!("\n\n[{name}]\n")))
+        .min()
+}
 
 /// The request body on the wire: [`body`] with the tool set's prepared declarations.
 pub fn encode(request: &ModelRequest, cache: bool) -> Vec<u8> {
@@ -265,5 +276,86 @@ impl ModelProvider for Anthropic {
             usage,
             stop_reason,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::{ToolDecl, ToolSet};
+
+    fn marks(v: &Value) -> usize {
+        v.to_string().matches("\"cache_control\"").count()
+    }
+
+    #[test]
+    fn the_stable_prefix_is_marked_and_what_changes_per_run_goes_after_it() {
+        let tools = ToolSet::new(vec![ToolDecl {
+            name: "list_tasks".into(),
+            description: "d".into(),
+            parameters: json!({"type": "object"}),
+        }]);
+        let system =
+            "[PERSONA]\nSteward\n\n[ABOUT THE USER]\n<data>likes tea</data>\n\n[CURRENT TIME]\nnow";
+        let turns = [
+            Turn::User("first".into()),
+            Turn::Assistant {
+                text: "answer".into(),
+                tool_calls: vec![],
+            },
+            Turn::User("second".into()),
+        ];
+        let request = ModelRequest {
+            model: "claude",
+            system,
+            turns: &turns,
+            tools: &tools,
+            answer_only: false,
+            stable_turns: 2,
+            max_output_tokens: 100,
+        };
+        let body = body(&request, true);
+        assert_eq!(body["system"][0]["text"], "[PERSONA]\nSteward");
+        assert_eq!(body["system"][0]["cache_control"]["type"], "ephemeral");
+        let messages = body["messages"].as_array().unwrap();
+        assert_eq!(
+            messages[1]["content"][0]["cache_control"]["type"], "ephemeral",
+            "the end of the history is a breakpoint"
+        );
+        let last = messages[2]["content"].as_array().unwrap();
+        assert_eq!(last[0]["text"], "second");
+        assert_eq!(last[0]["cache_control"]["type"], "ephemeral");
+        assert!(
+            last[1]["text"]
+                .as_str()
+                .unwrap()
+                .starts_with("[ABOUT THE USER]")
+                && last[1].get("cache_control").is_none(),
+            "the per-run sections follow the last breakpoint"
+        );
+        let tools: Value = serde_json::from_str(request.tools.anthropic_wire(true)).unwrap();
+        assert!(
+            marks(&body) + marks(&tools) <= 4,
+            "Anthropic takes at most four breakpoints"
+        );
+
+        let last_turn = super::body(
+            &ModelRequest {
+                answer_only: true,
+                ..request
+            },
+            true,
+        );
+        assert_eq!(
+            last_turn["tool_choice"]["type"], "none",
+            "an answer-only call still declares the tools, and forbids them"
+        );
+
+        let plain = super::body(&request, false);
+        assert_eq!(marks(&plain), 0);
+        assert_eq!(
+            plain["system"][0]["text"], system,
+            "caching off: the text as built"
+        );
     }
 }

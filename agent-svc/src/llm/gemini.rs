@@ -69,7 +69,8 @@ pub fn body(request: &ModelRequest) -> Value {
 
 /// The request body on the wire: [`body`] with the tool set's prepared declarations.
 pub fn encode(request: &ModelRequest) -> Vec<u8> {
-    let tools = (!request.tools.is_empty()).then(|| request.tools.gemini_wire());
+    let tools =
+        (!request.tools.is_empty() && !request.answer_only).then(|| request.tools.gemini_wire());
     super::tool_set::encode_with_tools(&body(request), tools)
 }
 

@@ -63,8 +63,11 @@ pub struct ModelRequest<'a> {
     pub model: &'a str,
     pub system: &'a str,
     pub turns: &'a [Turn],
-    /// Empty means the model must answer in text (the final turn after a limit).
     pub tools: &'a ToolSet,
+    /// The model must answer in text, calling nothing (the final turn after a limit). The
+    /// adapters then offer no tools, except Anthropic's, which declares them with
+    /// `tool_choice: none`: it refuses a transcript holding tool blocks without them.
+    pub answer_only: bool,
     /// How many leading turns are the same in the next call of this run (the history before
     /// the current user turn): a provider with a prompt cache marks where they end.
     pub stable_turns: usize,

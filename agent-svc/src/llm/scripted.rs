@@ -66,7 +66,7 @@ impl ScriptedModel {
 /// The offline rules: gather with a fitting tool when the user asks for something a tool can
 /// answer, then summarise what came back; otherwise say plainly what this model is.
 fn rules(request: &ModelRequest) -> Step {
-    let has = |name: &str| request.tools.iter().any(|t| t.name == name);
+    let has = |name: &str| !request.answer_only && request.tools.iter().any(|t| t.name == name);
     // A session opening: greet as the session guidance asks, from the context given.
     if request.system.contains("[SESSION OPEN]") {
         return Step::Reply(match request.system.split("[BOOTSTRAP CONTEXT]\n").nth(1) {
@@ -181,7 +181,11 @@ impl ModelProvider for ScriptedModel {
                 model: request.model.to_owned(),
                 system: request.system.to_owned(),
                 turns: request.turns.to_vec(),
-                tools: request.tools.to_vec(),
+                tools: if request.answer_only {
+                    Vec::new()
+                } else {
+                    request.tools.to_vec()
+                },
                 max_output_tokens: request.max_output_tokens,
             });
         }
@@ -191,7 +195,7 @@ impl ModelProvider for ScriptedModel {
         let (text, tool_calls) = match step {
             Step::Fail(e) => return Err(e),
             // A tool-less request cannot be answered with a call: the rules' text stands in.
-            Step::Call(_) if request.tools.is_empty() => {
+            Step::Call(_) if request.tools.is_empty() || request.answer_only => {
                 ("Here is what I have so far.".to_owned(), Vec::new())
             }
             Step::Reply(text) => (text, Vec::new()),
@@ -260,6 +264,7 @@ mod tests {
             system,
             turns: &[Turn::User(prompt.into())],
             tools: &tools,
+            answer_only: false,
             stable_turns: 0,
             max_output_tokens: 100,
         })

@@ -59,6 +59,7 @@ impl RunService {
                 system: "Summarise this conversation in 2-3 sentences for your future self: who, what was decided, what is still open.",
                 turns: &turns,
                 tools: &crate::llm::ToolSet::none(),
+                answer_only: true,
                 stable_turns: 0,
                 max_output_tokens: 300,
             };
@@ -229,8 +230,8 @@ impl RunService {
                     yield_to_approvals: false,
                 }),
             };
-            let (run_id, _) = self.start(&task.owner, input).await?;
-            let mut events = self.follow(&task.owner, &run_id, 0).await?;
+            let (run_id, thread_id) = self.start(&task.owner, input).await?;
+            let mut events = self.follow_started(&run_id, &thread_id);
             while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
                 let event = event.map_err(|s| ApiError::Unavailable(s.message().to_owned()))?;
                 match event.kind {

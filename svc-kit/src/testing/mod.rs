@@ -48,9 +48,16 @@ pub fn run_to_exit_with_args(
         .expect("spawn the service binary");
     let lines = pump_stderr(&mut child);
     let status = wait_with_timeout(&mut child, timeout);
+    // The pump may still be reading what the process wrote last: take lines until it sees the
+    // pipe close (it then drops its sender), not just those already read.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut stderr = Vec::new();
+    while let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        stderr.push(line);
+    }
     Exit {
         status,
-        stderr: lines.try_iter().collect::<Vec<_>>().join("\n"),
+        stderr: stderr.join("\n"),
     }
 }
 
