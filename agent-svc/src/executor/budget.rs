@@ -132,6 +132,8 @@ impl TokenCounter {
 pub struct Fit {
     /// The call sends `turns[evicted_turns..]`.
     pub evicted_turns: usize,
+    /// Some of them went because the context window was full, not for the history limit.
+    pub window_full: bool,
     pub estimated_input_tokens: usize,
 }
 
@@ -179,6 +181,7 @@ pub fn fit(turns: &[Turn], sizes: &[usize], fixed: usize, budget: Budget) -> Fit
     let mut total: usize = fixed + budget.reserve_output + sizes.iter().sum::<usize>();
     let mut dropped = 0;
     let mut cut = 0;
+    let mut window_full = false;
     for (start, end) in units(turns) {
         if end > current_start {
             break;
@@ -189,6 +192,7 @@ pub fn fit(turns: &[Turn], sizes: &[usize], fixed: usize, budget: Budget) -> Fit
         if total <= budget.window && !history_over && matches!(turns[start], Turn::User(_)) {
             break;
         }
+        window_full |= total > budget.window;
         let unit: usize = sizes[start..end].iter().sum();
         total -= unit;
         dropped += unit;
@@ -197,6 +201,7 @@ pub fn fit(turns: &[Turn], sizes: &[usize], fixed: usize, budget: Budget) -> Fit
     Fit {
         evicted_turns: cut,
         estimated_input_tokens: total - budget.reserve_output,
+        window_full,
     }
 }
 
@@ -354,7 +359,11 @@ mod tests {
             window: 3000,
             ..budget
         };
-        let kept = fit(&turns, &sizes, 0, tight).evicted_turns;
-        assert_eq!(turns[kept], Turn::User("reply to the second one".into()));
+        let tight = fit(&turns, &sizes, 0, tight);
+        assert_eq!(
+            turns[tight.evicted_turns],
+            Turn::User("reply to the second one".into())
+        );
+        assert!(tight.window_full, "a full window is told apart");
     }
 }

@@ -631,11 +631,18 @@ impl Run<'_> {
                 history: models.history_tokens,
             },
         );
-        if fit.evicted_turns > 0 {
+        if fit.window_full {
+            // Routine for the history limit; a full context window is worth knowing about.
+            tracing::info!(
+                evicted = fit.evicted_turns,
+                tokens = fit.estimated_input_tokens,
+                "evicted old history to fit the context window"
+            );
+        } else if fit.evicted_turns > 0 {
             tracing::debug!(
                 evicted = fit.evicted_turns,
                 tokens = fit.estimated_input_tokens,
-                "older history left out to fit the history limit and the context window"
+                "older history left out for the history limit"
             );
         }
         let request = ModelRequest {

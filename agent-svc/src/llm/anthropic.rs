@@ -86,7 +86,9 @@ pub fn body(request: &ModelRequest, cache: bool) -> Value {
         }
     }
     let mut system = vec![json!({"type": "text", "text": request.system})];
-    if cache {
+    // A one-off call without tools (a session summary) is never repeated: marking it would
+    // only pay for cache writes.
+    if cache && !request.tools.is_empty() {
         // The sections that change with every run (what is remembered about the user for this
         // prompt, attachments, the clock) would void the cached prefix from there on, history
         // included. They go after the cached part instead: at the end of the last user message
@@ -350,6 +352,15 @@ mod tests {
             last_turn["tool_choice"]["type"], "none",
             "an answer-only call still declares the tools, and forbids them"
         );
+
+        let one_off = super::body(
+            &ModelRequest {
+                tools: &ToolSet::default(),
+                ..request
+            },
+            true,
+        );
+        assert_eq!(marks(&one_off), 0, "a call without tools is not cached");
 
         let plain = super::body(&request, false);
         assert_eq!(marks(&plain), 0);
