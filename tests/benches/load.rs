@@ -22,7 +22,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use steward_proto::{AGENT_SERVICE_NAME, GATEWAY_SERVICE_NAME, agent::v1 as pb};
+use steward_proto::agent::v1 as pb;
 use steward_tests::{
     TestDb, agent_over,
     bench::{percentile, summary, transactions_when_idle},
@@ -30,10 +30,8 @@ use steward_tests::{
     procs::ServiceProc,
     rule_model::{RuleModel, RuleOptions},
     spawn::{SERVICE_TOKEN, TEST_CREDENTIALS_KEY},
-    wait_for_status,
 };
 use tokio_stream::StreamExt;
-use tonic_health::pb::health_check_response::ServingStatus;
 
 /// Runs per client connection: callers spread over connections as a fleet of callers would.
 const RUNS_PER_CONNECTION: usize = 100;
@@ -102,27 +100,11 @@ async fn start(model: &RuleModel, dbs: Option<(&TestDb, &TestDb)>) -> Services {
         agent_env.push(("DATABASE_URL".into(), agent_db.url().to_owned()));
     }
     let spawned = Instant::now();
-    let gateway = ServiceProc::spawn("gateway-svc", gw_env)
-        .await
-        .expect("start gateway-svc");
-    wait_for_status(
-        channel(gateway.addr).await,
-        GATEWAY_SERVICE_NAME,
-        ServingStatus::Serving,
-    )
-    .await;
+    let gateway = ServiceProc::serving("gateway-svc", gw_env).await;
     let gateway_ready = spawned.elapsed();
     agent_env.push(("GATEWAY_URL".into(), format!("http://{}", gateway.addr)));
     let spawned = Instant::now();
-    let agent = ServiceProc::spawn("agent-svc", agent_env)
-        .await
-        .expect("start agent-svc");
-    wait_for_status(
-        channel(agent.addr).await,
-        AGENT_SERVICE_NAME,
-        ServingStatus::Serving,
-    )
-    .await;
+    let agent = ServiceProc::serving("agent-svc", agent_env).await;
     Services {
         gateway,
         agent,

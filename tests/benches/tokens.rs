@@ -7,18 +7,18 @@
 //! Run: `cargo bench -p steward-tests --bench tokens`.
 
 use agent_svc::executor::budget::TokenCounter;
-use steward_proto::{agent::v1 as pb, gateway::v1 as gw};
+use steward_proto::agent::v1 as pb;
 use steward_tests::{
     Backend, Options,
     agent_calls::run_once,
     bench::summary,
-    calls::{call_tool, connect_account},
     fakes::{
-        gmail::{FakeGmail, FakeMessage},
+        gmail::FakeGmail,
         openai::{Answer, FakeOpenAi},
     },
     rule_model::RuleModel,
     spawn::spawn,
+    worlds::s0_incident_inboxes,
 };
 
 fn tokens(body: &serde_json::Value) -> usize {
@@ -38,26 +38,7 @@ async fn session_open_incident() -> usize {
         ..Options::default()
     })
     .await;
-    let mut g = app.gateway_as("alice").await;
-    for (account, token) in [
-        ("work@example.com", "tok-work"),
-        ("home@example.com", "tok-home"),
-    ] {
-        gmail.set_unread(token, 10);
-        gmail.add_messages(
-            token,
-            (0..10)
-                .map(|i| FakeMessage::html_newsletter(&format!("{token}{i:04}"), i))
-                .collect(),
-        );
-        connect_account(&mut g, gw::Integration::Gmail, account, token).await;
-    }
-    call_tool(
-        &mut g,
-        "add_task",
-        serde_json::json!({"title": "Call dentist", "due": "2020-01-01"}),
-    )
-    .await;
+    s0_incident_inboxes(&app, &gmail).await;
     let greeting = app
         .agent_as("alice")
         .await

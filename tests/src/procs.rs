@@ -229,6 +229,20 @@ impl ServiceProc {
             .map_err(|e| e.to_string())?
     }
 
+    /// [`ServiceProc::spawn`], then waits until its health service says SERVING; panics
+    /// naming the service when it does not start.
+    pub async fn serving(name: &str, env: Vec<(String, String)>) -> Self {
+        let service = match name {
+            "agent-svc" => AGENT_SERVICE_NAME,
+            _ => GATEWAY_SERVICE_NAME,
+        };
+        let proc = Self::spawn(name, env)
+            .await
+            .unwrap_or_else(|e| panic!("start {name}: {e}"));
+        wait_for_status(channel(proc.addr).await, service, ServingStatus::Serving).await;
+        proc
+    }
+
     /// Ends the watchdog first (by its own pid), so it can never fire at a reaped pid.
     fn stop_watchdog(&mut self) {
         if let Some(mut w) = self.watchdog.take() {
@@ -388,15 +402,7 @@ impl Cluster {
         gateway_env.push(("DATABASE_URL".into(), database_url.clone()));
         gateway_env.push(("GMAIL_API_BASE_URL".into(), gmail.url.clone()));
         gateway_env.extend(options.gateway_env);
-        let gateway = ServiceProc::spawn("gateway-svc", gateway_env.clone())
-            .await
-            .expect("start gateway-svc");
-        wait_for_status(
-            channel(gateway.addr).await,
-            GATEWAY_SERVICE_NAME,
-            ServingStatus::Serving,
-        )
-        .await;
+        let gateway = ServiceProc::serving("gateway-svc", gateway_env.clone()).await;
         let mut agent_env = pairs(&[
             ("AGENT_LISTEN_ADDR", "127.0.0.1:0"),
             ("GATEWAY_SERVICE_TOKEN", SERVICE_TOKEN),
@@ -428,15 +434,7 @@ impl Cluster {
 
     /// Starts one more agent replica, ready; returns its index.
     pub async fn start_agent(&mut self) -> usize {
-        let agent = ServiceProc::spawn("agent-svc", self.agent_env.clone())
-            .await
-            .expect("start agent-svc");
-        wait_for_status(
-            channel(agent.addr).await,
-            AGENT_SERVICE_NAME,
-            ServingStatus::Serving,
-        )
-        .await;
+        let agent = ServiceProc::serving("agent-svc", self.agent_env.clone()).await;
         self.agents.push(agent);
         self.agents.len() - 1
     }
@@ -478,15 +476,7 @@ impl Cluster {
         let mut env = self.gateway_env.clone();
         env.retain(|(k, _)| k != "GATEWAY_LISTEN_ADDR");
         env.push(("GATEWAY_LISTEN_ADDR".into(), addr.to_string()));
-        let gateway = ServiceProc::spawn("gateway-svc", env)
-            .await
-            .expect("restart gateway-svc");
-        wait_for_status(
-            channel(gateway.addr).await,
-            GATEWAY_SERVICE_NAME,
-            ServingStatus::Serving,
-        )
-        .await;
+        let gateway = ServiceProc::serving("gateway-svc", env).await;
         let mut old = std::mem::replace(&mut self.gateway, gateway);
         old.kill9();
     }

@@ -5,9 +5,9 @@ use steward_proto::gateway::v1 as gw;
 
 use crate::{
     Backend, Options, TestApp,
-    calls::connect_account,
+    calls::{call_tool, connect_account},
     fakes::{
-        gmail::FakeGmail,
+        gmail::{FakeGmail, FakeMessage},
         openai::{Answer, FakeOpenAi},
     },
     spawn::spawn,
@@ -41,4 +41,29 @@ pub async fn gmail_world(
     )
     .await;
     (app, model, gmail)
+}
+
+/// The S0 incident's mailboxes for alice: two Gmail inboxes (work@, home@) with ten unread
+/// 12 KB newsletters each, and one overdue task ("Call dentist").
+pub async fn s0_incident_inboxes(app: &TestApp, gmail: &FakeGmail) {
+    let mut g = app.gateway_as("alice").await;
+    for (account, token, prefix) in [
+        ("work@example.com", "tok-work", "a1"),
+        ("home@example.com", "tok-home", "b2"),
+    ] {
+        gmail.set_unread(token, 10);
+        gmail.add_messages(
+            token,
+            (0..10)
+                .map(|i| FakeMessage::html_newsletter(&format!("{prefix}{i:06x}"), i))
+                .collect(),
+        );
+        connect_account(&mut g, gw::Integration::Gmail, account, token).await;
+    }
+    call_tool(
+        &mut g,
+        "add_task",
+        serde_json::json!({"title": "Call dentist", "due": "2020-01-01"}),
+    )
+    .await;
 }

@@ -2,12 +2,12 @@
 //! both services, a scripted OpenAI-compatible model, a fake Gmail.
 
 use agent_svc::executor::budget::TokenCounter;
-use steward_proto::{agent::v1 as pb, gateway::v1 as gw};
+use steward_proto::agent::v1 as pb;
 use steward_tests::{
     Backend, Options, TestApp,
-    calls::{call_tool, connect_account},
+    calls::call_tool,
     fakes::{
-        gmail::{FakeGmail, FakeMessage},
+        gmail::FakeGmail,
         openai::{Answer, FakeOpenAi},
     },
     spawn::spawn,
@@ -85,26 +85,7 @@ async fn the_incident_replayed_one_call_no_tools_a_small_prompt_and_the_unread_c
         "Morning! 10 unread in each inbox, and 'Call dentist' is overdue.",
     )])
     .await;
-    let mut g = app.gateway_as("alice").await;
-    for (account, token, prefix) in [
-        ("work@example.com", "tok-work", "a1"),
-        ("home@example.com", "tok-home", "b2"),
-    ] {
-        gmail.set_unread(token, 10);
-        gmail.add_messages(
-            token,
-            (0..10)
-                .map(|i| FakeMessage::html_newsletter(&format!("{prefix}{i:06x}"), i))
-                .collect(),
-        );
-        connect_account(&mut g, gw::Integration::Gmail, account, token).await;
-    }
-    call_tool(
-        &mut g,
-        "add_task",
-        serde_json::json!({"title": "Call dentist", "due": "2020-01-01"}),
-    )
-    .await;
+    steward_tests::worlds::s0_incident_inboxes(&app, &gmail).await;
 
     let greeting = open(&app).await;
     assert!(!greeting.silent && !greeting.new_user);
