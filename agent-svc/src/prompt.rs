@@ -74,7 +74,7 @@ pub const PER_RUN_SECTIONS: [&str; 3] = ["ABOUT THE USER", "ATTACHED CONTEXT", "
 pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Prompt {
     // Only PERSONA, OPERATING MODEL, SESSION OPEN (the operator's text) and CURRENT TIME are
     // ours; everything else is data and enters fenced.
-    let mut sections: Vec<(&str, String)> = vec![("PERSONA", persona().to_owned())];
+    let mut sections: Vec<(&'static str, String)> = vec![("PERSONA", persona().to_owned())];
     if matches!(input.channel, Some(Channel::Web | Channel::Telegram)) {
         sections.push(("OPERATING MODEL", OPERATING_MODEL.to_owned()));
     }
@@ -140,9 +140,10 @@ pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Pro
             ((*name).to_owned(), tokens as u32)
         })
         .collect();
-    let tokens = measured
+    let tokens = sections
         .iter()
-        .map(|(name, n)| *n as usize + counter.text(name) + SECTION_HEADER_TOKENS)
+        .zip(&measured)
+        .map(|((name, _), (_, n))| *n as usize + counter.constant(name) + SECTION_HEADER_TOKENS)
         .sum();
     Prompt {
         text,
