@@ -19,6 +19,10 @@ use crate::{
     credentials::{Credentials, cipher::TokenCipher},
     engine::{Engine, EngineConfig},
     integrations::{self, Upstreams, calendar::CalendarApi, gmail::GmailApi, slack::SlackApi},
+    mcp::{
+        McpHub,
+        expose::{GatewayTools, McpEndpoint},
+    },
     ratelimit::{RateLimitBackend, RateLimiter, memory::MemoryRateLimits},
     registry::{Registry, RegistryError, Tool},
     store::{Stores, memory::MemoryStore, postgres::PgStore},
@@ -42,6 +46,8 @@ pub enum StartError {
     Registry(#[from] RegistryError),
     #[error("cannot build the HTTP client: {0}")]
     Http(String),
+    #[error("MCP: {0}")]
+    Mcp(String),
     #[error(transparent)]
     Serve(#[from] svc_kit::grpc::ServeError),
 }
@@ -53,6 +59,8 @@ pub struct App {
     stores: Stores,
     audit: Arc<AuditTrail>,
     api: GatewayApi,
+    mcp_hub: Arc<McpHub>,
+    mcp_endpoint: Option<McpEndpoint>,
 }
 
 impl App {
@@ -142,8 +150,10 @@ impl App {
             source_timeout: config.bootstrap_source_timeout,
             cache: Bootstrap::cache(config.bootstrap_cache_ttl),
         };
+        let mcp_hub =
+            McpHub::start(&config.mcp, stores.mcp_switches.clone()).map_err(StartError::Mcp)?;
         let engine = Engine {
-            registry: Arc::new(Registry::new(tools)?),
+            registry: Arc::new(Registry::new(tools)?.with_mcp(mcp_hub.clone())),
             services,
             idempotency: stores.idempotency.clone(),
             config: EngineConfig {
@@ -151,6 +161,19 @@ impl App {
                 default_timeout: config.call_timeout,
                 max_timeout: config.call_max_timeout,
             },
+        };
+        let mcp_endpoint = match config.mcp.listen_addr {
+            Some(addr) => Some(
+                McpEndpoint::bind(
+                    addr,
+                    &config.mcp.allowed_hosts,
+                    GatewayTools::new(engine.clone(), credentials.clone()),
+                    config.auth.clone(),
+                )
+                .await
+                .map_err(|source| StartError::Bind { addr, source })?,
+            ),
+            None => None,
         };
         let api = GatewayApi::new(engine, credentials, bootstrap, config.auth.clone());
 
@@ -175,6 +198,9 @@ impl App {
             rate_limits = ?config.rate_limit_backend,
             "gateway-svc listening"
         );
+        if let Some(endpoint) = &mcp_endpoint {
+            tracing::info!(addr = ?endpoint.local_addr(), path = crate::mcp::expose::PATH, "MCP endpoint listening");
+        }
         Ok(Self {
             config,
             listener,
@@ -182,6 +208,8 @@ impl App {
             stores,
             audit,
             api,
+            mcp_hub,
+            mcp_endpoint,
         })
     }
 
@@ -203,6 +231,11 @@ impl App {
             .unwrap_or(self.config.server.listen_addr)
     }
 
+    /// Where MCP clients reach the gateway's tools, when MCP_LISTEN_ADDR is set.
+    pub fn mcp_addr(&self) -> Option<SocketAddr> {
+        self.mcp_endpoint.as_ref().and_then(McpEndpoint::local_addr)
+    }
+
     /// The stores this instance uses (tests read the audit trail through them).
     pub fn stores(&self) -> &Stores {
         &self.stores
@@ -215,10 +248,19 @@ impl App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), StartError> {
         let (signalled, signalled_at) = tokio::sync::oneshot::channel();
-        let shutdown = async move {
-            shutdown.await;
-            let _ = signalled.send(tokio::time::Instant::now());
+        let stopping = tokio_util::sync::CancellationToken::new();
+        let shutdown = {
+            let stopping = stopping.clone();
+            async move {
+                shutdown.await;
+                stopping.cancel();
+                let _ = signalled.send(tokio::time::Instant::now());
+            }
         };
+        let mcp_served = self.mcp_endpoint.map(|endpoint| {
+            let stopping = stopping.clone();
+            tokio::spawn(endpoint.serve(async move { stopping.cancelled().await }))
+        });
         let max = self.config.server.max_message_bytes;
         let api = GatewayServiceServer::new(self.api)
             .max_decoding_message_size(max)
@@ -248,6 +290,11 @@ impl App {
             .await
             .map_or(now + drain, |at| at + drain)
             .max(now + self.config.audit_queue.flush_grace);
+        // MCP requests drain with the gRPC calls (both stopped at the signal).
+        if let Some(mcp) = mcp_served {
+            let _ = tokio::time::timeout_at(deadline, mcp).await;
+        }
+        self.mcp_hub.stop();
         self.audit.close(deadline).await;
         served?;
         Ok(())

@@ -58,6 +58,136 @@ impl Default for AuditQueueConfig {
     }
 }
 
+/// MCP (issue 15): the servers whose tools join the registry, and where the gateway's own
+/// tools are served over MCP.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct McpConfig {
+    /// `MCP_SERVERS`, with each server's `MCP_SERVER_HEADERS` entry.
+    pub servers: Vec<McpServerConfig>,
+    /// `MCP_LISTEN_ADDR`: where MCP clients reach the gateway's tools; `None` (unset) is off.
+    pub listen_addr: Option<SocketAddr>,
+    /// `MCP_ALLOWED_HOSTS`: the `Host` values the MCP endpoint accepts (DNS-rebinding
+    /// protection); empty accepts any (`*`).
+    pub allowed_hosts: Vec<String>,
+    /// `MCP_CONNECT_TIMEOUT`: connecting and listing tools, and each health probe.
+    pub connect_timeout: Duration,
+    /// `MCP_RECONNECT_INTERVAL`: how often an unavailable server is tried again (and, while
+    /// connected, how often it is probed).
+    pub reconnect_interval: Duration,
+}
+
+/// One MCP server whose tools the gateway offers as `mcp__<name>__<tool>`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct McpServerConfig {
+    /// 1 to 24 of `a-z`, `0-9` and `-`: it becomes part of tool names, which model providers
+    /// restrict to letters, digits, `_` and `-`.
+    pub name: String,
+    /// Its streamable HTTP endpoint, e.g. `https://docs.example.com/mcp`.
+    pub url: String,
+    /// Headers sent with every request (an `Authorization` bearer token, an API key), kept as
+    /// secrets.
+    pub headers: Vec<(String, svc_kit::secret::Secret)>,
+}
+
+impl McpServerConfig {
+    pub const MAX_NAME: usize = 24;
+
+    pub fn valid_name(name: &str) -> bool {
+        (1..=Self::MAX_NAME).contains(&name.len())
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    }
+}
+
+/// `MCP_SERVERS` (`name=url,…`) and `MCP_SERVER_HEADERS` (a JSON object: server name → header
+/// name → value).
+fn load_mcp_servers(vars: &mut Vars<'_>) -> Vec<McpServerConfig> {
+    let mut servers: Vec<McpServerConfig> = Vec::new();
+    for entry in vars
+        .optional_string("MCP_SERVERS")
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+    {
+        let Some((name, url)) = entry.split_once('=') else {
+            vars.error(
+                "MCP_SERVERS",
+                format!("{entry:?} is not name=url; use e.g. docs=https://docs.example.com/mcp"),
+            );
+            continue;
+        };
+        let (name, url) = (name.trim(), url.trim());
+        if !McpServerConfig::valid_name(name) {
+            vars.error(
+                "MCP_SERVERS",
+                format!(
+                    "server name {name:?} must be 1 to {} of a-z, 0-9 and -",
+                    McpServerConfig::MAX_NAME
+                ),
+            );
+            continue;
+        }
+        match reqwest::Url::parse(url) {
+            Ok(u) if matches!(u.scheme(), "http" | "https") => {}
+            _ => {
+                vars.error(
+                    "MCP_SERVERS",
+                    format!("the URL of {name:?}, {url:?}, is not an http(s) URL"),
+                );
+                continue;
+            }
+        }
+        if servers.iter().any(|s| s.name == name) {
+            vars.error("MCP_SERVERS", format!("server {name:?} is named twice"));
+            continue;
+        }
+        servers.push(McpServerConfig {
+            name: name.to_owned(),
+            url: url.to_owned(),
+            headers: Vec::new(),
+        });
+    }
+    let Some(raw) = vars.optional_string("MCP_SERVER_HEADERS") else {
+        return servers;
+    };
+    let parsed: Result<
+        std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>>,
+        _,
+    > = serde_json::from_str(&raw);
+    let Ok(by_server) = parsed else {
+        // Never echo the value: it holds secrets.
+        vars.error(
+            "MCP_SERVER_HEADERS",
+            "is not a JSON object of server name → {header name: value}; e.g.              {\"docs\": {\"Authorization\": \"Bearer …\"}}",
+        );
+        return servers;
+    };
+    for (name, headers) in by_server {
+        let Some(server) = servers.iter_mut().find(|s| s.name == name) else {
+            vars.error(
+                "MCP_SERVER_HEADERS",
+                format!("names server {name:?}, which MCP_SERVERS does not list"),
+            );
+            continue;
+        };
+        for (header, value) in headers {
+            let valid = http::HeaderName::try_from(header.as_str()).is_ok()
+                && http::HeaderValue::try_from(value.as_str()).is_ok();
+            if !valid {
+                vars.error(
+                    "MCP_SERVER_HEADERS",
+                    format!("header {header:?} of server {name:?} is not a valid HTTP header"),
+                );
+                continue;
+            }
+            server.headers.push((header, value.into()));
+        }
+    }
+    servers
+}
+
 /// How callers prove they are agent-svc (or an operator).
 #[derive(Debug, Clone)]
 pub enum CallerAuth {
@@ -100,6 +230,7 @@ pub struct Config {
     pub bootstrap_cache_ttl: Duration,
     /// `AUDIT_QUEUE_CAPACITY`, `AUDIT_MAX_BATCH`
     pub audit_queue: AuditQueueConfig,
+    pub mcp: McpConfig,
 }
 
 impl Config {
@@ -191,8 +322,11 @@ impl Config {
             Integration::Gmail,
             Integration::GoogleCalendar,
             Integration::Slack,
+            Integration::Mcp,
         ] {
             let var = format!("RATE_LIMITS_{}", integration.key().to_ascii_uppercase());
+            // MCP limits count per user and server; the defaults are Google's quotas, which
+            // suit an unknown server too.
             let default = Limits::google_default();
             let limits = match vars.raw(&var) {
                 None => default,
@@ -268,6 +402,44 @@ impl Config {
             ..audit_default
         };
 
+        let mcp = McpConfig {
+            servers: load_mcp_servers(&mut vars),
+            listen_addr: vars.optional_string("MCP_LISTEN_ADDR").and_then(|raw| {
+                raw.parse::<SocketAddr>()
+                    .map_err(|_| {
+                        vars.error(
+                            "MCP_LISTEN_ADDR",
+                            format!("{raw:?} is not host:port; use e.g. 0.0.0.0:8765"),
+                        )
+                    })
+                    .ok()
+            }),
+            allowed_hosts: match vars
+                .string("MCP_ALLOWED_HOSTS", "localhost,127.0.0.1,::1")
+                .trim()
+            {
+                "*" => Vec::new(),
+                hosts => hosts
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|h| !h.is_empty())
+                    .map(str::to_owned)
+                    .collect(),
+            },
+            connect_timeout: vars.duration_in(
+                "MCP_CONNECT_TIMEOUT",
+                Duration::from_secs(5),
+                Duration::from_millis(100),
+                Duration::from_secs(60),
+            ),
+            reconnect_interval: vars.duration_in(
+                "MCP_RECONNECT_INTERVAL",
+                Duration::from_secs(5),
+                Duration::from_millis(100),
+                Duration::from_secs(600),
+            ),
+        };
+
         vars.finish(Self {
             server,
             auth,
@@ -286,6 +458,7 @@ impl Config {
             bootstrap_source_timeout,
             bootstrap_cache_ttl,
             audit_queue,
+            mcp,
         })
     }
 
@@ -341,6 +514,58 @@ mod tests {
         );
         assert!(cfg.limits_for(Integration::Tasks).is_none());
         assert_eq!(cfg.audit_queue, AuditQueueConfig::default());
+    }
+
+    #[test]
+    fn g15_mcp_servers_are_named_urls_with_secret_headers() {
+        let base = [
+            ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
+            ("STEWARD_DEVELOPMENT", "true"),
+        ];
+        let cfg = load(&[
+            base[0],
+            base[1],
+            (
+                "MCP_SERVERS",
+                "docs=https://docs.example.com/mcp, wiki-2=http://127.0.0.1:9/mcp",
+            ),
+            (
+                "MCP_SERVER_HEADERS",
+                r#"{"docs": {"Authorization": "Bearer s3cr3t-value"}}"#,
+            ),
+            ("MCP_ALLOWED_HOSTS", "*"),
+        ])
+        .unwrap();
+        let names: Vec<&str> = cfg.mcp.servers.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["docs", "wiki-2"]);
+        assert_eq!(cfg.mcp.servers[0].headers[0].0, "Authorization");
+        assert!(cfg.mcp.allowed_hosts.is_empty());
+        assert!(!format!("{cfg:?}").contains("s3cr3t-value"));
+
+        for (servers, headers, expected) in [
+            ("Docs=https://x/mcp", "", "server name \"Docs\""),
+            ("docs", "", "is not name=url"),
+            ("docs=ftp://x/mcp", "", "is not an http(s) URL"),
+            ("docs=https://x/mcp,docs=https://y/mcp", "", "named twice"),
+            (
+                "docs=https://x/mcp",
+                r#"{"wiki": {"A": "b"}}"#,
+                "does not list",
+            ),
+            (
+                "docs=https://x/mcp",
+                "Bearer s3cr3t-value",
+                "is not a JSON object",
+            ),
+        ] {
+            let mut pairs = vec![base[0], base[1], ("MCP_SERVERS", servers)];
+            if !headers.is_empty() {
+                pairs.push(("MCP_SERVER_HEADERS", headers));
+            }
+            let err = load(&pairs).unwrap_err().to_string();
+            assert!(err.contains(expected), "{servers} {headers}: {err}");
+            assert!(!err.contains("s3cr3t-value"), "a secret was echoed: {err}");
+        }
     }
 
     #[test]

@@ -212,7 +212,6 @@ impl CallContext {
     ) -> Result<UpstreamResponse, ToolError> {
         let service = integration.label();
         let started = Instant::now();
-        self.upstream_calls.fetch_add(1, Ordering::Relaxed);
         let result: Result<UpstreamResponse, ToolError> = async {
             let response = request
                 .send()
@@ -238,7 +237,23 @@ impl CallContext {
             Ok(r) => (r.status.as_u16().to_string(), r.body.len()),
             Err(e) => (e.kind().as_str().to_owned(), 0),
         };
-        crate::metrics::upstream_request(integration.key(), &status, started.elapsed());
+        self.record_upstream_call(integration, account, &status, started, bytes)
+            .await;
+        result
+    }
+
+    /// Counts, measures and audits one upstream call made since `started` (HTTP here; an MCP
+    /// `tools/call` in `crate::mcp`).
+    pub async fn record_upstream_call(
+        &self,
+        integration: Integration,
+        account: Option<&str>,
+        status: &str,
+        started: Instant,
+        bytes: usize,
+    ) {
+        self.upstream_calls.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::upstream_request(integration.key(), status, started.elapsed());
         self.audit(AuditRecord {
             user: self.user.to_string(),
             kind: "upstream_call".into(),
@@ -247,13 +262,12 @@ impl CallContext {
             account: account.map(str::to_owned),
             call_id: self.call_id.clone(),
             run_id: self.run_id.clone(),
-            status,
+            status: status.to_owned(),
             latency_ms: millis(started.elapsed()),
             bytes: u32::try_from(bytes).unwrap_or(u32::MAX),
             upstream_calls: 1,
         })
         .await;
-        result
     }
 
     /// Audits one record of this call: kept for the batching writer when the call is

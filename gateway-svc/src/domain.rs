@@ -6,7 +6,7 @@ use std::{fmt, time::Duration};
 use serde::{Deserialize, Serialize};
 
 /// The user a call acts for, taken from authenticated metadata (never from tool arguments).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct UserId(String);
 
 impl UserId {
@@ -42,6 +42,8 @@ pub enum Integration {
     Memory,
     Tasks,
     Reminders,
+    /// A tool of a configured MCP server (issue 15); its limits count per user and server.
+    Mcp,
 }
 
 /// Who issues the OAuth tokens of an integration.
@@ -52,13 +54,14 @@ pub enum Provider {
 }
 
 impl Integration {
-    pub const ALL: [Integration; 6] = [
+    pub const ALL: [Integration; 7] = [
         Integration::Gmail,
         Integration::GoogleCalendar,
         Integration::Slack,
         Integration::Memory,
         Integration::Tasks,
         Integration::Reminders,
+        Integration::Mcp,
     ];
 
     /// The name users and models read.
@@ -70,6 +73,7 @@ impl Integration {
             Integration::Memory => "Memory",
             Integration::Tasks => "Tasks",
             Integration::Reminders => "Reminders",
+            Integration::Mcp => "MCP",
         }
     }
 
@@ -82,6 +86,7 @@ impl Integration {
             Integration::Memory => "memory",
             Integration::Tasks => "tasks",
             Integration::Reminders => "reminders",
+            Integration::Mcp => "mcp",
         }
     }
 
@@ -94,7 +99,10 @@ impl Integration {
         match self {
             Integration::Gmail | Integration::GoogleCalendar => Some(Provider::Google),
             Integration::Slack => Some(Provider::Slack),
-            Integration::Memory | Integration::Tasks | Integration::Reminders => None,
+            Integration::Memory
+            | Integration::Tasks
+            | Integration::Reminders
+            | Integration::Mcp => None,
         }
     }
 }
@@ -205,5 +213,20 @@ pub struct CallOutcome {
 impl CallOutcome {
     pub fn ok(&self) -> bool {
         self.error_kind.is_none()
+    }
+}
+
+/// An MCP server (`tool: None`) or one of its tools, as the server names it: what a user can
+/// turn off for themselves (issue 15).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct McpSwitch {
+    pub server: String,
+    pub tool: Option<String>,
+}
+
+impl McpSwitch {
+    /// Whether this switch, when off, turns off `tool` of `server`.
+    pub fn covers(&self, server: &str, tool: &str) -> bool {
+        self.server == server && self.tool.as_deref().is_none_or(|t| t == tool)
     }
 }

@@ -94,7 +94,7 @@ impl Engine {
             user: user.to_string(),
             kind: "tool_call".into(),
             tool: outcome.tool.clone(),
-            integration: tool.map(|t| t.spec.integration.key().to_owned()),
+            integration: tool.as_ref().map(|t| t.spec.integration.key().to_owned()),
             account: outcome.account.clone(),
             call_id,
             run_id,
@@ -103,7 +103,7 @@ impl Engine {
             bytes: u32::try_from(outcome.text.len()).unwrap_or(u32::MAX),
             upstream_calls: outcome.upstream_calls,
         };
-        if tool.is_some_and(|t| t.read_only) {
+        if tool.as_ref().is_some_and(|t| t.read_only) {
             // A read-only call: its upstream records (kept in its context while it ran) and
             // this one go to the batching writer, off the call's path and outside its deadline;
             // never dropped, waiting here for space when the queue is full.
@@ -129,7 +129,7 @@ impl Engine {
         request: CallRequest,
         cancel: CancellationToken,
     ) -> (String, Finished, Option<CallContext>) {
-        let Some(tool) = self.registry.get(&request.tool).cloned() else {
+        let Some(tool) = self.registry.get(&request.tool) else {
             let name = request.tool.clone();
             return (
                 name.clone(),
@@ -300,7 +300,6 @@ impl Engine {
         let tool = self
             .registry
             .get(&request.tool)
-            .cloned()
             .ok_or_else(|| ToolError::UnknownTool(request.tool.clone()))?;
         tool.validate(&request.args)?;
         let name = tool.spec.name.clone();

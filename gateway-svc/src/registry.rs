@@ -201,6 +201,26 @@ pub struct RegisteredTool {
 }
 
 impl RegisteredTool {
+    /// Compiles the tool's schema and asks it once whether it only reads.
+    pub fn new(tool: Arc<dyn Tool>) -> Result<Self, RegistryError> {
+        let spec = tool.spec();
+        let validator =
+            jsonschema::validator_for(&spec.schema).map_err(|e| RegistryError::BadSchema {
+                tool: spec.name.clone(),
+                detail: e.to_string(),
+            })?;
+        let read_only = tool.read_only();
+        if read_only && (spec.side_effect || spec.writes_memory) {
+            return Err(RegistryError::ReadOnlyWrites(spec.name.clone()));
+        }
+        Ok(Self {
+            spec,
+            tool,
+            read_only,
+            validator,
+        })
+    }
+
     /// Checks `args` against the schema; the error lists every violation with its JSON pointer.
     pub fn validate(&self, args: &Value) -> Result<(), ToolError> {
         let problems: Vec<String> = self
@@ -235,51 +255,60 @@ pub enum RegistryError {
     Duplicate(String),
     #[error("tool {0}: declared read-only, yet it declares a side effect or memory writes")]
     ReadOnlyWrites(String),
+    #[error("the name {0:?} is reserved for MCP servers' tools (mcp__… and mcp.…)")]
+    Reserved(String),
 }
 
+/// The built-in tools, fixed at start, and the tools of MCP servers, which come and go with
+/// their servers' lists (`crate::mcp`).
 #[derive(Default)]
 pub struct Registry {
     tools: Vec<Arc<RegisteredTool>>,
     by_name: HashMap<String, usize>,
+    mcp: Option<Arc<crate::mcp::McpHub>>,
 }
 
 impl Registry {
     pub fn new(tools: Vec<Arc<dyn Tool>>) -> Result<Self, RegistryError> {
         let mut registry = Registry::default();
         for tool in tools {
-            let spec = tool.spec();
-            let validator =
-                jsonschema::validator_for(&spec.schema).map_err(|e| RegistryError::BadSchema {
-                    tool: spec.name.clone(),
-                    detail: e.to_string(),
-                })?;
-            let read_only = tool.read_only();
-            if read_only && (spec.side_effect || spec.writes_memory) {
-                return Err(RegistryError::ReadOnlyWrites(spec.name.clone()));
-            }
+            let registered = RegisteredTool::new(tool)?;
             let index = registry.tools.len();
+            let spec = &registered.spec;
             for name in std::iter::once(&spec.name).chain(&spec.aliases) {
+                if crate::mcp::is_mcp_name(name) {
+                    return Err(RegistryError::Reserved(name.clone()));
+                }
                 if registry.by_name.insert(name.clone(), index).is_some() {
                     return Err(RegistryError::Duplicate(name.clone()));
                 }
             }
-            registry.tools.push(Arc::new(RegisteredTool {
-                spec,
-                tool,
-                read_only,
-                validator,
-            }));
+            registry.tools.push(Arc::new(registered));
         }
         Ok(registry)
     }
 
-    /// By canonical name or alias.
-    pub fn get(&self, name: &str) -> Option<&Arc<RegisteredTool>> {
-        self.by_name.get(name).map(|&i| &self.tools[i])
+    /// Adds the MCP servers' tools to what `get` finds.
+    pub fn with_mcp(mut self, hub: Arc<crate::mcp::McpHub>) -> Self {
+        self.mcp = Some(hub);
+        self
     }
 
-    pub fn all(&self) -> impl Iterator<Item = &Arc<RegisteredTool>> {
+    /// By canonical name or alias; an MCP tool by its namespaced name, while its server lists it.
+    pub fn get(&self, name: &str) -> Option<Arc<RegisteredTool>> {
+        match self.by_name.get(name) {
+            Some(&i) => Some(self.tools[i].clone()),
+            None => self.mcp.as_ref()?.get(name),
+        }
+    }
+
+    /// The built-in tools (the MCP servers' are listed by [`crate::mcp::McpHub::listing`]).
+    pub fn builtin(&self) -> impl Iterator<Item = &Arc<RegisteredTool>> {
         self.tools.iter()
+    }
+
+    pub fn mcp(&self) -> Option<&Arc<crate::mcp::McpHub>> {
+        self.mcp.as_ref()
     }
 }
 

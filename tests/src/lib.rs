@@ -12,6 +12,7 @@ pub mod calls;
 pub mod db;
 pub mod demo;
 pub mod fakes;
+pub mod mcp_python;
 pub mod obedient_model;
 pub mod pg_server;
 pub mod probe_tools;

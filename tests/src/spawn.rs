@@ -52,6 +52,8 @@ pub struct RunningService {
     pub addr: SocketAddr,
     /// agent-svc's run service, when this is an agent replica.
     pub runs: Option<std::sync::Arc<agent_svc::runs::RunService>>,
+    /// gateway-svc's MCP endpoint, when MCP_LISTEN_ADDR is set.
+    pub mcp_addr: Option<SocketAddr>,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<ServeResult>,
 }
@@ -73,6 +75,8 @@ impl RunningService {
 pub struct TestApp {
     pub agent_addr: SocketAddr,
     pub gateway_addr: SocketAddr,
+    /// gateway-svc's MCP endpoint, when the test set MCP_LISTEN_ADDR.
+    pub gateway_mcp_addr: Option<SocketAddr>,
     pub agent: AgentServiceClient<Channel>,
     pub gateway: GatewayServiceClient<Channel>,
     /// The test database, when the backend is PostgreSQL.
@@ -148,6 +152,7 @@ pub async fn spawn(options: Options) -> TestApp {
     TestApp {
         agent_addr: agent.addr,
         gateway_addr: gateway.addr,
+        gateway_mcp_addr: gateway.mcp_addr,
         agent: AgentServiceClient::new(agent_channel),
         gateway: GatewayServiceClient::new(gateway_channel),
         db,
@@ -175,9 +180,12 @@ pub async fn start_gateway_with(
         .await
         .map_err(|e| e.to_string())?;
     let addr = app.local_addr();
-    Ok(spawn_running(addr, |stop| async move {
+    let mcp_addr = app.mcp_addr();
+    let mut running = spawn_running(addr, |stop| async move {
         app.run(stop).await.map_err(|e| e.to_string())
-    }))
+    });
+    running.mcp_addr = mcp_addr;
+    Ok(running)
 }
 
 /// Starts one agent-svc with `env`; for tests that need several replicas.
@@ -212,6 +220,7 @@ where
     RunningService {
         addr,
         runs: None,
+        mcp_addr: None,
         stop: Some(tx),
         task: tokio::spawn(run(stop)),
     }

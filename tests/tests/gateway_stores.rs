@@ -4,7 +4,7 @@
 use std::{sync::Arc, time::SystemTime};
 
 use gateway_svc::{
-    domain::{Integration, UserId},
+    domain::{Integration, McpSwitch, UserId},
     ratelimit::{Decision, LimitKey, Limits, RateLimitBackend, Window, memory::MemoryRateLimits},
     store::{
         AccountStatus, AuditRecord, StoredAccount, StoredResult, Stores, TaskFilter, TaskPatch,
@@ -509,6 +509,39 @@ async fn reminders_come_back_soonest_first_and_only_upcoming(b: Backend) {
     assert_eq!(s.count_reminders(&user("u1")).await.unwrap(), 3);
 }
 
+async fn g15_mcp_switches_are_per_user_and_turning_on_removes_only_that_switch(b: Backend) {
+    let s = &b.stores.mcp_switches;
+    let server = McpSwitch {
+        server: "docs".into(),
+        tool: None,
+    };
+    let search = McpSwitch {
+        server: "docs".into(),
+        tool: Some("search".into()),
+    };
+    s.set_mcp_enabled(&user("u1"), &search, false)
+        .await
+        .unwrap();
+    s.set_mcp_enabled(&user("u1"), &search, false)
+        .await
+        .unwrap();
+    s.set_mcp_enabled(&user("u1"), &server, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.disabled_mcp(&user("u1")).await.unwrap(),
+        [server.clone(), search.clone()]
+    );
+    assert!(s.disabled_mcp(&user("u2")).await.unwrap().is_empty());
+    s.set_mcp_enabled(&user("u1"), &server, true).await.unwrap();
+    assert_eq!(
+        s.disabled_mcp(&user("u1")).await.unwrap(),
+        std::slice::from_ref(&search)
+    );
+    s.set_mcp_enabled(&user("u1"), &search, true).await.unwrap();
+    assert!(s.disabled_mcp(&user("u1")).await.unwrap().is_empty());
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod in_memory {
@@ -532,4 +565,5 @@ both_backends!(
     tasks_are_listed_pending_first_by_due_date_and_scoped_to_their_user,
     memory_search_ranks_the_relevant_note_first,
     reminders_come_back_soonest_first_and_only_upcoming,
+    g15_mcp_switches_are_per_user_and_turning_on_removes_only_that_switch,
 );

@@ -10,6 +10,14 @@ use crate::{config::CallerAuth, domain::UserId};
 pub(crate) const USER_ID_HEADER: &str = "x-steward-user-id";
 
 pub(super) fn authenticate(auth: &CallerAuth, metadata: &MetadataMap) -> Result<UserId, ApiError> {
+    authenticate_headers(auth, metadata.as_ref())
+}
+
+/// The same check on plain HTTP headers: the gateway's MCP endpoint (`crate::mcp::expose`).
+pub fn authenticate_headers(
+    auth: &CallerAuth,
+    metadata: &http::HeaderMap,
+) -> Result<UserId, ApiError> {
     if let CallerAuth::ServiceToken(expected) = auth {
         let presented = metadata
             .get("authorization")

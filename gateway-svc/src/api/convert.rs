@@ -36,6 +36,7 @@ pub fn integration_from_pb(i: i32) -> Option<Integration> {
         pb::Integration::Memory => Some(Integration::Memory),
         pb::Integration::Tasks => Some(Integration::Tasks),
         pb::Integration::Reminders => Some(Integration::Reminders),
+        pb::Integration::Mcp => Some(Integration::Mcp),
     }
 }
 
@@ -47,6 +48,7 @@ pub fn integration_to_pb(i: Integration) -> pb::Integration {
         Integration::Memory => pb::Integration::Memory,
         Integration::Tasks => pb::Integration::Tasks,
         Integration::Reminders => pb::Integration::Reminders,
+        Integration::Mcp => pb::Integration::Mcp,
     }
 }
 

@@ -14,6 +14,7 @@ use tokio_stream::{Stream, wrappers::ReceiverStream};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+pub use auth::authenticate_headers;
 pub use status::ApiError;
 
 use crate::{
@@ -22,7 +23,6 @@ use crate::{
     credentials::{Credentials, NewAccount},
     domain::{CallOutcome, UserId},
     engine::Engine,
-    store::AccountStatus,
 };
 
 type ResultStream = Pin<Box<dyn Stream<Item = Result<pb::ExecuteResponse, Status>> + Send>>;
@@ -85,30 +85,17 @@ impl GatewayService for GatewayApi {
         request: Request<pb::ListToolsRequest>,
     ) -> Result<Response<pb::ListToolsResponse>, Status> {
         let user = self.user(&request)?;
-        let accounts = self.credentials.list(&user).await.map_err(ApiError::from)?;
-        let tools = self
-            .engine
-            .registry
-            .all()
-            .filter_map(|t| {
-                let spec = &t.spec;
-                if spec.integration.provider().is_none() {
-                    return Some(convert::tool_spec(spec, pb::ToolAvailability::Ok));
-                }
-                let mine: Vec<_> = accounts
-                    .iter()
-                    .filter(|a| a.integration == spec.integration)
-                    .collect();
-                if mine.is_empty() {
-                    // Not offered: the model cannot use what the user has not connected.
-                    return None;
-                }
-                let availability = if mine.iter().any(|a| a.status == AccountStatus::Connected) {
+        let tools = crate::catalog::tools_for(&self.engine.registry, &self.credentials, &user)
+            .await
+            .map_err(ApiError::from)?
+            .iter()
+            .map(|listed| {
+                let availability = if listed.available {
                     pb::ToolAvailability::Ok
                 } else {
                     pb::ToolAvailability::SourceUnavailable
                 };
-                Some(convert::tool_spec(spec, availability))
+                convert::tool_spec(&listed.tool.spec, availability)
             })
             .collect();
         Ok(Response::new(pb::ListToolsResponse { tools }))
@@ -284,6 +271,44 @@ impl GatewayService for GatewayApi {
             .into());
         }
         Ok(Response::new(pb::DisconnectAccountResponse {}))
+    }
+
+    async fn set_mcp_enabled(
+        &self,
+        request: Request<pb::SetMcpEnabledRequest>,
+    ) -> Result<Response<pb::SetMcpEnabledResponse>, Status> {
+        let user = self.user(&request)?;
+        let r = request.into_inner();
+        if r.server.is_empty() {
+            return Err(ApiError::InvalidArgument(
+                "server must name an MCP server (see MCP_SERVERS)".into(),
+            )
+            .into());
+        }
+        let switch = crate::domain::McpSwitch {
+            server: r.server,
+            tool: (!r.tool.is_empty()).then_some(r.tool),
+        };
+        let Some(hub) = self.engine.registry.mcp() else {
+            return Err(ApiError::NotFound("no MCP server is configured".into()).into());
+        };
+        let disabled = hub
+            .set_enabled(&user, &switch, r.enabled)
+            .await
+            .map_err(|e| match e {
+                crate::mcp::SwitchError::UnknownServer(m) => ApiError::NotFound(m),
+                crate::mcp::SwitchError::Store(s) => ApiError::Store(s),
+            })?;
+        tracing::info!(user = %user, server = %switch.server, tool = switch.tool.as_deref().unwrap_or(""), enabled = r.enabled, "MCP switch set");
+        Ok(Response::new(pb::SetMcpEnabledResponse {
+            disabled: disabled
+                .into_iter()
+                .map(|s| pb::McpSwitch {
+                    server: s.server,
+                    tool: s.tool.unwrap_or_default(),
+                })
+                .collect(),
+        }))
     }
 }
 

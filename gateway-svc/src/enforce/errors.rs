@@ -61,6 +61,12 @@ pub enum ToolError {
         status: u16,
         detail: String,
     },
+    /// A tool of another server (MCP) answered that the call failed, in its own words.
+    #[error("{service} reported that the call failed: {detail}")]
+    RemoteTool {
+        service: &'static str,
+        detail: String,
+    },
     #[error("{service} sent a response that could not be read ({detail}).")]
     UpstreamGarbage {
         service: &'static str,
@@ -106,9 +112,9 @@ impl ToolError {
             ToolError::CredentialsMissing { .. } => ErrorKind::CredentialsMissing,
             ToolError::CredentialsRevoked { .. } => ErrorKind::CredentialsRevoked,
             ToolError::PermissionDenied { .. } => ErrorKind::PermissionDenied,
-            ToolError::Upstream { .. } | ToolError::UpstreamGarbage { .. } => {
-                ErrorKind::UpstreamError
-            }
+            ToolError::Upstream { .. }
+            | ToolError::UpstreamGarbage { .. }
+            | ToolError::RemoteTool { .. } => ErrorKind::UpstreamError,
             ToolError::UpstreamTimeout { .. } => ErrorKind::UpstreamTimeout,
             ToolError::UpstreamUnavailable { .. } => ErrorKind::UpstreamUnavailable,
             ToolError::Cancelled => ErrorKind::Cancelled,

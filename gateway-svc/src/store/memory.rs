@@ -10,10 +10,10 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::{
     AccountLock, AccountStore, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
-    IdempotencyStore, Note, NoteStore, Ping, Reminder, ReminderStore, StoreError, StoredAccount,
-    StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
+    IdempotencyStore, McpSwitchStore, Note, NoteStore, Ping, Reminder, ReminderStore, StoreError,
+    StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
 };
-use crate::domain::{Integration, UserId};
+use crate::domain::{Integration, McpSwitch, UserId};
 
 /// How many audit records the in-memory log keeps (oldest dropped first).
 const AUDIT_CAPACITY: usize = 10_000;
@@ -62,6 +62,7 @@ pub struct MemoryStore {
     notes: SyncMutex<Vec<(UserId, Note)>>,
     reminders: SyncMutex<Vec<(UserId, Reminder)>>,
     next_id: std::sync::atomic::AtomicI64,
+    mcp_disabled: SyncMutex<std::collections::BTreeSet<(UserId, McpSwitch)>>,
 }
 
 impl MemoryStore {
@@ -74,6 +75,7 @@ impl MemoryStore {
         let store = Arc::new(Self::new());
         Stores {
             backend: "memory",
+            mcp_switches: store.clone(),
             accounts: store.clone(),
             idempotency: store.clone(),
             audit: store.clone(),
@@ -500,5 +502,33 @@ impl ReminderStore for MemoryStore {
             .iter()
             .filter(|(u, _)| u == user)
             .count() as u64)
+    }
+}
+
+#[async_trait::async_trait]
+impl McpSwitchStore for MemoryStore {
+    async fn set_mcp_enabled(
+        &self,
+        user: &UserId,
+        switch: &McpSwitch,
+        enabled: bool,
+    ) -> Result<(), StoreError> {
+        let mut disabled = self.mcp_disabled.lock().map_err(|_| poisoned())?;
+        let entry = (user.clone(), switch.clone());
+        if enabled {
+            disabled.remove(&entry);
+        } else {
+            disabled.insert(entry);
+        }
+        Ok(())
+    }
+
+    async fn disabled_mcp(&self, user: &UserId) -> Result<Vec<McpSwitch>, StoreError> {
+        let disabled = self.mcp_disabled.lock().map_err(|_| poisoned())?;
+        Ok(disabled
+            .iter()
+            .filter(|(u, _)| u == user)
+            .map(|(_, s)| s.clone())
+            .collect())
     }
 }

@@ -12,7 +12,7 @@ use std::{sync::Arc, time::SystemTime};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    domain::{Integration, UserId},
+    domain::{Integration, McpSwitch, UserId},
     ratelimit::RateLimitBackend,
 };
 
@@ -251,6 +251,7 @@ pub trait AuditLog: Send + Sync + 'static {
 #[derive(Clone)]
 pub struct Stores {
     pub backend: &'static str,
+    pub mcp_switches: Arc<dyn McpSwitchStore>,
     pub accounts: Arc<dyn AccountStore>,
     pub idempotency: Arc<dyn IdempotencyStore>,
     pub audit: Arc<dyn AuditLog>,
@@ -374,6 +375,21 @@ pub trait ReminderStore: Send + Sync + 'static {
     ) -> Result<Vec<Reminder>, StoreError>;
     /// All of the user's reminders, past ones included.
     async fn count_reminders(&self, user: &UserId) -> Result<u64, StoreError>;
+}
+
+/// The MCP servers and tools each user turned off (issue 15); on is the default.
+#[async_trait::async_trait]
+pub trait McpSwitchStore: Send + Sync + 'static {
+    /// Turns `switch` off (`enabled = false`) or back on. Turning on removes only this entry:
+    /// a tool stays off while its whole server is off.
+    async fn set_mcp_enabled(
+        &self,
+        user: &UserId,
+        switch: &McpSwitch,
+        enabled: bool,
+    ) -> Result<(), StoreError>;
+    /// What the user turned off, server first then tool.
+    async fn disabled_mcp(&self, user: &UserId) -> Result<Vec<McpSwitch>, StoreError>;
 }
 
 /// Splits text into lowercase words, for the in-memory search and for building prefix queries.

@@ -17,11 +17,11 @@ use tokio_postgres::Row;
 
 use super::{
     AccountLock, AccountStatus, AccountStore, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
-    IdempotencyStore, Note, NoteStore, Ping, Reminder, ReminderStore, StoreError, StoredAccount,
-    StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
+    IdempotencyStore, McpSwitchStore, Note, NoteStore, Ping, Reminder, ReminderStore, StoreError,
+    StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
 };
 use crate::{
-    domain::{Integration, UserId},
+    domain::{Integration, McpSwitch, UserId},
     ratelimit::postgres::PgRateLimits,
 };
 
@@ -60,6 +60,7 @@ impl PgStore {
         let store = Arc::new(self);
         Stores {
             backend: "postgres",
+            mcp_switches: store.clone(),
             accounts: store.clone(),
             idempotency: store.clone(),
             audit: store.clone(),
@@ -895,5 +896,52 @@ impl ReminderStore for PgStore {
             .await
             .map_err(db)?;
         Ok(row.get::<_, i64>(0) as u64)
+    }
+}
+
+#[async_trait::async_trait]
+impl McpSwitchStore for PgStore {
+    async fn set_mcp_enabled(
+        &self,
+        user: &UserId,
+        switch: &McpSwitch,
+        enabled: bool,
+    ) -> Result<(), StoreError> {
+        let tool = switch.tool.as_deref().unwrap_or("");
+        let sql = if enabled {
+            "DELETE FROM gateway.mcp_disabled WHERE user_id = $1 AND server = $2 AND tool = $3"
+        } else {
+            "INSERT INTO gateway.mcp_disabled (user_id, server, tool) VALUES ($1, $2, $3) \
+             ON CONFLICT DO NOTHING"
+        };
+        self.client()
+            .await?
+            .execute(sql, &[&user.as_str(), &switch.server, &tool])
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn disabled_mcp(&self, user: &UserId) -> Result<Vec<McpSwitch>, StoreError> {
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT server, tool FROM gateway.mcp_disabled WHERE user_id = $1 \
+                 ORDER BY server, tool",
+                &[&user.as_str()],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let tool: String = r.get(1);
+                McpSwitch {
+                    server: r.get(0),
+                    tool: (!tool.is_empty()).then_some(tool),
+                }
+            })
+            .collect())
     }
 }

@@ -1,0 +1,247 @@
+//! The gateway's own tools served over MCP (streamable HTTP, `MCP_LISTEN_ADDR`), so MCP
+//! clients get the enforced integrations: every request proves itself like a gRPC caller (the
+//! service token, and the user in `x-steward-user-id`), each user sees only their own tools,
+//! and every call runs through the same engine as a gRPC call.
+
+use std::{net::SocketAddr, sync::Arc};
+
+use axum::{
+    extract::{Request, State},
+    middleware::Next,
+    response::{IntoResponse, Response},
+};
+use rmcp::{
+    ErrorData, RoleServer, ServerHandler,
+    model::{
+        CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
+        ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, ToolAnnotations,
+    },
+    service::RequestContext,
+    transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
+    },
+};
+use serde_json::Value;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    api::{ApiError, authenticate_headers},
+    config::CallerAuth,
+    credentials::Credentials,
+    domain::{CallRequest, Channel, Integration, UserId},
+    engine::Engine,
+};
+
+/// Where MCP clients send their requests.
+pub const PATH: &str = "/mcp";
+/// `_meta` key a client may set to make a side-effect call idempotent across its retries.
+pub const IDEMPOTENCY_META_KEY: &str = "steward/idempotency_key";
+
+/// The MCP face of the engine, one per session.
+#[derive(Clone)]
+pub struct GatewayTools {
+    engine: Engine,
+    credentials: Credentials,
+}
+
+impl GatewayTools {
+    pub fn new(engine: Engine, credentials: Credentials) -> Self {
+        Self {
+            engine,
+            credentials,
+        }
+    }
+}
+
+/// The user the authentication layer found for this request.
+fn user_of(context: &RequestContext<RoleServer>) -> Result<UserId, ErrorData> {
+    context
+        .extensions
+        .get::<http::request::Parts>()
+        .and_then(|parts| parts.extensions.get::<UserId>())
+        .cloned()
+        .ok_or_else(|| {
+            ErrorData::invalid_request("the request carries no authenticated user", None)
+        })
+}
+
+fn internal(e: impl std::fmt::Display) -> ErrorData {
+    ErrorData::internal_error(e.to_string(), None)
+}
+
+impl ServerHandler for GatewayTools {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_server_info(
+            Implementation::new("steward-gateway", env!("CARGO_PKG_VERSION")),
+        )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let user = user_of(&context)?;
+        let listed = crate::catalog::tools_for(&self.engine.registry, &self.credentials, &user)
+            .await
+            .map_err(internal)?;
+        let tools = listed
+            .iter()
+            // The gateway's own tools; other servers' tools are theirs to serve.
+            .filter(|l| l.tool.spec.integration != Integration::Mcp)
+            .filter_map(|l| {
+                let spec = &l.tool.spec;
+                let Value::Object(schema) = spec.schema.clone() else {
+                    return None;
+                };
+                let annotations = ToolAnnotations::from_raw(
+                    None,
+                    Some(l.tool.read_only),
+                    Some(spec.side_effect),
+                    None,
+                    Some(spec.integration.provider().is_some()),
+                );
+                Some(
+                    rmcp::model::Tool::new(spec.name.clone(), spec.description.clone(), schema)
+                        .with_annotations(annotations),
+                )
+            })
+            .collect();
+        Ok(ListToolsResult::with_all_items(tools))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let user = user_of(&context)?;
+        let name = request.name.to_string();
+        let text = |t: String| vec![ContentBlock::text(t)];
+        if self
+            .engine
+            .registry
+            .get(&name)
+            .is_none_or(|t| t.spec.integration == Integration::Mcp)
+        {
+            return Ok(CallToolResult::error(text(format!(
+                "There is no tool named {name:?} here. Use only the tools tools/list gives."
+            )))
+            .into());
+        }
+        let call_id = format!("mcp-{}", uuid::Uuid::new_v4());
+        let idempotency_key = request
+            .meta
+            .as_ref()
+            .and_then(|m| m.get(IDEMPOTENCY_META_KEY))
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .unwrap_or_else(|| {
+                // A client's retry of the same request in the same session replays the result.
+                let session = context
+                    .extensions
+                    .get::<http::request::Parts>()
+                    .and_then(|p| p.headers.get("mcp-session-id"))
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("no-session")
+                    .to_owned();
+                format!("mcp:{session}:{}", context.id)
+            });
+        let call = CallRequest {
+            call_id,
+            tool: name,
+            args: Value::Object(request.arguments.unwrap_or_default()),
+            idempotency_key: Some(idempotency_key),
+            channel: Channel::Web,
+            timeout: None,
+            run_id: None,
+            read_external_from: Vec::new(),
+            expected_binding: None,
+        };
+        let outcome = self.engine.execute(&user, call, context.ct.clone()).await;
+        let content = text(outcome.text.clone());
+        Ok(if outcome.ok() {
+            CallToolResult::success(content)
+        } else {
+            CallToolResult::error(content)
+        }
+        .into())
+    }
+}
+
+/// Refuses a request without valid credentials before MCP sees it, and hands the user on.
+async fn require_caller(
+    State(auth): State<Arc<CallerAuth>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    match authenticate_headers(&auth, request.headers()) {
+        Ok(user) => {
+            request.extensions_mut().insert(user);
+            next.run(request).await
+        }
+        Err(e) => {
+            let status = match e {
+                ApiError::Unauthenticated(_) => http::StatusCode::UNAUTHORIZED,
+                _ => http::StatusCode::BAD_REQUEST,
+            };
+            (status, e.to_string()).into_response()
+        }
+    }
+}
+
+/// The MCP endpoint, bound at start so a taken port fails the start.
+pub struct McpEndpoint {
+    listener: TcpListener,
+    router: axum::Router,
+    sessions: CancellationToken,
+}
+
+impl McpEndpoint {
+    pub async fn bind(
+        addr: SocketAddr,
+        allowed_hosts: &[String],
+        tools: GatewayTools,
+        auth: CallerAuth,
+    ) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        let sessions = CancellationToken::new();
+        let mut config = StreamableHttpServerConfig::default();
+        config.cancellation_token = sessions.clone();
+        config = if allowed_hosts.is_empty() {
+            config.disable_allowed_hosts()
+        } else {
+            config.with_allowed_hosts(allowed_hosts.iter().cloned())
+        };
+        let service: StreamableHttpService<GatewayTools, LocalSessionManager> =
+            StreamableHttpService::new(move || Ok(tools.clone()), Default::default(), config);
+        let router = axum::Router::new().nest_service(PATH, service).layer(
+            axum::middleware::from_fn_with_state(Arc::new(auth), require_caller),
+        );
+        Ok(Self {
+            listener,
+            router,
+            sessions,
+        })
+    }
+
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.listener.local_addr().ok()
+    }
+
+    /// Serves until `shutdown`, then ends open sessions (their event streams would otherwise
+    /// hold the drain) and the requests in flight.
+    pub async fn serve(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) {
+        let sessions = self.sessions.clone();
+        let result = axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(async move {
+                shutdown.await;
+                sessions.cancel();
+            })
+            .await;
+        if let Err(e) = result {
+            tracing::error!(error = %e, "the MCP endpoint stopped");
+        }
+    }
+}

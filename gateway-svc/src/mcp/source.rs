@@ -1,0 +1,547 @@
+//! One configured MCP server as a tool source: a task keeps the connection (streamable HTTP,
+//! through `rmcp`), lists its tools, re-lists them on `notifications/tools/list_changed` and
+//! probes the server; each listed tool is a [`Tool`] the engine runs like a built-in one.
+//!
+//! A server that is down or slow never stalls anything else: calls to it fail at once (or at
+//! their deadline) with a sentence, ListTools marks its tools unavailable from the last list it
+//! gave, and the task tries it again every `MCP_RECONNECT_INTERVAL`.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    sync::{Arc, RwLock, Weak},
+    time::{Duration, Instant},
+};
+
+use rmcp::{
+    ClientHandler, Peer, RoleClient, ServiceError, ServiceExt,
+    model::{CallToolRequestParams, ContentBlock, ResourceContents},
+    service::{MaybeSendFuture, NotificationContext, RunningService},
+    transport::{
+        StreamableHttpClientTransport, common::client_side_sse::NeverRetry,
+        streamable_http_client::StreamableHttpClientTransportConfig,
+    },
+};
+use serde_json::Value;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::{McpConfig, McpServerConfig},
+    context::CallContext,
+    domain::{Integration, UserId},
+    enforce::ToolError,
+    registry::{Preview, RegisteredTool, Tool, ToolOutput, ToolSpec, clip},
+    store::McpSwitchStore,
+};
+
+/// The longest description a server's tool may bring into every prompt.
+const MAX_DESCRIPTION_CHARS: usize = 1024;
+/// The largest input schema accepted from a server, serialized (a schema is sent with every
+/// model call).
+const MAX_SCHEMA_BYTES: usize = 32 * 1024;
+
+/// Where the connection stands.
+#[derive(Debug, Clone, PartialEq)]
+enum Status {
+    Connecting,
+    Ready,
+    Unavailable(String),
+}
+
+struct State {
+    status: Status,
+    peer: Option<Peer<RoleClient>>,
+    /// As the server listed them: (its own name, the registered tool).
+    tools: Vec<(String, Arc<RegisteredTool>)>,
+    /// Canonical name and alias → tool.
+    by_name: HashMap<String, Arc<RegisteredTool>>,
+}
+
+pub struct McpServer {
+    pub name: String,
+    /// "MCP server \"docs\"": how errors name it. Leaked once per configured server, because
+    /// `ToolError` names services by `&'static str`.
+    label: &'static str,
+    config: McpServerConfig,
+    connect_timeout: Duration,
+    reconnect_interval: Duration,
+    http: reqwest::Client,
+    state: RwLock<State>,
+    switches: Arc<dyn McpSwitchStore>,
+    /// The server said its tools changed.
+    list_changed: Notify,
+    /// A call lost the connection: probe and reconnect now.
+    lost: Notify,
+}
+
+impl McpServer {
+    pub(super) fn start(
+        config: McpServerConfig,
+        mcp: &McpConfig,
+        switches: Arc<dyn McpSwitchStore>,
+        stop: CancellationToken,
+    ) -> Result<Arc<Self>, String> {
+        // Its own client: the shared one's overall timeout would cut the server's event
+        // stream, which stays open for notifications. Calls are bounded by the engine.
+        let http = reqwest::Client::builder()
+            .connect_timeout(mcp.connect_timeout)
+            .user_agent(concat!("steward-gateway/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| {
+                format!(
+                    "MCP server {}: cannot build its HTTP client: {e}",
+                    config.name
+                )
+            })?;
+        let server = Arc::new(Self {
+            name: config.name.clone(),
+            label: Box::leak(format!("MCP server \"{}\"", config.name).into_boxed_str()),
+            config,
+            connect_timeout: mcp.connect_timeout,
+            reconnect_interval: mcp.reconnect_interval,
+            http,
+            state: RwLock::new(State {
+                status: Status::Connecting,
+                peer: None,
+                tools: Vec::new(),
+                by_name: HashMap::new(),
+            }),
+            switches,
+            list_changed: Notify::new(),
+            lost: Notify::new(),
+        });
+        tokio::spawn(keep_connected(Arc::downgrade(&server), stop));
+        Ok(server)
+    }
+
+    pub fn label(&self) -> &'static str {
+        self.label
+    }
+
+    pub fn is_available(&self) -> bool {
+        self.state
+            .read()
+            .is_ok_and(|s| s.status == Status::Ready && s.peer.is_some())
+    }
+
+    /// Why it is not available, for errors and logs.
+    fn unavailable_reason(&self) -> String {
+        match self.state.read().map(|s| s.status.clone()) {
+            Ok(Status::Unavailable(why)) => why,
+            Ok(Status::Connecting) => "it is still being connected".into(),
+            Ok(Status::Ready) => "its connection was lost".into(),
+            Err(_) => "its state is unreadable".into(),
+        }
+    }
+
+    pub(super) fn get(&self, name: &str) -> Option<Arc<RegisteredTool>> {
+        self.state.read().ok()?.by_name.get(name).cloned()
+    }
+
+    /// (its own name, tool) for every tool of the last list.
+    pub(super) fn tools(&self) -> Vec<(String, Arc<RegisteredTool>)> {
+        self.state
+            .read()
+            .map(|s| s.tools.clone())
+            .unwrap_or_default()
+    }
+
+    fn peer(&self) -> Result<Peer<RoleClient>, ToolError> {
+        let state = self
+            .state
+            .read()
+            .map_err(|_| ToolError::Internal("poisoned".into()))?;
+        match (&state.status, &state.peer) {
+            (Status::Ready, Some(peer)) => Ok(peer.clone()),
+            _ => {
+                drop(state);
+                Err(ToolError::UpstreamUnavailable {
+                    service: self.label,
+                    detail: format!("it is unavailable: {}", self.unavailable_reason()),
+                })
+            }
+        }
+    }
+
+    fn set_status(&self, status: Status, peer: Option<Peer<RoleClient>>) {
+        if let Ok(mut state) = self.state.write() {
+            if state.status != status {
+                match &status {
+                    Status::Unavailable(why) => {
+                        tracing::warn!(server = %self.name, reason = %why, "MCP server unavailable")
+                    }
+                    Status::Ready => tracing::info!(server = %self.name, "MCP server connected"),
+                    Status::Connecting => {}
+                }
+            }
+            state.status = status;
+            state.peer = peer;
+        }
+    }
+
+    /// A call found the connection broken: mark it at once and let the task reconnect.
+    fn connection_lost(&self, why: String) {
+        self.set_status(Status::Unavailable(why), None);
+        self.lost.notify_one();
+    }
+
+    /// Replaces the tool list with what the server listed now.
+    fn set_tools(self: &Arc<Self>, listed: Vec<rmcp::model::Tool>) {
+        let mut tools = Vec::new();
+        let mut by_name = HashMap::new();
+        for remote in listed {
+            let tool = match McpTool::new(self.clone(), &remote)
+                .and_then(|t| RegisteredTool::new(Arc::new(t)).map_err(|e| e.to_string()))
+            {
+                Ok(t) => Arc::new(t),
+                Err(why) => {
+                    tracing::warn!(server = %self.name, tool = %remote.name, reason = %why, "MCP tool skipped");
+                    continue;
+                }
+            };
+            let names = std::iter::once(&tool.spec.name).chain(&tool.spec.aliases);
+            if names.clone().any(|n| by_name.contains_key(n)) {
+                tracing::warn!(server = %self.name, tool = %remote.name, "MCP tool skipped: its name collides with another of the server's tools");
+                continue;
+            }
+            for name in names {
+                by_name.insert(name.clone(), tool.clone());
+            }
+            tools.push((remote.name.to_string(), tool));
+        }
+        tracing::info!(server = %self.name, tools = tools.len(), "MCP tools listed");
+        if let Ok(mut state) = self.state.write() {
+            state.tools = tools;
+            state.by_name = by_name;
+        }
+    }
+
+    /// Whether `user` turned this tool (or the whole server) off.
+    async fn check_enabled(&self, user: &UserId, remote: &str) -> Result<(), ToolError> {
+        let off = self.switches.disabled_mcp(user).await.map_err(|e| {
+            ToolError::Internal(format!("cannot read the user's MCP settings: {e}"))
+        })?;
+        if off.iter().any(|s| s.covers(&self.name, remote)) {
+            return Err(ToolError::PermissionDenied {
+                service: self.label,
+                account: user.to_string(),
+                detail: format!("the user turned {remote} off; do not call it"),
+            });
+        }
+        Ok(())
+    }
+
+    async fn connect(self: &Arc<Self>) -> Result<RunningService<RoleClient, Listener>, String> {
+        let headers = self
+            .config
+            .headers
+            .iter()
+            .filter_map(|(k, v)| {
+                Some((
+                    http::HeaderName::try_from(k.as_str()).ok()?,
+                    http::HeaderValue::try_from(v.expose()).ok()?,
+                ))
+            })
+            .collect();
+        let mut transport = StreamableHttpClientTransportConfig::with_uri(self.config.url.as_str())
+            .custom_headers(headers);
+        // A broken event stream is a lost connection, handled by this task, not retried
+        // inside the transport while a call waits.
+        transport.retry_config = Arc::new(NeverRetry::default());
+        let transport = StreamableHttpClientTransport::with_client(self.http.clone(), transport);
+        let listener = Listener {
+            server: Arc::downgrade(self),
+        };
+        match tokio::time::timeout(self.connect_timeout, listener.serve(transport)).await {
+            Ok(Ok(running)) => Ok(running),
+            Ok(Err(e)) => Err(format!("cannot connect to {}: {e}", self.config.url)),
+            Err(_) => Err(format!(
+                "{} did not answer within {:?}",
+                self.config.url, self.connect_timeout
+            )),
+        }
+    }
+
+    /// Lists the tools; an error means the connection is no good.
+    async fn list(self: &Arc<Self>, peer: &Peer<RoleClient>) -> Result<(), String> {
+        match tokio::time::timeout(self.connect_timeout, peer.list_all_tools()).await {
+            Ok(Ok(tools)) => {
+                self.set_tools(tools);
+                Ok(())
+            }
+            Ok(Err(e)) => Err(format!("listing its tools failed: {e}")),
+            Err(_) => Err(format!(
+                "it did not list its tools within {:?}",
+                self.connect_timeout
+            )),
+        }
+    }
+}
+
+/// Connects, lists, then follows the server: re-lists on list_changed, probes every interval,
+/// and reconnects after a loss. Ends when the hub stops or is dropped.
+async fn keep_connected(server: Weak<McpServer>, stop: CancellationToken) {
+    loop {
+        let Some(this) = server.upgrade() else { return };
+        let interval = this.reconnect_interval;
+        match this.connect().await {
+            Ok(running) => {
+                let peer = running.peer().clone();
+                match this.list(&peer).await {
+                    Ok(()) => {
+                        this.set_status(Status::Ready, Some(peer.clone()));
+                        let why = follow(&this, &peer, &stop).await;
+                        if let Some(why) = why {
+                            this.set_status(Status::Unavailable(why), None);
+                        }
+                    }
+                    Err(why) => this.set_status(Status::Unavailable(why), None),
+                }
+                // Closing a dead connection may wait on the network; never let it hold up
+                // the next attempt.
+                tokio::spawn(async move {
+                    let _ = running.cancel().await;
+                });
+                if stop.is_cancelled() {
+                    return;
+                }
+            }
+            Err(why) => this.set_status(Status::Unavailable(why), None),
+        }
+        drop(this);
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(interval) => {}
+        }
+    }
+}
+
+/// While connected: `None` when stopping, otherwise why the connection is given up.
+async fn follow(
+    server: &Arc<McpServer>,
+    peer: &Peer<RoleClient>,
+    stop: &CancellationToken,
+) -> Option<String> {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return None,
+            () = server.list_changed.notified() => {
+                if let Err(why) = server.list(peer).await {
+                    return Some(why);
+                }
+            }
+            () = server.lost.notified() => {
+                // A call saw the connection break; a probe decides.
+                if let Err(why) = server.list(peer).await {
+                    return Some(why);
+                }
+                server.set_status(Status::Ready, Some(peer.clone()));
+            }
+            () = tokio::time::sleep(server.reconnect_interval) => {
+                if let Err(why) = server.list(peer).await {
+                    return Some(why);
+                }
+            }
+        }
+    }
+}
+
+/// Receives the server's notifications for its task.
+struct Listener {
+    server: Weak<McpServer>,
+}
+
+impl ClientHandler for Listener {
+    fn on_tool_list_changed(
+        &self,
+        _context: NotificationContext<RoleClient>,
+    ) -> impl Future<Output = ()> + MaybeSendFuture + '_ {
+        if let Some(server) = self.server.upgrade() {
+            server.list_changed.notify_one();
+        }
+        std::future::ready(())
+    }
+}
+
+/// One tool of an MCP server.
+struct McpTool {
+    server: Arc<McpServer>,
+    /// As the server names it.
+    remote: String,
+    spec: ToolSpec,
+}
+
+impl McpTool {
+    fn new(server: Arc<McpServer>, remote: &rmcp::model::Tool) -> Result<Self, String> {
+        let schema = Value::Object((*remote.input_schema).clone());
+        let size = schema.to_string().len();
+        if size > MAX_SCHEMA_BYTES {
+            return Err(format!(
+                "its input schema is {size} bytes; the most accepted is {MAX_SCHEMA_BYTES}"
+            ));
+        }
+        let description = remote
+            .description
+            .as_deref()
+            .or(remote.title.as_deref())
+            .unwrap_or("(no description)");
+        // Only a tool its server declares read-only is spared approval: without the hint it
+        // may act on the world, so policy treats it as a side effect.
+        let read_only = remote
+            .annotations
+            .as_ref()
+            .and_then(|a| a.read_only_hint)
+            .unwrap_or(false);
+        let mut spec = ToolSpec::new(
+            &super::canonical_name(&server.name, &remote.name),
+            Integration::Mcp,
+            &format!(
+                "[MCP server {}] {}",
+                server.name,
+                clip(description, MAX_DESCRIPTION_CHARS)
+            ),
+            schema,
+        )
+        .with_aliases(&[&super::alias_name(&server.name, &remote.name)])
+        .with_cost(1)
+        // What a third party's server returns is not the user's own words.
+        .reading_external_content();
+        if !read_only {
+            spec = spec.with_side_effect();
+        }
+        Ok(Self {
+            remote: remote.name.to_string(),
+            server,
+            spec,
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl Tool for McpTool {
+    fn spec(&self) -> ToolSpec {
+        self.spec.clone()
+    }
+
+    fn read_only(&self) -> bool {
+        !self.spec.side_effect
+    }
+
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
+        let server = &self.server;
+        server.check_enabled(&ctx.user, &self.remote).await?;
+        ctx.charge(Integration::Mcp, &server.name, 1).await?;
+        let peer = server.peer()?;
+        let arguments = match args {
+            Value::Object(map) => map,
+            _ => serde_json::Map::new(),
+        };
+        let params = CallToolRequestParams::new(self.remote.clone()).with_arguments(arguments);
+        let started = Instant::now();
+        let result = peer.call_tool(params).await;
+        let (status, bytes) = match &result {
+            Ok(r) if r.is_error == Some(true) => ("tool_error".to_owned(), 0),
+            Ok(r) => ("ok".to_owned(), r.content.len()),
+            Err(e) => (error_status(e).to_owned(), 0),
+        };
+        ctx.record_upstream_call(
+            Integration::Mcp,
+            Some(&server.name),
+            &status,
+            started,
+            bytes,
+        )
+        .await;
+        let result = result.map_err(|e| {
+            let error = describe(server.label, e);
+            if error.kind() == crate::domain::ErrorKind::UpstreamUnavailable {
+                server.connection_lost(error.to_string());
+            }
+            error
+        })?;
+        let text = render(&result.content, result.structured_content.as_ref());
+        if result.is_error == Some(true) {
+            return Err(ToolError::RemoteTool {
+                service: server.label,
+                detail: clip(&text, 2000),
+            });
+        }
+        Ok(ToolOutput::text(text))
+    }
+
+    async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
+        self.server.check_enabled(&ctx.user, &self.remote).await?;
+        Ok(Preview {
+            text: format!(
+                "{} on MCP server {}: {}",
+                self.remote,
+                self.server.name,
+                clip(&args.to_string(), 300)
+            ),
+            ..Preview::default()
+        })
+    }
+}
+
+fn error_status(e: &ServiceError) -> &'static str {
+    match e {
+        ServiceError::McpError(_) => "mcp_error",
+        ServiceError::Timeout { .. } => "upstream_timeout",
+        _ => "upstream_unavailable",
+    }
+}
+
+/// A failed `tools/call` as a sentence for the model.
+fn describe(service: &'static str, e: ServiceError) -> ToolError {
+    match e {
+        // The server answered with a JSON-RPC error: its words, not a broken connection.
+        ServiceError::McpError(data) => ToolError::RemoteTool {
+            service,
+            detail: clip(&data.message, 2000),
+        },
+        ServiceError::Timeout { timeout } => ToolError::UpstreamTimeout {
+            service,
+            after: timeout,
+        },
+        ServiceError::Cancelled { .. } => ToolError::Cancelled,
+        other => ToolError::UpstreamUnavailable {
+            service,
+            detail: format!("the connection failed mid-call: {other}"),
+        },
+    }
+}
+
+/// The model's text for a result: text blocks as they are, other blocks named in a line (an
+/// image is never pasted into a prompt), structured content when there is nothing else.
+fn render(content: &[ContentBlock], structured: Option<&Value>) -> String {
+    let mut parts: Vec<String> = content
+        .iter()
+        .map(|block| match block {
+            ContentBlock::Text(t) => t.text.clone(),
+            ContentBlock::Image(i) => {
+                format!("[an image ({}) was returned and left out]", i.mime_type)
+            }
+            ContentBlock::Audio(a) => {
+                format!("[audio ({}) was returned and left out]", a.mime_type)
+            }
+            ContentBlock::Resource(r) => match &r.resource {
+                ResourceContents::TextResourceContents { uri, text, .. } => {
+                    format!("[resource {uri}]\n{text}")
+                }
+                ResourceContents::BlobResourceContents { uri, .. } => {
+                    format!("[resource {uri}: binary, left out]")
+                }
+                _ => "[a resource of a kind this gateway does not read was left out]".to_owned(),
+            },
+            ContentBlock::ResourceLink(l) => format!("[resource link {} ({})]", l.uri, l.name),
+            _ => "[content of a kind this gateway does not read was left out]".to_owned(),
+        })
+        .collect();
+    if parts.is_empty()
+        && let Some(value) = structured
+    {
+        parts.push(value.to_string());
+    }
+    parts.join("\n")
+}
