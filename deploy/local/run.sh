@@ -55,7 +55,8 @@ if $demo; then
   set -a; . "$settings"; set +a
 fi
 
-setsid "$bin/gateway-svc" &
+# The gateway's tools for MCP clients too, on loopback (same token and user header).
+MCP_LISTEN_ADDR="${MCP_LISTEN_ADDR:-127.0.0.1:50053}" setsid "$bin/gateway-svc" &
 pids+=($!)
 # No JWT issuer locally: callers name themselves with x-user-id, which agent-svc accepts only on
 # a machine flagged as a development one (STEWARD_DEVELOPMENT).
@@ -69,6 +70,8 @@ Try:  grpcurl -plaintext 127.0.0.1:50051 list
       grpcurl -plaintext 127.0.0.1:50051 grpc.health.v1.Health/Check
       grpcurl -plaintext -H "authorization: Bearer $GATEWAY_SERVICE_TOKEN" -H 'x-steward-user-id: me' \
         127.0.0.1:50052 steward.gateway.v1.GatewayService/ListTools
+MCP clients reach the gateway's tools at http://${MCP_LISTEN_ADDR:-127.0.0.1:50053}/mcp with the headers
+      authorization: Bearer $GATEWAY_SERVICE_TOKEN   and   x-steward-user-id: me
 Ctrl-C stops everything.
 MSG
 if $demo; then

@@ -257,10 +257,9 @@ impl App {
                 let _ = signalled.send(tokio::time::Instant::now());
             }
         };
-        let mcp_served = self.mcp_endpoint.map(|endpoint| {
-            let stopping = stopping.clone();
-            tokio::spawn(endpoint.serve(async move { stopping.cancelled().await }))
-        });
+        let mcp_serving = self
+            .mcp_endpoint
+            .map(|endpoint| endpoint.start(stopping.clone()));
         let max = self.config.server.max_message_bytes;
         let api = GatewayServiceServer::new(self.api)
             .max_decoding_message_size(max)
@@ -290,9 +289,11 @@ impl App {
             .await
             .map_or(now + drain, |at| at + drain)
             .max(now + self.config.audit_queue.flush_grace);
-        // MCP requests drain with the gRPC calls (both stopped at the signal).
-        if let Some(mcp) = mcp_served {
-            let _ = tokio::time::timeout_at(deadline, mcp).await;
+        // The MCP endpoint stopped accepting at the signal (or now, if serving gRPC ended
+        // another way); its calls in flight get the same deadline as gRPC's.
+        stopping.cancel();
+        if let Some(mcp) = mcp_serving {
+            mcp.drain(deadline).await;
         }
         self.mcp_hub.stop();
         self.audit.close(deadline).await;

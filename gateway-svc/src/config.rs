@@ -440,6 +440,19 @@ impl Config {
             ),
         };
 
+        if let (CallerAuth::InsecureDev, Some(addr)) = (&auth, mcp.listen_addr)
+            && (!addr.ip().is_loopback() || mcp.allowed_hosts.is_empty())
+        {
+            vars.error(
+                "MCP_LISTEN_ADDR",
+                format!(
+                    "{addr} with GATEWAY_ALLOW_INSECURE_DEV_AUTH (and MCP_ALLOWED_HOSTS not `*`) \
+                     would let anyone who reaches it act as any user; listen on 127.0.0.1 or \
+                     set GATEWAY_SERVICE_TOKEN"
+                ),
+            );
+        }
+
         vars.finish(Self {
             server,
             auth,
@@ -566,6 +579,26 @@ mod tests {
             assert!(err.contains(expected), "{servers} {headers}: {err}");
             assert!(!err.contains("s3cr3t-value"), "a secret was echoed: {err}");
         }
+    }
+
+    #[test]
+    fn g15_the_mcp_endpoint_without_a_service_token_stays_on_loopback() {
+        let dev = [
+            ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
+            ("STEWARD_DEVELOPMENT", "true"),
+        ];
+        assert!(load(&[dev[0], dev[1], ("MCP_LISTEN_ADDR", "127.0.0.1:8765")]).is_ok());
+        let err = load(&[dev[0], dev[1], ("MCP_LISTEN_ADDR", "0.0.0.0:8765")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MCP_LISTEN_ADDR") && err.contains("GATEWAY_SERVICE_TOKEN"));
+        assert!(
+            load(&[
+                ("GATEWAY_SERVICE_TOKEN", "token-0123456789abcdef"),
+                ("MCP_LISTEN_ADDR", "0.0.0.0:8765"),
+            ])
+            .is_ok()
+        );
     }
 
     #[test]

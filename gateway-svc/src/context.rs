@@ -212,6 +212,7 @@ impl CallContext {
     ) -> Result<UpstreamResponse, ToolError> {
         let service = integration.label();
         let started = Instant::now();
+        self.upstream_attempt();
         let result: Result<UpstreamResponse, ToolError> = async {
             let response = request
                 .send()
@@ -242,8 +243,15 @@ impl CallContext {
         result
     }
 
-    /// Counts, measures and audits one upstream call made since `started` (HTTP here; an MCP
-    /// `tools/call` in `crate::mcp`).
+    /// Counts a request about to leave for upstream. Counted before it is sent, never after:
+    /// a call cut off by its deadline may still have acted upstream, and a counted call keeps
+    /// its idempotency key (a retry replays instead of acting twice).
+    pub fn upstream_attempt(&self) {
+        self.upstream_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Measures and audits one upstream call made since `started` (HTTP here; an MCP
+    /// `tools/call` in `crate::mcp`), counted by [`Self::upstream_attempt`] before it left.
     pub async fn record_upstream_call(
         &self,
         integration: Integration,
@@ -252,7 +260,6 @@ impl CallContext {
         started: Instant,
         bytes: usize,
     ) {
-        self.upstream_calls.fetch_add(1, Ordering::Relaxed);
         crate::metrics::upstream_request(integration.key(), status, started.elapsed());
         self.audit(AuditRecord {
             user: self.user.to_string(),

@@ -19,7 +19,7 @@ use crate::{
     context::{CallContext, Services, millis},
     domain::{CallOutcome, CallRequest, UserId},
     enforce::{ToolError, caps::cap_text},
-    registry::{MAX_PREVIEW_CHARS, Preview, Registry, ToolOutput},
+    registry::{MAX_PREVIEW_CHARS, Preview, RegisteredTool, Registry, ToolOutput},
     store::{AuditEntry, AuditLog, AuditRecord, IdempotencyStore, StoredResult},
 };
 
@@ -61,8 +61,12 @@ impl Engine {
             trace_id = tracing::field::Empty,
         );
         svc_kit::telemetry::record_trace_id(&span);
+        // Resolved once: an MCP server may re-list its tools while the call runs, and the
+        // outcome and audit must describe the tool that ran.
+        let tool = self.registry.get(&request.tool);
         let (tool_name, outcome, ctx) =
-            tracing::Instrument::instrument(self.run(user, request, cancel), span).await;
+            tracing::Instrument::instrument(self.run(tool.clone(), user, request, cancel), span)
+                .await;
         let upstream_calls = ctx.as_ref().map_or(0, |c| c.upstream_calls());
         let account = ctx.as_ref().and_then(|c| c.account());
         let mut outcome = match outcome {
@@ -75,6 +79,7 @@ impl Engine {
             Finished::Ran(result) => self.outcome(
                 call_id.clone(),
                 tool_name.clone(),
+                tool.as_ref().is_some_and(|t| t.spec.reads_external_content),
                 result,
                 upstream_calls,
                 account,
@@ -89,7 +94,6 @@ impl Engine {
             latency_ms = millis(outcome.latency), truncated = outcome.truncated, replayed = outcome.replayed,
             "tool call"
         );
-        let tool = self.registry.get(&outcome.tool);
         let record = AuditRecord {
             user: user.to_string(),
             kind: "tool_call".into(),
@@ -125,11 +129,12 @@ impl Engine {
 
     async fn run(
         &self,
+        tool: Option<Arc<RegisteredTool>>,
         user: &UserId,
         request: CallRequest,
         cancel: CancellationToken,
     ) -> (String, Finished, Option<CallContext>) {
-        let Some(tool) = self.registry.get(&request.tool) else {
+        let Some(tool) = tool else {
             let name = request.tool.clone();
             return (
                 name.clone(),
@@ -191,7 +196,7 @@ impl Engine {
         // `execute`, after the call); any other call's are written as they happen.
         ctx.audit_later = tool.read_only;
         let timeout = self.timeout(&request);
-        let service = tool.spec.integration.label();
+        let service = tool.service;
         if let Some(expected) = &request.expected_binding {
             // Resolved in its own context: its reads are not the effect, so a refusal leaves
             // the idempotency key free.
@@ -255,6 +260,7 @@ impl Engine {
                 let outcome = self.outcome(
                     request.call_id,
                     name.clone(),
+                    tool.spec.reads_external_content,
                     result.clone(),
                     ctx.upstream_calls(),
                     ctx.account(),
@@ -309,7 +315,7 @@ impl Engine {
             match tokio::time::timeout(timeout, tool.tool.preview(&ctx, &request.args)).await {
                 Ok(r) => r,
                 Err(_) => Err(ToolError::UpstreamTimeout {
-                    service: tool.spec.integration.label(),
+                    service: tool.service,
                     after: timeout,
                 }),
             };
@@ -362,14 +368,11 @@ impl Engine {
         &self,
         call_id: String,
         tool: String,
+        reads_external: bool,
         result: Result<ToolOutput, ToolError>,
         upstream_calls: u32,
         account: Option<String>,
     ) -> CallOutcome {
-        let reads_external = self
-            .registry
-            .get(&tool)
-            .is_some_and(|t| t.spec.reads_external_content);
         let (text, display, error_kind, retry_after_secs, external) = match result {
             Ok(out) => {
                 let text = if out.text.trim().is_empty() {

@@ -126,6 +126,12 @@ pub trait Tool: Send + Sync + 'static {
         false
     }
 
+    /// How errors name what answered (or did not): the integration, unless the tool knows
+    /// better (an MCP tool names its server).
+    fn service(&self) -> &'static str {
+        self.spec().integration.label()
+    }
+
     /// Runs the call. `args` already passed the schema. Charge the rate limiter through `ctx`
     /// before each upstream call; return errors, never panic.
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError>;
@@ -197,6 +203,8 @@ pub struct RegisteredTool {
     pub tool: Arc<dyn Tool>,
     /// [`Tool::read_only`], asked once at registration.
     pub read_only: bool,
+    /// [`Tool::service`], asked once at registration.
+    pub service: &'static str,
     validator: jsonschema::Validator,
 }
 
@@ -214,6 +222,7 @@ impl RegisteredTool {
             return Err(RegistryError::ReadOnlyWrites(spec.name.clone()));
         }
         Ok(Self {
+            service: tool.service(),
             spec,
             tool,
             read_only,

@@ -23,7 +23,7 @@ use rmcp::{
 };
 use serde_json::Value;
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
     api::{ApiError, authenticate_headers},
@@ -43,6 +43,8 @@ pub const IDEMPOTENCY_META_KEY: &str = "steward/idempotency_key";
 pub struct GatewayTools {
     engine: Engine,
     credentials: Credentials,
+    /// The calls in flight, which a shutdown lets finish before it ends the sessions.
+    calls: TaskTracker,
 }
 
 impl GatewayTools {
@@ -50,6 +52,7 @@ impl GatewayTools {
         Self {
             engine,
             credentials,
+            calls: TaskTracker::new(),
         }
     }
 }
@@ -131,14 +134,17 @@ impl ServerHandler for GatewayTools {
             .into());
         }
         let call_id = format!("mcp-{}", uuid::Uuid::new_v4());
-        let idempotency_key = request
+        // Keys of MCP clients live apart from agent-svc's. Without a client key each request
+        // is its own key: a call is never run twice for one request, but a client that retries
+        // with a new request id acts again — it should set the key.
+        let idempotency_key = match request
             .meta
             .as_ref()
             .and_then(|m| m.get(IDEMPOTENCY_META_KEY))
             .and_then(Value::as_str)
-            .map(str::to_owned)
-            .unwrap_or_else(|| {
-                // A client's retry of the same request in the same session replays the result.
+        {
+            Some(key) => format!("mcp:{key}"),
+            None => {
                 let session = context
                     .extensions
                     .get::<http::request::Parts>()
@@ -146,8 +152,9 @@ impl ServerHandler for GatewayTools {
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or("no-session")
                     .to_owned();
-                format!("mcp:{session}:{}", context.id)
-            });
+                format!("mcp-request:{session}:{}", context.id)
+            }
+        };
         let call = CallRequest {
             call_id,
             tool: name,
@@ -159,7 +166,10 @@ impl ServerHandler for GatewayTools {
             read_external_from: Vec::new(),
             expected_binding: None,
         };
-        let outcome = self.engine.execute(&user, call, context.ct.clone()).await;
+        let outcome = self
+            .calls
+            .track_future(self.engine.execute(&user, call, context.ct.clone()))
+            .await;
         let content = text(outcome.text.clone());
         Ok(if outcome.ok() {
             CallToolResult::success(content)
@@ -196,6 +206,7 @@ pub struct McpEndpoint {
     listener: TcpListener,
     router: axum::Router,
     sessions: CancellationToken,
+    calls: TaskTracker,
 }
 
 impl McpEndpoint {
@@ -207,6 +218,7 @@ impl McpEndpoint {
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let sessions = CancellationToken::new();
+        let calls = tools.calls.clone();
         let mut config = StreamableHttpServerConfig::default();
         config.cancellation_token = sessions.clone();
         config = if allowed_hosts.is_empty() {
@@ -223,6 +235,7 @@ impl McpEndpoint {
             listener,
             router,
             sessions,
+            calls,
         })
     }
 
@@ -230,18 +243,56 @@ impl McpEndpoint {
         self.listener.local_addr().ok()
     }
 
-    /// Serves until `shutdown`, then ends open sessions (their event streams would otherwise
-    /// hold the drain) and the requests in flight.
-    pub async fn serve(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) {
+    /// Serves until `stopping` is cancelled; then [`Serving::drain`] ends it.
+    pub fn start(self, stopping: CancellationToken) -> Serving {
         let sessions = self.sessions.clone();
-        let result = axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(async move {
-                shutdown.await;
-                sessions.cancel();
-            })
-            .await;
-        if let Err(e) = result {
-            tracing::error!(error = %e, "the MCP endpoint stopped");
+        let calls = self.calls.clone();
+        let task = tokio::spawn(async move {
+            let result = axum::serve(self.listener, self.router)
+                .with_graceful_shutdown(async move { stopping.cancelled().await })
+                .await;
+            if let Err(e) = result {
+                tracing::error!(error = %e, "the MCP endpoint stopped");
+            }
+        });
+        Serving {
+            task,
+            sessions,
+            calls,
+        }
+    }
+}
+
+/// A running MCP endpoint.
+pub struct Serving {
+    task: tokio::task::JoinHandle<()>,
+    sessions: CancellationToken,
+    calls: TaskTracker,
+}
+
+impl Serving {
+    /// After the listener stopped accepting: lets the calls in flight finish by `deadline`,
+    /// then ends the sessions (their open event streams would hold the server forever) and
+    /// whatever is still running.
+    pub async fn drain(self, deadline: tokio::time::Instant) {
+        self.calls.close();
+        if tokio::time::timeout_at(deadline, self.calls.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                calls = self.calls.len(),
+                "MCP calls still running at the drain deadline are cancelled"
+            );
+        }
+        self.sessions.cancel();
+        let mut task = self.task;
+        let grace = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+        if tokio::time::timeout_at(grace.max(deadline), &mut task)
+            .await
+            .is_err()
+        {
+            task.abort();
         }
     }
 }

@@ -15,7 +15,10 @@ use std::{
 
 use rmcp::{
     ClientHandler, Peer, RoleClient, ServiceError, ServiceExt,
-    model::{CallToolRequestParams, ContentBlock, ResourceContents},
+    model::{
+        CallToolRequestParams, ClientRequest, ContentBlock, PaginatedRequestParams, PingRequest,
+        ResourceContents,
+    },
     service::{MaybeSendFuture, NotificationContext, RunningService},
     transport::{
         StreamableHttpClientTransport, common::client_side_sse::NeverRetry,
@@ -31,7 +34,7 @@ use crate::{
     context::CallContext,
     domain::{Integration, UserId},
     enforce::ToolError,
-    registry::{Preview, RegisteredTool, Tool, ToolOutput, ToolSpec, clip},
+    registry::{Preview, RegisteredTool, Tool, ToolOutput, ToolSpec, clip, digest},
     store::McpSwitchStore,
 };
 
@@ -40,6 +43,12 @@ const MAX_DESCRIPTION_CHARS: usize = 1024;
 /// The largest input schema accepted from a server, serialized (a schema is sent with every
 /// model call).
 const MAX_SCHEMA_BYTES: usize = 32 * 1024;
+/// The most tools taken from one server, and the most pages of `tools/list` read to find
+/// them: a server cannot flood the registry (or every prompt).
+const MAX_TOOLS: usize = 128;
+const MAX_LIST_PAGES: usize = 16;
+/// The longest tool name taken from a server (the MCP specification's own limit).
+const MAX_REMOTE_NAME: usize = 128;
 
 /// Where the connection stands.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,8 +61,11 @@ enum Status {
 struct State {
     status: Status,
     peer: Option<Peer<RoleClient>>,
-    /// As the server listed them: (its own name, the registered tool).
-    tools: Vec<(String, Arc<RegisteredTool>)>,
+    /// Which connection `peer` is: a call that lost connection N must not mark N + 1 down.
+    generation: u64,
+    /// As the server listed them: (its definition, the registered tool), reused while the
+    /// definition stays the same.
+    tools: Vec<(rmcp::model::Tool, Arc<RegisteredTool>)>,
     /// Canonical name and alias → tool.
     by_name: HashMap<String, Arc<RegisteredTool>>,
 }
@@ -64,6 +76,8 @@ pub struct McpServer {
     /// `ToolError` names services by `&'static str`.
     label: &'static str,
     config: McpServerConfig,
+    /// The URL without credentials or query, for errors and logs.
+    shown_url: String,
     connect_timeout: Duration,
     reconnect_interval: Duration,
     http: reqwest::Client,
@@ -86,6 +100,8 @@ impl McpServer {
         // stream, which stays open for notifications. Calls are bounded by the engine.
         let http = reqwest::Client::builder()
             .connect_timeout(mcp.connect_timeout)
+            // A redirect would carry the configured headers (API keys) to another host.
+            .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("steward-gateway/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| {
@@ -97,6 +113,7 @@ impl McpServer {
         let server = Arc::new(Self {
             name: config.name.clone(),
             label: Box::leak(format!("MCP server \"{}\"", config.name).into_boxed_str()),
+            shown_url: shown_url(&config.url),
             config,
             connect_timeout: mcp.connect_timeout,
             reconnect_interval: mcp.reconnect_interval,
@@ -104,6 +121,7 @@ impl McpServer {
             state: RwLock::new(State {
                 status: Status::Connecting,
                 peer: None,
+                generation: 0,
                 tools: Vec::new(),
                 by_name: HashMap::new(),
             }),
@@ -143,17 +161,23 @@ impl McpServer {
     pub(super) fn tools(&self) -> Vec<(String, Arc<RegisteredTool>)> {
         self.state
             .read()
-            .map(|s| s.tools.clone())
+            .map(|s| {
+                s.tools
+                    .iter()
+                    .map(|(remote, tool)| (remote.name.to_string(), tool.clone()))
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
-    fn peer(&self) -> Result<Peer<RoleClient>, ToolError> {
+    /// The connection to call on, and which one it is.
+    fn peer(&self) -> Result<(Peer<RoleClient>, u64), ToolError> {
         let state = self
             .state
             .read()
             .map_err(|_| ToolError::Internal("poisoned".into()))?;
         match (&state.status, &state.peer) {
-            (Status::Ready, Some(peer)) => Ok(peer.clone()),
+            (Status::Ready, Some(peer)) => Ok((peer.clone(), state.generation)),
             _ => {
                 drop(state);
                 Err(ToolError::UpstreamUnavailable {
@@ -164,6 +188,7 @@ impl McpServer {
         }
     }
 
+    /// Ready on a new connection, or unavailable.
     fn set_status(&self, status: Status, peer: Option<Peer<RoleClient>>) {
         if let Ok(mut state) = self.state.write() {
             if state.status != status {
@@ -175,28 +200,69 @@ impl McpServer {
                     Status::Connecting => {}
                 }
             }
+            if peer.is_some() {
+                state.generation += 1;
+            }
             state.status = status;
             state.peer = peer;
         }
     }
 
-    /// A call found the connection broken: mark it at once and let the task reconnect.
-    fn connection_lost(&self, why: String) {
-        self.set_status(Status::Unavailable(why), None);
+    /// A call found connection `generation` broken: marked at once (unless a newer connection
+    /// replaced it meanwhile), and the task reconnects.
+    fn connection_lost(&self, generation: u64, why: String) {
+        let current = self.state.read().is_ok_and(|s| s.generation == generation);
+        if current {
+            self.set_status(Status::Unavailable(why), None);
+            self.lost.notify_one();
+        }
+    }
+
+    /// A call ended without an answer (its deadline, or its caller gone): probe now.
+    fn suspect(&self) {
         self.lost.notify_one();
     }
 
-    /// Replaces the tool list with what the server listed now.
+    /// Replaces the tool list with what the server listed now; unchanged definitions keep
+    /// their registered tool (no schema compiled again).
     fn set_tools(self: &Arc<Self>, listed: Vec<rmcp::model::Tool>) {
+        let previous = self
+            .state
+            .read()
+            .map(|s| s.tools.clone())
+            .unwrap_or_default();
+        if previous.len() == listed.len()
+            && previous
+                .iter()
+                .zip(&listed)
+                .all(|((old, _), new)| old == new)
+        {
+            return;
+        }
         let mut tools = Vec::new();
         let mut by_name = HashMap::new();
         for remote in listed {
-            let tool = match McpTool::new(self.clone(), &remote)
-                .and_then(|t| RegisteredTool::new(Arc::new(t)).map_err(|e| e.to_string()))
-            {
-                Ok(t) => Arc::new(t),
+            if tools.len() == MAX_TOOLS {
+                tracing::warn!(server = %self.name, max = MAX_TOOLS, "MCP server lists more tools than are taken; the rest are left out");
+                break;
+            }
+            let reused = previous
+                .iter()
+                .find(|(old, _)| *old == remote)
+                .map(|(_, t)| t.clone());
+            let tool = match reused.map_or_else(
+                || {
+                    McpTool::new(self, &remote).and_then(|t| {
+                        RegisteredTool::new(Arc::new(t))
+                            .map(Arc::new)
+                            .map_err(|e| e.to_string())
+                    })
+                },
+                Ok,
+            ) {
+                Ok(t) => t,
                 Err(why) => {
-                    tracing::warn!(server = %self.name, tool = %remote.name, reason = %why, "MCP tool skipped");
+                    tracing::warn!(server = %self.name, tool = %clip(&remote.name, MAX_REMOTE_NAME), reason = %why, "MCP tool skipped");
                     continue;
                 }
             };
@@ -208,7 +274,7 @@ impl McpServer {
             for name in names {
                 by_name.insert(name.clone(), tool.clone());
             }
-            tools.push((remote.name.to_string(), tool));
+            tools.push((remote, tool));
         }
         tracing::info!(server = %self.name, tools = tools.len(), "MCP tools listed");
         if let Ok(mut state) = self.state.write() {
@@ -255,48 +321,121 @@ impl McpServer {
         };
         match tokio::time::timeout(self.connect_timeout, listener.serve(transport)).await {
             Ok(Ok(running)) => Ok(running),
-            Ok(Err(e)) => Err(format!("cannot connect to {}: {e}", self.config.url)),
+            Ok(Err(e)) => Err(format!(
+                "cannot connect to {}: {}",
+                self.shown_url,
+                scrub(&e.to_string(), &self.config.url)
+            )),
             Err(_) => Err(format!(
                 "{} did not answer within {:?}",
-                self.config.url, self.connect_timeout
+                self.shown_url, self.connect_timeout
             )),
         }
     }
 
-    /// Lists the tools; an error means the connection is no good.
+    /// Lists the tools (at most [`MAX_LIST_PAGES`] pages); an error means the connection is no
+    /// good.
     async fn list(self: &Arc<Self>, peer: &Peer<RoleClient>) -> Result<(), String> {
-        match tokio::time::timeout(self.connect_timeout, peer.list_all_tools()).await {
+        let pages = async {
+            let mut tools = Vec::new();
+            let mut cursor = None;
+            for _ in 0..MAX_LIST_PAGES {
+                let page = peer
+                    .list_tools(Some(PaginatedRequestParams::default().with_cursor(cursor)))
+                    .await?;
+                tools.extend(page.tools);
+                cursor = page.next_cursor;
+                if cursor.is_none() || tools.len() >= MAX_TOOLS {
+                    break;
+                }
+            }
+            Ok::<_, ServiceError>(tools)
+        };
+        match tokio::time::timeout(self.connect_timeout, pages).await {
             Ok(Ok(tools)) => {
                 self.set_tools(tools);
                 Ok(())
             }
-            Ok(Err(e)) => Err(format!("listing its tools failed: {e}")),
+            Ok(Err(e)) => Err(format!(
+                "listing its tools failed: {}",
+                scrub(&e.to_string(), &self.config.url)
+            )),
             Err(_) => Err(format!(
                 "it did not list its tools within {:?}",
                 self.connect_timeout
             )),
         }
     }
+
+    /// Asks the server whether it is there.
+    async fn ping(&self, peer: &Peer<RoleClient>) -> Result<(), String> {
+        let ping = peer.send_request(ClientRequest::PingRequest(PingRequest::default()));
+        match tokio::time::timeout(self.connect_timeout, ping).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(format!(
+                "it stopped answering: {}",
+                scrub(&e.to_string(), &self.config.url)
+            )),
+            Err(_) => Err(format!(
+                "it did not answer a ping within {:?}",
+                self.connect_timeout
+            )),
+        }
+    }
 }
 
-/// Connects, lists, then follows the server: re-lists on list_changed, probes every interval,
-/// and reconnects after a loss. Ends when the hub stops or is dropped.
+/// The URL as errors and logs may show it: scheme, host, port and path, never a user, a
+/// password or a query (which may hold a key).
+fn shown_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) => {
+            let _ = u.set_username("");
+            let _ = u.set_password(None);
+            u.set_query(None);
+            u.set_fragment(None);
+            u.to_string()
+        }
+        Err(_) => "(its URL)".into(),
+    }
+}
+
+/// `text` with the configured URL (which may hold a key) replaced by its shown form.
+fn scrub(text: &str, url: &str) -> String {
+    text.replace(url, &shown_url(url))
+}
+
+/// Connects, lists, then follows the server: re-lists on list_changed, pings every interval,
+/// and reconnects after a loss (at once the first time, then every interval). Ends when the
+/// hub stops or the server is dropped.
 async fn keep_connected(server: Weak<McpServer>, stop: CancellationToken) {
+    let mut pause = false;
     loop {
+        if pause {
+            let Some(interval) = server.upgrade().map(|s| s.reconnect_interval) else {
+                return;
+            };
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(interval) => {}
+            }
+        }
         let Some(this) = server.upgrade() else { return };
-        let interval = this.reconnect_interval;
         match this.connect().await {
             Ok(running) => {
                 let peer = running.peer().clone();
                 match this.list(&peer).await {
                     Ok(()) => {
                         this.set_status(Status::Ready, Some(peer.clone()));
-                        let why = follow(&this, &peer, &stop).await;
-                        if let Some(why) = why {
+                        if let Some(why) = follow(&this, &peer, &stop).await {
                             this.set_status(Status::Unavailable(why), None);
                         }
+                        // A connection that worked is tried again at once.
+                        pause = false;
                     }
-                    Err(why) => this.set_status(Status::Unavailable(why), None),
+                    Err(why) => {
+                        this.set_status(Status::Unavailable(why), None);
+                        pause = true;
+                    }
                 }
                 // Closing a dead connection may wait on the network; never let it hold up
                 // the next attempt.
@@ -307,12 +446,10 @@ async fn keep_connected(server: Weak<McpServer>, stop: CancellationToken) {
                     return;
                 }
             }
-            Err(why) => this.set_status(Status::Unavailable(why), None),
-        }
-        drop(this);
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep(interval) => {}
+            Err(why) => {
+                this.set_status(Status::Unavailable(why), None);
+                pause = true;
+            }
         }
     }
 }
@@ -332,14 +469,16 @@ async fn follow(
                 }
             }
             () = server.lost.notified() => {
-                // A call saw the connection break; a probe decides.
-                if let Err(why) = server.list(peer).await {
+                // A call saw the connection break or go quiet; a ping decides.
+                if !server.is_available() {
+                    return Some(server.unavailable_reason());
+                }
+                if let Err(why) = server.ping(peer).await {
                     return Some(why);
                 }
-                server.set_status(Status::Ready, Some(peer.clone()));
             }
             () = tokio::time::sleep(server.reconnect_interval) => {
-                if let Err(why) = server.list(peer).await {
+                if let Err(why) = server.ping(peer).await {
                     return Some(why);
                 }
             }
@@ -366,14 +505,24 @@ impl ClientHandler for Listener {
 
 /// One tool of an MCP server.
 struct McpTool {
-    server: Arc<McpServer>,
+    /// Weak: the server holds its tools.
+    server: Weak<McpServer>,
+    label: &'static str,
     /// As the server names it.
     remote: String,
     spec: ToolSpec,
+    /// What approving a call binds to: the tool's definition as listed (server, name,
+    /// description, schema, annotations), so a redefined tool needs a new approval.
+    definition: String,
 }
 
 impl McpTool {
-    fn new(server: Arc<McpServer>, remote: &rmcp::model::Tool) -> Result<Self, String> {
+    fn new(server: &Arc<McpServer>, remote: &rmcp::model::Tool) -> Result<Self, String> {
+        if remote.name.is_empty() || remote.name.len() > MAX_REMOTE_NAME {
+            return Err(format!(
+                "its name must be 1 to {MAX_REMOTE_NAME} characters"
+            ));
+        }
         let schema = Value::Object((*remote.input_schema).clone());
         let size = schema.to_string().len();
         if size > MAX_SCHEMA_BYTES {
@@ -410,11 +559,36 @@ impl McpTool {
         if !read_only {
             spec = spec.with_side_effect();
         }
+        let definition = serde_json::to_string(remote).unwrap_or_default();
         Ok(Self {
             remote: remote.name.to_string(),
-            server,
+            server: Arc::downgrade(server),
+            label: server.label,
             spec,
+            definition: digest(&[&server.name, &definition]),
         })
+    }
+
+    fn server(&self) -> Result<Arc<McpServer>, ToolError> {
+        self.server.upgrade().ok_or(ToolError::UpstreamUnavailable {
+            service: self.label,
+            detail: "it is no longer configured".into(),
+        })
+    }
+}
+
+/// Tells the server's task to probe when a call ends without an answer: its deadline passed,
+/// or its caller went away, and the engine dropped it.
+struct ProbeIfUnanswered<'a> {
+    server: &'a McpServer,
+    answered: bool,
+}
+
+impl Drop for ProbeIfUnanswered<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.server.suspect();
+        }
     }
 }
 
@@ -428,35 +602,41 @@ impl Tool for McpTool {
         !self.spec.side_effect
     }
 
+    fn service(&self) -> &'static str {
+        self.label
+    }
+
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let server = &self.server;
+        let server = self.server()?;
         server.check_enabled(&ctx.user, &self.remote).await?;
+        // A server known to be down costs the user nothing.
+        let (peer, generation) = server.peer()?;
         ctx.charge(Integration::Mcp, &server.name, 1).await?;
-        let peer = server.peer()?;
         let arguments = match args {
             Value::Object(map) => map,
             _ => serde_json::Map::new(),
         };
         let params = CallToolRequestParams::new(self.remote.clone()).with_arguments(arguments);
         let started = Instant::now();
-        let result = peer.call_tool(params).await;
-        let (status, bytes) = match &result {
-            Ok(r) if r.is_error == Some(true) => ("tool_error".to_owned(), 0),
-            Ok(r) => ("ok".to_owned(), r.content.len()),
-            Err(e) => (error_status(e).to_owned(), 0),
+        ctx.upstream_attempt();
+        let mut probe = ProbeIfUnanswered {
+            server: &server,
+            answered: false,
         };
-        ctx.record_upstream_call(
-            Integration::Mcp,
-            Some(&server.name),
-            &status,
-            started,
-            bytes,
-        )
-        .await;
+        let result = peer.call_tool(params).await;
+        probe.answered = true;
+        drop(probe);
+        let (status, bytes) = match &result {
+            Ok(r) if r.is_error == Some(true) => ("tool_error", 0),
+            Ok(r) => ("ok", render(&r.content, None).len()),
+            Err(e) => (error_status(e), 0),
+        };
+        ctx.record_upstream_call(Integration::Mcp, Some(&server.name), status, started, bytes)
+            .await;
         let result = result.map_err(|e| {
             let error = describe(server.label, e);
             if error.kind() == crate::domain::ErrorKind::UpstreamUnavailable {
-                server.connection_lost(error.to_string());
+                server.connection_lost(generation, error.to_string());
             }
             error
         })?;
@@ -471,15 +651,17 @@ impl Tool for McpTool {
     }
 
     async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
-        self.server.check_enabled(&ctx.user, &self.remote).await?;
+        let server = self.server()?;
+        server.check_enabled(&ctx.user, &self.remote).await?;
         Ok(Preview {
             text: format!(
                 "{} on MCP server {}: {}",
                 self.remote,
-                self.server.name,
+                server.name,
                 clip(&args.to_string(), 300)
             ),
-            ..Preview::default()
+            recipients: Vec::new(),
+            binding: self.definition.clone(),
         })
     }
 }
