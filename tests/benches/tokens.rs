@@ -2,16 +2,20 @@
 //! gpt-4o) over the whole request body a model server received, JSON syntax included.
 //! - the incident's session open: two Gmail inboxes with ten unread 12 KB newsletters each, an
 //!   overdue task (production sent 135K tokens here; S0);
-//! - a run on a thread of 50 earlier turns of ~250 tokens each (AGENT_HISTORY_TOKENS default).
+//! - a run on a thread of 50 earlier turns of ~250 tokens each (AGENT_HISTORY_TOKENS default);
+//! - the tool declarations a user with Gmail, Calendar and Slack connected is offered, each as
+//!   an OpenAI function declaration (sent with every model call of a run).
 //!
 //! Run: `cargo bench -p steward-tests --bench tokens`.
 
 use agent_svc::executor::budget::TokenCounter;
 use steward_proto::agent::v1 as pb;
+use steward_proto::gateway::v1 as gw;
 use steward_tests::{
     Backend, Options,
     agent_calls::run_once,
     bench::summary,
+    calls::connect_account,
     fakes::{
         gmail::FakeGmail,
         openai::{Answer, FakeOpenAi},
@@ -97,8 +101,63 @@ async fn fifty_turn_thread() -> (usize, usize) {
     (largest, said)
 }
 
+/// Every tool a fully connected user is offered: (name, tokens of its declaration), largest
+/// first.
+async fn tool_declarations() -> Vec<(String, usize)> {
+    let app = spawn(Options {
+        backend: Some(Backend::Memory),
+        ..Options::default()
+    })
+    .await;
+    let mut g = app.gateway_as("alice").await;
+    for (integration, account) in [
+        (gw::Integration::Gmail, "alice@example.com"),
+        (gw::Integration::GoogleCalendar, "alice@example.com"),
+        (gw::Integration::Slack, "T0001"),
+    ] {
+        connect_account(&mut g, integration, account, "tok").await;
+    }
+    let tools = g
+        .list_tools(gw::ListToolsRequest::default())
+        .await
+        .expect("ListTools")
+        .into_inner()
+        .tools;
+    let mut sizes: Vec<(String, usize)> = tools
+        .iter()
+        .map(|t| {
+            let declaration = serde_json::json!({
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": serde_json::from_str::<serde_json::Value>(&t.parameters_json_schema)
+                        .expect("a JSON schema"),
+                }
+            });
+            (t.name.clone(), tokens(&declaration))
+        })
+        .collect();
+    sizes.sort_by(|a, b| b.1.cmp(&a.1));
+    sizes
+}
+
 #[tokio::main]
 async fn main() {
+    let declarations = tool_declarations().await;
+    let total: usize = declarations.iter().map(|(_, n)| n).sum();
+    println!(
+        "tool declarations of a user with Gmail, Calendar and Slack: {} tools, {total} tokens",
+        declarations.len()
+    );
+    for (name, n) in &declarations {
+        println!("  {n:>5}  {name}");
+    }
+    summary(
+        "tool declarations, fully connected user: tokens",
+        &total.to_string(),
+        "",
+    );
     let incident = session_open_incident().await;
     println!(
         "session open, the S0 incident (2 inboxes × 10 unread 12 KB emails): {incident} input tokens in one call (production sent 135K)"
