@@ -138,7 +138,7 @@ async fn tool_declarations() -> Vec<(String, usize)> {
             (t.name.clone(), tokens(&declaration))
         })
         .collect();
-    sizes.sort_by(|a, b| b.1.cmp(&a.1));
+    sizes.sort_by_key(|s| std::cmp::Reverse(s.1));
     sizes
 }
 
