@@ -15,7 +15,8 @@
 //!
 //! Run: `cargo bench -p steward-tests --bench load` (needs the test PostgreSQL).
 //! `LOAD_RUNS` sets N, `LOAD_BACKENDS` picks `memory`, `postgres` or both (`memory,postgres`),
-//! `LOAD_MODEL_DELAY_MS` the model's time per turn (default 1000).
+//! `LOAD_MODEL_DELAY_MS` the model's time per turn (default 1000). `MALLOC_ARENA_MAX` and
+//! `GLIBC_TUNABLES`, when set, are passed to both services.
 
 use std::{
     collections::HashMap,
@@ -81,7 +82,15 @@ fn env(model: &RuleModel) -> Vec<(String, String)> {
         ("RUST_LOG", "info"),
     ]
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .to_vec()
+    .into_iter()
+    // The allocator's own settings reach the services (their environment is otherwise only
+    // the above), so glibc tunables can be compared with the same bench.
+    .chain(
+        ["MALLOC_ARENA_MAX", "GLIBC_TUNABLES"]
+            .into_iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_owned(), v))),
+    )
+    .collect()
 }
 
 struct Services {

@@ -620,10 +620,28 @@ async fn g15_an_mcp_client_uses_the_gateways_tools_with_a_token_and_is_refused_w
     assert!(created["tool_schemas"]["add_task"]["properties"]["title"].is_object());
     assert_eq!(created["call"]["is_error"], json!(false), "{created}");
 
-    // Scoped to the user the caller named: alice has the task, bob does not.
+    // Another client's call (request ids start over with every client, and the endpoint keeps
+    // no sessions) is its own call, not a replay of the first.
+    let again = client(
+        vec![
+            ("Authorization", bearer.clone()),
+            ("x-steward-user-id", "alice".into()),
+        ],
+        Some(("add_task", json!({"title": "File the MCP report"}))),
+    )
+    .await
+    .unwrap();
+    assert_eq!(again["call"]["is_error"], json!(false), "{again}");
+
+    // Scoped to the user the caller named: alice has the tasks, bob does not.
     let mut alice = app.gateway_as("alice").await;
     let tasks = call_tool(&mut alice, "list_tasks", json!({})).await;
-    assert!(tasks.text.contains("File the MCP report"), "{}", tasks.text);
+    assert_eq!(
+        tasks.text.matches("File the MCP report").count(),
+        2,
+        "{}",
+        tasks.text
+    );
     let mut bob = app.gateway_as("bob").await;
     let bobs = call_tool(&mut bob, "list_tasks", json!({})).await;
     assert!(!bobs.text.contains("File the MCP report"), "{}", bobs.text);

@@ -135,8 +135,7 @@ impl ServerHandler for GatewayTools {
         }
         let call_id = format!("mcp-{}", uuid::Uuid::new_v4());
         // Keys of MCP clients live apart from agent-svc's. Without a client key each request
-        // is its own key: a call is never run twice for one request, but a client that retries
-        // with a new request id acts again — it should set the key.
+        // is its own key: a client's retry acts again — it should set the key.
         let idempotency_key = match request
             .meta
             .as_ref()
@@ -144,16 +143,9 @@ impl ServerHandler for GatewayTools {
             .and_then(Value::as_str)
         {
             Some(key) => format!("mcp:{key}"),
-            None => {
-                let session = context
-                    .extensions
-                    .get::<http::request::Parts>()
-                    .and_then(|p| p.headers.get("mcp-session-id"))
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("no-session")
-                    .to_owned();
-                format!("mcp-request:{session}:{}", context.id)
-            }
+            // Request ids repeat across clients (every client starts at 0 or 1), and a
+            // stateless request has no session to tell them apart: a fresh key per request.
+            None => format!("mcp-request:{}", uuid::Uuid::new_v4()),
         };
         let call = CallRequest {
             call_id,
@@ -221,6 +213,9 @@ impl McpEndpoint {
         let calls = tools.calls.clone();
         let mut config = StreamableHttpServerConfig::default();
         config.cancellation_token = sessions.clone();
+        // Stateless: every request stands alone (the user comes with each one), so any replica
+        // behind a Service answers any request, and no session state is lost with a pod.
+        config.legacy_session_mode = false;
         config = if allowed_hosts.is_empty() {
             config.disable_allowed_hosts()
         } else {
