@@ -489,6 +489,12 @@ mod tests {
 
     use super::*;
 
+    /// A local run's auth: no service token, on a development machine.
+    const DEV_AUTH: [(&str, &str); 2] = [
+        ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
+        ("STEWARD_DEVELOPMENT", "true"),
+    ];
+
     fn load(pairs: &[(&str, &str)]) -> Result<Config, ConfigErrors> {
         let map: HashMap<String, String> = pairs
             .iter()
@@ -531,10 +537,7 @@ mod tests {
 
     #[test]
     fn g15_mcp_servers_are_named_urls_with_secret_headers() {
-        let base = [
-            ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
-            ("STEWARD_DEVELOPMENT", "true"),
-        ];
+        let base = DEV_AUTH;
         let cfg = load(&[
             base[0],
             base[1],
@@ -583,10 +586,7 @@ mod tests {
 
     #[test]
     fn g15_the_mcp_endpoint_without_a_service_token_stays_on_loopback() {
-        let dev = [
-            ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
-            ("STEWARD_DEVELOPMENT", "true"),
-        ];
+        let dev = DEV_AUTH;
         assert!(load(&[dev[0], dev[1], ("MCP_LISTEN_ADDR", "127.0.0.1:8765")]).is_ok());
         let err = load(&[dev[0], dev[1], ("MCP_LISTEN_ADDR", "0.0.0.0:8765")])
             .unwrap_err()
@@ -603,10 +603,7 @@ mod tests {
 
     #[test]
     fn the_audit_queue_is_sized_from_the_environment_within_bounds() {
-        let base = [
-            ("GATEWAY_ALLOW_INSECURE_DEV_AUTH", "true"),
-            ("STEWARD_DEVELOPMENT", "true"),
-        ];
+        let base = DEV_AUTH;
         let cfg = load(&[
             base[0],
             base[1],

@@ -371,17 +371,7 @@ impl McpDemoServer {
     /// Waits at most `bound` for a calls-log line containing `needle` (e.g. `slow-started`, or
     /// `"tool":"lookup"`), polling the file; true if one appeared.
     pub fn wait_for_call_line(&self, needle: &str, bound: Duration) -> bool {
-        let deadline = Instant::now() + bound;
-        loop {
-            if self.log_lines().iter().any(|l| l.contains(needle)) {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            // The server only writes a file; there is nothing to wait on but the file itself.
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_log_line(&self.calls_log, needle, bound)
     }
 
     /// SIGKILL to the server's own pid (`Child::kill`), then reaps it: open sessions and
@@ -474,5 +464,23 @@ pub fn run_client_args(args: &[String]) -> Value {
         _ => {
             panic!("{cmd:?} printed no JSON line (exit {status:?}); stdout:\n{out}\nstderr:\n{err}")
         }
+    }
+}
+
+/// Whether a line containing `needle` appears in the server's calls log (`calls_log`) within
+/// `bound`; usable without the [`McpDemoServer`] itself (from a blocking task, say).
+pub fn wait_for_log_line(calls_log: &Path, needle: &str, bound: Duration) -> bool {
+    let deadline = Instant::now() + bound;
+    loop {
+        if std::fs::read_to_string(calls_log)
+            .is_ok_and(|log| log.lines().any(|l| l.contains(needle)))
+        {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        // The server only writes a file; there is nothing to wait on but the file itself.
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

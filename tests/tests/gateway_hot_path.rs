@@ -55,11 +55,7 @@ async fn pg_stores(db: &TestDb) -> Stores {
 }
 
 async fn sql(db: &TestDb) -> tokio_postgres::Client {
-    let (client, conn) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    client
+    steward_tests::db::connect(db).await
 }
 
 async fn audit_rows(client: &tokio_postgres::Client) -> Vec<String> {

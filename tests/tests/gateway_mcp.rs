@@ -13,7 +13,7 @@ use steward_tests::{
     Backend, Options, SERVICE_TOKEN, TestApp,
     calls::{call_tool, call_tool_keyed},
     fakes::openai::{Answer, FakeOpenAi},
-    mcp_python::{McpDemoServer, run_client},
+    mcp_python::{McpDemoServer, run_client, wait_for_log_line},
     spawn,
 };
 
@@ -84,6 +84,38 @@ async fn until_listed(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Starts alice's call of the demo server's `slow` tool (it sleeps `seconds`) under a
+/// deadline of `deadline_secs`; the result comes when the call ends.
+async fn start_slow_call(
+    app: &TestApp,
+    seconds: u64,
+    deadline_secs: i64,
+) -> tokio::task::JoinHandle<pb::ToolResult> {
+    let mut caller = app.gateway_as("alice").await;
+    tokio::spawn(async move {
+        caller
+            .execute_tool(pb::ExecuteToolRequest {
+                call: Some(pb::ToolCall {
+                    call_id: "slow".into(),
+                    tool: "mcp__demo__slow".into(),
+                    arguments: Some(pb::tool_call::Arguments::ArgsJson(
+                        json!({ "seconds": seconds }).to_string(),
+                    )),
+                    timeout: Some(prost_types::Duration {
+                        seconds: deadline_secs,
+                        nanos: 0,
+                    }),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .result
+            .unwrap()
+    })
 }
 
 fn named<'a>(tools: &'a [pb::ToolSpec], name: &str) -> Option<&'a pb::ToolSpec> {
@@ -260,29 +292,7 @@ async fn g15_killing_the_server_mid_call_gives_a_clear_failure_and_an_unavailabl
     .await;
     listed_demo(&app, "alice").await;
 
-    let mut caller = app.gateway_as("alice").await;
-    let slow = tokio::spawn(async move {
-        caller
-            .execute_tool(pb::ExecuteToolRequest {
-                call: Some(pb::ToolCall {
-                    call_id: "slow".into(),
-                    tool: "mcp__demo__slow".into(),
-                    arguments: Some(pb::tool_call::Arguments::ArgsJson(
-                        json!({"seconds": 60}).to_string(),
-                    )),
-                    timeout: Some(prost_types::Duration {
-                        seconds: 15,
-                        nanos: 0,
-                    }),
-                    ..Default::default()
-                }),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .result
-            .unwrap()
-    });
+    let slow = start_slow_call(&app, 60, 15).await;
     let started = tokio::task::spawn_blocking(move || {
         let seen = server.wait_for_call_line("slow-started", PATIENCE);
         server.kill9();
@@ -331,44 +341,12 @@ async fn g15_a_slow_server_costs_only_its_own_calls_deadline_and_stays_available
     let app = app_with(&server, Backend::Memory, &[]).await;
     listed_demo(&app, "alice").await;
 
-    let mut caller = app.gateway_as("alice").await;
-    let slow = tokio::spawn(async move {
-        caller
-            .execute_tool(pb::ExecuteToolRequest {
-                call: Some(pb::ToolCall {
-                    call_id: "slow".into(),
-                    tool: "mcp__demo__slow".into(),
-                    arguments: Some(pb::tool_call::Arguments::ArgsJson(
-                        json!({"seconds": 30}).to_string(),
-                    )),
-                    timeout: Some(prost_types::Duration {
-                        seconds: 2,
-                        nanos: 0,
-                    }),
-                    ..Default::default()
-                }),
-            })
+    let slow = start_slow_call(&app, 30, 2).await;
+    let log = server.calls_log.clone();
+    let seen =
+        tokio::task::spawn_blocking(move || wait_for_log_line(&log, "slow-started", PATIENCE))
             .await
-            .unwrap()
-            .into_inner()
-            .result
-            .unwrap()
-    });
-    let seen = tokio::task::spawn_blocking({
-        let log = server.calls_log.clone();
-        move || {
-            let deadline = std::time::Instant::now() + PATIENCE;
-            while std::time::Instant::now() < deadline {
-                if std::fs::read_to_string(&log).is_ok_and(|l| l.contains("slow-started")) {
-                    return true;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            false
-        }
-    })
-    .await
-    .unwrap();
+            .unwrap();
     assert!(seen, "the slow call reached the server");
 
     // While it waits, the same server and the built-in tools answer.
@@ -465,11 +443,7 @@ async fn g15_a_disabled_tool_disappears_for_that_user_only_and_is_refused() {
     assert!(named(&list(&app, "alice").await, "mcp__demo__lookup").is_some());
 
     // Stored, and audited like every call.
-    let (db, connection) =
-        tokio_postgres::connect(app.db.as_ref().unwrap().url(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(connection);
+    let db = steward_tests::db::connect(app.db.as_ref().unwrap()).await;
     let audited: i64 = db
         .query_one(
             "SELECT count(*) FROM gateway.audit WHERE tool = 'mcp__demo__lookup' \
