@@ -297,6 +297,7 @@ impl GatewayService for GatewayApi {
             .await
             .map_err(|e| match e {
                 crate::mcp::SwitchError::UnknownServer(m) => ApiError::NotFound(m),
+                crate::mcp::SwitchError::Invalid(m) => ApiError::InvalidArgument(m),
                 crate::mcp::SwitchError::Store(s) => ApiError::Store(s),
             })?;
         tracing::info!(user = %user, server = %switch.server, tool = switch.tool.as_deref().unwrap_or(""), enabled = r.enabled, "MCP switch set");

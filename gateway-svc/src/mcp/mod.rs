@@ -169,7 +169,7 @@ impl McpHub {
         if let Some(tool) = &switch.tool
             && (tool.is_empty() || tool.len() > 128)
         {
-            return Err(SwitchError::UnknownServer(
+            return Err(SwitchError::Invalid(
                 "tool must be 1 to 128 characters, or empty for the whole server".into(),
             ));
         }
@@ -199,6 +199,8 @@ impl Drop for McpHub {
 pub enum SwitchError {
     #[error("{0}")]
     UnknownServer(String),
+    #[error("{0}")]
+    Invalid(String),
     #[error(transparent)]
     Store(StoreError),
 }
