@@ -3,8 +3,9 @@
 //! travels in metadata with the service token (S3 5.2); the model never supplies it.
 
 use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex},
+    collections::{HashMap, HashSet},
+    hash::{Hash, Hasher},
+    sync::{Arc, Mutex, OnceLock},
     time::Duration,
 };
 
@@ -15,7 +16,7 @@ use tonic::{Request, metadata::MetadataValue, transport::Channel};
 
 use crate::{
     executor::{ToolInvocation, ToolOutcome, ToolRunner},
-    llm::ToolDecl,
+    llm::{ToolDecl, ToolSet},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -99,6 +100,114 @@ impl<'a> OnceCall<'a> {
     }
 }
 
+/// A tool list as the gateway gave it. Users with the same integrations get equal lists, and
+/// one copy of each distinct list is kept (see [`ToolLists`]): a burst of runs of many users
+/// neither parses the schemas nor holds them once per run or per user (issue 13).
+#[derive(Debug, Default)]
+pub struct ToolList {
+    pub tools: Vec<GatewayTool>,
+    /// Names by what the policy needs to know of them.
+    pub side_effects: HashSet<String>,
+    pub external_readers: HashSet<String>,
+    pub memory_writers: HashSet<String>,
+    /// Each schema as sent, to tell lists apart.
+    schemas: Vec<String>,
+    /// What runs offer the model from this whole list, prepared by the first such run: one per
+    /// kind of run (see `runs::drive`).
+    offered: [OnceLock<Arc<ToolSet>>; 2],
+}
+
+impl ToolList {
+    fn new(specs: Vec<pb::ToolSpec>) -> Self {
+        let mut list = ToolList::default();
+        for t in specs {
+            if t.side_effect {
+                list.side_effects.insert(t.name.clone());
+            }
+            if t.reads_external_content {
+                list.external_readers.insert(t.name.clone());
+            }
+            if t.writes_memory {
+                list.memory_writers.insert(t.name.clone());
+            }
+            list.tools.push(GatewayTool {
+                decl: ToolDecl {
+                    parameters: serde_json::from_str(&t.parameters_json_schema)
+                        .unwrap_or_else(|_| serde_json::json!({"type": "object"})),
+                    name: t.name,
+                    description: t.description,
+                },
+                side_effect: t.side_effect,
+                reads_external_content: t.reads_external_content,
+                writes_memory: t.writes_memory,
+            });
+            list.schemas.push(t.parameters_json_schema);
+        }
+        list
+    }
+
+    fn same_as(&self, specs: &[pb::ToolSpec]) -> bool {
+        self.tools.len() == specs.len()
+            && self
+                .tools
+                .iter()
+                .zip(&self.schemas)
+                .zip(specs)
+                .all(|((t, schema), s)| {
+                    t.decl.name == s.name
+                        && t.decl.description == s.description
+                        && *schema == s.parameters_json_schema
+                        && t.side_effect == s.side_effect
+                        && t.reads_external_content == s.reads_external_content
+                        && t.writes_memory == s.writes_memory
+                })
+    }
+
+    /// The tool set offered to the model by runs of kind `kind` that offer this whole list,
+    /// built by `build` the first time.
+    pub fn offered(&self, kind: usize, build: impl FnOnce() -> Arc<ToolSet>) -> Arc<ToolSet> {
+        self.offered[kind % 2].get_or_init(build).clone()
+    }
+}
+
+/// One copy of each distinct tool list, by a hash of what the gateway sent.
+#[derive(Default)]
+struct ToolLists(Mutex<HashMap<u64, Arc<ToolList>>>);
+
+/// Distinct lists kept; past that the interner starts over (lists still in use stay alive).
+const DISTINCT_LISTS: usize = 256;
+
+impl ToolLists {
+    fn intern(&self, specs: Vec<pb::ToolSpec>) -> Arc<ToolList> {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for s in &specs {
+            (
+                &s.name,
+                &s.description,
+                &s.parameters_json_schema,
+                s.side_effect,
+                s.reads_external_content,
+                s.writes_memory,
+            )
+                .hash(&mut h);
+        }
+        let key = h.finish();
+        if let Some(list) = self.0.lock().unwrap_or_else(|e| e.into_inner()).get(&key)
+            && list.same_as(&specs)
+        {
+            return list.clone();
+        }
+        // Parsed outside the lock: another run may parse the same list meanwhile; one wins.
+        let list = Arc::new(ToolList::new(specs));
+        let mut lists = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if lists.len() >= DISTINCT_LISTS {
+            lists.clear();
+        }
+        lists.insert(key, list.clone());
+        list
+    }
+}
+
 #[derive(Clone)]
 pub struct GatewayClient {
     channel: Channel,
@@ -108,10 +217,11 @@ pub struct GatewayClient {
     /// Each user's tool list per channel, reused for a few seconds: a burst of runs asks the
     /// gateway once (issue 13). A newly connected account shows within the TTL.
     tools: Option<ToolsCache>,
+    lists: Arc<ToolLists>,
 }
 
 /// Tool lists by (user, channel).
-type ToolsCache = moka::future::Cache<(String, i32), Arc<Vec<GatewayTool>>>;
+type ToolsCache = moka::future::Cache<(String, i32), Arc<ToolList>>;
 
 impl GatewayClient {
     pub fn connect_lazy(url: &str, token: &str) -> Result<Self, GatewayError> {
@@ -141,6 +251,7 @@ impl GatewayClient {
             token: token.to_owned(),
             call_timeout: Duration::from_secs(60),
             tools: None,
+            lists: Arc::default(),
         })
     }
 
@@ -181,16 +292,16 @@ impl GatewayClient {
         &self,
         user: &str,
         channel: pb::Channel,
-    ) -> Result<Vec<GatewayTool>, GatewayError> {
+    ) -> Result<Arc<ToolList>, GatewayError> {
         let key = (user.to_owned(), channel as i32);
         if let Some(cache) = &self.tools
             && let Some(tools) = cache.get(&key).await
         {
-            return Ok(tools.as_ref().clone());
+            return Ok(tools);
         }
         let tools = self.list_tools_fresh(user, channel).await?;
         if let Some(cache) = &self.tools {
-            cache.insert(key, Arc::new(tools.clone())).await;
+            cache.insert(key, tools.clone()).await;
         }
         Ok(tools)
     }
@@ -200,7 +311,7 @@ impl GatewayClient {
         &self,
         user: &str,
         channel: pb::Channel,
-    ) -> Result<Vec<GatewayTool>, GatewayError> {
+    ) -> Result<Arc<ToolList>, GatewayError> {
         let mut delay = LIST_TOOLS_FIRST_RETRY;
         let mut attempt = 1;
         loop {
@@ -227,11 +338,12 @@ impl GatewayClient {
         }
     }
 
+    /// ListTools once; equal lists come back as one shared copy.
     pub async fn list_tools(
         &self,
         user: &str,
         channel: pb::Channel,
-    ) -> Result<Vec<GatewayTool>, GatewayError> {
+    ) -> Result<Arc<ToolList>, GatewayError> {
         let mut client = GatewayServiceClient::new(self.channel.clone());
         let response = client
             .list_tools(self.request(
@@ -241,22 +353,7 @@ impl GatewayClient {
                 user,
             )?)
             .await?;
-        Ok(response
-            .into_inner()
-            .tools
-            .into_iter()
-            .map(|t| GatewayTool {
-                decl: ToolDecl {
-                    parameters: serde_json::from_str(&t.parameters_json_schema)
-                        .unwrap_or_else(|_| serde_json::json!({"type": "object"})),
-                    name: t.name,
-                    description: t.description,
-                },
-                side_effect: t.side_effect,
-                reads_external_content: t.reads_external_content,
-                writes_memory: t.writes_memory,
-            })
-            .collect())
+        Ok(self.lists.intern(response.into_inner().tools))
     }
 
     /// What `call` would do (PreviewCall): the text a person approves, the recipients policy

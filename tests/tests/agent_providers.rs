@@ -325,7 +325,9 @@ async fn a_run_executes_its_tools_on_gateway_svc_over_the_execute_stream() {
             .any(|t| t.decl.name == "add_task" && !t.side_effect)
     );
     let mut req = request(&[]);
-    req.tools = Arc::new(ToolSet::new(tools.into_iter().map(|t| t.decl).collect()));
+    req.tools = Arc::new(ToolSet::new(
+        tools.tools.iter().map(|t| t.decl.clone()).collect(),
+    ));
     let session = gateway
         .open("alice", "run-1", pb::Channel::Web)
         .await

@@ -7,9 +7,7 @@
 
 use std::sync::OnceLock;
 
-use tiktoken_rs::CoreBPE;
-
-use super::transcript::units;
+use super::{bpe::Bpe, transcript::units};
 use crate::llm::{ToolSet, Turn};
 
 /// Above this many estimated tokens the system prompt is logged at WARN before the call
@@ -27,20 +25,20 @@ const PER_TURN_OVERHEAD: usize = 4;
 pub enum TokenCounter {
     /// `slot` tells the tokenizers apart for the counts a tool set keeps.
     Tiktoken {
-        bpe: &'static CoreBPE,
+        bpe: &'static Bpe,
         slot: usize,
     },
     Ratio,
 }
 
-fn o200k() -> Option<&'static CoreBPE> {
-    static BPE: OnceLock<Option<CoreBPE>> = OnceLock::new();
-    BPE.get_or_init(|| tiktoken_rs::o200k_base().ok()).as_ref()
+fn o200k() -> Option<&'static Bpe> {
+    static BPE: OnceLock<Option<Bpe>> = OnceLock::new();
+    BPE.get_or_init(|| Bpe::o200k().ok()).as_ref()
 }
 
-fn cl100k() -> Option<&'static CoreBPE> {
-    static BPE: OnceLock<Option<CoreBPE>> = OnceLock::new();
-    BPE.get_or_init(|| tiktoken_rs::cl100k_base().ok()).as_ref()
+fn cl100k() -> Option<&'static Bpe> {
+    static BPE: OnceLock<Option<Bpe>> = OnceLock::new();
+    BPE.get_or_init(|| Bpe::cl100k().ok()).as_ref()
 }
 
 impl TokenCounter {
@@ -73,7 +71,7 @@ impl TokenCounter {
 
     pub fn text(&self, s: &str) -> usize {
         match self {
-            TokenCounter::Tiktoken { bpe, .. } => bpe.encode_ordinary(s).len(),
+            TokenCounter::Tiktoken { bpe, .. } => bpe.count(s),
             TokenCounter::Ratio => {
                 (s.chars().count() as f64 / PROSE_CHARS_PER_TOKEN).ceil() as usize
             }

@@ -7,6 +7,7 @@
 //! The executor depends only on traits (model chain, tool runner, event sink), so it is tested
 //! without a network.
 
+pub mod bpe;
 pub mod budget;
 pub mod limits;
 pub mod transcript;

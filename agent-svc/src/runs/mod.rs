@@ -17,7 +17,8 @@
 //! woken by PostgreSQL notices. Proto types appear only as the wire event payload.
 
 use std::{
-    collections::HashMap,
+    borrow::Cow,
+    collections::{HashMap, HashSet},
     sync::{Arc, Mutex},
     time::{Duration, SystemTime},
 };
@@ -33,7 +34,7 @@ use crate::{
     executor::{
         self, Executor, ModelSetup, RunEvent, RunRequest, Stop, ToolOutcome, ToolRunner, limits,
     },
-    gateway_client::{GatewayClient, OnceCall},
+    gateway_client::{GatewayClient, OnceCall, ToolList},
     llm::{
         ModelRequest, Turn,
         resilient::{self, ChainEntry, RetryPolicy},
@@ -771,51 +772,60 @@ impl RunService {
         stopper: &Stopper,
     ) -> Result<Driven, ApiError> {
         let gw_channel = gateway_channel(seg.channel);
-        let mut side_effects = std::collections::HashSet::new();
-        let mut external_readers = std::collections::HashSet::new();
-        let mut memory_writers = std::collections::HashSet::new();
-        let mut decls = Vec::new();
-        if let Some(g) = &self.gateway {
-            // a run never goes on without the tools it was meant to have — that would
-            // report COMPLETED with a different meaning. Retried briefly, then a clear failure.
-            match g.list_tools_retrying(&seg.owner, gw_channel).await {
-                Ok(list) => {
-                    for t in list {
-                        // Known even when not offered: the transcript may hold their results.
-                        if t.reads_external_content {
-                            external_readers.insert(t.decl.name.clone());
-                        }
-                        if allowed.is_some_and(|only| !only.contains(&t.decl.name)) {
-                            continue;
-                        }
-                        if t.side_effect {
-                            side_effects.insert(t.decl.name.clone());
-                        }
-                        if t.writes_memory {
-                            memory_writers.insert(t.decl.name.clone());
-                        }
-                        decls.push(t.decl);
-                    }
-                }
-                Err(e) => {
-                    return Err(ApiError::Unavailable(format!(
-                        "this run could not list its tools ({e}); nothing was done. Try again shortly."
-                    )));
+        // a run never goes on without the tools it was meant to have — that would report
+        // COMPLETED with a different meaning. Retried briefly, then a clear failure.
+        let list = match &self.gateway {
+            Some(g) => Some(
+                g.list_tools_retrying(&seg.owner, gw_channel)
+                    .await
+                    .map_err(|e| {
+                        ApiError::Unavailable(format!(
+                            "this run could not list its tools ({e}); nothing was done. Try again shortly."
+                        ))
+                    })?,
+            ),
+            None => None,
+        };
+        let task_agent = seg.channel == limits::Channel::TaskAgent;
+        let offer = || {
+            let mut decls: Vec<_> = list
+                .iter()
+                .flat_map(|l| &l.tools)
+                .filter(|t| allowed.is_none_or(|only| only.contains(&t.decl.name)))
+                .map(|t| t.decl.clone())
+                .collect();
+            if allowed.is_none_or(|only| only.iter().any(|t| t == HISTORY_TOOL)) {
+                decls.push(tools::history_tool());
+            }
+            if !task_agent && allowed.is_none_or(|only| only.iter().any(|t| t == TASK_AGENT_TOOL)) {
+                decls.push(tools::task_agent_tool());
+            }
+            crate::llm::ToolSet::shared(decls)
+        };
+        // Runs offered a user's whole list (nearly all) share what the first one prepared.
+        request.tools = match (&list, allowed) {
+            (Some(list), None) => list.offered(usize::from(task_agent), offer),
+            _ => offer(),
+        };
+        let no_names = HashSet::new();
+        let names = |pick: fn(&ToolList) -> &HashSet<String>, by_allowed: bool| {
+            let all = list.as_deref().map_or(&no_names, pick);
+            match allowed.filter(|_| by_allowed) {
+                None => Cow::Borrowed(all),
+                Some(only) => {
+                    Cow::Owned(all.iter().filter(|n| only.contains(n)).cloned().collect())
                 }
             }
-        }
-        if allowed.is_none_or(|only| only.iter().any(|t| t == HISTORY_TOOL)) {
-            decls.push(tools::history_tool());
-        }
-        if seg.channel != limits::Channel::TaskAgent
-            && allowed.is_none_or(|only| only.iter().any(|t| t == TASK_AGENT_TOOL))
-        {
-            decls.push(tools::task_agent_tool());
-        }
-        request.tools = crate::llm::ToolSet::shared(decls);
+        };
+        let side_effects = names(|l| &l.side_effects, true);
+        let memory_writers = names(|l| &l.memory_writers, true);
+        // Known even when not offered: the transcript may hold their results.
+        let external_readers = names(|l| &l.external_readers, false);
+        let (side_effects, memory_writers, external_readers) =
+            (&*side_effects, &*memory_writers, &*external_readers);
         writer.side_effects = side_effects.clone();
         let guard = writer.guard.clone();
-        guard.read_history(&request.history, &external_readers);
+        guard.read_history(&request.history, external_readers);
         let session = match (&self.gateway, request.tools.is_empty()) {
             (Some(g), false) => Some(
                 g.open(&seg.owner, &seg.run_id, gw_channel)
@@ -840,9 +850,9 @@ impl RunService {
                 background: seg.channel == limits::Channel::TaskAgent,
                 policy: &self.policy,
                 user: &seg.owner,
-                side_effects: &side_effects,
-                external_readers: &external_readers,
-                memory_writers: &memory_writers,
+                side_effects,
+                external_readers,
+                memory_writers,
                 guard: &guard,
                 gateway: self.gateway.as_ref(),
                 channel: gw_channel,
