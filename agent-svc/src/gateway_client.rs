@@ -477,10 +477,12 @@ impl GatewayClient {
         run_id: &str,
         channel: pb::Channel,
     ) -> Result<ExecuteSession, GatewayError> {
-        let (tx, rx) = mpsc::channel::<pb::ExecuteRequest>(64);
+        // Boxed: the channel allocates its slots up front, and by value they were ~9 KiB
+        // for the life of every run (issue 13).
+        let (tx, rx) = mpsc::channel::<Box<pb::ExecuteRequest>>(64);
         let mut client = GatewayServiceClient::new(self.channel.clone());
         let mut results = client
-            .execute(self.request(ReceiverStream::new(rx), user)?)
+            .execute(self.request(ReceiverStream::new(rx).map(|request| *request), user)?)
             .await?
             .into_inner();
         let pending: Pending = Arc::default();
@@ -517,7 +519,7 @@ type Pending = Arc<Mutex<HashMap<String, oneshot::Sender<pb::ToolResult>>>>;
 
 /// One run's Execute stream. Dropping it closes the stream, which cancels calls in flight.
 pub struct ExecuteSession {
-    tx: mpsc::Sender<pb::ExecuteRequest>,
+    tx: mpsc::Sender<Box<pb::ExecuteRequest>>,
     pending: Pending,
     reader: tokio::task::JoinHandle<()>,
     run_id: String,
@@ -582,7 +584,7 @@ impl ToolRunner for ExecuteSession {
                     expected_binding: call.expected_binding,
                 })),
             };
-            let sent = self.tx.send(request).await.is_ok();
+            let sent = self.tx.send(Box::new(request)).await.is_ok();
             waiters.push((sent, wait));
         }
         let mut outcomes = Vec::with_capacity(waiters.len());

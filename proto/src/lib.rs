@@ -15,6 +15,7 @@ pub mod gateway {
     }
 }
 
+pub mod codec;
 pub mod wellknown;
 
 /// Encoded `FileDescriptorSet` of both contracts (with their imports), for server reflection.

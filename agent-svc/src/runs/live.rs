@@ -199,7 +199,32 @@ pub(super) struct Follow {
     pub(super) after: u64,
 }
 
-type Sender = mpsc::Sender<Result<pb::RunEvent, tonic::Status>>;
+/// A watcher's items go boxed: a channel allocates its slots up front, 32 at a time, and a
+/// `RunEvent` or `Status` by value made that ~22 KiB per watching stream, for the stream's whole
+/// life (issue 13).
+type Watched = Box<Result<pb::RunEvent, tonic::Status>>;
+type Sender = mpsc::Sender<Watched>;
+
+/// The events of one watch, as the RPC streams them.
+pub struct Watch(mpsc::Receiver<Watched>);
+
+impl Watch {
+    /// A watch with nothing to deliver.
+    pub(super) fn over() -> Self {
+        Watch(mpsc::channel(1).1)
+    }
+}
+
+impl tokio_stream::Stream for Watch {
+    type Item = Result<pb::RunEvent, tonic::Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx).map(|item| item.map(|boxed| *boxed))
+    }
+}
 
 impl Follow {
     /// Whether a watch from `after` has nothing to deliver: the run's stream segment ended at
@@ -208,14 +233,14 @@ impl Follow {
         (state.is_terminal() || state == RunState::AwaitingConfirmation) && last_event_seq <= after
     }
 
-    pub(super) fn start(self) -> mpsc::Receiver<Result<pb::RunEvent, tonic::Status>> {
+    pub(super) fn start(self) -> Watch {
         let (tx, rx) = mpsc::channel(WATCH_BUFFER);
         tokio::spawn(async move {
             if let Err(e) = self.run(&tx).await {
-                let _ = tx.send(Err(tonic::Status::from(e))).await;
+                let _ = tx.send(Box::new(Err(tonic::Status::from(e)))).await;
             }
         });
-        rx
+        Watch(rx)
     }
 
     async fn run(mut self, tx: &Sender) -> Result<(), ApiError> {
@@ -241,7 +266,7 @@ impl Follow {
         event.run_id.clone_from(&self.run_id);
         event.thread_id.clone_from(&self.thread_id);
         let terminal = is_terminal(&event);
-        tx.send(Ok(event)).await.is_err() || terminal
+        tx.send(Box::new(Ok(event))).await.is_err() || terminal
     }
 
     /// Durable events after `self.after`, up to `until` (inclusive) if given; true when over.

@@ -55,6 +55,7 @@ pub mod scheduled;
 mod tools;
 mod writer;
 
+pub use live::Watch;
 pub use tools::{HISTORY_TOOL, TASK_AGENT_TOOL, sha256_hex};
 use tools::{NoTools, PolicyRunner};
 use writer::{RunWriter, StopReason, Stopper, WriterMsg, WriterSink};
@@ -1239,20 +1240,15 @@ impl RunService {
     /// thread is known and a run always has events, so there is nothing to read first: one
     /// round trip and transaction fewer per run (issue 13). A run that already ended (a
     /// repeated request id) is replayed from the store to its terminal event, as any watch is.
-    pub fn follow_started(
-        self: &Arc<Self>,
-        run_id: &str,
-        thread_id: &str,
-    ) -> tokio_stream::wrappers::ReceiverStream<Result<pb::RunEvent, tonic::Status>> {
-        let rx = live::Follow {
+    pub fn follow_started(self: &Arc<Self>, run_id: &str, thread_id: &str) -> Watch {
+        live::Follow {
             live: self.live.clone(),
             store: self.store.clone(),
             run_id: run_id.to_owned(),
             thread_id: thread_id.to_owned(),
             after: 0,
         }
-        .start();
-        tokio_stream::wrappers::ReceiverStream::new(rx)
+        .start()
     }
 
     /// Follows a run for this service's own callers (Run, DecideApproval, OpenSession).
@@ -1261,26 +1257,23 @@ impl RunService {
         owner: &str,
         run_id: &str,
         after: u64,
-    ) -> Result<tokio_stream::wrappers::ReceiverStream<Result<pb::RunEvent, tonic::Status>>, ApiError>
-    {
+    ) -> Result<Watch, ApiError> {
         let run = self
             .store
             .get_run(owner, run_id)
             .await?
             .ok_or_else(|| ApiError::NotFound(format!("run {run_id}")))?;
         if live::Follow::already_over(run.state, run.last_event_seq, after) {
-            let (_, rx) = mpsc::channel(1);
-            return Ok(tokio_stream::wrappers::ReceiverStream::new(rx));
+            return Ok(Watch::over());
         }
-        let rx = live::Follow {
+        Ok(live::Follow {
             live: self.live.clone(),
             store: self.store.clone(),
             run_id: run_id.to_owned(),
             thread_id: run.thread_id,
             after,
         }
-        .start();
-        Ok(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .start())
     }
 }
 
