@@ -608,3 +608,68 @@ impl ToolRunner for ExecuteSession {
         outcomes
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, schema: &str, side_effect: bool) -> pb::ToolSpec {
+        pb::ToolSpec {
+            name: name.into(),
+            description: format!("{name} things"),
+            parameters_json_schema: schema.into(),
+            side_effect,
+            ..Default::default()
+        }
+    }
+
+    fn list(schema: &str) -> Vec<pb::ToolSpec> {
+        vec![
+            spec("list_tasks", r#"{"type":"object"}"#, false),
+            spec("add_task", schema, true),
+        ]
+    }
+
+    #[test]
+    fn equal_tool_lists_of_different_users_are_one_shared_copy() {
+        let lists = ToolLists::default();
+        let alice = lists.intern(list(r#"{"type":"object","required":["title"]}"#));
+        let bob = lists.intern(list(r#"{"type":"object","required":["title"]}"#));
+        assert!(Arc::ptr_eq(&alice, &bob));
+        assert_eq!(alice.tools[1].decl.parameters["required"][0], "title");
+        assert!(alice.side_effects.contains("add_task"));
+        assert!(!alice.side_effects.contains("list_tasks"));
+    }
+
+    #[test]
+    fn a_list_that_differs_in_anything_the_agent_uses_is_its_own() {
+        let lists = ToolLists::default();
+        let first = lists.intern(list(r#"{"type":"object"}"#));
+        let other_schema = lists.intern(list(r#"{"type":"object","required":["title"]}"#));
+        let mut flags = list(r#"{"type":"object"}"#);
+        flags[0].reads_external_content = true;
+        let other_flags = lists.intern(flags);
+        assert!(!Arc::ptr_eq(&first, &other_schema));
+        assert!(!Arc::ptr_eq(&first, &other_flags));
+        assert!(other_flags.external_readers.contains("list_tasks"));
+    }
+
+    #[test]
+    fn the_offered_set_is_prepared_once_per_list_and_kind_of_run() {
+        let lists = ToolLists::default();
+        let tools = lists.intern(list(r#"{"type":"object"}"#));
+        let built = std::sync::atomic::AtomicUsize::new(0);
+        let build = || {
+            built.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Arc::new(ToolSet::new(
+                tools.tools.iter().map(|t| t.decl.clone()).collect(),
+            ))
+        };
+        let a = tools.offered(0, build);
+        let b = tools.offered(0, build);
+        let task_agent = tools.offered(1, build);
+        assert!(Arc::ptr_eq(&a, &b));
+        assert!(!Arc::ptr_eq(&a, &task_agent));
+        assert_eq!(built.load(std::sync::atomic::Ordering::Relaxed), 2);
+    }
+}

@@ -321,6 +321,7 @@ async fn a_run_executes_its_tools_on_gateway_svc_over_the_execute_stream() {
     let tools = gateway.list_tools("alice", pb::Channel::Web).await.unwrap();
     assert!(
         tools
+            .tools
             .iter()
             .any(|t| t.decl.name == "add_task" && !t.side_effect)
     );
