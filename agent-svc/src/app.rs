@@ -40,18 +40,23 @@ pub struct App {
 
 impl App {
     pub async fn build(config: Config) -> Result<Self, StartError> {
-        // The tokenizer's tables take a while to load: load them now, beside the migrations,
-        // not in the first run (issue 13). Only the one the first model uses.
-        let first_model = config.models.chain.first().map(|(_, m)| m.clone());
-        tokio::task::spawn_blocking(move || {
-            if let Some(model) = first_model {
-                crate::executor::budget::TokenCounter::for_model(&model);
+        // The tokenizers' tables take a while to load (~0.25 s in a release build): load them
+        // now, beside the migrations, and be ready only once they are. A run that came first
+        // would wait for them inside `OnceLock::get_or_init`, blocking a runtime worker, and
+        // with both workers blocked no lease is renewed (issue 13).
+        let models: Vec<String> = config.models.chain.iter().map(|(_, m)| m.clone()).collect();
+        let tokenizers = tokio::task::spawn_blocking(move || {
+            for model in &models {
+                crate::executor::budget::TokenCounter::for_model(model);
             }
         });
         let store: SharedStore = match &config.server.database {
             Some(db) => Arc::new(PgStore::connect(db).await?),
             None => Arc::new(MemoryStore::new()),
         };
+        if let Err(e) = tokenizers.await {
+            tracing::error!(error = %e, "loading the tokenizers failed; token counts fall back to estimates");
+        }
         let addr = config.server.listen_addr;
         let listener = TcpListener::bind(addr)
             .await

@@ -523,3 +523,30 @@ async fn a_task_agent_that_fails_on_a_retriable_error_is_queued_again_with_backo
     assert!(error.contains("HTTP 503"), "{error}");
     assert!(later, "the retry waits at least the 10 s backoff");
 }
+
+#[tokio::test]
+async fn b1_a_run_prompt_holds_what_memory_knows_about_the_user() {
+    let (app, model, _gmail) = world(vec![Answer::text("Noted.")]).await;
+    let saved = call_tool(
+        &mut app.gateway_as("alice").await,
+        "create_memories",
+        serde_json::json!({"memories": [{"content": "Prefers dentist appointments on Friday mornings"}]}),
+    )
+    .await;
+    assert!(saved.ok, "{}", saved.text);
+    let mut alice = app.agent_as("alice").await;
+    let result = steward_tests::agent_calls::run_once(&mut alice, "book the dentist", "")
+        .await
+        .expect("run");
+    assert_eq!(result.status(), pb::RunState::Completed, "{}", result.error);
+
+    let requests = model.requests();
+    let system = requests[0].1["messages"][0]["content"]
+        .as_str()
+        .expect("a system message");
+    let about = &system[system.find("[ABOUT THE USER]").expect("the section")..];
+    assert!(
+        about.contains("Prefers dentist appointments on Friday mornings"),
+        "{about}"
+    );
+}

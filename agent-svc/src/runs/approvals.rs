@@ -325,7 +325,15 @@ impl RunService {
             stop_after: None,
             resume: true,
         };
-        self.drive(seg, writer, request, self.models.clone(), None, stopper)
-            .await
+        self.drive(
+            seg,
+            writer,
+            request,
+            self.models.clone(),
+            None,
+            stopper,
+            None,
+        )
+        .await
     }
 }

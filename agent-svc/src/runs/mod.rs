@@ -34,7 +34,7 @@ use crate::{
     executor::{
         self, Executor, ModelSetup, RunEvent, RunRequest, Stop, ToolOutcome, ToolRunner, limits,
     },
-    gateway_client::{GatewayClient, OnceCall, ToolList},
+    gateway_client::{ExecuteSession, GatewayClient, OnceCall, ToolList},
     llm::{
         ModelRequest, Turn,
         resilient::{self, ChainEntry, RetryPolicy},
@@ -662,7 +662,11 @@ impl RunService {
         if seg.channel == limits::Channel::TaskAgent {
             writer.guard.read(guard::TASK_INSTRUCTIONS);
         }
-        let prompt = self.assemble(seg, input, &models, &writer.guard).await;
+        // The run's Execute stream, opened for the prompt's memory lookup and kept for its tools.
+        let mut session = None;
+        let prompt = self
+            .assemble(seg, input, &models, &writer.guard, &mut session)
+            .await;
         writer.pending().patch.merge(RunPatch {
             state: Some(RunState::Planning),
             started_at: Some(SystemTime::now()),
@@ -681,8 +685,16 @@ impl RunService {
             resume: false,
         };
         let allowed = input.session.as_ref().and_then(|s| s.allowed_tools.clone());
-        self.drive(seg, writer, request, models, allowed.as_deref(), stopper)
-            .await
+        self.drive(
+            seg,
+            writer,
+            request,
+            models,
+            allowed.as_deref(),
+            stopper,
+            session,
+        )
+        .await
     }
 
     /// The one prompt assembler (B-1): every run's system prompt is built here; a
@@ -693,8 +705,9 @@ impl RunService {
         input: &RunInput,
         models: &ModelSetup,
         guard: &guard::CallGuard,
+        session: &mut Option<ExecuteSession>,
     ) -> crate::prompt::Prompt {
-        let about_user = match self.about_user(seg, input).await {
+        let about_user = match self.about_user(seg, input, session).await {
             Some((text, external)) => {
                 if external {
                     guard.read(guard::MEMORY);
@@ -730,20 +743,37 @@ impl RunService {
         )
     }
 
-    /// [ABOUT THE USER]: what memory holds that bears on the prompt. A failure never blocks
-    /// the run (B-1); it is logged and the section left out.
-    async fn about_user(&self, seg: &Segment, input: &RunInput) -> Option<(String, bool)> {
+    /// [ABOUT THE USER]: what memory holds that bears on the prompt, asked over the run's
+    /// Execute stream (opened here into `session`). A failure never blocks the run (B-1); it
+    /// is logged and the section left out.
+    async fn about_user(
+        &self,
+        seg: &Segment,
+        input: &RunInput,
+        session: &mut Option<ExecuteSession>,
+    ) -> Option<(String, bool)> {
         let gateway = self.gateway.as_ref()?;
         let query = if input.session.is_some() {
             "preferences goals priorities".to_owned()
         } else {
             input.prompt.clone()
         };
-        let outcome = gateway
-            .execute_once(OnceCall {
+        let channel = gateway_channel(input.channel);
+        if session.is_none() {
+            match gateway.open(&seg.owner, &seg.run_id, channel).await {
+                Ok(opened) => *session = Some(opened),
+                Err(e) => {
+                    tracing::warn!(run_id = %seg.run_id, error = %e, "memory unavailable for [ABOUT THE USER]");
+                    return None;
+                }
+            }
+        }
+        let outcome = session
+            .as_ref()?
+            .call_once(OnceCall {
                 user: &seg.owner,
                 run_id: &seg.run_id,
-                channel: gateway_channel(input.channel),
+                channel,
                 call_id: "about-user",
                 tool: "search_memory",
                 args: &serde_json::json!({ "query": query.chars().take(500).collect::<String>(), "limit": 5 }),
@@ -761,8 +791,8 @@ impl RunService {
         (!outcome.text.starts_with("No memories")).then_some((outcome.text, outcome.external))
     }
 
-    /// Lists the tools, opens the Execute stream behind the policy, and runs the executor with
-    /// its events going through the writer.
+    /// Lists the tools, opens the Execute stream (unless the prompt's memory lookup did) behind
+    /// the policy, and runs the executor with its events going through the writer.
     async fn drive(
         &self,
         seg: &Segment,
@@ -771,6 +801,7 @@ impl RunService {
         models: Arc<ModelSetup>,
         allowed: Option<&[String]>,
         stopper: &Stopper,
+        session: Option<ExecuteSession>,
     ) -> Result<Driven, ApiError> {
         let gw_channel = gateway_channel(seg.channel);
         // a run never goes on without the tools it was meant to have — that would report
@@ -827,8 +858,9 @@ impl RunService {
         writer.side_effects = side_effects.clone();
         let guard = writer.guard.clone();
         guard.read_history(&request.history, external_readers);
-        let session = match (&self.gateway, request.tools.is_empty()) {
-            (Some(g), false) => Some(
+        let session = match (&self.gateway, request.tools.is_empty(), session) {
+            (Some(_), false, Some(open)) => Some(open),
+            (Some(g), false, None) => Some(
                 g.open(&seg.owner, &seg.run_id, gw_channel)
                     .await
                     .map_err(|e| ApiError::Unavailable(e.to_string()))?,
