@@ -15,8 +15,9 @@
 //!
 //! Run: `cargo bench -p steward-tests --bench load` (needs the test PostgreSQL).
 //! `LOAD_RUNS` sets N, `LOAD_BACKENDS` picks `memory`, `postgres` or both (`memory,postgres`),
-//! `LOAD_MODEL_DELAY_MS` the model's time per turn (default 1000). `MALLOC_ARENA_MAX` and
-//! `GLIBC_TUNABLES`, when set, are passed to both services.
+//! `LOAD_MODEL_DELAY_MS` the model's time per turn (default 1000), `LOAD_RUST_LOG` the services'
+//! log filter (default info). `MALLOC_ARENA_MAX` and `GLIBC_TUNABLES`, when set, are passed to
+//! both services.
 
 use std::{
     collections::HashMap,
@@ -79,10 +80,15 @@ fn env(model: &RuleModel) -> Vec<(String, String)> {
         ("HEALTH_MONITOR_INTERVAL", "3600s"),
         ("TASK_AGENT_WORKERS", "false"),
         ("SCHEDULE_WORKERS", "false"),
-        ("RUST_LOG", "info"),
     ]
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
     .into_iter()
+    // The services log at info, as deployed, unless LOAD_RUST_LOG says otherwise (what the
+    // logs themselves cost).
+    .chain([(
+        "RUST_LOG".to_owned(),
+        std::env::var("LOAD_RUST_LOG").unwrap_or_else(|_| "info".into()),
+    )])
     // The allocator's own settings reach the services (their environment is otherwise only
     // the above), so glibc tunables can be compared with the same bench.
     .chain(
