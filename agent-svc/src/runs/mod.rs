@@ -793,6 +793,7 @@ impl RunService {
 
     /// Lists the tools, opens the Execute stream (unless the prompt's memory lookup did) behind
     /// the policy, and runs the executor with its events going through the writer.
+    #[allow(clippy::too_many_arguments)]
     async fn drive(
         &self,
         seg: &Segment,
