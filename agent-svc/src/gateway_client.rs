@@ -562,6 +562,11 @@ fn failed(kind: &str, text: &str) -> ToolOutcome {
 }
 
 impl ExecuteSession {
+    /// The gateway ended the stream (or it broke): nothing sent on it now gets an answer.
+    pub fn is_closed(&self) -> bool {
+        self.reader.is_finished() || self.tx.is_closed()
+    }
+
     /// One call outside the model's tool calls (the prompt's memory lookup) on this stream
     /// rather than as an RPC of its own: one round of RPC set-up fewer per run (issue 13).
     pub async fn call_once(&self, call: OnceCall<'_>) -> ToolOutcome {

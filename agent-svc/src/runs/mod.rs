@@ -760,10 +760,19 @@ impl RunService {
         };
         let channel = gateway_channel(input.channel);
         if session.is_none() {
-            match gateway.open(&seg.owner, &seg.run_id, channel).await {
-                Ok(opened) => *session = Some(opened),
-                Err(e) => {
+            let opened = tokio::time::timeout(
+                gateway.call_timeout,
+                gateway.open(&seg.owner, &seg.run_id, channel),
+            )
+            .await;
+            match opened {
+                Ok(Ok(opened)) => *session = Some(opened),
+                Ok(Err(e)) => {
                     tracing::warn!(run_id = %seg.run_id, error = %e, "memory unavailable for [ABOUT THE USER]");
+                    return None;
+                }
+                Err(_) => {
+                    tracing::warn!(run_id = %seg.run_id, "memory unavailable for [ABOUT THE USER]: the tool stream did not open in time");
                     return None;
                 }
             }
@@ -783,6 +792,11 @@ impl RunService {
             })
             .await;
         if !outcome.ok {
+            if session.as_ref().is_some_and(ExecuteSession::is_closed) {
+                // A broken stream is not the run's tool stream: drive opens a new one, or
+                // fails the run as unable to reach its tools.
+                *session = None;
+            }
             tracing::warn!(run_id = %seg.run_id, error = %outcome.text, "memory unavailable for [ABOUT THE USER]");
             return None;
         }
@@ -860,8 +874,8 @@ impl RunService {
         let guard = writer.guard.clone();
         guard.read_history(&request.history, external_readers);
         let session = match (&self.gateway, request.tools.is_empty(), session) {
-            (Some(_), false, Some(open)) => Some(open),
-            (Some(g), false, None) => Some(
+            (Some(_), false, Some(open)) if !open.is_closed() => Some(open),
+            (Some(g), false, _) => Some(
                 g.open(&seg.owner, &seg.run_id, gw_channel)
                     .await
                     .map_err(|e| ApiError::Unavailable(e.to_string()))?,
