@@ -792,11 +792,6 @@ impl RunService {
             })
             .await;
         if !outcome.ok {
-            if session.as_ref().is_some_and(ExecuteSession::is_closed) {
-                // A broken stream is not the run's tool stream: drive opens a new one, or
-                // fails the run as unable to reach its tools.
-                *session = None;
-            }
             tracing::warn!(run_id = %seg.run_id, error = %outcome.text, "memory unavailable for [ABOUT THE USER]");
             return None;
         }
@@ -874,6 +869,8 @@ impl RunService {
         let guard = writer.guard.clone();
         guard.read_history(&request.history, external_readers);
         let session = match (&self.gateway, request.tools.is_empty(), session) {
+            // A stream that broke during the memory lookup is not the run's tool stream: open a
+            // new one, or fail the run as unable to reach its tools.
             (Some(_), false, Some(open)) if !open.is_closed() => Some(open),
             (Some(g), false, _) => Some(
                 g.open(&seg.owner, &seg.run_id, gw_channel)
