@@ -4,6 +4,10 @@
 //!
 //! Run: `cargo bench -p steward-tests --bench bootstrap` (needs the test PostgreSQL).
 
+/// The services run in this process: they allocate with jemalloc here as their binaries do.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use std::time::{Duration, Instant};
 
 use steward_proto::gateway::v1::{self as pb, tool_call::Arguments};

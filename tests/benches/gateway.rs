@@ -5,6 +5,10 @@
 //!
 //! Run: `cargo bench -p steward-tests --bench gateway` (needs the test PostgreSQL).
 
+/// The services run in this process: they allocate with jemalloc here as their binaries do.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use std::{
     sync::Arc,
     time::{Duration, Instant},

@@ -29,6 +29,10 @@
 //! (at least 10) warms up first. Latency is measured with the two scenarios alternating, so
 //! drift on a shared machine hits both alike.
 
+/// The services run in this process: they allocate with jemalloc here as their binaries do.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use std::{collections::HashMap, time::Duration, time::Instant};
 
 use steward_proto::{AGENT_SERVICE_NAME, GATEWAY_SERVICE_NAME, agent::v1 as pb};

@@ -28,7 +28,7 @@ use std::{
 use axum::{
     Router,
     body::Body,
-    extract::{Json, State},
+    extract::State,
     response::{IntoResponse, Response},
     routing::post,
 };
@@ -69,13 +69,20 @@ pub struct SeenRequest {
     pub body: Value,
 }
 
+/// A request as received: its body is parsed into a `Value` only when a test asks for it, so
+/// that answering costs the fake little (the benches measure Steward, not the fake).
+struct Received {
+    at: Instant,
+    body: axum::body::Bytes,
+}
+
 struct RuleState {
     options: RuleOptions,
     rng: Mutex<u64>,
     calls: AtomicU64,
     /// Makes tool-call ids unique across fakes (and so across threads and runs).
     id_prefix: String,
-    seen: Mutex<Vec<SeenRequest>>,
+    seen: Mutex<Vec<Received>>,
 }
 
 /// A running rule-based model server.
@@ -112,7 +119,16 @@ impl RuleModel {
 
     /// Every request so far, in arrival order.
     pub fn requests(&self) -> Vec<SeenRequest> {
-        self.state.seen.lock().expect("lock").clone()
+        self.state
+            .seen
+            .lock()
+            .expect("lock")
+            .iter()
+            .map(|r| SeenRequest {
+                at: r.at,
+                body: serde_json::from_slice(&r.body).expect("the fake answered only JSON bodies"),
+            })
+            .collect()
     }
 
     /// How many requests carried a tool result for `call_id`: the continuations a tool call
@@ -151,6 +167,44 @@ pub fn decide(body: &Value) -> (Reply, bool) {
             .filter(|m| m["role"] == "tool")
             .count()
     });
+    rules(prompt, results_after)
+}
+
+/// Of a request, only what the rules read: each message's role and text content (the tool
+/// declarations and everything else are skipped, not built).
+#[derive(serde::Deserialize)]
+struct RuleView<'a> {
+    #[serde(borrow, default)]
+    messages: Vec<MessageView<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct MessageView<'a> {
+    #[serde(borrow)]
+    role: std::borrow::Cow<'a, str>,
+    #[serde(default)]
+    content: Option<Value>,
+}
+
+/// [`decide`] on the raw body, reading only what the rules need.
+fn decide_raw(body: &[u8]) -> Result<(Reply, bool), serde_json::Error> {
+    let view: RuleView<'_> = serde_json::from_slice(body)?;
+    let messages = &view.messages;
+    let last_user = messages.iter().rposition(|m| m.role == "user");
+    let prompt = last_user
+        .and_then(|i| messages[i].content.as_ref())
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let results_after = last_user.map_or(0, |i| {
+        messages[i + 1..]
+            .iter()
+            .filter(|m| m.role == "tool")
+            .count()
+    });
+    Ok(rules(prompt, results_after))
+}
+
+fn rules(prompt: &str, results_after: usize) -> (Reply, bool) {
     let lower = prompt.to_lowercase();
     let slow = lower.contains("slow");
     let text = Reply::Text(ANSWER.to_owned());
@@ -248,9 +302,18 @@ pub(crate) fn frames(reply: &Reply, call_id: &str) -> Vec<String> {
     out
 }
 
-async fn answer(State(s): State<Arc<RuleState>>, Json(body): Json<Value>) -> Response {
-    let (reply, slow) = decide(&body);
-    s.seen.lock().expect("lock").push(SeenRequest {
+async fn answer(State(s): State<Arc<RuleState>>, body: axum::body::Bytes) -> Response {
+    let (reply, slow) = match decide_raw(&body) {
+        Ok(decided) => decided,
+        Err(e) => {
+            return (
+                axum::http::StatusCode::BAD_REQUEST,
+                format!("the request body is not a chat completion request: {e}"),
+            )
+                .into_response();
+        }
+    };
+    s.seen.lock().expect("lock").push(Received {
         at: Instant::now(),
         body,
     });
@@ -326,5 +389,25 @@ mod tests {
                                {"role": "tool", "tool_call_id": "c", "content": "Not executed"},
                                {"role": "user", "content": "hello again"}]));
         assert_eq!(decide(&next).0, Reply::Text(ANSWER.into()));
+    }
+
+    #[test]
+    fn answering_from_the_raw_body_decides_as_the_rules_do() {
+        let bodies = [
+            body(json!([{"role": "system", "content": "s"},
+                        {"role": "user", "content": "please send subject: S-1 now"}])),
+            body(json!([{"role": "user", "content": "slow tasks x2"},
+                        {"role": "assistant", "content": null,
+                         "tool_calls": [{"id": "c", "type": "function",
+                                         "function": {"name": "list_tasks", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "c", "content": "none"}])),
+            body(json!([{"role": "user", "content": [{"type": "text", "text": "search"}]}])),
+            json!({"model": "m", "tools": [{"type": "function"}]}),
+        ];
+        for b in bodies {
+            let raw = serde_json::to_vec(&b).expect("json");
+            assert_eq!(decide_raw(&raw).expect("parses"), decide(&b), "{b}");
+        }
+        assert!(decide_raw(b"not json").is_err());
     }
 }

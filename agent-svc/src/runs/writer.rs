@@ -1,7 +1,9 @@
 //! The one writer of a run segment (E-11, S-4). The lease holder numbers the run's events
 //! itself, shows them to local watchers at once, and makes them durable together with the LLM
 //! turns, action states and messages of the same step in one fenced transaction: before a side
-//! effect runs (a checkpoint), when the next iteration starts, and at the end. Text deltas are
+//! effect runs (a checkpoint), when the next iteration starts, and at the end. A commit takes
+//! in everything the loop has sent by then, so a database slower than the loop gets fewer,
+//! larger commits instead of a queue of them that the run's end would wait behind. Text deltas are
 //! coalesced into rows: 2 KB, or a window of 50 ms that doubles with each row of one answer up
 //! to 1 s (a quick first paint, a few dozen rows for a long answer). A separate task renews the
 //! lease until the segment ends; losing it stops the run.
@@ -186,6 +188,8 @@ pub(super) struct RunWriter {
     pub(super) guard: Arc<super::guard::CallGuard>,
     /// What the run's earlier segments used (usage, iterations): a continuation adds to it.
     pub(super) usage_before: (crate::store::RunUsage, u32),
+    /// Commits made by this segment.
+    pub(super) commits: u32,
 }
 
 impl RunWriter {
@@ -206,6 +210,7 @@ impl RunWriter {
             side_effects: HashSet::new(),
             guard: Arc::default(),
             usage_before: Default::default(),
+            commits: 0,
         }
     }
 
@@ -416,6 +421,7 @@ impl RunWriter {
 
     /// The pending commit is durable: clear it and show the terminal events it held back.
     fn committed(&mut self) {
+        self.commits += 1;
         self.pending = RunCommit::default();
         self.pending_since = None;
         for event in self.held.drain(..) {
@@ -446,6 +452,11 @@ impl RunWriter {
     /// Takes the executor's events until its sink closes, committing at each checkpoint, at
     /// the start of each later iteration and when events have waited too long. A failed
     /// commit stops the run (through `stopper`) and is returned.
+    ///
+    /// A commit takes in everything the executor has sent by then (group commit): when the
+    /// database is slower than the loop, the iterations that piled up during one commit go
+    /// out in the next one, so the writer never falls further behind than one commit and the
+    /// run's end waits for at most one commit before its own.
     pub(super) async fn pump(
         &mut self,
         mut rx: mpsc::UnboundedReceiver<WriterMsg>,
@@ -459,36 +470,79 @@ impl RunWriter {
                     if self.delta.as_ref().is_some_and(|d| d.2.elapsed() >= self.delta_window) {
                         self.cut_delta();
                     }
-                    if self.pending_since.is_some_and(|s| s.elapsed() >= FLUSH_AFTER)
-                        || self.pending.events.len() >= MAX_VOLATILE_EVENTS
+                    if (self.pending_since.is_some_and(|s| s.elapsed() >= FLUSH_AFTER)
+                        || self.pending.events.len() >= MAX_VOLATILE_EVENTS)
+                        && self.commit_ready(&mut rx, stopper, Vec::new()).await?
                     {
-                        self.flush_or_stop(stopper).await?;
+                        return Ok(());
                     }
                     continue;
                 }
             };
-            match msg {
+            let closed = match msg {
                 None => return Ok(()),
                 Some(WriterMsg::Checkpoint(executing, done)) => {
-                    for call_id in executing {
-                        if let Some(a) = self.action(&call_id) {
-                            a.to(ActionState::Executing);
-                        }
-                        self.stage_action(&call_id);
-                    }
-                    if let Some(done) = done {
-                        let flushed = self.flush_or_stop(stopper).await;
-                        let _ = done.send(flushed.as_ref().map_err(ToString::to_string).copied());
-                        flushed?;
+                    self.executing(executing);
+                    match done {
+                        Some(done) => self.commit_ready(&mut rx, stopper, vec![done]).await?,
+                        None => false,
                     }
                 }
                 Some(WriterMsg::Event(event)) => {
                     if self.record(event) || self.pending.events.len() >= MAX_VOLATILE_EVENTS {
-                        self.flush_or_stop(stopper).await?;
+                        self.commit_ready(&mut rx, stopper, Vec::new()).await?
+                    } else {
+                        false
                     }
+                }
+            };
+            if closed {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Calls about to run are recorded as executing with the next commit.
+    fn executing(&mut self, call_ids: Vec<String>) {
+        for call_id in call_ids {
+            if let Some(a) = self.action(&call_id) {
+                a.to(ActionState::Executing);
+            }
+            self.stage_action(&call_id);
+        }
+    }
+
+    /// Takes in whatever the executor has sent already (up to the volatile limit), commits it
+    /// all at once and answers the checkpoints that waited for it. True when the executor's
+    /// sink closed meanwhile (everything it sent is in this commit).
+    async fn commit_ready(
+        &mut self,
+        rx: &mut mpsc::UnboundedReceiver<WriterMsg>,
+        stopper: &Stopper,
+        mut waiting: Vec<oneshot::Sender<Result<(), String>>>,
+    ) -> Result<bool, StoreError> {
+        let mut closed = false;
+        while self.pending.events.len() < MAX_VOLATILE_EVENTS {
+            match rx.try_recv() {
+                Ok(WriterMsg::Event(event)) => {
+                    self.record(event);
+                }
+                Ok(WriterMsg::Checkpoint(executing, done)) => {
+                    self.executing(executing);
+                    waiting.extend(done);
+                }
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    closed = true;
+                    break;
                 }
             }
         }
+        let flushed = self.flush_or_stop(stopper).await;
+        for done in waiting {
+            let _ = done.send(flushed.as_ref().map_err(ToString::to_string).copied());
+        }
+        flushed.map(|()| closed)
     }
 
     async fn flush_or_stop(&mut self, stopper: &Stopper) -> Result<(), StoreError> {
@@ -506,5 +560,114 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at.into()).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Admission, Admitted, Run, memory::MemoryStore};
+
+    async fn writer() -> (RunWriter, SharedStore) {
+        let store: SharedStore = Arc::new(MemoryStore::default());
+        let admitted = store
+            .admit(&Admission {
+                run: Run::queued("r1", "t1", "alice", "api"),
+                new_thread_title: Some("a thread".into()),
+                user_message: None,
+                first_event: b"queued".to_vec(),
+                lease: Duration::from_secs(60),
+                max_active_runs: 3,
+                supersede_event: Vec::new(),
+                supersede_message: String::new(),
+                supersede_paused: true,
+            })
+            .await
+            .expect("admitted");
+        let Admitted::Started(lease) = admitted else {
+            panic!("not started: {admitted:?}");
+        };
+        let live = super::super::live::Live::default().open("r1", 1);
+        (RunWriter::new(store.clone(), live, lease, 1), store)
+    }
+
+    fn iteration(tx: &mpsc::UnboundedSender<WriterMsg>, iteration: u32) {
+        for event in [
+            RunEvent::Planning { iteration },
+            RunEvent::Executing { calls: 1 },
+        ] {
+            tx.send(WriterMsg::Event(event)).expect("writer listens");
+        }
+    }
+
+    #[tokio::test]
+    async fn iterations_that_piled_up_while_the_writer_was_busy_go_out_in_one_commit() {
+        let (mut writer, store) = writer().await;
+        let (tx, rx) = mpsc::unbounded_channel();
+        // Four iterations sent before the writer looks: each later one marks a commit point.
+        for n in 1..=4 {
+            iteration(&tx, n);
+        }
+        drop(tx);
+        writer.pump(rx, &Stopper::default()).await.expect("pumped");
+        assert_eq!(writer.commits, 1, "one commit took in every iteration");
+        assert!(writer.pending.is_empty(), "nothing left behind");
+        let seqs: Vec<u64> = store
+            .events_after("r1", 1, 100)
+            .await
+            .expect("events")
+            .into_iter()
+            .map(|(seq, _)| seq)
+            .collect();
+        assert_eq!(seqs, (2..=9).collect::<Vec<u64>>(), "all eight events, in order");
+    }
+
+    #[tokio::test]
+    async fn a_checkpoint_taken_into_a_commit_is_answered_once_that_commit_is_durable() {
+        let (mut writer, store) = writer().await;
+        let (tx, rx) = mpsc::unbounded_channel();
+        iteration(&tx, 1);
+        iteration(&tx, 2);
+        let (done, answered) = oneshot::channel();
+        tx.send(WriterMsg::Checkpoint(Vec::new(), Some(done)))
+            .expect("writer listens");
+        iteration(&tx, 3);
+        drop(tx);
+        writer.pump(rx, &Stopper::default()).await.expect("pumped");
+        assert_eq!(answered.await.expect("answered"), Ok(()));
+        assert_eq!(writer.commits, 1);
+        assert_eq!(
+            store.events_after("r1", 1, 100).await.expect("events").len(),
+            6
+        );
+    }
+
+    #[tokio::test]
+    async fn the_writer_still_commits_each_iteration_when_it_keeps_up() {
+        let (mut writer, store) = writer().await;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let pump = async {
+            writer.pump(rx, &Stopper::default()).await.expect("pumped");
+            writer
+        };
+        let loop_ = async {
+            for n in 1..=3 {
+                iteration(&tx, n);
+                // Sent one at a time, each once the last one is durable (seen in the store).
+                let last = 2 * u64::from(n) - 2;
+                while n > 1
+                    && store
+                        .events_after("r1", last, 1)
+                        .await
+                        .expect("events")
+                        .is_empty()
+                {
+                    tokio::task::yield_now().await;
+                }
+            }
+            drop(tx);
+        };
+        let (writer, ()) = tokio::join!(pump, loop_);
+        assert_eq!(writer.commits, 2, "at the starts of iterations 2 and 3");
     }
 }

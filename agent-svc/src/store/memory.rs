@@ -74,9 +74,41 @@ struct State {
     tasks: Vec<(TaskAgent, SystemTime, Option<SystemTime>)>,
     schedules: Vec<ScheduleRow>,
     audit: Vec<(String, String, Value)>,
+    // Indexes, so that a long-lived process (this is the embedded default) does not scan
+    // every run and action it ever had for each new one.
+    /// (owner, request id) → run id.
+    by_request: HashMap<(String, String), String>,
+    /// Per owner and per thread: the runs that were not terminal when last looked at. A
+    /// terminal run never changes state again, so it is dropped when next met.
+    open_by_owner: HashMap<String, Vec<String>>,
+    open_by_thread: HashMap<String, Vec<String>>,
+    /// Where each action is in `actions`.
+    action_at: HashMap<String, usize>,
+}
+
+/// The runs listed under `key` in `index` that are not terminal (dropping those that are).
+fn open_runs<'a>(
+    runs: &'a HashMap<String, Run>,
+    index: &mut HashMap<String, Vec<String>>,
+    key: &str,
+) -> Vec<&'a Run> {
+    let Some(ids) = index.get_mut(key) else {
+        return Vec::new();
+    };
+    ids.retain(|id| runs.get(id).is_some_and(|r| !r.state.is_terminal()));
+    ids.iter().filter_map(|id| runs.get(id)).collect()
 }
 
 impl State {
+    /// The thread's runs waiting for an approval.
+    fn paused_in(&mut self, thread_id: &str) -> Vec<String> {
+        open_runs(&self.runs, &mut self.open_by_thread, thread_id)
+            .into_iter()
+            .filter(|r| r.state == RunState::AwaitingConfirmation)
+            .map(|r| r.id.clone())
+            .collect()
+    }
+
     fn fenced(&self, lease: &Lease) -> Result<(), StoreError> {
         match self
             .threads
@@ -295,19 +327,18 @@ impl AgentStore for MemoryStore {
             let run = &a.run;
             if let Some(key) = &run.request_id
                 && let Some(existing) = s
-                    .runs
-                    .values()
-                    .find(|r| r.owner == run.owner && r.request_id.as_ref() == Some(key))
+                    .by_request
+                    .get(&(run.owner.clone(), key.clone()))
+                    .and_then(|id| s.runs.get(id))
             {
                 return Ok(Admitted::Duplicate {
                     run_id: existing.id.clone(),
                     thread_id: existing.thread_id.clone(),
                 });
             }
-            let active = s
-                .runs
-                .values()
-                .filter(|r| r.owner == run.owner && r.state.is_live())
+            let active = open_runs(&s.runs, &mut s.open_by_owner, &run.owner)
+                .into_iter()
+                .filter(|r| r.state.is_live())
                 .count() as u32;
             if active >= a.max_active_runs {
                 return Ok(Admitted::TooManyRuns { active });
@@ -348,13 +379,9 @@ impl AgentStore for MemoryStore {
                 }
             }
             if !a.supersede_paused
-                && let Some(paused) = s.runs.values().find(|r| {
-                    r.thread_id == run.thread_id && r.state == RunState::AwaitingConfirmation
-                })
+                && let Some(paused) = s.paused_in(&run.thread_id).into_iter().next()
             {
-                return Ok(Admitted::AwaitingApproval {
-                    run_id: paused.id.clone(),
-                });
+                return Ok(Admitted::AwaitingApproval { run_id: paused });
             }
             let lease = Lease::new(&run.thread_id, &run.id);
             let row = s.threads.get_mut(&run.thread_id).expect("checked above");
@@ -365,15 +392,7 @@ impl AgentStore for MemoryStore {
             });
             row.thread.last_run_id = Some(run.id.clone());
             row.thread.updated_at = now;
-            let paused: Vec<String> = s
-                .runs
-                .values()
-                .filter(|r| {
-                    r.thread_id == run.thread_id && r.state == RunState::AwaitingConfirmation
-                })
-                .map(|r| r.id.clone())
-                .collect();
-            for id in paused {
+            for id in s.paused_in(&run.thread_id) {
                 s.end_run(
                     &id,
                     &[RunState::AwaitingConfirmation],
@@ -388,6 +407,18 @@ impl AgentStore for MemoryStore {
                 );
             }
             s.runs.insert(run.id.clone(), run.clone());
+            if let Some(key) = &run.request_id {
+                s.by_request
+                    .insert((run.owner.clone(), key.clone()), run.id.clone());
+            }
+            s.open_by_owner
+                .entry(run.owner.clone())
+                .or_default()
+                .push(run.id.clone());
+            s.open_by_thread
+                .entry(run.thread_id.clone())
+                .or_default()
+                .push(run.id.clone());
             if let Some(text) = &a.user_message {
                 s.add_message(
                     &run.thread_id,
@@ -473,9 +504,12 @@ impl AgentStore for MemoryStore {
                     .extend(c.history);
             }
             for action in c.actions {
-                match s.actions.iter_mut().find(|a| a.id == action.id) {
-                    Some(existing) => *existing = action,
-                    None => s.actions.push(action),
+                match s.action_at.get(&action.id) {
+                    Some(&at) => s.actions[at] = action,
+                    None => {
+                        s.action_at.insert(action.id.clone(), s.actions.len());
+                        s.actions.push(action);
+                    }
                 }
             }
             for m in c.messages {
@@ -659,9 +693,9 @@ impl AgentStore for MemoryStore {
         request_id: &str,
     ) -> Result<Option<Run>, StoreError> {
         self.with(|s| {
-            s.runs
-                .values()
-                .find(|r| r.owner == owner && r.request_id.as_deref() == Some(request_id))
+            s.by_request
+                .get(&(owner.to_owned(), request_id.to_owned()))
+                .and_then(|id| s.runs.get(id))
                 .cloned()
         })
     }
@@ -716,13 +750,7 @@ impl AgentStore for MemoryStore {
             if turns.is_empty() {
                 return None;
             }
-            let paused: Vec<String> = s
-                .runs
-                .values()
-                .filter(|r| r.thread_id == thread_id && r.state == RunState::AwaitingConfirmation)
-                .map(|r| r.id.clone())
-                .collect();
-            for id in paused {
+            for id in s.paused_in(thread_id) {
                 s.end_run(&id, &[RunState::AwaitingConfirmation], ending);
             }
             for a in s.approvals.values_mut() {
