@@ -619,7 +619,11 @@ mod tests {
             .into_iter()
             .map(|(seq, _)| seq)
             .collect();
-        assert_eq!(seqs, (2..=9).collect::<Vec<u64>>(), "all eight events, in order");
+        assert_eq!(
+            seqs,
+            (2..=9).collect::<Vec<u64>>(),
+            "all eight events, in order"
+        );
     }
 
     #[tokio::test]
@@ -637,7 +641,11 @@ mod tests {
         assert_eq!(answered.await.expect("answered"), Ok(()));
         assert_eq!(writer.commits, 1);
         assert_eq!(
-            store.events_after("r1", 1, 100).await.expect("events").len(),
+            store
+                .events_after("r1", 1, 100)
+                .await
+                .expect("events")
+                .len(),
             6
         );
     }
