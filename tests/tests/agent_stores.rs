@@ -1301,3 +1301,75 @@ both_backends!(
     an_occurrence_is_retried_taken_over_or_run_now_only_by_its_rules,
     switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_one,
 );
+
+/// PostgreSQL with one pooled connection, so every command reuses the connection the last
+/// one left behind.
+async fn postgres_one_connection() -> Backend {
+    let db = TestDb::create().await.unwrap();
+    let config = DatabaseConfig {
+        url: db.url().to_owned(),
+        pool: PoolOptions {
+            max_connections: 1,
+            acquire_timeout: Duration::from_secs(5),
+        },
+    };
+    Backend {
+        store: Arc::new(PgStore::connect(&config).await.unwrap()),
+        _db: Some(db),
+    }
+}
+
+fn events(seqs: &[u64]) -> RunCommit {
+    RunCommit {
+        events: seqs.iter().map(|s| (*s, b"e".to_vec())).collect(),
+        ..RunCommit::default()
+    }
+}
+
+/// A commit's BEGIN goes out with its statements (issue 13): whatever way it ends short of
+/// COMMIT — fenced out, or its future dropped after the pipeline was sent — the connection goes
+/// back to the pool with nothing open, so the next command on it cannot commit what was left.
+#[tokio::test]
+async fn a_commit_that_ends_short_of_commit_leaves_its_connection_outside_any_transaction() {
+    use futures_util::FutureExt as _;
+    let b = postgres_one_connection().await;
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    s.commit(&lease, events(&[2])).await.unwrap();
+
+    // Fenced out: a stale token.
+    let stale = Lease {
+        token: "not-the-token".into(),
+        ..lease.clone()
+    };
+    let fenced = s.commit(&stale, events(&[3])).await.unwrap_err();
+    assert!(matches!(fenced, StoreError::LeaseLost), "{fenced:?}");
+
+    // Dropped mid-way: its one poll sends BEGIN and the statements (they are prepared on this
+    // connection already), then the future goes away before COMMIT.
+    assert!(
+        s.commit(&lease, events(&[4])).now_or_never().is_none(),
+        "a commit cannot finish in one poll"
+    );
+
+    // The same connection takes the next commit, which alone is durable.
+    s.commit(&lease, events(&[5])).await.unwrap();
+    assert_eq!(seqs(s, "r1").await, [1, 2, 5]);
+    let other = PgStore::connect(&DatabaseConfig {
+        url: b._db.as_ref().unwrap().url().to_owned(),
+        pool: PoolOptions {
+            max_connections: 1,
+            acquire_timeout: Duration::from_secs(5),
+        },
+    })
+    .await
+    .unwrap();
+    let seen: Vec<u64> = other
+        .events_after("r1", 0, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(seq, _)| seq)
+        .collect();
+    assert_eq!(seen, [1, 2, 5], "committed, as another connection sees it");
+}

@@ -64,6 +64,37 @@ impl PgStore {
     }
 }
 
+/// A transaction begun inside a pipeline (BEGIN sent with its first statements, one round trip
+/// fewer than `Client::transaction`). Unless it committed, it is rolled back when this guard
+/// goes — also when the future holding it is dropped mid-way — so a connection never returns
+/// to the pool inside a transaction: the ROLLBACK is queued on the connection at once, ahead
+/// of whatever its next user sends, and its answer is not waited for (as tokio-postgres's own
+/// `Transaction` does on drop).
+struct Begun<'a> {
+    client: &'a tokio_postgres::Client,
+    open: bool,
+}
+
+impl<'a> Begun<'a> {
+    fn new(client: &'a tokio_postgres::Client) -> Self {
+        Self { client, open: true }
+    }
+
+    fn committed(&mut self) {
+        self.open = false;
+    }
+}
+
+impl Drop for Begun<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            use futures_util::FutureExt as _;
+            // The first poll sends it; a ROLLBACK with no transaction open is only a warning.
+            let _ = self.client.batch_execute("ROLLBACK").now_or_never();
+        }
+    }
+}
+
 fn db(e: tokio_postgres::Error) -> StoreError {
     match e.as_db_error() {
         Some(d) if *d.code() == tokio_postgres::error::SqlState::UNIQUE_VIOLATION => {
@@ -233,12 +264,12 @@ impl AgentStore for PgStore {
         let run = &a.run;
         let lease = Lease::new(&run.thread_id, &run.id);
         let ttl = millis(a.lease);
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(db)?;
-        // Every statement goes out in one pipeline; what the results say decides between
-        // COMMIT and a rollback that leaves nothing behind.
-        let count = tx.prepare_cached(SQL_LIVE_RUNS).await.map_err(db)?;
-        let take = tx
+        let client = self.client().await?;
+        let t: &tokio_postgres::Client = &client;
+        // Every statement goes out in one pipeline after BEGIN; what the results say decides
+        // between COMMIT and a rollback that leaves nothing behind.
+        let count = client.prepare_cached(SQL_LIVE_RUNS).await.map_err(db)?;
+        let take = client
             .prepare_cached(if a.new_thread_title.is_some() {
                 SQL_NEW_THREAD
             } else {
@@ -246,7 +277,7 @@ impl AgentStore for PgStore {
             })
             .await
             .map_err(db)?;
-        let supersede = tx
+        let supersede = client
             .prepare_cached(if a.supersede_paused {
                 SQL_SUPERSEDE
             } else {
@@ -254,7 +285,7 @@ impl AgentStore for PgStore {
             })
             .await
             .map_err(db)?;
-        let insert = tx.prepare_cached(SQL_ADMIT_RUN).await.map_err(db)?;
+        let insert = client.prepare_cached(SQL_ADMIT_RUN).await.map_err(db)?;
         let title = a.new_thread_title.as_deref().unwrap_or_default();
         let count_params: [Param<'_>; 1] = [&run.owner];
         let take_params: [Param<'_>; 6] = match &a.new_thread_title {
@@ -288,13 +319,16 @@ impl AgentStore for PgStore {
             &a.first_event,
             &a.user_message,
         ];
-        let (active, taken, superseded, inserted) = futures_util::future::join4(
-            tx.query_one(&count, &count_params),
-            tx.execute_raw(&take, take_params),
-            tx.execute_raw(&supersede, supersede_params.iter().copied()),
-            tx.query_one(&insert, &insert_params),
+        let mut open = Begun::new(t);
+        let (begun, active, taken, superseded, inserted) = futures_util::future::join5(
+            t.batch_execute("BEGIN"),
+            t.query_one(&count, &count_params),
+            t.execute_raw(&take, take_params),
+            t.execute_raw(&supersede, supersede_params.iter().copied()),
+            t.query_one(&insert, &insert_params),
         )
         .await;
+        begun.map_err(db)?;
         let active: i64 = active.map_err(db)?.get(0);
         if active >= i64::from(a.max_active_runs) {
             return Ok(Admitted::TooManyRuns {
@@ -302,7 +336,7 @@ impl AgentStore for PgStore {
             });
         }
         if taken.map_err(db)? == 0 {
-            drop(tx);
+            drop(open);
             let holder = client
                 .query_opt(
                     "SELECT CASE WHEN lock_expires_at > clock_timestamp() THEN lock_run_id END FROM agent.threads \
@@ -317,7 +351,7 @@ impl AgentStore for PgStore {
             });
         }
         if superseded.map_err(db)? > 0 && !a.supersede_paused {
-            drop(tx);
+            drop(open);
             let paused = client
                 .query_one(SQL_PAUSED, &[&run.thread_id])
                 .await
@@ -327,7 +361,7 @@ impl AgentStore for PgStore {
             });
         }
         if inserted.map_err(db)?.get::<_, i64>(0) == 0 {
-            drop(tx);
+            drop(open);
             let first = client
                 .query_one(
                     "SELECT id, thread_id FROM agent.runs WHERE owner = $1 AND request_id = $2",
@@ -340,7 +374,8 @@ impl AgentStore for PgStore {
                 thread_id: first.get(1),
             });
         }
-        tx.commit().await.map_err(db)?;
+        t.batch_execute("COMMIT").await.map_err(db)?;
+        open.committed();
         Ok(Admitted::Started(lease))
     }
 
@@ -427,8 +462,7 @@ impl AgentStore for PgStore {
         type Write<'a> = std::pin::Pin<
             Box<dyn std::future::Future<Output = Result<u64, tokio_postgres::Error>> + Send + 'a>,
         >;
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(db)?;
+        let client = self.client().await?;
         let run_id = &lease.run_id;
         let touch = !c.messages.is_empty();
         let max_seq = c.events.iter().map(|(seq, _)| *seq as i64).max();
@@ -457,24 +491,25 @@ impl AgentStore for PgStore {
         let expect = p.expect.map(RunState::key);
         let (audit_kinds, audit_details): (Vec<String>, Vec<Value>) = c.audit.into_iter().unzip();
         let approval_state = c.approval.as_ref().map(|a| a.state.key());
-        let t = &tx;
+        let t: &tokio_postgres::Client = &client;
 
         // Statements are prepared once per pooled connection, then the whole commit goes out
-        // as one pipeline: BEGIN, this, COMMIT — three round trips, whatever it holds.
-        let fence = tx.prepare_cached(SQL_FENCE).await.map_err(db)?;
+        // as one pipeline — BEGIN, the fence, the writes — and COMMIT after it: two round
+        // trips, whatever it holds.
+        let fence = client.prepare_cached(SQL_FENCE).await.map_err(db)?;
         let mut writes: Vec<Write<'_>> = Vec::new();
         if !seqs.is_empty() {
-            let s = tx.prepare_cached(SQL_EVENTS).await.map_err(db)?;
+            let s = client.prepare_cached(SQL_EVENTS).await.map_err(db)?;
             let params: [Param<'_>; 3] = [run_id, &seqs, &payloads];
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         if !c.history.is_empty() {
-            let s = tx.prepare_cached(SQL_HISTORY).await.map_err(db)?;
+            let s = client.prepare_cached(SQL_HISTORY).await.map_err(db)?;
             let params: [Param<'_>; 2] = [&lease.thread_id, &c.history];
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         if !c.actions.is_empty() {
-            let s = tx.prepare_cached(SQL_ACTIONS).await.map_err(db)?;
+            let s = client.prepare_cached(SQL_ACTIONS).await.map_err(db)?;
             let params: [Param<'_>; 13] = [
                 run_id,
                 &cols.id,
@@ -493,7 +528,7 @@ impl AgentStore for PgStore {
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         if !sources.is_empty() {
-            let s = tx.prepare_cached(SQL_MESSAGES).await.map_err(db)?;
+            let s = client.prepare_cached(SQL_MESSAGES).await.map_err(db)?;
             let params: [Param<'_>; 6] = [
                 &lease.thread_id,
                 run_id,
@@ -505,7 +540,7 @@ impl AgentStore for PgStore {
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         if patched {
-            let s = tx.prepare_cached(SQL_PATCH).await.map_err(db)?;
+            let s = client.prepare_cached(SQL_PATCH).await.map_err(db)?;
             let params: [Param<'_>; 14] = [
                 run_id,
                 &state,
@@ -525,7 +560,7 @@ impl AgentStore for PgStore {
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         if let (Some(a), Some(approval_state)) = (&c.approval, &approval_state) {
-            let s = tx.prepare_cached(SQL_APPROVAL).await.map_err(db)?;
+            let s = client.prepare_cached(SQL_APPROVAL).await.map_err(db)?;
             let params: [Param<'_>; 15] = [
                 &a.id,
                 &a.run_id,
@@ -546,28 +581,34 @@ impl AgentStore for PgStore {
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         if !audit_kinds.is_empty() {
-            let s = tx.prepare_cached(SQL_AUDIT).await.map_err(db)?;
+            let s = client.prepare_cached(SQL_AUDIT).await.map_err(db)?;
             let params: [Param<'_>; 3] = [run_id, &audit_kinds, &audit_details];
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         if max_seq.is_some() {
-            let s = tx.prepare_cached(SQL_NOTIFY).await.map_err(db)?;
+            let s = client.prepare_cached(SQL_NOTIFY).await.map_err(db)?;
             let params: [Param<'_>; 1] = [run_id];
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
         // The fence goes first in the pipeline; if it fails, whatever followed is rolled back
         // with the transaction (a NOTIFY is only delivered on commit).
         let fence_params: [Param<'_>; 4] = [&lease.thread_id, &lease.token, &touch, &c.release];
-        let (fenced, written) = futures_util::future::join(
-            tx.execute_raw(&fence, fence_params),
+        let mut open = Begun::new(t);
+        // join polls in order, and each statement is sent when first polled: BEGIN goes first.
+        let (begun, fenced, written) = futures_util::future::join3(
+            t.batch_execute("BEGIN"),
+            t.execute_raw(&fence, fence_params),
             futures_util::future::try_join_all(writes),
         )
         .await;
+        begun.map_err(db)?;
         if fenced.map_err(db)? == 0 {
             return Err(StoreError::LeaseLost);
         }
         written.map_err(db)?;
-        tx.commit().await.map_err(db)
+        t.batch_execute("COMMIT").await.map_err(db)?;
+        open.committed();
+        Ok(())
     }
 
     async fn decide(
