@@ -29,16 +29,26 @@ async fn memory() -> Backend {
 }
 
 async fn postgres() -> Backend {
-    let db = TestDb::create().await.unwrap();
-    let config = DatabaseConfig {
-        url: db.url().to_owned(),
+    postgres_with(8).await
+}
+
+/// A PostgreSQL store on `url` with a pool of `max_connections`.
+async fn pg_store(url: &str, max_connections: usize) -> PgStore {
+    PgStore::connect(&DatabaseConfig {
+        url: url.to_owned(),
         pool: PoolOptions {
-            max_connections: 8,
+            max_connections,
             acquire_timeout: Duration::from_secs(5),
         },
-    };
+    })
+    .await
+    .unwrap()
+}
+
+async fn postgres_with(max_connections: usize) -> Backend {
+    let db = TestDb::create().await.unwrap();
     Backend {
-        store: Arc::new(PgStore::connect(&config).await.unwrap()),
+        store: Arc::new(pg_store(db.url(), max_connections).await),
         _db: Some(db),
     }
 }
@@ -1302,23 +1312,6 @@ both_backends!(
     switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_one,
 );
 
-/// PostgreSQL with one pooled connection, so every command reuses the connection the last
-/// one left behind.
-async fn postgres_one_connection() -> Backend {
-    let db = TestDb::create().await.unwrap();
-    let config = DatabaseConfig {
-        url: db.url().to_owned(),
-        pool: PoolOptions {
-            max_connections: 1,
-            acquire_timeout: Duration::from_secs(5),
-        },
-    };
-    Backend {
-        store: Arc::new(PgStore::connect(&config).await.unwrap()),
-        _db: Some(db),
-    }
-}
-
 fn events(seqs: &[u64]) -> RunCommit {
     RunCommit {
         events: seqs.iter().map(|s| (*s, b"e".to_vec())).collect(),
@@ -1332,7 +1325,8 @@ fn events(seqs: &[u64]) -> RunCommit {
 #[tokio::test]
 async fn a_commit_that_ends_short_of_commit_leaves_its_connection_outside_any_transaction() {
     use futures_util::FutureExt as _;
-    let b = postgres_one_connection().await;
+    // One pooled connection: every command reuses the connection the last one left behind.
+    let b = postgres_with(1).await;
     let s = &b.store;
     let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
     s.commit(&lease, events(&[2])).await.unwrap();
@@ -1355,21 +1349,10 @@ async fn a_commit_that_ends_short_of_commit_leaves_its_connection_outside_any_tr
     // The same connection takes the next commit, which alone is durable.
     s.commit(&lease, events(&[5])).await.unwrap();
     assert_eq!(seqs(s, "r1").await, [1, 2, 5]);
-    let other = PgStore::connect(&DatabaseConfig {
-        url: b._db.as_ref().unwrap().url().to_owned(),
-        pool: PoolOptions {
-            max_connections: 1,
-            acquire_timeout: Duration::from_secs(5),
-        },
-    })
-    .await
-    .unwrap();
-    let seen: Vec<u64> = other
-        .events_after("r1", 0, 100)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(seq, _)| seq)
-        .collect();
-    assert_eq!(seen, [1, 2, 5], "committed, as another connection sees it");
+    let other: Arc<dyn AgentStore> = Arc::new(pg_store(b._db.as_ref().unwrap().url(), 1).await);
+    assert_eq!(
+        seqs(&other, "r1").await,
+        [1, 2, 5],
+        "committed, as another connection sees it"
+    );
 }
