@@ -1356,3 +1356,77 @@ async fn a_commit_that_ends_short_of_commit_leaves_its_connection_outside_any_tr
         "committed, as another connection sees it"
     );
 }
+
+/// Issue 13: a commit's "new events" notice is sent after the commit, from the store's notice
+/// connection, batched with other runs' notices. Another replica still hears of every run that
+/// committed events, and whatever a notice announces is already readable when it arrives.
+#[tokio::test]
+async fn every_run_that_commits_events_is_announced_to_other_replicas_after_its_rows() {
+    use agent_svc::store::RunNotice;
+    use std::collections::BTreeSet;
+    let b = postgres().await;
+    let s = &b.store;
+    let other: Arc<dyn AgentStore> = Arc::new(pg_store(b._db.as_ref().unwrap().url(), 2).await);
+    let mut heard = other.notices().expect("PostgreSQL has notices");
+    // The other replica listens once its notice connection is up: a probe run commits until
+    // it is heard.
+    let probe = started(s, "probe", "t-probe", Duration::from_secs(60)).await;
+    let mut listening = false;
+    for seq in 2..100 {
+        s.commit(&probe, events(&[seq])).await.unwrap();
+        let wait = tokio::time::timeout(Duration::from_millis(200), async {
+            loop {
+                if let Ok(RunNotice::Events(id)) = heard.recv().await {
+                    break id;
+                }
+            }
+        });
+        if wait.await.is_ok_and(|id| id == "probe") {
+            listening = true;
+            break;
+        }
+    }
+    assert!(listening, "the other replica never heard the probe run");
+
+    // Twenty runs, each its own user's, commit at once: their notices share transactions.
+    let mut leases = Vec::new();
+    for i in 0..20 {
+        let run = new_run(
+            &format!("r{i}"),
+            &format!("t{i}"),
+            &format!("user{i}"),
+            None,
+        );
+        match s
+            .admit(&admission(run, true, Duration::from_secs(60)))
+            .await
+            .unwrap()
+        {
+            Admitted::Started(lease) => leases.push(lease),
+            other => panic!("not admitted: {other:?}"),
+        }
+    }
+    futures_util::future::try_join_all(leases.iter().map(|l| s.commit(l, events(&[2, 3]))))
+        .await
+        .unwrap();
+
+    let mut announced = BTreeSet::new();
+    while announced.len() < 20 {
+        let notice = tokio::time::timeout(Duration::from_secs(10), heard.recv())
+            .await
+            .unwrap_or_else(|_| panic!("only {announced:?} were announced"))
+            .unwrap();
+        if let RunNotice::Events(run_id) = notice
+            && run_id != "probe"
+        {
+            assert_eq!(
+                seqs(&other, &run_id).await,
+                [1, 2, 3],
+                "{run_id}'s rows are readable when its notice arrives"
+            );
+            announced.insert(run_id);
+        }
+    }
+    let expected: BTreeSet<String> = (0..20).map(|i| format!("r{i}")).collect();
+    assert_eq!(announced, expected);
+}

@@ -9,14 +9,16 @@ use tokio_postgres::Row;
 
 use super::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive,
-    Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, NOTICE_CHANNEL,
-    Occurrence, Run, RunCommit, RunNotice, RunState, RunUsage, Schedule, ScheduleKind,
-    ScheduleOutcome, Settle, StoreError, TaskAgent, Thread, transcript_text,
+    Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, Occurrence, Run,
+    RunCommit, RunNotice, RunState, RunUsage, Schedule, ScheduleKind, ScheduleOutcome, Settle,
+    StoreError, TaskAgent, Thread, transcript_text,
 };
 
 mod embedded {
     refinery::embed_migrations!("migrations");
 }
+
+mod notices;
 
 // Lease expiry is set and compared with `clock_timestamp()`, not `now()`: `now()` is when the
 // transaction began, and time an admission spent waiting (a locked row, a busy CPU) must not be
@@ -28,7 +30,9 @@ const MIGRATION_LOCK_KEY: i64 = 0x6167_656e_7473_7663;
 pub struct PgStore {
     pool: pg::PgPool,
     notices: tokio::sync::broadcast::Sender<RunNotice>,
-    /// Stops the notice listener with the store.
+    /// The notice connection: other replicas' notices in, this one's out (after each commit).
+    notices_out: notices::Outgoing,
+    /// Stops the notice connection with the store.
     _listener: tokio_util::sync::DropGuard,
 }
 
@@ -49,8 +53,9 @@ impl PgStore {
         pg::warn_if_pools_exceed_server(&pool, &config.pool).await;
         let (notices, _) = tokio::sync::broadcast::channel(1024);
         let stop = tokio_util::sync::CancellationToken::new();
-        tokio::spawn(listen(config.url.clone(), notices.clone(), stop.clone()));
+        let notices_out = notices::start(config.url.clone(), notices.clone(), stop.clone());
         Ok(Self {
+            notices_out,
             pool,
             notices,
             _listener: stop.drop_guard(),
@@ -277,14 +282,20 @@ impl AgentStore for PgStore {
             })
             .await
             .map_err(db)?;
-        let supersede = client
-            .prepare_cached(if a.supersede_paused {
-                SQL_SUPERSEDE
-            } else {
-                SQL_PAUSED
-            })
-            .await
-            .map_err(db)?;
+        // Nothing can be paused on a thread this admission makes.
+        let supersede = match a.new_thread_title {
+            Some(_) => None,
+            None => Some(
+                client
+                    .prepare_cached(if a.supersede_paused {
+                        SQL_SUPERSEDE
+                    } else {
+                        SQL_PAUSED
+                    })
+                    .await
+                    .map_err(db)?,
+            ),
+        };
         let insert = client.prepare_cached(SQL_ADMIT_RUN).await.map_err(db)?;
         let title = a.new_thread_title.as_deref().unwrap_or_default();
         let count_params: [Param<'_>; 1] = [&run.owner];
@@ -324,7 +335,12 @@ impl AgentStore for PgStore {
             t.batch_execute("BEGIN"),
             t.query_one(&count, &count_params),
             t.execute_raw(&take, take_params),
-            t.execute_raw(&supersede, supersede_params.iter().copied()),
+            async {
+                match &supersede {
+                    Some(s) => t.execute_raw(s, supersede_params.iter().copied()).await,
+                    None => Ok(0),
+                }
+            },
             t.query_one(&insert, &insert_params),
         )
         .await;
@@ -585,13 +601,8 @@ impl AgentStore for PgStore {
             let params: [Param<'_>; 3] = [run_id, &audit_kinds, &audit_details];
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
-        if max_seq.is_some() {
-            let s = client.prepare_cached(SQL_NOTIFY).await.map_err(db)?;
-            let params: [Param<'_>; 1] = [run_id];
-            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
-        }
         // The fence goes first in the pipeline; if it fails, whatever followed is rolled back
-        // with the transaction (a NOTIFY is only delivered on commit).
+        // with the transaction.
         let fence_params: [Param<'_>; 4] = [&lease.thread_id, &lease.token, &touch, &c.release];
         let mut open = Begun::new(t);
         // join polls in order, and each statement is sent when first polled: BEGIN goes first.
@@ -608,6 +619,9 @@ impl AgentStore for PgStore {
         written.map_err(db)?;
         t.batch_execute("COMMIT").await.map_err(db)?;
         open.committed();
+        if max_seq.is_some() {
+            self.notices_out.events(run_id);
+        }
         Ok(())
     }
 
@@ -1632,70 +1646,6 @@ impl ActionColumns {
     }
 }
 
-/// Forwards run notices from PostgreSQL (LISTEN on [`NOTICE_CHANNEL`]) until `stop`, with a
-/// dedicated connection that is opened again when it drops. After each (re)connect it sends
-/// `Resync`: notices may have been missed meanwhile, so watchers re-read.
-async fn listen(
-    url: String,
-    notices: tokio::sync::broadcast::Sender<RunNotice>,
-    stop: tokio_util::sync::CancellationToken,
-) {
-    use futures_util::StreamExt;
-    loop {
-        let session = async {
-            let (client, mut messages) = pg::Target::parse(&url)
-                .map_err(|e| e.to_string())?
-                .connect()
-                .await
-                .map_err(|e| e.to_string())?;
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-            let pump = tokio::spawn(async move {
-                while let Some(message) = messages.next().await {
-                    match message {
-                        Ok(tokio_postgres::AsyncMessage::Notification(n)) => {
-                            if tx.send(n.payload().to_owned()).is_err() {
-                                break;
-                            }
-                        }
-                        Ok(_) => {}
-                        Err(e) => {
-                            tracing::warn!(error = %e, "run notice connection failed");
-                            break;
-                        }
-                    }
-                }
-            });
-            let listening = client
-                .batch_execute(&format!("LISTEN {NOTICE_CHANNEL}"))
-                .await;
-            if let Err(e) = listening {
-                pump.abort();
-                return Err(e.to_string());
-            }
-            let _ = notices.send(RunNotice::Resync);
-            while let Some(payload) = rx.recv().await {
-                if let Some(notice) = RunNotice::parse(&payload) {
-                    let _ = notices.send(notice);
-                }
-            }
-            pump.abort();
-            Err::<(), String>("the connection closed".into())
-        };
-        tokio::select! {
-            () = stop.cancelled() => return,
-            ended = session => {
-                if let Err(e) = ended {
-                    tracing::warn!(error = %e, "run notices unavailable; watchers poll until it reconnects");
-                }
-            }
-        }
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep(Duration::from_secs(1)) => {}
-        }
-    }
-}
-
 const ACTION_COLUMNS: &str = "id, run_id, call_id, tool, arguments, side_effect, state, result_text, error_kind, \
     approval_id, transitions, created_at, updated_at";
 
@@ -1764,7 +1714,6 @@ const SQL_APPROVAL: &str = "INSERT INTO agent.approvals (id, run_id, thread_id, 
 const SQL_AUDIT: &str = "INSERT INTO agent.audit (owner, kind, run_id, detail) \
     SELECT r.owner, k, r.id, d FROM agent.runs r, unnest($2::text[], $3::jsonb[]) WITH ORDINALITY AS u(k, d, o) \
     WHERE r.id = $1 ORDER BY o";
-const SQL_NOTIFY: &str = "SELECT pg_notify('agent_runs', 'e:' || $1::text)";
 
 const SQL_LIVE_RUNS: &str = "SELECT count(*) FROM agent.runs WHERE owner = $1 AND state IN ('queued', 'planning', 'executing')";
 const SQL_NEW_THREAD: &str = "INSERT INTO agent.threads (id, owner, title, lock_run_id, lock_token, lock_expires_at, \
