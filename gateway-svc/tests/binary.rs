@@ -24,6 +24,13 @@ fn a_bad_config_value_exits_non_zero_naming_the_variable_and_the_fix() {
         "{}",
         exit.stderr
     );
+    // The log line queued just before the exit is written too: the log writer's thread is
+    // drained on the way out.
+    assert!(
+        exit.stderr.contains(r#""message":"refusing to start""#),
+        "{}",
+        exit.stderr
+    );
 }
 
 #[test]
@@ -44,6 +51,8 @@ fn sigterm_drains_and_exits_zero() {
         "{}",
         exit.stderr
     );
+    // The last line it logs, at the very end, reaches stderr before the process ends.
+    assert!(exit.stderr.contains("server stopped"), "{}", exit.stderr);
 }
 
 #[test]

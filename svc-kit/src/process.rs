@@ -20,7 +20,8 @@ where
     BE: Display,
     RE: Display,
 {
-    crate::telemetry::init(service);
+    // Dropped last, on every way out: what is still queued in the log is written then.
+    let _logs = crate::telemetry::init(service);
     // Installed before any start-up work, so a SIGTERM during migrations is a drain, not a kill.
     let shutdown: Shutdown = Box::pin(crate::shutdown::signal());
     let config = match load() {
@@ -65,7 +66,7 @@ where
     M: Future<Output = Result<(), E>>,
     E: Display,
 {
-    crate::telemetry::init(service);
+    let _logs = crate::telemetry::init(service);
     let config = match load() {
         Ok(config) => config,
         Err(errors) => {

@@ -15,16 +15,33 @@ use tracing_subscriber::{EnvFilter, fmt, prelude::*};
 
 static PROVIDER: OnceLock<SdkTracerProvider> = OnceLock::new();
 
-/// Installs the global subscriber once; later calls (e.g. from tests) are no-ops.
-pub fn init(service: &'static str) {
+/// Keeps the log writer's thread: log lines are queued by the threads that log them and
+/// written by that one thread, so a slow reader of stderr (a full pipe, a busy node agent)
+/// never blocks a tokio worker in write(2), and lines that come together go out in one write.
+/// Dropping it writes out what is still queued; hold it for the life of the process.
+#[must_use = "hold it until the process ends: dropping it stops the log writer"]
+pub struct Logs {
+    _writer: Option<tracing_appender::non_blocking::WorkerGuard>,
+}
+
+/// Lines the log queue holds before a thread that logs waits for the writer (never dropped:
+/// a log line is evidence).
+const LOG_QUEUE_LINES: usize = 128 * 1024;
+
+/// Installs the global subscriber once; later calls (e.g. from tests) are no-ops and return
+/// a guard that holds nothing.
+pub fn init(service: &'static str) -> Logs {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let pretty = std::env::var("LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("pretty"));
     let traces = otlp_tracer(service).map(|t| tracing_opentelemetry::layer().with_tracer(t));
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(false)
+        .buffered_lines_limit(LOG_QUEUE_LINES)
+        .thread_name("logs")
+        .finish(std::io::BufWriter::new(std::io::stderr()));
     let registry = tracing_subscriber::registry().with(filter).with(traces);
     let installed = if pretty {
-        registry
-            .with(fmt::layer().with_writer(std::io::stderr))
-            .try_init()
+        registry.with(fmt::layer().with_writer(writer)).try_init()
     } else {
         registry
             .with(
@@ -32,17 +49,21 @@ pub fn init(service: &'static str) {
                     .json()
                     .flatten_event(true)
                     .with_current_span(true)
-                    .with_writer(std::io::stderr),
+                    .with_writer(writer),
             )
             .try_init()
     };
-    if installed.is_ok() {
-        tracing::info!(
-            service,
-            version = env!("CARGO_PKG_VERSION"),
-            traces = PROVIDER.get().is_some(),
-            "logging initialised"
-        );
+    if installed.is_err() {
+        return Logs { _writer: None };
+    }
+    tracing::info!(
+        service,
+        version = env!("CARGO_PKG_VERSION"),
+        traces = PROVIDER.get().is_some(),
+        "logging initialised"
+    );
+    Logs {
+        _writer: Some(guard),
     }
 }
 

@@ -236,6 +236,8 @@ struct Wave {
     agent_cpu_per_run: Duration,
     gateway_cpu_per_run: Duration,
     agent_peak_rss_mib: f64,
+    /// Log lines each service wrote per run (what RUST_LOG costs, beside its CPU).
+    log_lines_per_run: (f64, f64),
 }
 
 async fn wave(services: &Services, runs: usize, model_delay: Duration) -> Wave {
@@ -251,6 +253,7 @@ async fn wave(services: &Services, runs: usize, model_delay: Duration) -> Wave {
         })
         .collect();
     let cpu_before = (cpu(services.agent.pid), cpu(services.gateway.pid));
+    let logged_before = (services.agent.log().len(), services.gateway.log().len());
     let started = Instant::now();
     go_tx.send(true).expect("runs are waiting");
     let mut latencies = Vec::with_capacity(runs);
@@ -263,6 +266,7 @@ async fn wave(services: &Services, runs: usize, model_delay: Duration) -> Wave {
     }
     let wall = started.elapsed();
     let cpu_after = (cpu(services.agent.pid), cpu(services.gateway.pid));
+    let logged_after = (services.agent.log().len(), services.gateway.log().len());
     assert!(
         failures.is_empty(),
         "{} of {runs} runs did not complete intact; first: {}",
@@ -278,6 +282,10 @@ async fn wave(services: &Services, runs: usize, model_delay: Duration) -> Wave {
         agent_cpu_per_run: (cpu_after.0 - cpu_before.0) / runs as u32,
         gateway_cpu_per_run: (cpu_after.1 - cpu_before.1) / runs as u32,
         agent_peak_rss_mib: peak_rss_mib(services.agent.pid),
+        log_lines_per_run: (
+            (logged_after.0 - logged_before.0) as f64 / runs as f64,
+            (logged_after.1 - logged_before.1) as f64 / runs as f64,
+        ),
     }
 }
 
@@ -390,6 +398,14 @@ async fn main() {
     );
     println!("|---|---|---|---|---|---|---|");
     let mut summaries = HashMap::new();
+    for (backend, w, _) in &rows {
+        println!(
+            "{backend}: log lines per run at RUST_LOG={}: agent-svc {:.1}, gateway-svc {:.1}",
+            std::env::var("LOAD_RUST_LOG").unwrap_or_else(|_| "info".into()),
+            w.log_lines_per_run.0,
+            w.log_lines_per_run.1
+        );
+    }
     for (backend, w, tx) in &rows {
         let tx_text = tx.map_or("–".to_owned(), |(a, g)| {
             format!("{:.1} ({a:.1} + {g:.1})", a + g)

@@ -454,7 +454,9 @@ pub async fn wait_for_status(channel: Channel, service: &str, want: ServingStatu
 }
 
 fn init_test_logs() {
+    // Held for the test binary's life; the first test to start installs the subscriber.
+    static LOGS: std::sync::OnceLock<svc_kit::telemetry::Logs> = std::sync::OnceLock::new();
     if std::env::var_os("TEST_LOG").is_some() {
-        svc_kit::telemetry::init("steward-tests");
+        LOGS.get_or_init(|| svc_kit::telemetry::init("steward-tests"));
     }
 }

@@ -390,7 +390,12 @@ async fn serve_execute_stream(
                 }
             },
             () = tx.closed() => {
-                tracing::info!("execute stream dropped by the caller; cancelling its calls");
+                // A run that ended drops its stream: routine unless calls were still going.
+                if inflight.is_empty() {
+                    tracing::debug!("execute stream closed by the caller");
+                } else {
+                    tracing::info!(calls = inflight.len(), "execute stream dropped by the caller; cancelling its calls");
+                }
                 stream_cancel.cancel();
                 break;
             }
