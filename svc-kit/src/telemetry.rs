@@ -25,8 +25,9 @@ pub struct Logs {
 }
 
 /// Lines the log queue holds before a thread that logs waits for the writer (never dropped:
-/// a log line is evidence).
-const LOG_QUEUE_LINES: usize = 128 * 1024;
+/// a log line is evidence). The queue's slots are allocated and touched up front (~32 bytes
+/// each), so this is not tracing-appender's default of 128K lines (4 MiB of resident memory).
+const LOG_QUEUE_LINES: usize = 8 * 1024;
 
 /// Installs the global subscriber once; later calls (e.g. from tests) are no-ops and return
 /// a guard that holds nothing.
