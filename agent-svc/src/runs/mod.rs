@@ -707,7 +707,13 @@ impl RunService {
         guard: &guard::CallGuard,
         session: &mut Option<ExecuteSession>,
     ) -> crate::prompt::Prompt {
-        let about_user = match self.about_user(seg, input, session).await {
+        // The gateway's memory and the store's summaries are asked at once: two round trips
+        // to different services need not queue.
+        let (about_user, recent) = tokio::join!(
+            self.about_user(seg, input, session),
+            self.store.recent_summaries(&seg.owner, self.summary_count),
+        );
+        let about_user = match about_user {
             Some((text, external)) => {
                 if external {
                     guard.read(guard::MEMORY);
@@ -716,11 +722,7 @@ impl RunService {
             }
             None => None,
         };
-        let recent_sessions = match self
-            .store
-            .recent_summaries(&seg.owner, self.summary_count)
-            .await
-        {
+        let recent_sessions = match recent {
             Ok(list) => list.into_iter().map(|a| a.summary).collect(),
             Err(e) => {
                 tracing::warn!(error = %e, "recent session summaries unavailable");
