@@ -5,10 +5,14 @@
 use std::{
     collections::{HashMap, HashSet},
     hash::{Hash, Hasher},
-    sync::{Arc, Mutex, OnceLock},
+    sync::{
+        Arc, Mutex, OnceLock,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
+use futures_util::FutureExt;
 use steward_proto::gateway::v1::{self as pb, gateway_service_client::GatewayServiceClient};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{StreamExt, wrappers::ReceiverStream};
@@ -481,33 +485,15 @@ impl GatewayClient {
         // for the life of every run (issue 13).
         let (tx, rx) = mpsc::channel::<Box<pb::ExecuteRequest>>(64);
         let mut client = GatewayServiceClient::new(self.channel.clone());
-        let mut results = client
+        let results = client
             .execute(self.request(ReceiverStream::new(rx).map(|request| *request), user)?)
             .await?
             .into_inner();
-        let pending: Pending = Arc::default();
-        let routes = pending.clone();
-        let reader = tokio::spawn(async move {
-            while let Some(Ok(response)) = results.next().await {
-                if let Some(result) = response.result {
-                    let waiter = routes
-                        .lock()
-                        .ok()
-                        .and_then(|mut p| p.remove(&result.call_id));
-                    if let Some(waiter) = waiter {
-                        let _ = waiter.send(result);
-                    }
-                }
-            }
-            // The stream ended: wake everyone still waiting so they report it.
-            if let Ok(mut p) = routes.lock() {
-                p.clear();
-            }
-        });
         Ok(ExecuteSession {
             tx,
-            pending,
-            reader,
+            results: tokio::sync::Mutex::new(results),
+            pending: Mutex::default(),
+            ended: AtomicBool::new(false),
             run_id: run_id.to_owned(),
             channel,
             call_timeout: self.call_timeout,
@@ -515,22 +501,20 @@ impl GatewayClient {
     }
 }
 
-type Pending = Arc<Mutex<HashMap<String, oneshot::Sender<pb::ToolResult>>>>;
-
 /// One run's Execute stream. Dropping it closes the stream, which cancels calls in flight.
+///
+/// Results are read by whichever call is waiting for one, not by a task of the session's own:
+/// a result then wakes its caller directly, one task wake-up fewer per tool call (issue 13).
+/// The reader routes results for other calls to their waiters by call id.
 pub struct ExecuteSession {
     tx: mpsc::Sender<Box<pb::ExecuteRequest>>,
-    pending: Pending,
-    reader: tokio::task::JoinHandle<()>,
+    results: tokio::sync::Mutex<tonic::Streaming<pb::ExecuteResponse>>,
+    pending: Mutex<HashMap<String, oneshot::Sender<pb::ToolResult>>>,
+    /// The gateway ended the stream or it broke.
+    ended: AtomicBool,
     run_id: String,
     channel: pb::Channel,
     call_timeout: Duration,
-}
-
-impl Drop for ExecuteSession {
-    fn drop(&mut self) {
-        self.reader.abort();
-    }
 }
 
 fn outcome(r: pb::ToolResult) -> ToolOutcome {
@@ -564,7 +548,62 @@ fn failed(kind: &str, text: &str) -> ToolOutcome {
 impl ExecuteSession {
     /// The gateway ended the stream (or it broke): nothing sent on it now gets an answer.
     pub fn is_closed(&self) -> bool {
-        self.reader.is_finished() || self.tx.is_closed()
+        // Whatever arrived with nobody waiting is read now, so an end is seen.
+        if let Ok(mut results) = self.results.try_lock() {
+            while let Some(item) = results.next().now_or_never() {
+                if !self.take(item) {
+                    break;
+                }
+            }
+        }
+        self.ended.load(Ordering::Acquire) || self.tx.is_closed()
+    }
+
+    /// Routes one item read from the stream; false when the stream is over, and then every
+    /// waiter is woken to report it.
+    fn take(&self, item: Option<Result<pb::ExecuteResponse, tonic::Status>>) -> bool {
+        match item {
+            Some(Ok(response)) => {
+                if let Some(result) = response.result {
+                    let waiter = self
+                        .pending
+                        .lock()
+                        .ok()
+                        .and_then(|mut p| p.remove(&result.call_id));
+                    if let Some(waiter) = waiter {
+                        let _ = waiter.send(result);
+                    }
+                }
+                true
+            }
+            None | Some(Err(_)) => {
+                self.ended.store(true, Ordering::Release);
+                if let Ok(mut p) = self.pending.lock() {
+                    p.clear();
+                }
+                false
+            }
+        }
+    }
+
+    /// Waits for the result `wait` was registered for, reading the stream while nobody else
+    /// does. None when the stream ended first.
+    async fn receive(&self, mut wait: oneshot::Receiver<pb::ToolResult>) -> Option<pb::ToolResult> {
+        tokio::select! {
+            biased;
+            result = &mut wait => result.ok(),
+            mut results = self.results.lock() => loop {
+                // Another reader may have routed it while this one waited for the lock.
+                match wait.try_recv() {
+                    Ok(result) => return Some(result),
+                    Err(oneshot::error::TryRecvError::Closed) => return None,
+                    Err(oneshot::error::TryRecvError::Empty) => {}
+                }
+                // Cancel-safe: a message half read stays in the stream's buffer.
+                let item = results.next().await;
+                self.take(item);
+            },
+        }
     }
 
     /// One call outside the model's tool calls (the prompt's memory lookup) on this stream
@@ -581,7 +620,9 @@ impl ExecuteSession {
         let mut waiters = Vec::with_capacity(calls.len());
         for call in calls {
             let (done, wait) = oneshot::channel();
-            if let Ok(mut p) = self.pending.lock() {
+            if self.ended.load(Ordering::Acquire) {
+                drop(done);
+            } else if let Ok(mut p) = self.pending.lock() {
                 p.insert(call.call_id.clone(), done);
             }
             let request = pb::ExecuteRequest {
@@ -599,14 +640,16 @@ impl ExecuteSession {
                 ));
                 continue;
             }
-            outcomes.push(match tokio::time::timeout(self.call_timeout, wait).await {
-                Ok(Ok(r)) => outcome(r),
-                Ok(Err(_)) => failed(
-                    OUTCOME_UNKNOWN,
-                    "The tool service went away before answering.",
-                ),
-                Err(_) => failed(OUTCOME_UNKNOWN, "The tool did not answer in time."),
-            });
+            outcomes.push(
+                match tokio::time::timeout(self.call_timeout, self.receive(wait)).await {
+                    Ok(Some(r)) => outcome(r),
+                    Ok(None) => failed(
+                        OUTCOME_UNKNOWN,
+                        "The tool service went away before answering.",
+                    ),
+                    Err(_) => failed(OUTCOME_UNKNOWN, "The tool did not answer in time."),
+                },
+            );
         }
         outcomes
     }

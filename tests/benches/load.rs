@@ -96,9 +96,10 @@ fn env(model: &RuleModel) -> Vec<(String, String)> {
         std::env::var("LOAD_RUST_LOG").unwrap_or_else(|_| "info".into()),
     )])
     // The allocator's own settings reach the services (their environment is otherwise only
-    // the above), so glibc tunables can be compared with the same bench.
+    // the above), so allocator settings can be compared with the same bench (jemalloc reads
+    // `_RJEM_MALLOC_CONF`: the services' jemalloc is built with the `_rjem_` prefix).
     .chain(
-        ["MALLOC_ARENA_MAX", "GLIBC_TUNABLES"]
+        ["MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "_RJEM_MALLOC_CONF"]
             .into_iter()
             .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_owned(), v))),
     )

@@ -25,6 +25,7 @@
 //! and the bench says so). Their per-iteration overhead over Steward's is the ratio reported.
 //!
 //! Run: `cargo bench -p steward-tests --bench runs` (needs the test PostgreSQL).
+//! `BENCH_BACKENDS` picks `memory`, `postgres` or both (the default, `memory,postgres`).
 //! `BENCH_RUNS` (default 200) sets the measured runs per scenario and backend; a tenth of that
 //! (at least 10) warms up first. Latency is measured with the two scenarios alternating, so
 //! drift on a shared machine hits both alike.
@@ -447,8 +448,17 @@ async fn main() {
     let model = RuleModel::start().await;
     let (stats, statements_note) = Stats::connect().await;
 
-    let mut rows = bench_memory(&model, warmup, runs).await;
-    rows.extend(bench_postgres(&model, warmup, runs, &stats).await);
+    let backends = std::env::var("BENCH_BACKENDS").unwrap_or_else(|_| "memory,postgres".into());
+    let mut rows = Vec::new();
+    for backend in backends.split(',').map(str::trim) {
+        match backend {
+            "memory" => rows.extend(bench_memory(&model, warmup, runs).await),
+            "postgres" => rows.extend(bench_postgres(&model, warmup, runs, &stats).await),
+            other => {
+                panic!("BENCH_BACKENDS: unknown backend {other:?}; use memory and/or postgres")
+            }
+        }
+    }
 
     println!();
     println!(

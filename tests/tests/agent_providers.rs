@@ -613,3 +613,99 @@ mod anthropic_and_gemini {
         assert_eq!(out.calls[0].provider, "anthropic");
     }
 }
+
+/// `gate_wait` answers only once `gate_open` has run: so on one Execute stream the later call's
+/// result arrives first, whatever the timing.
+struct Gate {
+    name: &'static str,
+    opened: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+#[async_trait::async_trait]
+impl gateway_svc::registry::Tool for Gate {
+    fn spec(&self) -> gateway_svc::registry::ToolSpec {
+        gateway_svc::registry::ToolSpec {
+            name: self.name.into(),
+            aliases: vec![],
+            description: format!("test gate {}", self.name),
+            schema: serde_json::json!({"type": "object", "properties": {}}),
+            side_effect: false,
+            integration: gateway_svc::domain::Integration::Tasks,
+            upstream_cost: 0,
+            reads_external_content: false,
+            writes_memory: false,
+        }
+    }
+
+    fn read_only(&self) -> bool {
+        true
+    }
+
+    async fn call(
+        &self,
+        _ctx: &gateway_svc::context::CallContext,
+        _args: serde_json::Value,
+    ) -> Result<gateway_svc::registry::ToolOutput, gateway_svc::enforce::ToolError> {
+        if self.name == "gate_open" {
+            self.opened.send_replace(true);
+        } else {
+            let _ = self.opened.subscribe().wait_for(|open| *open).await;
+        }
+        Ok(gateway_svc::registry::ToolOutput::text(format!(
+            "{} answered",
+            self.name
+        )))
+    }
+}
+
+#[tokio::test]
+async fn results_that_arrive_out_of_order_on_one_execute_stream_reach_their_own_calls() {
+    let opened = Arc::new(tokio::sync::watch::channel(false).0);
+    let gates = ["gate_wait", "gate_open"].map(|name| {
+        Arc::new(Gate {
+            name,
+            opened: opened.clone(),
+        }) as Arc<dyn gateway_svc::registry::Tool>
+    });
+    let app = spawn(Options {
+        backend: Some(Backend::Memory),
+        gateway_tools: gates.to_vec(),
+        ..Options::default()
+    })
+    .await;
+    let gateway =
+        GatewayClient::connect_lazy(&format!("http://{}", app.gateway_addr), SERVICE_TOKEN)
+            .unwrap();
+    let session = gateway
+        .open("alice", "run-1", pb::Channel::Web)
+        .await
+        .unwrap();
+    let call = |id: &str, name: &str| ToolInvocation {
+        call_id: id.into(),
+        name: name.into(),
+        args: serde_json::json!({}),
+        read_external_from: vec![],
+        expected_binding: String::new(),
+    };
+    // Twice on the same stream: the session reads results with no task of its own, so the
+    // second round shows nothing was left behind by the first.
+    for round in 1..=2 {
+        opened.send_replace(false);
+        let outcomes = tokio::time::timeout(
+            Duration::from_secs(10),
+            session.run(vec![
+                call(&format!("w{round}"), "gate_wait"),
+                call(&format!("o{round}"), "gate_open"),
+            ]),
+        )
+        .await
+        .expect("both calls answered");
+        let texts: Vec<&str> = outcomes.iter().map(|o| o.text.as_str()).collect();
+        assert_eq!(
+            texts,
+            ["gate_wait answered", "gate_open answered"],
+            "round {round}"
+        );
+        assert!(!session.is_closed(), "the stream stays open between rounds");
+    }
+}

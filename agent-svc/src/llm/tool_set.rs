@@ -134,19 +134,51 @@ impl ToolSet {
 
 /// `body` serialised with `tools` (JSON text) as its `tools` member, without rebuilding the
 /// tools as values: the object's closing brace is replaced by the member.
+///
+/// The body is written into a per-thread scratch buffer first and then copied once into a
+/// buffer of exactly its final size: the request body lives until the model's response
+/// begins, and a buffer grown by doubling held up to twice its length, for every run in
+/// flight, in pages each growth faulted in (issue 13).
 pub fn encode_with_tools(body: &Value, tools: Option<&str>) -> Vec<u8> {
-    let mut out = serde_json::to_vec(body).unwrap_or_else(|_| b"{}".to_vec());
-    if let Some(tools) = tools
-        && out.last() == Some(&b'}')
-    {
-        out.pop();
-        if out.len() > 1 {
-            out.push(b',');
-        }
-        out.extend_from_slice(b"\"tools\":");
-        out.extend_from_slice(tools.as_bytes());
-        out.push(b'}');
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
+    /// A body bigger than this is not kept as the next call's scratch space.
+    const KEEP: usize = 256 * 1024;
+    SCRATCH.with(|scratch| {
+        let Ok(mut scratch) = scratch.try_borrow_mut() else {
+            return join(
+                &serde_json::to_vec(body).unwrap_or_else(|_| b"{}".to_vec()),
+                tools,
+            );
+        };
+        scratch.clear();
+        if serde_json::to_writer(&mut *scratch, body).is_err() {
+            scratch.clear();
+            scratch.extend_from_slice(b"{}");
+        }
+        let out = join(&scratch, tools);
+        if scratch.capacity() > KEEP {
+            *scratch = Vec::new();
+        }
+        out
+    })
+}
+
+/// `body` (a serialised object) with `tools` as its last member, in a buffer of exact size.
+fn join(body: &[u8], tools: Option<&str>) -> Vec<u8> {
+    let Some(tools) = tools.filter(|_| body.last() == Some(&b'}')) else {
+        return body.to_vec();
+    };
+    let head = &body[..body.len() - 1];
+    let mut out = Vec::with_capacity(head.len() + tools.len() + 10);
+    out.extend_from_slice(head);
+    if head.len() > 1 {
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"tools\":");
+    out.extend_from_slice(tools.as_bytes());
+    out.push(b'}');
     out
 }
 

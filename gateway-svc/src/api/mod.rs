@@ -6,10 +6,11 @@ mod auth;
 pub mod convert;
 mod status;
 
-use std::{collections::HashMap, pin::Pin, sync::Arc};
+use std::{collections::HashMap, panic::AssertUnwindSafe, pin::Pin, sync::Arc};
 
+use futures_util::{FutureExt, StreamExt, stream::FuturesUnordered};
 use steward_proto::gateway::v1::{self as pb, gateway_service_server::GatewayService};
-use tokio::{sync::mpsc, task::JoinSet};
+use tokio::sync::mpsc;
 use tokio_stream::{Stream, wrappers::ReceiverStream};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
@@ -21,7 +22,7 @@ use crate::{
     bootstrap::Bootstrap,
     config::CallerAuth,
     credentials::{Credentials, NewAccount},
-    domain::{CallOutcome, UserId},
+    domain::{CallOutcome, CallRequest, ErrorKind, UserId},
     engine::Engine,
 };
 
@@ -59,11 +60,16 @@ impl GatewayApi {
 }
 
 fn rejected_outcome(r: convert::Rejected) -> CallOutcome {
+    failed_outcome(r.call_id, r.tool, r.error.kind(), r.error.to_string())
+}
+
+/// A call that ended before reaching any upstream, as its result.
+fn failed_outcome(call_id: String, tool: String, kind: ErrorKind, text: String) -> CallOutcome {
     CallOutcome {
-        call_id: r.call_id,
-        tool: r.tool,
-        error_kind: Some(r.error.kind()),
-        text: r.error.to_string(),
+        call_id,
+        tool,
+        error_kind: Some(kind),
+        text,
         truncated: false,
         original_chars: 0,
         retry_after_secs: 0,
@@ -108,12 +114,14 @@ impl GatewayService for GatewayApi {
         let user = self.user(&request)?;
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(RESULT_BUFFER);
+        let (engine, user) = (self.engine.clone(), Arc::new(user));
+        let execute = move |call: CallRequest, cancel: CancellationToken| {
+            let (engine, user) = (engine.clone(), user.clone());
+            async move { engine.execute(&user, call, cancel).await }
+        };
         // The stream and its calls stay in the caller's trace (the run on agent-svc).
         tokio::spawn(tracing::Instrument::in_current_span(serve_execute_stream(
-            self.engine.clone(),
-            user,
-            inbound,
-            tx,
+            inbound, tx, execute,
         )));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -313,19 +321,24 @@ impl GatewayService for GatewayApi {
     }
 }
 
-/// Runs one Execute stream: every call in its own task, results sent as they finish. A
-/// half-closed request side lets in-flight calls finish; a dropped stream (the caller went away
-/// or cancelled) cancels them.
-async fn serve_execute_stream(
-    engine: Engine,
-    user: UserId,
-    mut inbound: Streaming<pb::ExecuteRequest>,
+/// Runs one Execute stream: its calls run concurrently inside this task, results sent as they
+/// finish. A half-closed request side lets in-flight calls finish; a dropped stream (the caller
+/// went away or cancelled) cancels them.
+///
+/// The calls are polled here rather than spawned: a result then goes from the call straight to
+/// the response stream, one task wake-up fewer per call on the path of every tool iteration
+/// (issue 13), and a call that panics becomes an INTERNAL result for the model instead of a
+/// call that never answers.
+async fn serve_execute_stream<Call>(
+    mut inbound: impl Stream<Item = Result<pb::ExecuteRequest, Status>> + Unpin,
     tx: mpsc::Sender<Result<pb::ExecuteResponse, Status>>,
-) {
+    execute: impl Fn(CallRequest, CancellationToken) -> Call,
+) where
+    Call: Future<Output = CallOutcome>,
+{
     let stream_cancel = CancellationToken::new();
     let mut inflight: HashMap<String, CancellationToken> = HashMap::new();
-    let mut tasks: JoinSet<String> = JoinSet::new();
-    let user = Arc::new(user);
+    let mut calls = FuturesUnordered::new();
     let send = |tx: mpsc::Sender<Result<pb::ExecuteResponse, Status>>, outcome: CallOutcome| async move {
         let _ = tx
             .send(Ok(pb::ExecuteResponse {
@@ -337,7 +350,7 @@ async fn serve_execute_stream(
     let mut reading = true;
     loop {
         tokio::select! {
-            message = inbound.message(), if reading => match message {
+            message = inbound.next(), if reading => match message.transpose() {
                 Ok(Some(pb::ExecuteRequest { kind: Some(pb::execute_request::Kind::Call(call)) })) => {
                     let call = match convert::call_request(call) {
                         Ok(call) => call,
@@ -360,10 +373,14 @@ async fn serve_execute_stream(
                     }
                     let token = stream_cancel.child_token();
                     inflight.insert(call.call_id.clone(), token.clone());
-                    let (engine, user, tx) = (engine.clone(), user.clone(), tx.clone());
-                    tasks.spawn(tracing::Instrument::in_current_span(async move {
-                        let call_id = call.call_id.clone();
-                        let outcome = engine.execute(&user, call, token).await;
+                    let tx = tx.clone();
+                    let (call_id, tool) = (call.call_id.clone(), call.tool.clone());
+                    let running = execute(call, token);
+                    calls.push(tracing::Instrument::in_current_span(async move {
+                        let outcome = AssertUnwindSafe(running)
+                            .catch_unwind()
+                            .await
+                            .unwrap_or_else(|_| panicked_outcome(call_id.clone(), tool));
                         send(tx, outcome).await;
                         call_id
                     }));
@@ -381,13 +398,8 @@ async fn serve_execute_stream(
                     break;
                 }
             },
-            Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                if let Ok(call_id) = done {
-                    inflight.remove(&call_id);
-                }
-                if !reading && tasks.is_empty() {
-                    break;
-                }
+            Some(call_id) = calls.next(), if !calls.is_empty() => {
+                inflight.remove(&call_id);
             },
             () = tx.closed() => {
                 // A run that ended drops its stream: routine unless calls were still going.
@@ -400,10 +412,107 @@ async fn serve_execute_stream(
                 break;
             }
         }
-        if !reading && tasks.is_empty() {
+        if !reading && calls.is_empty() {
             break;
         }
     }
     // Cancelled calls still finish (with ERROR_KIND_CANCELLED) and are audited.
-    while tasks.join_next().await.is_some() {}
+    while calls.next().await.is_some() {}
+}
+
+/// What the model is told of a call whose code panicked: a clear failure, never silence.
+fn panicked_outcome(call_id: String, tool: String) -> CallOutcome {
+    tracing::error!(tool = %tool, call_id = %call_id, "tool call panicked");
+    let text = format!(
+        "The tool {tool} failed inside the gateway (an internal error); it may or may not have taken effect."
+    );
+    failed_outcome(call_id, tool, ErrorKind::Internal, text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(id: &str, tool: &str) -> Result<pb::ExecuteRequest, Status> {
+        Ok(pb::ExecuteRequest {
+            kind: Some(pb::execute_request::Kind::Call(pb::ToolCall {
+                call_id: id.into(),
+                tool: tool.into(),
+                ..Default::default()
+            })),
+        })
+    }
+
+    fn answered(call: &CallRequest) -> CallOutcome {
+        CallOutcome {
+            error_kind: None,
+            text: format!("{} done", call.tool),
+            ..failed_outcome(
+                call.call_id.clone(),
+                call.tool.clone(),
+                ErrorKind::Internal,
+                String::new(),
+            )
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_that_panics_is_answered_as_internal_and_the_stream_keeps_serving() {
+        let (requests, inbound) = mpsc::channel(8);
+        let (tx, mut results) = mpsc::channel(8);
+        // "slow" answers only after "boom" has panicked, so the panic meets a call in flight.
+        let (boomed, boomed_wait) = tokio::sync::watch::channel(false);
+        let execute = move |call: CallRequest, _cancel: CancellationToken| {
+            let (boomed, mut boomed_wait) = (boomed.clone(), boomed_wait.clone());
+            async move {
+                match call.tool.as_str() {
+                    "boom" => {
+                        boomed.send_replace(true);
+                        panic!("a bug in a tool");
+                    }
+                    "slow" => {
+                        let _ = boomed_wait.wait_for(|b| *b).await;
+                        answered(&call)
+                    }
+                    _ => answered(&call),
+                }
+            }
+        };
+        let served = tokio::spawn(serve_execute_stream(
+            ReceiverStream::new(inbound),
+            tx,
+            execute,
+        ));
+        for (id, tool) in [("c1", "slow"), ("c2", "boom")] {
+            requests.send(call(id, tool)).await.expect("serving");
+        }
+        let mut got = HashMap::new();
+        for _ in 0..2 {
+            let r = results
+                .recv()
+                .await
+                .expect("a result")
+                .expect("not a status")
+                .result
+                .expect("a tool result");
+            got.insert(r.call_id.clone(), r);
+        }
+        let boom = &got["c2"];
+        assert!(!boom.ok);
+        assert_eq!(boom.error_kind, pb::ErrorKind::Internal as i32);
+        assert!(boom.text.contains("boom"), "names the tool: {}", boom.text);
+        assert!(got["c1"].ok, "the call in flight still answered");
+        // The stream still takes calls after the panic.
+        requests.send(call("c3", "fine")).await.expect("serving");
+        let r = results
+            .recv()
+            .await
+            .expect("a result")
+            .expect("not a status");
+        assert_eq!(r.result.expect("a tool result").call_id, "c3");
+        drop(requests);
+        served
+            .await
+            .expect("the stream ends cleanly when its caller half-closes");
+    }
 }
