@@ -590,7 +590,7 @@ async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded
         .await
         .unwrap();
     let now = std::time::SystemTime::now();
-    let Admitted::Started(lease) = store
+    let Admitted::Started { lease, .. } = store
         .admit(&Admission {
             run: agent_svc::store::Run::queued("r-crash", "t-crash", "alice", "web"),
             new_thread_title: None,
@@ -601,6 +601,7 @@ async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded
             supersede_event: Vec::new(),
             supersede_message: String::new(),
             supersede_paused: true,
+            summaries: 0,
         })
         .await
         .unwrap()

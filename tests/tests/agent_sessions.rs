@@ -206,10 +206,11 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
             supersede_event: Vec::new(),
             supersede_message: String::new(),
             supersede_paused: true,
+            summaries: 0,
         })
         .await
         .unwrap();
-    assert!(matches!(admitted, Admitted::Started(_)), "{admitted:?}");
+    assert!(matches!(admitted, Admitted::Started { .. }), "{admitted:?}");
 
     // Any replica's monitor: a service built on the same database sweeps once.
     let runs = app.monitor().await;

@@ -70,6 +70,7 @@ fn admission(run: Run, new_thread: bool, lease: Duration) -> Admission {
         supersede_event: b"superseded".to_vec(),
         supersede_message: "superseded".into(),
         supersede_paused: true,
+        summaries: 0,
         run,
     }
 }
@@ -81,7 +82,7 @@ async fn started(s: &Arc<dyn AgentStore>, id: &str, thread: &str, lease: Duratio
         .await
         .unwrap()
     {
-        Admitted::Started(lease) => lease,
+        Admitted::Started { lease, .. } => lease,
         other => panic!("not admitted: {other:?}"),
     }
 }
@@ -331,7 +332,7 @@ async fn a_retried_request_id_is_a_duplicate_and_the_run_cap_holds(b: Backend) {
         ))
         .await
         .unwrap();
-    assert!(matches!(first, Admitted::Started(_)));
+    assert!(matches!(first, Admitted::Started { .. }));
     let again = s
         .admit(&admission(
             new_run("r1b", "t1b", "alice", Some("req-1")),
@@ -375,7 +376,7 @@ async fn a_retried_request_id_is_a_duplicate_and_the_run_cap_holds(b: Backend) {
         ))
         .await
         .unwrap(),
-        Admitted::Started(_)
+        Admitted::Started { .. }
     ));
 }
 
@@ -736,7 +737,7 @@ async fn a_new_message_supersedes_a_paused_run(b: Backend) {
         ))
         .await
         .unwrap(),
-        Admitted::Started(_)
+        Admitted::Started { .. }
     ));
     assert_eq!(
         s.get_run("alice", "r1").await.unwrap().unwrap().state,
@@ -818,6 +819,91 @@ async fn archiving_moves_history_and_ends_paused_runs(b: Backend) {
         s.recent_summaries("alice", 5).await.unwrap()[0].summary,
         "Flights"
     );
+}
+
+/// Issue 13: a run's [RECENT SESSIONS] come back with its admission, one round trip fewer.
+async fn an_admission_reads_the_owners_newest_session_summaries(b: Backend) {
+    let s = &b.store;
+    for (n, (owner, summary)) in [("alice", "Flights"), ("bob", "Taxes"), ("alice", "Dentist")]
+        .into_iter()
+        .enumerate()
+    {
+        let (run, thread) = (format!("r{n}"), format!("t{n}"));
+        let lease = match s
+            .admit(&admission(
+                new_run(&run, &thread, owner, None),
+                true,
+                Duration::from_secs(60),
+            ))
+            .await
+            .unwrap()
+        {
+            Admitted::Started { lease, .. } => lease,
+            other => panic!("not admitted: {other:?}"),
+        };
+        let history = vec![serde_json::json!({"role": "user", "content": summary})];
+        s.commit(
+            &lease,
+            RunCommit {
+                history,
+                release: true,
+                ..RunCommit::default()
+            },
+        )
+        .await
+        .unwrap();
+        s.archive_history(
+            &thread,
+            owner,
+            summary,
+            &ending(RunState::Cancelled, 1),
+            None,
+        )
+        .await
+        .unwrap()
+        .expect("archived");
+    }
+    // Runs left open above count against the cap; it is not what this test is about.
+    let asking = Admission {
+        summaries: 5,
+        max_active_runs: 10,
+        ..admission(
+            new_run("r9", "t9", "alice", None),
+            true,
+            Duration::from_secs(60),
+        )
+    };
+    let Admitted::Started { summaries, .. } = s.admit(&asking).await.unwrap() else {
+        panic!("not admitted");
+    };
+    let read: Vec<&str> = summaries.iter().map(|a| a.summary.as_str()).collect();
+    assert_eq!(read, ["Dentist", "Flights"], "alice's own, newest first");
+    assert_eq!(summaries, s.recent_summaries("alice", 5).await.unwrap());
+    let one = Admission {
+        summaries: 1,
+        max_active_runs: 10,
+        ..admission(
+            new_run("r10", "t10", "alice", None),
+            true,
+            Duration::from_secs(60),
+        )
+    };
+    let Admitted::Started { summaries, .. } = s.admit(&one).await.unwrap() else {
+        panic!("not admitted");
+    };
+    assert_eq!(summaries.len(), 1, "no more than asked for");
+    let none = Admission {
+        max_active_runs: 10,
+        ..admission(
+            new_run("r11", "t11", "alice", None),
+            true,
+            Duration::from_secs(60),
+        )
+    };
+    let Admitted::Started { summaries, .. } = s.admit(&none).await.unwrap() else {
+        panic!("not admitted");
+    };
+    assert!(summaries.is_empty(), "none unless asked");
 }
 
 async fn a_thread_held_by_another_run_is_not_archived(b: Backend) {
@@ -1303,6 +1389,7 @@ both_backends!(
     a_new_message_supersedes_a_paused_run,
     archiving_moves_history_and_ends_paused_runs,
     a_thread_held_by_another_run_is_not_archived,
+    an_admission_reads_the_owners_newest_session_summaries,
     the_task_queue_caps_open_tasks_per_user,
     a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found,
     schedules_belong_to_their_owner_and_the_per_user_cap_holds,
@@ -1402,7 +1489,7 @@ async fn every_run_that_commits_events_is_announced_to_other_replicas_after_its_
             .await
             .unwrap()
         {
-            Admitted::Started(lease) => leases.push(lease),
+            Admitted::Started { lease, .. } => leases.push(lease),
             other => panic!("not admitted: {other:?}"),
         }
     }

@@ -152,13 +152,20 @@ pub struct RunService {
 }
 
 /// What a segment of a run does.
+/// The previous session's archiving and the prompt's recent session summaries (B-4).
+enum Sessions {
+    /// Nothing to archive: the summaries were read with the admission.
+    Read(Vec<crate::store::Archive>),
+    /// Archive the thread's previous session before this run, then read them.
+    ArchiveFirst,
+}
+
 enum Plan {
     Start {
         input: Box<RunInput>,
         models: Arc<ModelSetup>,
         new_thread: bool,
-        /// Archive the previous session before this run (B-4).
-        archive_first: bool,
+        sessions: Sessions,
     },
     Continue {
         approval: Box<Approval>,
@@ -337,11 +344,20 @@ impl RunService {
             supersede_event: encode(cancelled_result(superseded)),
             supersede_message: superseded.into(),
             supersede_paused: !input.session.as_ref().is_some_and(|s| s.yield_to_approvals),
+            // After an archive they are read once it is written, not here.
+            summaries: if archive_first { 0 } else { self.summary_count },
             run,
         };
         let run_id = admission.run.id.clone();
-        let lease = match self.store.admit(&admission).await? {
-            Admitted::Started(lease) => lease,
+        let (lease, sessions) = match self.store.admit(&admission).await? {
+            Admitted::Started { lease, summaries } => (
+                lease,
+                if archive_first {
+                    Sessions::ArchiveFirst
+                } else {
+                    Sessions::Read(summaries)
+                },
+            ),
             Admitted::Busy { run_id: active } => {
                 return Err(ApiError::Aborted(format!(
                     "thread {thread_id} already has an active run ({active}); wait for it to finish or cancel it"
@@ -374,7 +390,7 @@ impl RunService {
                 input: Box::new(input),
                 models,
                 new_thread,
-                archive_first,
+                sessions,
             },
         );
         Ok((run_id, thread_id))
@@ -464,7 +480,7 @@ impl RunService {
                         input,
                         models,
                         new_thread,
-                        archive_first,
+                        sessions,
                     } => {
                         this.begin(
                             &seg,
@@ -472,7 +488,7 @@ impl RunService {
                             &input,
                             models,
                             new_thread,
-                            archive_first,
+                            sessions,
                             &stopper,
                         )
                         .await
@@ -610,10 +626,10 @@ impl RunService {
         input: &RunInput,
         models: Arc<ModelSetup>,
         new_thread: bool,
-        archive_first: bool,
+        sessions: Sessions,
         stopper: &Stopper,
     ) -> Result<Driven, ApiError> {
-        if archive_first {
+        if let Sessions::ArchiveFirst = sessions {
             self.archive(&seg.owner, &seg.thread_id, Some(&writer.lease))
                 .await;
         }
@@ -665,7 +681,7 @@ impl RunService {
         // The run's Execute stream, opened for the prompt's memory lookup and kept for its tools.
         let mut session = None;
         let prompt = self
-            .assemble(seg, input, &models, &writer.guard, &mut session)
+            .assemble(seg, input, &models, &writer.guard, &mut session, sessions)
             .await;
         writer.pending().patch.merge(RunPatch {
             state: Some(RunState::Planning),
@@ -706,13 +722,20 @@ impl RunService {
         models: &ModelSetup,
         guard: &guard::CallGuard,
         session: &mut Option<ExecuteSession>,
+        sessions: Sessions,
     ) -> crate::prompt::Prompt {
-        // The gateway's memory and the store's summaries are asked at once: two round trips
-        // to different services need not queue.
-        let (about_user, recent) = tokio::join!(
-            self.about_user(seg, input, session),
-            self.store.recent_summaries(&seg.owner, self.summary_count),
-        );
+        // The gateway's memory and (after an archive) the store's summaries are asked at once:
+        // two round trips to different services need not queue.
+        let (about_user, recent) = tokio::join!(self.about_user(seg, input, session), async {
+            match sessions {
+                Sessions::Read(list) => Ok(list),
+                Sessions::ArchiveFirst => {
+                    self.store
+                        .recent_summaries(&seg.owner, self.summary_count)
+                        .await
+                }
+            }
+        });
         let about_user = match about_user {
             Some((text, external)) => {
                 if external {

@@ -581,10 +581,11 @@ mod tests {
                 supersede_event: Vec::new(),
                 supersede_message: String::new(),
                 supersede_paused: true,
+                summaries: 0,
             })
             .await
             .expect("admitted");
-        let Admitted::Started(lease) = admitted else {
+        let Admitted::Started { lease, .. } = admitted else {
             panic!("not started: {admitted:?}");
         };
         let live = super::super::live::Live::default().open("r1", 1);

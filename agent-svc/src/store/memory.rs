@@ -100,6 +100,16 @@ fn open_runs<'a>(
 }
 
 impl State {
+    fn recent_summaries(&self, owner: &str, limit: usize) -> Vec<Archive> {
+        self.archives
+            .iter()
+            .rev()
+            .filter(|(o, _, _)| o == owner)
+            .take(limit)
+            .map(|(_, a, _)| a.clone())
+            .collect()
+    }
+
     /// The thread's runs waiting for an approval.
     fn paused_in(&mut self, thread_id: &str) -> Vec<String> {
         open_runs(&self.runs, &mut self.open_by_thread, thread_id)
@@ -430,7 +440,10 @@ impl AgentStore for MemoryStore {
                 );
             }
             s.push_event(&run.id, 1, a.first_event.clone());
-            Ok(Admitted::Started(lease))
+            Ok(Admitted::Started {
+                lease,
+                summaries: s.recent_summaries(&run.owner, a.summaries),
+            })
         })?
     }
 
@@ -778,15 +791,7 @@ impl AgentStore for MemoryStore {
         owner: &str,
         limit: usize,
     ) -> Result<Vec<Archive>, StoreError> {
-        self.with(|s| {
-            s.archives
-                .iter()
-                .rev()
-                .filter(|(o, _, _)| o == owner)
-                .take(limit)
-                .map(|(_, a, _)| a.clone())
-                .collect()
-        })
+        self.with(|s| s.recent_summaries(owner, limit))
     }
 
     async fn search_archives(

@@ -357,29 +357,28 @@ pub struct Admission {
     /// False for a run nobody is waiting for (a scheduled run): a run of the thread paused for
     /// the user's approval is left alone and the admission is `AwaitingApproval` instead.
     pub supersede_paused: bool,
+    /// How many of the owner's most recent session summaries to read with the admission (its
+    /// prompt's [RECENT SESSIONS]), in the same transaction: one round trip fewer per run.
+    /// 0 reads none (a run that archives its thread first reads them after that).
+    pub summaries: usize,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Admitted {
-    Started(Lease),
+    Started {
+        lease: Lease,
+        /// The `summaries` asked for, newest first.
+        summaries: Vec<Archive>,
+    },
     /// Another run holds the thread.
-    Busy {
-        run_id: String,
-    },
+    Busy { run_id: String },
     /// A run with this owner and request id exists already (a retried request).
-    Duplicate {
-        run_id: String,
-        thread_id: String,
-    },
+    Duplicate { run_id: String, thread_id: String },
     /// The owner has `active` live runs, at or over the cap.
-    TooManyRuns {
-        active: u32,
-    },
+    TooManyRuns { active: u32 },
     /// A run of the thread waits for the user's approval and this admission may not supersede
     /// it (`supersede_paused` is false).
-    AwaitingApproval {
-        run_id: String,
-    },
+    AwaitingApproval { run_id: String },
 }
 
 /// The outcome of deciding an approval.

@@ -297,6 +297,16 @@ impl AgentStore for PgStore {
             ),
         };
         let insert = client.prepare_cached(SQL_ADMIT_RUN).await.map_err(db)?;
+        let summaries = match a.summaries {
+            0 => None,
+            _ => Some(
+                client
+                    .prepare_cached(SQL_RECENT_SUMMARIES)
+                    .await
+                    .map_err(db)?,
+            ),
+        };
+        let summary_limit = a.summaries as i64;
         let title = a.new_thread_title.as_deref().unwrap_or_default();
         let count_params: [Param<'_>; 1] = [&run.owner];
         let take_params: [Param<'_>; 6] = match &a.new_thread_title {
@@ -331,7 +341,7 @@ impl AgentStore for PgStore {
             &a.user_message,
         ];
         let mut open = Begun::new(t);
-        let (begun, active, taken, superseded, inserted) = futures_util::future::join5(
+        let (begun, active, taken, superseded, (inserted, recent)) = futures_util::future::join5(
             t.batch_execute("BEGIN"),
             t.query_one(&count, &count_params),
             t.execute_raw(&take, take_params),
@@ -341,7 +351,12 @@ impl AgentStore for PgStore {
                     None => Ok(0),
                 }
             },
-            t.query_one(&insert, &insert_params),
+            futures_util::future::join(t.query_one(&insert, &insert_params), async {
+                match &summaries {
+                    Some(s) => t.query(s, &[&run.owner, &summary_limit]).await,
+                    None => Ok(Vec::new()),
+                }
+            }),
         )
         .await;
         begun.map_err(db)?;
@@ -390,9 +405,10 @@ impl AgentStore for PgStore {
                 thread_id: first.get(1),
             });
         }
+        let summaries = recent.map_err(db)?.iter().map(archive).collect();
         t.batch_execute("COMMIT").await.map_err(db)?;
         open.committed();
-        Ok(Admitted::Started(lease))
+        Ok(Admitted::Started { lease, summaries })
     }
 
     async fn lock_thread(
@@ -990,12 +1006,13 @@ impl AgentStore for PgStore {
         owner: &str,
         limit: usize,
     ) -> Result<Vec<Archive>, StoreError> {
-        let rows = self
-            .client()
-            .await?
+        let client = self.client().await?;
+        let rows = client
             .query(
-                "SELECT thread_id, summary, turn_count, archived_at FROM agent.session_archives WHERE owner = $1 \
-                 ORDER BY archived_at DESC, id DESC LIMIT $2",
+                &client
+                    .prepare_cached(SQL_RECENT_SUMMARIES)
+                    .await
+                    .map_err(db)?,
                 &[&owner, &(limit as i64)],
             )
             .await
@@ -1735,6 +1752,9 @@ const SQL_SUPERSEDE: &str = "WITH ended AS (UPDATE agent.runs SET state = 'cance
 /// thread lease taken first in the same transaction keeps any other run from pausing meanwhile).
 const SQL_PAUSED: &str =
     "SELECT id FROM agent.runs WHERE thread_id = $1 AND state = 'awaiting_confirmation' LIMIT 1";
+const SQL_RECENT_SUMMARIES: &str = "SELECT thread_id, summary, turn_count, archived_at \
+     FROM agent.session_archives WHERE owner = $1 ORDER BY archived_at DESC, id DESC LIMIT $2";
+
 const SQL_ADMIT_RUN: &str = "WITH r AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, \
       last_event_seq) VALUES ($1, $2, $3, $4, 'queued', $5, 1) \
       ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING RETURNING id), \
