@@ -99,9 +99,14 @@ fn env(model: &RuleModel) -> Vec<(String, String)> {
     // the above), so allocator settings can be compared with the same bench (jemalloc reads
     // `_RJEM_MALLOC_CONF`: the services' jemalloc is built with the `_rjem_` prefix).
     .chain(
-        ["MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "_RJEM_MALLOC_CONF"]
-            .into_iter()
-            .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_owned(), v))),
+        [
+            "MALLOC_ARENA_MAX",
+            "GLIBC_TUNABLES",
+            "_RJEM_MALLOC_CONF",
+            "DATABASE_MAX_CONNECTIONS",
+        ]
+        .into_iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_owned(), v))),
     )
     .collect()
 }

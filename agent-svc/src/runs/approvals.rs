@@ -332,7 +332,7 @@ impl RunService {
             self.models.clone(),
             None,
             stopper,
-            None,
+            super::Prefetched::default(),
         )
         .await
     }

@@ -160,6 +160,15 @@ enum Sessions {
     ArchiveFirst,
 }
 
+/// What the first segment of a run already has from the gateway when its loop starts.
+#[derive(Default)]
+struct Prefetched {
+    /// The Execute stream opened for the prompt's memory lookup.
+    session: Option<ExecuteSession>,
+    /// The user's tool list, asked for while the prompt was assembled.
+    tools: Option<Result<Arc<ToolList>, crate::gateway_client::GatewayError>>,
+}
+
 enum Plan {
     Start {
         input: Box<RunInput>,
@@ -680,9 +689,21 @@ impl RunService {
         }
         // The run's Execute stream, opened for the prompt's memory lookup and kept for its tools.
         let mut session = None;
-        let prompt = self
-            .assemble(seg, input, &models, &writer.guard, &mut session, sessions)
-            .await;
+        // The tool list is asked for while the prompt is assembled: both are needed before the
+        // first model call and neither needs the other, so their round trips overlap.
+        let listing = async {
+            match &self.gateway {
+                Some(g) => Some(
+                    g.list_tools_retrying(&seg.owner, gateway_channel(seg.channel))
+                        .await,
+                ),
+                None => None,
+            }
+        };
+        let (prompt, tools) = tokio::join!(
+            self.assemble(seg, input, &models, &writer.guard, &mut session, sessions),
+            listing
+        );
         writer.pending().patch.merge(RunPatch {
             state: Some(RunState::Planning),
             started_at: Some(SystemTime::now()),
@@ -708,7 +729,7 @@ impl RunService {
             models,
             allowed.as_deref(),
             stopper,
-            session,
+            Prefetched { session, tools },
         )
         .await
     }
@@ -836,23 +857,22 @@ impl RunService {
         models: Arc<ModelSetup>,
         allowed: Option<&[String]>,
         stopper: &Stopper,
-        session: Option<ExecuteSession>,
+        pre: Prefetched,
     ) -> Result<Driven, ApiError> {
         let gw_channel = gateway_channel(seg.channel);
+        let Prefetched { session, tools } = pre;
         // a run never goes on without the tools it was meant to have — that would report
         // COMPLETED with a different meaning. Retried briefly, then a clear failure.
-        let list = match &self.gateway {
-            Some(g) => Some(
-                g.list_tools_retrying(&seg.owner, gw_channel)
-                    .await
-                    .map_err(|e| {
-                        ApiError::Unavailable(format!(
-                            "this run could not list its tools ({e}); nothing was done. Try again shortly."
-                        ))
-                    })?,
-            ),
-            None => None,
+        let listed = match (&self.gateway, tools) {
+            (Some(_), Some(listed)) => Some(listed),
+            (Some(g), None) => Some(g.list_tools_retrying(&seg.owner, gw_channel).await),
+            (None, _) => None,
         };
+        let list = listed.transpose().map_err(|e| {
+            ApiError::Unavailable(format!(
+                "this run could not list its tools ({e}); nothing was done. Try again shortly."
+            ))
+        })?;
         let task_agent = seg.channel == limits::Channel::TaskAgent;
         let offer = || {
             let mut decls: Vec<_> = list
