@@ -151,7 +151,6 @@ pub struct RunService {
     watchers: Arc<Mutex<HashMap<String, u32>>>,
 }
 
-/// What a segment of a run does.
 /// The previous session's archiving and the prompt's recent session summaries (B-4).
 enum Sessions {
     /// Nothing to archive: the summaries were read with the admission.
@@ -169,6 +168,7 @@ struct Prefetched {
     tools: Option<Result<Arc<ToolList>, crate::gateway_client::GatewayError>>,
 }
 
+/// What a segment of a run does.
 enum Plan {
     Start {
         input: Box<RunInput>,
