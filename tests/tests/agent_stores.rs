@@ -1406,11 +1406,12 @@ fn events(seqs: &[u64]) -> RunCommit {
     }
 }
 
-/// A commit's BEGIN goes out with its statements (issue 13): whatever way it ends short of
-/// COMMIT — fenced out, or its future dropped after the pipeline was sent — the connection goes
-/// back to the pool with nothing open, so the next command on it cannot commit what was left.
+/// A commit goes out as one pipeline, BEGIN to COMMIT (issue 13): whatever way it ends —
+/// fenced out, or its future dropped once the pipeline was sent — it is whole or absent, and
+/// the connection goes back to the pool with nothing open, so the next command on it cannot
+/// commit what a failed one left.
 #[tokio::test]
-async fn a_commit_that_ends_short_of_commit_leaves_its_connection_outside_any_transaction() {
+async fn a_commit_is_whole_or_absent_and_leaves_its_connection_outside_any_transaction() {
     use futures_util::FutureExt as _;
     // One pooled connection: every command reuses the connection the last one left behind.
     let b = postgres_with(1).await;
@@ -1418,7 +1419,7 @@ async fn a_commit_that_ends_short_of_commit_leaves_its_connection_outside_any_tr
     let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
     s.commit(&lease, events(&[2])).await.unwrap();
 
-    // Fenced out: a stale token.
+    // Fenced out: a stale token. Its events were in the same pipeline as the fence and COMMIT.
     let stale = Lease {
         token: "not-the-token".into(),
         ..lease.clone()
@@ -1426,21 +1427,33 @@ async fn a_commit_that_ends_short_of_commit_leaves_its_connection_outside_any_tr
     let fenced = s.commit(&stale, events(&[3])).await.unwrap_err();
     assert!(matches!(fenced, StoreError::LeaseLost), "{fenced:?}");
 
-    // Dropped mid-way: its one poll sends BEGIN and the statements (they are prepared on this
-    // connection already), then the future goes away before COMMIT.
+    // Dropped mid-way: its one poll sends the whole pipeline (the statements are prepared on
+    // this connection already), then the future goes away before any answer is read.
     assert!(
         s.commit(&lease, events(&[4])).now_or_never().is_none(),
         "a commit cannot finish in one poll"
     );
 
-    // The same connection takes the next commit, which alone is durable.
+    // The same connection takes the next commit; the fenced one left nothing, the dropped one
+    // had sent its COMMIT and is whole.
     s.commit(&lease, events(&[5])).await.unwrap();
-    assert_eq!(seqs(s, "r1").await, [1, 2, 5]);
+    assert_eq!(seqs(s, "r1").await, [1, 2, 4, 5]);
     let other: Arc<dyn AgentStore> = Arc::new(pg_store(b._db.as_ref().unwrap().url(), 1).await);
     assert_eq!(
         seqs(&other, "r1").await,
-        [1, 2, 5],
+        [1, 2, 4, 5],
         "committed, as another connection sees it"
+    );
+
+    // Nothing sent behind a failed fence lands, whatever its kind.
+    let mut late = events(&[6]);
+    late.history = vec![serde_json::json!({"role": "user", "content": "late"})];
+    let refused = s.commit(&stale, late).await.unwrap_err();
+    assert!(matches!(refused, StoreError::LeaseLost), "{refused:?}");
+    assert_eq!(seqs(&other, "r1").await, [1, 2, 4, 5]);
+    assert!(
+        other.history("t1").await.unwrap().is_empty(),
+        "no history row"
     );
 }
 

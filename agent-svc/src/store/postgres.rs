@@ -526,8 +526,8 @@ impl AgentStore for PgStore {
         let t: &tokio_postgres::Client = &client;
 
         // Statements are prepared once per pooled connection, then the whole commit goes out
-        // as one pipeline — BEGIN, the fence, the writes — and COMMIT after it: two round
-        // trips, whatever it holds.
+        // as one pipeline — BEGIN, the fence, the writes, COMMIT: one round trip, whatever it
+        // holds.
         let fence = client.prepare_cached(SQL_FENCE).await.map_err(db)?;
         let mut writes: Vec<Write<'_>> = Vec::new();
         if !seqs.is_empty() {
@@ -617,24 +617,32 @@ impl AgentStore for PgStore {
             let params: [Param<'_>; 3] = [run_id, &audit_kinds, &audit_details];
             writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
         }
-        // The fence goes first in the pipeline; if it fails, whatever followed is rolled back
-        // with the transaction.
+        // The fence goes first in the pipeline and raises when the lease is gone, which aborts
+        // the transaction: the writes after it fail unexecuted and COMMIT rolls back. So COMMIT
+        // can go out with the rest — one round trip — and is known to have committed only when
+        // the fence and every write answered without error.
         let fence_params: [Param<'_>; 4] = [&lease.thread_id, &lease.token, &touch, &c.release];
         let mut open = Begun::new(t);
-        // join polls in order, and each statement is sent when first polled: BEGIN goes first.
-        let (begun, fenced, written) = futures_util::future::join3(
+        // join polls in order, and each statement is sent when first polled: BEGIN goes first,
+        // COMMIT last.
+        let (begun, fenced, written, committed) = futures_util::future::join4(
             t.batch_execute("BEGIN"),
             t.execute_raw(&fence, fence_params),
             futures_util::future::try_join_all(writes),
+            t.batch_execute("COMMIT"),
         )
         .await;
-        begun.map_err(db)?;
-        if fenced.map_err(db)? == 0 {
-            return Err(StoreError::LeaseLost);
-        }
-        written.map_err(db)?;
-        t.batch_execute("COMMIT").await.map_err(db)?;
+        // COMMIT was sent: the transaction is over whatever it answers.
         open.committed();
+        begun.map_err(db)?;
+        match fenced {
+            Err(e) if e.code().map(|c| c.code()) == Some(LEASE_LOST) => {
+                return Err(StoreError::LeaseLost);
+            }
+            other => other.map_err(db)?,
+        };
+        written.map_err(db)?;
+        committed.map_err(db)?;
         if max_seq.is_some() {
             self.notices_out.events(run_id);
         }
@@ -1690,11 +1698,17 @@ fn action(r: &Row) -> Result<Action, StoreError> {
 
 /// The writer's fence: the thread row, locked, still this lease's and unexpired. It also
 /// touches the thread when messages arrive and frees the lease when the run ends or pauses.
-const SQL_FENCE: &str = "UPDATE agent.threads SET updated_at = CASE WHEN $3 THEN now() ELSE updated_at END, \
-    lock_run_id = CASE WHEN $4 THEN NULL ELSE lock_run_id END, \
-    lock_token = CASE WHEN $4 THEN NULL ELSE lock_token END, \
-    lock_expires_at = CASE WHEN $4 THEN NULL ELSE lock_expires_at END \
-    WHERE id = $1 AND lock_token = $2 AND lock_expires_at > clock_timestamp()";
+/// When the lease is not live it raises `LEASE_LOST` (`agent.lease_lost()`, migration V11),
+/// aborting the transaction it opens.
+const SQL_FENCE: &str = "WITH fenced AS (UPDATE agent.threads \
+      SET updated_at = CASE WHEN $3 THEN now() ELSE updated_at END, \
+      lock_run_id = CASE WHEN $4 THEN NULL ELSE lock_run_id END, \
+      lock_token = CASE WHEN $4 THEN NULL ELSE lock_token END, \
+      lock_expires_at = CASE WHEN $4 THEN NULL ELSE lock_expires_at END \
+    WHERE id = $1 AND lock_token = $2 AND lock_expires_at > clock_timestamp() RETURNING 1) \
+    SELECT CASE WHEN EXISTS (SELECT 1 FROM fenced) THEN 1 ELSE agent.lease_lost() END";
+/// The SQLSTATE `agent.lease_lost()` raises.
+const LEASE_LOST: &str = "SWL01";
 const SQL_EVENTS: &str = "INSERT INTO agent.run_events (run_id, seq, payload) \
     SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS u(s, p)";
 const SQL_HISTORY: &str = "INSERT INTO agent.llm_history (thread_id, seq, turn) \
