@@ -148,6 +148,45 @@ fn checkout_error(e: deadpool_postgres::PoolError, pool: &Pool) -> PgError {
     })
 }
 
+/// A transaction begun inside a pipeline: BEGIN is sent with its first statements instead of
+/// awaited on its own as `Client::transaction` does, one round trip fewer (and COMMIT can go
+/// with the last statements when nothing between decides against it). Unless marked
+/// `committed` — COMMIT was sent — it is rolled back when this guard goes, also when the future
+/// holding it is dropped mid-way, so a connection never returns to the pool inside a
+/// transaction: the ROLLBACK is queued on the connection at once, ahead of whatever its next
+/// user sends, and its answer is not waited for (as tokio-postgres's own `Transaction` does on
+/// drop).
+///
+/// Statements of a pipeline are sent in the order their futures are first polled
+/// (`futures_util::future::join*` polls in argument order), and a statement that fails aborts
+/// the transaction: the ones behind it fail unexecuted and COMMIT answers ROLLBACK — without
+/// an error, so a commit is known only when every statement before it answered without one.
+pub struct Begun<'a> {
+    client: &'a tokio_postgres::Client,
+    open: bool,
+}
+
+impl<'a> Begun<'a> {
+    pub fn new(client: &'a tokio_postgres::Client) -> Self {
+        Self { client, open: true }
+    }
+
+    /// COMMIT (or ROLLBACK) was sent: the transaction ends whatever it answers.
+    pub fn committed(&mut self) {
+        self.open = false;
+    }
+}
+
+impl Drop for Begun<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            use futures_util::FutureExt as _;
+            // The first poll sends it; a ROLLBACK with no transaction open is only a warning.
+            let _ = self.client.batch_execute("ROLLBACK").now_or_never();
+        }
+    }
+}
+
 /// A pooled connection that, when returned to the pool, records how long the store operation
 /// held it (`steward_db_connection_held_seconds`): its statements' latency and round trips,
 /// plus anything done while holding it — a long tail there is a connection held across

@@ -69,37 +69,6 @@ impl PgStore {
     }
 }
 
-/// A transaction begun inside a pipeline (BEGIN sent with its first statements, one round trip
-/// fewer than `Client::transaction`). Unless it committed, it is rolled back when this guard
-/// goes — also when the future holding it is dropped mid-way — so a connection never returns
-/// to the pool inside a transaction: the ROLLBACK is queued on the connection at once, ahead
-/// of whatever its next user sends, and its answer is not waited for (as tokio-postgres's own
-/// `Transaction` does on drop).
-struct Begun<'a> {
-    client: &'a tokio_postgres::Client,
-    open: bool,
-}
-
-impl<'a> Begun<'a> {
-    fn new(client: &'a tokio_postgres::Client) -> Self {
-        Self { client, open: true }
-    }
-
-    fn committed(&mut self) {
-        self.open = false;
-    }
-}
-
-impl Drop for Begun<'_> {
-    fn drop(&mut self) {
-        if self.open {
-            use futures_util::FutureExt as _;
-            // The first poll sends it; a ROLLBACK with no transaction open is only a warning.
-            let _ = self.client.batch_execute("ROLLBACK").now_or_never();
-        }
-    }
-}
-
 fn db(e: tokio_postgres::Error) -> StoreError {
     match e.as_db_error() {
         Some(d) if *d.code() == tokio_postgres::error::SqlState::UNIQUE_VIOLATION => {
@@ -340,7 +309,7 @@ impl AgentStore for PgStore {
             &a.first_event,
             &a.user_message,
         ];
-        let mut open = Begun::new(t);
+        let mut open = pg::Begun::new(t);
         let (begun, active, taken, superseded, (inserted, recent)) = futures_util::future::join5(
             t.batch_execute("BEGIN"),
             t.query_one(&count, &count_params),
@@ -622,7 +591,7 @@ impl AgentStore for PgStore {
         // can go out with the rest — one round trip — and is known to have committed only when
         // the fence and every write answered without error.
         let fence_params: [Param<'_>; 4] = [&lease.thread_id, &lease.token, &touch, &c.release];
-        let mut open = Begun::new(t);
+        let mut open = pg::Begun::new(t);
         // join polls in order, and each statement is sent when first polled: BEGIN goes first,
         // COMMIT last.
         let (begun, fenced, written, committed) = futures_util::future::join4(
