@@ -52,7 +52,7 @@ impl RateLimitBackend for PgRateLimits {
             .await
             .map_err(StoreError::unavailable)?;
         // Each statement prepared once per connection (the statement cache), not per call.
-        let (lock, read, write) = futures_util::try_join!(
+        let (lock, read, write_statement) = futures_util::try_join!(
             client.prepare_cached(SQL_LOCK),
             client.prepare_cached(SQL_READ),
             client.prepare_cached(SQL_WRITE),
@@ -81,7 +81,9 @@ impl RateLimitBackend for PgRateLimits {
             })
             .collect();
         let (decision, updated, cost) = decide_up_to(limits, &counts, min, max, now);
-        if matches!(decision, Decision::Allowed(_)) && !updated.is_empty() {
+        // Every window's new count (when the charge went through) and COMMIT in the second
+        // round trip.
+        let write = (matches!(decision, Decision::Allowed(_)) && !updated.is_empty()).then(|| {
             let mut secs = Vec::with_capacity(updated.len());
             let mut starts = Vec::with_capacity(updated.len());
             let mut used = Vec::with_capacity(updated.len());
@@ -90,20 +92,21 @@ impl RateLimitBackend for PgRateLimits {
                 starts.push(start as i64);
                 used.push(n as i32);
             }
-            // Every window's new count and COMMIT in the second round trip.
-            let (written, committed) = futures_util::future::join(
-                t.execute(&write, &[&storage_key, &secs, &starts, &used]),
-                t.batch_execute("COMMIT"),
-            )
-            .await;
-            open.committed();
-            written.map_err(StoreError::db)?;
-            committed.map_err(StoreError::db)?;
-        } else {
-            let ended = t.batch_execute("COMMIT").await;
-            open.committed();
-            ended.map_err(StoreError::db)?;
-        }
+            (secs, starts, used)
+        });
+        let written = write.as_ref().map(|(secs, starts, used)| {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                [&storage_key, secs, starts, used];
+            t.execute_raw(&write_statement, params)
+        });
+        let (written, committed) = futures_util::future::join(
+            futures_util::future::OptionFuture::from(written),
+            t.batch_execute("COMMIT"),
+        )
+        .await;
+        open.committed();
+        written.transpose().map_err(StoreError::db)?;
+        committed.map_err(StoreError::db)?;
         Ok((decision, cost))
     }
 
