@@ -19,6 +19,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     fs::write(out.join("steward_descriptor.bin"), fds.encode_to_vec())?;
     tonic_prost_build::configure()
         .codec_path("crate::codec::SmallBufferCodec")
+        // A run event is as big as its largest kind: the result (600 bytes) and the approval
+        // request (304) made every event 680 bytes, in each run's live log and each watch
+        // queue, though most events are deltas and tool calls of under 130. Boxed, they are
+        // ~230 (issue 13: agent memory per run in flight).
+        .boxed(".steward.agent.v1.RunEvent.kind.result")
+        .boxed(".steward.agent.v1.RunEvent.kind.approval_required")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -69,6 +69,11 @@ impl App {
         };
         let http = reqwest::Client::builder()
             .connect_timeout(std::time::Duration::from_secs(10))
+            // reqwest's own retry keeps a copy of every request body until its response
+            // arrives, to resend it on an HTTP/2 refusal: a model request's ~6 KB for the whole
+            // model turn, per run in flight. The model chain already retries connection errors
+            // with backoff (`llm::resilient`), so this layer adds nothing but that memory.
+            .retry(reqwest::retry::never().max_retries_per_request(0))
             .build()
             .map_err(|e| StartError::Http(e.to_string()))?;
         let (models, summary) = config.models.build(&http);

@@ -54,7 +54,7 @@ impl AgentApi {
 
 pub(crate) fn terminal_result(event: &pb::RunEvent) -> Option<pb::RunResult> {
     match &event.kind {
-        Some(pb::run_event::Kind::Result(r)) => Some(r.clone()),
+        Some(pb::run_event::Kind::Result(r)) => Some((**r).clone()),
         Some(pb::run_event::Kind::Error(e)) => Some(pb::RunResult {
             run_id: event.run_id.clone(),
             thread_id: event.thread_id.clone(),

@@ -196,7 +196,7 @@ impl RunService {
     /// its result posted to the parent thread, or a retry per E-12.
     async fn run_task_agent(self: &Arc<Self>, task: TaskAgent) {
         let thread_id = format!("task-{}", task.id);
-        let outcome: Result<pb::RunResult, ApiError> = async {
+        let outcome: Result<Box<pb::RunResult>, ApiError> = async {
             if self.store.get_thread(&task.owner, &thread_id).await?.is_none() {
                 let title: String = format!("Task: {}", task.goal).chars().take(80).collect();
                 match self.store.create_thread(&thread_id, &task.owner, &title).await {

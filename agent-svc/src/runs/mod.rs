@@ -1150,12 +1150,12 @@ impl RunService {
             });
             pending.approval = Some(approval);
             crate::metrics::approval_requested();
-            writer.emit(pb::run_event::Kind::ApprovalRequired(
+            writer.emit(pb::run_event::Kind::ApprovalRequired(Box::new(
                 pb::ApprovalRequiredEvent {
                     approval: Some(approval_pb.clone()),
                 },
-            ));
-            writer.emit(pb::run_event::Kind::Result(pb::RunResult {
+            )));
+            writer.emit(pb::run_event::Kind::Result(Box::new(pb::RunResult {
                 run_id: seg.run_id.clone(),
                 thread_id: seg.thread_id.clone(),
                 action_id: action_id(&seg.run_id, call_id),
@@ -1168,7 +1168,7 @@ impl RunService {
                 approval: Some(approval_pb),
                 usage: Some(usage_pb),
                 ..pb::RunResult::default()
-            }));
+            })));
             return Ok(());
         }
 
@@ -1213,7 +1213,7 @@ impl RunService {
             finished_at: Some(SystemTime::now()),
             ..RunPatch::default()
         });
-        writer.emit(pb::run_event::Kind::Result(pb::RunResult {
+        writer.emit(pb::run_event::Kind::Result(Box::new(pb::RunResult {
             run_id: seg.run_id.clone(),
             action_id: outcome
                 .last_tool_call
@@ -1239,7 +1239,7 @@ impl RunService {
             usage: Some(usage_pb),
             error: error.unwrap_or_default(),
             failure_kind: convert::failure_kind(failure) as i32,
-        }));
+        })));
         Ok(())
     }
 
@@ -1422,14 +1422,14 @@ fn to_value(turn: &Turn) -> Result<serde_json::Value, ApiError> {
 }
 
 fn cancelled_result(message: &str) -> pb::run_event::Kind {
-    pb::run_event::Kind::Result(pb::RunResult {
+    pb::run_event::Kind::Result(Box::new(pb::RunResult {
         status: pb::RunState::Cancelled as i32,
         summary: message.to_owned(),
         mode: pb::ResultMode::AssistantText as i32,
         error: message.to_owned(),
         failure_kind: pb::FailureKind::Cancelled as i32,
         ..pb::RunResult::default()
-    })
+    }))
 }
 
 fn event_kind(run_id: &str, e: RunEvent) -> Option<pb::run_event::Kind> {

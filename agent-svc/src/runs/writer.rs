@@ -130,7 +130,9 @@ pub(super) fn keep_lease(
 
 /// What the executor (and the policy runner) send the writer, in order.
 pub(super) enum WriterMsg {
-    Event(RunEvent),
+    /// Boxed: an unbounded channel allocates its slots in blocks of 32 up front, and by value
+    /// each slot was 128 bytes, 4 KiB per run in flight (issue 13).
+    Event(Box<RunEvent>),
     /// These calls are about to run: record them executing; with an answer channel (a side
     /// effect is among them), make everything so far durable first, then answer.
     Checkpoint(Vec<String>, Option<oneshot::Sender<Result<(), String>>>),
@@ -141,7 +143,7 @@ pub(super) struct WriterSink(pub(super) mpsc::UnboundedSender<WriterMsg>);
 
 impl EventSink for WriterSink {
     fn emit(&self, event: RunEvent) {
-        let _ = self.0.send(WriterMsg::Event(event));
+        let _ = self.0.send(WriterMsg::Event(Box::new(event)));
     }
 }
 
@@ -489,7 +491,7 @@ impl RunWriter {
                     }
                 }
                 Some(WriterMsg::Event(event)) => {
-                    if self.record(event) || self.pending.events.len() >= MAX_VOLATILE_EVENTS {
+                    if self.record(*event) || self.pending.events.len() >= MAX_VOLATILE_EVENTS {
                         self.commit_ready(&mut rx, stopper, Vec::new()).await?
                     } else {
                         false
@@ -525,7 +527,7 @@ impl RunWriter {
         while self.pending.events.len() < MAX_VOLATILE_EVENTS {
             match rx.try_recv() {
                 Ok(WriterMsg::Event(event)) => {
-                    self.record(event);
+                    self.record(*event);
                 }
                 Ok(WriterMsg::Checkpoint(executing, done)) => {
                     self.executing(executing);
@@ -597,7 +599,8 @@ mod tests {
             RunEvent::Planning { iteration },
             RunEvent::Executing { calls: 1 },
         ] {
-            tx.send(WriterMsg::Event(event)).expect("writer listens");
+            tx.send(WriterMsg::Event(Box::new(event)))
+                .expect("writer listens");
         }
     }
 
