@@ -65,7 +65,10 @@ impl ScheduleRow {
 struct State {
     threads: HashMap<String, ThreadRow>,
     messages: Vec<Message>,
-    history: HashMap<String, Vec<Value>>,
+    /// Each thread's LLM history, a turn's JSON as text: as a `Value` a turn of a few hundred
+    /// bytes took several KiB (a map node per object), kept for every thread the process has
+    /// seen (issue 13: agent RSS after a second wave of runs).
+    history: HashMap<String, Vec<Box<str>>>,
     runs: HashMap<String, Run>,
     events: HashMap<String, BTreeMap<u64, Vec<u8>>>,
     approvals: HashMap<String, Approval>,
@@ -84,6 +87,17 @@ struct State {
     open_by_thread: HashMap<String, Vec<String>>,
     /// Where each action is in `actions`.
     action_at: HashMap<String, usize>,
+}
+
+/// History turns as stored (JSON text) back as values.
+fn parse_turns(turns: &[Box<str>]) -> Result<Vec<Value>, StoreError> {
+    turns
+        .iter()
+        .map(|t| {
+            serde_json::from_str(t)
+                .map_err(|e| StoreError::Corrupt(format!("a history turn is not JSON: {e}")))
+        })
+        .collect()
 }
 
 /// The runs listed under `key` in `index` that are not terminal (dropping those that are).
@@ -503,18 +517,22 @@ impl AgentStore for MemoryStore {
         })
     }
 
-    async fn commit(&self, lease: &Lease, c: RunCommit) -> Result<(), StoreError> {
+    async fn commit(&self, lease: &Lease, mut c: RunCommit) -> Result<(), StoreError> {
+        let history: Vec<Box<str>> = std::mem::take(&mut c.history)
+            .iter()
+            .map(|turn| turn.to_string().into_boxed_str())
+            .collect();
         self.with(|s| {
             s.fenced(lease)?;
             let run_id = &lease.run_id;
             for (seq, payload) in c.events {
                 s.push_event(run_id, seq, payload);
             }
-            if !c.history.is_empty() {
+            if !history.is_empty() {
                 s.history
                     .entry(lease.thread_id.clone())
                     .or_default()
-                    .extend(c.history);
+                    .extend(history);
             }
             for action in c.actions {
                 match s.action_at.get(&action.id) {
@@ -693,7 +711,8 @@ impl AgentStore for MemoryStore {
     }
 
     async fn history(&self, thread_id: &str) -> Result<Vec<Value>, StoreError> {
-        self.with(|s| s.history.get(thread_id).cloned().unwrap_or_default())
+        let turns = self.with(|s| s.history.get(thread_id).cloned().unwrap_or_default())?;
+        parse_turns(&turns)
     }
 
     async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError> {
@@ -757,12 +776,14 @@ impl AgentStore for MemoryStore {
                 .and_then(ThreadRow::live_lease)
                 .is_some_and(|h| holder.is_none_or(|l| l.token != h.token))
             {
-                return None;
+                return Ok(None);
             }
-            let turns = s.history.remove(thread_id).unwrap_or_default();
-            if turns.is_empty() {
-                return None;
-            }
+            let Some(turns) = s.history.get(thread_id).filter(|t| !t.is_empty()) else {
+                return Ok(None);
+            };
+            // Read before removing: an unreadable turn leaves the history where it was.
+            let turns = parse_turns(turns)?;
+            s.history.remove(thread_id);
             for id in s.paused_in(thread_id) {
                 s.end_run(&id, &[RunState::AwaitingConfirmation], ending);
             }
@@ -782,8 +803,8 @@ impl AgentStore for MemoryStore {
                 archive.clone(),
                 format!("{summary}\n{}", transcript_text(&turns)).to_lowercase(),
             ));
-            Some(archive)
-        })
+            Ok(Some(archive))
+        })?
     }
 
     async fn recent_summaries(
