@@ -630,8 +630,8 @@ async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded
             &lease,
             RunCommit {
                 history: vec![
-                    serde_json::json!({"role": "user", "content": "send both"}),
-                    serde_json::json!({"role": "assistant", "content": {"text": "", "tool_calls": [call("call_sent"), call("call_lost")]}}),
+                    serde_json::json!({"role": "user", "content": "send both"}).to_string().into(),
+                    serde_json::json!({"role": "assistant", "content": {"text": "", "tool_calls": [call("call_sent"), call("call_lost")]}}).to_string().into(),
                 ],
                 actions: vec![executing("call_sent"), executing("call_lost")],
                 ..RunCommit::default()

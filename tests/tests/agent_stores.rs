@@ -388,8 +388,12 @@ async fn a_commit_writes_everything_or_nothing_and_is_fenced_by_the_lease(b: Bac
         RunCommit {
             events: vec![(2, b"planning".to_vec()), (3, b"tool call".to_vec())],
             history: vec![
-                serde_json::json!({"role": "user", "content": "one"}),
-                serde_json::json!({"role": "user", "content": "two"}),
+                serde_json::json!({"role": "user", "content": "one"})
+                    .to_string()
+                    .into(),
+                serde_json::json!({"role": "user", "content": "two"})
+                    .to_string()
+                    .into(),
             ],
             actions: vec![action("r1", "c1", ActionState::Executing)],
             messages: vec![NewMessage::text(MessageSource::Agent, "working")],
@@ -418,7 +422,11 @@ async fn a_commit_writes_everything_or_nothing_and_is_fenced_by_the_lease(b: Bac
         &lease,
         RunCommit {
             events: vec![(4, b"result".to_vec())],
-            history: vec![serde_json::json!({"role": "user", "content": "three"})],
+            history: vec![
+                serde_json::json!({"role": "user", "content": "three"})
+                    .to_string()
+                    .into(),
+            ],
             actions: vec![done, action("r1", "c2", ActionState::Executing)],
             patch: RunPatch {
                 state: Some(RunState::Completed),
@@ -440,7 +448,10 @@ async fn a_commit_writes_everything_or_nothing_and_is_fenced_by_the_lease(b: Bac
         .await
         .unwrap()
         .iter()
-        .map(|t| t["content"].as_str().unwrap().to_owned())
+        .map(|t| {
+            let turn: serde_json::Value = serde_json::from_str(t).expect("a stored turn is JSON");
+            turn["content"].as_str().unwrap().to_owned()
+        })
         .collect();
     assert_eq!(history, ["one", "two", "three"]);
     let actions = s.list_actions("r1").await.unwrap();
@@ -757,8 +768,8 @@ async fn archiving_moves_history_and_ends_paused_runs(b: Backend) {
         &lease,
         RunCommit {
             history: vec![
-                serde_json::json!({"role": "user", "content": "Book the flight to Lisbon"}),
-                serde_json::json!({"role": "assistant", "content": {"text": "Booked TP1347", "tool_calls": []}}),
+                serde_json::json!({"role": "user", "content": "Book the flight to Lisbon"}).to_string().into(),
+                serde_json::json!({"role": "assistant", "content": {"text": "Booked TP1347", "tool_calls": []}}).to_string().into(),
             ],
             ..RunCommit::default()
         },
@@ -841,7 +852,11 @@ async fn an_admission_reads_the_owners_newest_session_summaries(b: Backend) {
             Admitted::Started { lease, .. } => lease,
             other => panic!("not admitted: {other:?}"),
         };
-        let history = vec![serde_json::json!({"role": "user", "content": summary})];
+        let history = vec![
+            serde_json::json!({"role": "user", "content": summary})
+                .to_string()
+                .into(),
+        ];
         s.commit(
             &lease,
             RunCommit {
@@ -912,7 +927,11 @@ async fn a_thread_held_by_another_run_is_not_archived(b: Backend) {
     s.commit(
         &lease,
         RunCommit {
-            history: vec![serde_json::json!({"role": "user", "content": "hi"})],
+            history: vec![
+                serde_json::json!({"role": "user", "content": "hi"})
+                    .to_string()
+                    .into(),
+            ],
             ..RunCommit::default()
         },
     )
@@ -1030,7 +1049,11 @@ async fn a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found(b:
     s.commit(
         &lease,
         RunCommit {
-            history: vec![serde_json::json!({"role": "user", "content": "hi"})],
+            history: vec![
+                serde_json::json!({"role": "user", "content": "hi"})
+                    .to_string()
+                    .into(),
+            ],
             release: true,
             ..RunCommit::default()
         },
@@ -1447,7 +1470,11 @@ async fn a_commit_is_whole_or_absent_and_leaves_its_connection_outside_any_trans
 
     // Nothing sent behind a failed fence lands, whatever its kind.
     let mut late = events(&[6]);
-    late.history = vec![serde_json::json!({"role": "user", "content": "late"})];
+    late.history = vec![
+        serde_json::json!({"role": "user", "content": "late"})
+            .to_string()
+            .into(),
+    ];
     let refused = s.commit(&stale, late).await.unwrap_err();
     assert!(matches!(refused, StoreError::LeaseLost), "{refused:?}");
     assert_eq!(seqs(&other, "r1").await, [1, 2, 4, 5]);

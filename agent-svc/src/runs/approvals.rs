@@ -284,7 +284,7 @@ impl RunService {
             is_error: !ok,
         };
         let pending = writer.pending();
-        pending.history.push(to_value(&result)?);
+        pending.history.push(to_json(&result)?);
         if approved {
             pending.messages.push(NewMessage {
                 kind: crate::store::MessageKind::Tool,

@@ -13,7 +13,8 @@ use serde_json::Value;
 use super::{
     Action, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive, Decided, Ending,
     Lease, LockOutcome, Message, MessageKind, MessageSource, Occurrence, Run, RunCommit, RunPatch,
-    RunState, Schedule, ScheduleOutcome, Settle, StoreError, TaskAgent, Thread, transcript_text,
+    RunState, Schedule, ScheduleOutcome, Settle, StoreError, TaskAgent, Thread, TurnJson,
+    transcript_text,
 };
 
 /// A thread's lease: holder run, fencing token, expiry on the monotonic clock.
@@ -68,7 +69,7 @@ struct State {
     /// Each thread's LLM history, a turn's JSON as text: as a `Value` a turn of a few hundred
     /// bytes took several KiB (a map node per object), kept for every thread the process has
     /// seen (issue 13: agent RSS after a second wave of runs).
-    history: HashMap<String, Vec<Box<str>>>,
+    history: HashMap<String, Vec<TurnJson>>,
     runs: HashMap<String, Run>,
     events: HashMap<String, BTreeMap<u64, Vec<u8>>>,
     approvals: HashMap<String, Approval>,
@@ -90,7 +91,7 @@ struct State {
 }
 
 /// History turns as stored (JSON text) back as values.
-fn parse_turns(turns: &[Box<str>]) -> Result<Vec<Value>, StoreError> {
+fn parse_turns(turns: &[TurnJson]) -> Result<Vec<Value>, StoreError> {
     turns
         .iter()
         .map(|t| {
@@ -518,10 +519,7 @@ impl AgentStore for MemoryStore {
     }
 
     async fn commit(&self, lease: &Lease, mut c: RunCommit) -> Result<(), StoreError> {
-        let history: Vec<Box<str>> = std::mem::take(&mut c.history)
-            .iter()
-            .map(|turn| turn.to_string().into_boxed_str())
-            .collect();
+        let history = std::mem::take(&mut c.history);
         self.with(|s| {
             s.fenced(lease)?;
             let run_id = &lease.run_id;
@@ -710,9 +708,8 @@ impl AgentStore for MemoryStore {
         })
     }
 
-    async fn history(&self, thread_id: &str) -> Result<Vec<Value>, StoreError> {
-        let turns = self.with(|s| s.history.get(thread_id).cloned().unwrap_or_default())?;
-        parse_turns(&turns)
+    async fn history(&self, thread_id: &str) -> Result<Vec<TurnJson>, StoreError> {
+        self.with(|s| s.history.get(thread_id).cloned().unwrap_or_default())
     }
 
     async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError> {

@@ -304,6 +304,12 @@ impl NewMessage {
     }
 }
 
+/// One turn of a thread's LLM history as its JSON text. A run serialises a turn once; the
+/// stores keep and return that text as it is (PostgreSQL casts it to jsonb, and refuses a
+/// commit whose turn is not JSON), and only a run that reads the history parses it. Carried
+/// as a `Value`, a turn was converted twice on its way in and twice on its way out (issue 13).
+pub type TurnJson = Box<str>;
+
 /// Everything a run's writer makes durable at one point of the run, in one transaction
 /// (S-4): its numbered events, the LLM turns, action states, messages, the run's own fields,
 /// a new approval and audit records; optionally the lease is freed in the same transaction.
@@ -312,7 +318,7 @@ pub struct RunCommit {
     /// (seq, encoded event), numbered by the writer, ascending.
     pub events: Vec<(u64, Vec<u8>)>,
     /// Turns appended to the thread's LLM history.
-    pub history: Vec<Value>,
+    pub history: Vec<TurnJson>,
     /// Actions as they are now (inserted, or updated with their new state recorded).
     pub actions: Vec<Action>,
     pub messages: Vec<NewMessage>,
@@ -488,8 +494,8 @@ pub trait AgentStore: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<Message>, StoreError>;
 
-    /// The thread's model transcript, oldest first, as serialized turns.
-    async fn history(&self, thread_id: &str) -> Result<Vec<Value>, StoreError>;
+    /// The thread's model transcript, oldest first, each turn as its JSON text.
+    async fn history(&self, thread_id: &str) -> Result<Vec<TurnJson>, StoreError>;
 
     async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError>;
     async fn find_run_by_request(

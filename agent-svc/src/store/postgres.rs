@@ -11,7 +11,7 @@ use super::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive,
     Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, Occurrence, Run,
     RunCommit, RunNotice, RunState, RunUsage, Schedule, ScheduleKind, ScheduleOutcome, Settle,
-    StoreError, TaskAgent, Thread, transcript_text,
+    StoreError, TaskAgent, Thread, TurnJson, transcript_text,
 };
 
 mod embedded {
@@ -895,17 +895,17 @@ impl AgentStore for PgStore {
         Ok(rows.iter().map(message).collect())
     }
 
-    async fn history(&self, thread_id: &str) -> Result<Vec<Value>, StoreError> {
+    async fn history(&self, thread_id: &str) -> Result<Vec<TurnJson>, StoreError> {
         let rows = self
             .client()
             .await?
             .query(
-                "SELECT turn FROM agent.llm_history WHERE thread_id = $1 ORDER BY seq",
+                "SELECT turn::text FROM agent.llm_history WHERE thread_id = $1 ORDER BY seq",
                 &[&thread_id],
             )
             .await
             .map_err(db)?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
+        Ok(rows.iter().map(|r| r.get::<_, TurnJson>(0)).collect())
     }
 
     async fn get_run(&self, owner: &str, run_id: &str) -> Result<Option<Run>, StoreError> {
@@ -1681,9 +1681,9 @@ const LEASE_LOST: &str = "SWL01";
 const SQL_EVENTS: &str = "INSERT INTO agent.run_events (run_id, seq, payload) \
     SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS u(s, p)";
 const SQL_HISTORY: &str = "INSERT INTO agent.llm_history (thread_id, seq, turn) \
-    SELECT $1, b.base + u.o, u.t FROM \
+    SELECT $1, b.base + u.o, u.t::jsonb FROM \
       (SELECT COALESCE(max(seq), 0) AS base FROM agent.llm_history WHERE thread_id = $1) b, \
-      unnest($2::jsonb[]) WITH ORDINALITY AS u(t, o)";
+      unnest($2::text[]) WITH ORDINALITY AS u(t, o)";
 const SQL_ACTIONS: &str = "INSERT INTO agent.actions (id, run_id, call_id, tool, arguments, side_effect, state, \
       result_text, error_kind, approval_id, transitions, created_at, updated_at) \
     SELECT id, $1, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, transitions, \
