@@ -4,17 +4,50 @@
 //! strings: ~45 MiB resident for o200k, a quarter of agent-svc's footprint under 1,000
 //! concurrent runs. Counting needs only "rank of these bytes", so the vocabulary is copied out
 //! of tiktoken-rs once at start into one byte arena, its offsets and an open-addressed index of
-//! ranks (~4 MiB), and tiktoken-rs's copy is dropped. The pre-tokenizer is tiktoken's own
-//! pattern, and the merge loop is tiktoken's: equal counts are a test
+//! ranks (~4 MiB), and tiktoken-rs's copy is dropped. The pre-tokenizer splits as tiktoken's
+//! pattern does (see [`Split`]), and the merge loop is tiktoken's: equal counts are a test
 //! (`counts_equal_tiktoken_on_*`), not a hope.
 
 use std::collections::BinaryHeap;
 
-use fancy_regex::Regex;
+use regex_automata::{Anchored, Input, PatternID, meta::Regex};
 use tiktoken_rs::{CoreBPE, Rank};
 
-/// tiktoken's cl100k_base split pattern (tiktoken-rs keeps it inside `cl100k_base()`).
-const CL100K_PATTERN: &str = "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}++|\\p{N}{1,3}+| ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*+|\\s++$|\\s*[\\r\\n]|\\s+(?!\\S)|\\s";
+/// A tiktoken split pattern, in the pieces [`Split`] needs: the branches before its one
+/// look-ahead branch `\s+(?!\S)`, and those after it.
+struct Split {
+    before: &'static str,
+    after: &'static str,
+}
+
+/// tiktoken's cl100k_base pattern (tiktoken-rs keeps it inside `cl100k_base()`), without its
+/// possessive quantifiers: here no branch can match differently for lack of them.
+const CL100K: Split = Split {
+    before: "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s+$|\\s*[\\r\\n]",
+    after: "\\s",
+};
+
+/// tiktoken-rs's `O200K_BASE_PAT_STR` (a test keeps the two the same).
+const O200K: Split = Split {
+    before: concat!(
+        "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        "|\\p{N}{1,3}",
+        "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*",
+        "|\\s*[\\r\\n]+",
+    ),
+    after: "\\s+",
+};
+
+/// The look-ahead branch `\s+(?!\S)` takes a run of whitespace, less its last character when
+/// something else follows. A regex without look-around (a lazy DFA: counting took 72K
+/// instructions per run of the load bench instead of fancy-regex's 170K) gets the same pieces
+/// from two patterns in its place: `\s+$` for a run that ends the text, and `\s+\s` for one
+/// that does not, whose match gives back its last character. Patterns are tried in order at
+/// each position, as the branches of the alternation are.
+const END_RUN: &str = "\\s+$";
+const RUN_THEN_ONE: &str = "\\s+\\s";
+const RUN_THEN_ONE_ID: usize = 2;
 
 /// Pieces at least this long are merged with a heap, as tiktoken does (the simple loop is
 /// quadratic).
@@ -42,17 +75,17 @@ impl std::fmt::Debug for Bpe {
 impl Bpe {
     pub fn o200k() -> Result<Self, String> {
         let source = tiktoken_rs::o200k_base().map_err(|e| e.to_string())?;
-        Self::copied_from(&source, tiktoken_rs::O200K_BASE_PAT_STR)
+        Self::copied_from(&source, &O200K)
     }
 
     pub fn cl100k() -> Result<Self, String> {
         let source = tiktoken_rs::cl100k_base().map_err(|e| e.to_string())?;
-        Self::copied_from(&source, CL100K_PATTERN)
+        Self::copied_from(&source, &CL100K)
     }
 
     /// The ordinary tokens of `source` (ranks 0.. up to the first gap, where the special
     /// tokens begin in every tiktoken vocabulary).
-    fn copied_from(source: &CoreBPE, pattern: &str) -> Result<Self, String> {
+    fn copied_from(source: &CoreBPE, split: &Split) -> Result<Self, String> {
         let mut bytes = Vec::with_capacity(2 << 20);
         let mut offsets = vec![0u32];
         let mut rank: Rank = 0;
@@ -70,7 +103,8 @@ impl Bpe {
             bytes,
             offsets,
             index: vec![0; slots],
-            pattern: Regex::new(pattern).map_err(|e| e.to_string())?,
+            pattern: Regex::new_many(&[split.before, END_RUN, RUN_THEN_ONE, split.after])
+                .map_err(|e| e.to_string())?,
         };
         for r in 0..rank {
             let mut slot = bpe.slot_of(bpe.token(r));
@@ -109,16 +143,28 @@ impl Bpe {
 
     /// How many tokens tiktoken's `encode_ordinary(text)` returns.
     pub fn count(&self, text: &str) -> usize {
-        self.pattern
-            .find_iter(text)
-            // fancy-regex fails only past its backtracking limit (tiktoken panics there);
-            // counting the text's bytes instead over-counts, which a budget can afford,
-            // where under-counting is what it must never do.
-            .map(|m| match m {
-                Ok(m) => self.count_piece(m.as_str().as_bytes()),
-                Err(_) => text.len(),
-            })
-            .sum()
+        let mut count = 0;
+        let mut at = 0;
+        while at < text.len() {
+            // Anchored: every character starts some branch, so the next piece starts where
+            // the last ended, and the DFA never has to search backwards for a start.
+            let input = Input::new(text).range(at..).anchored(Anchored::Yes);
+            let Some(m) = self.pattern.search(&input) else {
+                // A character no branch starts with (none in these patterns): skipped, as
+                // tiktoken's unanchored search would.
+                at += text[at..].chars().next().map_or(1, char::len_utf8);
+                continue;
+            };
+            let mut end = m.end();
+            if m.pattern() == PatternID::must(RUN_THEN_ONE_ID) {
+                // The last whitespace character stood for the look-ahead: it starts the next
+                // piece. What is left is never empty (`\s+` before it).
+                end -= text[..end].chars().next_back().map_or(0, char::len_utf8);
+            }
+            count += self.count_piece(&text.as_bytes()[at..end]);
+            at = end;
+        }
+        count
     }
 
     fn count_piece(&self, piece: &[u8]) -> usize {
@@ -278,6 +324,14 @@ mod tests {
     }
 
     #[test]
+    fn the_o200k_split_is_tiktokens_pattern_with_its_look_ahead_branch_replaced() {
+        assert_eq!(
+            format!("{}|\\s+(?!\\S)|{}", super::O200K.before, super::O200K.after),
+            tiktoken_rs::O200K_BASE_PAT_STR
+        );
+    }
+
+    #[test]
     fn every_ordinary_token_is_copied_and_no_special_one() {
         assert_eq!(O200K.0.offsets.len() - 1, 199_998);
         assert_eq!(CL100K.0.offsets.len() - 1, 100_256);
@@ -311,6 +365,11 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(256))]
         #[test]
         fn counts_equal_tiktoken_on_any_text(text in "\\PC{0,200}") {
+            same(&text);
+        }
+
+        #[test]
+        fn counts_equal_tiktoken_on_runs_of_whitespace(text in "[ \\t\\r\\n\\u{a0}\\u{3000}a1.']{0,120}") {
             same(&text);
         }
 
