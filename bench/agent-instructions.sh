@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# agent-svc's instructions per run, counted by callgrind through one wave of the load bench.
+#   bench/agent-instructions.sh [DIR]       (default DIR: target/release, after
+#                                           `cargo bench --no-run -p steward-tests --bench load`
+#                                           and `cargo build --release -p agent-svc -p gateway-svc`)
+# DIR holds agent-svc, gateway-svc and the load bench as deps/load-* (or deps/load), so two
+# builds compare by copying each into its own DIR. Instructions are repeatable where wall-clock
+# CPU moves 2x between machines of one kind, so an A/B of code reads the same on any of them.
+# LOAD_RUNS (default 100) runs in memory, one wave, the model's turns 1 s as in the load bench.
+# Prints the instructions per run (the wave's agent-svc minus the start-up-only one, which the
+# bench launches first for its cold-start reading) and the top functions, inclusive, per run.
+set -euo pipefail
+dir=$(cd "${1:-$(dirname "$0")/../target/release}" && pwd)
+runs=${LOAD_RUNS:-100}
+load=$( (ls -t "$dir"/deps/load-* "$dir"/deps/load 2>/dev/null || true) | grep -v '\.d$' | head -1)
+[[ -x "$dir/agent-svc" && -x "$dir/gateway-svc" && -x "$load" ]] || {
+  echo "agent-instructions.sh: $dir needs agent-svc, gateway-svc and deps/load-*" >&2
+  exit 2
+}
+command -v valgrind >/dev/null || { echo "agent-instructions.sh: valgrind is not installed" >&2; exit 2; }
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/deps" "$work/out"
+cp "$load" "$work/deps/load"
+cp "$dir/gateway-svc" "$work/"
+cp "$dir/agent-svc" "$work/agent-svc.real"
+# The bench starts "agent-svc" beside itself; this one runs the real binary under callgrind.
+cat > "$work/agent-svc" <<EOF
+#!/bin/sh
+exec valgrind --tool=callgrind --callgrind-out-file=$work/out/cg.%p $work/agent-svc.real "\$@"
+EOF
+chmod +x "$work/agent-svc"
+
+(cd "$work" && STEWARD_SKIP_BINARY_BUILD=1 LOAD_BACKENDS=memory LOAD_RUNS="$runs" LOAD_WAVES=1 \
+  ./deps/load --bench >"$work/load.log" 2>&1) || { cat "$work/load.log" >&2; exit 1; }
+
+mapfile -t files < <(ls "$work"/out/cg.* | sort -t. -k2 -n)
+[[ ${#files[@]} -eq 2 ]] || { echo "expected two agent-svc processes, got ${#files[@]}" >&2; exit 1; }
+start=${files[0]} wave=${files[1]}
+total() { awk '/^summary:/ { print $2 }' "$1"; }
+echo "agent-svc instructions per run, $runs runs in memory: $(( ($(total "$wave") - $(total "$start")) / runs ))"
+echo
+echo "top functions, inclusive, instructions per run (start-up subtracted):"
+python3 - "$start" "$wave" "$runs" <<'EOF'
+import re, subprocess, sys
+def inclusive(path):
+    out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", path],
+                         capture_output=True, text=True, check=True).stdout
+    costs = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*([\d,]+) \([^)]*\)\s+(?:\?\?\?:)?(.*?)(?: \[.*\])?$", line)
+        if m:
+            costs[m.group(2)] = costs.get(m.group(2), 0) + int(m.group(1).replace(",", ""))
+    return costs
+start, wave, runs = inclusive(sys.argv[1]), inclusive(sys.argv[2]), int(sys.argv[3])
+rows = sorted(((wave[k] - start.get(k, 0)) / runs, k) for k in wave)
+for cost, name in [r for r in reversed(rows) if r[1].startswith("agent_svc")][:25]:
+    print(f"{cost:>12,.0f}  {name[:140]}")
+EOF
