@@ -1386,6 +1386,33 @@ async fn switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_o
     );
 }
 
+/// Issue 13: history turns travel as JSON text; a store refuses a turn that is not JSON with
+/// the rest of its commit, so every turn it keeps can be read and archived later.
+async fn a_history_turn_that_is_not_json_is_refused_with_its_commit(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    let mut bad = events(&[2]);
+    bad.history = vec![
+        serde_json::json!({"role": "user", "content": "fine"})
+            .to_string()
+            .into(),
+        "{not json".into(),
+    ];
+    assert!(
+        s.commit(&lease, bad).await.is_err(),
+        "a turn that is not JSON is refused"
+    );
+    assert_eq!(
+        seqs(s, "r1").await,
+        [1],
+        "nothing of the refused commit landed"
+    );
+    assert!(
+        s.history("t1").await.unwrap().is_empty(),
+        "no turn of it either"
+    );
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod in_memory {
@@ -1412,6 +1439,7 @@ both_backends!(
     a_new_message_supersedes_a_paused_run,
     archiving_moves_history_and_ends_paused_runs,
     a_thread_held_by_another_run_is_not_archived,
+    a_history_turn_that_is_not_json_is_refused_with_its_commit,
     an_admission_reads_the_owners_newest_session_summaries,
     the_task_queue_caps_open_tasks_per_user,
     a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found,

@@ -15,9 +15,13 @@ use super::ModelError;
 /// Largest error body read from a provider: enough for its message, never a whole dump.
 const MAX_ERROR_BODY: usize = 8 << 10;
 
-/// Longest line of an event stream. A provider's lines are a chunk of JSON each; a line that
-/// never ends is an error, not a buffer that grows until the process dies.
+/// Longest line, and largest event, of an event stream. A provider's events are a chunk of
+/// JSON each; a line that never ends, or data lines that never reach a blank line, are an
+/// error, not a buffer that grows until the process dies.
 const MAX_LINE: usize = 16 << 20;
+
+/// The UTF-8 byte order mark, which may open a stream.
+const BOM: &[u8] = "\u{feff}".as_bytes();
 
 /// One dispatched event: (event name, data).
 pub type Event = (String, String);
@@ -91,17 +95,25 @@ pub struct Parser {
 
 impl Parser {
     /// Parses one chunk, calling `dispatch` for every event it completes. An error (a line
-    /// that is not UTF-8, or longer than [`MAX_LINE`]) ends the stream.
+    /// that is not UTF-8, a line or an event larger than [`MAX_LINE`]) ends the stream.
     pub fn feed(
         &mut self,
         chunk: &[u8],
         mut dispatch: impl FnMut(Event),
     ) -> Result<(), ModelError> {
-        let mut rest = chunk;
-        if !self.started && !rest.is_empty() {
+        if !self.started {
+            // The stream's first bytes wait until they show whether they are a BOM, which
+            // may come split across chunks.
+            let mut head = std::mem::take(&mut self.partial);
+            head.extend_from_slice(chunk);
+            if head.len() < BOM.len() && BOM.starts_with(&head) {
+                self.partial = head;
+                return Ok(());
+            }
             self.started = true;
-            rest = rest.strip_prefix("\u{feff}".as_bytes()).unwrap_or(rest);
+            return self.feed(head.strip_prefix(BOM).unwrap_or(&head), dispatch);
         }
+        let mut rest = chunk;
         if self.after_cr && !rest.is_empty() {
             self.after_cr = false;
             rest = rest.strip_prefix(b"\n").unwrap_or(rest);
@@ -162,6 +174,11 @@ impl Parser {
         match field {
             "event" => value.clone_into(&mut self.event),
             "data" => {
+                if self.data.len() + value.len() >= MAX_LINE {
+                    return Err(ModelError::Decode(format!(
+                        "the model's event stream sent an event larger than {MAX_LINE} bytes"
+                    )));
+                }
                 if std::mem::replace(&mut self.has_data, true) {
                     self.data.push('\n');
                 }
@@ -248,6 +265,39 @@ mod tests {
         assert_eq!(
             parse(&[b"data: a\r", b"", b"\ndata: b\n\n"]).unwrap(),
             vec![event("message", "a\nb")]
+        );
+    }
+
+    #[test]
+    fn a_bom_split_across_chunks_is_still_only_a_bom() {
+        let want = vec![event("message", "x")];
+        assert_eq!(
+            parse(&[b"\xEF", b"", b"\xBB", b"\xBFdata: x\n\n"]).unwrap(),
+            want
+        );
+        assert_eq!(
+            parse(&[b"da", b"ta: x\n\n"]).unwrap(),
+            want,
+            "no BOM, a short first chunk"
+        );
+    }
+
+    #[test]
+    fn data_lines_that_never_end_their_event_are_an_error_not_a_growing_buffer() {
+        let mut parser = Parser::default();
+        let line = format!("data: {}\n", "x".repeat(1 << 20));
+        let err = loop {
+            if let Err(e) = parser.feed(line.as_bytes(), |_| panic!("nothing to dispatch")) {
+                break e;
+            }
+            assert!(
+                parser.data.len() <= MAX_LINE,
+                "the event grew past the limit"
+            );
+        };
+        assert!(
+            matches!(&err, ModelError::Decode(m) if m.contains("larger than")),
+            "{err:?}"
         );
     }
 

@@ -520,6 +520,12 @@ impl AgentStore for MemoryStore {
 
     async fn commit(&self, lease: &Lease, mut c: RunCommit) -> Result<(), StoreError> {
         let history = std::mem::take(&mut c.history);
+        // Refused as PostgreSQL's jsonb cast refuses it: a turn kept here is readable later.
+        for turn in &history {
+            serde_json::from_str::<serde::de::IgnoredAny>(turn).map_err(|e| {
+                StoreError::Corrupt(format!("a history turn to commit is not JSON: {e}"))
+            })?;
+        }
         self.with(|s| {
             s.fenced(lease)?;
             let run_id = &lease.run_id;

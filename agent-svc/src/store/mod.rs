@@ -305,8 +305,8 @@ impl NewMessage {
 }
 
 /// One turn of a thread's LLM history as its JSON text. A run serialises a turn once; the
-/// stores keep and return that text as it is (PostgreSQL casts it to jsonb, and refuses a
-/// commit whose turn is not JSON), and only a run that reads the history parses it. Carried
+/// stores keep it as text (PostgreSQL as jsonb, read back as jsonb's text of it) and refuse a
+/// commit with a turn that is not JSON; only a run that reads the history parses it. Carried
 /// as a `Value`, a turn was converted twice on its way in and twice on its way out (issue 13).
 pub type TurnJson = Box<str>;
 
