@@ -83,7 +83,8 @@ pub async fn events(
 /// request that is never resumed and are ignored.
 #[derive(Default)]
 pub struct Parser {
-    /// The start of a line that has not ended yet.
+    /// The start of a line that has not ended yet (before the stream has started: its first
+    /// bytes, while they may still be a BOM's).
     partial: Vec<u8>,
     /// The last chunk ended in CR: an LF starting the next one belongs to that line end.
     after_cr: bool,

@@ -472,8 +472,8 @@ impl RunService {
         );
         svc_kit::telemetry::record_trace_id(&span);
         // Boxed: the run's future is ~17 KB, and tokio moves a spawned future by value into its
-        // task and again through each stage change; those copies were 5% of a run's
-        // instructions (issue 13). Boxed, they copy a pointer.
+        // task cell and writes the whole stage again when it completes; those copies were 5% of
+        // a run's instructions (issue 13). Boxed, they copy a pointer.
         tokio::spawn(Box::pin(tracing::Instrument::instrument(
             async move {
                 crate::metrics::run_active(1.0);
