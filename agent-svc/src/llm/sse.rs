@@ -94,6 +94,13 @@ pub struct Parser {
     has_data: bool,
 }
 
+/// The error for a line past [`MAX_LINE`], wherever it is noticed.
+fn line_too_long() -> ModelError {
+    ModelError::Decode(format!(
+        "the model's event stream sent a line longer than {MAX_LINE} bytes"
+    ))
+}
+
 impl Parser {
     /// Parses one chunk, calling `dispatch` for every event it completes. An error (a line
     /// that is not UTF-8, a line or an event larger than [`MAX_LINE`]) ends the stream.
@@ -137,9 +144,7 @@ impl Parser {
             }
         }
         if self.partial.len() + rest.len() > MAX_LINE {
-            return Err(ModelError::Decode(format!(
-                "the model's event stream sent a line longer than {MAX_LINE} bytes"
-            )));
+            return Err(line_too_long());
         }
         self.partial.extend_from_slice(rest);
         Ok(())
@@ -147,9 +152,7 @@ impl Parser {
 
     fn line(&mut self, line: &[u8], dispatch: &mut impl FnMut(Event)) -> Result<(), ModelError> {
         if line.len() > MAX_LINE {
-            return Err(ModelError::Decode(format!(
-                "the model's event stream sent a line longer than {MAX_LINE} bytes"
-            )));
+            return Err(line_too_long());
         }
         if line.is_empty() {
             let event = std::mem::take(&mut self.event);

@@ -318,8 +318,8 @@ impl RunWriter {
                 return false;
             }
             RunEvent::Turn(turn) => {
-                match serde_json::to_string(turn) {
-                    Ok(text) => self.pending().history.push(text.into_boxed_str()),
+                match super::to_json(turn) {
+                    Ok(text) => self.pending().history.push(text),
                     Err(e) => {
                         tracing::error!(run_id = %self.run_id, error = %e, "unserializable turn left out of history")
                     }
