@@ -6,12 +6,14 @@
 # DIR holds agent-svc, gateway-svc and the load bench as deps/load-* (or deps/load), so two
 # builds compare by copying each into its own DIR. Instructions are repeatable where wall-clock
 # CPU moves 2x between machines of one kind, so an A/B of code reads the same on any of them.
-# LOAD_RUNS (default 100) runs in memory, one wave, the model's turns 1 s as in the load bench.
-# Prints the instructions per run (the wave's agent-svc minus the start-up-only one, which the
-# bench launches first for its cold-start reading) and the top functions, inclusive, per run.
+# LOAD_RUNS (default 100) runs, one wave, the model's turns 1 s as in the load bench; LOAD_BACKEND
+# memory (default) or postgres (the test PostgreSQL, as the load bench uses it).
+# Prints the instructions per run (the wave's agent-svc minus the start-up-only one the bench
+# launches before it) and the top functions, inclusive, per run.
 set -euo pipefail
 dir=$(cd "${1:-$(dirname "$0")/../target/release}" && pwd)
 runs=${LOAD_RUNS:-100}
+backend=${LOAD_BACKEND:-memory}
 load=$( (ls -t "$dir"/deps/load-* "$dir"/deps/load 2>/dev/null || true) | grep -v '\.d$' | head -1)
 [[ -x "$dir/agent-svc" && -x "$dir/gateway-svc" && -x "$load" ]] || {
   echo "agent-instructions.sh: $dir needs agent-svc, gateway-svc and deps/load-*" >&2
@@ -32,14 +34,16 @@ exec valgrind --tool=callgrind --callgrind-out-file=$work/out/cg.%p $work/agent-
 EOF
 chmod +x "$work/agent-svc"
 
-(cd "$work" && STEWARD_SKIP_BINARY_BUILD=1 LOAD_BACKENDS=memory LOAD_RUNS="$runs" LOAD_WAVES=1 \
+(cd "$work" && STEWARD_SKIP_BINARY_BUILD=1 LOAD_BACKENDS="$backend" LOAD_RUNS="$runs" LOAD_WAVES=1 \
   ./deps/load --bench >"$work/load.log" 2>&1) || { cat "$work/load.log" >&2; exit 1; }
 
 mapfile -t files < <(ls "$work"/out/cg.* | sort -t. -k2 -n)
-[[ ${#files[@]} -eq 2 ]] || { echo "expected two agent-svc processes, got ${#files[@]}" >&2; exit 1; }
-start=${files[0]} wave=${files[1]}
+[[ ${#files[@]} -ge 2 ]] || { echo "expected two agent-svc processes or more, got ${#files[@]}" >&2; exit 1; }
+# The last process ran the wave; the one before it started and stopped with no runs (on
+# PostgreSQL after a migrating one).
+start=${files[-2]} wave=${files[-1]}
 total() { awk '/^summary:/ { print $2 }' "$1"; }
-echo "agent-svc instructions per run, $runs runs in memory: $(( ($(total "$wave") - $(total "$start")) / runs ))"
+echo "agent-svc instructions per run, $runs runs, $backend: $(( ($(total "$wave") - $(total "$start")) / runs ))"
 echo
 echo "top functions, inclusive, instructions per run (start-up subtracted):"
 python3 - "$start" "$wave" "$runs" <<'EOF'
