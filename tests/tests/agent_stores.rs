@@ -368,6 +368,8 @@ async fn a_retried_request_id_is_a_duplicate_and_the_run_cap_holds(b: Backend) {
         .await
         .unwrap();
     assert_eq!(capped, Admitted::TooManyRuns { active: 3 });
+    // Refused whole: not even the new thread it would have made is left.
+    assert!(s.get_thread("alice", "t4").await.unwrap().is_none());
     assert!(matches!(
         s.admit(&admission(
             new_run("b1", "tb", "bob", None),
