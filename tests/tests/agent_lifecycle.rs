@@ -681,3 +681,34 @@ async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded
     );
     assert_eq!(gmail.sent().len(), 1, "nothing was sent again");
 }
+
+#[tokio::test]
+async fn a_caller_gone_mid_admission_leaves_no_run_that_nothing_runs() {
+    // On PostgreSQL an admission's COMMIT goes out with its statements, so once a call has
+    // begun its admission the run may be admitted whatever becomes of the caller. Callers give
+    // up after deadlines short enough to end their calls before, during and after admission;
+    // each then retries with the same request id, which finds the run it left behind (or
+    // starts one), and that run must reach its end — not wait, admitted but never started,
+    // for its lease to lapse.
+    let deadlines_us = [0u64, 100, 300, 1_000, 3_000, 10_000];
+    let (app, _model, _gmail) =
+        gmail_world(vec![Answer::text("Done."); deadlines_us.len()], &[]).await;
+    for (i, deadline) in deadlines_us.into_iter().enumerate() {
+        let mut req = input("hi");
+        req.request_id = format!("gone-{i}");
+        let mut call = tonic::Request::new(pb::RunStreamRequest {
+            input: Some(req.clone()),
+        });
+        call.set_timeout(Duration::from_micros(deadline));
+        // Whatever this answers (most often DEADLINE_EXCEEDED), the caller walks away.
+        drop(app.agent_as("alice").await.run_stream(call).await);
+        let result = tokio::time::timeout(Duration::from_secs(20), run_on(app.agent_addr, req))
+            .await
+            .unwrap_or_else(|_| panic!("the run of a caller gone after {deadline} µs never ended"));
+        assert_eq!(
+            result.status,
+            pb::RunState::Completed as i32,
+            "after {deadline} µs: {result:?}"
+        );
+    }
+}

@@ -320,7 +320,6 @@ impl RunService {
                 false,
             ),
         };
-        let new_thread = new_thread_title.is_some();
         let run = Run {
             request_id: input.request_id.clone(),
             created_at: now,
@@ -357,6 +356,41 @@ impl RunService {
             summaries: if archive_first { 0 } else { self.summary_count },
             run,
         };
+        // Once sent, an admission commits whatever becomes of this call (on PostgreSQL its
+        // COMMIT goes out with its statements), so the admission and the segment it starts are
+        // a task of their own: a caller that goes away meanwhile (a reset stream, a deadline)
+        // must not leave a committed run that nothing runs.
+        let this = self.clone();
+        // In the caller's span: the run's trace starts at the caller's RPC (O-2).
+        let admitted = tokio::spawn(tracing::Instrument::in_current_span(async move {
+            this.admit(admission, queued, input, models, archive_first)
+                .await
+        }));
+        match admitted.await {
+            Ok(started) => started,
+            // Nothing aborts the task: it ended with the runtime (the service is stopping) or
+            // panicked, and the panic goes on here as if it had happened in this call.
+            Err(e) => match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(_) => Err(ApiError::Unavailable(
+                    "agent-svc is shutting down; retry the run".into(),
+                )),
+            },
+        }
+    }
+
+    /// Admits a run and, once admitted, starts its segment.
+    async fn admit(
+        self: Arc<Self>,
+        admission: Admission,
+        queued: pb::RunEvent,
+        input: RunInput,
+        models: Arc<ModelSetup>,
+        archive_first: bool,
+    ) -> Result<(String, String), ApiError> {
+        let new_thread = admission.new_thread_title.is_some();
+        let owner = admission.run.owner.clone();
+        let thread_id = admission.run.thread_id.clone();
         let run_id = admission.run.id.clone();
         let (lease, sessions) = match self.store.admit(&admission).await? {
             Admitted::Started { lease, summaries } => (
@@ -386,7 +420,7 @@ impl RunService {
             }
         };
         let segment = Segment {
-            owner: owner.to_owned(),
+            owner,
             thread_id: thread_id.clone(),
             run_id: run_id.clone(),
             channel: input.channel,
