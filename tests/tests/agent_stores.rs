@@ -349,6 +349,22 @@ async fn a_retried_request_id_is_a_duplicate_and_the_run_cap_holds(b: Backend) {
         }
     );
     assert!(s.get_thread("alice", "t1b").await.unwrap().is_none());
+    // A retry on the original's own thread, while the original holds it, is a duplicate too.
+    let racing = s
+        .admit(&admission(
+            new_run("r1c", "t1", "alice", Some("req-1")),
+            false,
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        racing,
+        Admitted::Duplicate {
+            run_id: "r1".into(),
+            thread_id: "t1".into()
+        }
+    );
     assert_eq!(
         s.find_run_by_request("alice", "req-1")
             .await

@@ -81,7 +81,30 @@ impl PgStore {
             return Err(db(e));
         };
         let detail = refusal.detail().unwrap_or_default();
-        match refusal.code().code() {
+        let code = refusal.code().code();
+        // A retry racing its original meets the original's lease or cap before its own
+        // request id: it is told of the first run, as the in-memory store tells it.
+        if run.request_id.is_some()
+            && [
+                REFUSED_TOO_MANY_RUNS,
+                REFUSED_BUSY,
+                REFUSED_AWAITING_APPROVAL,
+            ]
+            .contains(&code)
+            && let Some(first) = client
+                .query_opt(
+                    "SELECT id, thread_id FROM agent.runs WHERE owner = $1 AND request_id = $2",
+                    &[&run.owner, &run.request_id],
+                )
+                .await
+                .map_err(db)?
+        {
+            return Ok(Admitted::Duplicate {
+                run_id: first.get(0),
+                thread_id: first.get(1),
+            });
+        }
+        match code {
             REFUSED_TOO_MANY_RUNS => Ok(Admitted::TooManyRuns {
                 active: detail.parse().unwrap_or(a.max_active_runs),
             }),
