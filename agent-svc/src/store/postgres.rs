@@ -82,15 +82,18 @@ impl PgStore {
         };
         let detail = refusal.detail().unwrap_or_default();
         let code = refusal.code().code();
-        // A retry racing its original meets the original's lease or cap before its own
-        // request id: it is told of the first run, as the in-memory store tells it.
-        if run.request_id.is_some()
-            && [
-                REFUSED_TOO_MANY_RUNS,
-                REFUSED_BUSY,
-                REFUSED_AWAITING_APPROVAL,
-            ]
-            .contains(&code)
+        // A retried request id is told of its first run. A retry racing its original meets
+        // the original's lease or cap before its own request id, and is told the same, as the
+        // in-memory store tells it.
+        let may_be_a_retry = code == REFUSED_DUPLICATE
+            || run.request_id.is_some()
+                && [
+                    REFUSED_TOO_MANY_RUNS,
+                    REFUSED_BUSY,
+                    REFUSED_AWAITING_APPROVAL,
+                ]
+                .contains(&code);
+        if may_be_a_retry
             && let Some(first) = client
                 .query_opt(
                     "SELECT id, thread_id FROM agent.runs WHERE owner = $1 AND request_id = $2",
@@ -125,19 +128,12 @@ impl PgStore {
                     run_id: holder.get::<_, Option<String>>(0).unwrap_or_default(),
                 })
             }
-            REFUSED_DUPLICATE => {
-                let first = client
-                    .query_one(
-                        "SELECT id, thread_id FROM agent.runs WHERE owner = $1 AND request_id = $2",
-                        &[&run.owner, &run.request_id],
-                    )
-                    .await
-                    .map_err(db)?;
-                Ok(Admitted::Duplicate {
-                    run_id: first.get(0),
-                    thread_id: first.get(1),
-                })
-            }
+            // The run the insert met was deleted (with its thread) before this read: a
+            // conflict the caller can retry.
+            REFUSED_DUPLICATE => Err(StoreError::Conflict(format!(
+                "run request {:?} conflicted with a run that is gone; retry",
+                run.request_id.as_deref().unwrap_or_default()
+            ))),
             _ => Err(db(e)),
         }
     }
