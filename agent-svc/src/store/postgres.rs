@@ -1790,10 +1790,10 @@ const SQL_SUPERSEDE: &str = "WITH ended AS (UPDATE agent.runs SET state = 'cance
     ap AS (UPDATE agent.approvals SET state = 'expired' WHERE thread_id = $1 AND state = 'pending') \
     SELECT pg_notify('agent_runs', 'e:' || id) FROM ended";
 /// An admission that must not supersede a run paused for approval on the thread is refused
-/// with that run's id (the thread lease taken first in the same transaction keeps any other
-/// run from pausing meanwhile).
-const SQL_NOT_PAUSED: &str = "SELECT CASE WHEN p.id IS NULL THEN 0 ELSE agent.admission_refused('SWA03', p.id) END \
-    FROM (SELECT (SELECT id FROM agent.runs WHERE thread_id = $1 AND state = 'awaiting_confirmation' LIMIT 1) AS id) p";
+/// with that run's id; with none paused it returns no row (the thread lease taken first in the
+/// same transaction keeps any other run from pausing meanwhile).
+const SQL_NOT_PAUSED: &str = "SELECT agent.admission_refused('SWA03', id) FROM agent.runs \
+    WHERE thread_id = $1 AND state = 'awaiting_confirmation' LIMIT 1";
 const SQL_RECENT_SUMMARIES: &str = "SELECT thread_id, summary, turn_count, archived_at \
      FROM agent.session_archives WHERE owner = $1 ORDER BY archived_at DESC, id DESC LIMIT $2";
 
