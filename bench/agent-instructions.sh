@@ -9,7 +9,8 @@
 # LOAD_RUNS (default 100) runs, one wave, the model's turns 1 s as in the load bench; LOAD_BACKEND
 # memory (default) or postgres (the test PostgreSQL, as the load bench uses it).
 # Prints the instructions per run (the wave's agent-svc minus the start-up-only one the bench
-# launches before it) and the top functions, inclusive, per run.
+# launches before it) and the top functions, inclusive, per run: agent-svc's own, or those whose
+# names start with TOP_PREFIX (e.g. tokio_postgres). KEEP_CALLGRIND=1 keeps the callgrind files.
 set -euo pipefail
 dir=$(cd "${1:-$(dirname "$0")/../target/release}" && pwd)
 runs=${LOAD_RUNS:-100}
@@ -22,7 +23,7 @@ load=$( (ls -t "$dir"/deps/load-* "$dir"/deps/load 2>/dev/null || true) | grep -
 command -v valgrind >/dev/null || { echo "agent-instructions.sh: valgrind is not installed" >&2; exit 2; }
 
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+[[ -n "${KEEP_CALLGRIND:-}" ]] && echo "callgrind output kept in $work/out" >&2 || trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/deps" "$work/out"
 cp "$load" "$work/deps/load"
 cp "$dir/gateway-svc" "$work/"
@@ -46,7 +47,7 @@ total() { awk '/^summary:/ { print $2 }' "$1"; }
 echo "agent-svc instructions per run, $runs runs, $backend: $(( ($(total "$wave") - $(total "$start")) / runs ))"
 echo
 echo "top functions, inclusive, instructions per run (start-up subtracted):"
-python3 - "$start" "$wave" "$runs" <<'EOF'
+python3 - "$start" "$wave" "$runs" "${TOP_PREFIX:-agent_svc}" <<'EOF'
 import re, subprocess, sys
 def inclusive(path):
     out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", path],
@@ -58,7 +59,8 @@ def inclusive(path):
             costs[m.group(2)] = costs.get(m.group(2), 0) + int(m.group(1).replace(",", ""))
     return costs
 start, wave, runs = inclusive(sys.argv[1]), inclusive(sys.argv[2]), int(sys.argv[3])
+prefix = sys.argv[4]
 rows = sorted(((wave[k] - start.get(k, 0)) / runs, k) for k in wave)
-for cost, name in [r for r in reversed(rows) if r[1].startswith("agent_svc")][:25]:
+for cost, name in [r for r in reversed(rows) if r[1].startswith(prefix)][:25]:
     print(f"{cost:>12,.0f}  {name[:140]}")
 EOF
