@@ -12,7 +12,7 @@ export PEERS_PYTHON
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 
-for bench in runs load gateway bootstrap tokens; do
+for bench in runs load gateway bootstrap tokens commit_shapes; do
   echo "== cargo bench -p steward-tests --bench $bench"
   cargo bench -p steward-tests --bench "$bench" | tee -a "$out"
 done
