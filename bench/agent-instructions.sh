@@ -23,7 +23,11 @@ load=$( (ls -t "$dir"/deps/load-* "$dir"/deps/load 2>/dev/null || true) | grep -
 command -v valgrind >/dev/null || { echo "agent-instructions.sh: valgrind is not installed" >&2; exit 2; }
 
 work=$(mktemp -d)
-[[ -n "${KEEP_CALLGRIND:-}" ]] && echo "callgrind output kept in $work/out" >&2 || trap 'rm -rf "$work"' EXIT
+if [[ -n "${KEEP_CALLGRIND:-}" ]]; then
+  echo "callgrind output kept in $work/out" >&2
+else
+  trap 'rm -rf "$work"' EXIT
+fi
 mkdir -p "$work/deps" "$work/out"
 cp "$load" "$work/deps/load"
 cp "$dir/gateway-svc" "$work/"
