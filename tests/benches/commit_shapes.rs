@@ -20,7 +20,10 @@
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use steward_tests::TestDb;
+use steward_tests::{
+    TestDb,
+    bench::{clock_ticks, proc_stat},
+};
 use tokio_postgres::{Client, NoTls, Statement, types::ToSql};
 
 type Param<'a> = &'a (dyn ToSql + Sync);
@@ -180,23 +183,11 @@ fn median(sorted: &[f64]) -> f64 {
     sorted[sorted.len() / 2]
 }
 
-/// CPU time of every PostgreSQL backend that has exited, in clock ticks.
+/// CPU time of every PostgreSQL backend that has exited, in clock ticks: the postmaster's
+/// cutime and cstime (fields 16 and 17).
 fn reaped_children_ticks(postmaster: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{postmaster}/stat")).ok()?;
-    // Fields after the command's closing parenthesis start at field 3; cutime and cstime are
-    // fields 16 and 17.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let fields = proc_stat(postmaster)?;
     Some(fields.get(13)?.parse::<u64>().ok()? + fields.get(14)?.parse::<u64>().ok()?)
-}
-
-fn clock_ticks_per_second() -> f64 {
-    std::process::Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
 }
 
 /// Server CPU per run-commit (µs, when readable) and run-commits per second of one pass.
@@ -206,6 +197,7 @@ async fn pass(
     batches: usize,
     seq: &mut i64,
     postmaster: Option<u32>,
+    ticks_per_second: f64,
 ) -> (Option<f64>, f64) {
     let before = postmaster.and_then(reaped_children_ticks);
     let started = Instant::now();
@@ -231,7 +223,7 @@ async fn pass(
     let commits = (batches * K) as f64;
     let cpu = before
         .zip(after)
-        .map(|(b, a)| (a - b) as f64 / clock_ticks_per_second() * 1e6 / commits);
+        .map(|(b, a)| (a - b) as f64 / ticks_per_second * 1e6 / commits);
     (cpu, commits / elapsed.as_secs_f64())
 }
 
@@ -274,15 +266,8 @@ async fn main() {
         .ok()
         .flatten()
         .map(|row| row.get(0));
-    let postmaster = checkpointer.and_then(|pid| {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        stat.rsplit_once(')')?
-            .1
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()
-    });
+    // ppid is field 4.
+    let postmaster = checkpointer.and_then(|pid| proc_stat(pid as u32)?.get(1)?.parse().ok());
     drop(client);
     if postmaster.is_none() {
         println!(
@@ -290,12 +275,21 @@ async fn main() {
         );
     }
 
+    let ticks_per_second = clock_ticks() as f64;
     let mut seq = 0i64;
     let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); SHAPES.len()];
     let mut rate: Vec<Vec<f64>> = vec![Vec::new(); SHAPES.len()];
     for _ in 0..rounds {
         for (i, shape) in SHAPES.into_iter().enumerate() {
-            let (c, r) = pass(db.url(), shape, batches, &mut seq, postmaster).await;
+            let (c, r) = pass(
+                db.url(),
+                shape,
+                batches,
+                &mut seq,
+                postmaster,
+                ticks_per_second,
+            )
+            .await;
             cpu[i].extend(c);
             rate[i].push(r);
         }

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
     TestDb, agent_over,
-    bench::{percentile, summary, transactions_when_idle},
+    bench::{clock_ticks, percentile, proc_stat, summary, transactions_when_idle},
     channel,
     procs::ServiceProc,
     rule_model::{RuleModel, RuleOptions},
@@ -152,24 +152,11 @@ impl Services {
 
 /// User + system CPU time of a process so far.
 fn cpu(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
-    // Fields after the command name (which may hold spaces) start after the last ')'.
-    let fields: Vec<&str> = stat[stat.rfind(')').expect("comm") + 2..]
-        .split(' ')
-        .collect();
+    let fields = proc_stat(pid).expect("/proc/<pid>/stat");
+    // utime and stime are fields 14 and 15.
     let ticks: u64 =
         fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime");
     Duration::from_millis(ticks * 1000 / clock_ticks())
-}
-
-fn clock_ticks() -> u64 {
-    std::process::Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100)
 }
 
 /// Peak resident set of a process, in MiB.

@@ -1,5 +1,6 @@
 //! What the benches (`tests/benches/`) share: percentiles, the summary lines that
-//! `bench/run.sh` gathers into one table, and PostgreSQL's own transaction counts.
+//! `bench/run.sh` gathers into one table, PostgreSQL's own transaction counts, and processes'
+//! CPU times from `/proc`.
 
 use std::time::{Duration, Instant};
 
@@ -12,6 +13,31 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
 /// the target it is held to (empty when there is none).
 pub fn summary(what: &str, value: &str, target: &str) {
     println!("SUMMARY\t{what}\t{value}\t{target}");
+}
+
+/// The fields of `/proc/<pid>/stat` from the third (the state) on, so field N of proc(5) is
+/// index N − 3; the command name before them may hold spaces and parentheses. None when the
+/// process is not on this machine or gone.
+pub fn proc_stat(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect(),
+    )
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`), the unit of `/proc`'s CPU times.
+pub fn clock_ticks() -> u64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100)
 }
 
 /// Committed and rolled-back transactions of database `name`, read once no backend is
