@@ -1431,6 +1431,75 @@ async fn a_history_turn_that_is_not_json_is_refused_with_its_commit(b: Backend) 
     );
 }
 
+/// On PostgreSQL a commit is one statement built from the parts it holds (issue 13); every
+/// one of the 128 combinations of parts lands whole, in both stores alike.
+async fn every_combination_of_a_commits_parts_lands(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(600)).await;
+    let (mut seq, mut want) = (1u64, [0usize; 7]);
+    for combination in 0..128u32 {
+        let has = |part: u32| combination & (1 << part) != 0;
+        let mut c = RunCommit::default();
+        if has(0) {
+            seq += 1;
+            c.events = vec![(seq, format!("event {combination}").into_bytes())];
+        }
+        if has(1) {
+            c.history = vec![
+                serde_json::json!({"role": "user", "content": combination})
+                    .to_string()
+                    .into(),
+            ];
+        }
+        if has(2) {
+            c.actions = vec![action("r1", &format!("c{combination}"), ActionState::Executing)];
+        }
+        if has(3) {
+            c.messages = vec![NewMessage::text(
+                MessageSource::Agent,
+                format!("message {combination}"),
+            )];
+        }
+        if has(4) {
+            c.patch.iterations = Some(combination);
+        }
+        if has(5) {
+            c.approval = Some(approval(
+                &format!("a{combination}"),
+                "r1",
+                "t1",
+                Duration::from_secs(600),
+            ));
+        }
+        if has(6) {
+            c.audit = vec![("combination".into(), serde_json::json!(combination))];
+        }
+        for (part, n) in want.iter_mut().enumerate() {
+            *n += usize::from(has(part as u32));
+        }
+        s.commit(&lease, c)
+            .await
+            .unwrap_or_else(|e| panic!("combination {combination:07b}: {e:?}"));
+    }
+    assert_eq!(seqs(s, "r1").await.len(), 1 + want[0], "events");
+    assert_eq!(s.history("t1").await.unwrap().len(), want[1], "history");
+    assert_eq!(s.list_actions("r1").await.unwrap().len(), want[2], "actions");
+    let messages = s.list_messages("t1", 0, 1000).await.unwrap();
+    assert_eq!(
+        messages
+            .iter()
+            .filter(|m| m.content.starts_with("message "))
+            .count(),
+        want[3],
+        "messages"
+    );
+    let run = s.get_run("alice", "r1").await.unwrap().unwrap();
+    assert_eq!(run.iterations, 127, "the last patch's iterations");
+    assert_eq!(run.last_event_seq, 1 + want[0] as u64);
+    assert!(s.get_approval("alice", "a127").await.unwrap().is_some());
+    assert_eq!(s.audit("alice").await.unwrap().len(), want[6], "audit");
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod in_memory {
@@ -1458,6 +1527,7 @@ both_backends!(
     archiving_moves_history_and_ends_paused_runs,
     a_thread_held_by_another_run_is_not_archived,
     a_history_turn_that_is_not_json_is_refused_with_its_commit,
+    every_combination_of_a_commits_parts_lands,
     an_admission_reads_the_owners_newest_session_summaries,
     the_task_queue_caps_open_tasks_per_user,
     a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found,
@@ -1475,10 +1545,9 @@ fn events(seqs: &[u64]) -> RunCommit {
     }
 }
 
-/// A commit goes out as one pipeline, BEGIN to COMMIT (issue 13): whatever way it ends —
-/// fenced out, or its future dropped once the pipeline was sent — it is whole or absent, and
-/// the connection goes back to the pool with nothing open, so the next command on it cannot
-/// commit what a failed one left.
+/// A commit goes out as one statement (issue 13): whatever way it ends — fenced out, or its
+/// future dropped once it was sent — it is whole or absent, and the connection goes back to
+/// the pool with nothing open, so the next command on it cannot commit what a failed one left.
 #[tokio::test]
 async fn a_commit_is_whole_or_absent_and_leaves_its_connection_outside_any_transaction() {
     use futures_util::FutureExt as _;
@@ -1488,23 +1557,33 @@ async fn a_commit_is_whole_or_absent_and_leaves_its_connection_outside_any_trans
     let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
     s.commit(&lease, events(&[2])).await.unwrap();
 
-    // Fenced out: a stale token. Its events were in the same pipeline as the fence and COMMIT.
+    // Fenced out: a stale token, on a commit holding every part, one of them an event whose
+    // seq is taken. Every write is gated on the fence, so the answer is the lost lease, never
+    // the key conflict of a write that should not have run.
     let stale = Lease {
         token: "not-the-token".into(),
         ..lease.clone()
     };
-    let fenced = s.commit(&stale, events(&[3])).await.unwrap_err();
+    let mut everything = events(&[2, 3]);
+    everything.history = vec![serde_json::json!({"role": "user"}).to_string().into()];
+    everything.actions = vec![action("r1", "c1", ActionState::Executing)];
+    everything.messages = vec![NewMessage::text(MessageSource::Agent, "stale")];
+    everything.approval = Some(approval("a1", "r1", "t1", Duration::from_secs(60)));
+    everything.audit = vec![("stale".into(), serde_json::json!({}))];
+    let fenced = s.commit(&stale, everything).await.unwrap_err();
     assert!(matches!(fenced, StoreError::LeaseLost), "{fenced:?}");
+    assert!(s.list_actions("r1").await.unwrap().is_empty());
+    assert!(s.get_approval("alice", "a1").await.unwrap().is_none());
 
-    // Dropped mid-way: its one poll sends the whole pipeline (the statements are prepared on
-    // this connection already), then the future goes away before any answer is read.
+    // Dropped mid-way: its one poll sends the statement (prepared on this connection
+    // already), then the future goes away before any answer is read.
     assert!(
         s.commit(&lease, events(&[4])).now_or_never().is_none(),
         "a commit cannot finish in one poll"
     );
 
     // The same connection takes the next commit; the fenced one left nothing, the dropped one
-    // had sent its COMMIT and is whole.
+    // was sent whole and is whole.
     s.commit(&lease, events(&[5])).await.unwrap();
     assert_eq!(seqs(s, "r1").await, [1, 2, 4, 5]);
     let other: Arc<dyn AgentStore> = Arc::new(pg_store(b._db.as_ref().unwrap().url(), 1).await);

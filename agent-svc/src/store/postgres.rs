@@ -18,6 +18,7 @@ mod embedded {
     refinery::embed_migrations!("migrations");
 }
 
+mod commit;
 mod notices;
 
 // Lease expiry is set and compared with `clock_timestamp()`, not `now()`: `now()` is when the
@@ -507,9 +508,6 @@ impl AgentStore for PgStore {
     async fn commit(&self, lease: &Lease, c: RunCommit) -> Result<(), StoreError> {
         use tokio_postgres::types::ToSql;
         type Param<'a> = &'a (dyn ToSql + Sync);
-        type Write<'a> = std::pin::Pin<
-            Box<dyn std::future::Future<Output = Result<u64, tokio_postgres::Error>> + Send + 'a>,
-        >;
         let client = self.client().await?;
         let run_id = &lease.run_id;
         let touch = !c.messages.is_empty();
@@ -539,27 +537,23 @@ impl AgentStore for PgStore {
         let expect = p.expect.map(RunState::key);
         let (audit_kinds, audit_details): (Vec<String>, Vec<Value>) = c.audit.into_iter().unzip();
         let approval_state = c.approval.as_ref().map(|a| a.state.key());
-        let t: &tokio_postgres::Client = &client;
 
-        // Statements are prepared once per pooled connection, then the whole commit goes out
-        // as one pipeline — BEGIN, the fence, the writes, COMMIT: one round trip, whatever it
-        // holds.
-        let fence = client.prepare_cached(SQL_FENCE).await.map_err(db)?;
-        let mut writes: Vec<Write<'_>> = Vec::new();
+        // One statement (see `commit`): the fence, then each part present, binding the shared
+        // parameters first and each part's own in its CTE's order.
+        let mut parts = commit::Parts::default();
+        let mut params: Vec<Param<'_>> =
+            vec![&lease.thread_id, &lease.token, &touch, &c.release, run_id];
         if !seqs.is_empty() {
-            let s = client.prepare_cached(SQL_EVENTS).await.map_err(db)?;
-            let params: [Param<'_>; 3] = [run_id, &seqs, &payloads];
-            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
+            parts.with(commit::Part::Events);
+            params.extend::<[Param<'_>; 2]>([&seqs, &payloads]);
         }
         if !c.history.is_empty() {
-            let s = client.prepare_cached(SQL_HISTORY).await.map_err(db)?;
-            let params: [Param<'_>; 2] = [&lease.thread_id, &c.history];
-            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
+            parts.with(commit::Part::History);
+            params.push(&c.history);
         }
         if !c.actions.is_empty() {
-            let s = client.prepare_cached(SQL_ACTIONS).await.map_err(db)?;
-            let params: [Param<'_>; 13] = [
-                run_id,
+            parts.with(commit::Part::Actions);
+            params.extend::<[Param<'_>; 12]>([
                 &cols.id,
                 &cols.call_id,
                 &cols.tool,
@@ -572,25 +566,15 @@ impl AgentStore for PgStore {
                 &cols.transitions,
                 &cols.created_at,
                 &cols.updated_at,
-            ];
-            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
+            ]);
         }
         if !sources.is_empty() {
-            let s = client.prepare_cached(SQL_MESSAGES).await.map_err(db)?;
-            let params: [Param<'_>; 6] = [
-                &lease.thread_id,
-                run_id,
-                &sources,
-                &kinds,
-                &contents,
-                &metadata,
-            ];
-            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
+            parts.with(commit::Part::Messages);
+            params.extend::<[Param<'_>; 4]>([&sources, &kinds, &contents, &metadata]);
         }
         if patched {
-            let s = client.prepare_cached(SQL_PATCH).await.map_err(db)?;
-            let params: [Param<'_>; 14] = [
-                run_id,
+            parts.with(commit::Part::Patch);
+            params.extend::<[Param<'_>; 13]>([
                 &state,
                 &p.model,
                 &usage,
@@ -604,12 +588,11 @@ impl AgentStore for PgStore {
                 &p.system_prompt,
                 &max_seq,
                 &expect,
-            ];
-            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
+            ]);
         }
         if let (Some(a), Some(approval_state)) = (&c.approval, &approval_state) {
-            let s = client.prepare_cached(SQL_APPROVAL).await.map_err(db)?;
-            let params: [Param<'_>; 15] = [
+            parts.with(commit::Part::Approval);
+            params.extend::<[Param<'_>; 15]>([
                 &a.id,
                 &a.run_id,
                 &a.thread_id,
@@ -625,40 +608,25 @@ impl AgentStore for PgStore {
                 &a.expires_at,
                 &a.binding,
                 &a.tainted_by,
-            ];
-            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
+            ]);
         }
         if !audit_kinds.is_empty() {
-            let s = client.prepare_cached(SQL_AUDIT).await.map_err(db)?;
-            let params: [Param<'_>; 3] = [run_id, &audit_kinds, &audit_details];
-            writes.push(Box::pin(async move { t.execute_raw(&s, params).await }));
+            parts.with(commit::Part::Audit);
+            params.extend::<[Param<'_>; 2]>([&audit_kinds, &audit_details]);
         }
-        // The fence goes first in the pipeline and raises when the lease is gone, which aborts
-        // the transaction: the writes after it fail unexecuted and COMMIT rolls back. So COMMIT
-        // can go out with the rest — one round trip — and is known to have committed only when
-        // the fence and every write answered without error.
-        let fence_params: [Param<'_>; 4] = [&lease.thread_id, &lease.token, &touch, &c.release];
-        let mut open = pg::Begun::new(t);
-        // join polls in order, and each statement is sent when first polled: BEGIN goes first,
-        // COMMIT last.
-        let (begun, fenced, written, committed) = futures_util::future::join4(
-            t.batch_execute("BEGIN"),
-            t.execute_raw(&fence, fence_params),
-            futures_util::future::try_join_all(writes),
-            t.batch_execute("COMMIT"),
-        )
-        .await;
-        // COMMIT was sent: the transaction is over whatever it answers.
-        open.committed();
-        begun.map_err(db)?;
-        match fenced {
+        debug_assert_eq!(params.len(), parts.arity(), "{parts:?}");
+        let statement = client
+            .prepare_typed_cached(parts.sql(), &commit::SHARED)
+            .await
+            .map_err(db)?;
+        // A statement is its own transaction: if this future is dropped once it was sent, the
+        // commit still lands or fails whole, and the connection holds nothing open.
+        match client.execute_raw(&statement, params).await {
             Err(e) if e.code().map(|c| c.code()) == Some(LEASE_LOST) => {
                 return Err(StoreError::LeaseLost);
             }
             other => other.map_err(db)?,
         };
-        written.map_err(db)?;
-        committed.map_err(db)?;
         if max_seq.is_some() {
             self.notices_out.events(run_id);
         }
@@ -1712,55 +1680,8 @@ fn action(r: &Row) -> Result<Action, StoreError> {
     })
 }
 
-/// The writer's fence: the thread row, locked, still this lease's and unexpired. It also
-/// touches the thread when messages arrive and frees the lease when the run ends or pauses.
-/// When the lease is not live it raises `LEASE_LOST` (`agent.lease_lost()`, migration V11),
-/// aborting the transaction it opens.
-const SQL_FENCE: &str = "WITH fenced AS (UPDATE agent.threads \
-      SET updated_at = CASE WHEN $3 THEN now() ELSE updated_at END, \
-      lock_run_id = CASE WHEN $4 THEN NULL ELSE lock_run_id END, \
-      lock_token = CASE WHEN $4 THEN NULL ELSE lock_token END, \
-      lock_expires_at = CASE WHEN $4 THEN NULL ELSE lock_expires_at END \
-    WHERE id = $1 AND lock_token = $2 AND lock_expires_at > clock_timestamp() RETURNING 1) \
-    SELECT CASE WHEN EXISTS (SELECT 1 FROM fenced) THEN 1 ELSE agent.lease_lost() END";
-/// The SQLSTATE `agent.lease_lost()` raises.
+/// The SQLSTATE `agent.lease_lost()` raises (migration V11) when a writer's lease is not live.
 const LEASE_LOST: &str = "SWL01";
-const SQL_EVENTS: &str = "INSERT INTO agent.run_events (run_id, seq, payload) \
-    SELECT $1, s, p FROM unnest($2::bigint[], $3::bytea[]) AS u(s, p)";
-const SQL_HISTORY: &str = "INSERT INTO agent.llm_history (thread_id, seq, turn) \
-    SELECT $1, b.base + u.o, u.t::jsonb FROM \
-      (SELECT COALESCE(max(seq), 0) AS base FROM agent.llm_history WHERE thread_id = $1) b, \
-      unnest($2::text[]) WITH ORDINALITY AS u(t, o)";
-const SQL_ACTIONS: &str = "INSERT INTO agent.actions (id, run_id, call_id, tool, arguments, side_effect, state, \
-      result_text, error_kind, approval_id, transitions, created_at, updated_at) \
-    SELECT id, $1, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, transitions, \
-      created_at, updated_at \
-    FROM unnest($2::text[], $3::text[], $4::text[], $5::jsonb[], $6::bool[], $7::text[], $8::text[], $9::text[], \
-      $10::text[], $11::jsonb[], $12::timestamptz[], $13::timestamptz[]) WITH ORDINALITY \
-      AS u(id, call_id, tool, arguments, side_effect, state, result_text, error_kind, approval_id, transitions, \
-        created_at, updated_at, o) \
-    ORDER BY o \
-    ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, result_text = EXCLUDED.result_text, \
-      error_kind = EXCLUDED.error_kind, approval_id = EXCLUDED.approval_id, \
-      transitions = EXCLUDED.transitions, updated_at = EXCLUDED.updated_at";
-const SQL_MESSAGES: &str = "INSERT INTO agent.messages (thread_id, run_id, source, kind, content, metadata) \
-    SELECT $1, $2, s, k, c, m FROM unnest($3::text[], $4::text[], $5::text[], $6::jsonb[]) WITH ORDINALITY \
-      AS u(s, k, c, m, o) ORDER BY o";
-const SQL_PATCH: &str = "UPDATE agent.runs SET state = COALESCE($2::text, state), model = COALESCE($3::text, model), \
-      usage = COALESCE($4::jsonb, usage), iterations = COALESCE($5::integer, iterations), \
-      error = COALESCE($6::text, error), failure_kind = COALESCE($7::text, failure_kind), \
-      summary = COALESCE($8::text, summary), started_at = COALESCE($9::timestamptz, started_at), \
-      finished_at = COALESCE($10::timestamptz, finished_at), \
-      prompt_sections = COALESCE($11::jsonb, prompt_sections), \
-      system_prompt = COALESCE($12::text, system_prompt), \
-      last_event_seq = GREATEST(last_event_seq, COALESCE($13::bigint, 0)) \
-    WHERE id = $1 AND ($14::text IS NULL OR state = $14::text)";
-const SQL_APPROVAL: &str = "INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, arguments, \
-      args_sha256, preview, reason, state, created_at, expires_at, binding, tainted_by) \
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
-const SQL_AUDIT: &str = "INSERT INTO agent.audit (owner, kind, run_id, detail) \
-    SELECT r.owner, k, r.id, d FROM agent.runs r, unnest($2::text[], $3::jsonb[]) WITH ORDINALITY AS u(k, d, o) \
-    WHERE r.id = $1 ORDER BY o";
 
 /// The admission's checks raise `agent.admission_refused` (migration V13) with these SQLSTATEs.
 const REFUSED_TOO_MANY_RUNS: &str = "SWA01";
