@@ -1452,7 +1452,11 @@ async fn every_combination_of_a_commits_parts_lands(b: Backend) {
             ];
         }
         if has(2) {
-            c.actions = vec![action("r1", &format!("c{combination}"), ActionState::Executing)];
+            c.actions = vec![action(
+                "r1",
+                &format!("c{combination}"),
+                ActionState::Executing,
+            )];
         }
         if has(3) {
             c.messages = vec![NewMessage::text(
@@ -1483,7 +1487,11 @@ async fn every_combination_of_a_commits_parts_lands(b: Backend) {
     }
     assert_eq!(seqs(s, "r1").await.len(), 1 + want[0], "events");
     assert_eq!(s.history("t1").await.unwrap().len(), want[1], "history");
-    assert_eq!(s.list_actions("r1").await.unwrap().len(), want[2], "actions");
+    assert_eq!(
+        s.list_actions("r1").await.unwrap().len(),
+        want[2],
+        "actions"
+    );
     let messages = s.list_messages("t1", 0, 1000).await.unwrap();
     assert_eq!(
         messages

@@ -142,7 +142,8 @@ const FENCE: &str = "WITH fenced AS (UPDATE agent.threads \
     WHERE id = $1 AND lock_token = $2 AND lock_expires_at > clock_timestamp() RETURNING 1)";
 /// When the lease is not live the statement raises `LEASE_LOST` (`agent.lease_lost()`,
 /// migration V11) and nothing of it stays.
-const VERDICT: &str = " SELECT CASE WHEN EXISTS (SELECT 1 FROM fenced) THEN 1 ELSE agent.lease_lost() END";
+const VERDICT: &str =
+    " SELECT CASE WHEN EXISTS (SELECT 1 FROM fenced) THEN 1 ELSE agent.lease_lost() END";
 
 /// The parts one commit holds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -155,11 +156,6 @@ impl Parts {
 
     pub(super) fn has(self, part: Part) -> bool {
         self.0 & part.bit() != 0
-    }
-
-    /// Every combination, for tests that prepare them all.
-    pub(super) fn every() -> impl Iterator<Item = Parts> {
-        (0..1u8 << Part::ALL.len()).map(Parts)
     }
 
     /// How many parameters the statement binds: the shared ones, then each part's own.
