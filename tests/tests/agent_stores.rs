@@ -1583,15 +1583,15 @@ async fn a_commit_is_whole_or_absent_and_leaves_its_connection_outside_any_trans
     assert!(s.list_actions("r1").await.unwrap().is_empty());
     assert!(s.get_approval("alice", "a1").await.unwrap().is_none());
 
-    // Dropped mid-way: its one poll sends the statement (prepared on this connection
-    // already), then the future goes away before any answer is read.
+    // Dropped mid-way: its one poll hands it to the store's committer, then the future goes
+    // away before any answer is read.
     assert!(
         s.commit(&lease, events(&[4])).now_or_never().is_none(),
         "a commit cannot finish in one poll"
     );
 
     // The same connection takes the next commit; the fenced one left nothing, the dropped one
-    // was sent whole and is whole.
+    // was handed over whole and is whole.
     s.commit(&lease, events(&[5])).await.unwrap();
     assert_eq!(seqs(s, "r1").await, [1, 2, 4, 5]);
     let other: Arc<dyn AgentStore> = Arc::new(pg_store(b._db.as_ref().unwrap().url(), 1).await);
@@ -1615,6 +1615,167 @@ async fn a_commit_is_whole_or_absent_and_leaves_its_connection_outside_any_trans
         other.history("t1").await.unwrap().is_empty(),
         "no history row"
     );
+}
+
+/// A commit of run `id` holding every part a commit can hold.
+fn everything(id: &str, thread: &str, seq: u64) -> RunCommit {
+    RunCommit {
+        events: vec![(seq, format!("event of {id}").into_bytes())],
+        history: vec![
+            serde_json::json!({"role": "user", "content": id})
+                .to_string()
+                .into(),
+        ],
+        actions: vec![action(id, "c1", ActionState::Executing)],
+        messages: vec![NewMessage::text(MessageSource::Agent, format!("from {id}"))],
+        patch: RunPatch {
+            iterations: Some(7),
+            ..RunPatch::default()
+        },
+        approval: Some(approval(
+            &format!("a-{id}"),
+            id,
+            thread,
+            Duration::from_secs(60),
+        )),
+        audit: vec![("side_effect".into(), serde_json::json!({"run": id}))],
+        release: true,
+    }
+}
+
+/// Group commit (issue 13): commits that wait together go out in one statement, each fenced
+/// by its own lease — a run whose lease is gone writes nothing and is told so, the others land
+/// whole, every part of them.
+#[tokio::test]
+async fn commits_waiting_together_are_written_together_each_behind_its_own_fence() {
+    let db = TestDb::create().await.unwrap();
+    // Four connections: one committer, which finds every commit below waiting at once.
+    let store = pg_store(db.url(), 4).await;
+    let s: &dyn AgentStore = &store;
+    let mut leases = runs_of_many_owners(s, 12).await;
+    // r5's writer lost its lease: its commit carries a token that is not the thread's.
+    leases[5].token = "not-the-token".into();
+    let before = store.commit_counts();
+    let answers = futures_util::future::join_all(
+        leases
+            .iter()
+            .map(|lease| s.commit(lease, everything(&lease.run_id, &lease.thread_id, 2))),
+    )
+    .await;
+    let after = store.commit_counts();
+    assert_eq!(after.commits - before.commits, 12);
+    assert!(
+        after.statements - before.statements < 12,
+        "{} statements for 12 commits",
+        after.statements - before.statements
+    );
+    for (lease, answer) in leases.iter().zip(answers) {
+        let id = lease.run_id.as_str();
+        if id == "r5" {
+            assert!(matches!(answer, Err(StoreError::LeaseLost)), "{answer:?}");
+            assert_eq!(seqs_of(s, id).await, [1], "nothing of the fenced run");
+            assert!(s.list_actions(id).await.unwrap().is_empty());
+            assert!(s.get_approval("alice", "a-r5").await.unwrap().is_none());
+            assert!(s.history("t5").await.unwrap().is_empty());
+            continue;
+        }
+        answer.unwrap_or_else(|e| panic!("{id}: {e:?}"));
+        assert_eq!(seqs_of(s, id).await, [1, 2], "{id}");
+        let owner = owner_of(id);
+        let run = s.get_run(&owner, id).await.unwrap().unwrap();
+        assert_eq!((run.iterations, run.last_event_seq), (7, 2), "{id}");
+        assert_eq!(s.list_actions(id).await.unwrap().len(), 1, "{id}");
+        let approval = s.get_approval("alice", &format!("a-{id}")).await.unwrap();
+        assert_eq!(
+            approval.unwrap().tainted_by,
+            ["search_gmail"],
+            "{id}: its provenance survives the batch"
+        );
+        assert_eq!(s.history(&lease.thread_id).await.unwrap().len(), 1, "{id}");
+        let messages = s.list_messages(&lease.thread_id, 0, 10).await.unwrap();
+        assert_eq!(messages.last().unwrap().content, format!("from {id}"));
+        let thread = s
+            .get_thread(&owner, &lease.thread_id)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(thread.active_run_id.is_none(), "{id}: released");
+        assert_eq!(
+            s.audit(&owner).await.unwrap().len(),
+            1,
+            "{id}: its audit record"
+        );
+    }
+    assert!(s.audit("u5").await.unwrap().is_empty());
+}
+
+/// A batch is one transaction, so one commit the database refuses would sink the others; the
+/// committer then writes each alone, and only the bad one fails.
+#[tokio::test]
+async fn a_refused_commit_in_a_batch_fails_alone_and_the_rest_land() {
+    let db = TestDb::create().await.unwrap();
+    let store = pg_store(db.url(), 4).await;
+    let s: &dyn AgentStore = &store;
+    let leases = runs_of_many_owners(s, 6).await;
+    let before = store.commit_counts();
+    let answers = futures_util::future::join_all(leases.iter().map(|lease| {
+        let mut c = everything(&lease.run_id, &lease.thread_id, 2);
+        if lease.run_id == "r3" {
+            c.history = vec!["{not json".into()];
+        }
+        s.commit(lease, c)
+    }))
+    .await;
+    for (lease, answer) in leases.iter().zip(answers) {
+        let id = lease.run_id.as_str();
+        if id == "r3" {
+            assert!(
+                matches!(answer, Err(StoreError::Unavailable(_))),
+                "{answer:?}"
+            );
+            assert_eq!(seqs_of(s, id).await, [1], "nothing of the refused commit");
+        } else {
+            answer.unwrap_or_else(|e| panic!("{id}: {e:?}"));
+            assert_eq!(seqs_of(s, id).await, [1, 2], "{id}");
+        }
+    }
+    let after = store.commit_counts();
+    assert_eq!(
+        after.batches_retried - before.batches_retried,
+        1,
+        "the batch was tried, refused and retried commit by commit"
+    );
+}
+
+/// Run `r{i}` is user `u{i}`'s, on thread `t{i}`.
+fn owner_of(run_id: &str) -> String {
+    run_id.replacen('r', "u", 1)
+}
+
+/// Admits runs r0.. for as many users (each user may have only so many live runs).
+async fn runs_of_many_owners(s: &dyn AgentStore, n: usize) -> Vec<Lease> {
+    let mut leases = Vec::new();
+    for i in 0..n {
+        let run = new_run(&format!("r{i}"), &format!("t{i}"), &format!("u{i}"), None);
+        match s
+            .admit(&admission(run, true, Duration::from_secs(60)))
+            .await
+            .unwrap()
+        {
+            Admitted::Started { lease, .. } => leases.push(lease),
+            other => panic!("not admitted: {other:?}"),
+        }
+    }
+    leases
+}
+
+async fn seqs_of(s: &dyn AgentStore, run_id: &str) -> Vec<u64> {
+    s.events_after(run_id, 0, 1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(seq, _)| seq)
+        .collect()
 }
 
 /// Issue 13: a commit's "new events" notice is sent after the commit, from the store's notice
@@ -1649,23 +1810,7 @@ async fn every_run_that_commits_events_is_announced_to_other_replicas_after_its_
     assert!(listening, "the other replica never heard the probe run");
 
     // Twenty runs, each its own user's, commit at once: their notices share transactions.
-    let mut leases = Vec::new();
-    for i in 0..20 {
-        let run = new_run(
-            &format!("r{i}"),
-            &format!("t{i}"),
-            &format!("user{i}"),
-            None,
-        );
-        match s
-            .admit(&admission(run, true, Duration::from_secs(60)))
-            .await
-            .unwrap()
-        {
-            Admitted::Started { lease, .. } => leases.push(lease),
-            other => panic!("not admitted: {other:?}"),
-        }
-    }
+    let leases = runs_of_many_owners(s.as_ref(), 20).await;
     futures_util::future::try_join_all(leases.iter().map(|l| s.commit(l, events(&[2, 3]))))
         .await
         .unwrap();

@@ -18,7 +18,10 @@ mod embedded {
     refinery::embed_migrations!("migrations");
 }
 
+mod batch;
 mod commit;
+mod committer;
+pub use committer::CommitCounts;
 mod notices;
 
 // Lease expiry is set and compared with `clock_timestamp()`, not `now()`: `now()` is when the
@@ -33,6 +36,8 @@ pub struct PgStore {
     notices: tokio::sync::broadcast::Sender<RunNotice>,
     /// The notice connection: other replicas' notices in, this one's out (after each commit).
     notices_out: notices::Outgoing,
+    /// Writes runs' commits, many per statement when they wait (group commit).
+    committer: committer::Committer,
     /// Stops the notice connection with the store.
     _listener: tokio_util::sync::DropGuard,
 }
@@ -55,12 +60,21 @@ impl PgStore {
         let (notices, _) = tokio::sync::broadcast::channel(1024);
         let stop = tokio_util::sync::CancellationToken::new();
         let notices_out = notices::start(config.url.clone(), notices.clone(), stop.clone());
+        // A quarter of the pool commits: each committer holds one connection per statement,
+        // however many runs it carries, and the rest stay free for admissions and reads.
+        let committer = committer::Committer::start(pool.clone(), config.pool.max_connections / 4);
         Ok(Self {
             notices_out,
+            committer,
             pool,
             notices,
             _listener: stop.drop_guard(),
         })
+    }
+
+    /// How the store has written runs' commits since it opened.
+    pub fn commit_counts(&self) -> committer::CommitCounts {
+        self.committer.counts.read()
     }
 
     async fn client(&self) -> Result<pg::Pooled, StoreError> {
@@ -506,129 +520,10 @@ impl AgentStore for PgStore {
     }
 
     async fn commit(&self, lease: &Lease, c: RunCommit) -> Result<(), StoreError> {
-        use tokio_postgres::types::ToSql;
-        type Param<'a> = &'a (dyn ToSql + Sync);
-        let client = self.client().await?;
-        let run_id = &lease.run_id;
-        let touch = !c.messages.is_empty();
-        let max_seq = c.events.iter().map(|(seq, _)| *seq as i64).max();
-        let (seqs, payloads): (Vec<i64>, Vec<Vec<u8>>) =
-            c.events.into_iter().map(|(s, p)| (s as i64, p)).unzip();
-        let mut cols = ActionColumns::default();
-        for a in &c.actions {
-            cols.push(a);
-        }
-        let sources: Vec<&str> = c.messages.iter().map(|m| source_key(m.source)).collect();
-        let kinds: Vec<&str> = c.messages.iter().map(|m| kind_key(m.kind)).collect();
-        let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
-        let metadata: Vec<&Value> = c.messages.iter().map(|m| &m.metadata).collect();
-        let p = &c.patch;
-        let patched = *p != super::RunPatch::default() || max_seq.is_some();
-        let usage = p
-            .usage
-            .as_ref()
-            .map(|u| serde_json::to_value(u).unwrap_or_default());
-        let sections = p
-            .prompt_sections
-            .as_ref()
-            .map(|v| serde_json::to_value(v).unwrap_or_default());
-        let state = p.state.map(RunState::key);
-        let iterations = p.iterations.map(|i| i as i32);
-        let expect = p.expect.map(RunState::key);
-        let (audit_kinds, audit_details): (Vec<String>, Vec<Value>) = c.audit.into_iter().unzip();
-        let approval_state = c.approval.as_ref().map(|a| a.state.key());
-
-        // One statement (see `commit`): the fence, then each part present, binding the shared
-        // parameters first and each part's own in its CTE's order.
-        let mut parts = commit::Parts::default();
-        let mut params: Vec<Param<'_>> =
-            vec![&lease.thread_id, &lease.token, &touch, &c.release, run_id];
-        if !seqs.is_empty() {
-            parts.with(commit::Part::Events);
-            params.extend::<[Param<'_>; 2]>([&seqs, &payloads]);
-        }
-        if !c.history.is_empty() {
-            parts.with(commit::Part::History);
-            params.push(&c.history);
-        }
-        if !c.actions.is_empty() {
-            parts.with(commit::Part::Actions);
-            params.extend::<[Param<'_>; 12]>([
-                &cols.id,
-                &cols.call_id,
-                &cols.tool,
-                &cols.arguments,
-                &cols.side_effect,
-                &cols.state,
-                &cols.result_text,
-                &cols.error_kind,
-                &cols.approval_id,
-                &cols.transitions,
-                &cols.created_at,
-                &cols.updated_at,
-            ]);
-        }
-        if !sources.is_empty() {
-            parts.with(commit::Part::Messages);
-            params.extend::<[Param<'_>; 4]>([&sources, &kinds, &contents, &metadata]);
-        }
-        if patched {
-            parts.with(commit::Part::Patch);
-            params.extend::<[Param<'_>; 13]>([
-                &state,
-                &p.model,
-                &usage,
-                &iterations,
-                &p.error,
-                &p.failure_kind,
-                &p.summary,
-                &p.started_at,
-                &p.finished_at,
-                &sections,
-                &p.system_prompt,
-                &max_seq,
-                &expect,
-            ]);
-        }
-        if let (Some(a), Some(approval_state)) = (&c.approval, &approval_state) {
-            parts.with(commit::Part::Approval);
-            params.extend::<[Param<'_>; 15]>([
-                &a.id,
-                &a.run_id,
-                &a.thread_id,
-                &a.owner,
-                &a.call_id,
-                &a.tool,
-                &a.arguments,
-                &a.args_sha256,
-                &a.preview,
-                &a.reason,
-                approval_state,
-                &a.created_at,
-                &a.expires_at,
-                &a.binding,
-                &a.tainted_by,
-            ]);
-        }
-        if !audit_kinds.is_empty() {
-            parts.with(commit::Part::Audit);
-            params.extend::<[Param<'_>; 2]>([&audit_kinds, &audit_details]);
-        }
-        debug_assert_eq!(params.len(), parts.arity(), "{parts:?}");
-        let statement = client
-            .prepare_typed_cached(parts.sql(), &commit::SHARED)
-            .await
-            .map_err(db)?;
-        // A statement is its own transaction: if this future is dropped once it was sent, the
-        // commit still lands or fails whole, and the connection holds nothing open.
-        match client.execute_raw(&statement, params).await {
-            Err(e) if e.code().map(|c| c.code()) == Some(LEASE_LOST) => {
-                return Err(StoreError::LeaseLost);
-            }
-            other => other.map_err(db)?,
-        };
-        if max_seq.is_some() {
-            self.notices_out.events(run_id);
+        let announce = !c.events.is_empty();
+        self.committer.commit(lease, c).await?;
+        if announce {
+            self.notices_out.events(&lease.run_id);
         }
         Ok(())
     }
@@ -1618,32 +1513,32 @@ async fn end_runs(
 
 /// Actions as column arrays, for one multi-row upsert.
 #[derive(Default)]
-struct ActionColumns {
-    id: Vec<String>,
-    call_id: Vec<String>,
-    tool: Vec<String>,
-    arguments: Vec<Value>,
+struct ActionColumns<'a> {
+    id: Vec<&'a str>,
+    call_id: Vec<&'a str>,
+    tool: Vec<&'a str>,
+    arguments: Vec<&'a Value>,
     side_effect: Vec<bool>,
     state: Vec<&'static str>,
-    result_text: Vec<Option<String>>,
-    error_kind: Vec<Option<String>>,
-    approval_id: Vec<Option<String>>,
+    result_text: Vec<Option<&'a str>>,
+    error_kind: Vec<Option<&'a str>>,
+    approval_id: Vec<Option<&'a str>>,
     transitions: Vec<Value>,
     created_at: Vec<SystemTime>,
     updated_at: Vec<SystemTime>,
 }
 
-impl ActionColumns {
-    fn push(&mut self, a: &Action) {
-        self.id.push(a.id.clone());
-        self.call_id.push(a.call_id.clone());
-        self.tool.push(a.tool.clone());
-        self.arguments.push(a.arguments.clone());
+impl<'a> ActionColumns<'a> {
+    fn push(&mut self, a: &'a Action) {
+        self.id.push(&a.id);
+        self.call_id.push(&a.call_id);
+        self.tool.push(&a.tool);
+        self.arguments.push(&a.arguments);
         self.side_effect.push(a.side_effect);
         self.state.push(a.state.key());
-        self.result_text.push(a.result_text.clone());
-        self.error_kind.push(a.error_kind.clone());
-        self.approval_id.push(a.approval_id.clone());
+        self.result_text.push(a.result_text.as_deref());
+        self.error_kind.push(a.error_kind.as_deref());
+        self.approval_id.push(a.approval_id.as_deref());
         self.transitions.push(Value::Array(
             a.transitions
                 .iter()
@@ -1652,6 +1547,24 @@ impl ActionColumns {
         ));
         self.created_at.push(a.created_at);
         self.updated_at.push(a.updated_at);
+    }
+
+    /// The columns in the order the actions' upsert binds them.
+    fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 12] {
+        [
+            &self.id,
+            &self.call_id,
+            &self.tool,
+            &self.arguments,
+            &self.side_effect,
+            &self.state,
+            &self.result_text,
+            &self.error_kind,
+            &self.approval_id,
+            &self.transitions,
+            &self.created_at,
+            &self.updated_at,
+        ]
     }
 }
 

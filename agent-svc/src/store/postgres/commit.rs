@@ -9,6 +9,147 @@
 
 use std::sync::OnceLock;
 
+use serde_json::Value;
+use tokio_postgres::types::ToSql;
+
+use super::{ActionColumns, LEASE_LOST, db, kind_key, source_key};
+use crate::store::{Lease, RunCommit, RunPatch, RunState, StoreError};
+
+type Param<'a> = &'a (dyn ToSql + Sync);
+
+/// Writes `c` as one statement on `client` if `lease` is live: `Err(LeaseLost)` otherwise.
+pub(super) async fn one(
+    client: &deadpool_postgres::Object,
+    lease: &Lease,
+    c: &RunCommit,
+) -> Result<(), StoreError> {
+    let run_id = &lease.run_id;
+    let touch = !c.messages.is_empty();
+    let max_seq = c.events.iter().map(|(seq, _)| *seq as i64).max();
+    let seqs: Vec<i64> = c.events.iter().map(|(s, _)| *s as i64).collect();
+    let payloads: Vec<&[u8]> = c.events.iter().map(|(_, p)| p.as_slice()).collect();
+    let mut cols = ActionColumns::default();
+    for a in &c.actions {
+        cols.push(a);
+    }
+    let sources: Vec<&str> = c.messages.iter().map(|m| source_key(m.source)).collect();
+    let kinds: Vec<&str> = c.messages.iter().map(|m| kind_key(m.kind)).collect();
+    let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
+    let metadata: Vec<&Value> = c.messages.iter().map(|m| &m.metadata).collect();
+    let patch = PatchValues::of(&c.patch);
+    let patched = c.patch != RunPatch::default() || max_seq.is_some();
+    let audit_kinds: Vec<&str> = c.audit.iter().map(|(k, _)| k.as_str()).collect();
+    let audit_details: Vec<&Value> = c.audit.iter().map(|(_, d)| d).collect();
+    let approval_state = c.approval.as_ref().map(|a| a.state.key());
+
+    // The fence, then each part present, binding the shared parameters first and each part's
+    // own in its CTE's order.
+    let mut parts = Parts::default();
+    let mut params: Vec<Param<'_>> =
+        vec![&lease.thread_id, &lease.token, &touch, &c.release, run_id];
+    if !seqs.is_empty() {
+        parts.with(Part::Events);
+        params.extend::<[Param<'_>; 2]>([&seqs, &payloads]);
+    }
+    if !c.history.is_empty() {
+        parts.with(Part::History);
+        params.push(&c.history);
+    }
+    if !c.actions.is_empty() {
+        parts.with(Part::Actions);
+        params.extend(cols.params());
+    }
+    if !sources.is_empty() {
+        parts.with(Part::Messages);
+        params.extend::<[Param<'_>; 4]>([&sources, &kinds, &contents, &metadata]);
+    }
+    if patched {
+        parts.with(Part::Patch);
+        params.extend(patch.params(&c.patch, &max_seq));
+    }
+    if let (Some(a), Some(approval_state)) = (&c.approval, &approval_state) {
+        parts.with(Part::Approval);
+        params.extend::<[Param<'_>; 15]>([
+            &a.id,
+            &a.run_id,
+            &a.thread_id,
+            &a.owner,
+            &a.call_id,
+            &a.tool,
+            &a.arguments,
+            &a.args_sha256,
+            &a.preview,
+            &a.reason,
+            approval_state,
+            &a.created_at,
+            &a.expires_at,
+            &a.binding,
+            &a.tainted_by,
+        ]);
+    }
+    if !audit_kinds.is_empty() {
+        parts.with(Part::Audit);
+        params.extend::<[Param<'_>; 2]>([&audit_kinds, &audit_details]);
+    }
+    debug_assert_eq!(params.len(), parts.arity(), "{parts:?}");
+    let statement = client
+        .prepare_typed_cached(parts.sql(), &SHARED)
+        .await
+        .map_err(db)?;
+    // A statement is its own transaction: if this future is dropped once it was sent, the
+    // commit still lands or fails whole, and the connection holds nothing open.
+    match client.execute_raw(&statement, params).await {
+        Err(e) if e.code().map(|c| c.code()) == Some(LEASE_LOST) => Err(StoreError::LeaseLost),
+        other => other.map(drop).map_err(db),
+    }
+}
+
+/// A run patch's values as PostgreSQL takes them (JSON for the structured ones).
+pub(super) struct PatchValues {
+    pub(super) state: Option<&'static str>,
+    pub(super) usage: Option<Value>,
+    pub(super) iterations: Option<i32>,
+    pub(super) sections: Option<Value>,
+    pub(super) expect: Option<&'static str>,
+}
+
+impl PatchValues {
+    pub(super) fn of(p: &RunPatch) -> Self {
+        Self {
+            state: p.state.map(RunState::key),
+            usage: p
+                .usage
+                .as_ref()
+                .map(|u| serde_json::to_value(u).unwrap_or_default()),
+            iterations: p.iterations.map(|i| i as i32),
+            sections: p
+                .prompt_sections
+                .as_ref()
+                .map(|v| serde_json::to_value(v).unwrap_or_default()),
+            expect: p.expect.map(RunState::key),
+        }
+    }
+
+    /// The patch's parameters in `Part::Patch`'s order.
+    fn params<'a>(&'a self, p: &'a RunPatch, max_seq: &'a Option<i64>) -> [Param<'a>; 13] {
+        [
+            &self.state,
+            &p.model,
+            &self.usage,
+            &self.iterations,
+            &p.error,
+            &p.failure_kind,
+            &p.summary,
+            &p.started_at,
+            &p.finished_at,
+            &self.sections,
+            &p.system_prompt,
+            max_seq,
+            &self.expect,
+        ]
+    }
+}
+
 /// One part a commit may hold. The order here is the order of the CTEs in the statement and of
 /// their parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
