@@ -3,10 +3,13 @@
 //! server) per statement. Each run-commit is the lease fence (`UPDATE agent.threads`), one event
 //! (`INSERT INTO agent.run_events`) and the run's patch (`UPDATE agent.runs`) on agent-svc's
 //! real schema:
-//! - `per-run`: a transaction per run, BEGIN, three statements, COMMIT (agent-svc today);
-//! - `one-statement`: a run's commit as one statement of data-modifying CTEs, no BEGIN/COMMIT;
+//! - `per-run`: a transaction per run, BEGIN, three statements, COMMIT (agent-svc until the
+//!   sixth session of 2026-11-25);
+//! - `one-statement`: a run's commit as one statement of data-modifying CTEs, no BEGIN/COMMIT
+//!   (agent-svc's lone commit now);
 //! - `batch, per run`: four runs in one transaction, three statements per run;
-//! - `batch, per table`: four runs in one transaction, one statement per table for all four.
+//! - `batch, per table`: four runs in one transaction, one statement per table for all four
+//!   (agent-svc's group commit now writes every table of a batch in one statement).
 //!
 //! The server's CPU is read as the postmaster's reaped children's time (`/proc`), so the
 //! database must run on this machine and be otherwise idle; shapes alternate over the rounds
@@ -51,7 +54,7 @@ const SHAPES: [Shape; 4] = [
 impl Shape {
     fn label(self) -> &'static str {
         match self {
-            Shape::PerRun => "a transaction per run, 3 statements (today)",
+            Shape::PerRun => "a transaction per run, 3 statements (agent-svc before group commit)",
             Shape::OneStatement => "a run's commit as one statement",
             Shape::BatchPerRun => "4 runs per transaction, 3 statements per run",
             Shape::BatchPerTable => "4 runs per transaction, 1 statement per table",
