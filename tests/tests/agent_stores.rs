@@ -1720,6 +1720,7 @@ async fn a_refused_commit_in_a_batch_fails_alone_and_the_rest_land() {
     let before = store.commit_counts();
     let answers = futures_util::future::join_all(leases.iter().map(|lease| {
         let mut c = everything(&lease.run_id, &lease.thread_id, 2);
+        c.release = false;
         if lease.run_id == "r3" {
             c.history = vec!["{not json".into()];
         }
@@ -1745,6 +1746,76 @@ async fn a_refused_commit_in_a_batch_fails_alone_and_the_rest_land() {
         1,
         "the batch was tried, refused and retried commit by commit"
     );
+
+    // r3's writer retries the same commit with everyone's next ones: r3 is written alone now,
+    // so it sinks no batch again.
+    let answers = futures_util::future::join_all(leases.iter().map(|lease| {
+        let mut c = events(&[3]);
+        if lease.run_id == "r3" {
+            c.history = vec!["{not json".into()];
+        }
+        s.commit(lease, c)
+    }))
+    .await;
+    for (lease, answer) in leases.iter().zip(answers) {
+        assert_eq!(
+            answer.is_ok(),
+            lease.run_id != "r3",
+            "{}: {answer:?}",
+            lease.run_id
+        );
+    }
+    let again = store.commit_counts();
+    assert_eq!(
+        again.batches_retried, after.batches_retried,
+        "no batch failed"
+    );
+    assert!(
+        again.statements - after.statements < 6,
+        "the others still went together"
+    );
+}
+
+/// A thread row another transaction holds (an admission, a decision) does not hold up the
+/// batch: the other runs commit at once, and the busy thread's run commits once it is free.
+#[tokio::test]
+async fn a_busy_thread_row_holds_up_only_its_own_runs_commit() {
+    let db = TestDb::create().await.unwrap();
+    let store = Arc::new(pg_store(db.url(), 4).await);
+    let leases = runs_of_many_owners(store.as_ref(), 6).await;
+    let (holder, connection) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    holder
+        .batch_execute("BEGIN; SELECT 1 FROM agent.threads WHERE id = 't3' FOR UPDATE")
+        .await
+        .unwrap();
+
+    let commits: Vec<_> = leases
+        .iter()
+        .map(|lease| {
+            let (store, lease) = (store.clone(), lease.clone());
+            tokio::spawn(async move { store.commit(&lease, events(&[2])).await })
+        })
+        .collect();
+    let mut commits = commits.into_iter();
+    let held = commits.nth(3).unwrap();
+    let others = tokio::time::timeout(
+        Duration::from_secs(30),
+        futures_util::future::join_all(commits),
+    )
+    .await
+    .expect("the other runs' commits did not wait for t3");
+    for answer in others {
+        answer.unwrap().unwrap();
+    }
+    assert!(!held.is_finished(), "t3's run waits for its thread row");
+    holder.batch_execute("COMMIT").await.unwrap();
+    held.await.unwrap().unwrap();
+    for lease in &leases {
+        assert_eq!(seqs_of(store.as_ref(), &lease.run_id).await, [1, 2]);
+    }
 }
 
 /// Run `r{i}` is user `u{i}`'s, on thread `t{i}`.

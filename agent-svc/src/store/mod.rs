@@ -455,6 +455,9 @@ pub trait AgentStore: Send + Sync + 'static {
     async fn release_lease(&self, lease: &Lease) -> Result<(), StoreError>;
 
     /// Writes `commit` in one transaction if `lease` is still live; `Err(LeaseLost)` otherwise.
+    /// A lease has one commit in flight at a time: its writer awaits each before the next. A
+    /// commit whose future is dropped may still land, and on PostgreSQL (where commits queue
+    /// for a committer) after one sent later, so a caller that drops one must not send more.
     async fn commit(&self, lease: &Lease, commit: RunCommit) -> Result<(), StoreError>;
 
     /// Records `wanted` on a pending, unexpired approval and moves its paused run to

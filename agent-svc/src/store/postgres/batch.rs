@@ -15,13 +15,19 @@ use super::{ActionColumns, commit::PatchValues, kind_key, source_key};
 use crate::store::{Lease, RunCommit, RunPatch};
 
 /// One statement for any batch; every column is an array of the batch's rows.
-const SQL: &str = "WITH fenced AS (UPDATE agent.threads t \
+/// The batch's thread rows are locked first, in id order and skipping any another
+/// transaction holds (an admission, a decision), so one busy row never holds up the batch and
+/// two batches never wait on each other; the runs of skipped threads are answered as busy.
+const SQL: &str = "WITH locked AS (SELECT t.id FROM agent.threads t WHERE t.id = ANY($1::text[]) \
+      ORDER BY t.id FOR NO KEY UPDATE SKIP LOCKED), \
+  fenced AS (UPDATE agent.threads t \
       SET updated_at = CASE WHEN u.touch THEN now() ELSE t.updated_at END, \
       lock_run_id = CASE WHEN u.rel THEN NULL ELSE t.lock_run_id END, \
       lock_token = CASE WHEN u.rel THEN NULL ELSE t.lock_token END, \
       lock_expires_at = CASE WHEN u.rel THEN NULL ELSE t.lock_expires_at END \
     FROM unnest($1::text[], $2::text[], $3::bool[], $4::bool[], $5::text[]) AS u(thread, token, touch, rel, run) \
-    WHERE t.id = u.thread AND t.lock_token = u.token AND t.lock_expires_at > clock_timestamp() \
+    WHERE t.id = u.thread AND t.id IN (SELECT id FROM locked) \
+      AND t.lock_token = u.token AND t.lock_expires_at > clock_timestamp() \
     RETURNING u.run, u.thread), \
   events AS (INSERT INTO agent.run_events (run_id, seq, payload) \
     SELECT u.run, u.s, u.p FROM unnest($6::text[], $7::bigint[], $8::bytea[]) AS u(run, s, p) \
@@ -80,7 +86,9 @@ const SQL: &str = "WITH fenced AS (UPDATE agent.threads t \
     FROM unnest($60::text[], $61::text[], $62::jsonb[]) WITH ORDINALITY AS u(run, k, d, o) \
       JOIN agent.runs r ON r.id = u.run \
     WHERE u.run IN (SELECT run FROM fenced) ORDER BY o) \
-  SELECT run FROM fenced";
+  SELECT run, true FROM fenced \
+  UNION ALL SELECT u.run, false FROM unnest($1::text[], $5::text[]) AS u(thread, run) \
+    WHERE u.thread NOT IN (SELECT id FROM locked)";
 
 /// The batch's rows, column by column, borrowed from its commits.
 #[derive(Default)]
@@ -290,17 +298,34 @@ impl<'a> Columns<'a> {
     }
 }
 
-/// Writes every commit of `batch` whose lease is live, in one statement; returns the runs
-/// whose lease was (the others wrote nothing). No two commits of a batch may share a thread.
+/// What a batch's statement did with each run: written (its fence held), or not tried (its
+/// thread row was busy). A run in neither wrote nothing because its lease is gone.
+#[derive(Debug, Default)]
+pub(super) struct Written {
+    pub(super) fenced: HashSet<String>,
+    pub(super) busy: HashSet<String>,
+}
+
+/// Writes every commit of `batch` whose lease is live and whose thread row is free, in one
+/// statement. No two commits of a batch may share a thread.
 pub(super) async fn many(
     client: &deadpool_postgres::Object,
     batch: &[(&Lease, &RunCommit)],
-) -> Result<HashSet<String>, tokio_postgres::Error> {
+) -> Result<Written, tokio_postgres::Error> {
     let mut cols = Columns::default();
     for (lease, c) in batch {
         cols.push(lease, c);
     }
     let statement = client.prepare_cached(SQL).await?;
     let rows = client.query(&statement, &cols.params()).await?;
-    Ok(rows.iter().map(|r| r.get(0)).collect())
+    let mut written = Written::default();
+    for row in rows {
+        let run: String = row.get(0);
+        if row.get::<_, bool>(1) {
+            written.fenced.insert(run);
+        } else {
+            written.busy.insert(run);
+        }
+    }
+    Ok(written)
 }

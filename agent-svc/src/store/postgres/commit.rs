@@ -185,6 +185,10 @@ impl Part {
                  SELECT $5, s, p FROM unnest(#1::bigint[], #2::bytea[]) AS u(s, p) \
                  WHERE EXISTS (SELECT 1 FROM fenced))"
             }
+            // The history's base is read in the statement's snapshot, taken before the fence
+            // waits for the thread row. That is safe because only the lease holder appends
+            // history, one commit at a time, and a new holder's lease comes from an admission
+            // that committed after the old holder's last commit (both lock the thread row).
             Part::History => {
                 "history AS (INSERT INTO agent.llm_history (thread_id, seq, turn) \
                  SELECT $1, b.base + u.o, u.t::jsonb FROM \

@@ -103,6 +103,8 @@ async fn work(
     waiting: Arc<Mutex<mpsc::UnboundedReceiver<Queued>>>,
     counts: Arc<Counters>,
 ) {
+    use futures_util::FutureExt as _;
+    let suspects = Suspects::default();
     loop {
         let batch = {
             let mut waiting = waiting.lock().await;
@@ -118,56 +120,118 @@ async fn work(
             }
             batch
         };
-        write(&pool, batch, &counts).await;
+        // A panic must not take the committer with it: the batch's callers are told their
+        // outcome is unknown (their answers are dropped), the next batch is written as usual.
+        let written = std::panic::AssertUnwindSafe(write(&pool, batch, &counts, &suspects));
+        if written.catch_unwind().await.is_err() {
+            tracing::error!("a committer panicked writing a batch of commits; it goes on");
+        }
+    }
+}
+
+/// Runs whose last commit failed on its own after its batch failed: the database refuses
+/// something in it (a duplicate key, text it cannot store), and its writer will retry it for
+/// a while. Until it commits, it is written alone, so it fails no one else's batch again.
+#[derive(Default)]
+struct Suspects(std::sync::Mutex<std::collections::HashSet<String>>);
+
+impl Suspects {
+    /// Far more than there are runs in flight; past it the set starts again (a forgotten
+    /// suspect costs one more failed batch, never a wrong answer).
+    const MOST: usize = 4096;
+
+    fn has(&self, run: &str) -> bool {
+        self.0.lock().is_ok_and(|s| s.contains(run))
+    }
+
+    fn mark(&self, run: &str, failed: bool) {
+        if let Ok(mut s) = self.0.lock() {
+            if !failed {
+                s.remove(run);
+            } else {
+                if s.len() >= Self::MOST {
+                    s.clear();
+                }
+                s.insert(run.to_owned());
+            }
+        }
     }
 }
 
 /// Writes `batch` and answers each of its commits.
-async fn write(pool: &pg::PgPool, batch: Vec<Queued>, counts: &Counters) {
-    let client = match pg::checkout(pool, "agent").await {
+async fn write(pool: &pg::PgPool, batch: Vec<Queued>, counts: &Counters, suspects: &Suspects) {
+    let checkout = || async {
+        pg::checkout(pool, "agent")
+            .await
+            .map_err(|e| StoreError::Unavailable(e.to_string()))
+    };
+    let mut client = match checkout().await {
         Ok(client) => client,
         Err(e) => {
-            let e = e.to_string();
             for q in batch {
-                let _ = q.answer.send(Err(StoreError::Unavailable(e.clone())));
+                let _ = q.answer.send(Err(StoreError::Unavailable(e.to_string())));
             }
             return;
         }
     };
-    // Two commits on one thread (a writer that lost its lease and the one that took it) go
-    // in statements of their own, after the batch: the batch's fence is one row per thread.
+    // Written alone, after the batch: a second commit on one thread (a writer that lost its
+    // lease and the one that took it; the batch's fence is one row per thread), and a suspect.
     let mut threads = std::collections::HashSet::new();
-    let (together, apart): (Vec<Queued>, Vec<Queued>) = batch
+    let (together, mut alone): (Vec<Queued>, Vec<Queued>) = batch
         .into_iter()
-        .partition(|q| threads.insert(q.lease.thread_id.clone()));
-    let mut alone = apart;
+        .partition(|q| !suspects.has(&q.lease.run_id) && threads.insert(q.lease.thread_id.clone()));
     if together.len() == 1 {
         alone.splice(0..0, together);
-    } else {
+    } else if !together.is_empty() {
         let rows: Vec<(&Lease, &RunCommit)> =
             together.iter().map(|q| (&q.lease, &q.commit)).collect();
         match batch::many(&client, &rows).await {
-            Ok(fenced) => {
-                counts.wrote(together.len());
+            Ok(written) => {
+                counts.wrote(together.len() - written.busy.len());
+                let mut busy = Vec::new();
                 for q in together {
-                    let answer = if fenced.contains(&q.lease.run_id) {
+                    if written.busy.contains(&q.lease.run_id) {
+                        // Its thread row was locked by another transaction: alone, it waits.
+                        busy.push(q);
+                        continue;
+                    }
+                    let answer = if written.fenced.contains(&q.lease.run_id) {
                         Ok(())
                     } else {
                         Err(StoreError::LeaseLost)
                     };
                     let _ = q.answer.send(answer);
                 }
+                // Before the ones apart: one of those may be a later commit on a busy thread.
+                alone.splice(0..0, busy);
             }
             Err(e) => {
                 tracing::debug!(error = %e, commits = together.len(), "a batch of commits failed; committing each alone");
                 counts.retried();
                 alone.splice(0..0, together);
+                if client.is_closed() {
+                    client = match checkout().await {
+                        Ok(fresh) => fresh,
+                        Err(e) => {
+                            for q in alone {
+                                let _ = q.answer.send(Err(StoreError::Unavailable(e.to_string())));
+                            }
+                            return;
+                        }
+                    };
+                }
             }
         }
     }
     for q in alone {
         let answer = commit::one(&client, &q.lease, &q.commit).await;
         counts.wrote(1);
+        // Refused by a database that is still there: it would fail a batch as well.
+        let refused = matches!(
+            answer,
+            Err(StoreError::Conflict(_) | StoreError::Unavailable(_))
+        ) && !client.is_closed();
+        suspects.mark(&q.lease.run_id, refused);
         let _ = q.answer.send(answer);
     }
 }
