@@ -6,7 +6,7 @@
 //!
 //! Per backend (in memory; PostgreSQL with the default pool of 16 per service) it reports:
 //! - added latency p50/p99: a run's time from `RunStream` to its terminal event, less the 2 s
-//!   the model takes;
+//!   the model takes, and how much of it is the admission (time to the first event);
 //! - peak RSS of agent-svc (`VmHWM`, start-up included);
 //! - CPU per run of each service (user + system time over the wave / N, from `/proc`);
 //! - transactions per run on PostgreSQL (`pg_stat_database` of each service's database, read
@@ -176,12 +176,13 @@ fn memory_mib(pid: u32, field: &str) -> f64 {
         / 1024.0
 }
 
-/// One streaming run to its end: its latency, after checking the stream.
+/// One streaming run to its end, after checking the stream: its latency, and how long its
+/// first event (`queued`, sent once the run is admitted) took to arrive.
 async fn one_run(
     channel: tonic::transport::Channel,
     user: String,
     go: tokio::sync::watch::Receiver<bool>,
-) -> Result<Duration, String> {
+) -> Result<(Duration, Duration), String> {
     let mut go = go;
     let mut client = agent_over(channel, &user);
     go.wait_for(|g| *g).await.map_err(|e| e.to_string())?;
@@ -197,7 +198,9 @@ async fn one_run(
         .into_inner();
     let mut seq = 0;
     let mut result = None;
+    let mut first_event = None;
     while let Some(item) = stream.next().await {
+        first_event.get_or_insert_with(|| started.elapsed());
         let event = item
             .map_err(|s| format!("{user}: stream broke: {s}"))?
             .event
@@ -225,12 +228,15 @@ async fn one_run(
             result.usage
         ));
     }
-    Ok(elapsed)
+    Ok((elapsed, first_event.unwrap_or(elapsed)))
 }
 
 struct Wave {
     added_p50: Duration,
     added_p99: Duration,
+    /// From `RunStream` to the run's first event: the admission's share of the latency.
+    first_event_p50: Duration,
+    first_event_p99: Duration,
     wall: Duration,
     agent_cpu_per_run: Duration,
     gateway_cpu_per_run: Duration,
@@ -256,10 +262,14 @@ async fn wave(services: &Services, number: usize, runs: usize, model_delay: Dura
     let started = Instant::now();
     go_tx.send(true).expect("runs are waiting");
     let mut latencies = Vec::with_capacity(runs);
+    let mut first_events = Vec::with_capacity(runs);
     let mut failures = Vec::new();
     for t in tasks {
         match t.await.expect("run task") {
-            Ok(d) => latencies.push(d),
+            Ok((d, first)) => {
+                latencies.push(d);
+                first_events.push(first);
+            }
             Err(e) => failures.push(e),
         }
     }
@@ -273,10 +283,13 @@ async fn wave(services: &Services, number: usize, runs: usize, model_delay: Dura
         failures[0]
     );
     latencies.sort();
+    first_events.sort();
     let model_time = model_delay * 2;
     Wave {
         added_p50: percentile(&latencies, 0.50).saturating_sub(model_time),
         added_p99: percentile(&latencies, 0.99).saturating_sub(model_time),
+        first_event_p50: percentile(&first_events, 0.50),
+        first_event_p99: percentile(&first_events, 0.99),
         wall,
         agent_cpu_per_run: (cpu_after.0 - cpu_before.0) / runs as u32,
         gateway_cpu_per_run: (cpu_after.1 - cpu_before.1) / runs as u32,
@@ -423,6 +436,13 @@ async fn main() {
             w.agent_peak_rss_mib,
             w.agent_cpu_per_run.as_secs_f64() * 1000.0,
             w.gateway_cpu_per_run.as_secs_f64() * 1000.0,
+        );
+    }
+    for (backend, n, w, _) in &rows {
+        println!(
+            "{backend}, wave {n}: first event (the run admitted) p50 / p99: {} / {}",
+            ms(w.first_event_p50),
+            ms(w.first_event_p99)
         );
     }
     for (backend, n, w, _) in &rows {
