@@ -86,15 +86,19 @@ impl Committer {
     /// alone: `LeaseLost` only when its own lease was lost.
     pub(super) async fn commit(&self, lease: &Lease, c: RunCommit) -> Result<(), StoreError> {
         let (answer, answered) = oneshot::channel();
-        let closed = || StoreError::Unavailable("the store's committer has stopped".into());
         self.queue
             .send(Queued {
                 lease: lease.clone(),
                 commit: c,
                 answer,
             })
-            .map_err(|_| closed())?;
-        answered.await.map_err(|_| closed())?
+            .map_err(|_| StoreError::Unavailable("the store's committers have stopped".into()))?;
+        // Its committer panicked while writing it: it may or may not have landed.
+        answered.await.map_err(|_| {
+            StoreError::Unavailable(
+                "the commit's outcome is unknown: its committer failed while writing it".into(),
+            )
+        })?
     }
 }
 
