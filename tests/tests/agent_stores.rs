@@ -162,7 +162,7 @@ fn ending(state: RunState, gap: u64) -> Ending {
     }
 }
 
-async fn seqs(s: &Arc<dyn AgentStore>, run_id: &str) -> Vec<u64> {
+async fn seqs(s: &dyn AgentStore, run_id: &str) -> Vec<u64> {
     s.events_after(run_id, 0, 1000)
         .await
         .unwrap()
@@ -460,7 +460,7 @@ async fn a_commit_writes_everything_or_nothing_and_is_fenced_by_the_lease(b: Bac
     assert_eq!(run.state, RunState::Completed);
     assert_eq!(run.last_event_seq, 4);
     assert_eq!(run.system_prompt, "you are steward");
-    assert_eq!(seqs(s, "r1").await, [1, 2, 3, 4]);
+    assert_eq!(seqs(s.as_ref(), "r1").await, [1, 2, 3, 4]);
     let history: Vec<String> = s
         .history("t1")
         .await
@@ -518,7 +518,7 @@ async fn a_commit_writes_everything_or_nothing_and_is_fenced_by_the_lease(b: Bac
         .await
         .unwrap_err();
     assert!(matches!(late, StoreError::LeaseLost), "{late:?}");
-    assert_eq!(seqs(s, "r1").await, [1, 2, 3, 4]);
+    assert_eq!(seqs(s.as_ref(), "r1").await, [1, 2, 3, 4]);
 }
 
 async fn of_concurrent_deciders_exactly_one_wins(b: Backend) {
@@ -653,7 +653,7 @@ async fn a_paused_run_ends_once_and_its_approval_expires(b: Backend) {
     );
     let run = s.get_run("alice", "r1").await.unwrap().unwrap();
     assert_eq!(run.state, RunState::Cancelled);
-    assert_eq!(seqs(s, "r1").await, [1, 2, 3, 4]);
+    assert_eq!(seqs(s.as_ref(), "r1").await, [1, 2, 3, 4]);
     assert_eq!(
         s.get_approval("alice", "a1").await.unwrap().unwrap().state,
         ApprovalState::Expired
@@ -712,7 +712,7 @@ async fn a_run_whose_lease_lapsed_is_ended_once_after_a_gap(b: Backend) {
         "one sweeper wins"
     );
     assert_eq!(
-        seqs(s, "r-dead").await,
+        seqs(s.as_ref(), "r-dead").await,
         [1, 11],
         "the terminal event skips the gap"
     );
@@ -772,7 +772,7 @@ async fn a_new_message_supersedes_a_paused_run(b: Backend) {
         s.get_run("alice", "r1").await.unwrap().unwrap().state,
         RunState::Cancelled
     );
-    assert_eq!(seqs(s, "r1").await, [1, 2, 3, 4]);
+    assert_eq!(seqs(s.as_ref(), "r1").await, [1, 2, 3, 4]);
     assert_eq!(
         s.get_approval("alice", "a1").await.unwrap().unwrap().state,
         ApprovalState::Expired
@@ -1421,7 +1421,7 @@ async fn a_history_turn_that_is_not_json_is_refused_with_its_commit(b: Backend) 
         "a turn that is not JSON is refused"
     );
     assert_eq!(
-        seqs(s, "r1").await,
+        seqs(s.as_ref(), "r1").await,
         [1],
         "nothing of the refused commit landed"
     );
@@ -1485,7 +1485,7 @@ async fn every_combination_of_a_commits_parts_lands(b: Backend) {
             .await
             .unwrap_or_else(|e| panic!("combination {combination:07b}: {e:?}"));
     }
-    assert_eq!(seqs(s, "r1").await.len(), 1 + want[0], "events");
+    assert_eq!(seqs(s.as_ref(), "r1").await.len(), 1 + want[0], "events");
     assert_eq!(s.history("t1").await.unwrap().len(), want[1], "history");
     assert_eq!(
         s.list_actions("r1").await.unwrap().len(),
@@ -1593,10 +1593,10 @@ async fn a_commit_is_whole_or_absent_and_leaves_its_connection_outside_any_trans
     // The same connection takes the next commit; the fenced one left nothing, the dropped one
     // was handed over whole and is whole.
     s.commit(&lease, events(&[5])).await.unwrap();
-    assert_eq!(seqs(s, "r1").await, [1, 2, 4, 5]);
+    assert_eq!(seqs(s.as_ref(), "r1").await, [1, 2, 4, 5]);
     let other: Arc<dyn AgentStore> = Arc::new(pg_store(b._db.as_ref().unwrap().url(), 1).await);
     assert_eq!(
-        seqs(&other, "r1").await,
+        seqs(other.as_ref(), "r1").await,
         [1, 2, 4, 5],
         "committed, as another connection sees it"
     );
@@ -1610,7 +1610,7 @@ async fn a_commit_is_whole_or_absent_and_leaves_its_connection_outside_any_trans
     ];
     let refused = s.commit(&stale, late).await.unwrap_err();
     assert!(matches!(refused, StoreError::LeaseLost), "{refused:?}");
-    assert_eq!(seqs(&other, "r1").await, [1, 2, 4, 5]);
+    assert_eq!(seqs(other.as_ref(), "r1").await, [1, 2, 4, 5]);
     assert!(
         other.history("t1").await.unwrap().is_empty(),
         "no history row"
@@ -1673,14 +1673,14 @@ async fn commits_waiting_together_are_written_together_each_behind_its_own_fence
         let id = lease.run_id.as_str();
         if id == "r5" {
             assert!(matches!(answer, Err(StoreError::LeaseLost)), "{answer:?}");
-            assert_eq!(seqs_of(s, id).await, [1], "nothing of the fenced run");
+            assert_eq!(seqs(s, id).await, [1], "nothing of the fenced run");
             assert!(s.list_actions(id).await.unwrap().is_empty());
             assert!(s.get_approval("alice", "a-r5").await.unwrap().is_none());
             assert!(s.history("t5").await.unwrap().is_empty());
             continue;
         }
         answer.unwrap_or_else(|e| panic!("{id}: {e:?}"));
-        assert_eq!(seqs_of(s, id).await, [1, 2], "{id}");
+        assert_eq!(seqs(s, id).await, [1, 2], "{id}");
         let owner = owner_of(id);
         let run = s.get_run(&owner, id).await.unwrap().unwrap();
         assert_eq!((run.iterations, run.last_event_seq), (7, 2), "{id}");
@@ -1734,10 +1734,10 @@ async fn a_refused_commit_in_a_batch_fails_alone_and_the_rest_land() {
                 matches!(answer, Err(StoreError::Unavailable(_))),
                 "{answer:?}"
             );
-            assert_eq!(seqs_of(s, id).await, [1], "nothing of the refused commit");
+            assert_eq!(seqs(s, id).await, [1], "nothing of the refused commit");
         } else {
             answer.unwrap_or_else(|e| panic!("{id}: {e:?}"));
-            assert_eq!(seqs_of(s, id).await, [1, 2], "{id}");
+            assert_eq!(seqs(s, id).await, [1, 2], "{id}");
         }
     }
     let after = store.commit_counts();
@@ -1814,7 +1814,7 @@ async fn a_busy_thread_row_holds_up_only_its_own_runs_commit() {
     holder.batch_execute("COMMIT").await.unwrap();
     held.await.unwrap().unwrap();
     for lease in &leases {
-        assert_eq!(seqs_of(store.as_ref(), &lease.run_id).await, [1, 2]);
+        assert_eq!(seqs(store.as_ref(), &lease.run_id).await, [1, 2]);
     }
 }
 
@@ -1838,15 +1838,6 @@ async fn runs_of_many_owners(s: &dyn AgentStore, n: usize) -> Vec<Lease> {
         }
     }
     leases
-}
-
-async fn seqs_of(s: &dyn AgentStore, run_id: &str) -> Vec<u64> {
-    s.events_after(run_id, 0, 1000)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(seq, _)| seq)
-        .collect()
 }
 
 /// Issue 13: a commit's "new events" notice is sent after the commit, from the store's notice
@@ -1896,7 +1887,7 @@ async fn every_run_that_commits_events_is_announced_to_other_replicas_after_its_
             && run_id != "probe"
         {
             assert_eq!(
-                seqs(&other, &run_id).await,
+                seqs(other.as_ref(), &run_id).await,
                 [1, 2, 3],
                 "{run_id}'s rows are readable when its notice arrives"
             );

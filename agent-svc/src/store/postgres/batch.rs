@@ -12,7 +12,7 @@ use serde_json::Value;
 use tokio_postgres::types::ToSql;
 
 use super::{ActionColumns, commit::PatchValues, kind_key, source_key};
-use crate::store::{Lease, RunCommit, RunPatch};
+use crate::store::{Lease, RunCommit};
 
 /// One statement for any batch; every column is an array of the batch's rows.
 /// The batch's thread rows are locked first, in id order and skipping any another
@@ -185,9 +185,8 @@ impl<'a> Columns<'a> {
             self.message_content.push(&m.content);
             self.message_metadata.push(&m.metadata);
         }
-        let max_seq = c.events.iter().map(|(seq, _)| *seq as i64).max();
-        if c.patch != RunPatch::default() || max_seq.is_some() {
-            let (p, values, cols) = (&c.patch, PatchValues::of(&c.patch), &mut self.patch);
+        if let Some(values) = PatchValues::of(c) {
+            let (p, cols) = (&c.patch, &mut self.patch);
             cols.run.push(run);
             cols.state.push(values.state);
             cols.model.push(p.model.as_deref());
@@ -200,7 +199,7 @@ impl<'a> Columns<'a> {
             cols.finished_at.push(p.finished_at);
             cols.sections.push(values.sections);
             cols.system_prompt.push(p.system_prompt.as_deref());
-            cols.max_seq.push(max_seq);
+            cols.max_seq.push(values.max_seq);
             cols.expect.push(values.expect);
         }
         if let Some(a) = &c.approval {

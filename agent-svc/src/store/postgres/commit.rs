@@ -25,7 +25,6 @@ pub(super) async fn one(
 ) -> Result<(), StoreError> {
     let run_id = &lease.run_id;
     let touch = !c.messages.is_empty();
-    let max_seq = c.events.iter().map(|(seq, _)| *seq as i64).max();
     let seqs: Vec<i64> = c.events.iter().map(|(s, _)| *s as i64).collect();
     let payloads: Vec<&[u8]> = c.events.iter().map(|(_, p)| p.as_slice()).collect();
     let mut cols = ActionColumns::default();
@@ -36,8 +35,7 @@ pub(super) async fn one(
     let kinds: Vec<&str> = c.messages.iter().map(|m| kind_key(m.kind)).collect();
     let contents: Vec<&str> = c.messages.iter().map(|m| m.content.as_str()).collect();
     let metadata: Vec<&Value> = c.messages.iter().map(|m| &m.metadata).collect();
-    let patch = PatchValues::of(&c.patch);
-    let patched = c.patch != RunPatch::default() || max_seq.is_some();
+    let patch = PatchValues::of(c);
     let audit_kinds: Vec<&str> = c.audit.iter().map(|(k, _)| k.as_str()).collect();
     let audit_details: Vec<&Value> = c.audit.iter().map(|(_, d)| d).collect();
     let approval_state = c.approval.as_ref().map(|a| a.state.key());
@@ -63,9 +61,9 @@ pub(super) async fn one(
         parts.with(Part::Messages);
         params.extend::<[Param<'_>; 4]>([&sources, &kinds, &contents, &metadata]);
     }
-    if patched {
+    if let Some(patch) = &patch {
         parts.with(Part::Patch);
-        params.extend(patch.params(&c.patch, &max_seq));
+        params.extend(patch.params(&c.patch));
     }
     if let (Some(a), Some(approval_state)) = (&c.approval, &approval_state) {
         parts.with(Part::Approval);
@@ -111,11 +109,20 @@ pub(super) struct PatchValues {
     pub(super) iterations: Option<i32>,
     pub(super) sections: Option<Value>,
     pub(super) expect: Option<&'static str>,
+    /// The commit's last event, which the run's `last_event_seq` moves up to.
+    pub(super) max_seq: Option<i64>,
 }
 
 impl PatchValues {
-    pub(super) fn of(p: &RunPatch) -> Self {
-        Self {
+    /// What a commit changes on its run's row: its patch, and its last event's seq. `None`
+    /// when it changes nothing there.
+    pub(super) fn of(c: &RunCommit) -> Option<Self> {
+        let p = &c.patch;
+        let max_seq = c.events.iter().map(|(seq, _)| *seq as i64).max();
+        if *p == RunPatch::default() && max_seq.is_none() {
+            return None;
+        }
+        Some(Self {
             state: p.state.map(RunState::key),
             usage: p
                 .usage
@@ -127,11 +134,12 @@ impl PatchValues {
                 .as_ref()
                 .map(|v| serde_json::to_value(v).unwrap_or_default()),
             expect: p.expect.map(RunState::key),
-        }
+            max_seq,
+        })
     }
 
     /// The patch's parameters in `Part::Patch`'s order.
-    fn params<'a>(&'a self, p: &'a RunPatch, max_seq: &'a Option<i64>) -> [Param<'a>; 13] {
+    fn params<'a>(&'a self, p: &'a RunPatch) -> [Param<'a>; 13] {
         [
             &self.state,
             &p.model,
@@ -144,7 +152,7 @@ impl PatchValues {
             &p.finished_at,
             &self.sections,
             &p.system_prompt,
-            max_seq,
+            &self.max_seq,
             &self.expect,
         ]
     }
