@@ -6,7 +6,8 @@
 //!
 //! Per backend (in memory; PostgreSQL with the default pool of 16 per service) it reports:
 //! - added latency p50/p99: a run's time from `RunStream` to its terminal event, less the 2 s
-//!   the model takes, and how much of it is the admission (time to the first event);
+//!   the model takes, and how much of it is the admission (time to the first event), the run
+//!   up to its tool call, the tool call, and the rest;
 //! - peak RSS of agent-svc (`VmHWM`, start-up included);
 //! - CPU per run of each service (user + system time over the wave / N, from `/proc`);
 //! - transactions per run on PostgreSQL (`pg_stat_database` of each service's database, read
@@ -176,13 +177,24 @@ fn memory_mib(pid: u32, field: &str) -> f64 {
         / 1024.0
 }
 
-/// One streaming run to its end, after checking the stream: its latency, and how long its
-/// first event (`queued`, sent once the run is admitted) took to arrive.
+/// When a run's events arrived, from its `RunStream`: where its latency went.
+struct Timeline {
+    /// The first event (`queued`, sent once the run is admitted).
+    admitted: Duration,
+    /// The tool call (the first model call answered).
+    called: Duration,
+    /// The tool's result.
+    result: Duration,
+    /// The terminal event.
+    ended: Duration,
+}
+
+/// One streaming run to its end, after checking the stream, and when its events came.
 async fn one_run(
     channel: tonic::transport::Channel,
     user: String,
     go: tokio::sync::watch::Receiver<bool>,
-) -> Result<(Duration, Duration), String> {
+) -> Result<Timeline, String> {
     let mut go = go;
     let mut client = agent_over(channel, &user);
     go.wait_for(|g| *g).await.map_err(|e| e.to_string())?;
@@ -198,7 +210,7 @@ async fn one_run(
         .into_inner();
     let mut seq = 0;
     let mut result = None;
-    let mut first_event = None;
+    let (mut first_event, mut called, mut tool_result) = (None, None, None);
     while let Some(item) = stream.next().await {
         first_event.get_or_insert_with(|| started.elapsed());
         let event = item
@@ -211,6 +223,12 @@ async fn one_run(
         }
         match event.kind {
             Some(pb::run_event::Kind::Result(r)) => result = Some(r),
+            Some(pb::run_event::Kind::ToolCall(_)) => {
+                called.get_or_insert_with(|| started.elapsed());
+            }
+            Some(pb::run_event::Kind::ToolResult(_)) => {
+                tool_result.get_or_insert_with(|| started.elapsed());
+            }
             Some(pb::run_event::Kind::Error(e)) => {
                 return Err(format!("{user}: the run failed: {}", e.message));
             }
@@ -228,7 +246,15 @@ async fn one_run(
             result.usage
         ));
     }
-    Ok((elapsed, first_event.unwrap_or(elapsed)))
+    let (Some(admitted), Some(called), Some(result)) = (first_event, called, tool_result) else {
+        return Err(format!("{user}: no tool call and result in the stream"));
+    };
+    Ok(Timeline {
+        admitted,
+        called,
+        result,
+        ended: elapsed,
+    })
 }
 
 struct Wave {
@@ -237,6 +263,9 @@ struct Wave {
     /// From `RunStream` to the run's first event: the admission's share of the latency.
     first_event_p50: Duration,
     first_event_p99: Duration,
+    /// p50 / p99 of the rest of the run's added latency, phase by phase (the model's time
+    /// taken off): admitted → tool call, tool call → its result, result → the end.
+    phases: [(Duration, Duration); 3],
     wall: Duration,
     agent_cpu_per_run: Duration,
     gateway_cpu_per_run: Duration,
@@ -263,12 +292,16 @@ async fn wave(services: &Services, number: usize, runs: usize, model_delay: Dura
     go_tx.send(true).expect("runs are waiting");
     let mut latencies = Vec::with_capacity(runs);
     let mut first_events = Vec::with_capacity(runs);
+    let mut phases: [Vec<Duration>; 3] = Default::default();
     let mut failures = Vec::new();
     for t in tasks {
         match t.await.expect("run task") {
-            Ok((d, first)) => {
-                latencies.push(d);
-                first_events.push(first);
+            Ok(run) => {
+                latencies.push(run.ended);
+                first_events.push(run.admitted);
+                phases[0].push((run.called - run.admitted).saturating_sub(model_delay));
+                phases[1].push(run.result - run.called);
+                phases[2].push((run.ended - run.result).saturating_sub(model_delay));
             }
             Err(e) => failures.push(e),
         }
@@ -284,12 +317,17 @@ async fn wave(services: &Services, number: usize, runs: usize, model_delay: Dura
     );
     latencies.sort();
     first_events.sort();
+    let phases = phases.map(|mut p| {
+        p.sort();
+        (percentile(&p, 0.50), percentile(&p, 0.99))
+    });
     let model_time = model_delay * 2;
     Wave {
         added_p50: percentile(&latencies, 0.50).saturating_sub(model_time),
         added_p99: percentile(&latencies, 0.99).saturating_sub(model_time),
         first_event_p50: percentile(&first_events, 0.50),
         first_event_p99: percentile(&first_events, 0.99),
+        phases,
         wall,
         agent_cpu_per_run: (cpu_after.0 - cpu_before.0) / runs as u32,
         gateway_cpu_per_run: (cpu_after.1 - cpu_before.1) / runs as u32,
@@ -443,6 +481,13 @@ async fn main() {
             "{backend}, wave {n}: first event (the run admitted) p50 / p99: {} / {}",
             ms(w.first_event_p50),
             ms(w.first_event_p99)
+        );
+        let [start, tool, finish] = w
+            .phases
+            .map(|(p50, p99)| format!("{} / {}", ms(p50), ms(p99)));
+        println!(
+            "{backend}, wave {n}: then, p50 / p99 (model time taken off): to the tool call {start}, \
+             the tool call {tool}, to the end {finish}"
         );
     }
     for (backend, n, w, _) in &rows {

@@ -858,43 +858,7 @@ async fn an_admission_reads_the_owners_newest_session_summaries(b: Backend) {
         .enumerate()
     {
         let (run, thread) = (format!("r{n}"), format!("t{n}"));
-        let lease = match s
-            .admit(&admission(
-                new_run(&run, &thread, owner, None),
-                true,
-                Duration::from_secs(60),
-            ))
-            .await
-            .unwrap()
-        {
-            Admitted::Started { lease, .. } => lease,
-            other => panic!("not admitted: {other:?}"),
-        };
-        let history = vec![
-            serde_json::json!({"role": "user", "content": summary})
-                .to_string()
-                .into(),
-        ];
-        s.commit(
-            &lease,
-            RunCommit {
-                history,
-                release: true,
-                ..RunCommit::default()
-            },
-        )
-        .await
-        .unwrap();
-        s.archive_history(
-            &thread,
-            owner,
-            summary,
-            &ending(RunState::Cancelled, 1),
-            None,
-        )
-        .await
-        .unwrap()
-        .expect("archived");
+        archived_session(s.as_ref(), owner, &run, &thread, summary).await;
     }
     // Runs left open above count against the cap; it is not what this test is about.
     let asking = Admission {
@@ -1663,7 +1627,7 @@ async fn commits_waiting_together_are_written_together_each_behind_its_own_fence
     )
     .await;
     let after = store.commit_counts();
-    assert_eq!(after.commits - before.commits, 12);
+    assert_eq!(after.written - before.written, 12);
     assert!(
         after.statements - before.statements < 12,
         "{} statements for 12 commits",
@@ -1815,6 +1779,237 @@ async fn a_busy_thread_row_holds_up_only_its_own_runs_commit() {
     held.await.unwrap().unwrap();
     for lease in &leases {
         assert_eq!(seqs(store.as_ref(), &lease.run_id).await, [1, 2]);
+    }
+}
+
+/// Archives a session of `owner`'s titled `summary` (run `run` on thread `thread`).
+async fn archived_session(s: &dyn AgentStore, owner: &str, run: &str, thread: &str, summary: &str) {
+    let lease = match s
+        .admit(&admission(
+            new_run(run, thread, owner, None),
+            true,
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap()
+    {
+        Admitted::Started { lease, .. } => lease,
+        other => panic!("not admitted: {other:?}"),
+    };
+    let turn = serde_json::json!({"role": "user", "content": summary});
+    let commit = RunCommit {
+        history: vec![turn.to_string().into()],
+        release: true,
+        ..RunCommit::default()
+    };
+    s.commit(&lease, commit).await.unwrap();
+    let ended = ending(RunState::Cancelled, 1);
+    let archived = s.archive_history(thread, owner, summary, &ended, None);
+    archived.await.unwrap().expect("archived");
+}
+
+/// Group admission (issue 13): runs on new threads admitted together go out in one statement,
+/// and each is admitted whole — its thread holding its lease, the run, its first event, the
+/// user's message, its request id and the session summaries it asked for.
+#[tokio::test]
+async fn admissions_of_new_threads_waiting_together_are_written_together() {
+    let db = TestDb::create().await.unwrap();
+    // Four connections: one admitter, which finds every admission below waiting at once.
+    let store = pg_store(db.url(), 4).await;
+    let s: &dyn AgentStore = &store;
+    archived_session(s, "u0", "old", "t-old", "Flights").await;
+    let admissions: Vec<Admission> = (0..12)
+        .map(|i| {
+            let (run, thread) = (format!("r{i}"), format!("t{i}"));
+            let (owner, request) = (format!("u{i}"), format!("req-{i}"));
+            Admission {
+                summaries: 2,
+                ..admission(
+                    new_run(&run, &thread, &owner, Some(&request)),
+                    true,
+                    Duration::from_secs(60),
+                )
+            }
+        })
+        .collect();
+    let before = store.admission_counts();
+    let answers = futures_util::future::join_all(admissions.iter().map(|a| s.admit(a))).await;
+    let after = store.admission_counts();
+    assert_eq!(after.written - before.written, 12);
+    assert!(
+        after.statements - before.statements < 12,
+        "{} statements for 12 admissions",
+        after.statements - before.statements
+    );
+    for (i, answer) in answers.into_iter().enumerate() {
+        let (id, thread, owner) = (format!("r{i}"), format!("t{i}"), format!("u{i}"));
+        let Admitted::Started { lease, summaries } = answer.unwrap() else {
+            panic!("{id} not admitted");
+        };
+        assert_eq!((&lease.run_id, &lease.thread_id), (&id, &thread));
+        let read: Vec<&str> = summaries.iter().map(|a| a.summary.as_str()).collect();
+        let expected: &[&str] = if i == 0 { &["Flights"] } else { &[] };
+        assert_eq!(read, expected, "{id}: its owner's own summaries");
+        let run = s.get_run(&owner, &id).await.unwrap().unwrap();
+        assert_eq!(
+            (run.state, run.last_event_seq),
+            (RunState::Queued, 1),
+            "{id}"
+        );
+        assert_eq!(
+            s.events_after(&id, 0, 10).await.unwrap(),
+            [(1, b"queued".to_vec())]
+        );
+        let messages = s.list_messages(&thread, 0, 10).await.unwrap();
+        let texts: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+        assert_eq!(texts, [format!("prompt of {id}")]);
+        let made = s.get_thread(&owner, &thread).await.unwrap().unwrap();
+        assert_eq!(made.title, format!("title of {thread}"));
+        assert_eq!(
+            made.active_run_id.as_deref(),
+            Some(id.as_str()),
+            "{id} holds its thread"
+        );
+        let by_request = s.find_run_by_request(&owner, &format!("req-{i}")).await;
+        assert_eq!(by_request.unwrap().unwrap().id, id);
+        // The lease it was given is the thread's: its commit lands.
+        s.commit(&lease, events(&[2])).await.unwrap();
+        assert_eq!(seqs(s, &id).await, [1, 2]);
+    }
+}
+
+/// Group admission refuses each run on its own: one at its owner's cap, or retrying a request
+/// id, is told so, as if it had come alone, and leaves nothing behind; a second run of an owner
+/// or on a thread in the same batch is admitted (or refused) alone, after it; the rest land.
+#[tokio::test]
+async fn each_admission_in_a_batch_is_refused_or_admitted_on_its_own() {
+    let db = TestDb::create().await.unwrap();
+    let store = pg_store(db.url(), 4).await;
+    let s: &dyn AgentStore = &store;
+    let admit_new = |id: &str, thread: &str, owner: &str, request: Option<&str>| {
+        admission(
+            new_run(id, thread, owner, request),
+            true,
+            Duration::from_secs(60),
+        )
+    };
+    // carol is at her cap of 3 live runs; dave has run d1 for request "req-d".
+    for i in 0..3 {
+        let a = admit_new(&format!("c{i}"), &format!("tc{i}"), "carol", None);
+        assert!(matches!(
+            s.admit(&a).await.unwrap(),
+            Admitted::Started { .. }
+        ));
+    }
+    let d1 = admit_new("d1", "td1", "dave", Some("req-d"));
+    assert!(matches!(
+        s.admit(&d1).await.unwrap(),
+        Admitted::Started { .. }
+    ));
+
+    let batch = [
+        admit_new("e1", "te1", "erin", None),
+        admit_new("c3", "tc3", "carol", None),
+        admit_new("d2", "td2", "dave", Some("req-d")),
+        admit_new("f1", "tf", "frank", None),
+        admit_new("g1", "tf", "grace", None),
+        admit_new("e2", "te2", "erin", None),
+    ];
+    let before = store.admission_counts();
+    let answers = futures_util::future::join_all(batch.iter().map(|a| s.admit(a))).await;
+    let after = store.admission_counts();
+    assert!(
+        after.statements - before.statements < 6,
+        "some were admitted together: {} statements",
+        after.statements - before.statements
+    );
+    let mut answers = answers.into_iter();
+    let mut next = || answers.next().unwrap();
+    assert!(matches!(next(), Ok(Admitted::Started { .. })), "e1");
+    assert_eq!(next().unwrap(), Admitted::TooManyRuns { active: 3 }, "c3");
+    assert_eq!(
+        next().unwrap(),
+        Admitted::Duplicate {
+            run_id: "d1".into(),
+            thread_id: "td1".into()
+        },
+        "d2 retried d1's request"
+    );
+    assert!(matches!(next(), Ok(Admitted::Started { .. })), "f1");
+    let second_on_tf = next();
+    assert!(
+        matches!(second_on_tf, Err(StoreError::Conflict(_))),
+        "g1 on a thread f1 made: {second_on_tf:?}"
+    );
+    assert!(
+        matches!(next(), Ok(Admitted::Started { .. })),
+        "e2, erin's second"
+    );
+    // The refused left nothing: no thread, no run.
+    for (owner, run, thread) in [
+        ("carol", "c3", "tc3"),
+        ("dave", "d2", "td2"),
+        ("grace", "g1", "tf"),
+    ] {
+        assert!(s.get_run(owner, run).await.unwrap().is_none(), "{run}");
+        assert!(
+            s.get_thread(owner, thread).await.unwrap().is_none(),
+            "{thread}"
+        );
+    }
+    let tf = s.get_thread("frank", "tf").await.unwrap().unwrap();
+    assert_eq!(tf.active_run_id.as_deref(), Some("f1"));
+}
+
+/// A batch of admissions the database refuses as a whole (here one run reuses another's id)
+/// is admitted one by one: the rest start, the one at fault alone is refused and leaves nothing.
+#[tokio::test]
+async fn a_batch_of_admissions_the_database_refuses_is_admitted_one_by_one() {
+    let db = TestDb::create().await.unwrap();
+    let store = pg_store(db.url(), 4).await;
+    let s: &dyn AgentStore = &store;
+    let admit_new = |id: &str, thread: &str, owner: &str| {
+        admission(
+            new_run(id, thread, owner, None),
+            true,
+            Duration::from_secs(60),
+        )
+    };
+    assert!(matches!(
+        s.admit(&admit_new("r1", "t1", "alice")).await.unwrap(),
+        Admitted::Started { .. }
+    ));
+    let batch = [
+        admit_new("r2", "t2", "bob"),
+        admit_new("r1", "t3", "carol"),
+        admit_new("r4", "t4", "dave"),
+    ];
+    let before = store.admission_counts();
+    let answers = futures_util::future::join_all(batch.iter().map(|a| s.admit(a))).await;
+    let after = store.admission_counts();
+    assert_eq!(after.batches_retried - before.batches_retried, 1);
+    assert!(
+        matches!(answers[0], Ok(Admitted::Started { .. })),
+        "{:?}",
+        answers[0]
+    );
+    assert!(
+        matches!(answers[1], Err(StoreError::Conflict(_))),
+        "{:?}",
+        answers[1]
+    );
+    assert!(
+        matches!(answers[2], Ok(Admitted::Started { .. })),
+        "{:?}",
+        answers[2]
+    );
+    assert!(s.get_thread("carol", "t3").await.unwrap().is_none());
+    assert_eq!(
+        s.get_run("alice", "r1").await.unwrap().unwrap().thread_id,
+        "t1"
+    );
+    for (owner, run) in [("bob", "r2"), ("dave", "r4")] {
+        assert_eq!(seqs(s, run).await, [1], "{owner}'s run and its first event");
     }
 }
 

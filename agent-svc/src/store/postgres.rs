@@ -18,10 +18,13 @@ mod embedded {
     refinery::embed_migrations!("migrations");
 }
 
+mod admission;
+mod admitter;
 mod batch;
 mod commit;
 mod committer;
-pub use committer::CommitCounts;
+mod group;
+pub use group::BatchCounts;
 mod notices;
 
 // Lease expiry is set and compared with `clock_timestamp()`, not `now()`: `now()` is when the
@@ -38,6 +41,8 @@ pub struct PgStore {
     notices_out: notices::Outgoing,
     /// Writes runs' commits, many per statement when they wait (group commit).
     committer: committer::Committer,
+    /// Admits runs on new threads, many per statement when they wait (group admission).
+    admitter: admitter::Admitter,
     /// Stops the notice connection with the store.
     _listener: tokio_util::sync::DropGuard,
 }
@@ -63,9 +68,13 @@ impl PgStore {
         // A quarter of the pool commits: each committer holds one connection per statement,
         // however many runs it carries, and the rest stay free for admissions and reads.
         let committer = committer::Committer::start(pool.clone(), config.pool.max_connections / 4);
+        // As many admit runs on new threads in a burst of them; the rest of the pool is left
+        // for the runs' reads and for admissions on existing threads.
+        let admitter = admitter::Admitter::start(pool.clone(), config.pool.max_connections / 4);
         Ok(Self {
             notices_out,
             committer,
+            admitter,
             pool,
             notices,
             _listener: stop.drop_guard(),
@@ -73,84 +82,19 @@ impl PgStore {
     }
 
     /// How the store has written runs' commits since it opened.
-    pub fn commit_counts(&self) -> committer::CommitCounts {
+    pub fn commit_counts(&self) -> BatchCounts {
         self.committer.counts.read()
+    }
+
+    /// How the store has admitted runs on new threads since it opened.
+    pub fn admission_counts(&self) -> BatchCounts {
+        self.admitter.counts.read()
     }
 
     async fn client(&self) -> Result<pg::Pooled, StoreError> {
         pg::checkout(&self.pool, "agent")
             .await
             .map_err(StoreError::unavailable)
-    }
-
-    /// What a refused admission tells its caller, from the check that refused it
-    /// (`agent.admission_refused`, migration V13); any other error is the database's.
-    async fn refused(
-        &self,
-        client: &pg::Pooled,
-        a: &Admission,
-        e: tokio_postgres::Error,
-    ) -> Result<Admitted, StoreError> {
-        let run = &a.run;
-        let Some(refusal) = e.as_db_error() else {
-            return Err(db(e));
-        };
-        let detail = refusal.detail().unwrap_or_default();
-        let code = refusal.code().code();
-        // A retried request id is told of its first run. A retry racing its original meets
-        // the original's lease or cap before its own request id, and is told the same, as the
-        // in-memory store tells it.
-        let may_be_a_retry = code == REFUSED_DUPLICATE
-            || run.request_id.is_some()
-                && [
-                    REFUSED_TOO_MANY_RUNS,
-                    REFUSED_BUSY,
-                    REFUSED_AWAITING_APPROVAL,
-                ]
-                .contains(&code);
-        if may_be_a_retry
-            && let Some(first) = client
-                .query_opt(
-                    "SELECT id, thread_id FROM agent.runs WHERE owner = $1 AND request_id = $2",
-                    &[&run.owner, &run.request_id],
-                )
-                .await
-                .map_err(db)?
-        {
-            return Ok(Admitted::Duplicate {
-                run_id: first.get(0),
-                thread_id: first.get(1),
-            });
-        }
-        match code {
-            REFUSED_TOO_MANY_RUNS => Ok(Admitted::TooManyRuns {
-                active: detail.parse().unwrap_or(a.max_active_runs),
-            }),
-            REFUSED_AWAITING_APPROVAL => Ok(Admitted::AwaitingApproval {
-                run_id: detail.to_owned(),
-            }),
-            REFUSED_BUSY => {
-                let holder = client
-                    .query_opt(
-                        "SELECT CASE WHEN lock_expires_at > clock_timestamp() THEN lock_run_id END FROM agent.threads \
-                         WHERE id = $1 AND owner = $2",
-                        &[&run.thread_id, &run.owner],
-                    )
-                    .await
-                    .map_err(db)?
-                    .ok_or_else(|| StoreError::NotFound(format!("thread {}", run.thread_id)))?;
-                Ok(Admitted::Busy {
-                    run_id: holder.get::<_, Option<String>>(0).unwrap_or_default(),
-                })
-            }
-            // The run the insert met was deleted (with its thread) before this read: a
-            // conflict the caller can retry.
-            REFUSED_DUPLICATE => Err(StoreError::Conflict(format!(
-                "run request {:?} conflicted with a run that is gone; retry",
-                run.request_id.as_deref().unwrap_or_default()
-            ))),
-            _ => Err(db(e)),
-        }
     }
 }
 
@@ -318,128 +262,10 @@ impl AgentStore for PgStore {
     }
 
     async fn admit(&self, a: &Admission) -> Result<Admitted, StoreError> {
-        use tokio_postgres::types::ToSql;
-        type Param<'a> = &'a (dyn ToSql + Sync);
-        let run = &a.run;
-        let lease = Lease::new(&run.thread_id, &run.id);
-        let ttl = millis(a.lease);
-        let client = self.client().await?;
-        let t: &tokio_postgres::Client = &client;
-        // The whole admission is one pipeline, BEGIN to COMMIT: each check raises
-        // `agent.admission_refused` when it fails (migration V13), which aborts the transaction,
-        // so COMMIT need not wait for the answers — one round trip while the connection is held.
-        let count = client.prepare_cached(SQL_ADMIT_CAP).await.map_err(db)?;
-        let take = client
-            .prepare_cached(if a.new_thread_title.is_some() {
-                SQL_NEW_THREAD
-            } else {
-                SQL_TAKE_THREAD
-            })
-            .await
-            .map_err(db)?;
-        // Nothing can be paused on a thread this admission makes.
-        let supersede = match a.new_thread_title {
-            Some(_) => None,
-            None => Some(
-                client
-                    .prepare_cached(if a.supersede_paused {
-                        SQL_SUPERSEDE
-                    } else {
-                        SQL_NOT_PAUSED
-                    })
-                    .await
-                    .map_err(db)?,
-            ),
-        };
-        let insert = client.prepare_cached(SQL_ADMIT_RUN).await.map_err(db)?;
-        let summaries = match a.summaries {
-            0 => None,
-            _ => Some(
-                client
-                    .prepare_cached(SQL_RECENT_SUMMARIES)
-                    .await
-                    .map_err(db)?,
-            ),
-        };
-        let summary_limit = a.summaries as i64;
-        let max_active = i64::from(a.max_active_runs);
-        let title = a.new_thread_title.as_deref().unwrap_or_default();
-        let count_params: [Param<'_>; 2] = [&run.owner, &max_active];
-        let take_params: [Param<'_>; 6] = match &a.new_thread_title {
-            Some(_) => [
-                &run.thread_id,
-                &run.owner,
-                &title,
-                &run.id,
-                &lease.token,
-                &ttl,
-            ],
-            None => [
-                &run.thread_id,
-                &run.id,
-                &lease.token,
-                &ttl,
-                &run.owner,
-                &title,
-            ],
-        };
-        let supersede_params: [Param<'_>; 3] =
-            [&run.thread_id, &a.supersede_message, &a.supersede_event];
-        // SQL_NOT_PAUSED only looks at the thread ($1).
-        let supersede_params = &supersede_params[..if a.supersede_paused { 3 } else { 1 }];
-        let insert_params: [Param<'_>; 7] = [
-            &run.id,
-            &run.thread_id,
-            &run.owner,
-            &run.request_id,
-            &run.channel,
-            &a.first_event,
-            &a.user_message,
-        ];
-        let mut open = pg::Begun::new(t);
-        // join polls in order, and each statement is sent when first polled: BEGIN goes first,
-        // COMMIT last.
-        let ((begun, active, taken), (superseded, inserted, recent, committed)) =
-            futures_util::future::join(
-                futures_util::future::join3(
-                    t.batch_execute("BEGIN"),
-                    t.query_one(&count, &count_params),
-                    t.execute_raw(&take, take_params),
-                ),
-                futures_util::future::join4(
-                    async {
-                        match &supersede {
-                            Some(s) => t.execute_raw(s, supersede_params.iter().copied()).await,
-                            None => Ok(0),
-                        }
-                    },
-                    t.query_one(&insert, &insert_params),
-                    async {
-                        match &summaries {
-                            Some(s) => t.query(s, &[&run.owner, &summary_limit]).await,
-                            None => Ok(Vec::new()),
-                        }
-                    },
-                    t.batch_execute("COMMIT"),
-                ),
-            )
-            .await;
-        // COMMIT was sent: the transaction is over whatever it answers.
-        open.committed();
-        begun.map_err(db)?;
-        // The first statement that failed decides (those behind it failed unexecuted), and
-        // COMMIT answered ROLLBACK: nothing of this admission is left behind.
-        let failed = (active.err())
-            .or(taken.err())
-            .or(superseded.err())
-            .or(inserted.err());
-        let recent = match (failed, recent) {
-            (Some(e), _) | (None, Err(e)) => return self.refused(&client, a, e).await,
-            (None, Ok(rows)) => rows,
-        };
-        committed.map_err(db)?;
-        let summaries = recent.iter().map(archive).collect();
-        Ok(Admitted::Started { lease, summaries })
+        if a.new_thread_title.is_some() {
+            return self.admitter.admit(a.clone()).await;
+        }
+        admission::one(&self.client().await?, a).await
     }
 
     async fn lock_thread(
@@ -897,7 +723,7 @@ impl AgentStore for PgStore {
         let rows = client
             .query(
                 &client
-                    .prepare_cached(SQL_RECENT_SUMMARIES)
+                    .prepare_cached(admission::SQL_RECENT_SUMMARIES)
                     .await
                     .map_err(db)?,
                 &[&owner, &(limit as i64)],
@@ -1595,46 +1421,3 @@ fn action(r: &Row) -> Result<Action, StoreError> {
 
 /// The SQLSTATE `agent.lease_lost()` raises (migration V11) when a writer's lease is not live.
 const LEASE_LOST: &str = "SWL01";
-
-/// The admission's checks raise `agent.admission_refused` (migration V13) with these SQLSTATEs.
-const REFUSED_TOO_MANY_RUNS: &str = "SWA01";
-const REFUSED_BUSY: &str = "SWA02";
-const REFUSED_AWAITING_APPROVAL: &str = "SWA03";
-const REFUSED_DUPLICATE: &str = "SWA04";
-/// The owner's live runs, refused at the cap (`$2`) with their count.
-const SQL_ADMIT_CAP: &str = "SELECT CASE WHEN count(*) < $2::bigint THEN count(*) \
-      ELSE agent.admission_refused('SWA01', count(*)::text) END \
-    FROM agent.runs WHERE owner = $1 AND state IN ('queued', 'planning', 'executing')";
-const SQL_NEW_THREAD: &str = "INSERT INTO agent.threads (id, owner, title, lock_run_id, lock_token, lock_expires_at, \
-      last_run_id) \
-    VALUES ($1, $2, $3, $4, $5, clock_timestamp() + $6::bigint * interval '1 millisecond', $4)";
-/// Takes an existing thread's lease if it is free or lapsed (`$6`, the title, is unused);
-/// refused as busy when it is neither (or the thread is someone else's).
-const SQL_TAKE_THREAD: &str = "WITH taken AS (UPDATE agent.threads SET lock_run_id = $2, lock_token = $3, \
-      lock_expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond', last_run_id = $2, updated_at = now() \
-    WHERE id = $1 AND owner = $5 AND $6::text IS NOT NULL AND (lock_run_id IS NULL OR lock_expires_at <= clock_timestamp()) \
-    RETURNING 1) \
-    SELECT CASE WHEN EXISTS (SELECT 1 FROM taken) THEN 1 ELSE agent.admission_refused('SWA02', '') END";
-/// Runs paused on the thread are superseded by the new message (their calls are closed by the
-/// new run), their approvals void.
-const SQL_SUPERSEDE: &str = "WITH ended AS (UPDATE agent.runs SET state = 'cancelled', error = $2, \
-      failure_kind = 'cancelled', finished_at = now(), last_event_seq = last_event_seq + 1 \
-      WHERE thread_id = $1 AND state = 'awaiting_confirmation' RETURNING id, last_event_seq), \
-    ev AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, last_event_seq, $3 FROM ended), \
-    ap AS (UPDATE agent.approvals SET state = 'expired' WHERE thread_id = $1 AND state = 'pending') \
-    SELECT pg_notify('agent_runs', 'e:' || id) FROM ended";
-/// An admission that must not supersede a run paused for approval on the thread is refused
-/// with that run's id; with none paused it returns no row (the thread lease taken first in the
-/// same transaction keeps any other run from pausing meanwhile).
-const SQL_NOT_PAUSED: &str = "SELECT agent.admission_refused('SWA03', id) FROM agent.runs \
-    WHERE thread_id = $1 AND state = 'awaiting_confirmation' LIMIT 1";
-const SQL_RECENT_SUMMARIES: &str = "SELECT thread_id, summary, turn_count, archived_at \
-     FROM agent.session_archives WHERE owner = $1 ORDER BY archived_at DESC, id DESC LIMIT $2";
-
-const SQL_ADMIT_RUN: &str = "WITH r AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, \
-      last_event_seq) VALUES ($1, $2, $3, $4, 'queued', $5, 1) \
-      ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING RETURNING id), \
-    e AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, 1, $6 FROM r), \
-    m AS (INSERT INTO agent.messages (thread_id, run_id, source, kind, content) \
-      SELECT $2, id, 'user', 'text', $7 FROM r WHERE $7::text IS NOT NULL) \
-    SELECT CASE WHEN EXISTS (SELECT 1 FROM r) THEN 1 ELSE agent.admission_refused('SWA04', '') END";

@@ -1,0 +1,225 @@
+//! Group admission (issue 13, Q-2): admissions of runs on new threads wait for a few admitter
+//! tasks, and an admitter writes whatever waits when it comes free as one statement — each
+//! table once for the batch, every run checked against its owner's cap. A burst of runs
+//! started together (a backend's users all asking at once) is where PostgreSQL's fixed cost
+//! per transaction was the first wave's latency; a lone admission goes out at once, alone.
+//!
+//! A batch only admits: a run it does not admit (at its owner's cap, a retried request id) is
+//! then admitted alone (`admission::one`), which tells it why, as it always did. Runs on an
+//! existing thread never come here: they take the thread's lease and supersede its paused
+//! runs, which the store does in a transaction of their own.
+
+use std::{collections::HashMap, sync::Arc};
+
+use tokio_postgres::types::ToSql;
+
+use super::{
+    admission, archive,
+    group::{self, Counters, Queue, Waiting},
+    millis,
+};
+use crate::store::{Admission, Admitted, Archive, Lease, StoreError};
+use svc_kit::pg;
+
+/// The most admissions one statement carries; as for commits, enough to amortise the
+/// statement and few enough that a batch retried one by one stays short.
+const MAX_BATCH: usize = 32;
+
+/// Admits every run of the batch whose owner is under the cap and whose request id is new:
+/// its thread (with the run's lease), the run, its first event and the user's message. Returns
+/// the runs admitted. The cap is counted before the batch, so a batch holds one run per owner.
+const SQL_ADMIT_MANY: &str = "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], \
+      $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[], $9::bytea[], $10::text[], $11::bigint[]) \
+      AS u(run, thread, owner, request, channel, title, token, ttl, event, message, cap)), \
+  live AS (SELECT r.owner, count(*) AS n FROM agent.runs r \
+      WHERE r.owner = ANY($3::text[]) AND r.state IN ('queued', 'planning', 'executing') GROUP BY r.owner), \
+  runs AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, last_event_seq) \
+      SELECT u.run, u.thread, u.owner, u.request, 'queued', u.channel, 1 \
+      FROM u LEFT JOIN live l ON l.owner = u.owner WHERE COALESCE(l.n, 0) < u.cap \
+      ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING RETURNING id), \
+  threads AS (INSERT INTO agent.threads (id, owner, title, lock_run_id, lock_token, lock_expires_at, \
+      last_run_id) \
+      SELECT u.thread, u.owner, u.title, u.run, u.token, \
+        clock_timestamp() + u.ttl * interval '1 millisecond', u.run \
+      FROM u WHERE u.run IN (SELECT id FROM runs)), \
+  events AS (INSERT INTO agent.run_events (run_id, seq, payload) \
+      SELECT u.run, 1, u.event FROM u WHERE u.run IN (SELECT id FROM runs)), \
+  messages AS (INSERT INTO agent.messages (thread_id, run_id, source, kind, content) \
+      SELECT u.thread, u.run, 'user', 'text', u.message FROM u \
+      WHERE u.message IS NOT NULL AND u.run IN (SELECT id FROM runs)) \
+  SELECT id FROM runs";
+
+/// The newest `$2` session summaries of each owner in `$1`, as `archive` reads them, with the
+/// owner last.
+const SQL_SUMMARIES_OF_OWNERS: &str = "SELECT thread_id, summary, turn_count, archived_at, owner \
+    FROM (SELECT a.*, row_number() OVER (PARTITION BY a.owner ORDER BY a.archived_at DESC, a.id DESC) AS n \
+      FROM agent.session_archives a WHERE a.owner = ANY($1::text[])) newest \
+    WHERE n <= $2 ORDER BY owner, n";
+
+type Queued = Waiting<Admission, Admitted>;
+
+pub(super) struct Admitter {
+    queue: Queue<Admission, Admitted>,
+    pub(super) counts: Arc<Counters>,
+}
+
+impl Admitter {
+    /// Starts `workers` admitter tasks on `pool`; they end when the admitter is dropped.
+    pub(super) fn start(pool: pg::PgPool, workers: usize) -> Self {
+        let counts = Arc::new(Counters::new(
+            "steward_db_admission_batch_size",
+            "steward_db_admission_batches_retried_total",
+        ));
+        let written = counts.clone();
+        let queue = group::start(workers, MAX_BATCH, "admission", move |batch| {
+            let (pool, counts) = (pool.clone(), written.clone());
+            async move { write(&pool, batch, &counts).await }
+        });
+        Self { queue, counts }
+    }
+
+    /// Admits `a` (a run on a new thread), alone or with others, and answers for it alone. An
+    /// outcome left unknown (its admitter failed) may be a run admitted that nothing runs: it
+    /// is ended as abandoned once its lease lapses.
+    pub(super) async fn admit(&self, a: Admission) -> Result<Admitted, StoreError> {
+        self.queue.submit(a).await
+    }
+}
+
+/// Writes `batch` and answers each of its admissions.
+async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: &Counters) {
+    let Some(mut client) = group::connection(pool, &mut batch).await else {
+        return;
+    };
+    // Admitted alone, after the batch: a second run of one owner (the batch counts the cap
+    // before it, and a request id is unique per owner), and a second run on one thread.
+    let mut seen = std::collections::HashSet::new();
+    let (together, mut alone): (Vec<Queued>, Vec<Queued>) = batch.into_iter().partition(|q| {
+        let run = &q.item.run;
+        seen.insert(("owner", run.owner.clone())) & seen.insert(("thread", run.thread_id.clone()))
+    });
+    if together.len() == 1 {
+        alone.splice(0..0, together);
+    } else if !together.is_empty() {
+        let admissions: Vec<&Admission> = together.iter().map(|q| &q.item).collect();
+        match many(&client, &admissions).await {
+            Ok(mut admitted) => {
+                counts.wrote(admitted.len());
+                for q in together {
+                    match admitted.remove(&q.item.run.id) {
+                        Some(started) => q.answer(Ok(started)),
+                        // Refused: alone, it is told why (or admitted, if that has changed).
+                        None => alone.push(q),
+                    }
+                }
+            }
+            Err(e) => {
+                let retry = group::refused_batch(pool, client, &e, counts, together, &mut alone);
+                let Some(usable) = retry.await else {
+                    return;
+                };
+                client = usable;
+            }
+        }
+    }
+    for q in alone {
+        let answer = admission::one(&client, &q.item).await;
+        counts.wrote(1);
+        q.answer(answer);
+    }
+}
+
+/// The batch's rows, column by column.
+#[derive(Default)]
+struct Columns<'a> {
+    run: Vec<&'a str>,
+    thread: Vec<&'a str>,
+    owner: Vec<&'a str>,
+    request: Vec<Option<&'a str>>,
+    channel: Vec<&'a str>,
+    title: Vec<&'a str>,
+    token: Vec<String>,
+    ttl: Vec<i64>,
+    event: Vec<&'a [u8]>,
+    message: Vec<Option<&'a str>>,
+    cap: Vec<i64>,
+}
+
+/// Admits, in one statement, every run of `batch` (runs on new threads, one per owner and per
+/// thread) that its owner's cap and request id let in, with the summaries each asked for.
+async fn many(
+    client: &pg::Pooled,
+    batch: &[&Admission],
+) -> Result<HashMap<String, Admitted>, tokio_postgres::Error> {
+    let mut cols = Columns::default();
+    let mut leases: HashMap<&str, (&Admission, Lease)> = HashMap::new();
+    for a in batch {
+        let run = &a.run;
+        let lease = Lease::new(&run.thread_id, &run.id);
+        cols.run.push(&run.id);
+        cols.thread.push(&run.thread_id);
+        cols.owner.push(&run.owner);
+        cols.request.push(run.request_id.as_deref());
+        cols.channel.push(&run.channel);
+        cols.title
+            .push(a.new_thread_title.as_deref().unwrap_or_default());
+        cols.token.push(lease.token.clone());
+        cols.ttl.push(millis(a.lease));
+        cols.event.push(&a.first_event);
+        cols.message.push(a.user_message.as_deref());
+        cols.cap.push(i64::from(a.max_active_runs));
+        leases.insert(&run.id, (a, lease));
+    }
+    let params: [&(dyn ToSql + Sync); 11] = [
+        &cols.run,
+        &cols.thread,
+        &cols.owner,
+        &cols.request,
+        &cols.channel,
+        &cols.title,
+        &cols.token,
+        &cols.ttl,
+        &cols.event,
+        &cols.message,
+        &cols.cap,
+    ];
+    let most_summaries = batch.iter().map(|a| a.summaries).max().unwrap_or(0) as i64;
+    let wanting: Vec<&str> = batch
+        .iter()
+        .filter(|a| a.summaries > 0)
+        .map(|a| a.run.owner.as_str())
+        .collect();
+    let admit = client.prepare_cached(SQL_ADMIT_MANY).await?;
+    let read = client.prepare_cached(SQL_SUMMARIES_OF_OWNERS).await?;
+    // One round trip: the read goes out behind the write (it reads archives, which the write
+    // does not touch).
+    let (admitted, recent) = futures_util::future::join(client.query(&admit, &params), async {
+        match wanting.is_empty() {
+            true => Ok(Vec::new()),
+            false => client.query(&read, &[&wanting, &most_summaries]).await,
+        }
+    })
+    .await;
+    let (admitted, recent) = (admitted?, recent?);
+    let mut summaries: HashMap<String, Vec<Archive>> = HashMap::new();
+    for row in &recent {
+        summaries.entry(row.get(4)).or_default().push(archive(row));
+    }
+    let mut started = HashMap::new();
+    for row in admitted {
+        let id: String = row.get(0);
+        let Some((a, lease)) = leases.remove(id.as_str()) else {
+            continue;
+        };
+        let mut recent = summaries.get(&a.run.owner).cloned().unwrap_or_default();
+        recent.truncate(a.summaries);
+        started.insert(
+            id,
+            Admitted::Started {
+                lease,
+                summaries: recent,
+            },
+        );
+    }
+    Ok(started)
+}
