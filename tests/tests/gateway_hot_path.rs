@@ -20,7 +20,7 @@ use gateway_svc::{
     context::CallContext,
     domain::{Integration, UserId},
     enforce::ToolError,
-    ratelimit::{Decision, LimitKey, Limits, RateLimitBackend, memory::MemoryRateLimits},
+    ratelimit::{Decision, LimitKey, Limits, RateLimitBackend, Window, memory::MemoryRateLimits},
     registry::{Tool, ToolOutput, ToolSpec},
     store::{AuditEntry, AuditRecord, Stores, postgres::PgStore},
 };
@@ -532,6 +532,52 @@ async fn refunds_go_back_to_the_windows_charged_and_never_below_zero(b: Arc<dyn 
         denied => panic!("{denied:?}"),
     }
     assert!(!allowed(&b.charge(&r, &limits, 1, T + 60).await.unwrap()));
+}
+
+/// A charge lands whole or not at all: one that fits the hour but not the minute charges
+/// neither (on PostgreSQL the one-statement charge undoes itself), and a charge of up to `max`
+/// that does not fit takes what every window has left.
+async fn a_charge_that_does_not_fit_every_window_charges_none(b: Arc<dyn RateLimitBackend>) {
+    let limits: Limits = "10/minute,100/hour".parse().unwrap();
+    let k = key("partial");
+    assert!(allowed(&b.charge(&k, &limits, 8, T).await.unwrap()));
+    assert_eq!(
+        b.charge(&k, &limits, 5, T).await.unwrap(),
+        Decision::Denied {
+            window: Window::Minute,
+            limit: 10,
+            retry_after: Duration::from_secs(42)
+        }
+    );
+    let (decision, cost) = b.charge_up_to(&k, &limits, 1, 5, T).await.unwrap();
+    assert_eq!(cost, 2, "what the minute had left");
+    match decision {
+        Decision::Allowed(usage) => {
+            let used: Vec<(Window, u32)> = usage.iter().map(|u| (u.window, u.used)).collect();
+            assert_eq!(
+                used,
+                [(Window::Minute, 10), (Window::Hour, 10)],
+                "the refused 5 left the hour as it was"
+            );
+        }
+        denied => panic!("{denied:?}"),
+    }
+}
+
+#[tokio::test]
+async fn g6_a_partial_charge_is_never_kept_in_process() {
+    a_charge_that_does_not_fit_every_window_charges_none(Arc::new(MemoryRateLimits::default()))
+        .await;
+}
+
+#[tokio::test]
+async fn g6_a_partial_charge_is_never_kept_on_postgres() {
+    let db = TestDb::create().await.unwrap();
+    let stores = pg_stores(&db).await;
+    a_charge_that_does_not_fit_every_window_charges_none(
+        stores.shared_rate_limits.clone().unwrap(),
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -1,18 +1,43 @@
-//! Rate-limit counters in PostgreSQL, shared by every replica. Each charge (and each refund)
-//! runs in one transaction holding an advisory lock on the key, so concurrent charges for one
-//! key are serialised and the count is exact; different keys never wait on each other. The
-//! transactions are pipelined: a charge is two round trips (BEGIN, lock and read; the writes
-//! and COMMIT), a refund one.
+//! Rate-limit counters in PostgreSQL, shared by every replica. Every charge (and every refund)
+//! holds an advisory lock on the key for its transaction, so concurrent charges for one key
+//! are serialised and the count is exact; different keys never wait on each other.
+//!
+//! A charge that fits is one statement (issue 13): it raises every window by the whole charge
+//! where there is room, and undoes itself when some window had none. Only then is the charge
+//! decided the long way, in a transaction of two round trips (BEGIN, lock and read; the writes
+//! and COMMIT) that reads the windows and lets `decide_up_to` — the rule both backends share —
+//! say how much, if anything, it takes. A refund is one round trip.
 
 use deadpool_postgres::Pool;
 
-use super::{Decision, LimitKey, Limits, RateLimitBackend, Window, WindowCount, decide_up_to};
+use super::{
+    Decision, LimitKey, Limits, RateLimitBackend, Window, WindowCount, WindowUsage, decide_up_to,
+};
 use crate::store::StoreError;
 
 /// Serialises every charge and refund of one key for the rest of its transaction.
 const SQL_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
 const SQL_READ: &str =
     "SELECT window_secs, window_start, used FROM gateway.rate_windows WHERE limit_key = $1";
+/// The whole charge `$5` added to every window of key `$1` (seconds `$2`, current start `$3`,
+/// limit `$4`) that has room for it, under the key's lock (taken before any row is written:
+/// every row the insert sees comes through the join with it). A stored window from an earlier
+/// start counts as empty, as `decide` has it. Returns each window charged; when some window had
+/// no room, the statement raises SWR01 and nothing of it stays.
+const SQL_CHARGE_WHOLE: &str = "WITH locked AS (SELECT pg_advisory_xact_lock(hashtextextended($1, 0))), \
+  charged AS (INSERT INTO gateway.rate_windows AS w (limit_key, window_secs, window_start, used) \
+      SELECT $1, c.secs, c.start, $5 FROM unnest($2::int4[], $3::int8[], $4::int4[]) AS c(secs, start, lim), locked \
+      WHERE $5 <= c.lim \
+      ON CONFLICT (limit_key, window_secs) DO UPDATE SET window_start = EXCLUDED.window_start, \
+        used = CASE WHEN w.window_start = EXCLUDED.window_start THEN w.used ELSE 0 END + EXCLUDED.used \
+      WHERE CASE WHEN w.window_start = EXCLUDED.window_start THEN w.used ELSE 0 END + EXCLUDED.used \
+        <= (SELECT c.lim FROM unnest($2::int4[], $4::int4[]) AS c(secs, lim) WHERE c.secs = w.window_secs) \
+      RETURNING w.window_secs, w.used) \
+  SELECT window_secs, used, \
+    (SELECT CASE WHEN count(*) = cardinality($2::int4[]) THEN 0 ELSE gateway.charge_refused() END FROM charged) \
+  FROM charged";
+/// The SQLSTATE `gateway.charge_refused()` raises (migration V8).
+const CHARGE_REFUSED: &str = "SWR01";
 /// Every window a charge changed, in one statement (a window appears once).
 const SQL_WRITE: &str = "INSERT INTO gateway.rate_windows (limit_key, window_secs, window_start, used) \
      SELECT $1, c.secs, c.start, c.used FROM unnest($2::int4[], $3::int8[], $4::int4[]) AS c(secs, start, used) \
@@ -51,6 +76,9 @@ impl RateLimitBackend for PgRateLimits {
         let client = svc_kit::pg::checkout(&self.pool, "gateway")
             .await
             .map_err(StoreError::unavailable)?;
+        if let Some(usage) = charge_whole(&client, key, limits, max, now).await? {
+            return Ok((Decision::Allowed(usage), max));
+        }
         // Each statement prepared once per connection (the statement cache), not per call.
         let (lock, read, write_statement) = futures_util::try_join!(
             client.prepare_cached(SQL_LOCK),
@@ -153,4 +181,61 @@ impl RateLimitBackend for PgRateLimits {
         committed.map_err(StoreError::db)?;
         Ok(())
     }
+}
+
+/// Charges the whole of `cost` to every window of `key` in one statement, if every window has
+/// room for it: the windows' new counts, shortest window first, as `decide` gives them.
+/// `None` when some window had no room — nothing was charged, and the charge is to be decided
+/// under the key's lock.
+async fn charge_whole(
+    client: &svc_kit::pg::Pooled,
+    key: &LimitKey,
+    limits: &Limits,
+    cost: u32,
+    now: u64,
+) -> Result<Option<Vec<WindowUsage>>, StoreError> {
+    let mut windows = limits.0.clone();
+    windows.sort_by_key(|(w, _)| w.seconds());
+    let (Ok(cost), Ok(limit_values)) = (
+        i32::try_from(cost),
+        windows
+            .iter()
+            .map(|(_, limit)| i32::try_from(*limit))
+            .collect::<Result<Vec<i32>, _>>(),
+    ) else {
+        // Beyond what a window's column holds: the long way decides it.
+        return Ok(None);
+    };
+    let secs: Vec<i32> = windows.iter().map(|(w, _)| w.seconds() as i32).collect();
+    let starts: Vec<i64> = windows.iter().map(|(w, _)| w.start(now) as i64).collect();
+    let rows = match client
+        .query(
+            SQL_CHARGE_WHOLE,
+            &[&key.storage_key(), &secs, &starts, &limit_values, &cost],
+        )
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) if e.code().is_some_and(|c| c.code() == CHARGE_REFUSED) => return Ok(None),
+        Err(e) => return Err(StoreError::db(e)),
+    };
+    // No window charged at all (none had room) raises nothing: fewer rows than windows.
+    if rows.len() != windows.len() {
+        return Ok(None);
+    }
+    let usage = windows
+        .iter()
+        .map(|&(window, limit)| {
+            let used = rows
+                .iter()
+                .find(|r| r.get::<_, i32>(0) == window.seconds() as i32)
+                .map_or(0, |r| r.get::<_, i32>(1));
+            WindowUsage {
+                window,
+                used: used as u32,
+                limit,
+            }
+        })
+        .collect();
+    Ok(Some(usage))
 }
