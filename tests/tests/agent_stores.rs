@@ -2013,6 +2013,51 @@ async fn a_batch_of_admissions_the_database_refuses_is_admitted_one_by_one() {
     }
 }
 
+/// A batch is one transaction with the owners' session summaries it reads: when that read
+/// fails after the runs were written, nothing of the batch stays, so admitting each again alone
+/// never meets its own rows — every run is told the database's error, and none is left behind
+/// with nothing to run it.
+#[tokio::test]
+async fn a_batch_whose_summaries_cannot_be_read_admits_nothing() {
+    let db = TestDb::create().await.unwrap();
+    let store = pg_store(db.url(), 4).await;
+    let s: &dyn AgentStore = &store;
+    let asking = |i: usize| Admission {
+        summaries: 3,
+        ..admission(
+            new_run(&format!("r{i}"), &format!("t{i}"), &format!("u{i}"), None),
+            true,
+            Duration::from_secs(60),
+        )
+    };
+    // A first batch prepares its statements on the admitter's connection.
+    let first = [asking(0), asking(1)];
+    for answer in futures_util::future::join_all(first.iter().map(|a| s.admit(a))).await {
+        assert!(matches!(answer, Ok(Admitted::Started { .. })), "{answer:?}");
+    }
+    let (admin, connection) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    admin
+        .batch_execute("DROP TABLE agent.session_archives")
+        .await
+        .unwrap();
+
+    let batch = [asking(2), asking(3), asking(4)];
+    let answers = futures_util::future::join_all(batch.iter().map(|a| s.admit(a))).await;
+    for (a, answer) in batch.iter().zip(answers) {
+        let id = &a.run.id;
+        assert!(
+            matches!(answer, Err(StoreError::Unavailable(_))),
+            "{id}: {answer:?}"
+        );
+        assert!(s.get_run(&a.run.owner, id).await.unwrap().is_none(), "{id}");
+        let thread = s.get_thread(&a.run.owner, &a.run.thread_id).await.unwrap();
+        assert!(thread.is_none(), "{id}");
+    }
+}
+
 /// Run `r{i}` is user `u{i}`'s, on thread `t{i}`.
 fn owner_of(run_id: &str) -> String {
     run_id.replacen('r', "u", 1)

@@ -625,6 +625,50 @@ async fn g6_concurrent_charges_and_refunds_on_postgres_lose_nothing() {
     }
 }
 
+/// Charges racing on one key, each of as much as 3 but at least 1, take exactly the limit:
+/// the one-statement charges (while 3 fits), the charges decided under the lock (the last
+/// room, 1 or 2) and the denials after them never lose a count or give one twice.
+#[tokio::test]
+async fn g6_racing_charges_on_postgres_take_exactly_the_limit() {
+    let db = TestDb::create().await.unwrap();
+    let backend = pg_stores(&db).await.shared_rate_limits.unwrap();
+    let limits: Limits = "100/minute,1000/hour".parse().unwrap();
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (backend, limits) = (backend.clone(), limits.clone());
+            tokio::spawn(async move {
+                let mut taken = 0;
+                loop {
+                    let (decision, cost) = backend
+                        .charge_up_to(&key("race"), &limits, 1, 3, T)
+                        .await
+                        .unwrap();
+                    if !allowed(&decision) {
+                        return taken;
+                    }
+                    taken += cost;
+                }
+            })
+        })
+        .collect();
+    let mut taken = 0;
+    for t in tasks {
+        taken += t.await.unwrap();
+    }
+    assert_eq!(taken, 100, "the minute's limit, no more and no less");
+    match backend
+        .charge(&key("race"), &limits, 1, T + 60)
+        .await
+        .unwrap()
+    {
+        Decision::Allowed(usage) => {
+            let hour = usage.iter().find(|u| u.window == Window::Hour).unwrap();
+            assert_eq!(hour.used, 101, "every count the minute took is in the hour");
+        }
+        denied => panic!("{denied:?}"),
+    }
+}
+
 struct GmailWorld {
     gmail: FakeGmail,
     g: UserGateway,

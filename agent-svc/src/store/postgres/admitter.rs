@@ -1,6 +1,6 @@
 //! Group admission (issue 13, Q-2): admissions of runs on new threads wait for a few admitter
-//! tasks, and an admitter writes whatever waits when it comes free as one statement — each
-//! table once for the batch, every run checked against its owner's cap. A burst of runs
+//! tasks, and an admitter writes whatever waits when it comes free as one statement (in one
+//! transaction with the owners' session summaries read) — each table once for the batch, every run checked against its owner's cap. A burst of runs
 //! started together (a backend's users all asking at once) is where PostgreSQL's fixed cost
 //! per transaction was the first wave's latency; a lone admission goes out at once, alone.
 //!
@@ -94,10 +94,13 @@ async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: &Counters) {
     // Admitted alone, after the batch: a second run of one owner (the batch counts the cap
     // before it, and a request id is unique per owner), and a second run on one thread.
     let mut seen = std::collections::HashSet::new();
-    let (together, mut alone): (Vec<Queued>, Vec<Queued>) = batch.into_iter().partition(|q| {
+    let (mut together, mut alone): (Vec<Queued>, Vec<Queued>) = batch.into_iter().partition(|q| {
         let run = &q.item.run;
         seen.insert(("owner", run.owner.clone())) & seen.insert(("thread", run.thread_id.clone()))
     });
+    // In owner order, so two batches meeting on the same request ids wait in one order, never
+    // on each other.
+    together.sort_by(|a, b| a.item.run.owner.cmp(&b.item.run.owner));
     if together.len() == 1 {
         alone.splice(0..0, together);
     } else if !together.is_empty() {
@@ -105,12 +108,26 @@ async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: &Counters) {
         match many(&client, &admissions).await {
             Ok(mut admitted) => {
                 counts.wrote(admitted.len());
+                let mut refused = Vec::new();
                 for q in together {
                     match admitted.remove(&q.item.run.id) {
                         Some(started) => q.answer(Ok(started)),
                         // Refused: alone, it is told why (or admitted, if that has changed).
-                        None => alone.push(q),
+                        None => refused.push(q),
                     }
+                }
+                // Before the ones set apart: an owner's run refused here came first.
+                alone.splice(0..0, refused);
+            }
+            // No answer from the database (the connection broke): the batch may have
+            // committed, and admitting its runs again would meet their own rows. Each is told
+            // its outcome is unknown; a run that was admitted is ended as abandoned once its
+            // lease lapses, and a caller's retry with its request id finds it.
+            Err(e) if e.as_db_error().is_none() => {
+                for q in together {
+                    q.answer(Err(StoreError::Unavailable(format!(
+                        "the admission's outcome is unknown: the database connection failed ({e}); retry the run"
+                    ))));
                 }
             }
             Err(e) => {
@@ -191,16 +208,29 @@ async fn many(
         .collect();
     let admit = client.prepare_cached(SQL_ADMIT_MANY).await?;
     let read = client.prepare_cached(SQL_SUMMARIES_OF_OWNERS).await?;
-    // One round trip: the read goes out behind the write (it reads archives, which the write
-    // does not touch).
-    let (admitted, recent) = futures_util::future::join(client.query(&admit, &params), async {
-        match wanting.is_empty() {
-            true => Ok(Vec::new()),
-            false => client.query(&read, &[&wanting, &most_summaries]).await,
-        }
-    })
+    // One transaction in one round trip, BEGIN to COMMIT, as a lone admission is: a read that
+    // fails undoes the write too, so a batch that failed with the database's error wrote
+    // nothing and its admissions can be tried again alone.
+    let t: &tokio_postgres::Client = client;
+    let mut open = pg::Begun::new(t);
+    let (begun, admitted, recent, committed) = futures_util::future::join4(
+        t.batch_execute("BEGIN"),
+        t.query(&admit, &params),
+        async {
+            match wanting.is_empty() {
+                true => Ok(Vec::new()),
+                false => t.query(&read, &[&wanting, &most_summaries]).await,
+            }
+        },
+        t.batch_execute("COMMIT"),
+    )
     .await;
+    // COMMIT was sent: the transaction is over whatever it answers (after a failed statement
+    // it answers ROLLBACK, so the first failure decides).
+    open.committed();
+    begun?;
     let (admitted, recent) = (admitted?, recent?);
+    committed?;
     let mut summaries: HashMap<String, Vec<Archive>> = HashMap::new();
     for row in &recent {
         summaries.entry(row.get(4)).or_default().push(archive(row));
