@@ -1,8 +1,9 @@
 //! Group admission (issue 13, Q-2): admissions of runs on new threads wait for a few admitter
 //! tasks, and an admitter writes whatever waits when it comes free as one statement (in one
-//! transaction with the owners' session summaries read) — each table once for the batch, every run checked against its owner's cap. A burst of runs
-//! started together (a backend's users all asking at once) is where PostgreSQL's fixed cost
-//! per transaction was the first wave's latency; a lone admission goes out at once, alone.
+//! transaction with the owners' session summaries read) — each table once for the batch,
+//! every run checked against its owner's cap. A burst of runs started together (a backend's
+//! users all asking at once) is where PostgreSQL's fixed cost per transaction was the first
+//! wave's latency; a lone admission goes out at once, alone.
 //!
 //! A batch only admits: a run it does not admit (at its owner's cap, a retried request id) is
 //! then admitted alone (`admission::one`), which tells it why, as it always did. Runs on an
@@ -128,6 +129,13 @@ async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: &Counters) {
                     q.answer(Err(StoreError::Unavailable(format!(
                         "the admission's outcome is unknown: the database connection failed ({e}); retry the run"
                     ))));
+                }
+                // The ones set apart were not sent: they go on a connection that works.
+                if client.is_closed() {
+                    let Some(fresh) = group::connection(pool, &mut alone).await else {
+                        return;
+                    };
+                    client = fresh;
                 }
             }
             Err(e) => {
