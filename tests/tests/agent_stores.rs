@@ -75,6 +75,24 @@ fn admission(run: Run, new_thread: bool, lease: Duration) -> Admission {
     }
 }
 
+/// Run `id` of `owner` on a new thread `thread`, with a 60 s lease.
+fn admit_new(id: &str, thread: &str, owner: &str, request: Option<&str>) -> Admission {
+    admission(
+        new_run(id, thread, owner, request),
+        true,
+        Duration::from_secs(60),
+    )
+}
+
+/// A connection of the test's own to `url`, beside the store's pool.
+async fn side_connection(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
 /// Admits run `id` on a new thread `thread` for alice and returns its lease.
 async fn started(s: &Arc<dyn AgentStore>, id: &str, thread: &str, lease: Duration) -> Lease {
     match s
@@ -1747,10 +1765,7 @@ async fn a_busy_thread_row_holds_up_only_its_own_runs_commit() {
     let db = TestDb::create().await.unwrap();
     let store = Arc::new(pg_store(db.url(), 4).await);
     let leases = runs_of_many_owners(store.as_ref(), 6).await;
-    let (holder, connection) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let holder = side_connection(db.url()).await;
     holder
         .batch_execute("BEGIN; SELECT 1 FROM agent.threads WHERE id = 't3' FOR UPDATE")
         .await
@@ -1784,15 +1799,7 @@ async fn a_busy_thread_row_holds_up_only_its_own_runs_commit() {
 
 /// Archives a session of `owner`'s titled `summary` (run `run` on thread `thread`).
 async fn archived_session(s: &dyn AgentStore, owner: &str, run: &str, thread: &str, summary: &str) {
-    let lease = match s
-        .admit(&admission(
-            new_run(run, thread, owner, None),
-            true,
-            Duration::from_secs(60),
-        ))
-        .await
-        .unwrap()
-    {
+    let lease = match s.admit(&admit_new(run, thread, owner, None)).await.unwrap() {
         Admitted::Started { lease, .. } => lease,
         other => panic!("not admitted: {other:?}"),
     };
@@ -1824,11 +1831,7 @@ async fn admissions_of_new_threads_waiting_together_are_written_together() {
             let (owner, request) = (format!("u{i}"), format!("req-{i}"));
             Admission {
                 summaries: 2,
-                ..admission(
-                    new_run(&run, &thread, &owner, Some(&request)),
-                    true,
-                    Duration::from_secs(60),
-                )
+                ..admit_new(&run, &thread, &owner, Some(&request))
             }
         })
         .collect();
@@ -1886,13 +1889,6 @@ async fn each_admission_in_a_batch_is_refused_or_admitted_on_its_own() {
     let db = TestDb::create().await.unwrap();
     let store = pg_store(db.url(), 4).await;
     let s: &dyn AgentStore = &store;
-    let admit_new = |id: &str, thread: &str, owner: &str, request: Option<&str>| {
-        admission(
-            new_run(id, thread, owner, request),
-            true,
-            Duration::from_secs(60),
-        )
-    };
     // carol is at her cap of 3 live runs; dave has run d1 for request "req-d".
     for i in 0..3 {
         let a = admit_new(&format!("c{i}"), &format!("tc{i}"), "carol", None);
@@ -1968,21 +1964,16 @@ async fn a_batch_of_admissions_the_database_refuses_is_admitted_one_by_one() {
     let db = TestDb::create().await.unwrap();
     let store = pg_store(db.url(), 4).await;
     let s: &dyn AgentStore = &store;
-    let admit_new = |id: &str, thread: &str, owner: &str| {
-        admission(
-            new_run(id, thread, owner, None),
-            true,
-            Duration::from_secs(60),
-        )
-    };
     assert!(matches!(
-        s.admit(&admit_new("r1", "t1", "alice")).await.unwrap(),
+        s.admit(&admit_new("r1", "t1", "alice", None))
+            .await
+            .unwrap(),
         Admitted::Started { .. }
     ));
     let batch = [
-        admit_new("r2", "t2", "bob"),
-        admit_new("r1", "t3", "carol"),
-        admit_new("r4", "t4", "dave"),
+        admit_new("r2", "t2", "bob", None),
+        admit_new("r1", "t3", "carol", None),
+        admit_new("r4", "t4", "dave", None),
     ];
     let before = store.admission_counts();
     let answers = futures_util::future::join_all(batch.iter().map(|a| s.admit(a))).await;
@@ -2024,21 +2015,14 @@ async fn a_batch_whose_summaries_cannot_be_read_admits_nothing() {
     let s: &dyn AgentStore = &store;
     let asking = |i: usize| Admission {
         summaries: 3,
-        ..admission(
-            new_run(&format!("r{i}"), &format!("t{i}"), &format!("u{i}"), None),
-            true,
-            Duration::from_secs(60),
-        )
+        ..admit_new(&format!("r{i}"), &format!("t{i}"), &format!("u{i}"), None)
     };
     // A first batch prepares its statements on the admitter's connection.
     let first = [asking(0), asking(1)];
     for answer in futures_util::future::join_all(first.iter().map(|a| s.admit(a))).await {
         assert!(matches!(answer, Ok(Admitted::Started { .. })), "{answer:?}");
     }
-    let (admin, connection) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let admin = side_connection(db.url()).await;
     admin
         .batch_execute("DROP TABLE agent.session_archives")
         .await
