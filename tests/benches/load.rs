@@ -272,9 +272,21 @@ struct Wave {
     agent_peak_rss_mib: f64,
     /// Log lines each service wrote per run (what RUST_LOG costs, beside its CPU).
     log_lines_per_run: (f64, f64),
+    /// p50 / p99 of when the fake model received each run's first and second request, from the
+    /// wave's start: splits "to the tool call" into the work before the first model call and
+    /// what follows its answer.
+    model_requests: [(Duration, Duration); 2],
+    /// The bench's own CPU per run (callers and the fake model), which shares the two cores.
+    harness_cpu_per_run: Duration,
 }
 
-async fn wave(services: &Services, number: usize, runs: usize, model_delay: Duration) -> Wave {
+async fn wave(
+    services: &Services,
+    model: &RuleModel,
+    number: usize,
+    runs: usize,
+    model_delay: Duration,
+) -> Wave {
     let mut channels = Vec::new();
     for _ in 0..runs.div_ceil(RUNS_PER_CONNECTION) {
         channels.push(channel(services.agent.addr).await);
@@ -288,6 +300,7 @@ async fn wave(services: &Services, number: usize, runs: usize, model_delay: Dura
         .collect();
     let cpu_before = (cpu(services.agent.pid), cpu(services.gateway.pid));
     let logged_before = (services.agent.log().len(), services.gateway.log().len());
+    let harness_before = cpu(std::process::id());
     let started = Instant::now();
     go_tx.send(true).expect("runs are waiting");
     let mut latencies = Vec::with_capacity(runs);
@@ -307,6 +320,7 @@ async fn wave(services: &Services, number: usize, runs: usize, model_delay: Dura
         }
     }
     let wall = started.elapsed();
+    let harness_cpu = cpu(std::process::id()) - harness_before;
     let cpu_after = (cpu(services.agent.pid), cpu(services.gateway.pid));
     let logged_after = (services.agent.log().len(), services.gateway.log().len());
     assert!(
@@ -322,6 +336,18 @@ async fn wave(services: &Services, number: usize, runs: usize, model_delay: Dura
         (percentile(&p, 0.50), percentile(&p, 0.99))
     });
     let model_time = model_delay * 2;
+    // A continuation carries the tool's result; a first call does not.
+    let mut arrivals: [Vec<Duration>; 2] = Default::default();
+    for r in model.requests().into_iter().filter(|r| r.at >= started) {
+        let continued = r.body["messages"]
+            .as_array()
+            .is_some_and(|m| m.iter().any(|m| m["role"] == "tool"));
+        arrivals[usize::from(continued)].push(r.at - started);
+    }
+    let model_requests = arrivals.map(|mut a| {
+        a.sort();
+        (percentile(&a, 0.50), percentile(&a, 0.99))
+    });
     Wave {
         added_p50: percentile(&latencies, 0.50).saturating_sub(model_time),
         added_p99: percentile(&latencies, 0.99).saturating_sub(model_time),
@@ -336,6 +362,8 @@ async fn wave(services: &Services, number: usize, runs: usize, model_delay: Dura
             (logged_after.0 - logged_before.0) as f64 / runs as f64,
             (logged_after.1 - logged_before.1) as f64 / runs as f64,
         ),
+        model_requests,
+        harness_cpu_per_run: harness_cpu / runs as u32,
     }
 }
 
@@ -404,7 +432,7 @@ async fn main() {
                 summary("idle RSS, agent-svc", &format!("{:.1} MiB", idle.0), "");
                 summary("idle RSS, gateway-svc", &format!("{:.1} MiB", idle.1), "");
                 for n in 1..=s.waves {
-                    let w = wave(&services, n, s.runs, s.model_delay).await;
+                    let w = wave(&services, &model, n, s.runs, s.model_delay).await;
                     rows.push(("memory", n, w, None));
                 }
                 services.stop();
@@ -424,7 +452,7 @@ async fn main() {
                 let services = start(&model, Some(dbs)).await;
                 let mut waves = Vec::new();
                 for n in 1..=s.waves {
-                    waves.push(wave(&services, n, s.runs, s.model_delay).await);
+                    waves.push(wave(&services, &model, n, s.runs, s.model_delay).await);
                 }
                 services.stop();
                 let after = transactions(&admin, dbs).await;
@@ -488,6 +516,14 @@ async fn main() {
         println!(
             "{backend}, wave {n}: then, p50 / p99 (model time taken off): to the tool call {start}, \
              the tool call {tool}, to the end {finish}"
+        );
+        let [first, second] = w
+            .model_requests
+            .map(|(p50, p99)| format!("{} / {}", ms(p50), ms(p99)));
+        println!(
+            "{backend}, wave {n}: the model's first requests arrived at p50 / p99 {first} from the start, \
+             its second at {second}; the bench's own CPU per run (callers, fake model) {:.2} ms",
+            w.harness_cpu_per_run.as_secs_f64() * 1000.0
         );
     }
     for (backend, n, w, _) in &rows {
