@@ -4,6 +4,7 @@
 //! applied under an advisory lock.
 
 pub mod config;
+pub mod group;
 pub mod grpc;
 pub mod health;
 pub mod metrics;

@@ -28,16 +28,19 @@ async fn memory() -> Backend {
     }
 }
 
-async fn postgres() -> Backend {
-    let db = TestDb::create().await.unwrap();
-    let config = DatabaseConfig {
+fn config(db: &TestDb) -> DatabaseConfig {
+    DatabaseConfig {
         url: db.url().to_owned(),
         pool: PoolOptions {
             max_connections: 8,
             acquire_timeout: std::time::Duration::from_secs(5),
         },
-    };
-    let stores = PgStore::connect(&config).await.unwrap().stores();
+    }
+}
+
+async fn postgres() -> Backend {
+    let db = TestDb::create().await.unwrap();
+    let stores = PgStore::connect(&config(&db)).await.unwrap().stores();
     let limits = stores.shared_rate_limits.clone().unwrap();
     Backend {
         stores,
@@ -567,3 +570,108 @@ both_backends!(
     reminders_come_back_soonest_first_and_only_upcoming,
     g15_mcp_switches_are_per_user_and_turning_on_removes_only_that_switch,
 );
+
+/// the reads every run makes (accounts, memory, tasks), asked by many users at once, go
+/// to PostgreSQL as a few statements, and each user gets its own rows and only those.
+#[tokio::test]
+async fn q2_reads_of_many_users_at_once_share_statements_and_each_gets_only_its_own_rows() {
+    use gateway_svc::store::{AccountStore, NoteStore, TaskStore};
+    let db = TestDb::create().await.unwrap();
+    let store = PgStore::connect(&config(&db)).await.unwrap();
+    let users: Vec<UserId> = (0..40).map(|i| user(&format!("reader-{i}"))).collect();
+    for (i, u) in users.iter().enumerate() {
+        store
+            .add_task(u, &format!("task {i}"), None, None)
+            .await
+            .unwrap();
+        if i % 2 == 0 {
+            let mut a = account(u.as_str(), &format!("mail-{i}"));
+            a.user = u.clone();
+            store.upsert_account(a).await.unwrap();
+        }
+        let note = (format!("reader {i} drinks green tea"), vec![]);
+        store.add_notes(u, &[note], "").await.unwrap();
+    }
+    let before = store.read_counts();
+
+    // All asked before any is answered: one task polls them all first.
+    let answers = futures_util::future::join_all(users.iter().map(|u| async {
+        let (tasks, accounts, notes) = tokio::join!(
+            store.list_tasks(u, TaskFilter::All),
+            store.list_accounts(u),
+            store.search_notes(u, "tea", 5),
+        );
+        (tasks.unwrap(), accounts.unwrap(), notes.unwrap())
+    }))
+    .await;
+
+    for (i, (tasks, accounts, notes)) in answers.into_iter().enumerate() {
+        let titles: Vec<_> = tasks.iter().map(|t| t.title.as_str()).collect();
+        assert_eq!(titles, [format!("task {i}")], "reader-{i}'s tasks");
+        let names: Vec<_> = accounts.iter().map(|a| a.account.clone()).collect();
+        let expected: Vec<String> = if i % 2 == 0 {
+            vec![format!("mail-{i}")]
+        } else {
+            vec![]
+        };
+        assert_eq!(names, expected, "reader-{i}'s accounts");
+        assert!(accounts.iter().all(|a| a.user == users[i]));
+        let contents: Vec<_> = notes.iter().map(|n| n.content.as_str()).collect();
+        assert_eq!(
+            contents,
+            [format!("reader {i} drinks green tea")],
+            "reader-{i}'s memory"
+        );
+    }
+    let after = store.read_counts();
+    assert_eq!(
+        after.written - before.written,
+        120,
+        "every read was answered"
+    );
+    assert!(
+        after.statements - before.statements <= 6,
+        "120 reads of three kinds, one reader per kind taking up to 32: {} statements",
+        after.statements - before.statements
+    );
+    assert_eq!(after.batches_retried, 0);
+}
+
+/// a read whose input the database refuses fails alone; the reads grouped with it are
+/// read again one by one and answered.
+#[tokio::test]
+async fn q2_a_read_the_database_refuses_fails_alone_not_its_batch() {
+    use gateway_svc::store::NoteStore;
+    let db = TestDb::create().await.unwrap();
+    let store = PgStore::connect(&config(&db)).await.unwrap();
+    let (u1, u2) = (user("tea-drinker"), user("coffee-drinker"));
+    store
+        .add_notes(&u1, &[("likes tea".to_owned(), vec![])], "")
+        .await
+        .unwrap();
+    store
+        .add_notes(&u2, &[("likes coffee".to_owned(), vec![])], "")
+        .await
+        .unwrap();
+
+    // PostgreSQL text cannot hold a NUL: the whole array parameter is refused.
+    let (tea, refused, coffee) = tokio::join!(
+        store.search_notes(&u1, "tea", 5),
+        store.search_notes(&u1, "te\0a", 5),
+        store.search_notes(&u2, "coffee", 5),
+    );
+
+    assert_eq!(tea.unwrap()[0].content, "likes tea");
+    assert_eq!(coffee.unwrap()[0].content, "likes coffee");
+    let refused = refused.unwrap_err().to_string();
+    assert!(
+        refused.contains("0x00"),
+        "the database's own words: {refused}"
+    );
+    let counts = store.read_counts();
+    assert_eq!(counts.batches_retried, 1, "{counts:?}");
+    assert_eq!(
+        counts.statements, 4,
+        "the batch, then each alone: {counts:?}"
+    );
+}

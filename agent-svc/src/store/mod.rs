@@ -39,6 +39,12 @@ impl StoreError {
     }
 }
 
+impl From<svc_kit::group::Lost> for StoreError {
+    fn from(e: svc_kit::group::Lost) -> Self {
+        StoreError::Unavailable(e.to_string())
+    }
+}
+
 impl From<svc_kit::pg::PgError> for StoreError {
     fn from(e: svc_kit::pg::PgError) -> Self {
         StoreError::Unavailable(e.to_string())

@@ -24,7 +24,7 @@ mod batch;
 mod commit;
 mod committer;
 mod group;
-pub use group::BatchCounts;
+pub use svc_kit::group::BatchCounts;
 mod notices;
 
 // Lease expiry is set and compared with `clock_timestamp()`, not `now()`: `now()` is when the

@@ -31,6 +31,12 @@ pub enum StoreError {
     Rejected { code: String, message: String },
 }
 
+impl From<svc_kit::group::Lost> for StoreError {
+    fn from(e: svc_kit::group::Lost) -> Self {
+        StoreError::Unavailable(e.to_string())
+    }
+}
+
 impl StoreError {
     pub fn unavailable(e: impl std::fmt::Display) -> Self {
         StoreError::Unavailable(e.to_string())

@@ -18,12 +18,14 @@ use tokio_postgres::Row;
 use super::{
     AccountLock, AccountStatus, AccountStore, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
     IdempotencyStore, McpSwitchStore, Note, NoteStore, Ping, Reminder, ReminderStore, StoreError,
-    StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
+    StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore,
 };
 use crate::{
     domain::{Integration, McpSwitch, UserId},
     ratelimit::postgres::PgRateLimits,
 };
+
+mod reads;
 
 mod embedded {
     refinery::embed_migrations!("migrations");
@@ -34,6 +36,7 @@ const MIGRATION_LOCK_KEY: i64 = 0x6761_7465_7779_7376;
 
 pub struct PgStore {
     pool: pg::PgPool,
+    reads: reads::Reads,
 }
 
 impl PgStore {
@@ -51,7 +54,16 @@ impl PgStore {
         Self::migrate(&config.url).await?;
         let pool = pg::pool(&config.url, &config.pool)?;
         pg::warn_if_pools_exceed_server(&pool, &config.pool).await;
-        Ok(Self { pool })
+        // An eighth of the pool per kind of grouped read (accounts, memory, tasks): each reader
+        // holds one connection per statement however many reads it carries, and the rest of the
+        // pool stays free for writes, claims and locks.
+        let reads = reads::Reads::start(&pool, config.pool.max_connections / 8);
+        Ok(Self { pool, reads })
+    }
+
+    /// How the grouped reads have batched since the store opened.
+    pub fn read_counts(&self) -> svc_kit::group::BatchCounts {
+        self.reads.counts.read()
     }
 
     /// Every store trait served from this database, rate limits included.
@@ -147,18 +159,7 @@ impl AccountStore for PgStore {
     }
 
     async fn list_accounts(&self, user: &UserId) -> Result<Vec<StoredAccount>, StoreError> {
-        let rows = self
-            .client()
-            .await?
-            .query(
-                &format!(
-                    "SELECT {ACCOUNT_COLUMNS} FROM gateway.accounts WHERE user_id = $1 ORDER BY integration, account"
-                ),
-                &[&user.as_str()],
-            )
-            .await
-            .map_err(db)?;
-        rows.iter().map(account_from_row).collect()
+        self.reads.accounts(user).await
     }
 
     async fn get_account(
@@ -681,21 +682,7 @@ impl TaskStore for PgStore {
     }
 
     async fn list_tasks(&self, user: &UserId, filter: TaskFilter) -> Result<Vec<Task>, StoreError> {
-        let condition = match filter {
-            TaskFilter::All => "",
-            TaskFilter::Pending => "AND completed_at IS NULL",
-            TaskFilter::Completed => "AND completed_at IS NOT NULL",
-        };
-        let rows = self
-            .client()
-            .await?
-            .query(
-                &format!("SELECT {TASK_COLUMNS} FROM gateway.tasks WHERE user_id = $1 {condition} ORDER BY {TASK_ORDER}"),
-                &[&user.as_str()],
-            )
-            .await
-            .map_err(db)?;
-        Ok(rows.iter().map(task_from_row).collect())
+        self.reads.tasks(user, filter).await
     }
 
     async fn update_task(
@@ -791,35 +778,7 @@ impl NoteStore for PgStore {
         query: &str,
         limit: usize,
     ) -> Result<Vec<Note>, StoreError> {
-        let limit = limit as i64;
-        // Full-text search with every word (stemmed, ranked by cover density) first; only when
-        // that finds nothing, any word as a prefix, so "meet" or a half-typed name still finds
-        // something. One statement, one round trip: every run's [ABOUT THE USER] asks this
-        // (issue 13), and most find nothing the first way.
-        let terms: Vec<String> = words(query).into_iter().map(|w| format!("{w}:*")).collect();
-        let rows = self
-            .client()
-            .await?
-            .query(
-                "WITH exact AS ( \
-                   SELECT id, content, tags, created_at, origin, ts_rank_cd(tsv, q) AS rank \
-                   FROM gateway.memories, websearch_to_tsquery('english', $2) q \
-                   WHERE user_id = $1 AND tsv @@ q ORDER BY rank DESC, id DESC LIMIT $3), \
-                 loose AS ( \
-                   SELECT id, content, tags, created_at, origin, \
-                          ts_rank_cd(to_tsvector('simple', search_text), q) AS rank \
-                   FROM gateway.memories, to_tsquery('simple', $4) q \
-                   WHERE $4 <> '' AND NOT EXISTS (SELECT 1 FROM exact) AND user_id = $1 \
-                     AND to_tsvector('simple', search_text) @@ q \
-                   ORDER BY rank DESC, id DESC LIMIT $3) \
-                 SELECT id, content, tags, created_at, origin FROM ( \
-                   SELECT *, 0 AS pass FROM exact UNION ALL SELECT *, 1 AS pass FROM loose) found \
-                 ORDER BY pass, rank DESC, id DESC",
-                &[&user.as_str(), &query, &limit, &terms.join(" | ")],
-            )
-            .await
-            .map_err(db)?;
-        Ok(rows.iter().map(note_from_row).collect())
+        self.reads.notes(user, query, limit).await
     }
 
     async fn count_notes(&self, user: &UserId) -> Result<u64, StoreError> {
