@@ -7,9 +7,12 @@
 //! Per backend (in memory; PostgreSQL with the default pool of 16 per service) it reports:
 //! - added latency p50/p99: a run's time from `RunStream` to its terminal event, less the 2 s
 //!   the model takes, and how much of it is the admission (time to the first event), the run
-//!   up to its tool call, the tool call, and the rest;
+//!   up to its tool call, the tool call, and the rest; and when the fake model received each
+//!   run's first and second request (the first wave's latency is mostly the time the last
+//!   first request leaves);
 //! - peak RSS of agent-svc (`VmHWM`, start-up included);
-//! - CPU per run of each service (user + system time over the wave / N, from `/proc`);
+//! - CPU per run of each service and of the bench itself (user + system time over the wave / N,
+//!   from `/proc`);
 //! - transactions per run on PostgreSQL (`pg_stat_database` of each service's database, read
 //!   once the services have exited, less a start and stop with no runs);
 //! - that every run completed with its stream intact (numbered without gaps, one result).
