@@ -78,6 +78,13 @@ pub struct Waiting<I, O, E> {
 }
 
 impl<I, O, E> Waiting<I, O, E> {
+    /// Nobody waits for this item's outcome any more (its caller timed out or went away): a
+    /// read need not be done. Writes are done regardless — their caller may have gone, but
+    /// what it asked for must land or fail as one.
+    pub fn is_abandoned(&self) -> bool {
+        self.answer.is_closed()
+    }
+
     pub fn answer(self, outcome: Result<O, E>) {
         // A waiter that went away does not need its answer.
         let _ = self.answer.send(outcome);

@@ -675,3 +675,79 @@ async fn q2_a_read_the_database_refuses_fails_alone_not_its_batch() {
         "the batch, then each alone: {counts:?}"
     );
 }
+
+/// reads grouped in one statement — different filters, limits, and a search only the
+/// prefix pass answers — each get what the same read alone gets.
+#[tokio::test]
+async fn q2_a_grouped_read_answers_each_user_as_its_read_alone_would() {
+    use gateway_svc::store::{NoteStore, TaskStore};
+    let db = TestDb::create().await.unwrap();
+    let store = PgStore::connect(&config(&db)).await.unwrap();
+    let at = |secs| Some(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs));
+    let (a, b) = (user("mixed-a"), user("mixed-b"));
+    for u in [&a, &b] {
+        for (title, due) in [
+            ("later", at(2_000_000_000)),
+            ("sooner", at(1_900_000_000)),
+            ("undated", None),
+        ] {
+            store.add_task(u, title, None, due).await.unwrap();
+        }
+        let done = store.add_task(u, "done", None, None).await.unwrap();
+        let patch = TaskPatch {
+            completed: Some(true),
+            ..TaskPatch::default()
+        };
+        store.update_task(u, done.id, patch).await.unwrap();
+        let notes = [
+            "green tea in the morning",
+            "tennis on tuesdays",
+            "tea with Ana",
+        ]
+        .map(|n| (n.to_owned(), vec![]));
+        store.add_notes(u, &notes, "").await.unwrap();
+    }
+    let before = store.read_counts();
+
+    let grouped = tokio::join!(
+        store.list_tasks(&a, TaskFilter::Pending),
+        store.list_tasks(&b, TaskFilter::Completed),
+        store.list_tasks(&a, TaskFilter::All),
+        store.search_notes(&a, "tea", 1),
+        store.search_notes(&b, "tea", 5),
+        store.search_notes(&a, "tenn", 5),
+    );
+    let grouped_statements = store.read_counts().statements - before.statements;
+    let alone = (
+        store.list_tasks(&a, TaskFilter::Pending).await.unwrap(),
+        store.list_tasks(&b, TaskFilter::Completed).await.unwrap(),
+        store.list_tasks(&a, TaskFilter::All).await.unwrap(),
+        store.search_notes(&a, "tea", 1).await.unwrap(),
+        store.search_notes(&b, "tea", 5).await.unwrap(),
+        store.search_notes(&a, "tenn", 5).await.unwrap(),
+    );
+
+    assert_eq!(grouped_statements, 2, "one statement per kind of read");
+    let titles = |tasks: &[gateway_svc::store::Task]| -> Vec<String> {
+        tasks.iter().map(|t| t.title.clone()).collect()
+    };
+    let contents = |notes: &[gateway_svc::store::Note]| -> Vec<String> {
+        notes.iter().map(|n| n.content.clone()).collect()
+    };
+    assert_eq!(titles(&grouped.0.unwrap()), titles(&alone.0));
+    assert_eq!(titles(&alone.0), ["sooner", "later", "undated"]);
+    assert_eq!(titles(&grouped.1.unwrap()), ["done"]);
+    assert_eq!(titles(&alone.1), ["done"]);
+    assert_eq!(titles(&grouped.2.unwrap()), titles(&alone.2));
+    assert_eq!(alone.2.len(), 4);
+    assert_eq!(contents(&grouped.3.unwrap()), contents(&alone.3));
+    assert_eq!(alone.3.len(), 1, "a limit of one");
+    assert_eq!(contents(&grouped.4.unwrap()), contents(&alone.4));
+    assert_eq!(alone.4.len(), 2, "both tea notes");
+    assert_eq!(contents(&grouped.5.unwrap()), contents(&alone.5));
+    assert_eq!(
+        contents(&alone.5),
+        ["tennis on tuesdays"],
+        "found by the prefix pass"
+    );
+}

@@ -1,10 +1,9 @@
 //! The PostgreSQL store. gateway-svc owns the `gateway` schema; its migrations live in
 //! `gateway-svc/migrations` and are embedded in the binary.
 //!
-//! Locks that must outlive one statement (the account row during a token refresh, an
-//! idempotency key during a side-effect call) are held by an open transaction on a pooled
-//! connection; if the holder is dropped without finishing, the connection is rolled back before
-//! it returns to the pool.
+//! Nothing here holds a pooled connection across upstream I/O: an idempotency key is a
+//! committed claim row with a lease (pending → done) and a token refresh a lease on the account
+//! row. The reads every run makes are grouped across users (`reads`).
 
 use std::{
     sync::Arc,
@@ -54,10 +53,11 @@ impl PgStore {
         Self::migrate(&config.url).await?;
         let pool = pg::pool(&config.url, &config.pool)?;
         pg::warn_if_pools_exceed_server(&pool, &config.pool).await;
-        // An eighth of the pool per kind of grouped read (accounts, memory, tasks): each reader
-        // holds one connection per statement however many reads it carries, and the rest of the
-        // pool stays free for writes, claims and locks.
-        let reads = reads::Reads::start(&pool, config.pool.max_connections / 8);
+        // An eighth of the pool per kind of grouped read (accounts, memory, tasks), at least two
+        // so one slow batch never holds up every read of its kind: each reader holds one
+        // connection per statement however many reads it carries, and the rest of the pool
+        // stays free for writes, claims and locks.
+        let reads = reads::Reads::start(&pool, (config.pool.max_connections / 8).max(2));
         Ok(Self { pool, reads })
     }
 

@@ -118,40 +118,33 @@ fn queue<R: Read>(
     })
 }
 
-/// Reads a batch as one statement, or — the database refused it as a whole — each read alone.
+/// Reads a batch as one statement, or — the database refused it (one read's input) — each
+/// read alone on the same connection.
 async fn read<R: Read>(
     pool: &pg::PgPool,
-    batch: Vec<Waiting<R, R::Out, StoreError>>,
+    mut batch: Vec<Waiting<R, R::Out, StoreError>>,
     counts: &Counters,
 ) {
-    let mut client = match pg::checkout(pool, "gateway").await {
+    // A read whose caller gave up (a deadline passed) costs the database nothing.
+    batch.retain(|w| !w.is_abandoned());
+    if batch.is_empty() {
+        return;
+    }
+    let client = match pg::checkout(pool, "gateway").await {
         Ok(client) => client,
-        Err(e) => {
-            for w in batch {
-                w.answer(Err(StoreError::unavailable(&e)));
-            }
-            return;
-        }
+        Err(e) => return answer_all(batch, &StoreError::unavailable(e)),
     };
-    let items: Vec<&R> = batch.iter().map(|w| &w.item).collect();
-    let outcome = R::rows(&client, &items).await;
-    drop(items);
+    let outcome = {
+        let items: Vec<&R> = batch.iter().map(|w| &w.item).collect();
+        R::rows(&client, &items).await
+    };
     counts.wrote(batch.len());
     match outcome {
         Ok(rows) => answer_each(batch, &rows),
-        Err(e) if batch.len() > 1 => {
+        Err(e) if batch.len() > 1 && e.as_db_error().is_some() && !client.is_closed() => {
             tracing::debug!(error = %e, reads = batch.len(), what = R::WHAT, "the database refused a batch of reads; reading each alone");
             counts.retried();
             for w in batch {
-                if client.is_closed() {
-                    client = match pg::checkout(pool, "gateway").await {
-                        Ok(fresh) => fresh,
-                        Err(e) => {
-                            w.answer(Err(StoreError::unavailable(e)));
-                            continue;
-                        }
-                    };
-                }
                 let outcome = R::rows(&client, &[&w.item]).await;
                 counts.wrote(1);
                 match outcome {
@@ -160,12 +153,18 @@ async fn read<R: Read>(
                 }
             }
         }
-        // A read alone (or none): its own error.
-        Err(e) => {
-            if let Some(w) = batch.into_iter().next() {
-                w.answer(Err(StoreError::db(e)));
-            }
-        }
+        // A read alone that failed, or a connection that broke under the batch: each is told
+        // what happened (reading again is the caller's call, as it was for a single read).
+        Err(e) => answer_all(batch, &StoreError::db(e)),
+    }
+}
+
+fn answer_all<R: Read>(batch: Vec<Waiting<R, R::Out, StoreError>>, error: &StoreError) {
+    for w in batch {
+        w.answer(Err(StoreError::Unavailable(match error {
+            StoreError::Unavailable(text) => text.clone(),
+            other => other.to_string(),
+        })));
     }
 }
 
