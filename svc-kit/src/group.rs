@@ -160,3 +160,22 @@ where
     }
     Queue { sender, what }
 }
+
+/// A pooled connection of the `schema` store for a batch, or — the pool has none to give —
+/// `None`, every waiter of `waiting` told so by `unavailable`.
+pub async fn connection<I, O, E>(
+    pool: &crate::pg::PgPool,
+    schema: &'static str,
+    waiting: &mut Vec<Waiting<I, O, E>>,
+    unavailable: impl Fn(&crate::pg::PgError) -> E,
+) -> Option<crate::pg::Pooled> {
+    match crate::pg::checkout(pool, schema).await {
+        Ok(client) => Some(client),
+        Err(e) => {
+            for w in waiting.drain(..) {
+                w.answer(Err(unavailable(&e)));
+            }
+            None
+        }
+    }
+}

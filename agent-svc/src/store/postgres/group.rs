@@ -17,15 +17,7 @@ pub(super) async fn connection<I, O>(
     pool: &pg::PgPool,
     waiting: &mut Vec<Waiting<I, O>>,
 ) -> Option<pg::Pooled> {
-    match pg::checkout(pool, "agent").await {
-        Ok(client) => Some(client),
-        Err(e) => {
-            for w in waiting.drain(..) {
-                w.answer(Err(StoreError::Unavailable(e.to_string())));
-            }
-            None
-        }
-    }
+    svc_kit::group::connection(pool, "agent", waiting, |e| StoreError::unavailable(e)).await
 }
 
 /// A batch the database refused as a whole (`error`): its items go first among those to be

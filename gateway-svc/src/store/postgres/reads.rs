@@ -130,9 +130,10 @@ async fn read<R: Read>(
     if batch.is_empty() {
         return;
     }
-    let client = match pg::checkout(pool, "gateway").await {
-        Ok(client) => client,
-        Err(e) => return answer_all(batch, &StoreError::unavailable(e)),
+    let Some(client) =
+        group::connection(pool, "gateway", &mut batch, |e| StoreError::unavailable(e)).await
+    else {
+        return;
     };
     let outcome = {
         let items: Vec<&R> = batch.iter().map(|w| &w.item).collect();
