@@ -1957,6 +1957,119 @@ async fn each_admission_in_a_batch_is_refused_or_admitted_on_its_own() {
     assert_eq!(tf.active_run_id.as_deref(), Some("f1"));
 }
 
+/// R-4: an owner's cap on live runs holds when replicas admit that owner's runs at the same
+/// moment. Three stores (three replicas' pools) over one database each get one of every
+/// owner's racing runs: each owner ends with exactly the one live run its cap allows, and
+/// every other run is told the cap, never admitted past it.
+#[tokio::test]
+async fn r4_the_run_cap_holds_when_replicas_admit_one_owner_at_once() {
+    let db = TestDb::create().await.unwrap();
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(pg_store(db.url(), 4).await);
+    }
+    let owners = 30;
+    let admissions: Vec<(usize, Admission)> = (0..owners)
+        .flat_map(|o| {
+            (0..3).map(move |k| {
+                let (run, thread) = (format!("r{o}-{k}"), format!("t{o}-{k}"));
+                let a = Admission {
+                    max_active_runs: 1,
+                    ..admit_new(&run, &thread, &format!("u{o}"), None)
+                };
+                (k, a)
+            })
+        })
+        .collect();
+    let answers = futures_util::future::join_all(
+        admissions
+            .iter()
+            .map(|(k, a)| (&replicas[*k] as &dyn AgentStore).admit(a)),
+    )
+    .await;
+    let side = side_connection(db.url()).await;
+    for o in 0..owners {
+        let owner = format!("u{o}");
+        let live: i64 = side
+            .query_one(
+                "SELECT count(*) FROM agent.runs WHERE owner = $1 \
+                 AND state IN ('queued', 'planning', 'executing')",
+                &[&owner],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(live, 1, "{owner} has {live} live runs against a cap of one");
+        let of_owner = &answers[o * 3..o * 3 + 3];
+        let started = of_owner
+            .iter()
+            .filter(|a| matches!(a, Ok(Admitted::Started { .. })))
+            .count();
+        assert_eq!(started, 1, "{owner}: {of_owner:?}");
+        for answer in of_owner {
+            assert!(
+                matches!(
+                    answer,
+                    Ok(Admitted::Started { .. } | Admitted::TooManyRuns { active: 1 })
+                ),
+                "{owner}: {answer:?}"
+            );
+        }
+    }
+}
+
+/// R-4: the cap on an owner's queued task agents holds when replicas enqueue at once.
+#[tokio::test]
+async fn r4_the_task_queue_cap_holds_when_replicas_enqueue_at_once() {
+    let db = TestDb::create().await.unwrap();
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(pg_store(db.url(), 4).await);
+    }
+    let owners = 20;
+    for o in 0..owners {
+        let s: &dyn AgentStore = &replicas[0];
+        s.create_thread(&format!("t{o}"), &format!("u{o}"), "x")
+            .await
+            .unwrap();
+    }
+    let tasks: Vec<(usize, TaskAgent)> = (0..owners)
+        .flat_map(|o| {
+            (0..3).map(move |k| {
+                let task = TaskAgent {
+                    id: format!("k{o}-{k}"),
+                    owner: format!("u{o}"),
+                    parent_thread_id: format!("t{o}"),
+                    instructions: "do".into(),
+                    goal: "done".into(),
+                    state: "queued".into(),
+                    attempts: 0,
+                    last_error: None,
+                    result: None,
+                };
+                (k, task)
+            })
+        })
+        .collect();
+    let queued = futures_util::future::join_all(
+        tasks
+            .iter()
+            .map(|(k, t)| (&replicas[*k] as &dyn AgentStore).enqueue_task_agent(t, 1)),
+    )
+    .await;
+    for o in 0..owners {
+        let of_owner: Vec<bool> = queued[o * 3..o * 3 + 3]
+            .iter()
+            .map(|q| *q.as_ref().unwrap())
+            .collect();
+        assert_eq!(
+            of_owner.iter().filter(|q| **q).count(),
+            1,
+            "u{o}: {of_owner:?} against a cap of one"
+        );
+    }
+}
+
 /// A batch of admissions the database refuses as a whole (here one run reuses another's id)
 /// is admitted one by one: the rest start, the one at fault alone is refused and leaves nothing.
 #[tokio::test]

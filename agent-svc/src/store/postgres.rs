@@ -566,9 +566,17 @@ impl AgentStore for PgStore {
     }
 
     async fn enqueue_task_agent(&self, t: &TaskAgent, max_queued: u32) -> Result<bool, StoreError> {
-        let n = self
-            .client()
-            .await?
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        // Two enqueues of one owner (on any replica) must not both pass the cap: the count
+        // below is taken after the owner's lock, so it sees the other's task (R-4).
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('task_agents:' || $1))",
+            &[&t.owner],
+        )
+        .await
+        .map_err(db)?;
+        let n = tx
             .execute(
                 "INSERT INTO agent.task_agents (id, owner, parent_thread_id, instructions, goal, state) \
                  SELECT $1, $2, $3, $4, $5, 'queued' WHERE (SELECT count(*) FROM agent.task_agents \
@@ -577,6 +585,7 @@ impl AgentStore for PgStore {
             )
             .await
             .map_err(db)?;
+        tx.commit().await.map_err(db)?;
         Ok(n == 1)
     }
 

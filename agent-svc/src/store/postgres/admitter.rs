@@ -50,6 +50,11 @@ const SQL_ADMIT_MANY: &str = "WITH u AS (SELECT * FROM unnest($1::text[], $2::te
       WHERE u.message IS NOT NULL AND u.run IN (SELECT id FROM runs)) \
   SELECT id FROM runs";
 
+/// The owners' admission locks (`admission::SQL_LOCK_OWNER`), taken in one order by every
+/// batch so that two batches sharing owners wait for each other rather than deadlock.
+const SQL_LOCK_OWNERS: &str = "SELECT pg_advisory_xact_lock(k) FROM \
+    (SELECT DISTINCT hashtext('runs:' || o) AS k FROM unnest($1::text[]) AS o ORDER BY k) owners";
+
 /// The newest `$2` session summaries of each owner in `$1`, as `archive` reads them, with the
 /// owner last.
 const SQL_SUMMARIES_OF_OWNERS: &str = "SELECT thread_id, summary, turn_count, archived_at, owner \
@@ -214,6 +219,7 @@ async fn many(
         .filter(|a| a.summaries > 0)
         .map(|a| a.run.owner.as_str())
         .collect();
+    let lock = client.prepare_cached(SQL_LOCK_OWNERS).await?;
     let admit = client.prepare_cached(SQL_ADMIT_MANY).await?;
     let read = client.prepare_cached(SQL_SUMMARIES_OF_OWNERS).await?;
     // One transaction in one round trip, BEGIN to COMMIT, as a lone admission is: a read that
@@ -221,8 +227,9 @@ async fn many(
     // nothing and its admissions can be tried again alone.
     let t: &tokio_postgres::Client = client;
     let mut open = pg::Begun::new(t);
-    let (begun, admitted, recent, committed) = futures_util::future::join4(
-        t.batch_execute("BEGIN"),
+    // The cap is counted after the owners' locks are held: see `admission::SQL_LOCK_OWNER`.
+    let ((begun, locked), admitted, recent, committed) = futures_util::future::join4(
+        futures_util::future::join(t.batch_execute("BEGIN"), t.execute(&lock, &[&cols.owner])),
         t.query(&admit, &params),
         async {
             match wanting.is_empty() {
@@ -237,6 +244,7 @@ async fn many(
     // it answers ROLLBACK, so the first failure decides).
     open.committed();
     begun?;
+    locked?;
     let (admitted, recent) = (admitted?, recent?);
     committed?;
     let mut summaries: HashMap<String, Vec<Archive>> = HashMap::new();
