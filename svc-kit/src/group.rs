@@ -38,6 +38,8 @@ pub struct Counters {
     /// Metric names: the histogram of items per statement, the counter of batches retried.
     size_metric: &'static str,
     retried_metric: &'static str,
+    /// The `kind` label of both metrics, where one metric covers several kinds of item.
+    kind: Option<&'static str>,
 }
 
 impl Counters {
@@ -48,6 +50,15 @@ impl Counters {
             batches_retried: AtomicU64::new(0),
             size_metric,
             retried_metric,
+            kind: None,
+        }
+    }
+
+    /// The same counters, their metrics labelled `kind`.
+    pub fn of_kind(self, kind: &'static str) -> Self {
+        Self {
+            kind: Some(kind),
+            ..self
         }
     }
 
@@ -62,12 +73,20 @@ impl Counters {
     pub fn wrote(&self, items: usize) {
         self.statements.fetch_add(1, Ordering::Relaxed);
         self.written.fetch_add(items as u64, Ordering::Relaxed);
-        metrics::histogram!(self.size_metric).record(items as f64);
+        match self.kind {
+            Some(kind) => {
+                metrics::histogram!(self.size_metric, "kind" => kind).record(items as f64)
+            }
+            None => metrics::histogram!(self.size_metric).record(items as f64),
+        }
     }
 
     pub fn retried(&self) {
         self.batches_retried.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!(self.retried_metric).increment(1);
+        match self.kind {
+            Some(kind) => metrics::counter!(self.retried_metric, "kind" => kind).increment(1),
+            None => metrics::counter!(self.retried_metric).increment(1),
+        }
     }
 }
 

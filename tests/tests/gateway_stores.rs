@@ -676,6 +676,59 @@ async fn q2_a_read_the_database_refuses_fails_alone_not_its_batch() {
     );
 }
 
+/// Q-2: a row that does not decode (here a task title made NULL under the service) fails
+/// only the read it belongs to, with an error naming the column; the reads grouped with it
+/// are answered, and the reader goes on serving.
+#[tokio::test]
+async fn q2_a_row_that_does_not_decode_fails_only_its_own_read() {
+    use gateway_svc::store::TaskStore;
+    let db = TestDb::create().await.unwrap();
+    let store = PgStore::connect(&config(&db)).await.unwrap();
+    let (good, bad, other) = (user("decodes"), user("does-not"), user("decodes-too"));
+    for u in [&good, &bad, &other] {
+        store.add_task(u, "a task", None, None).await.unwrap();
+    }
+    let (side, connection) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    side.batch_execute(&format!(
+        "ALTER TABLE gateway.tasks ALTER COLUMN title DROP NOT NULL; \
+         UPDATE gateway.tasks SET title = NULL WHERE user_id = '{}'",
+        bad.as_str()
+    ))
+    .await
+    .unwrap();
+
+    let before = store.read_counts();
+    let (first, broken, last) = tokio::join!(
+        store.list_tasks(&good, TaskFilter::All),
+        store.list_tasks(&bad, TaskFilter::All),
+        store.list_tasks(&other, TaskFilter::All),
+    );
+    let after = store.read_counts();
+
+    assert_eq!(first.unwrap()[0].title, "a task");
+    assert_eq!(last.unwrap()[0].title, "a task");
+    let broken = broken.unwrap_err().to_string();
+    assert!(
+        broken.contains("column title"),
+        "names the column: {broken}"
+    );
+    assert_eq!(
+        after.written - before.written,
+        3,
+        "all three were read: {after:?}"
+    );
+    assert!(
+        after.statements - before.statements < 3,
+        "some were read together: {after:?}"
+    );
+    // The reader that met the bad row still serves.
+    let again = store.list_tasks(&good, TaskFilter::All).await.unwrap();
+    assert_eq!(again.len(), 1);
+}
+
 /// Q-2: reads grouped in one statement — different filters, limits, and a search only the
 /// prefix pass answers — each get what the same read alone gets.
 #[tokio::test]

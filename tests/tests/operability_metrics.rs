@@ -180,6 +180,18 @@ async fn o2_each_service_serves_its_own_series_with_real_values() {
         !gateway_series.contains_key("steward_model_calls_total"),
         "gateway-svc serves only its own series"
     );
+    // The grouped reads say which kind of read each batch was: the runs' tool lists read the
+    // users' accounts.
+    let account_batches = scrape_labelled(
+        gateway,
+        "steward_db_read_batch_size_count",
+        "kind=\"accounts\"",
+    )
+    .await;
+    assert!(
+        account_batches > 0.0,
+        "gateway-svc: no account-read batches counted by kind"
+    );
 }
 
 /// Sum of the samples of `name` whose labels include `label`.

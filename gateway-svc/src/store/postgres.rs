@@ -63,7 +63,7 @@ impl PgStore {
 
     /// How the grouped reads have batched since the store opened.
     pub fn read_counts(&self) -> svc_kit::group::BatchCounts {
-        self.reads.counts.read()
+        self.reads.counts()
     }
 
     /// Every store trait served from this database, rate limits included.
@@ -105,22 +105,37 @@ impl Ping for PgStore {
 
 const ACCOUNT_COLUMNS: &str = "user_id, integration, account, access_token, refresh_token, expires_at, scopes, status, connected_at";
 
+/// Column `i` of `row`, or an error naming it: a row that does not decode (a column's type
+/// changed under the service) fails its own read, not the task serving it and the reads
+/// grouped with it.
+fn column<'a, T: tokio_postgres::types::FromSql<'a>>(
+    row: &'a Row,
+    i: usize,
+) -> Result<T, StoreError> {
+    row.try_get(i).map_err(|e| {
+        let name = row.columns().get(i).map_or("?", |c| c.name());
+        StoreError::unavailable(format!(
+            "column {name} of the gateway's row does not decode: {e}"
+        ))
+    })
+}
+
 fn account_from_row(row: &Row) -> Result<StoredAccount, StoreError> {
-    let integration: String = row.get(1);
+    let integration: String = column(row, 1)?;
     Ok(StoredAccount {
-        user: UserId::parse(row.get(0)).map_err(StoreError::unavailable)?,
+        user: UserId::parse(column(row, 0)?).map_err(StoreError::unavailable)?,
         integration: Integration::from_key(&integration).ok_or_else(|| {
             StoreError::unavailable(format!(
                 "unknown integration {integration:?} in gateway.accounts"
             ))
         })?,
-        account: row.get(2),
-        access_token: row.get(3),
-        refresh_token: row.get(4),
-        expires_at: row.get(5),
-        scopes: row.get(6),
-        status: AccountStatus::from_key(row.get(7)),
-        connected_at: row.get(8),
+        account: column(row, 2)?,
+        access_token: column(row, 3)?,
+        refresh_token: column(row, 4)?,
+        expires_at: column(row, 5)?,
+        scopes: column(row, 6)?,
+        status: AccountStatus::from_key(column(row, 7)?),
+        connected_at: column(row, 8)?,
     })
 }
 
@@ -646,15 +661,15 @@ const TASK_COLUMNS: &str = "id, title, description, due_at, completed_at, create
 /// Pending first by due date (undated last), then completed, newest first (see `task_order`).
 const TASK_ORDER: &str = "completed_at IS NOT NULL, due_at IS NULL, due_at, id DESC";
 
-fn task_from_row(r: &Row) -> Task {
-    Task {
-        id: r.get(0),
-        title: r.get(1),
-        description: r.get(2),
-        due_at: r.get(3),
-        completed_at: r.get(4),
-        created_at: r.get(5),
-    }
+fn task_from_row(r: &Row) -> Result<Task, StoreError> {
+    Ok(Task {
+        id: column(r, 0)?,
+        title: column(r, 1)?,
+        description: column(r, 2)?,
+        due_at: column(r, 3)?,
+        completed_at: column(r, 4)?,
+        created_at: column(r, 5)?,
+    })
 }
 
 #[async_trait::async_trait]
@@ -678,7 +693,7 @@ impl TaskStore for PgStore {
             )
             .await
             .map_err(db)?;
-        Ok(task_from_row(&row))
+        task_from_row(&row)
     }
 
     async fn list_tasks(&self, user: &UserId, filter: TaskFilter) -> Result<Vec<Task>, StoreError> {
@@ -718,7 +733,7 @@ impl TaskStore for PgStore {
             )
             .await
             .map_err(db)?;
-        Ok(row.as_ref().map(task_from_row))
+        row.as_ref().map(task_from_row).transpose()
     }
 
     async fn delete_task(&self, user: &UserId, id: i64) -> Result<Option<Task>, StoreError> {
@@ -731,18 +746,18 @@ impl TaskStore for PgStore {
             )
             .await
             .map_err(db)?;
-        Ok(row.as_ref().map(task_from_row))
+        row.as_ref().map(task_from_row).transpose()
     }
 }
 
-fn note_from_row(r: &Row) -> Note {
-    Note {
-        id: r.get(0),
-        content: r.get(1),
-        tags: r.get(2),
-        created_at: r.get(3),
-        origin: r.get(4),
-    }
+fn note_from_row(r: &Row) -> Result<Note, StoreError> {
+    Ok(Note {
+        id: column(r, 0)?,
+        content: column(r, 1)?,
+        tags: column(r, 2)?,
+        created_at: column(r, 3)?,
+        origin: column(r, 4)?,
+    })
 }
 
 #[async_trait::async_trait]
@@ -766,7 +781,7 @@ impl NoteStore for PgStore {
                 )
                 .await
                 .map_err(db)?;
-            out.push(note_from_row(&row));
+            out.push(note_from_row(&row)?);
         }
         tx.commit().await.map_err(db)?;
         Ok(out)

@@ -37,6 +37,8 @@ const MAX_BATCH: usize = 32;
 trait Read: Send + Sync + Sized + 'static {
     type Out: Send + 'static;
     const WHAT: &'static str;
+    /// The `kind` label of its batch metrics.
+    const KIND: &'static str;
 
     /// The batch's rows, each ending with the (1-based) number of the read it answers.
     fn rows<'a>(
@@ -52,22 +54,38 @@ pub(super) struct Reads {
     accounts: Queue<Accounts, Vec<StoredAccount>, StoreError>,
     notes: Queue<NoteSearch, Vec<Note>, StoreError>,
     tasks: Queue<TaskList, Vec<Task>, StoreError>,
-    pub(super) counts: Arc<Counters>,
+    /// Per kind, labelled so in the metrics: accounts, memory searches, task lists.
+    counts: [Arc<Counters>; 3],
 }
 
 impl Reads {
     /// Starts `workers` reader tasks per kind of read on `pool`; they end when this is dropped.
     pub(super) fn start(pool: &pg::PgPool, workers: usize) -> Self {
-        let counts = Arc::new(Counters::new(
-            "steward_db_read_batch_size",
-            "steward_db_read_batches_retried_total",
-        ));
+        let counts = [Accounts::KIND, NoteSearch::KIND, TaskList::KIND].map(|kind| {
+            let counts = Counters::new(
+                "steward_db_read_batch_size",
+                "steward_db_read_batches_retried_total",
+            );
+            Arc::new(counts.of_kind(kind))
+        });
         Self {
-            accounts: queue(pool, workers, &counts),
-            notes: queue(pool, workers, &counts),
-            tasks: queue(pool, workers, &counts),
+            accounts: queue(pool, workers, &counts[0]),
+            notes: queue(pool, workers, &counts[1]),
+            tasks: queue(pool, workers, &counts[2]),
             counts,
         }
+    }
+
+    /// Every kind's counts together.
+    pub(super) fn counts(&self) -> svc_kit::group::BatchCounts {
+        self.counts
+            .iter()
+            .map(|c| c.read())
+            .fold(Default::default(), |all, c| svc_kit::group::BatchCounts {
+                statements: all.statements + c.statements,
+                written: all.written + c.written,
+                batches_retried: all.batches_retried + c.batches_retried,
+            })
     }
 
     pub(super) async fn accounts(&self, user: &UserId) -> Result<Vec<StoredAccount>, StoreError> {
@@ -201,6 +219,7 @@ static SQL_ACCOUNTS: LazyLock<String> = LazyLock::new(|| {
 impl Read for Accounts {
     type Out = Vec<StoredAccount>;
     const WHAT: &'static str = "account read";
+    const KIND: &'static str = "accounts";
 
     async fn rows(client: &pg::Pooled, batch: &[&Self]) -> Result<Vec<Row>, tokio_postgres::Error> {
         let users = column(batch, |r| r.user.as_str().to_owned());
@@ -231,6 +250,7 @@ static SQL_TASKS: LazyLock<String> = LazyLock::new(|| {
 impl Read for TaskList {
     type Out = Vec<Task>;
     const WHAT: &'static str = "task read";
+    const KIND: &'static str = "tasks";
 
     async fn rows(client: &pg::Pooled, batch: &[&Self]) -> Result<Vec<Row>, tokio_postgres::Error> {
         let users = column(batch, |r| r.user.as_str().to_owned());
@@ -246,7 +266,7 @@ impl Read for TaskList {
     }
 
     fn answer(rows: &[&Row]) -> Result<Self::Out, StoreError> {
-        Ok(rows.iter().map(|r| task_from_row(r)).collect())
+        rows.iter().map(|r| task_from_row(r)).collect()
     }
 }
 
@@ -282,6 +302,7 @@ const SQL_NOTES: &str = "SELECT f.id, f.content, f.tags, f.created_at, f.origin,
 impl Read for NoteSearch {
     type Out = Vec<Note>;
     const WHAT: &'static str = "memory search";
+    const KIND: &'static str = "memory_search";
 
     async fn rows(client: &pg::Pooled, batch: &[&Self]) -> Result<Vec<Row>, tokio_postgres::Error> {
         let users = column(batch, |r| r.user.as_str().to_owned());
@@ -293,6 +314,6 @@ impl Read for NoteSearch {
     }
 
     fn answer(rows: &[&Row]) -> Result<Self::Out, StoreError> {
-        Ok(rows.iter().map(|r| note_from_row(r)).collect())
+        rows.iter().map(|r| note_from_row(r)).collect()
     }
 }
