@@ -1957,30 +1957,45 @@ async fn each_admission_in_a_batch_is_refused_or_admitted_on_its_own() {
     assert_eq!(tf.active_run_id.as_deref(), Some("f1"));
 }
 
-/// an owner's cap on live runs holds when replicas admit that owner's runs at the same
-/// moment. Three stores (three replicas' pools) over one database each get one of every
-/// owner's racing runs: each owner ends with exactly the one live run its cap allows, and
-/// every other run is told the cap, never admitted past it.
-#[tokio::test]
-async fn r4_the_run_cap_holds_when_replicas_admit_one_owner_at_once() {
+/// Three replicas (three stores' pools over one database) each admit one of every owner's
+/// three runs at once, under a cap of one; `on_new_thread(k)` says whether run k makes its
+/// thread (group admission) or takes one that exists (a lone admission's transaction). Each
+/// owner must end with exactly the one live run its cap allows, every other run told the cap.
+async fn one_run_per_owner_when_replicas_race(on_new_thread: impl Fn(usize) -> bool) {
     let db = TestDb::create().await.unwrap();
+    one_run_per_owner_when_replicas_race_on(&db, on_new_thread).await;
+}
+
+async fn one_run_per_owner_when_replicas_race_on(
+    db: &TestDb,
+    on_new_thread: impl Fn(usize) -> bool,
+) {
     let mut replicas = Vec::new();
     for _ in 0..3 {
         replicas.push(pg_store(db.url(), 4).await);
     }
     let owners = 30;
-    let admissions: Vec<(usize, Admission)> = (0..owners)
-        .flat_map(|o| {
-            (0..3).map(move |k| {
-                let (run, thread) = (format!("r{o}-{k}"), format!("t{o}-{k}"));
-                let a = Admission {
-                    max_active_runs: 1,
-                    ..admit_new(&run, &thread, &format!("u{o}"), None)
-                };
-                (k, a)
-            })
-        })
-        .collect();
+    let mut admissions = Vec::new();
+    for o in 0..owners {
+        let owner = format!("u{o}");
+        for k in 0..3 {
+            let (run, thread) = (format!("r{o}-{k}"), format!("t{o}-{k}"));
+            let new_thread = on_new_thread(k);
+            if !new_thread {
+                let s: &dyn AgentStore = &replicas[0];
+                s.create_thread(&thread, &owner, "x").await.unwrap();
+            }
+            let a = Admission {
+                max_active_runs: 1,
+                ..admission(
+                    new_run(&run, &thread, &owner, None),
+                    new_thread,
+                    Duration::from_secs(60),
+                )
+            };
+            admissions.push((k, a));
+        }
+    }
     let answers = futures_util::future::join_all(
         admissions
             .iter()
@@ -2016,6 +2031,41 @@ async fn r4_the_run_cap_holds_when_replicas_admit_one_owner_at_once() {
             );
         }
     }
+}
+
+/// an owner's cap on live runs holds when replicas admit that owner's runs on new
+/// threads at the same moment (batch against batch).
+#[tokio::test]
+async fn r4_the_run_cap_holds_when_replicas_admit_one_owner_at_once() {
+    one_run_per_owner_when_replicas_race(|_| true).await;
+}
+
+/// the same on threads that exist (each a lone admission's transaction), and mixed: one
+/// replica's run makes its thread (a batch) while the others take theirs.
+#[tokio::test]
+async fn r4_the_run_cap_holds_when_replicas_admit_one_owner_on_existing_threads() {
+    one_run_per_owner_when_replicas_race(|_| false).await;
+    one_run_per_owner_when_replicas_race(|k| k == 0).await;
+}
+
+/// the same where the database's default isolation is REPEATABLE READ (a snapshot per
+/// transaction would be taken before the owner's lock is): admissions set their own.
+#[tokio::test]
+async fn r4_the_run_cap_holds_where_the_database_defaults_to_repeatable_read() {
+    let db = TestDb::create().await.unwrap();
+    let side = side_connection(db.url()).await;
+    let name: String = side
+        .query_one("SELECT current_database()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    side.batch_execute(&format!(
+        "ALTER DATABASE \"{name}\" SET default_transaction_isolation = 'repeatable read'"
+    ))
+    .await
+    .unwrap();
+    // Runs 1 and 2 take existing threads (lone admissions), run 0 makes its own (a batch).
+    one_run_per_owner_when_replicas_race_on(&db, |k| k == 0).await;
 }
 
 /// the cap on an owner's queued task agents holds when replicas enqueue at once.

@@ -566,26 +566,46 @@ impl AgentStore for PgStore {
     }
 
     async fn enqueue_task_agent(&self, t: &TaskAgent, max_queued: u32) -> Result<bool, StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(db)?;
-        // Two enqueues of one owner (on any replica) must not both pass the cap: the count
-        // below is taken after the owner's lock, so it sees the other's task (R-4).
-        tx.execute(
-            "SELECT pg_advisory_xact_lock(hashtext('task_agents:' || $1))",
-            &[&t.owner],
-        )
-        .await
-        .map_err(db)?;
-        let n = tx
-            .execute(
+        let client = self.client().await?;
+        let lock = client
+            .prepare_cached("SELECT pg_advisory_xact_lock(hashtext('task_agents:' || $1))")
+            .await
+            .map_err(db)?;
+        let insert = client
+            .prepare_cached(
                 "INSERT INTO agent.task_agents (id, owner, parent_thread_id, instructions, goal, state) \
                  SELECT $1, $2, $3, $4, $5, 'queued' WHERE (SELECT count(*) FROM agent.task_agents \
                    WHERE owner = $2 AND state IN ('queued', 'running')) < $6",
-                &[&t.id, &t.owner, &t.parent_thread_id, &t.instructions, &t.goal, &i64::from(max_queued)],
             )
             .await
             .map_err(db)?;
-        tx.commit().await.map_err(db)?;
+        let t_client: &tokio_postgres::Client = &client;
+        // Two enqueues of one owner (on any replica) must not both pass the cap: the count is
+        // taken after the owner's lock, in a snapshot of its own, so it sees the other's task
+        // (R-4). One pipeline, as an admission is; a failed statement makes COMMIT roll back.
+        let mut open = pg::Begun::new(t_client);
+        let (begun, locked, inserted, committed) = futures_util::future::join4(
+            t_client.batch_execute(admission::BEGIN),
+            t_client.execute(&lock, &[&t.owner]),
+            t_client.execute(
+                &insert,
+                &[
+                    &t.id,
+                    &t.owner,
+                    &t.parent_thread_id,
+                    &t.instructions,
+                    &t.goal,
+                    &i64::from(max_queued),
+                ],
+            ),
+            t_client.batch_execute("COMMIT"),
+        )
+        .await;
+        open.committed();
+        begun.map_err(db)?;
+        locked.map_err(db)?;
+        let n = inserted.map_err(db)?;
+        committed.map_err(db)?;
         Ok(n == 1)
     }
 

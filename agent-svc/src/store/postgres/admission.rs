@@ -20,7 +20,7 @@ pub(super) async fn one(client: &pg::Pooled, a: &Admission) -> Result<Admitted, 
     // The whole admission is one pipeline, BEGIN to COMMIT: each check raises
     // `agent.admission_refused` when it fails (migration V13), which aborts the transaction,
     // so COMMIT need not wait for the answers — one round trip while the connection is held.
-    let lock = client.prepare_cached(SQL_LOCK_OWNER).await.map_err(db)?;
+    let lock = client.prepare_cached(SQL_LOCK_OWNERS).await.map_err(db)?;
     let count = client.prepare_cached(SQL_ADMIT_CAP).await.map_err(db)?;
     let take = client
         .prepare_cached(if a.new_thread_title.is_some() {
@@ -92,11 +92,12 @@ pub(super) async fn one(client: &pg::Pooled, a: &Admission) -> Result<Admitted, 
     let mut open = pg::Begun::new(t);
     // join polls in order, and each statement is sent when first polled: BEGIN goes first,
     // COMMIT last.
-    let owner: [Param<'_>; 1] = [&run.owner];
+    let owners: &[&str] = &[run.owner.as_str()];
+    let owner: [Param<'_>; 1] = [&owners];
     let ((begun, locked, active, taken), (superseded, inserted, recent, committed)) =
         futures_util::future::join(
             futures_util::future::join4(
-                t.batch_execute("BEGIN"),
+                t.batch_execute(BEGIN),
                 t.execute_raw(&lock, owner),
                 t.query_one(&count, &count_params),
                 t.execute_raw(&take, take_params),
@@ -212,11 +213,17 @@ const REFUSED_TOO_MANY_RUNS: &str = "SWA01";
 const REFUSED_BUSY: &str = "SWA02";
 const REFUSED_AWAITING_APPROVAL: &str = "SWA03";
 const REFUSED_DUPLICATE: &str = "SWA04";
-/// Admissions of one owner wait for each other from here to their COMMIT, on every replica:
-/// the cap below counts in a snapshot taken after the lock, so it sees every run admitted
-/// before it, and two admissions can never both find the owner one under the cap (R-4).
-/// The key space is the schedules' (`'schedules:' || owner`), with its own prefix.
-pub(super) const SQL_LOCK_OWNER: &str = "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1))";
+/// An admission's transaction. Its cap is counted after the owners' locks are taken, which
+/// holds only if each statement takes its own snapshot: READ COMMITTED whatever the
+/// database's or role's default isolation is.
+pub(super) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+/// The admission locks of the owners in `$1`: admissions of one owner wait for each other from
+/// here to their COMMIT, on every replica, so the cap counted after it sees every run admitted
+/// before it and two admissions never both find the owner one under the cap (R-4). Taken in
+/// one order, so two batches sharing owners wait for each other rather than deadlock. The key
+/// space is the schedules' (`'schedules:' || owner`), with its own prefix.
+pub(super) const SQL_LOCK_OWNERS: &str = "SELECT pg_advisory_xact_lock(k) FROM \
+    (SELECT DISTINCT hashtext('runs:' || o) AS k FROM unnest($1::text[]) AS o ORDER BY k) owners";
 /// The owner's live runs, refused at the cap (`$2`) with their count.
 const SQL_ADMIT_CAP: &str = "SELECT CASE WHEN count(*) < $2::bigint THEN count(*) \
       ELSE agent.admission_refused('SWA01', count(*)::text) END \

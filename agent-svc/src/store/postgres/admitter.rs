@@ -50,11 +50,6 @@ const SQL_ADMIT_MANY: &str = "WITH u AS (SELECT * FROM unnest($1::text[], $2::te
       WHERE u.message IS NOT NULL AND u.run IN (SELECT id FROM runs)) \
   SELECT id FROM runs";
 
-/// The owners' admission locks (`admission::SQL_LOCK_OWNER`), taken in one order by every
-/// batch so that two batches sharing owners wait for each other rather than deadlock.
-const SQL_LOCK_OWNERS: &str = "SELECT pg_advisory_xact_lock(k) FROM \
-    (SELECT DISTINCT hashtext('runs:' || o) AS k FROM unnest($1::text[]) AS o ORDER BY k) owners";
-
 /// The newest `$2` session summaries of each owner in `$1`, as `archive` reads them, with the
 /// owner last.
 const SQL_SUMMARIES_OF_OWNERS: &str = "SELECT thread_id, summary, turn_count, archived_at, owner \
@@ -100,13 +95,10 @@ async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: &Counters) {
     // Admitted alone, after the batch: a second run of one owner (the batch counts the cap
     // before it, and a request id is unique per owner), and a second run on one thread.
     let mut seen = std::collections::HashSet::new();
-    let (mut together, mut alone): (Vec<Queued>, Vec<Queued>) = batch.into_iter().partition(|q| {
+    let (together, mut alone): (Vec<Queued>, Vec<Queued>) = batch.into_iter().partition(|q| {
         let run = &q.item.run;
         seen.insert(("owner", run.owner.clone())) & seen.insert(("thread", run.thread_id.clone()))
     });
-    // In owner order, so two batches meeting on the same request ids wait in one order, never
-    // on each other.
-    together.sort_by(|a, b| a.item.run.owner.cmp(&b.item.run.owner));
     if together.len() == 1 {
         alone.splice(0..0, together);
     } else if !together.is_empty() {
@@ -219,7 +211,7 @@ async fn many(
         .filter(|a| a.summaries > 0)
         .map(|a| a.run.owner.as_str())
         .collect();
-    let lock = client.prepare_cached(SQL_LOCK_OWNERS).await?;
+    let lock = client.prepare_cached(admission::SQL_LOCK_OWNERS).await?;
     let admit = client.prepare_cached(SQL_ADMIT_MANY).await?;
     let read = client.prepare_cached(SQL_SUMMARIES_OF_OWNERS).await?;
     // One transaction in one round trip, BEGIN to COMMIT, as a lone admission is: a read that
@@ -227,9 +219,12 @@ async fn many(
     // nothing and its admissions can be tried again alone.
     let t: &tokio_postgres::Client = client;
     let mut open = pg::Begun::new(t);
-    // The cap is counted after the owners' locks are held: see `admission::SQL_LOCK_OWNER`.
+    // The cap is counted after the owners' locks are held: see `admission::SQL_LOCK_OWNERS`.
     let ((begun, locked), admitted, recent, committed) = futures_util::future::join4(
-        futures_util::future::join(t.batch_execute("BEGIN"), t.execute(&lock, &[&cols.owner])),
+        futures_util::future::join(
+            t.batch_execute(admission::BEGIN),
+            t.execute(&lock, &[&cols.owner]),
+        ),
         t.query(&admit, &params),
         async {
             match wanting.is_empty() {
