@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::NoTls;
 
 pub use crate::pg_tls::Target;
@@ -38,6 +38,14 @@ pub struct PoolOptions {
     pub acquire_timeout: Duration,
 }
 
+/// What every pooled connection runs once, when it opens. Every transaction of both services
+/// is reasoned in READ COMMITTED: a statement after an advisory lock (a cap, a rate-limit
+/// charge) sees what the lock's last holder committed, and a fenced UPDATE waits for a
+/// concurrent one instead of failing to serialise. A database or role whose default is
+/// stricter must not change that. (Set here, not as a startup option, which poolers such as
+/// PgBouncer refuse.)
+const READ_COMMITTED: &str = "SET default_transaction_isolation = 'read committed'";
+
 /// Builds the pool. Connections are opened lazily; call [`ping`] to check the server answers.
 pub fn pool(url: &str, options: &PoolOptions) -> Result<Pool, PgError> {
     let Target { config, tls } = Target::parse(url)?;
@@ -54,6 +62,14 @@ pub fn pool(url: &str, options: &PoolOptions) -> Result<Pool, PgError> {
         .wait_timeout(Some(options.acquire_timeout))
         .create_timeout(Some(options.acquire_timeout))
         .recycle_timeout(Some(options.acquire_timeout))
+        .post_create(Hook::async_fn(|client, _| {
+            Box::pin(async move {
+                client
+                    .batch_execute(READ_COMMITTED)
+                    .await
+                    .map_err(HookError::Backend)
+            })
+        }))
         .build()
         .map_err(|e| PgError::Pool(e.to_string()))
 }

@@ -2066,6 +2066,24 @@ async fn r4_the_run_cap_holds_where_the_database_defaults_to_repeatable_read() {
     .unwrap();
     // Runs 1 and 2 take existing threads (lone admissions), run 0 makes its own (a batch).
     one_run_per_owner_when_replicas_race_on(&db, |k| k == 0).await;
+    // And every pooled connection of the services works in READ COMMITTED regardless.
+    let pool = svc_kit::pg::pool(
+        db.url(),
+        &PoolOptions {
+            max_connections: 1,
+            acquire_timeout: Duration::from_secs(5),
+        },
+    )
+    .unwrap();
+    let isolation: String = pool
+        .get()
+        .await
+        .unwrap()
+        .query_one("SHOW transaction_isolation", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(isolation, "read committed");
 }
 
 /// the cap on an owner's queued task agents holds when replicas enqueue at once.
