@@ -14,7 +14,9 @@
 //! - CPU per run of each service and of the bench itself (user + system time over the wave / N,
 //!   from `/proc`);
 //! - transactions per run on PostgreSQL (`pg_stat_database` of each service's database, read
-//!   once the services have exited, less a start and stop with no runs);
+//!   once the services have exited, less a start and stop with no runs), and the database's
+//!   own CPU per run (its exited processes' CPU from the postmaster's `/proc` entry, read the
+//!   same way; where the server is local and `postmaster.pid` readable);
 //! - that every run completed with its stream intact (numbered without gaps, one result).
 //!
 //! Run: `cargo bench -p steward-tests --bench load` (needs the test PostgreSQL).
@@ -30,7 +32,9 @@ use std::time::{Duration, Instant};
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
     TestDb, agent_over,
-    bench::{clock_ticks, percentile, proc_stat, summary, transactions_when_idle},
+    bench::{
+        clock_ticks, percentile, postgres_reaped_cpu, proc_stat, summary, transactions_when_idle,
+    },
     channel,
     procs::ServiceProc,
     rule_model::{RuleModel, RuleOptions},
@@ -401,6 +405,8 @@ async fn main() {
     })
     .await;
     let mut rows = Vec::new();
+    // PostgreSQL's own CPU per run over all waves, where it can be read.
+    let mut database_cpu_per_run: Option<f64> = None;
     for backend in &s.backends {
         match backend.as_str() {
             "memory" => {
@@ -449,8 +455,10 @@ async fn main() {
                 // besides its runs.
                 start(&model, Some(dbs)).await.stop();
                 let migrated = transactions(&admin, dbs).await;
+                let cpu_migrated = postgres_reaped_cpu(&admin).await;
                 start(&model, Some(dbs)).await.stop();
                 let idle = transactions(&admin, dbs).await;
+                let cpu_idle = postgres_reaped_cpu(&admin).await;
                 let startup = (idle.0 - migrated.0, idle.1 - migrated.1);
                 let services = start(&model, Some(dbs)).await;
                 let mut waves = Vec::new();
@@ -459,6 +467,15 @@ async fn main() {
                 }
                 services.stop();
                 let after = transactions(&admin, dbs).await;
+                // The database's CPU over the waves: its backends (and autovacuum) counted as
+                // they exit, less what a start and stop without runs costs.
+                if let (Some(m), Some(i), Some(a)) =
+                    (cpu_migrated, cpu_idle, postgres_reaped_cpu(&admin).await)
+                {
+                    let waves_cpu = a.saturating_sub(i).saturating_sub(i.saturating_sub(m));
+                    database_cpu_per_run =
+                        Some(waves_cpu.as_secs_f64() * 1000.0 / (s.runs * s.waves) as f64);
+                }
                 // Over every wave: transactions are counted once the services have exited.
                 let per_run = |i: usize| {
                     let (a, b, c) = match i {
@@ -529,6 +546,11 @@ async fn main() {
             w.harness_cpu_per_run.as_secs_f64() * 1000.0
         );
     }
+    if let Some(cpu) = database_cpu_per_run {
+        println!(
+            "postgres: the database's own CPU per run, all waves (its backends and autovacuum, counted as they exit; a start and stop without runs taken off): {cpu:.2} ms"
+        );
+    }
     for (backend, n, w, _) in &rows {
         println!(
             "{backend}, wave {n}: log lines per run at RUST_LOG={log_filter}: agent-svc {:.1}, gateway-svc {:.1}",
@@ -569,6 +591,13 @@ async fn main() {
                 &format!("{:.1}", a + g),
                 "≤ 12",
             );
+            if let Some(cpu) = database_cpu_per_run {
+                summary(
+                    &format!("{runs} runs, postgres: the database's CPU per run (all waves)"),
+                    &format!("{cpu:.2} ms"),
+                    "",
+                );
+            }
         }
     }
 }

@@ -40,6 +40,26 @@ pub fn clock_ticks() -> u64 {
         .unwrap_or(100)
 }
 
+/// The CPU time of the PostgreSQL server's exited processes so far — backends and autovacuum
+/// workers, which the postmaster reaps (`cutime + cstime` of its `/proc/<pid>/stat`). Read it
+/// once a service's backends have gone (see [`transactions_when_idle`]): a backend's CPU is
+/// counted when it exits. `None` where it cannot be read (a server on another host, a role
+/// that may not read `postmaster.pid`).
+pub async fn postgres_reaped_cpu(admin: &tokio_postgres::Client) -> Option<Duration> {
+    let pid: String = admin
+        .query_one(
+            "SELECT split_part(pg_read_file('postmaster.pid'), E'\\n', 1)",
+            &[],
+        )
+        .await
+        .ok()?
+        .get(0);
+    let fields = proc_stat(pid.trim().parse().ok()?)?;
+    // Fields 16 and 17 of stat(5); the slice starts at field 3.
+    let ticks: u64 = fields.get(13)?.parse::<u64>().ok()? + fields.get(14)?.parse::<u64>().ok()?;
+    Some(Duration::from_millis(ticks * 1000 / clock_ticks()))
+}
+
 /// Committed and rolled-back transactions of database `name`, read once no backend is
 /// connected to it (a backend flushes its pending counters when it exits). Polls: this waits
 /// on PostgreSQL's own bookkeeping, for which there is no notification.
