@@ -953,20 +953,25 @@ async fn a_thread_held_by_another_run_is_not_archived(b: Backend) {
     );
 }
 
-async fn the_task_queue_caps_open_tasks_per_user(b: Backend) {
-    let s = &b.store;
-    s.create_thread("t1", "alice", "x").await.unwrap();
-    let task = |id: &str| TaskAgent {
+/// Task agent `id` of `owner`, queued from thread `thread`, never tried.
+fn queued_task(id: &str, owner: &str, thread: &str) -> TaskAgent {
+    TaskAgent {
         id: id.into(),
-        owner: "alice".into(),
-        parent_thread_id: "t1".into(),
+        owner: owner.into(),
+        parent_thread_id: thread.into(),
         instructions: "do".into(),
         goal: "done".into(),
         state: "queued".into(),
         attempts: 0,
         last_error: None,
         result: None,
-    };
+    }
+}
+
+async fn the_task_queue_caps_open_tasks_per_user(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "x").await.unwrap();
+    let task = |id: &str| queued_task(id, "alice", "t1");
     assert!(s.enqueue_task_agent(&task("k1"), 2).await.unwrap());
     assert!(s.enqueue_task_agent(&task("k2"), 2).await.unwrap());
     assert!(!s.enqueue_task_agent(&task("k3"), 2).await.unwrap());
@@ -2104,17 +2109,7 @@ async fn r4_the_task_queue_cap_holds_when_replicas_enqueue_at_once() {
     let tasks: Vec<(usize, TaskAgent)> = (0..owners)
         .flat_map(|o| {
             (0..3).map(move |k| {
-                let task = TaskAgent {
-                    id: format!("k{o}-{k}"),
-                    owner: format!("u{o}"),
-                    parent_thread_id: format!("t{o}"),
-                    instructions: "do".into(),
-                    goal: "done".into(),
-                    state: "queued".into(),
-                    attempts: 0,
-                    last_error: None,
-                    result: None,
-                };
+                let task = queued_task(&format!("k{o}-{k}"), &format!("u{o}"), &format!("t{o}"));
                 (k, task)
             })
         })

@@ -688,10 +688,7 @@ async fn q2_a_row_that_does_not_decode_fails_only_its_own_read() {
     for u in [&good, &bad, &other] {
         store.add_task(u, "a task", None, None).await.unwrap();
     }
-    let (side, connection) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let side = steward_tests::db::connect(&db).await;
     side.batch_execute(&format!(
         "ALTER TABLE gateway.tasks ALTER COLUMN title DROP NOT NULL; \
          UPDATE gateway.tasks SET title = NULL WHERE user_id = '{}'",

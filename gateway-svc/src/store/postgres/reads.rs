@@ -35,7 +35,8 @@ const MAX_BATCH: usize = 32;
 
 /// One kind of grouped read: its statement over a batch, and each row's owner.
 trait Read: Send + Sync + Sized + 'static {
-    type Out: Send + 'static;
+    /// What one row decodes to; a read's answer is its rows', in the statement's order.
+    type Item: Send + 'static;
     const WHAT: &'static str;
     /// The `kind` label of its batch metrics.
     const KIND: &'static str;
@@ -46,8 +47,8 @@ trait Read: Send + Sync + Sized + 'static {
         batch: &'a [&'a Self],
     ) -> impl Future<Output = Result<Vec<Row>, tokio_postgres::Error>> + Send + 'a;
 
-    /// One read's answer from its rows, in the statement's order.
-    fn answer(rows: &[&Row]) -> Result<Self::Out, StoreError>;
+    /// One row of a read's answer.
+    fn decode(row: &Row) -> Result<Self::Item, StoreError>;
 }
 
 pub(super) struct Reads {
@@ -128,7 +129,7 @@ fn queue<R: Read>(
     pool: &pg::PgPool,
     workers: usize,
     counts: &Arc<Counters>,
-) -> Queue<R, R::Out, StoreError> {
+) -> Queue<R, Vec<R::Item>, StoreError> {
     let (pool, counts) = (pool.clone(), counts.clone());
     group::start(workers, MAX_BATCH, R::WHAT, move |batch| {
         let (pool, counts) = (pool.clone(), counts.clone());
@@ -140,7 +141,7 @@ fn queue<R: Read>(
 /// read alone on the same connection.
 async fn read<R: Read>(
     pool: &pg::PgPool,
-    mut batch: Vec<Waiting<R, R::Out, StoreError>>,
+    mut batch: Vec<Waiting<R, Vec<R::Item>, StoreError>>,
     counts: &Counters,
 ) {
     // A read whose caller gave up (a deadline passed) costs the database nothing.
@@ -178,7 +179,7 @@ async fn read<R: Read>(
     }
 }
 
-fn answer_all<R: Read>(batch: Vec<Waiting<R, R::Out, StoreError>>, error: &StoreError) {
+fn answer_all<R: Read>(batch: Vec<Waiting<R, Vec<R::Item>, StoreError>>, error: &StoreError) {
     for w in batch {
         w.answer(Err(StoreError::Unavailable(match error {
             StoreError::Unavailable(text) => text.clone(),
@@ -188,14 +189,14 @@ fn answer_all<R: Read>(batch: Vec<Waiting<R, R::Out, StoreError>>, error: &Store
 }
 
 /// Gives each read of `batch` the rows numbered for it (rows come ordered by that number).
-fn answer_each<R: Read>(batch: Vec<Waiting<R, R::Out, StoreError>>, rows: &[Row]) {
+fn answer_each<R: Read>(batch: Vec<Waiting<R, Vec<R::Item>, StoreError>>, rows: &[Row]) {
     let mut rows = rows.iter().peekable();
     for (n, w) in (1_i64..).zip(batch) {
         let mut mine = Vec::new();
         while let Some(row) = rows.next_if(|r| r.get::<_, i64>(r.len() - 1) == n) {
-            mine.push(row);
+            mine.push(R::decode(row));
         }
-        w.answer(R::answer(&mine));
+        w.answer(mine.into_iter().collect());
     }
 }
 
@@ -217,7 +218,7 @@ static SQL_ACCOUNTS: LazyLock<String> = LazyLock::new(|| {
 });
 
 impl Read for Accounts {
-    type Out = Vec<StoredAccount>;
+    type Item = StoredAccount;
     const WHAT: &'static str = "account read";
     const KIND: &'static str = "accounts";
 
@@ -226,8 +227,8 @@ impl Read for Accounts {
         client.query(&*SQL_ACCOUNTS, &[&users]).await
     }
 
-    fn answer(rows: &[&Row]) -> Result<Self::Out, StoreError> {
-        rows.iter().map(|r| account_from_row(r)).collect()
+    fn decode(row: &Row) -> Result<Self::Item, StoreError> {
+        account_from_row(row)
     }
 }
 
@@ -248,7 +249,7 @@ static SQL_TASKS: LazyLock<String> = LazyLock::new(|| {
 });
 
 impl Read for TaskList {
-    type Out = Vec<Task>;
+    type Item = Task;
     const WHAT: &'static str = "task read";
     const KIND: &'static str = "tasks";
 
@@ -265,8 +266,8 @@ impl Read for TaskList {
         client.query(&*SQL_TASKS, &[&users, &filters]).await
     }
 
-    fn answer(rows: &[&Row]) -> Result<Self::Out, StoreError> {
-        rows.iter().map(|r| task_from_row(r)).collect()
+    fn decode(row: &Row) -> Result<Self::Item, StoreError> {
+        task_from_row(row)
     }
 }
 
@@ -300,7 +301,7 @@ const SQL_NOTES: &str = "SELECT f.id, f.content, f.tags, f.created_at, f.origin,
     ORDER BY u.o, f.pass, f.rank DESC, f.id DESC";
 
 impl Read for NoteSearch {
-    type Out = Vec<Note>;
+    type Item = Note;
     const WHAT: &'static str = "memory search";
     const KIND: &'static str = "memory_search";
 
@@ -313,7 +314,7 @@ impl Read for NoteSearch {
         client.query(SQL_NOTES, &params).await
     }
 
-    fn answer(rows: &[&Row]) -> Result<Self::Out, StoreError> {
-        rows.iter().map(|r| note_from_row(r)).collect()
+    fn decode(row: &Row) -> Result<Self::Item, StoreError> {
+        note_from_row(row)
     }
 }
