@@ -36,15 +36,51 @@ pub struct PoolOptions {
     pub max_connections: usize,
     /// How long a caller waits for a free connection before getting an error.
     pub acquire_timeout: Duration,
+    /// How long any statement waits for a lock (a row, or an advisory lock such as an owner's
+    /// admission lock) before it fails with the database's "lock timeout" (55P03).
+    pub lock_timeout: Duration,
+    /// How long a transaction may sit open with nothing to do (its client stalled or cut off)
+    /// before the server ends its session, and so releases what it holds.
+    pub idle_in_transaction_timeout: Duration,
 }
 
-/// What every pooled connection runs once, when it opens. Every transaction of both services
-/// is reasoned in READ COMMITTED: a statement after an advisory lock (a cap, a rate-limit
-/// charge) sees what the lock's last holder committed, and a fenced UPDATE waits for a
-/// concurrent one instead of failing to serialise. A database or role whose default is
-/// stricter must not change that. (Set here, not as a startup option, which poolers such as
-/// PgBouncer refuse.)
-const READ_COMMITTED: &str = "SET default_transaction_isolation = 'read committed'";
+/// The defaults of `DATABASE_MAX_CONNECTIONS`, `DATABASE_ACQUIRE_TIMEOUT`,
+/// `DATABASE_LOCK_TIMEOUT` and `DATABASE_IDLE_IN_TRANSACTION_TIMEOUT`.
+impl Default for PoolOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+            lock_timeout: Duration::from_secs(5),
+            idle_in_transaction_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What every pooled connection runs once, when it opens.
+///
+/// Every transaction of both services is reasoned in READ COMMITTED: a statement after an
+/// advisory lock (a cap, a rate-limit charge) sees what the lock's last holder committed, and
+/// a fenced UPDATE waits for a concurrent one instead of failing to serialise. A database or
+/// role whose default is stricter must not change that.
+///
+/// No statement waits for a lock without bound: a waiter holds its pooled connection, so a
+/// holder that stalls (a replica cut off mid-transaction is noticed only when TCP gives up)
+/// would otherwise drain the pools of every replica that meets it; after `lock_timeout` the
+/// waiter fails with UNAVAILABLE and its caller can retry. And no holder keeps its locks
+/// longer than `idle_in_transaction_timeout` once it stops talking: the server ends its
+/// session. Every transaction of both services is a few statements sent back to back, never
+/// one left open across other I/O, so only a stalled or vanished client ever meets it.
+///
+/// (Set here, not as startup options, which poolers such as PgBouncer refuse.)
+fn on_open(options: &PoolOptions) -> String {
+    format!(
+        "SET default_transaction_isolation = 'read committed'; SET lock_timeout = {}; \
+         SET idle_in_transaction_session_timeout = {}",
+        options.lock_timeout.as_millis().max(1),
+        options.idle_in_transaction_timeout.as_millis().max(1)
+    )
+}
 
 /// Builds the pool. Connections are opened lazily; call [`ping`] to check the server answers.
 pub fn pool(url: &str, options: &PoolOptions) -> Result<Pool, PgError> {
@@ -56,16 +92,18 @@ pub fn pool(url: &str, options: &PoolOptions) -> Result<Pool, PgError> {
         Some(tls) => Manager::from_config(config, tls, manager_config),
         None => Manager::from_config(config, NoTls, manager_config),
     };
+    let on_open = on_open(options);
     Pool::builder(manager)
         .max_size(options.max_connections)
         .runtime(Runtime::Tokio1)
         .wait_timeout(Some(options.acquire_timeout))
         .create_timeout(Some(options.acquire_timeout))
         .recycle_timeout(Some(options.acquire_timeout))
-        .post_create(Hook::async_fn(|client, _| {
+        .post_create(Hook::async_fn(move |client, _| {
+            let on_open = on_open.clone();
             Box::pin(async move {
                 client
-                    .batch_execute(READ_COMMITTED)
+                    .batch_execute(&on_open)
                     .await
                     .map_err(HookError::Backend)
             })
@@ -84,6 +122,19 @@ pub(crate) fn cause(e: &tokio_postgres::Error) -> String {
             Some(source) => format!("{e}: {source}"),
             None => e.to_string(),
         },
+    }
+}
+
+/// A server error in the server's own words with its SQLSTATE, and what to do about the one
+/// this crate's settings cause: a lock that waited past `DATABASE_LOCK_TIMEOUT`.
+pub fn server_message(e: &tokio_postgres::error::DbError) -> String {
+    let said = format!("{} ({})", e.message(), e.code().code());
+    if *e.code() == tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE {
+        format!(
+            "{said}: another transaction held a lock this one needed for longer than DATABASE_LOCK_TIMEOUT; retry"
+        )
+    } else {
+        said
     }
 }
 

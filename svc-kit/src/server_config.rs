@@ -66,14 +66,36 @@ impl ServerConfig {
                 }
                 Ok(_) => {}
             }
-            let max_connections = vars.int_in("DATABASE_MAX_CONNECTIONS", 16usize, 1, 1000);
+            let defaults = PoolOptions::default();
+            let max_connections =
+                vars.int_in("DATABASE_MAX_CONNECTIONS", defaults.max_connections, 1, 1000);
             let acquire_timeout = vars.duration_in(
                 "DATABASE_ACQUIRE_TIMEOUT",
-                Duration::from_secs(5),
+                defaults.acquire_timeout,
                 Duration::from_millis(100),
                 Duration::from_secs(300),
             );
-            Some(DatabaseConfig { url, pool: PoolOptions { max_connections, acquire_timeout } })
+            let lock_timeout = vars.duration_in(
+                "DATABASE_LOCK_TIMEOUT",
+                defaults.lock_timeout,
+                Duration::from_millis(100),
+                Duration::from_secs(300),
+            );
+            let idle_in_transaction_timeout = vars.duration_in(
+                "DATABASE_IDLE_IN_TRANSACTION_TIMEOUT",
+                defaults.idle_in_transaction_timeout,
+                Duration::from_secs(1),
+                Duration::from_secs(3600),
+            );
+            Some(DatabaseConfig {
+                url,
+                pool: PoolOptions {
+                    max_connections,
+                    acquire_timeout,
+                    lock_timeout,
+                    idle_in_transaction_timeout,
+                },
+            })
         });
         let max_message_bytes =
             vars.bytes_in("GRPC_MAX_MESSAGE_BYTES", 4 << 20, 64 << 10, 64 << 20);
@@ -155,5 +177,30 @@ mod tests {
         ServerConfig::load(&mut vars, "GATEWAY", "0.0.0.0:50052".parse().unwrap());
         let errors = vars.finish(()).unwrap_err();
         assert_eq!(errors.0[0].var, "DATABASE_URL");
+    }
+
+    #[test]
+    fn the_pools_lock_and_idle_transaction_timeouts_are_read_and_checked() {
+        let url = ("DATABASE_URL".to_owned(), "postgres://u@h/db".to_owned());
+        let map = HashMap::from([
+            url.clone(),
+            ("DATABASE_LOCK_TIMEOUT".to_owned(), "750ms".to_owned()),
+            (
+                "DATABASE_IDLE_IN_TRANSACTION_TIMEOUT".to_owned(),
+                "2m".to_owned(),
+            ),
+        ]);
+        let mut vars = Vars::from_map(&map);
+        let cfg = ServerConfig::load(&mut vars, "AGENT", "0.0.0.0:50051".parse().unwrap());
+        assert!(vars.finish(()).is_ok());
+        let pool = cfg.database.unwrap().pool;
+        assert_eq!(pool.lock_timeout, Duration::from_millis(750));
+        assert_eq!(pool.idle_in_transaction_timeout, Duration::from_secs(120));
+
+        let map = HashMap::from([url, ("DATABASE_LOCK_TIMEOUT".to_owned(), "0s".to_owned())]);
+        let mut vars = Vars::from_map(&map);
+        ServerConfig::load(&mut vars, "AGENT", "0.0.0.0:50051".parse().unwrap());
+        let errors = vars.finish(()).unwrap_err();
+        assert_eq!(errors.0[0].var, "DATABASE_LOCK_TIMEOUT");
     }
 }

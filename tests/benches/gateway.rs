@@ -141,6 +141,7 @@ async fn main() {
         pool: PoolOptions {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
+            ..PoolOptions::default()
         },
     };
     let stores = PgStore::connect(&config).await.unwrap().stores();

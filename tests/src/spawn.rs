@@ -334,6 +334,7 @@ impl TestApp {
             pool: svc_kit::pg::PoolOptions {
                 max_connections: 2,
                 acquire_timeout: Duration::from_secs(5),
+                ..svc_kit::pg::PoolOptions::default()
             },
         })
         .await

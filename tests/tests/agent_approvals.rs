@@ -366,6 +366,100 @@ async fn every_action_transition_is_recorded_on_the_run() {
     );
 }
 
+/// a decision continues its paused run, so with the owner at the cap on active runs it is
+/// RESOURCE_EXHAUSTED naming the cap, and nothing happens: nothing is sent, the approval stays
+/// pending and the run paused. Once the other run ends, the same decision goes through.
+#[tokio::test]
+async fn r4_a_decision_at_the_active_run_cap_is_refused_until_a_run_ends() {
+    let (app, model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::Slow(
+                Box::new(Answer::text("still thinking")),
+                Duration::from_secs(30),
+            ),
+            Answer::text("Sent it to your boss."),
+        ],
+        &[("AGENT_MAX_ACTIVE_RUNS_PER_USER", "1")],
+    )
+    .await;
+    let paused = run(&app, "email my boss the budget").await;
+    let approval = paused.approval.clone().unwrap();
+    let mut alice = app.agent_as("alice").await;
+    let mut other = alice
+        .run_stream(pb::RunStreamRequest {
+            input: Some(pb::RunInput {
+                prompt: "plan my week".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let other_run = other
+        .message()
+        .await
+        .unwrap()
+        .unwrap()
+        .event
+        .unwrap()
+        .run_id;
+    // The other run is live and waiting on its (slow) model call.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while model.requests().len() < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the other run calls the model");
+
+    let err = alice
+        .decide_approval(decide(&approval.id, pb::Decision::Approve))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert!(
+        err.message().contains("AGENT_MAX_ACTIVE_RUNS_PER_USER")
+            && err.message().contains("still pending"),
+        "{}",
+        err.message()
+    );
+    assert!(gmail.sent().is_empty(), "nothing is sent");
+    let store = app.agent_store().await;
+    let still = store
+        .get_approval("alice", &approval.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(still.state, agent_svc::store::ApprovalState::Pending);
+    let run = store
+        .get_run("alice", &paused.run_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(run.state, agent_svc::store::RunState::AwaitingConfirmation);
+
+    alice
+        .cancel_run(pb::CancelRunRequest {
+            run_id: other_run,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    while other.message().await.unwrap().is_some() {}
+    let done = alice
+        .decide_approval(decide(&approval.id, pb::Decision::Approve))
+        .await
+        .unwrap()
+        .into_inner();
+    let result = done.result.unwrap();
+    assert_eq!(
+        (result.status, result.summary.as_str()),
+        (pb::RunState::Completed as i32, "Sent it to your boss.")
+    );
+    assert_eq!(gmail.sent().len(), 1, "sent exactly once");
+}
+
 async fn world(answers: Vec<Answer>, env: &[(&str, &str)]) -> (TestApp, FakeGmail) {
     let (app, _model, gmail) = gmail_world(answers, env).await;
     (app, gmail)

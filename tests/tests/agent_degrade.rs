@@ -87,6 +87,7 @@ async fn r5_a_refused_database_connection_reports_postgresqls_own_words() {
         &svc_kit::pg::PoolOptions {
             max_connections: 2,
             acquire_timeout: std::time::Duration::from_secs(2),
+            ..svc_kit::pg::PoolOptions::default()
         },
     )
     .expect("a pool");

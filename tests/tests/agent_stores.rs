@@ -39,6 +39,7 @@ async fn pg_store(url: &str, max_connections: usize) -> PgStore {
         pool: PoolOptions {
             max_connections,
             acquire_timeout: Duration::from_secs(5),
+            ..PoolOptions::default()
         },
     })
     .await
@@ -570,6 +571,7 @@ async fn of_concurrent_deciders_exactly_one_wins(b: Backend) {
             ApprovalState::Approved,
             "alice",
             "approval_approved",
+            3,
         )
         .await
         .unwrap()
@@ -603,6 +605,7 @@ async fn of_concurrent_deciders_exactly_one_wins(b: Backend) {
             ApprovalState::Rejected,
             "alice",
             "approval_rejected",
+            3,
         )
         .await
         .unwrap()
@@ -626,6 +629,76 @@ async fn of_concurrent_deciders_exactly_one_wins(b: Backend) {
     assert_eq!(kinds, ["approval_approved"]);
 }
 
+/// Deciding continues a paused run, so it counts against the owner's cap on live runs as an
+/// admission does: at the cap nothing is recorded, and once a run ends the same decision wins.
+async fn r4_a_decision_does_not_take_its_owner_past_the_run_cap(b: Backend) {
+    let s = &b.store;
+    let paused = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    pause(s, &paused, "a1", Duration::from_secs(600)).await;
+    let mut live = Vec::new();
+    for n in 2..=4 {
+        live.push(
+            started(
+                s,
+                &format!("r{n}"),
+                &format!("t{n}"),
+                Duration::from_secs(60),
+            )
+            .await,
+        );
+    }
+    let LockOutcome::Acquired(decider) = s
+        .lock_thread("t1", "r1", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("a paused run's thread is free");
+    };
+    let decide = |lease: Lease| async move {
+        s.decide(
+            &lease,
+            "a1",
+            ApprovalState::Approved,
+            "alice",
+            "approval_approved",
+            3,
+        )
+        .await
+        .unwrap()
+    };
+    assert_eq!(
+        decide(decider.clone()).await,
+        Decided::TooManyRuns { active: 3 }
+    );
+    let approval = s.get_approval("alice", "a1").await.unwrap().unwrap();
+    assert_eq!(approval.state, ApprovalState::Pending, "nothing recorded");
+    assert_eq!(
+        s.get_run("alice", "r1").await.unwrap().unwrap().state,
+        RunState::AwaitingConfirmation
+    );
+    assert!(s.audit("alice").await.unwrap().is_empty());
+    // One run ends: the decision now continues the paused run.
+    s.commit(
+        &live[0],
+        RunCommit {
+            events: vec![(2, b"done".to_vec())],
+            patch: RunPatch {
+                state: Some(RunState::Completed),
+                ..RunPatch::default()
+            },
+            release: true,
+            ..RunCommit::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(matches!(decide(decider).await, Decided::Won { .. }));
+    assert_eq!(
+        s.get_run("alice", "r1").await.unwrap().unwrap().state,
+        RunState::Executing
+    );
+}
+
 async fn an_expired_approval_cannot_be_decided(b: Backend) {
     let s = &b.store;
     let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
@@ -644,6 +717,7 @@ async fn an_expired_approval_cannot_be_decided(b: Backend) {
             ApprovalState::Approved,
             "alice",
             "approval_approved",
+            3,
         )
         .await
         .unwrap();
@@ -1515,6 +1589,7 @@ both_backends!(
     a_retried_request_id_is_a_duplicate_and_the_run_cap_holds,
     a_commit_writes_everything_or_nothing_and_is_fenced_by_the_lease,
     of_concurrent_deciders_exactly_one_wins,
+    r4_a_decision_does_not_take_its_owner_past_the_run_cap,
     an_expired_approval_cannot_be_decided,
     a_paused_run_ends_once_and_its_approval_expires,
     a_run_whose_lease_lapsed_is_ended_once_after_a_gap,
@@ -1962,6 +2037,20 @@ async fn each_admission_in_a_batch_is_refused_or_admitted_on_its_own() {
     assert_eq!(tf.active_run_id.as_deref(), Some("f1"));
 }
 
+/// `owner` has exactly one run queued, planning or executing: a cap of one held.
+async fn assert_one_live_run(side: &tokio_postgres::Client, owner: &str) {
+    let live: i64 = side
+        .query_one(
+            "SELECT count(*) FROM agent.runs WHERE owner = $1 \
+             AND state IN ('queued', 'planning', 'executing')",
+            &[&owner],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(live, 1, "{owner} has {live} live runs against a cap of one");
+}
+
 /// Three replicas (three stores' pools over one database) each admit one of every owner's
 /// three runs at once, under a cap of one; `on_new_thread(k)` says whether run k makes its
 /// thread (group admission) or takes one that exists (a lone admission's transaction). Each
@@ -2010,16 +2099,7 @@ async fn one_run_per_owner_when_replicas_race_on(
     let side = side_connection(db.url()).await;
     for o in 0..owners {
         let owner = format!("u{o}");
-        let live: i64 = side
-            .query_one(
-                "SELECT count(*) FROM agent.runs WHERE owner = $1 \
-                 AND state IN ('queued', 'planning', 'executing')",
-                &[&owner],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        assert_eq!(live, 1, "{owner} has {live} live runs against a cap of one");
+        assert_one_live_run(&side, &owner).await;
         let of_owner = &answers[o * 3..o * 3 + 3];
         let started = of_owner
             .iter()
@@ -2077,6 +2157,7 @@ async fn r4_the_run_cap_holds_where_the_database_defaults_to_repeatable_read() {
         &PoolOptions {
             max_connections: 1,
             acquire_timeout: Duration::from_secs(5),
+            ..PoolOptions::default()
         },
     )
     .unwrap();
@@ -2089,6 +2170,245 @@ async fn r4_the_run_cap_holds_where_the_database_defaults_to_repeatable_read() {
         .unwrap()
         .get(0);
     assert_eq!(isolation, "read committed");
+}
+
+/// R-4: a decision that continues a paused run races admissions of the same owner on other
+/// replicas (one a batch on a new thread, one a lone admission on a thread that exists); under
+/// a cap of one exactly one of the three goes ahead for every owner.
+#[tokio::test]
+async fn r4_the_run_cap_holds_when_a_decision_races_admissions_on_other_replicas() {
+    let db = TestDb::create().await.unwrap();
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(pg_store(db.url(), 4).await);
+    }
+    let first: &dyn AgentStore = &replicas[0];
+    let owners = 30;
+    let mut deciders = Vec::new();
+    let mut admissions = Vec::new();
+    for o in 0..owners {
+        let owner = format!("u{o}");
+        let (run, thread) = (format!("p{o}"), format!("tp{o}"));
+        let Admitted::Started { lease, .. } = first
+            .admit(&admission(
+                new_run(&run, &thread, &owner, None),
+                true,
+                secs(60),
+            ))
+            .await
+            .unwrap()
+        else {
+            panic!("{owner}'s first run is admitted");
+        };
+        let mut paused = action(&run, "c1", ActionState::AwaitingConfirmation);
+        paused.approval_id = Some(format!("a{o}"));
+        first
+            .commit(
+                &lease,
+                RunCommit {
+                    events: vec![(2, b"paused".to_vec())],
+                    actions: vec![paused],
+                    patch: RunPatch {
+                        state: Some(RunState::AwaitingConfirmation),
+                        ..RunPatch::default()
+                    },
+                    approval: Some(Approval {
+                        owner: owner.clone(),
+                        ..approval(&format!("a{o}"), &run, &thread, secs(600))
+                    }),
+                    release: true,
+                    ..RunCommit::default()
+                },
+            )
+            .await
+            .unwrap();
+        let LockOutcome::Acquired(lease) =
+            first.lock_thread(&thread, &run, secs(60)).await.unwrap()
+        else {
+            panic!("{owner}'s paused thread is free");
+        };
+        deciders.push((format!("a{o}"), lease));
+        first
+            .create_thread(&format!("tx{o}"), &owner, "x")
+            .await
+            .unwrap();
+        for (k, new_thread) in [(1, true), (2, false)] {
+            let run = new_run(&format!("r{o}-{k}"), &format!("t{o}-{k}"), &owner, None);
+            let run = match new_thread {
+                true => run,
+                false => Run {
+                    thread_id: format!("tx{o}"),
+                    ..run
+                },
+            };
+            let a = Admission {
+                max_active_runs: 1,
+                ..admission(run, new_thread, secs(60))
+            };
+            admissions.push((k, a));
+        }
+    }
+    let (decided, admitted) = futures_util::future::join(
+        futures_util::future::join_all(deciders.iter().map(|(id, lease)| {
+            first.decide(
+                lease,
+                id,
+                ApprovalState::Approved,
+                "u",
+                "approval_approved",
+                1,
+            )
+        })),
+        futures_util::future::join_all(
+            admissions
+                .iter()
+                .map(|(k, a)| (&replicas[*k] as &dyn AgentStore).admit(a)),
+        ),
+    )
+    .await;
+    let side = side_connection(db.url()).await;
+    for o in 0..owners {
+        let owner = format!("u{o}");
+        assert_one_live_run(&side, &owner).await;
+        let won = matches!(decided[o], Ok(Decided::Won { .. }));
+        assert!(
+            won || matches!(decided[o], Ok(Decided::TooManyRuns { active: 1 })),
+            "{owner}: {:?}",
+            decided[o]
+        );
+        let of_owner = &admitted[o * 2..o * 2 + 2];
+        let started = of_owner
+            .iter()
+            .filter(|a| matches!(a, Ok(Admitted::Started { .. })))
+            .count();
+        assert_eq!(
+            usize::from(won) + started,
+            1,
+            "{owner}: {decided:?} {of_owner:?}",
+            decided = decided[o]
+        );
+    }
+}
+
+/// An owner's admission lock held by a transaction that stalls (a replica cut off mid-admission)
+/// makes that owner's admissions fail UNAVAILABLE after DATABASE_LOCK_TIMEOUT, in the database's
+/// own words, instead of each waiting without bound on a pooled connection; other owners'
+/// admissions, batched with them or not, go ahead; once the holder ends, the owner is admitted.
+#[tokio::test]
+async fn r4_an_admission_waits_for_its_owners_lock_no_longer_than_the_lock_timeout() {
+    let db = TestDb::create().await.unwrap();
+    let store = PgStore::connect(&DatabaseConfig {
+        url: db.url().to_owned(),
+        pool: PoolOptions {
+            max_connections: 4,
+            acquire_timeout: secs(5),
+            lock_timeout: Duration::from_millis(300),
+            idle_in_transaction_timeout: Duration::from_secs(30),
+        },
+    })
+    .await
+    .unwrap();
+    let s: &dyn AgentStore = &store;
+    s.create_thread("t-old", "alice", "x").await.unwrap();
+    let mut stalled = side_connection(db.url()).await;
+    let holder = stalled.transaction().await.unwrap();
+    holder
+        .execute(
+            "SELECT pg_advisory_xact_lock(hashtext('runs:' || 'alice'))",
+            &[],
+        )
+        .await
+        .unwrap();
+    let on_old_thread = admission(new_run("r-old", "t-old", "alice", None), false, secs(60));
+    let batch = [
+        admit_new("r-new", "t-new", "alice", None),
+        admit_new("b1", "tb1", "bob", None),
+        admit_new("c1", "tc1", "carol", None),
+    ];
+    let answers = futures_util::future::join(
+        s.admit(&on_old_thread),
+        futures_util::future::join_all(batch.iter().map(|a| s.admit(a))),
+    );
+    let (alone, batched) = tokio::time::timeout(secs(30), answers)
+        .await
+        .expect("admissions wait for a held lock without bound");
+    for refused in [&alone, &batched[0]] {
+        match refused {
+            Err(StoreError::Unavailable(why)) => {
+                assert!(why.contains("lock timeout (55P03)"), "{why}");
+                assert!(why.contains("DATABASE_LOCK_TIMEOUT"), "{why}");
+            }
+            other => panic!("alice's admission did not time out on her lock: {other:?}"),
+        }
+    }
+    for other_owner in &batched[1..] {
+        assert!(
+            matches!(other_owner, Ok(Admitted::Started { .. })),
+            "{other_owner:?}"
+        );
+    }
+    assert!(
+        s.get_run("alice", "r-old").await.unwrap().is_none(),
+        "nothing of it is left"
+    );
+    assert!(s.get_thread("alice", "t-new").await.unwrap().is_none());
+    holder.rollback().await.unwrap();
+    assert!(matches!(
+        s.admit(&on_old_thread).await,
+        Ok(Admitted::Started { .. })
+    ));
+}
+
+/// A pooled connection whose transaction stalls while holding a lock (its replica cut off,
+/// say) is ended by the server after DATABASE_IDLE_IN_TRANSACTION_TIMEOUT, which releases the
+/// lock for everyone else; and every pooled connection waits for a lock no longer than
+/// DATABASE_LOCK_TIMEOUT.
+#[tokio::test]
+async fn a_stalled_transaction_on_a_pooled_connection_is_ended_and_its_locks_released() {
+    let db = TestDb::create().await.unwrap();
+    let pool = svc_kit::pg::pool(
+        db.url(),
+        &PoolOptions {
+            max_connections: 1,
+            lock_timeout: Duration::from_millis(1500),
+            idle_in_transaction_timeout: Duration::from_millis(500),
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let stalled = pool.get().await.unwrap();
+    let setting: String = stalled
+        .query_one("SHOW lock_timeout", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(setting, "1500ms");
+    stalled
+        .batch_execute("BEGIN; SELECT pg_advisory_xact_lock(hashtext('runs:' || 'alice'))")
+        .await
+        .unwrap();
+    // Another session waits for the lock, and gets it once the server ends the stalled one.
+    let mut other = side_connection(db.url()).await;
+    let waiter = other.transaction().await.unwrap();
+    tokio::time::timeout(
+        secs(20),
+        waiter.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('runs:' || 'alice'))",
+            &[],
+        ),
+    )
+    .await
+    .expect("the stalled session's lock is released")
+    .unwrap();
+    let ended = stalled.query_one("SELECT 1", &[]).await.unwrap_err();
+    let said = ended
+        .as_db_error()
+        .map(|e| e.message().to_owned())
+        .unwrap_or_else(|| ended.to_string());
+    assert!(
+        said.contains("idle-in-transaction") || stalled.is_closed(),
+        "the stalled session was not ended: {said}"
+    );
 }
 
 /// R-4: the cap on an owner's queued task agents holds when replicas enqueue at once.

@@ -49,6 +49,7 @@ async fn pg_stores(db: &TestDb) -> Stores {
         pool: PoolOptions {
             max_connections: 8,
             acquire_timeout: Duration::from_secs(5),
+            ..PoolOptions::default()
         },
     };
     PgStore::connect(&config).await.unwrap().stores()

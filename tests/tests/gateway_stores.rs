@@ -34,6 +34,7 @@ fn config(db: &TestDb) -> DatabaseConfig {
         pool: PoolOptions {
             max_connections: 8,
             acquire_timeout: std::time::Duration::from_secs(5),
+            ..PoolOptions::default()
         },
     }
 }

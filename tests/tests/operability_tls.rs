@@ -286,6 +286,7 @@ async fn ping(url: &str) -> Result<(), String> {
         &svc_kit::pg::PoolOptions {
             max_connections: 1,
             acquire_timeout: Duration::from_secs(5),
+            ..svc_kit::pg::PoolOptions::default()
         },
     )
     .map_err(|e| e.to_string())?;

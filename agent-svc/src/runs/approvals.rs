@@ -96,7 +96,14 @@ impl RunService {
         };
         match self
             .store
-            .decide(&lease, approval_id, wanted, owner, audit_kind)
+            .decide(
+                &lease,
+                approval_id,
+                wanted,
+                owner,
+                audit_kind,
+                self.fair_use.max_active_runs,
+            )
             .await
         {
             Ok(Decided::Won {
@@ -125,6 +132,15 @@ impl RunService {
             Ok(Decided::Lost { .. }) => {
                 let _ = self.store.release_lease(&lease).await;
                 self.after_losing(owner, approval_id, wanted, &run).await
+            }
+            Ok(Decided::TooManyRuns { active }) => {
+                let _ = self.store.release_lease(&lease).await;
+                Err(self.at_the_run_cap(
+                    active,
+                    &format!(
+                        "approval {approval_id} would continue its run, so it is still pending: decide again when one finishes"
+                    ),
+                ))
             }
             Err(e) => {
                 let _ = self.store.release_lease(&lease).await;

@@ -206,6 +206,15 @@ enum Driven {
 }
 
 impl RunService {
+    /// R-4's refusal of one more live run for an owner with `active` of them, and `then`, what
+    /// the caller can do.
+    fn at_the_run_cap(&self, active: u32, then: &str) -> ApiError {
+        ApiError::ResourceExhausted(format!(
+            "you have {active} runs in progress, the limit (AGENT_MAX_ACTIVE_RUNS_PER_USER) is {}; {then}",
+            self.fair_use.max_active_runs
+        ))
+    }
+
     pub fn new(
         store: SharedStore,
         models: Arc<ModelSetup>,
@@ -413,10 +422,7 @@ impl RunService {
                 )));
             }
             Admitted::TooManyRuns { active } => {
-                return Err(ApiError::ResourceExhausted(format!(
-                    "you have {active} runs in progress, the limit (AGENT_MAX_ACTIVE_RUNS_PER_USER) is {}; wait for one to finish",
-                    self.fair_use.max_active_runs
-                )));
+                return Err(self.at_the_run_cap(active, "wait for one to finish"));
             }
         };
         let segment = Segment {

@@ -587,6 +587,7 @@ impl AgentStore for MemoryStore {
         wanted: ApprovalState,
         decider: &str,
         audit_kind: &str,
+        max_active_runs: u32,
     ) -> Result<Decided, StoreError> {
         self.with(|s| {
             s.fenced(lease)?;
@@ -609,6 +610,13 @@ impl AgentStore for MemoryStore {
                     approval,
                     run_state,
                 });
+            }
+            let active = open_runs(&s.runs, &mut s.open_by_owner, &approval.owner)
+                .into_iter()
+                .filter(|r| r.state.is_live())
+                .count() as u32;
+            if active >= max_active_runs {
+                return Ok(Decided::TooManyRuns { active });
             }
             let a = s.approvals.get_mut(approval_id).expect("read above");
             a.state = wanted;

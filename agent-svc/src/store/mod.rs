@@ -408,6 +408,9 @@ pub enum Decided {
         approval: Approval,
         run_state: RunState,
     },
+    /// The owner has `active` live runs, at or over the cap: nothing changed, the approval is
+    /// still pending and the run still paused.
+    TooManyRuns { active: u32 },
 }
 
 /// How a run that nobody will finish is ended (the monitor, CancelRun on a paused run,
@@ -468,6 +471,8 @@ pub trait AgentStore: Send + Sync + 'static {
 
     /// Records `wanted` on a pending, unexpired approval and moves its paused run to
     /// executing, in one transaction, fenced by `lease` (taken by the caller for that run).
+    /// The run becomes live again, so the owner's cap on live runs is checked as an admission
+    /// checks it: at `max_active_runs` nothing is recorded (`TooManyRuns`).
     async fn decide(
         &self,
         lease: &Lease,
@@ -475,6 +480,7 @@ pub trait AgentStore: Send + Sync + 'static {
         wanted: ApprovalState,
         decider: &str,
         audit_kind: &str,
+        max_active_runs: u32,
     ) -> Result<Decided, StoreError>;
 
     /// Ends a run paused for approval (CancelRun): false when it was not paused.

@@ -103,7 +103,7 @@ fn db(e: tokio_postgres::Error) -> StoreError {
         Some(d) if *d.code() == tokio_postgres::error::SqlState::UNIQUE_VIOLATION => {
             StoreError::Conflict(format!("{} ({})", d.message(), d.code().code()))
         }
-        Some(d) => StoreError::Unavailable(format!("{} ({})", d.message(), d.code().code())),
+        Some(d) => StoreError::Unavailable(pg::server_message(d)),
         None => StoreError::Unavailable(e.to_string()),
     }
 }
@@ -361,9 +361,23 @@ impl AgentStore for PgStore {
         wanted: ApprovalState,
         decider: &str,
         audit_kind: &str,
+        max_active_runs: u32,
     ) -> Result<Decided, StoreError> {
         let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(db)?;
+        // READ COMMITTED, as an admission: the count after the owner's lock must see every
+        // run admitted or revived before it.
+        let tx = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+            .start()
+            .await
+            .map_err(db)?;
+        // The owner's lock before the thread's row, in the order an admission takes them.
+        let owner: Option<String> = tx
+            .query_opt(admission::SQL_LOCK_RUN_OWNER, &[&lease.run_id])
+            .await
+            .map_err(db)?
+            .map(|r| r.get(0));
         let fenced = tx
             .query_opt(
                 "SELECT 1 FROM agent.threads WHERE id = $1 AND lock_token = $2 AND lock_expires_at > clock_timestamp() FOR UPDATE",
@@ -371,9 +385,15 @@ impl AgentStore for PgStore {
             )
             .await
             .map_err(db)?;
-        if fenced.is_none() {
+        let (Some(owner), Some(_)) = (owner, fenced) else {
             return Err(StoreError::LeaseLost);
-        }
+        };
+        // Counted before this run is revived, so it is not among them.
+        let active = tx
+            .query_one(admission::SQL_LIVE_RUNS, &[&owner])
+            .await
+            .map_err(db)?
+            .get::<_, i64>(0);
         let decided = tx
             .query_opt(
                 &format!(
@@ -417,6 +437,13 @@ impl AgentStore for PgStore {
                 run_state: RunState::from_key(&state)?,
             });
         };
+        if active >= i64::from(max_active_runs) {
+            // Dropped: rolled back, the approval still pending and the run still paused.
+            drop(tx);
+            return Ok(Decided::TooManyRuns {
+                active: u32::try_from(active).unwrap_or(u32::MAX),
+            });
+        }
         let approval = approval(&approval_row)?;
         tx.execute(
             "INSERT INTO agent.audit (owner, kind, run_id, detail) VALUES ($1, $2, $3, $4)",

@@ -45,7 +45,7 @@ impl StoreError {
     /// A PostgreSQL error with the server's own message (tokio-postgres prints only "db error").
     pub fn db(e: tokio_postgres::Error) -> Self {
         match e.as_db_error() {
-            Some(db) => StoreError::Unavailable(format!("{} ({})", db.message(), db.code().code())),
+            Some(db) => StoreError::Unavailable(svc_kit::pg::server_message(db)),
             None => StoreError::Unavailable(e.to_string()),
         }
     }
