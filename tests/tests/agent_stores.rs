@@ -1843,7 +1843,19 @@ async fn a_refused_commit_in_a_batch_fails_alone_and_the_rest_land() {
 #[tokio::test]
 async fn a_busy_thread_row_holds_up_only_its_own_runs_commit() {
     let db = TestDb::create().await.unwrap();
-    let store = Arc::new(pg_store(db.url(), 4).await);
+    // However slow the machine, the held commit waits for the row rather than timing out.
+    let store = Arc::new(
+        PgStore::connect(&DatabaseConfig {
+            url: db.url().to_owned(),
+            pool: PoolOptions {
+                max_connections: 4,
+                lock_timeout: secs(300),
+                ..PoolOptions::default()
+            },
+        })
+        .await
+        .unwrap(),
+    );
     let leases = runs_of_many_owners(store.as_ref(), 6).await;
     let holder = side_connection(db.url()).await;
     holder
@@ -2172,6 +2184,99 @@ async fn r4_the_run_cap_holds_where_the_database_defaults_to_repeatable_read() {
     assert_eq!(isolation, "read committed");
 }
 
+/// Run `run` of `owner`, on a thread of its own, paused for approval `approval_id`, and the
+/// lease on its thread a decider takes.
+async fn paused_for_a_decision(
+    s: &dyn AgentStore,
+    owner: &str,
+    run: &str,
+    approval_id: &str,
+) -> Lease {
+    let thread = format!("thread-of-{run}");
+    let Admitted::Started { lease, .. } = s
+        .admit(&admission(
+            new_run(run, &thread, owner, None),
+            true,
+            secs(60),
+        ))
+        .await
+        .unwrap()
+    else {
+        panic!("{owner}'s run {run} is admitted");
+    };
+    let mut paused = action(run, "c1", ActionState::AwaitingConfirmation);
+    paused.approval_id = Some(approval_id.to_owned());
+    let commit = RunCommit {
+        events: vec![(2, b"paused".to_vec())],
+        actions: vec![paused],
+        patch: RunPatch {
+            state: Some(RunState::AwaitingConfirmation),
+            ..RunPatch::default()
+        },
+        approval: Some(Approval {
+            owner: owner.to_owned(),
+            ..approval(approval_id, run, &thread, secs(600))
+        }),
+        release: true,
+        ..RunCommit::default()
+    };
+    s.commit(&lease, commit).await.unwrap();
+    match s.lock_thread(&thread, run, secs(60)).await.unwrap() {
+        LockOutcome::Acquired(lease) => lease,
+        busy => panic!("{owner}'s paused thread is free: {busy:?}"),
+    }
+}
+
+/// two decisions that would each continue one of an owner's paused runs, on two replicas
+/// at once, under a cap of one: exactly one goes ahead for every owner, the other approval is
+/// left pending.
+#[tokio::test]
+async fn r4_the_run_cap_holds_when_two_replicas_decide_for_one_owner_at_once() {
+    let db = TestDb::create().await.unwrap();
+    let replicas = [pg_store(db.url(), 4).await, pg_store(db.url(), 4).await];
+    let owners = 30;
+    let mut deciders = Vec::new();
+    for o in 0..owners {
+        let owner = format!("u{o}");
+        for k in 0..2 {
+            let (run, id) = (format!("p{o}-{k}"), format!("a{o}-{k}"));
+            let lease = paused_for_a_decision(&replicas[0], &owner, &run, &id).await;
+            deciders.push((k, id, lease));
+        }
+    }
+    let decided = futures_util::future::join_all(deciders.iter().map(|(k, id, lease)| {
+        let s: &dyn AgentStore = &replicas[*k];
+        s.decide(
+            lease,
+            id,
+            ApprovalState::Approved,
+            "u",
+            "approval_approved",
+            1,
+        )
+    }))
+    .await;
+    let side = side_connection(db.url()).await;
+    for o in 0..owners {
+        let owner = format!("u{o}");
+        assert_one_live_run(&side, &owner).await;
+        let both = &decided[o * 2..o * 2 + 2];
+        let won = both
+            .iter()
+            .filter(|d| matches!(d, Ok(Decided::Won { .. })))
+            .count();
+        assert_eq!(won, 1, "{owner}: {both:?}");
+        for (d, (_, id, _)) in both.iter().zip(&deciders[o * 2..]) {
+            if let Ok(Decided::TooManyRuns { active }) = d {
+                assert_eq!(*active, 1);
+                let left: &dyn AgentStore = &replicas[0];
+                let approval = left.get_approval(&owner, id).await.unwrap().unwrap();
+                assert_eq!(approval.state, ApprovalState::Pending, "{owner}'s {id}");
+            }
+        }
+    }
+}
+
 /// a decision that continues a paused run races admissions of the same owner on other
 /// replicas (one a batch on a new thread, one a lone admission on a thread that exists); under
 /// a cap of one exactly one of the three goes ahead for every owner.
@@ -2188,45 +2293,7 @@ async fn r4_the_run_cap_holds_when_a_decision_races_admissions_on_other_replicas
     let mut admissions = Vec::new();
     for o in 0..owners {
         let owner = format!("u{o}");
-        let (run, thread) = (format!("p{o}"), format!("tp{o}"));
-        let Admitted::Started { lease, .. } = first
-            .admit(&admission(
-                new_run(&run, &thread, &owner, None),
-                true,
-                secs(60),
-            ))
-            .await
-            .unwrap()
-        else {
-            panic!("{owner}'s first run is admitted");
-        };
-        let mut paused = action(&run, "c1", ActionState::AwaitingConfirmation);
-        paused.approval_id = Some(format!("a{o}"));
-        first
-            .commit(
-                &lease,
-                RunCommit {
-                    events: vec![(2, b"paused".to_vec())],
-                    actions: vec![paused],
-                    patch: RunPatch {
-                        state: Some(RunState::AwaitingConfirmation),
-                        ..RunPatch::default()
-                    },
-                    approval: Some(Approval {
-                        owner: owner.clone(),
-                        ..approval(&format!("a{o}"), &run, &thread, secs(600))
-                    }),
-                    release: true,
-                    ..RunCommit::default()
-                },
-            )
-            .await
-            .unwrap();
-        let LockOutcome::Acquired(lease) =
-            first.lock_thread(&thread, &run, secs(60)).await.unwrap()
-        else {
-            panic!("{owner}'s paused thread is free");
-        };
+        let lease = paused_for_a_decision(first, &owner, &format!("p{o}"), &format!("a{o}")).await;
         deciders.push((format!("a{o}"), lease));
         first
             .create_thread(&format!("tx{o}"), &owner, "x")
@@ -2287,6 +2354,10 @@ async fn r4_the_run_cap_holds_when_a_decision_races_admissions_on_other_replicas
             "{owner}: {decided:?} {of_owner:?}",
             decided = decided[o]
         );
+        if !won {
+            let approval = first.get_approval(&owner, &format!("a{o}")).await.unwrap();
+            assert_eq!(approval.unwrap().state, ApprovalState::Pending, "{owner}");
+        }
     }
 }
 

@@ -138,7 +138,7 @@ impl RunService {
                 Err(self.at_the_run_cap(
                     active,
                     &format!(
-                        "approval {approval_id} would continue its run, so it is still pending: decide again when one finishes"
+                        "deciding approval {approval_id} (approving or rejecting) continues its run, so it is still pending: decide again when one of them finishes, or cancel one (CancelRun)"
                     ),
                 ))
             }
@@ -194,6 +194,13 @@ impl RunService {
                         .then(|| (run.id.clone(), seen.last_event_seq)),
                     approval,
                 })
+            }
+            // Nothing was decided and the run is still paused: the other decision did not go
+            // through (the cap on active runs, say); this one may be tried again.
+            (ApprovalState::Pending, Some(run)) if run.state == RunState::AwaitingConfirmation => {
+                Err(ApiError::Aborted(format!(
+                    "approval {approval_id} was being decided by another request that did not go through; decide again"
+                )))
             }
             (state, run) => Err(ApiError::FailedPrecondition(format!(
                 "approval {approval_id} is {}{}",

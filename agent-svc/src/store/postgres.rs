@@ -364,6 +364,20 @@ impl AgentStore for PgStore {
         max_active_runs: u32,
     ) -> Result<Decided, StoreError> {
         let mut client = self.client().await?;
+        let lock = client
+            .prepare_cached(admission::SQL_LOCK_RUN_OWNER)
+            .await
+            .map_err(db)?;
+        let fence = client.prepare_cached(SQL_DECIDE_FENCE).await.map_err(db)?;
+        let count = client
+            .prepare_cached(admission::SQL_LIVE_RUNS_OF_RUN)
+            .await
+            .map_err(db)?;
+        let revive = client.prepare_cached(SQL_DECIDE_RUN).await.map_err(db)?;
+        let record = client
+            .prepare_cached(&SQL_DECIDE_APPROVAL)
+            .await
+            .map_err(db)?;
         // READ COMMITTED, as an admission: the count after the owner's lock must see every
         // run admitted or revived before it.
         let tx = client
@@ -372,50 +386,28 @@ impl AgentStore for PgStore {
             .start()
             .await
             .map_err(db)?;
-        // The owner's lock before the thread's row, in the order an admission takes them.
-        let owner: Option<String> = tx
-            .query_opt(admission::SQL_LOCK_RUN_OWNER, &[&lease.run_id])
-            .await
-            .map_err(db)?
-            .map(|r| r.get(0));
-        let fenced = tx
-            .query_opt(
-                "SELECT 1 FROM agent.threads WHERE id = $1 AND lock_token = $2 AND lock_expires_at > clock_timestamp() FOR UPDATE",
-                &[&lease.thread_id, &lease.token],
-            )
-            .await
-            .map_err(db)?;
-        let (Some(owner), Some(_)) = (owner, fenced) else {
-            return Err(StoreError::LeaseLost);
-        };
-        // Counted before this run is revived, so it is not among them.
-        let active = tx
-            .query_one(admission::SQL_LIVE_RUNS, &[&owner])
-            .await
-            .map_err(db)?
-            .get::<_, i64>(0);
-        let decided = tx
-            .query_opt(
-                &format!(
-                    "UPDATE agent.approvals SET state = $2, decided_by = $3, decided_at = now() \
-                     WHERE id = $1 AND run_id = $4 AND state = 'pending' AND expires_at > now() RETURNING {APPROVAL_COLUMNS}"
-                ),
+        // One pipeline, so the owner's lock is held for as few round trips as an admission
+        // holds it. Locks in the order admissions take them (the owner, then the thread's
+        // row) and ending a paused run takes them (its run row, then its approval).
+        let (owner, fenced, active, revived, recorded) = futures_util::future::join5(
+            tx.query_opt(&lock, &[&lease.run_id]),
+            tx.query_opt(&fence, &[&lease.thread_id, &lease.token]),
+            // Counted before this run is revived, so it is not among them.
+            tx.query_one(&count, &[&lease.run_id]),
+            tx.query_opt(&revive, &[&lease.run_id, &approval_id]),
+            tx.query_opt(
+                &record,
                 &[&approval_id, &wanted.key(), &decider, &lease.run_id],
-            )
-            .await
-            .map_err(db)?;
-        let continued = match &decided {
-            Some(_) => tx
-                .query_opt(
-                    "UPDATE agent.runs SET state = 'executing' WHERE id = $1 AND state = 'awaiting_confirmation' \
-                     RETURNING last_event_seq",
-                    &[&lease.run_id],
-                )
-                .await
-                .map_err(db)?,
-            None => None,
-        };
-        let (Some(approval_row), Some(run_row)) = (decided, continued) else {
+            ),
+        )
+        .await;
+        let (owner, fenced) = (owner.map_err(db)?, fenced.map_err(db)?);
+        if owner.is_none() || fenced.is_none() {
+            return Err(StoreError::LeaseLost);
+        }
+        let active = active.map_err(db)?.get::<_, i64>(0);
+        let (Some(run_row), Some(approval_row)) = (revived.map_err(db)?, recorded.map_err(db)?)
+        else {
             drop(tx);
             let approval_row = client
                 .query_one(
@@ -1351,6 +1343,25 @@ fn task_agent(r: &Row) -> TaskAgent {
         result: r.get(8),
     }
 }
+
+/// A decision's fence: the caller's lease on the thread, its row locked to the commit.
+const SQL_DECIDE_FENCE: &str = "SELECT 1 FROM agent.threads WHERE id = $1 AND lock_token = $2 \
+    AND lock_expires_at > clock_timestamp() FOR UPDATE";
+/// A decision continues the run `$1` if it is paused and its approval `$2` still pending and
+/// unexpired (the run row first, as ending a paused run locks it).
+const SQL_DECIDE_RUN: &str = "UPDATE agent.runs SET state = 'executing' WHERE id = $1 \
+    AND state = 'awaiting_confirmation' AND EXISTS (SELECT 1 FROM agent.approvals \
+      WHERE id = $2 AND run_id = $1 AND state = 'pending' AND expires_at > now()) \
+    RETURNING last_event_seq";
+/// ...and records the decision on the approval, if its run was continued.
+static SQL_DECIDE_APPROVAL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "UPDATE agent.approvals SET state = $2, decided_by = $3, decided_at = now() \
+         WHERE id = $1 AND run_id = $4 AND state = 'pending' AND expires_at > now() \
+           AND EXISTS (SELECT 1 FROM agent.runs WHERE id = $4 AND state = 'executing') \
+         RETURNING {APPROVAL_COLUMNS}"
+    )
+});
 
 /// Ending a run nobody will finish: `$1` selects (see each caller's WHERE), `$2` state, `$3`
 /// error, `$4` failure kind, `$5` seq gap, `$6` terminal event, `$7` optional thread message.

@@ -228,9 +228,10 @@ pub(super) const SQL_LOCK_OWNERS: &str = "SELECT pg_advisory_xact_lock(k) FROM \
 /// revived by a decision is counted against the cap as one admitted is. Returns the owner.
 pub(super) const SQL_LOCK_RUN_OWNER: &str =
     "SELECT owner, pg_advisory_xact_lock(hashtext('runs:' || owner)) FROM agent.runs WHERE id = $1";
-/// How many live runs the owner `$1` has.
-pub(super) const SQL_LIVE_RUNS: &str = "SELECT count(*) FROM agent.runs \
-    WHERE owner = $1 AND state IN ('queued', 'planning', 'executing')";
+/// How many live runs the owner of run `$1` has.
+pub(super) const SQL_LIVE_RUNS_OF_RUN: &str = "SELECT count(*) FROM agent.runs \
+    WHERE owner = (SELECT owner FROM agent.runs WHERE id = $1) \
+      AND state IN ('queued', 'planning', 'executing')";
 /// The owner's live runs, refused at the cap (`$2`) with their count.
 const SQL_ADMIT_CAP: &str = "SELECT CASE WHEN count(*) < $2::bigint THEN count(*) \
       ELSE agent.admission_refused('SWA01', count(*)::text) END \
