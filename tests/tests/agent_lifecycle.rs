@@ -470,6 +470,57 @@ async fn a_user_over_the_active_run_cap_is_told_which_cap() {
     assert!(bob.is_ok(), "{bob:?}");
 }
 
+/// A transaction that stalls holding a user's admission lock (another replica cut off
+/// mid-admission) makes that user's runs fail UNAVAILABLE once DATABASE_LOCK_TIMEOUT passes,
+/// saying why, instead of hanging; once it ends, runs start again.
+#[tokio::test]
+async fn r4_a_run_whose_owners_lock_is_held_by_a_stalled_transaction_fails_unavailable() {
+    let (app, _model, _gmail) = gmail_world(
+        vec![Answer::text("first"), Answer::text("after")],
+        &[("DATABASE_LOCK_TIMEOUT", "300ms")],
+    )
+    .await;
+    let first = run_on(app.agent_addr, input("hello")).await;
+    assert_eq!(first.status, pb::RunState::Completed as i32);
+    let mut stalled = app.sql().await;
+    let owner: String = stalled
+        .query_one(
+            "SELECT owner FROM agent.runs WHERE id = $1",
+            &[&first.run_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let holder = stalled.transaction().await.unwrap();
+    holder
+        .execute(
+            "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1))",
+            &[&owner],
+        )
+        .await
+        .unwrap();
+    let mut alice = agent_as(app.agent_addr, "alice").await;
+    let refused = tokio::time::timeout(
+        Duration::from_secs(30),
+        alice.run(pb::RunRequest {
+            input: Some(input("while another replica is stuck")),
+        }),
+    )
+    .await
+    .expect("the run waits for the lock without bound")
+    .unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "{}", refused.message());
+    assert!(
+        refused.message().contains("lock timeout")
+            && refused.message().contains("DATABASE_LOCK_TIMEOUT"),
+        "{}",
+        refused.message()
+    );
+    holder.rollback().await.unwrap();
+    let after = run_on(app.agent_addr, input("and now")).await;
+    assert_eq!(after.status, pb::RunState::Completed as i32);
+}
+
 #[tokio::test]
 async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
     let (mut app, _model, _gmail) = gmail_world(
