@@ -36,8 +36,9 @@ pub struct PoolOptions {
     pub max_connections: usize,
     /// How long a caller waits for a free connection before getting an error.
     pub acquire_timeout: Duration,
-    /// How long any statement waits for a lock (a row, or an advisory lock such as an owner's
-    /// admission lock) before it fails with the database's "lock timeout" (55P03).
+    /// How long one wait of a pooled connection's statement for a lock (a row, or an advisory
+    /// lock such as an owner's admission lock) lasts before the statement fails with the
+    /// database's "lock timeout" (55P03).
     pub lock_timeout: Duration,
     /// How long a transaction may sit open with nothing to do (its client stalled or cut off)
     /// before the server ends its session, and so releases what it holds.
@@ -64,7 +65,7 @@ impl Default for PoolOptions {
 /// a fenced UPDATE waits for a concurrent one instead of failing to serialise. A database or
 /// role whose default is stricter must not change that.
 ///
-/// No statement waits for a lock without bound: a waiter holds its pooled connection, so a
+/// No wait for a lock lasts without bound: a waiter holds its pooled connection, so a
 /// holder that stalls (a replica cut off mid-transaction is noticed only when TCP gives up)
 /// would otherwise drain the pools of every replica that meets it; after `lock_timeout` the
 /// waiter fails with UNAVAILABLE and its caller can retry. And no holder keeps its locks
