@@ -34,16 +34,28 @@ async fn postgres() -> Backend {
 
 /// A PostgreSQL store on `url` with a pool of `max_connections`.
 async fn pg_store(url: &str, max_connections: usize) -> PgStore {
-    PgStore::connect(&DatabaseConfig {
-        url: url.to_owned(),
-        pool: PoolOptions {
-            max_connections,
-            acquire_timeout: Duration::from_secs(5),
-            ..PoolOptions::default()
-        },
-    })
-    .await
-    .unwrap()
+    let pool = PoolOptions {
+        max_connections,
+        ..PoolOptions::default()
+    };
+    pg_store_with(url, pool).await
+}
+
+/// A PostgreSQL store on `url` with these pool settings.
+async fn pg_store_with(url: &str, pool: PoolOptions) -> PgStore {
+    let url = url.to_owned();
+    PgStore::connect(&DatabaseConfig { url, pool })
+        .await
+        .unwrap()
+}
+
+/// `n` replicas' stores over one database, each with a pool of four.
+async fn replicas(db: &TestDb, n: usize) -> Vec<PgStore> {
+    let mut stores = Vec::new();
+    for _ in 0..n {
+        stores.push(pg_store(db.url(), 4).await);
+    }
+    stores
 }
 
 async fn postgres_with(max_connections: usize) -> Backend {
@@ -1844,18 +1856,12 @@ async fn a_refused_commit_in_a_batch_fails_alone_and_the_rest_land() {
 async fn a_busy_thread_row_holds_up_only_its_own_runs_commit() {
     let db = TestDb::create().await.unwrap();
     // However slow the machine, the held commit waits for the row rather than timing out.
-    let store = Arc::new(
-        PgStore::connect(&DatabaseConfig {
-            url: db.url().to_owned(),
-            pool: PoolOptions {
-                max_connections: 4,
-                lock_timeout: secs(300),
-                ..PoolOptions::default()
-            },
-        })
-        .await
-        .unwrap(),
-    );
+    let pool = PoolOptions {
+        max_connections: 4,
+        lock_timeout: secs(300),
+        ..PoolOptions::default()
+    };
+    let store = Arc::new(pg_store_with(db.url(), pool).await);
     let leases = runs_of_many_owners(store.as_ref(), 6).await;
     let holder = side_connection(db.url()).await;
     holder
@@ -2076,10 +2082,7 @@ async fn one_run_per_owner_when_replicas_race_on(
     db: &TestDb,
     on_new_thread: impl Fn(usize) -> bool,
 ) {
-    let mut replicas = Vec::new();
-    for _ in 0..3 {
-        replicas.push(pg_store(db.url(), 4).await);
-    }
+    let replicas = replicas(db, 3).await;
     let owners = 30;
     let mut admissions = Vec::new();
     for o in 0..owners {
@@ -2233,7 +2236,7 @@ async fn paused_for_a_decision(
 #[tokio::test]
 async fn r4_the_run_cap_holds_when_two_replicas_decide_for_one_owner_at_once() {
     let db = TestDb::create().await.unwrap();
-    let replicas = [pg_store(db.url(), 4).await, pg_store(db.url(), 4).await];
+    let replicas = replicas(&db, 2).await;
     let owners = 30;
     let mut deciders = Vec::new();
     for o in 0..owners {
@@ -2283,10 +2286,7 @@ async fn r4_the_run_cap_holds_when_two_replicas_decide_for_one_owner_at_once() {
 #[tokio::test]
 async fn r4_the_run_cap_holds_when_a_decision_races_admissions_on_other_replicas() {
     let db = TestDb::create().await.unwrap();
-    let mut replicas = Vec::new();
-    for _ in 0..3 {
-        replicas.push(pg_store(db.url(), 4).await);
-    }
+    let replicas = replicas(&db, 3).await;
     let first: &dyn AgentStore = &replicas[0];
     let owners = 30;
     let mut deciders = Vec::new();
@@ -2368,17 +2368,12 @@ async fn r4_the_run_cap_holds_when_a_decision_races_admissions_on_other_replicas
 #[tokio::test]
 async fn r4_an_admission_waits_for_its_owners_lock_no_longer_than_the_lock_timeout() {
     let db = TestDb::create().await.unwrap();
-    let store = PgStore::connect(&DatabaseConfig {
-        url: db.url().to_owned(),
-        pool: PoolOptions {
-            max_connections: 4,
-            acquire_timeout: secs(5),
-            lock_timeout: Duration::from_millis(300),
-            idle_in_transaction_timeout: Duration::from_secs(30),
-        },
-    })
-    .await
-    .unwrap();
+    let pool = PoolOptions {
+        max_connections: 4,
+        lock_timeout: Duration::from_millis(300),
+        ..PoolOptions::default()
+    };
+    let store = pg_store_with(db.url(), pool).await;
     let s: &dyn AgentStore = &store;
     s.create_thread("t-old", "alice", "x").await.unwrap();
     let mut stalled = side_connection(db.url()).await;
@@ -2486,10 +2481,7 @@ async fn a_stalled_transaction_on_a_pooled_connection_is_ended_and_its_locks_rel
 #[tokio::test]
 async fn r4_the_task_queue_cap_holds_when_replicas_enqueue_at_once() {
     let db = TestDb::create().await.unwrap();
-    let mut replicas = Vec::new();
-    for _ in 0..3 {
-        replicas.push(pg_store(db.url(), 4).await);
-    }
+    let replicas = replicas(&db, 3).await;
     let owners = 20;
     for o in 0..owners {
         let s: &dyn AgentStore = &replicas[0];

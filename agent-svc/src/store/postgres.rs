@@ -394,7 +394,7 @@ impl AgentStore for PgStore {
             tx.query_opt(&fence, &[&lease.thread_id, &lease.token]),
             // Counted before this run is revived, so it is not among them.
             tx.query_one(&count, &[&lease.run_id]),
-            tx.query_opt(&revive, &[&lease.run_id, &approval_id]),
+            tx.query_opt(&revive, &[&lease.run_id]),
             tx.query_opt(
                 &record,
                 &[&approval_id, &wanted.key(), &decider, &lease.run_id],
@@ -1347,18 +1347,16 @@ fn task_agent(r: &Row) -> TaskAgent {
 /// A decision's fence: the caller's lease on the thread, its row locked to the commit.
 const SQL_DECIDE_FENCE: &str = "SELECT 1 FROM agent.threads WHERE id = $1 AND lock_token = $2 \
     AND lock_expires_at > clock_timestamp() FOR UPDATE";
-/// A decision continues the run `$1` if it is paused and its approval `$2` still pending and
-/// unexpired (the run row first, as ending a paused run locks it).
+/// A decision continues the run `$1` if it is paused (its row first, as ending a paused run
+/// locks it)...
 const SQL_DECIDE_RUN: &str = "UPDATE agent.runs SET state = 'executing' WHERE id = $1 \
-    AND state = 'awaiting_confirmation' AND EXISTS (SELECT 1 FROM agent.approvals \
-      WHERE id = $2 AND run_id = $1 AND state = 'pending' AND expires_at > now()) \
-    RETURNING last_event_seq";
-/// ...and records the decision on the approval, if its run was continued.
+    AND state = 'awaiting_confirmation' RETURNING last_event_seq";
+/// ...and records the decision on its approval if that is still pending and unexpired. Only
+/// both together are a decision: either alone is rolled back.
 static SQL_DECIDE_APPROVAL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "UPDATE agent.approvals SET state = $2, decided_by = $3, decided_at = now() \
          WHERE id = $1 AND run_id = $4 AND state = 'pending' AND expires_at > now() \
-           AND EXISTS (SELECT 1 FROM agent.runs WHERE id = $4 AND state = 'executing') \
          RETURNING {APPROVAL_COLUMNS}"
     )
 });
