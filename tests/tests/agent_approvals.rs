@@ -6,7 +6,7 @@ use std::time::Duration;
 use agent_svc::store::AgentStore;
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
-    TestApp, agent_as,
+    TestApp, UserAgent, agent_as,
     fakes::{gmail::FakeGmail, openai::Answer},
     worlds::gmail_world,
 };
@@ -447,8 +447,68 @@ async fn r4_a_decision_at_the_active_run_cap_is_refused_until_a_run_ends() {
         .await
         .unwrap();
     while other.message().await.unwrap().is_some() {}
-    let done = alice
+    approve_and_see_it_sent_once(&mut alice, &approval.id, &gmail).await;
+}
+
+/// A decision that meets another decider holding the run (another replica deciding it), which
+/// then records nothing (refused at the cap on active runs, say), is told ABORTED, to decide
+/// again, rather than that the approval is already decided; decided again, it goes through.
+#[tokio::test]
+async fn a_decision_behind_another_that_recorded_nothing_is_told_to_decide_again() {
+    let (app, _model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::text("Sent it to your boss."),
+        ],
+        &[],
+    )
+    .await;
+    let paused = run(&app, "email my boss the budget").await;
+    let approval = paused.approval.clone().unwrap();
+    // The other decider, on another replica: it holds the paused run's lease.
+    let replica = app.agent_store().await;
+    let pending = replica
+        .get_approval("alice", &approval.id)
+        .await
+        .unwrap()
+        .unwrap();
+    let other = match replica
+        .lock_thread(&pending.thread_id, &pending.run_id, Duration::from_secs(60))
+        .await
+        .unwrap()
+    {
+        agent_svc::store::LockOutcome::Acquired(lease) => lease,
+        busy => panic!("the paused run's lease is taken: {busy:?}"),
+    };
+    let mut alice = app.agent_as("alice").await;
+
+    let err = alice
         .decide_approval(decide(&approval.id, pb::Decision::Approve))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Aborted, "{}", err.message());
+    assert!(
+        err.message().contains("did not go through; decide again"),
+        "{}",
+        err.message()
+    );
+    assert!(gmail.sent().is_empty(), "nothing is sent");
+    let still = replica
+        .get_approval("alice", &approval.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(still.state, agent_svc::store::ApprovalState::Pending);
+
+    // The other decider lets go without deciding: the same decision now goes through.
+    replica.release_lease(&other).await.unwrap();
+    approve_and_see_it_sent_once(&mut alice, &approval.id, &gmail).await;
+}
+
+/// Approves `approval_id`: its run completes, and the mail is sent exactly once.
+async fn approve_and_see_it_sent_once(alice: &mut UserAgent, approval_id: &str, gmail: &FakeGmail) {
+    let done = alice
+        .decide_approval(decide(approval_id, pb::Decision::Approve))
         .await
         .unwrap()
         .into_inner();
