@@ -26,7 +26,8 @@ pub struct BatchCounts {
     pub statements: u64,
     /// Items handled (written, refused or read) by them.
     pub written: u64,
-    /// Batches the database refused as a whole, whose items were then written one by one.
+    /// Batches the database refused as a whole, whose items were then written again: one by
+    /// one, or (agent-svc's admissions, refused for owners busy elsewhere) the rest as a batch.
     pub batches_retried: u64,
 }
 

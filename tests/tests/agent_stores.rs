@@ -98,6 +98,21 @@ fn admit_new(id: &str, thread: &str, owner: &str, request: Option<&str>) -> Admi
 }
 
 /// A connection of the test's own to `url`, beside the store's pool.
+/// A session of its own that holds `owner`'s admission lock, as a stalled replica's
+/// transaction would, until it rolls back.
+async fn holding_the_admission_lock_of(url: &str, owner: &str) -> tokio_postgres::Client {
+    let holder = side_connection(url).await;
+    holder.batch_execute("BEGIN").await.unwrap();
+    holder
+        .execute(
+            "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1::text))",
+            &[&owner],
+        )
+        .await
+        .unwrap();
+    holder
+}
+
 async fn side_connection(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
@@ -2376,15 +2391,7 @@ async fn r4_an_admission_waits_for_its_owners_lock_no_longer_than_the_lock_timeo
     let store = pg_store_with(db.url(), pool).await;
     let s: &dyn AgentStore = &store;
     s.create_thread("t-old", "alice", "x").await.unwrap();
-    let mut stalled = side_connection(db.url()).await;
-    let holder = stalled.transaction().await.unwrap();
-    holder
-        .execute(
-            "SELECT pg_advisory_xact_lock(hashtext('runs:' || 'alice'))",
-            &[],
-        )
-        .await
-        .unwrap();
+    let holder = holding_the_admission_lock_of(db.url(), "alice").await;
     let on_old_thread = admission(new_run("r-old", "t-old", "alice", None), false, secs(60));
     let batch = [
         admit_new("r-new", "t-new", "alice", None),
@@ -2418,11 +2425,86 @@ async fn r4_an_admission_waits_for_its_owners_lock_no_longer_than_the_lock_timeo
         "nothing of it is left"
     );
     assert!(s.get_thread("alice", "t-new").await.unwrap().is_none());
-    holder.rollback().await.unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
     assert!(matches!(
         s.admit(&on_old_thread).await,
         Ok(Admitted::Started { .. })
     ));
+}
+
+/// a batch of admissions that meets an owner whose admission lock is held elsewhere (a
+/// stalled replica's transaction, say) admits its other owners at once, without waiting for
+/// that lock; only that owner's run waits for it, alone, and is admitted once it is free.
+#[tokio::test]
+async fn r4_a_batch_admits_its_other_owners_while_one_owners_lock_is_held_elsewhere() {
+    use futures_util::StreamExt as _;
+    let db = TestDb::create().await.unwrap();
+    // A lock wait far longer than the bound below: a run held behind alice's lock fails it.
+    let pool = PoolOptions {
+        max_connections: 4,
+        lock_timeout: Duration::from_secs(300),
+        ..PoolOptions::default()
+    };
+    let store = pg_store_with(db.url(), pool).await;
+    let s: &dyn AgentStore = &store;
+    let holder = holding_the_admission_lock_of(db.url(), "alice").await;
+    let before = store.admission_counts();
+    let batch = [
+        admit_new("a1", "ta1", "alice", None),
+        admit_new("b1", "tb1", "bob", None),
+        admit_new("c1", "tc1", "carol", None),
+        admit_new("d1", "td1", "dave", None),
+    ];
+    // All four are handed to the admitter in one poll, so they wait for it together.
+    let mut answers: futures_util::stream::FuturesUnordered<_> = batch
+        .iter()
+        .map(|a| async move { (a.run.owner.as_str(), s.admit(a).await) })
+        .collect();
+    let mut admitted = Vec::new();
+    while admitted.len() < 3 {
+        let (owner, answer) = tokio::time::timeout(secs(30), answers.next())
+            .await
+            .expect("the other owners' runs wait for alice's lock")
+            .unwrap();
+        assert!(
+            matches!(answer, Ok(Admitted::Started { .. })),
+            "{owner}: {answer:?}"
+        );
+        admitted.push(owner);
+    }
+    admitted.sort();
+    assert_eq!(admitted, ["bob", "carol", "dave"]);
+    let after = store.admission_counts();
+    assert_eq!(
+        after.batches_retried - before.batches_retried,
+        1,
+        "the four were one batch, refused once for alice's lock"
+    );
+    assert!(s.get_run("alice", "a1").await.unwrap().is_none());
+    // The admitter is not held either: admissions that come after are admitted while alice
+    // still waits.
+    let later = [
+        admit_new("e1", "te1", "eve", None),
+        admit_new("f1", "tf1", "frank", None),
+    ];
+    let later = tokio::time::timeout(
+        secs(30),
+        futures_util::future::join_all(later.iter().map(|a| s.admit(a))),
+    )
+    .await
+    .expect("later admissions wait behind alice's");
+    for answer in later {
+        assert!(matches!(answer, Ok(Admitted::Started { .. })), "{answer:?}");
+    }
+
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    let (owner, answer) = tokio::time::timeout(secs(30), answers.next())
+        .await
+        .expect("alice's run is admitted once her lock is free")
+        .unwrap();
+    assert_eq!(owner, "alice");
+    assert!(matches!(answer, Ok(Admitted::Started { .. })), "{answer:?}");
+    assert!(s.get_run("alice", "a1").await.unwrap().is_some());
 }
 
 /// A pooled connection whose transaction stalls while holding a lock (its replica cut off,

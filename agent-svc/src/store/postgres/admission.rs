@@ -217,13 +217,26 @@ const REFUSED_DUPLICATE: &str = "SWA04";
 /// holds only if each statement takes its own snapshot: READ COMMITTED whatever the
 /// database's or role's default isolation is.
 pub(super) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
-/// The admission locks of the owners in `$1`: admissions of one owner wait for each other from
-/// here to their COMMIT, on every replica, so the cap counted after it sees every run admitted
-/// before it and two admissions never both find the owner one under the cap (R-4). Taken in
-/// one order, so two batches sharing owners wait for each other rather than deadlock. The key
-/// space is the schedules' (`'schedules:' || owner`), with its own prefix.
+/// The admission locks of the owners in `$1` (a lone admission's one owner): admissions of one
+/// owner wait for each other from here to their COMMIT, on every replica, so the cap counted
+/// after it sees every run admitted before it and two admissions never both find the owner one
+/// under the cap (R-4). The key space is the schedules' (`'schedules:' || owner`), with its
+/// own prefix.
 pub(super) const SQL_LOCK_OWNERS: &str = "SELECT pg_advisory_xact_lock(k) FROM \
     (SELECT DISTINCT hashtext('runs:' || o) AS k FROM unnest($1::text[]) AS o ORDER BY k) owners";
+/// The same locks for a batch of admissions, without waiting: when any owner's lock is held
+/// elsewhere (another admission in flight, or a stalled replica's transaction), the batch is
+/// refused at once with `REFUSED_OWNERS_BUSY`, naming those owners as a JSON array. A batch
+/// that waited for one owner would hold every other owner in it for as long (up to
+/// `DATABASE_LOCK_TIMEOUT`); refused, the others are admitted without them, and only the busy
+/// owners' runs wait, alone. Never waiting, it cannot deadlock, so it needs no order.
+pub(super) const SQL_TRY_LOCK_OWNERS: &str = "SELECT CASE WHEN bool_and(got IS TRUE) THEN 0 \
+      ELSE agent.admission_refused('SWA05', \
+        COALESCE((json_agg(o) FILTER (WHERE got IS NOT TRUE))::text, '[]')) END \
+    FROM (SELECT o, pg_try_advisory_xact_lock(hashtext('runs:' || o)) AS got \
+      FROM unnest($1::text[]) AS o) tried";
+/// A batch met owners whose admission locks are held elsewhere (`SQL_TRY_LOCK_OWNERS`).
+pub(super) const REFUSED_OWNERS_BUSY: &str = "SWA05";
 /// A decision's lock of its run's owner (`$1` is the run): the admissions' key, so a run
 /// revived by a decision is counted against the cap as one admitted is. Returns the owner.
 pub(super) const SQL_LOCK_RUN_OWNER: &str =

@@ -10,7 +10,10 @@
 //! existing thread never come here: they take the thread's lease and supersede its paused
 //! runs, which the store does in a transaction of their own.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+};
 
 use tokio_postgres::types::ToSql;
 
@@ -74,7 +77,7 @@ impl Admitter {
         let written = counts.clone();
         let queue = group::start(workers, MAX_BATCH, "admission", move |batch| {
             let (pool, counts) = (pool.clone(), written.clone());
-            async move { write(&pool, batch, &counts).await }
+            async move { write(&pool, batch, counts).await }
         });
         Self { queue, counts }
     }
@@ -88,26 +91,29 @@ impl Admitter {
 }
 
 /// Writes `batch` and answers each of its admissions.
-async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: &Counters) {
+async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: Arc<Counters>) {
+    let counts = &counts;
     let Some(mut client) = group::connection(pool, &mut batch).await else {
         return;
     };
     // Admitted alone, after the batch: a second run of one owner (the batch counts the cap
     // before it, and a request id is unique per owner), and a second run on one thread.
-    let mut seen = std::collections::HashSet::new();
-    let (together, mut alone): (Vec<Queued>, Vec<Queued>) = batch.into_iter().partition(|q| {
+    let mut seen = HashSet::new();
+    let (mut together, mut alone): (Vec<Queued>, Vec<Queued>) = batch.into_iter().partition(|q| {
         let run = &q.item.run;
         seen.insert(("owner", run.owner.clone())) & seen.insert(("thread", run.thread_id.clone()))
     });
-    if together.len() == 1 {
-        alone.splice(0..0, together);
-    } else if !together.is_empty() {
+    // Owners whose admission locks were held elsewhere: their runs are admitted alone, each
+    // owner's on a connection and in a task of its own, where they wait for the owner's lock
+    // (at most DATABASE_LOCK_TIMEOUT) while this admitter goes on to the next batch.
+    let mut busy: HashSet<String> = HashSet::new();
+    while together.len() > 1 {
         let admissions: Vec<&Admission> = together.iter().map(|q| &q.item).collect();
         match many(&client, &admissions).await {
             Ok(mut admitted) => {
                 counts.wrote(admitted.len());
                 let mut refused = Vec::new();
-                for q in together {
+                for q in together.drain(..) {
                     match admitted.remove(&q.item.run.id) {
                         Some(started) => q.answer(Ok(started)),
                         // Refused: alone, it is told why (or admitted, if that has changed).
@@ -122,7 +128,7 @@ async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: &Counters) {
             // its outcome is unknown; a run that was admitted is ended as abandoned once its
             // lease lapses, and a caller's retry with its request id finds it.
             Err(e) if e.as_db_error().is_none() => {
-                for q in together {
+                for q in together.drain(..) {
                     q.answer(Err(StoreError::Unavailable(format!(
                         "the admission's outcome is unknown: the database connection failed ({e}); retry the run"
                     ))));
@@ -135,20 +141,90 @@ async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: &Counters) {
                     client = fresh;
                 }
             }
-            Err(e) => {
-                let retry = group::refused_batch(pool, client, &e, counts, together, &mut alone);
-                let Some(usable) = retry.await else {
-                    return;
-                };
-                client = usable;
-            }
+            Err(e) => match owners_busy(&e) {
+                // Nothing was written: the rest of the batch is tried again without the busy
+                // owners. Each try sets at least one owner apart, so this ends.
+                Some(owners) => {
+                    counts.retried();
+                    busy.extend(owners);
+                    let (wait, rest): (Vec<Queued>, Vec<Queued>) = together
+                        .drain(..)
+                        .partition(|q| busy.contains(&q.item.run.owner));
+                    if wait.is_empty() {
+                        // None of the owners named is in the batch: trying it again would
+                        // never end, so each of its runs goes alone.
+                        alone.splice(0..0, rest);
+                    } else {
+                        alone.splice(0..0, wait);
+                        together = rest;
+                    }
+                }
+                None => {
+                    let retry = group::refused_batch(
+                        pool,
+                        client,
+                        &e,
+                        counts,
+                        std::mem::take(&mut together),
+                        &mut alone,
+                    );
+                    let Some(usable) = retry.await else {
+                        return;
+                    };
+                    client = usable;
+                }
+            },
         }
     }
-    for q in alone {
+    // A batch of one goes alone, as do the runs set apart.
+    alone.splice(0..0, together);
+    let (waiting, free): (Vec<Queued>, Vec<Queued>) = alone
+        .into_iter()
+        .partition(|q| busy.contains(&q.item.run.owner));
+    let mut by_owner: HashMap<String, Vec<Queued>> = HashMap::new();
+    for q in waiting {
+        by_owner
+            .entry(q.item.run.owner.clone())
+            .or_default()
+            .push(q);
+    }
+    for (_, runs) in by_owner {
+        tokio::spawn(one_by_one(None, pool.clone(), runs, counts.clone()));
+    }
+    one_by_one(Some(client), pool.clone(), free, counts.clone()).await;
+}
+
+/// Admits `runs` alone, in order, on `client` or on a connection of their own.
+async fn one_by_one(
+    client: Option<pg::Pooled>,
+    pool: pg::PgPool,
+    mut runs: Vec<Queued>,
+    counts: Arc<Counters>,
+) {
+    let client = match client {
+        Some(client) => client,
+        None if runs.is_empty() => return,
+        None => match group::connection(&pool, &mut runs).await {
+            Some(client) => client,
+            None => return,
+        },
+    };
+    for q in runs {
         let answer = admission::one(&client, &q.item).await;
         counts.wrote(1);
         q.answer(answer);
     }
+}
+
+/// The owners a batch met with their admission locks held elsewhere, when that is why the
+/// database refused it (`admission::SQL_TRY_LOCK_OWNERS`).
+fn owners_busy(e: &tokio_postgres::Error) -> Option<Vec<String>> {
+    let refusal = e.as_db_error()?;
+    if refusal.code().code() != admission::REFUSED_OWNERS_BUSY {
+        return None;
+    }
+    let owners: Vec<String> = serde_json::from_str(refusal.detail()?).ok()?;
+    (!owners.is_empty()).then_some(owners)
 }
 
 /// The batch's rows, column by column.
@@ -211,7 +287,9 @@ async fn many(
         .filter(|a| a.summaries > 0)
         .map(|a| a.run.owner.as_str())
         .collect();
-    let lock = client.prepare_cached(admission::SQL_LOCK_OWNERS).await?;
+    let lock = client
+        .prepare_cached(admission::SQL_TRY_LOCK_OWNERS)
+        .await?;
     let admit = client.prepare_cached(SQL_ADMIT_MANY).await?;
     let read = client.prepare_cached(SQL_SUMMARIES_OF_OWNERS).await?;
     // One transaction in one round trip, BEGIN to COMMIT, as a lone admission is: a read that
@@ -219,7 +297,8 @@ async fn many(
     // nothing and its admissions can be tried again alone.
     let t: &tokio_postgres::Client = client;
     let mut open = pg::Begun::new(t);
-    // The cap is counted after the owners' locks are held: see `admission::SQL_LOCK_OWNERS`.
+    // The cap is counted after the owners' locks are held, and none of them is waited for:
+    // see `admission::SQL_TRY_LOCK_OWNERS`.
     let ((begun, locked), admitted, recent, committed) = futures_util::future::join4(
         futures_util::future::join(
             t.batch_execute(admission::BEGIN),
