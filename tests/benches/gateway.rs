@@ -1,7 +1,9 @@
 //! Gateway benchmarks, a harness rather than timed tests:
 //! - overhead per tool call over the Execute stream, for a tool with no upstream, with the
 //!   in-memory store and with PostgreSQL (where each call also writes its audit record);
-//! - rate-limiter decisions per second for both backends.
+//! - rate-limiter decisions per second for both backends;
+//! - a memory search on PostgreSQL (the lookup every run's prompt makes) for a user with many
+//!   notes, none holding the query's words whole, so the search falls back to prefixes.
 //!
 //! Run: `cargo bench -p steward-tests --bench gateway` (needs the test PostgreSQL).
 
@@ -123,6 +125,57 @@ async fn limiter_throughput(
     );
 }
 
+/// Notes of the heavy user; a few other users' notes beside them.
+const NOTES: usize = 20_000;
+const SEARCHES: usize = 200;
+
+/// p50 of a memory search for a user with `NOTES` notes: one whose words no note holds whole
+/// ("zeb": the prefix pass runs), one that a few notes match, and one that every note matches
+/// (each match is ranked).
+async fn memory_search(stores: &gateway_svc::store::Stores) {
+    let heavy = UserId::parse("heavy-user").unwrap();
+    for chunk in 0..NOTES / 1000 {
+        let notes: Vec<(String, Vec<String>)> = (0..1000)
+            .map(|i| {
+                let n = chunk * 1000 + i;
+                // One note in a thousand mentions the dentist.
+                let what = if n % 1000 == 0 {
+                    "dentist appointment"
+                } else {
+                    "budget review"
+                };
+                (
+                    format!("Note {n}: the quarterly {what} with the platform team, room {n}"),
+                    vec!["work".to_owned()],
+                )
+            })
+            .collect();
+        stores
+            .notes
+            .add_notes(&heavy, &notes, "bench")
+            .await
+            .unwrap();
+    }
+    for (query, label) in [
+        ("zeb", "nothing whole, so the prefix pass"),
+        ("dentist", "20 notes match"),
+        ("quarterly", "every note matches"),
+    ] {
+        let mut samples = Vec::with_capacity(SEARCHES);
+        for _ in 0..SEARCHES {
+            let started = Instant::now();
+            let found = stores.notes.search_notes(&heavy, query, 5).await.unwrap();
+            samples.push(started.elapsed());
+            assert_eq!(found.is_empty(), query == "zeb", "{query}");
+        }
+        samples.sort();
+        let p50 = percentile(&samples, 0.5).as_secs_f64() * 1e3;
+        println!(
+            "memory search on PostgreSQL, a user with {NOTES} notes ({label}): p50 {p50:.2} ms"
+        );
+    }
+}
+
 #[tokio::main]
 async fn main() {
     stream_overhead(Backend::Memory, "in-memory store").await;
@@ -152,4 +205,5 @@ async fn main() {
         1000,
     )
     .await;
+    memory_search(&stores).await;
 }
