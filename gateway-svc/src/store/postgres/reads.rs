@@ -282,7 +282,8 @@ struct NoteSearch {
 /// Each user's notes that match its query: full-text search with every word (stemmed, ranked by
 /// cover density) first; only when that finds nothing, any word as a prefix, so "meet" or a
 /// half-typed name still finds something. Most runs' [ABOUT THE USER] lookups find nothing the
-/// first way.
+/// first way, so the second pass reads the user's notes' stored 'simple' vectors (migration V9)
+/// rather than parsing each note again.
 const SQL_NOTES: &str = "SELECT f.id, f.content, f.tags, f.created_at, f.origin, u.o \
     FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[]) WITH ORDINALITY AS u(uid, query, lim, terms, o) \
     CROSS JOIN LATERAL ( \
@@ -292,10 +293,10 @@ const SQL_NOTES: &str = "SELECT f.id, f.content, f.tags, f.created_at, f.origin,
         WHERE user_id = u.uid AND tsv @@ q ORDER BY rank DESC, id DESC LIMIT u.lim), \
       loose AS ( \
         SELECT id, content, tags, created_at, origin, \
-               ts_rank_cd(to_tsvector('simple', search_text), q) AS rank \
+               ts_rank_cd(tsv_simple, q) AS rank \
         FROM gateway.memories, to_tsquery('simple', u.terms) q \
         WHERE u.terms <> '' AND NOT EXISTS (SELECT 1 FROM exact) AND user_id = u.uid \
-          AND to_tsvector('simple', search_text) @@ q \
+          AND tsv_simple @@ q \
         ORDER BY rank DESC, id DESC LIMIT u.lim) \
       SELECT *, 0 AS pass FROM exact UNION ALL SELECT *, 1 AS pass FROM loose) f \
     ORDER BY u.o, f.pass, f.rank DESC, f.id DESC";
