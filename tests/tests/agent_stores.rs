@@ -2432,22 +2432,30 @@ async fn r4_an_admission_waits_for_its_owners_lock_no_longer_than_the_lock_timeo
     ));
 }
 
-/// a batch of admissions that meets an owner whose admission lock is held elsewhere (a
-/// stalled replica's transaction, say) admits its other owners at once, without waiting for
-/// that lock; only that owner's run waits for it, alone, and is admitted once it is free.
-#[tokio::test]
-async fn r4_a_batch_admits_its_other_owners_while_one_owners_lock_is_held_elsewhere() {
-    use futures_util::StreamExt as _;
+/// A store with a pool of four (so one admitter task) whose lock waits last 300 s, far longer
+/// than any test's bound, so a run held behind alice's lock fails that bound; and a session of
+/// the test's own holding alice's admission lock.
+async fn one_admitter_with_alices_lock_held_elsewhere() -> (TestDb, PgStore, tokio_postgres::Client)
+{
     let db = TestDb::create().await.unwrap();
-    // A lock wait far longer than the bound below: a run held behind alice's lock fails it.
     let pool = PoolOptions {
         max_connections: 4,
         lock_timeout: Duration::from_secs(300),
         ..PoolOptions::default()
     };
     let store = pg_store_with(db.url(), pool).await;
-    let s: &dyn AgentStore = &store;
     let holder = holding_the_admission_lock_of(db.url(), "alice").await;
+    (db, store, holder)
+}
+
+/// a batch of admissions that meets an owner whose admission lock is held elsewhere (a
+/// stalled replica's transaction, say) admits its other owners at once, without waiting for
+/// that lock; only that owner's run waits for it, alone, and is admitted once it is free.
+#[tokio::test]
+async fn r4_a_batch_admits_its_other_owners_while_one_owners_lock_is_held_elsewhere() {
+    use futures_util::StreamExt as _;
+    let (_db, store, holder) = one_admitter_with_alices_lock_held_elsewhere().await;
+    let s: &dyn AgentStore = &store;
     let before = store.admission_counts();
     let batch = [
         admit_new("a1", "ta1", "alice", None),
@@ -2505,6 +2513,70 @@ async fn r4_a_batch_admits_its_other_owners_while_one_owners_lock_is_held_elsewh
     assert_eq!(owner, "alice");
     assert!(matches!(answer, Ok(Admitted::Started { .. })), "{answer:?}");
     assert!(s.get_run("alice", "a1").await.unwrap().is_some());
+}
+
+/// however many runs an owner whose admission lock is held elsewhere sends meanwhile,
+/// their waits tie up one connection of the pool between them, not one each: with a pool of
+/// four, six rounds of batches that each hold one of alice's runs still admit everyone else's
+/// at once. Once the lock is free, alice's runs are admitted in order, up to her cap.
+#[tokio::test]
+async fn r4_an_owner_whose_lock_is_held_elsewhere_ties_up_one_connection_however_many_runs_wait() {
+    use futures_util::StreamExt as _;
+    let (_db, store, holder) = one_admitter_with_alices_lock_held_elsewhere().await;
+    let s: &dyn AgentStore = &store;
+    let rounds: Vec<[Admission; 2]> = (1..=6)
+        .map(|k| {
+            [
+                admit_new(&format!("a{k}"), &format!("ta{k}"), "alice", None),
+                admit_new(
+                    &format!("o{k}"),
+                    &format!("to{k}"),
+                    &format!("other{k}"),
+                    None,
+                ),
+            ]
+        })
+        .collect();
+    let mut alices = Vec::new();
+    for [alice, other] in &rounds {
+        // Both are handed to the admitter in one poll, so they wait for it together.
+        let mut answers: futures_util::stream::FuturesUnordered<_> = [alice, other]
+            .into_iter()
+            .map(|a| async move { (a.run.id.as_str(), s.admit(a).await) })
+            .collect();
+        let (id, answer) = tokio::time::timeout(secs(30), answers.next())
+            .await
+            .unwrap_or_else(|_| panic!("{} waits behind alice's lock", other.run.owner))
+            .unwrap();
+        assert_eq!(id, other.run.id);
+        assert!(
+            matches!(answer, Ok(Admitted::Started { .. })),
+            "{id}: {answer:?}"
+        );
+        alices.push(answers);
+    }
+
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    let mut answers = Vec::new();
+    for mut waiting in alices {
+        let (id, answer) = tokio::time::timeout(secs(30), waiting.next())
+            .await
+            .expect("alice's runs are admitted once her lock is free")
+            .unwrap();
+        answers.push((id.to_owned(), answer));
+    }
+    let started: Vec<&str> = answers
+        .iter()
+        .filter(|(_, a)| matches!(a, Ok(Admitted::Started { .. })))
+        .map(|(id, _)| id.as_str())
+        .collect();
+    assert_eq!(started, ["a1", "a2", "a3"], "in order, up to her cap of 3");
+    for (id, answer) in &answers[3..] {
+        assert!(
+            matches!(answer, Ok(Admitted::TooManyRuns { active: 3 })),
+            "{id}: {answer:?}"
+        );
+    }
 }
 
 /// A pooled connection whose transaction stalls while holding a lock (its replica cut off,

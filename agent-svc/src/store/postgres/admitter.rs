@@ -67,6 +67,17 @@ pub(super) struct Admitter {
     pub(super) counts: Arc<Counters>,
 }
 
+/// What the admitter tasks share.
+struct Shared {
+    pool: pg::PgPool,
+    counts: Arc<Counters>,
+    /// Runs of owners whose admission locks were held elsewhere, waiting to be admitted alone,
+    /// by owner: one task and one connection per owner, however many of its runs arrive
+    /// meanwhile, so an owner whose lock a stalled transaction holds ties up one connection
+    /// rather than one per run.
+    busy: std::sync::Mutex<HashMap<String, Vec<Queued>>>,
+}
+
 impl Admitter {
     /// Starts `workers` admitter tasks on `pool`; they end when the admitter is dropped.
     pub(super) fn start(pool: pg::PgPool, workers: usize) -> Self {
@@ -74,10 +85,13 @@ impl Admitter {
             "steward_db_admission_batch_size",
             "steward_db_admission_batches_retried_total",
         ));
-        let written = counts.clone();
+        let shared = Arc::new(Shared {
+            pool,
+            counts: counts.clone(),
+            busy: Default::default(),
+        });
         let queue = group::start(workers, MAX_BATCH, "admission", move |batch| {
-            let (pool, counts) = (pool.clone(), written.clone());
-            async move { write(&pool, batch, counts).await }
+            write(shared.clone(), batch)
         });
         Self { queue, counts }
     }
@@ -90,9 +104,64 @@ impl Admitter {
     }
 }
 
+impl Shared {
+    /// Queues `runs` (one owner's) behind any of the owner's already waiting; true when no task
+    /// admits that owner's runs yet, so one must be started.
+    fn wait_behind(&self, owner: &str, runs: Vec<Queued>) -> bool {
+        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        match busy.get_mut(owner) {
+            Some(waiting) => {
+                waiting.extend(runs);
+                false
+            }
+            None => {
+                busy.insert(owner.to_owned(), runs);
+                true
+            }
+        }
+    }
+
+    /// The owner's runs waiting now, or `None` — the owner forgotten, so its next busy run
+    /// starts a task again — when none is.
+    fn next_waiting(&self, owner: &str) -> Option<Vec<Queued>> {
+        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let runs = std::mem::take(busy.get_mut(owner)?);
+        if runs.is_empty() {
+            busy.remove(owner);
+            return None;
+        }
+        Some(runs)
+    }
+}
+
+/// Admits `owner`'s waiting runs alone, in order, on one connection, until none is left.
+async fn admit_when_free(shared: Arc<Shared>, owner: String) {
+    /// A task that panics drops the runs queued behind it, so their callers are told.
+    struct Forget<'a>(&'a Shared, &'a str);
+    impl Drop for Forget<'_> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                let mut busy = self.0.busy.lock().unwrap_or_else(|e| e.into_inner());
+                busy.remove(self.1);
+            }
+        }
+    }
+    let _forget = Forget(&shared, &owner);
+    let mut client = None;
+    while let Some(mut runs) = shared.next_waiting(&owner) {
+        if client.is_none() {
+            // None: the pool had no connection, and each of these runs was told so.
+            client = group::connection(&shared.pool, &mut runs).await;
+        }
+        if let Some(client) = &client {
+            one_by_one(client, runs, &shared.counts).await;
+        }
+    }
+}
+
 /// Writes `batch` and answers each of its admissions.
-async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: Arc<Counters>) {
-    let counts = &counts;
+async fn write(shared: Arc<Shared>, mut batch: Vec<Queued>) {
+    let (pool, counts) = (&shared.pool, &*shared.counts);
     let Some(mut client) = group::connection(pool, &mut batch).await else {
         return;
     };
@@ -104,8 +173,8 @@ async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: Arc<Counters>)
         seen.insert(("owner", run.owner.clone())) & seen.insert(("thread", run.thread_id.clone()))
     });
     // Owners whose admission locks were held elsewhere: their runs are admitted alone, each
-    // owner's on a connection and in a task of its own, where they wait for the owner's lock
-    // (at most DATABASE_LOCK_TIMEOUT) while this admitter goes on to the next batch.
+    // owner's in a task and on a connection of its own (`Shared::busy`), where they wait for
+    // the owner's lock (each at most DATABASE_LOCK_TIMEOUT) while this admitter goes on.
     let mut busy: HashSet<String> = HashSet::new();
     while together.len() > 1 {
         let admissions: Vec<&Admission> = together.iter().map(|q| &q.item).collect();
@@ -188,29 +257,18 @@ async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: Arc<Counters>)
             .or_default()
             .push(q);
     }
-    for (_, runs) in by_owner {
-        tokio::spawn(one_by_one(None, pool.clone(), runs, counts.clone()));
+    for (owner, runs) in by_owner {
+        if shared.wait_behind(&owner, runs) {
+            tokio::spawn(admit_when_free(shared.clone(), owner));
+        }
     }
-    one_by_one(Some(client), pool.clone(), free, counts.clone()).await;
+    one_by_one(&client, free, counts).await;
 }
 
-/// Admits `runs` alone, in order, on `client` or on a connection of their own.
-async fn one_by_one(
-    client: Option<pg::Pooled>,
-    pool: pg::PgPool,
-    mut runs: Vec<Queued>,
-    counts: Arc<Counters>,
-) {
-    let client = match client {
-        Some(client) => client,
-        None if runs.is_empty() => return,
-        None => match group::connection(&pool, &mut runs).await {
-            Some(client) => client,
-            None => return,
-        },
-    };
+/// Admits `runs` alone, in order, on `client`.
+async fn one_by_one(client: &pg::Pooled, runs: Vec<Queued>, counts: &Counters) {
     for q in runs {
-        let answer = admission::one(&client, &q.item).await;
+        let answer = admission::one(client, &q.item).await;
         counts.wrote(1);
         q.answer(answer);
     }
