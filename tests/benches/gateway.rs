@@ -125,7 +125,7 @@ async fn limiter_throughput(
     );
 }
 
-/// Notes of the heavy user; a few other users' notes beside them.
+/// Notes of the one user searched.
 const NOTES: usize = 20_000;
 const SEARCHES: usize = 200;
 

@@ -97,7 +97,6 @@ fn admit_new(id: &str, thread: &str, owner: &str, request: Option<&str>) -> Admi
     )
 }
 
-/// A connection of the test's own to `url`, beside the store's pool.
 /// A session of its own that holds `owner`'s admission lock, as a stalled replica's
 /// transaction would, until it rolls back.
 async fn holding_the_admission_lock_of(url: &str, owner: &str) -> tokio_postgres::Client {
@@ -113,6 +112,7 @@ async fn holding_the_admission_lock_of(url: &str, owner: &str) -> tokio_postgres
     holder
 }
 
+/// A connection of the test's own to `url`, beside the store's pool.
 async fn side_connection(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
@@ -2432,6 +2432,30 @@ async fn r4_an_admission_waits_for_its_owners_lock_no_longer_than_the_lock_timeo
     ));
 }
 
+/// Returns once some session of the database at `url` waits for an advisory lock.
+async fn a_session_waits_for_an_admission_lock(url: &str) {
+    let watcher = side_connection(url).await;
+    tokio::time::timeout(secs(30), async {
+        loop {
+            let waiting: i64 = watcher
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                     AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("a session waits for the lock");
+}
+
 /// A store with a pool of four (so one admitter task) whose lock waits last 300 s, far longer
 /// than any test's bound, so a run held behind alice's lock fails that bound; and a session of
 /// the test's own holding alice's admission lock.
@@ -2516,14 +2540,21 @@ async fn r4_a_batch_admits_its_other_owners_while_one_owners_lock_is_held_elsewh
 }
 
 /// R-4: however many runs an owner whose admission lock is held elsewhere sends meanwhile,
-/// their waits tie up one connection of the pool between them, not one each: with a pool of
-/// four, six rounds of batches that each hold one of alice's runs still admit everyone else's
-/// at once. Once the lock is free, alice's runs are admitted in order, up to her cap.
+/// their waits tie up one connection of the pool between them, not one each, nor the admitter:
+/// with a pool of four, a lone run of alice's and then six rounds of batches that each hold one
+/// of hers still admit everyone else's at once. Once the lock is free, alice's runs are
+/// admitted in order, up to her cap.
 #[tokio::test]
 async fn r4_an_owner_whose_lock_is_held_elsewhere_ties_up_one_connection_however_many_runs_wait() {
-    use futures_util::StreamExt as _;
-    let (_db, store, holder) = one_admitter_with_alices_lock_held_elsewhere().await;
+    use futures_util::{FutureExt as _, StreamExt as _};
+    let (db, store, holder) = one_admitter_with_alices_lock_held_elsewhere().await;
     let s: &dyn AgentStore = &store;
+    // A run of alice's alone, first: the admitter only tries her lock, and the run waits for it
+    // elsewhere, where a session is soon seen waiting.
+    let lone = admit_new("a0", "ta0", "alice", None);
+    let mut first = Box::pin(s.admit(&lone));
+    assert!(first.as_mut().now_or_never().is_none());
+    a_session_waits_for_an_admission_lock(db.url()).await;
     let rounds: Vec<[Admission; 2]> = (1..=6)
         .map(|k| {
             [
@@ -2557,7 +2588,12 @@ async fn r4_an_owner_whose_lock_is_held_elsewhere_ties_up_one_connection_however
     }
 
     holder.batch_execute("ROLLBACK").await.unwrap();
-    let mut answers = Vec::new();
+    let mut answers = vec![(
+        "a0".to_owned(),
+        tokio::time::timeout(secs(30), first)
+            .await
+            .expect("alice's first run is admitted once her lock is free"),
+    )];
     for mut waiting in alices {
         let (id, answer) = tokio::time::timeout(secs(30), waiting.next())
             .await
@@ -2570,7 +2606,7 @@ async fn r4_an_owner_whose_lock_is_held_elsewhere_ties_up_one_connection_however
         .filter(|(_, a)| matches!(a, Ok(Admitted::Started { .. })))
         .map(|(id, _)| id.as_str())
         .collect();
-    assert_eq!(started, ["a1", "a2", "a3"], "in order, up to her cap of 3");
+    assert_eq!(started, ["a0", "a1", "a2"], "in order, up to her cap of 3");
     for (id, answer) in &answers[3..] {
         assert!(
             matches!(answer, Ok(Admitted::TooManyRuns { active: 3 })),

@@ -21,6 +21,7 @@ mod embedded {
 mod admission;
 mod admitter;
 mod batch;
+mod busy_owners;
 mod commit;
 mod committer;
 mod group;

@@ -9,8 +9,51 @@ use super::{archive, db, millis};
 use crate::store::{Admission, Admitted, Lease, StoreError};
 
 /// Admits `a` in one transaction of its own, sent as one pipeline: its checks, the thread's
-/// lease, the run, its first event and message, and the owner's recent session summaries.
+/// lease, the run, its first event and message, and the owner's recent session summaries. It
+/// waits for the owner's admission lock, at most DATABASE_LOCK_TIMEOUT.
 pub(super) async fn one(client: &pg::Pooled, a: &Admission) -> Result<Admitted, StoreError> {
+    admit(client, a, SQL_LOCK_OWNERS)
+        .await
+        .map_err(|refused| match refused {
+            Refused::Store(e) => e,
+            // Waiting for the lock, the admission is answered; this is for completeness.
+            Refused::OwnerBusy => StoreError::Unavailable(format!(
+                "{}'s admission lock is held elsewhere; retry",
+                a.run.owner
+            )),
+        })
+}
+
+/// Admits `a` as `one` does if its owner's admission lock is free; `None`, with nothing
+/// written, when it is held elsewhere (an admitter does not wait on one owner while others
+/// queue behind it).
+pub(super) async fn one_unless_owner_busy(
+    client: &pg::Pooled,
+    a: &Admission,
+) -> Option<Result<Admitted, StoreError>> {
+    match admit(client, a, SQL_TRY_LOCK_OWNERS).await {
+        Ok(admitted) => Some(Ok(admitted)),
+        Err(Refused::Store(e)) => Some(Err(e)),
+        Err(Refused::OwnerBusy) => None,
+    }
+}
+
+/// Why a lone admission was not answered.
+enum Refused {
+    /// Its owner's admission lock is held elsewhere, and it was only tried.
+    OwnerBusy,
+    Store(StoreError),
+}
+
+impl From<StoreError> for Refused {
+    fn from(e: StoreError) -> Self {
+        Refused::Store(e)
+    }
+}
+
+/// `one`, taking the owner's lock by `lock_owners` (`SQL_LOCK_OWNERS` or
+/// `SQL_TRY_LOCK_OWNERS`).
+async fn admit(client: &pg::Pooled, a: &Admission, lock_owners: &str) -> Result<Admitted, Refused> {
     use tokio_postgres::types::ToSql;
     type Param<'a> = &'a (dyn ToSql + Sync);
     let run = &a.run;
@@ -20,7 +63,7 @@ pub(super) async fn one(client: &pg::Pooled, a: &Admission) -> Result<Admitted, 
     // The whole admission is one pipeline, BEGIN to COMMIT: each check raises
     // `agent.admission_refused` when it fails (migration V13), which aborts the transaction,
     // so COMMIT need not wait for the answers — one round trip while the connection is held.
-    let lock = client.prepare_cached(SQL_LOCK_OWNERS).await.map_err(db)?;
+    let lock = client.prepare_cached(lock_owners).await.map_err(db)?;
     let count = client.prepare_cached(SQL_ADMIT_CAP).await.map_err(db)?;
     let take = client
         .prepare_cached(if a.new_thread_title.is_some() {
@@ -131,12 +174,26 @@ pub(super) async fn one(client: &pg::Pooled, a: &Admission) -> Result<Admitted, 
         .or(superseded.err())
         .or(inserted.err());
     let recent = match (failed, recent) {
-        (Some(e), _) | (None, Err(e)) => return refused(client, a, e).await,
+        (Some(e), _) | (None, Err(e)) if owners_busy(&e).is_some() => {
+            return Err(Refused::OwnerBusy);
+        }
+        (Some(e), _) | (None, Err(e)) => return Ok(refused(client, a, e).await?),
         (None, Ok(rows)) => rows,
     };
     committed.map_err(db)?;
     let summaries = recent.iter().map(archive).collect();
     Ok(Admitted::Started { lease, summaries })
+}
+
+/// The owners a batch met with their admission locks held elsewhere, when that is why the
+/// database refused it (`SQL_TRY_LOCK_OWNERS`).
+pub(super) fn owners_busy(e: &tokio_postgres::Error) -> Option<Vec<String>> {
+    let refusal = e.as_db_error()?;
+    if refusal.code().code() != REFUSED_OWNERS_BUSY {
+        return None;
+    }
+    let owners: Vec<String> = serde_json::from_str(refusal.detail()?).ok()?;
+    (!owners.is_empty()).then_some(owners)
 }
 
 /// What a refused admission tells its caller, from the check that refused it

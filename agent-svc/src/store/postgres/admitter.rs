@@ -6,7 +6,9 @@
 //! wave's latency; a lone admission goes out at once, alone.
 //!
 //! A batch only admits: a run it does not admit (at its owner's cap, a retried request id) is
-//! then admitted alone (`admission::one`), which tells it why, as it always did. Runs on an
+//! then admitted alone, which tells it why, as it always did. An admitter never waits for an
+//! owner's admission lock: a batch or a lone admission here only tries it, and the runs of an
+//! owner whose lock is held elsewhere wait in `busy_owners` instead. Runs on an
 //! existing thread never come here: they take the thread's lease and supersede its paused
 //! runs, which the store does in a transaction of their own.
 
@@ -19,6 +21,7 @@ use tokio_postgres::types::ToSql;
 
 use super::{
     admission, archive,
+    busy_owners::BusyOwners,
     group::{self, Counters, Queue, Waiting},
     millis,
 };
@@ -71,24 +74,21 @@ pub(super) struct Admitter {
 struct Shared {
     pool: pg::PgPool,
     counts: Arc<Counters>,
-    /// Runs of owners whose admission locks were held elsewhere, waiting to be admitted alone,
-    /// by owner: one task and one connection per owner, however many of its runs arrive
-    /// meanwhile, so an owner whose lock a stalled transaction holds ties up one connection
-    /// rather than one per run.
-    busy: std::sync::Mutex<HashMap<String, Vec<Queued>>>,
+    busy: Arc<BusyOwners>,
 }
 
 impl Admitter {
-    /// Starts `workers` admitter tasks on `pool`; they end when the admitter is dropped.
+    /// Starts `workers` admitter tasks on `pool`; they end when the admitter is dropped (the
+    /// busy owners' queues once they are empty).
     pub(super) fn start(pool: pg::PgPool, workers: usize) -> Self {
         let counts = Arc::new(Counters::new(
             "steward_db_admission_batch_size",
             "steward_db_admission_batches_retried_total",
         ));
         let shared = Arc::new(Shared {
+            busy: BusyOwners::new(pool.clone(), counts.clone(), workers),
             pool,
             counts: counts.clone(),
-            busy: Default::default(),
         });
         let queue = group::start(workers, MAX_BATCH, "admission", move |batch| {
             write(shared.clone(), batch)
@@ -104,64 +104,20 @@ impl Admitter {
     }
 }
 
-impl Shared {
-    /// Queues `runs` (one owner's) behind any of the owner's already waiting; true when no task
-    /// admits that owner's runs yet, so one must be started.
-    fn wait_behind(&self, owner: &str, runs: Vec<Queued>) -> bool {
-        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
-        match busy.get_mut(owner) {
-            Some(waiting) => {
-                waiting.extend(runs);
-                false
-            }
-            None => {
-                busy.insert(owner.to_owned(), runs);
-                true
-            }
-        }
-    }
-
-    /// The owner's runs waiting now, or `None` — the owner forgotten, so its next busy run
-    /// starts a task again — when none is.
-    fn next_waiting(&self, owner: &str) -> Option<Vec<Queued>> {
-        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
-        let runs = std::mem::take(busy.get_mut(owner)?);
-        if runs.is_empty() {
-            busy.remove(owner);
-            return None;
-        }
-        Some(runs)
-    }
-}
-
-/// Admits `owner`'s waiting runs alone, in order, on one connection, until none is left.
-async fn admit_when_free(shared: Arc<Shared>, owner: String) {
-    /// A task that panics drops the runs queued behind it, so their callers are told.
-    struct Forget<'a>(&'a Shared, &'a str);
-    impl Drop for Forget<'_> {
-        fn drop(&mut self) {
-            if std::thread::panicking() {
-                let mut busy = self.0.busy.lock().unwrap_or_else(|e| e.into_inner());
-                busy.remove(self.1);
-            }
-        }
-    }
-    let _forget = Forget(&shared, &owner);
-    let mut client = None;
-    while let Some(mut runs) = shared.next_waiting(&owner) {
-        if client.is_none() {
-            // None: the pool had no connection, and each of these runs was told so.
-            client = group::connection(&shared.pool, &mut runs).await;
-        }
-        if let Some(client) = &client {
-            one_by_one(client, runs, &shared.counts).await;
-        }
-    }
-}
-
 /// Writes `batch` and answers each of its admissions.
-async fn write(shared: Arc<Shared>, mut batch: Vec<Queued>) {
+async fn write(shared: Arc<Shared>, batch: Vec<Queued>) {
     let (pool, counts) = (&shared.pool, &*shared.counts);
+    // An owner with runs queued behind a lock held elsewhere: its new runs join that queue
+    // rather than overtake it.
+    let (queued, mut batch): (Vec<Queued>, Vec<Queued>) = batch
+        .into_iter()
+        .partition(|q| shared.busy.is_waiting(&q.item.run.owner));
+    for q in queued {
+        shared.busy.wait(q);
+    }
+    if batch.is_empty() {
+        return;
+    }
     let Some(mut client) = group::connection(pool, &mut batch).await else {
         return;
     };
@@ -172,9 +128,8 @@ async fn write(shared: Arc<Shared>, mut batch: Vec<Queued>) {
         let run = &q.item.run;
         seen.insert(("owner", run.owner.clone())) & seen.insert(("thread", run.thread_id.clone()))
     });
-    // Owners whose admission locks were held elsewhere: their runs are admitted alone, each
-    // owner's in a task and on a connection of its own (`Shared::busy`), where they wait for
-    // the owner's lock (each at most DATABASE_LOCK_TIMEOUT) while this admitter goes on.
+    // Owners whose admission locks are held elsewhere: their runs wait in `BusyOwners`, while
+    // this admitter goes on. Nothing here waits for an owner's lock.
     let mut busy: HashSet<String> = HashSet::new();
     while together.len() > 1 {
         let admissions: Vec<&Admission> = together.iter().map(|q| &q.item).collect();
@@ -210,7 +165,7 @@ async fn write(shared: Arc<Shared>, mut batch: Vec<Queued>) {
                     client = fresh;
                 }
             }
-            Err(e) => match owners_busy(&e) {
+            Err(e) => match admission::owners_busy(&e) {
                 // Nothing was written: the rest of the batch is tried again without the busy
                 // owners. Each try sets at least one owner apart, so this ends.
                 Some(owners) => {
@@ -245,44 +200,24 @@ async fn write(shared: Arc<Shared>, mut batch: Vec<Queued>) {
             },
         }
     }
-    // A batch of one goes alone, as do the runs set apart.
+    // A batch of one goes alone, as do the runs set apart: each only tries its owner's lock.
     alone.splice(0..0, together);
-    let (waiting, free): (Vec<Queued>, Vec<Queued>) = alone
-        .into_iter()
-        .partition(|q| busy.contains(&q.item.run.owner));
-    let mut by_owner: HashMap<String, Vec<Queued>> = HashMap::new();
-    for q in waiting {
-        by_owner
-            .entry(q.item.run.owner.clone())
-            .or_default()
-            .push(q);
-    }
-    for (owner, runs) in by_owner {
-        if shared.wait_behind(&owner, runs) {
-            tokio::spawn(admit_when_free(shared.clone(), owner));
+    for q in alone {
+        if busy.contains(&q.item.run.owner) || shared.busy.is_waiting(&q.item.run.owner) {
+            shared.busy.wait(q);
+            continue;
+        }
+        match admission::one_unless_owner_busy(&client, &q.item).await {
+            Some(answer) => {
+                counts.wrote(1);
+                q.answer(answer);
+            }
+            None => {
+                busy.insert(q.item.run.owner.clone());
+                shared.busy.wait(q);
+            }
         }
     }
-    one_by_one(&client, free, counts).await;
-}
-
-/// Admits `runs` alone, in order, on `client`.
-async fn one_by_one(client: &pg::Pooled, runs: Vec<Queued>, counts: &Counters) {
-    for q in runs {
-        let answer = admission::one(client, &q.item).await;
-        counts.wrote(1);
-        q.answer(answer);
-    }
-}
-
-/// The owners a batch met with their admission locks held elsewhere, when that is why the
-/// database refused it (`admission::SQL_TRY_LOCK_OWNERS`).
-fn owners_busy(e: &tokio_postgres::Error) -> Option<Vec<String>> {
-    let refusal = e.as_db_error()?;
-    if refusal.code().code() != admission::REFUSED_OWNERS_BUSY {
-        return None;
-    }
-    let owners: Vec<String> = serde_json::from_str(refusal.detail()?).ok()?;
-    (!owners.is_empty()).then_some(owners)
 }
 
 /// The batch's rows, column by column.
