@@ -2615,6 +2615,63 @@ async fn r4_an_owner_whose_lock_is_held_elsewhere_ties_up_one_connection_however
     }
 }
 
+/// runs queued behind an owner's lock held elsewhere wait for it once per round, not once
+/// each: when DATABASE_LOCK_TIMEOUT ends the wait, every run queued by then is told at once,
+/// in the database's words, and none of them is tried alone (which would wait the timeout out
+/// again for each). Once the holder is gone, the owner's next run is admitted.
+#[tokio::test]
+async fn r4_runs_queued_behind_a_held_lock_are_all_told_when_the_wait_times_out() {
+    use futures_util::FutureExt as _;
+    let db = TestDb::create().await.unwrap();
+    let pool = PoolOptions {
+        max_connections: 4,
+        lock_timeout: Duration::from_millis(500),
+        ..PoolOptions::default()
+    };
+    let store = pg_store_with(db.url(), pool).await;
+    let s: &dyn AgentStore = &store;
+    let holder = holding_the_admission_lock_of(db.url(), "alice").await;
+    let before = store.admission_counts();
+    let first = admit_new("a1", "ta1", "alice", None);
+    let mut first_answer = Box::pin(s.admit(&first));
+    assert!(first_answer.as_mut().now_or_never().is_none());
+    a_session_waits_for_an_admission_lock(db.url()).await;
+    let queued: Vec<Admission> = (2..=5)
+        .map(|k| admit_new(&format!("a{k}"), &format!("ta{k}"), "alice", None))
+        .collect();
+    let (first_answer, answers) = tokio::time::timeout(
+        secs(30),
+        futures_util::future::join(
+            first_answer,
+            futures_util::future::join_all(queued.iter().map(|a| s.admit(a))),
+        ),
+    )
+    .await
+    .expect("queued runs are told once the lock wait times out");
+    for answer in std::iter::once(&first_answer).chain(&answers) {
+        match answer {
+            Err(StoreError::Unavailable(why)) => {
+                assert!(why.contains("lock timeout (55P03)"), "{why}");
+                assert!(why.contains("DATABASE_LOCK_TIMEOUT"), "{why}");
+            }
+            other => panic!("a run of alice's was not told of her lock: {other:?}"),
+        }
+    }
+    assert_eq!(
+        store.admission_counts().written,
+        before.written,
+        "none of them was tried alone"
+    );
+    assert!(s.get_run("alice", "a1").await.unwrap().is_none());
+
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    let again = admit_new("a6", "ta6", "alice", None);
+    assert!(matches!(
+        s.admit(&again).await,
+        Ok(Admitted::Started { .. })
+    ));
+}
+
 /// A pooled connection whose transaction stalls while holding a lock (its replica cut off,
 /// say) is ended by the server after DATABASE_IDLE_IN_TRANSACTION_TIMEOUT, which releases the
 /// lock for everyone else; and every pooled connection waits for a lock no longer than
