@@ -2456,15 +2456,15 @@ async fn a_session_waits_for_an_admission_lock(url: &str) {
     .expect("a session waits for the lock");
 }
 
-/// A store with a pool of four (so one admitter task) whose lock waits last 300 s, far longer
-/// than any test's bound, so a run held behind alice's lock fails that bound; and a session of
-/// the test's own holding alice's admission lock.
-async fn one_admitter_with_alices_lock_held_elsewhere() -> (TestDb, PgStore, tokio_postgres::Client)
-{
+/// A store with a pool of four (so one admitter task) whose lock waits last `lock_timeout`,
+/// and a session of the test's own holding alice's admission lock.
+async fn one_admitter_with_alices_lock_held_elsewhere(
+    lock_timeout: Duration,
+) -> (TestDb, PgStore, tokio_postgres::Client) {
     let db = TestDb::create().await.unwrap();
     let pool = PoolOptions {
         max_connections: 4,
-        lock_timeout: Duration::from_secs(300),
+        lock_timeout,
         ..PoolOptions::default()
     };
     let store = pg_store_with(db.url(), pool).await;
@@ -2478,7 +2478,8 @@ async fn one_admitter_with_alices_lock_held_elsewhere() -> (TestDb, PgStore, tok
 #[tokio::test]
 async fn r4_a_batch_admits_its_other_owners_while_one_owners_lock_is_held_elsewhere() {
     use futures_util::StreamExt as _;
-    let (_db, store, holder) = one_admitter_with_alices_lock_held_elsewhere().await;
+    // Lock waits far longer than any bound below: a run held behind alice's lock fails it.
+    let (_db, store, holder) = one_admitter_with_alices_lock_held_elsewhere(secs(300)).await;
     let s: &dyn AgentStore = &store;
     let before = store.admission_counts();
     let batch = [
@@ -2547,7 +2548,8 @@ async fn r4_a_batch_admits_its_other_owners_while_one_owners_lock_is_held_elsewh
 #[tokio::test]
 async fn r4_an_owner_whose_lock_is_held_elsewhere_ties_up_one_connection_however_many_runs_wait() {
     use futures_util::{FutureExt as _, StreamExt as _};
-    let (db, store, holder) = one_admitter_with_alices_lock_held_elsewhere().await;
+    // Lock waits far longer than any bound below: a run held behind alice's lock fails it.
+    let (db, store, holder) = one_admitter_with_alices_lock_held_elsewhere(secs(300)).await;
     let s: &dyn AgentStore = &store;
     // A run of alice's alone, first: the admitter only tries her lock, and the run waits for it
     // elsewhere, where a session is soon seen waiting.
@@ -2622,15 +2624,9 @@ async fn r4_an_owner_whose_lock_is_held_elsewhere_ties_up_one_connection_however
 #[tokio::test]
 async fn r4_runs_queued_behind_a_held_lock_are_all_told_when_the_wait_times_out() {
     use futures_util::FutureExt as _;
-    let db = TestDb::create().await.unwrap();
-    let pool = PoolOptions {
-        max_connections: 4,
-        lock_timeout: Duration::from_millis(500),
-        ..PoolOptions::default()
-    };
-    let store = pg_store_with(db.url(), pool).await;
+    let (db, store, holder) =
+        one_admitter_with_alices_lock_held_elsewhere(Duration::from_millis(500)).await;
     let s: &dyn AgentStore = &store;
-    let holder = holding_the_admission_lock_of(db.url(), "alice").await;
     let before = store.admission_counts();
     let first = admit_new("a1", "ta1", "alice", None);
     let mut first_answer = Box::pin(s.admit(&first));
