@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# agent-svc's instructions per run, counted by callgrind through one wave of the load bench.
+# agent-svc's instructions per run (or gateway-svc's: SERVICE=gateway-svc), counted by callgrind through one wave of the load bench.
 #   bench/agent-instructions.sh [DIR]       (default DIR: target/release, after
 #                                           `cargo bench --no-run -p steward-tests --bench load`
 #                                           and `cargo build --release -p agent-svc -p gateway-svc`)
@@ -11,10 +11,17 @@
 # Prints the instructions per run (the wave's agent-svc minus the start-up-only one the bench
 # launches before it) and the top functions, inclusive, per run: agent-svc's own, or those whose
 # names start with TOP_PREFIX (e.g. tokio_postgres). KEEP_CALLGRIND=1 keeps the callgrind files.
+# SERVICE=gateway-svc counts gateway-svc's instructions instead (top functions: gateway_svc).
 set -euo pipefail
 dir=$(cd "${1:-$(dirname "$0")/../target/release}" && pwd)
 runs=${LOAD_RUNS:-100}
 backend=${LOAD_BACKEND:-memory}
+service=${SERVICE:-agent-svc}
+case $service in
+  agent-svc) other=gateway-svc ;;
+  gateway-svc) other=agent-svc ;;
+  *) echo "agent-instructions.sh: SERVICE is agent-svc or gateway-svc, not $service" >&2; exit 2 ;;
+esac
 load=$( (ls -t "$dir"/deps/load-* "$dir"/deps/load 2>/dev/null || true) | grep -v '\.d$' | head -1)
 [[ -x "$dir/agent-svc" && -x "$dir/gateway-svc" && -x "$load" ]] || {
   echo "agent-instructions.sh: $dir needs agent-svc, gateway-svc and deps/load-*" >&2
@@ -30,28 +37,29 @@ else
 fi
 mkdir -p "$work/deps" "$work/out"
 cp "$load" "$work/deps/load"
-cp "$dir/gateway-svc" "$work/"
-cp "$dir/agent-svc" "$work/agent-svc.real"
-# The bench starts "agent-svc" beside itself; this one runs the real binary under callgrind.
-cat > "$work/agent-svc" <<EOF
+cp "$dir/$other" "$work/"
+cp "$dir/$service" "$work/$service.real"
+# The bench starts "$service" beside itself; this one runs the real binary under callgrind.
+cat > "$work/$service" <<EOF
 #!/bin/sh
-exec valgrind --tool=callgrind --callgrind-out-file=$work/out/cg.%p $work/agent-svc.real "\$@"
+exec valgrind --tool=callgrind --callgrind-out-file=$work/out/cg.%p $work/$service.real "\$@"
 EOF
-chmod +x "$work/agent-svc"
+chmod +x "$work/$service"
 
 (cd "$work" && STEWARD_SKIP_BINARY_BUILD=1 LOAD_BACKENDS="$backend" LOAD_RUNS="$runs" LOAD_WAVES=1 \
   ./deps/load --bench >"$work/load.log" 2>&1) || { cat "$work/load.log" >&2; exit 1; }
 
-mapfile -t files < <(ls "$work"/out/cg.* | sort -t. -k2 -n)
-[[ ${#files[@]} -ge 2 ]] || { echo "expected two agent-svc processes or more, got ${#files[@]}" >&2; exit 1; }
+# In order of process id, the last dot-separated part of each name.
+mapfile -t files < <(ls "$work"/out/cg.* | awk -F. '{ print $NF, $0 }' | sort -n | cut -d' ' -f2-)
+[[ ${#files[@]} -ge 2 ]] || { echo "expected two $service processes or more, got ${#files[@]}" >&2; exit 1; }
 # The last process ran the wave; the one before it started and stopped with no runs (on
 # PostgreSQL after a migrating one).
 start=${files[-2]} wave=${files[-1]}
 total() { awk '/^summary:/ { print $2 }' "$1"; }
-echo "agent-svc instructions per run, $runs runs, $backend: $(( ($(total "$wave") - $(total "$start")) / runs ))"
+echo "$service instructions per run, $runs runs, $backend: $(( ($(total "$wave") - $(total "$start")) / runs ))"
 echo
 echo "top functions, inclusive, instructions per run (start-up subtracted):"
-python3 - "$start" "$wave" "$runs" "${TOP_PREFIX:-agent_svc}" <<'EOF'
+python3 - "$start" "$wave" "$runs" "${TOP_PREFIX:-${service//-/_}}" <<'EOF'
 import re, subprocess, sys
 def inclusive(path):
     out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", path],

@@ -205,6 +205,9 @@ pub struct RegisteredTool {
     pub read_only: bool,
     /// [`Tool::service`], asked once at registration.
     pub service: &'static str,
+    /// The schema as JSON text, serialised once: every ListTools (one per run) sends it, and
+    /// serialising every tool's schema per call was a fifth of the gateway's CPU per run.
+    pub schema_json: String,
     validator: jsonschema::Validator,
 }
 
@@ -223,6 +226,7 @@ impl RegisteredTool {
         }
         Ok(Self {
             service: tool.service(),
+            schema_json: spec.schema.to_string(),
             spec,
             tool,
             read_only,

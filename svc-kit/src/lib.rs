@@ -7,6 +7,7 @@ pub mod config;
 pub mod group;
 pub mod grpc;
 pub mod health;
+pub mod json_log;
 pub mod metrics;
 pub mod pg;
 pub mod pg_tls;

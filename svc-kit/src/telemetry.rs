@@ -13,6 +13,8 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::{EnvFilter, fmt, prelude::*};
 
+use crate::json_log::{JsonLines, JsonSpanFields};
+
 static PROVIDER: OnceLock<SdkTracerProvider> = OnceLock::new();
 
 /// Keeps the log writer's thread: log lines are queued by the threads that log them and
@@ -47,9 +49,9 @@ pub fn init(service: &'static str) -> Logs {
         registry
             .with(
                 fmt::layer()
-                    .json()
-                    .flatten_event(true)
-                    .with_current_span(true)
+                    .fmt_fields(JsonSpanFields)
+                    .event_format(JsonLines)
+                    .with_ansi(false)
                     .with_writer(writer),
             )
             .try_init()

@@ -10,7 +10,7 @@ use crate::{
     credentials::AccountInfo,
     domain::{CallOutcome, CallRequest, Channel, ErrorKind, Integration},
     enforce::ToolError,
-    registry::{Preview, ToolSpec},
+    registry::{Preview, RegisteredTool},
     store::AccountStatus,
 };
 
@@ -187,12 +187,13 @@ pub fn preview_response(result: Result<Preview, ToolError>) -> pb::PreviewCallRe
     }
 }
 
-pub fn tool_spec(spec: &ToolSpec, availability: pb::ToolAvailability) -> pb::ToolSpec {
+pub fn tool_spec(tool: &RegisteredTool, availability: pb::ToolAvailability) -> pb::ToolSpec {
+    let spec = &tool.spec;
     pb::ToolSpec {
         name: spec.name.clone(),
         aliases: spec.aliases.clone(),
         description: spec.description.clone(),
-        parameters_json_schema: spec.schema.to_string(),
+        parameters_json_schema: tool.schema_json.clone(),
         side_effect: spec.side_effect,
         integration: integration_to_pb(spec.integration) as i32,
         upstream_cost: spec.upstream_cost,

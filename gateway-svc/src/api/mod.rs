@@ -101,7 +101,7 @@ impl GatewayService for GatewayApi {
                 } else {
                     pb::ToolAvailability::SourceUnavailable
                 };
-                convert::tool_spec(&listed.tool.spec, availability)
+                convert::tool_spec(&listed.tool, availability)
             })
             .collect();
         Ok(Response::new(pb::ListToolsResponse { tools }))
