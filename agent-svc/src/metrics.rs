@@ -76,3 +76,14 @@ pub fn approvals_pending(n: u64) {
 pub fn watchers(delta: f64) {
     metrics::gauge!("steward_stream_watchers").increment(delta);
 }
+
+/// Runs set apart because their owner's admission lock was held elsewhere (another replica,
+/// a stalled transaction): they wait in the owner's queue instead of in an admitter.
+pub fn admissions_set_apart(runs: usize) {
+    metrics::counter!("steward_db_admissions_set_apart_total").increment(runs as u64);
+}
+
+/// Runs waiting in busy owners' queues on this replica, not yet answered.
+pub fn admissions_waiting_for_owner(delta: f64) {
+    metrics::gauge!("steward_db_admissions_waiting_for_owner").increment(delta);
+}

@@ -234,3 +234,71 @@ async fn a_burst_of_runs_by_one_user_lists_the_tools_once() {
     .await;
     assert_eq!(listed, 2.0, "one ListTools per user, not per run");
 }
+
+/// R-4, O-2: a run whose owner's admission lock another session holds waits in the owner's
+/// queue, and agent-svc's metrics say so: counted as set apart, shown as waiting while the
+/// lock is held, and no longer waiting once it is free and the run has been admitted.
+#[tokio::test]
+async fn a_run_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
+    let cluster = Cluster::start(ClusterOptions {
+        agents: 1,
+        agent_env: vec![
+            ("METRICS_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
+            // Longer than the test: the run waits for the holder, not for a timeout.
+            ("DATABASE_LOCK_TIMEOUT".into(), "60s".into()),
+        ],
+        ..ClusterOptions::default()
+    })
+    .await;
+    let url = cluster
+        .db
+        .as_ref()
+        .expect("the cluster's own database")
+        .url();
+    let (holder, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("a side connection");
+    tokio::spawn(connection);
+    holder.batch_execute("BEGIN").await.unwrap();
+    holder
+        .execute(
+            "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1::text))",
+            &[&"alice"],
+        )
+        .await
+        .unwrap();
+
+    let mut alice = cluster.agent(0, "alice").await;
+    let run = tokio::spawn(async move { run_once(&mut alice, "hello there", "").await });
+    let agent = metrics_addr(&cluster.agents[0]);
+    let waiting = |s: &BTreeMap<String, f64>| {
+        s.get("steward_db_admissions_waiting_for_owner")
+            .copied()
+            .unwrap_or_default()
+    };
+    let series = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            let s = scrape(agent).await;
+            if waiting(&s) > 0.0 {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the run waits in alice's queue");
+    assert_eq!(waiting(&series), 1.0);
+    assert_eq!(
+        series.get("steward_db_admissions_set_apart_total"),
+        Some(&1.0)
+    );
+    assert!(!run.is_finished(), "the run waits for the lock");
+
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    let result = run
+        .await
+        .unwrap()
+        .expect("the run goes on once the lock is free");
+    assert!(result.error.is_empty(), "{}", result.error);
+    assert_eq!(waiting(&scrape(agent).await), 0.0);
+}

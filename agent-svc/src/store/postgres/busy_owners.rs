@@ -50,6 +50,8 @@ impl BusyOwners {
     /// Queues `q` behind its owner's runs waiting here, and starts serving the owner if
     /// nothing does yet.
     pub(super) fn wait(self: &Arc<Self>, q: Queued) {
+        crate::metrics::admissions_set_apart(1);
+        crate::metrics::admissions_waiting_for_owner(1.0);
         let owner = q.item.run.owner.clone();
         let first = {
             let mut queues = self.lock();
@@ -95,7 +97,8 @@ async fn serve(busy: Arc<BusyOwners>, owner: String) {
         .await;
     if served.is_err() {
         tracing::error!(%owner, "the task admitting a busy owner's runs panicked; they are told so");
-        busy.lock().remove(&owner);
+        let dropped = busy.lock().remove(&owner).map_or(0, |runs| runs.len());
+        drop(Answered(dropped));
     }
 }
 
@@ -104,6 +107,8 @@ async fn serve_until_empty(busy: &BusyOwners, owner: &str) {
     let _slot = busy.slots.acquire().await.ok();
     let mut client: Option<pg::Pooled> = None;
     while let Some(mut runs) = busy.next(owner) {
+        // Every run of the round is answered by the time this drops, a panic included.
+        let _answered = Answered(runs.len());
         if client.as_ref().is_none_or(|c| c.is_closed()) {
             // None: the pool had no connection, and each of these runs was told so.
             client = super::group::connection(&busy.pool, &mut runs).await;
@@ -146,4 +151,13 @@ async fn lock_freed(client: &pg::Pooled, owner: &str) -> Result<(), tokio_postgr
     begun?;
     waited?;
     ended
+}
+
+/// Takes runs answered (or dropped, and so told) off the waiting gauge when it drops.
+struct Answered(usize);
+
+impl Drop for Answered {
+    fn drop(&mut self) {
+        crate::metrics::admissions_waiting_for_owner(-(self.0 as f64));
+    }
 }
