@@ -77,13 +77,15 @@ pub fn watchers(delta: f64) {
     metrics::gauge!("steward_stream_watchers").increment(delta);
 }
 
-/// Runs set apart because their owner's admission lock was held elsewhere (another replica,
-/// a stalled transaction): they wait in the owner's queue instead of in an admitter.
-pub fn admissions_set_apart(runs: usize) {
-    metrics::counter!("steward_db_admissions_set_apart_total").increment(runs as u64);
+/// A run on a new thread set apart by an admitter to wait for its owner's admission lock:
+/// held elsewhere (another replica, a stalled transaction), or behind the owner's runs already
+/// waiting for it. Runs on existing threads and decisions wait on their own connection and
+/// are not counted here.
+pub fn admission_set_apart() {
+    metrics::counter!("steward_db_admission_set_apart_total").increment(1);
 }
 
-/// Runs waiting in busy owners' queues on this replica, not yet answered.
-pub fn admissions_waiting_for_owner(delta: f64) {
-    metrics::gauge!("steward_db_admissions_waiting_for_owner").increment(delta);
+/// Runs set apart (see [`admission_set_apart`]) on this replica and not yet answered.
+pub fn admission_waiting_for_owner(delta: f64) {
+    metrics::gauge!("steward_db_admission_waiting_for_owner").increment(delta);
 }

@@ -239,7 +239,7 @@ async fn a_burst_of_runs_by_one_user_lists_the_tools_once() {
 /// queue, and agent-svc's metrics say so: counted as set apart, shown as waiting while the
 /// lock is held, and no longer waiting once it is free and the run has been admitted.
 #[tokio::test]
-async fn a_run_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
+async fn r4_o2_a_run_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
     let cluster = Cluster::start(ClusterOptions {
         agents: 1,
         agent_env: vec![
@@ -250,16 +250,8 @@ async fn a_run_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
         ..ClusterOptions::default()
     })
     .await;
-    let url = cluster
-        .db
-        .as_ref()
-        .expect("the cluster's own database")
-        .url();
-    let (holder, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .expect("a side connection");
-    tokio::spawn(connection);
-    holder.batch_execute("BEGIN").await.unwrap();
+    let mut side = cluster.sql().await;
+    let holder = side.transaction().await.unwrap();
     holder
         .execute(
             "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1::text))",
@@ -272,7 +264,7 @@ async fn a_run_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
     let run = tokio::spawn(async move { run_once(&mut alice, "hello there", "").await });
     let agent = metrics_addr(&cluster.agents[0]);
     let waiting = |s: &BTreeMap<String, f64>| {
-        s.get("steward_db_admissions_waiting_for_owner")
+        s.get("steward_db_admission_waiting_for_owner")
             .copied()
             .unwrap_or_default()
     };
@@ -289,16 +281,22 @@ async fn a_run_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
     .expect("the run waits in alice's queue");
     assert_eq!(waiting(&series), 1.0);
     assert_eq!(
-        series.get("steward_db_admissions_set_apart_total"),
+        series.get("steward_db_admission_set_apart_total"),
         Some(&1.0)
     );
     assert!(!run.is_finished(), "the run waits for the lock");
 
-    holder.batch_execute("ROLLBACK").await.unwrap();
+    holder.rollback().await.unwrap();
     let result = run
         .await
         .unwrap()
         .expect("the run goes on once the lock is free");
     assert!(result.error.is_empty(), "{}", result.error);
-    assert_eq!(waiting(&scrape(agent).await), 0.0);
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while waiting(&scrape(agent).await) != 0.0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("no run waits once the lock is free");
 }

@@ -50,8 +50,8 @@ impl BusyOwners {
     /// Queues `q` behind its owner's runs waiting here, and starts serving the owner if
     /// nothing does yet.
     pub(super) fn wait(self: &Arc<Self>, q: Queued) {
-        crate::metrics::admissions_set_apart(1);
-        crate::metrics::admissions_waiting_for_owner(1.0);
+        crate::metrics::admission_set_apart();
+        crate::metrics::admission_waiting_for_owner(1.0);
         let owner = q.item.run.owner.clone();
         let first = {
             let mut queues = self.lock();
@@ -108,7 +108,7 @@ async fn serve_until_empty(busy: &BusyOwners, owner: &str) {
     let mut client: Option<pg::Pooled> = None;
     while let Some(mut runs) = busy.next(owner) {
         // Every run of the round is answered by the time this drops, a panic included.
-        let _answered = Answered(runs.len());
+        let mut answered = Answered(runs.len());
         if client.as_ref().is_none_or(|c| c.is_closed()) {
             // None: the pool had no connection, and each of these runs was told so.
             client = super::group::connection(&busy.pool, &mut runs).await;
@@ -130,6 +130,7 @@ async fn serve_until_empty(busy: &BusyOwners, owner: &str) {
             let answer = admission::one(client, &q.item).await;
             busy.counts.wrote(1);
             q.answer(answer);
+            answered.one();
         }
     }
 }
@@ -153,11 +154,19 @@ async fn lock_freed(client: &pg::Pooled, owner: &str) -> Result<(), tokio_postgr
     ended
 }
 
-/// Takes runs answered (or dropped, and so told) off the waiting gauge when it drops.
+/// Takes a round's runs off the waiting gauge: each as it is admitted, the rest (answered
+/// together, or dropped and so told) when it drops.
 struct Answered(usize);
+
+impl Answered {
+    fn one(&mut self) {
+        self.0 -= 1;
+        crate::metrics::admission_waiting_for_owner(-1.0);
+    }
+}
 
 impl Drop for Answered {
     fn drop(&mut self) {
-        crate::metrics::admissions_waiting_for_owner(-(self.0 as f64));
+        crate::metrics::admission_waiting_for_owner(-(self.0 as f64));
     }
 }
