@@ -3,13 +3,13 @@
 //! tracing-subscriber's own JSON format stores each span's fields as JSON text built through a
 //! map of `serde_json::Value`s, and on every event parses each span's text back into values to
 //! serialise them again, once for `span` and once more for `spans`. Under load that was ~8% of
-//! agent-svc's instructions per run and over a quarter of gateway-svc's. This format writes the same
-//! line — `timestamp`, `level`, the event's fields flattened, `target`, `span` (the current
-//! span's fields and its `name`), `spans` (root to leaf) — with no intermediate values, and
-//! copies each span's stored text into the line as it is. One difference: an event given an
-//! explicit parent lists that parent's scope as `spans`, where tracing-subscriber lists the
-//! entered spans, which need not hold it; and a byte-slice field of a span is written as
-//! tracing writes bytes for events, a hex string, not an array.
+//! agent-svc's instructions per run and over a quarter of gateway-svc's. This format writes
+//! the same line — `timestamp`, `level`, the event's fields flattened, `target`, `span` (the
+//! current span's fields and its `name`), `spans` (root to leaf) — with no intermediate
+//! values, and copies each span's stored text into the line as it is. Two differences: an
+//! event given an explicit parent lists that parent's scope as `spans`, where
+//! tracing-subscriber lists the entered spans, which need not hold it; and a byte-slice field
+//! of a span is a hex string, as tracing writes bytes for events, not an array.
 
 use std::fmt::{self, Write};
 
