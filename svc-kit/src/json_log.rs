@@ -336,6 +336,25 @@ mod tests {
         }
     }
 
+    impl<'a> fmt::MakeWriter<'a> for Lines {
+        type Writer = Lines;
+
+        fn make_writer(&'a self) -> Lines {
+            self.clone()
+        }
+    }
+
+    /// The format under test, writing to `lines`.
+    fn our_format<S>(lines: &Lines) -> impl tracing_subscriber::Layer<S>
+    where
+        S: Subscriber + for<'a> LookupSpan<'a>,
+    {
+        fmt::layer()
+            .fmt_fields(JsonSpanFields)
+            .event_format(JsonLines)
+            .with_writer(lines.clone())
+    }
+
     impl Lines {
         /// Each line parsed, its timestamp checked and taken out (two formats cannot share an
         /// instant).
@@ -411,26 +430,13 @@ mod tests {
     fn lines_read_as_tracing_subscribers_own_json_format_reads() {
         let ours = Lines::default();
         let theirs = Lines::default();
-        let subscriber = tracing_subscriber::registry()
-            .with(
-                fmt::layer()
-                    .fmt_fields(JsonSpanFields)
-                    .event_format(JsonLines)
-                    .with_writer({
-                        let ours = ours.clone();
-                        move || ours.clone()
-                    }),
-            )
-            .with(
-                fmt::layer()
-                    .json()
-                    .flatten_event(true)
-                    .with_current_span(true)
-                    .with_writer({
-                        let theirs = theirs.clone();
-                        move || theirs.clone()
-                    }),
-            );
+        let subscriber = tracing_subscriber::registry().with(our_format(&ours)).with(
+            fmt::layer()
+                .json()
+                .flatten_event(true)
+                .with_current_span(true)
+                .with_writer(theirs.clone()),
+        );
         tracing::subscriber::with_default(subscriber, log_everything);
 
         let (mut ours, mut theirs) = (ours.parsed(), theirs.parsed());
@@ -489,15 +495,7 @@ mod tests {
     #[test]
     fn a_value_that_fails_to_format_leaves_its_line_and_its_span_intact() {
         let lines = Lines::default();
-        let subscriber = tracing_subscriber::registry().with(
-            fmt::layer()
-                .fmt_fields(JsonSpanFields)
-                .event_format(JsonLines)
-                .with_writer({
-                    let lines = lines.clone();
-                    move || lines.clone()
-                }),
-        );
+        let subscriber = tracing_subscriber::registry().with(our_format(&lines));
         tracing::subscriber::with_default(subscriber, || {
             let span = tracing::info_span!("s", a = 1u64, b = tracing::field::Empty);
             span.record("b", tracing::field::debug(Unprintable));
