@@ -1,7 +1,7 @@
 //! System prompt assembly (B-1): named, clearly delimited sections, each measured, so a run can
 //! show which sections it used and what they cost.
 
-use std::time::SystemTime;
+use std::{borrow::Cow, time::SystemTime};
 
 use crate::{executor::budget::TokenCounter, executor::limits::Channel, fence, runs::Attached};
 
@@ -74,15 +74,20 @@ pub const PER_RUN_SECTIONS: [&str; 3] = ["ABOUT THE USER", "ATTACHED CONTEXT", "
 pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Prompt {
     // Only PERSONA, OPERATING MODEL, SESSION OPEN (the operator's text) and CURRENT TIME are
     // ours; everything else is data and enters fenced.
-    let mut sections: Vec<(&'static str, String)> = vec![("PERSONA", persona().to_owned())];
+    // The operator's fixed sections are borrowed, and the text is written once at its final
+    // size: a run's prompt used to copy the persona three times over (issue 13).
+    let mut sections: Vec<(&'static str, Cow<'_, str>)> = vec![("PERSONA", persona().into())];
     if matches!(input.channel, Some(Channel::Web | Channel::Telegram)) {
-        sections.push(("OPERATING MODEL", OPERATING_MODEL.to_owned()));
+        sections.push(("OPERATING MODEL", OPERATING_MODEL.into()));
     }
     if let Some(g) = &input.session_guidance {
-        sections.push(("SESSION OPEN", g.clone()));
+        sections.push(("SESSION OPEN", g.as_str().into()));
     }
     if let Some(b) = &input.bootstrap {
-        sections.push(("BOOTSTRAP CONTEXT", fence::block("bootstrap context", b)));
+        sections.push((
+            "BOOTSTRAP CONTEXT",
+            fence::block("bootstrap context", b).into(),
+        ));
     }
     if !input.recent_sessions.is_empty() {
         let lines: Vec<String> = input
@@ -92,12 +97,12 @@ pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Pro
             .collect();
         sections.push((
             "RECENT SESSIONS",
-            fence::block("past session summaries", &lines.join("\n")),
+            fence::block("past session summaries", &lines.join("\n")).into(),
         ));
     }
     // What changes from run to run comes last (see PER_RUN_SECTIONS).
     if let Some(about) = input.about_user.as_ref().filter(|a| !a.trim().is_empty()) {
-        sections.push(("ABOUT THE USER", fence::block("memory", about)));
+        sections.push(("ABOUT THE USER", fence::block("memory", about).into()));
     }
     if !input.attached.is_empty() {
         let lines: Vec<String> = input
@@ -116,18 +121,27 @@ pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Pro
             .collect();
         sections.push((
             "ATTACHED CONTEXT",
-            fence::block("attached by the client", &lines.join("\n")),
+            fence::block("attached by the client", &lines.join("\n")).into(),
         ));
     }
     let now = jiff::Timestamp::try_from(now)
         .map(|t| t.to_string())
         .unwrap_or_default();
-    sections.push(("CURRENT TIME", now));
-    let text = sections
+    sections.push(("CURRENT TIME", now.into()));
+    let size = sections
         .iter()
-        .map(|(name, body)| format!("[{name}]\n{body}"))
-        .collect::<Vec<_>>()
-        .join("\n\n");
+        .map(|(name, body)| name.len() + body.len() + 5)
+        .sum();
+    let mut text = String::with_capacity(size);
+    for (i, (name, body)) in sections.iter().enumerate() {
+        if i > 0 {
+            text.push_str("\n\n");
+        }
+        text.push('[');
+        text.push_str(name);
+        text.push_str("]\n");
+        text.push_str(body);
+    }
     // The operator's fixed sections are the same every run: counted once per tokenizer.
     let measured: Vec<(String, u32)> = sections
         .iter()

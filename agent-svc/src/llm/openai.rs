@@ -2,11 +2,10 @@
 //! server that speaks it, by base URL. Tool-call arguments arrive in fragments keyed by index
 //! and are joined here; usage comes in the last chunk (`stream_options.include_usage`).
 
-use std::collections::BTreeMap;
+use std::{borrow::Cow, collections::BTreeMap};
 
 use futures_util::StreamExt;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize, Serializer};
 
 use super::{
     Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse, TokenUsage, ToolCall,
@@ -32,73 +31,173 @@ impl std::fmt::Debug for OpenAi {
     }
 }
 
-/// The request body without its tools (see [`encode`]).
-pub fn body(request: &ModelRequest) -> Value {
-    let mut messages = vec![json!({"role": "system", "content": request.system})];
-    for turn in request.turns {
-        messages.push(match turn {
-            Turn::User(text) => json!({"role": "user", "content": text}),
-            Turn::Assistant { text, tool_calls } if tool_calls.is_empty() => json!({"role": "assistant", "content": text}),
-            Turn::Assistant { text, tool_calls } => json!({
-                "role": "assistant",
-                "content": if text.is_empty() { Value::Null } else { json!(text) },
-                "tool_calls": tool_calls.iter().map(|c| json!({
-                    "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})).collect::<Vec<_>>()
-            }),
-            Turn::ToolResult { call_id, content, .. } => json!({"role": "tool", "tool_call_id": call_id, "content": content}),
-        });
-    }
-    json!({
-        "model": request.model,
-        "messages": messages,
-        "max_tokens": request.max_output_tokens,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    })
+/// The request body without its tools (see [`encode`]), serialised straight from the run's
+/// transcript: nothing of it is copied into a `serde_json::Value` first, which cost a run about
+/// as much as serialising it (issue 13). Members are declared in sorted order, the order `json!`
+/// wrote them in, so the bytes a provider's prefix cache compares are the same as before.
+#[derive(Serialize)]
+struct Body<'a> {
+    max_tokens: u32,
+    messages: Messages<'a>,
+    model: &'a str,
+    stream: bool,
+    stream_options: StreamOptions,
 }
 
-/// The request body on the wire: [`body`] with the tool set's prepared declarations.
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+/// The system prompt, then every turn, as Chat Completions messages.
+struct Messages<'a> {
+    system: &'a str,
+    turns: &'a [Turn],
+}
+
+impl Serialize for Messages<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let system = Message {
+            content: Some(self.system),
+            role: "system",
+            tool_call_id: None,
+            tool_calls: None,
+        };
+        s.collect_seq(std::iter::once(system).chain(self.turns.iter().map(Message::of)))
+    }
+}
+
+#[derive(Serialize)]
+struct Message<'a> {
+    /// `null` only for an assistant turn that made tool calls and said nothing.
+    content: Option<&'a str>,
+    role: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_call_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Calls<'a>>,
+}
+
+impl<'a> Message<'a> {
+    fn of(turn: &'a Turn) -> Self {
+        let plain = |role, content: &'a str| Message {
+            content: Some(content),
+            role,
+            tool_call_id: None,
+            tool_calls: None,
+        };
+        match turn {
+            Turn::User(text) => plain("user", text),
+            Turn::Assistant { text, tool_calls } if tool_calls.is_empty() => {
+                plain("assistant", text)
+            }
+            Turn::Assistant { text, tool_calls } => Message {
+                content: (!text.is_empty()).then_some(text.as_str()),
+                role: "assistant",
+                tool_call_id: None,
+                tool_calls: Some(Calls(tool_calls)),
+            },
+            Turn::ToolResult {
+                call_id, content, ..
+            } => Message {
+                tool_call_id: Some(call_id),
+                ..plain("tool", content)
+            },
+        }
+    }
+}
+
+/// An assistant turn's tool calls in the wire shape.
+struct Calls<'a>(&'a [ToolCall]);
+
+impl Serialize for Calls<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(|c| WireCall {
+            function: Function {
+                arguments: &c.arguments,
+                name: &c.name,
+            },
+            id: &c.id,
+            kind: "function",
+        }))
+    }
+}
+
+#[derive(Serialize)]
+struct WireCall<'a> {
+    function: Function<'a>,
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+#[derive(Serialize)]
+struct Function<'a> {
+    arguments: &'a str,
+    name: &'a str,
+}
+
+/// The request body on the wire: [`Body`] with the tool set's prepared declarations.
 pub fn encode(request: &ModelRequest) -> Vec<u8> {
     let tools =
         (!request.tools.is_empty() && !request.answer_only).then(|| request.tools.openai_wire());
-    super::tool_set::encode_with_tools(&body(request), tools)
+    let body = Body {
+        max_tokens: request.max_output_tokens,
+        messages: Messages {
+            system: request.system,
+            turns: request.turns,
+        },
+        model: request.model,
+        stream: true,
+        stream_options: StreamOptions {
+            include_usage: true,
+        },
+    };
+    super::tool_set::encode_with_tools(&body, tools)
 }
 
+/// One streamed chunk. Its text borrows from the event's data where it has no escapes: a
+/// chunk is usually a word, and each one was copied twice on its way to the delta.
 #[derive(Deserialize)]
-struct Chunk {
-    #[serde(default)]
-    choices: Vec<Choice>,
+struct Chunk<'a> {
+    #[serde(default, borrow)]
+    choices: Vec<Choice<'a>>,
     usage: Option<Usage>,
 }
 
 #[derive(Deserialize)]
-struct Choice {
-    #[serde(default)]
-    delta: ChunkDelta,
+struct Choice<'a> {
+    #[serde(default, borrow)]
+    delta: ChunkDelta<'a>,
     finish_reason: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
-struct ChunkDelta {
-    content: Option<String>,
+struct ChunkDelta<'a> {
+    #[serde(borrow)]
+    content: Option<Cow<'a, str>>,
     /// DeepSeek / vLLM reasoning models stream thinking here.
-    reasoning_content: Option<String>,
-    #[serde(default)]
-    tool_calls: Vec<ToolCallDelta>,
+    #[serde(borrow)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    tool_calls: Vec<ToolCallDelta<'a>>,
 }
 
 #[derive(Deserialize)]
-struct ToolCallDelta {
+struct ToolCallDelta<'a> {
     #[serde(default)]
     index: usize,
     id: Option<String>,
-    function: Option<FunctionDelta>,
+    #[serde(borrow)]
+    function: Option<FunctionDelta<'a>>,
 }
 
 #[derive(Deserialize)]
-struct FunctionDelta {
-    name: Option<String>,
-    arguments: Option<String>,
+struct FunctionDelta<'a> {
+    #[serde(borrow)]
+    name: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    arguments: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -165,12 +264,12 @@ impl ModelProvider for OpenAi {
             }
             for choice in chunk.choices {
                 if let Some(t) = choice.delta.content.filter(|t| !t.is_empty()) {
-                    let _ = deltas.send(Delta::Text(t.clone()));
                     text.push_str(&t);
+                    let _ = deltas.send(Delta::Text(t.into_owned()));
                 }
                 if let Some(t) = choice.delta.reasoning_content.filter(|t| !t.is_empty()) {
-                    let _ = deltas.send(Delta::Thinking(t.clone()));
                     thinking.push_str(&t);
+                    let _ = deltas.send(Delta::Thinking(t.into_owned()));
                 }
                 for tc in choice.delta.tool_calls {
                     let entry = calls.entry(tc.index).or_default();
@@ -213,5 +312,124 @@ impl ModelProvider for OpenAi {
             usage,
             stop_reason: finish.unwrap_or_default(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::llm::{ToolDecl, ToolSet};
+
+    /// The body as this adapter built it before it was serialised straight from the transcript.
+    fn as_json_wrote_it(request: &ModelRequest) -> Value {
+        let mut messages = vec![json!({"role": "system", "content": request.system})];
+        for turn in request.turns {
+            messages.push(match turn {
+                Turn::User(text) => json!({"role": "user", "content": text}),
+                Turn::Assistant { text, tool_calls } if tool_calls.is_empty() => {
+                    json!({"role": "assistant", "content": text})
+                }
+                Turn::Assistant { text, tool_calls } => json!({
+                    "role": "assistant",
+                    "content": if text.is_empty() { Value::Null } else { json!(text) },
+                    "tool_calls": tool_calls.iter().map(|c| json!({
+                        "id": c.id, "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments}})).collect::<Vec<_>>()
+                }),
+                Turn::ToolResult {
+                    call_id, content, ..
+                } => json!({"role": "tool", "tool_call_id": call_id, "content": content}),
+            });
+        }
+        json!({
+            "model": request.model,
+            "messages": messages,
+            "max_tokens": request.max_output_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+    }
+
+    fn call(id: &str, name: &str, arguments: &str) -> ToolCall {
+        ToolCall {
+            id: id.into(),
+            name: name.into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    #[test]
+    fn the_body_has_the_same_bytes_as_its_json_value_form_had() {
+        let tools = ToolSet::new(vec![ToolDecl {
+            name: "list_tasks".into(),
+            description: "d".into(),
+            parameters: json!({"type": "object"}),
+        }]);
+        let turns = [
+            Turn::User("what is \"due\"\n today? ünïcödé \u{1}".into()),
+            Turn::Assistant {
+                text: String::new(),
+                tool_calls: vec![
+                    call("call_1", "list_tasks", r#"{"due":"today"}"#),
+                    call("call_2", "list_tasks", "{}"),
+                ],
+            },
+            Turn::ToolResult {
+                call_id: "call_1".into(),
+                name: "list_tasks".into(),
+                content: "[]".into(),
+                is_error: false,
+            },
+            Turn::ToolResult {
+                call_id: "call_2".into(),
+                name: "list_tasks".into(),
+                content: "error: the gateway is unreachable".into(),
+                is_error: true,
+            },
+            Turn::Assistant {
+                text: "Checking one more.".into(),
+                tool_calls: vec![call("call_3", "list_tasks", "{}")],
+            },
+            Turn::ToolResult {
+                call_id: "call_3".into(),
+                name: "list_tasks".into(),
+                content: "[{\"title\":\"pay rent\"}]".into(),
+                is_error: false,
+            },
+            Turn::Assistant {
+                text: String::new(),
+                tool_calls: vec![],
+            },
+            Turn::Assistant {
+                text: "Nothing is due.".into(),
+                tool_calls: vec![],
+            },
+        ];
+        let request = ModelRequest {
+            model: "gpt-4o-mini",
+            system: "[PERSONA]\nSteward",
+            turns: &turns,
+            tools: &tools,
+            answer_only: false,
+            stable_turns: 0,
+            max_output_tokens: 700,
+        };
+        let wire = encode(&ModelRequest {
+            answer_only: true,
+            ..request
+        });
+        // A `Value` writes its members sorted: equal bytes mean the same members in the same
+        // order, so a provider's prefix cache sees no change.
+        let before = serde_json::to_vec(&as_json_wrote_it(&request)).unwrap();
+        assert_eq!(
+            String::from_utf8(wire).unwrap(),
+            String::from_utf8(before).unwrap()
+        );
+
+        let with_tools: Value = serde_json::from_slice(&encode(&request)).unwrap();
+        assert_eq!(with_tools["tools"][0]["function"]["name"], "list_tasks");
+        assert_eq!(with_tools["messages"][2]["content"], Value::Null);
     }
 }

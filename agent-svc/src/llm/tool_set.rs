@@ -139,7 +139,7 @@ impl ToolSet {
 /// buffer of exactly its final size: the request body lives until the model's response
 /// begins, and a buffer grown by doubling held up to twice its length, for every run in
 /// flight, in pages each growth faulted in (issue 13).
-pub fn encode_with_tools(body: &Value, tools: Option<&str>) -> Vec<u8> {
+pub fn encode_with_tools(body: &impl serde::Serialize, tools: Option<&str>) -> Vec<u8> {
     thread_local! {
         static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
