@@ -117,20 +117,39 @@ pub struct Queue<I, O, E> {
     what: &'static str,
 }
 
-impl<I, O, E: From<Lost>> Queue<I, O, E> {
+impl<I, O, E: From<Lost>> Waiting<I, O, E> {
+    /// `item` to hand to whatever will answer it (a `what`: "admission"), and its outcome once
+    /// answered.
+    pub fn new(
+        item: I,
+        what: &'static str,
+    ) -> (Self, impl Future<Output = Result<O, E>> + Send + 'static)
+    where
+        O: Send + 'static,
+        E: Send + 'static,
+    {
+        let (answer, answered) = oneshot::channel();
+        let outcome = async move {
+            // Whatever was answering it panicked: it may or may not have landed.
+            answered.await.map_err(|_| {
+                Lost(format!(
+                    "the {what}'s outcome is unknown: the task handling it failed"
+                ))
+            })?
+        };
+        (Waiting { item, answer }, outcome)
+    }
+}
+
+impl<I, O: Send + 'static, E: From<Lost> + Send + 'static> Queue<I, O, E> {
     /// Hands `item` to the workers and waits for its own outcome.
     pub async fn submit(&self, item: I) -> Result<O, E> {
-        let (answer, answered) = oneshot::channel();
         let what = self.what;
+        let (waiting, outcome) = Waiting::new(item, what);
         self.sender
-            .send(Waiting { item, answer })
+            .send(waiting)
             .map_err(|_| Lost(format!("the store's {what} workers have stopped")))?;
-        // Its worker panicked while writing it: it may or may not have landed.
-        answered.await.map_err(|_| {
-            Lost(format!(
-                "the {what}'s outcome is unknown: the task handling it failed"
-            ))
-        })?
+        outcome.await
     }
 }
 

@@ -240,6 +240,17 @@ async fn a_burst_of_runs_by_one_user_lists_the_tools_once() {
 /// lock is held, and no longer waiting once it is free and the run has been admitted.
 #[tokio::test]
 async fn r4_o2_a_run_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
+    a_run_waits_for_alices_held_lock(false).await;
+}
+
+/// R-4, O-2: the same for a run on a thread that already exists, which is admitted on its own
+/// rather than with others: it waits in the owner's queue too, and is counted the same way.
+#[tokio::test]
+async fn r4_o2_a_run_on_an_existing_thread_waiting_for_its_owners_lock_shows_in_the_metrics() {
+    a_run_waits_for_alices_held_lock(true).await;
+}
+
+async fn a_run_waits_for_alices_held_lock(on_existing_thread: bool) {
     let cluster = Cluster::start(ClusterOptions {
         agents: 1,
         agent_env: vec![
@@ -250,6 +261,14 @@ async fn r4_o2_a_run_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
         ..ClusterOptions::default()
     })
     .await;
+    let mut alice = cluster.agent(0, "alice").await;
+    let thread = if on_existing_thread {
+        let first = run_once(&mut alice, "hello there", "").await.unwrap();
+        assert!(first.error.is_empty(), "{}", first.error);
+        first.thread_id
+    } else {
+        String::new()
+    };
     let mut side = cluster.sql().await;
     let holder = side.transaction().await.unwrap();
     holder
@@ -260,8 +279,8 @@ async fn r4_o2_a_run_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
         .await
         .unwrap();
 
-    let mut alice = cluster.agent(0, "alice").await;
-    let run = tokio::spawn(async move { run_once(&mut alice, "hello there", "").await });
+    let on = thread.clone();
+    let run = tokio::spawn(async move { run_once(&mut alice, "hello again", &on).await });
     let agent = metrics_addr(&cluster.agents[0]);
     let waiting = |s: &BTreeMap<String, f64>| {
         s.get("steward_db_admission_waiting_for_owner")
@@ -292,6 +311,12 @@ async fn r4_o2_a_run_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
         .unwrap()
         .expect("the run goes on once the lock is free");
     assert!(result.error.is_empty(), "{}", result.error);
+    if on_existing_thread {
+        assert_eq!(
+            result.thread_id, thread,
+            "the run went on the thread it named"
+        );
+    }
     tokio::time::timeout(Duration::from_secs(10), async {
         while waiting(&scrape(agent).await) != 0.0 {
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -266,7 +266,16 @@ impl AgentStore for PgStore {
         if a.new_thread_title.is_some() {
             return self.admitter.admit(a.clone()).await;
         }
-        admission::one(&self.client().await?, a).await
+        // A run on an existing thread is admitted at once unless its owner's admission lock is
+        // held elsewhere; then it waits in the owner's queue, as a new thread's run does,
+        // rather than hold a connection of its own while it waits.
+        if !self.admitter.owner_is_waiting(&a.run.owner) {
+            let client = self.client().await?;
+            if let Some(answer) = admission::one_unless_owner_busy(&client, a).await {
+                return answer;
+            }
+        }
+        self.admitter.wait_for_owner(a.clone()).await
     }
 
     async fn lock_thread(

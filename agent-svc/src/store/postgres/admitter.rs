@@ -9,8 +9,9 @@
 //! then admitted alone, which tells it why, as it always did. An admitter never waits for an
 //! owner's admission lock: a batch or a lone admission here only tries it, and the runs of an
 //! owner whose lock is held elsewhere wait in `busy_owners` instead. Runs on an
-//! existing thread never come here: they take the thread's lease and supersede its paused
-//! runs, which the store does in a transaction of their own.
+//! existing thread are never batched: they take the thread's lease and supersede its paused
+//! runs, which the store does in a transaction of their own, trying the owner's lock as an
+//! admitter does and joining the same queue when it is held.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -68,6 +69,7 @@ type Queued = Waiting<Admission, Admitted>;
 pub(super) struct Admitter {
     queue: Queue<Admission, Admitted>,
     pub(super) counts: Arc<Counters>,
+    busy: Arc<BusyOwners>,
 }
 
 /// What the admitter tasks share.
@@ -85,15 +87,20 @@ impl Admitter {
             "steward_db_admission_batch_size",
             "steward_db_admission_batches_retried_total",
         ));
+        let busy = BusyOwners::new(pool.clone(), counts.clone(), workers);
         let shared = Arc::new(Shared {
-            busy: BusyOwners::new(pool.clone(), counts.clone(), workers),
+            busy: busy.clone(),
             pool,
             counts: counts.clone(),
         });
         let queue = group::start(workers, MAX_BATCH, "admission", move |batch| {
             write(shared.clone(), batch)
         });
-        Self { queue, counts }
+        Self {
+            queue,
+            counts,
+            busy,
+        }
     }
 
     /// Admits `a` (a run on a new thread), alone or with others, and answers for it alone. An
@@ -101,6 +108,21 @@ impl Admitter {
     /// is ended as abandoned once its lease lapses.
     pub(super) async fn admit(&self, a: Admission) -> Result<Admitted, StoreError> {
         self.queue.submit(a).await
+    }
+
+    /// Whether `owner` has runs waiting for their admission lock: a run of theirs admitted
+    /// elsewhere must wait behind them ([`Admitter::wait_for_owner`]).
+    pub(super) fn owner_is_waiting(&self, owner: &str) -> bool {
+        self.busy.is_waiting(owner)
+    }
+
+    /// Admits `a` (a run on an existing thread, its owner's lock found held) behind the owner's
+    /// runs already waiting: in order, counted in the metrics, and on the owner's one
+    /// connection rather than one held per waiting run.
+    pub(super) async fn wait_for_owner(&self, a: Admission) -> Result<Admitted, StoreError> {
+        let (waiting, outcome) = Waiting::new(a, "admission");
+        self.busy.wait(waiting);
+        outcome.await
     }
 }
 
