@@ -2,7 +2,8 @@
 //! the same owner, or a stalled transaction holding the lock until DATABASE_LOCK_TIMEOUT and
 //! the server's idle-in-transaction timeout end it. The admitters never wait for such a lock —
 //! a batch only tries its owners' locks — so one owner cannot hold up everyone else's
-//! admissions; the runs they set apart wait here instead.
+//! admissions; the runs they set apart wait here instead, as do runs on existing threads that
+//! found their owner's lock held (or their owner's runs already waiting here).
 //!
 //! Each busy owner's runs form one queue, served in order by one task on one connection,
 //! however many of the owner's runs (or a client's retries) arrive meanwhile. A round waits for
