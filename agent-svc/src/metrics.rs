@@ -77,10 +77,9 @@ pub fn watchers(delta: f64) {
     metrics::gauge!("steward_stream_watchers").increment(delta);
 }
 
-/// A run on a new thread set apart by an admitter to wait for its owner's admission lock:
-/// held elsewhere (another replica, a stalled transaction), or behind the owner's runs already
-/// waiting for it. Runs on existing threads and decisions wait on their own connection and
-/// are not counted here.
+/// A run set apart to wait for its owner's admission lock: held elsewhere (another replica, a
+/// stalled transaction), or behind the owner's runs already waiting for it. A decision that
+/// continues a paused run waits for that lock on its own connection and is not counted here.
 pub fn admission_set_apart() {
     metrics::counter!("steward_db_admission_set_apart_total").increment(1);
 }

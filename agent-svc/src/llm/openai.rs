@@ -175,10 +175,10 @@ struct Choice<'a> {
 #[derive(Deserialize, Default)]
 struct ChunkDelta<'a> {
     #[serde(borrow)]
-    content: Option<Cow<'a, str>>,
+    content: Option<Text<'a>>,
     /// DeepSeek / vLLM reasoning models stream thinking here.
     #[serde(borrow)]
-    reasoning_content: Option<Cow<'a, str>>,
+    reasoning_content: Option<Text<'a>>,
     #[serde(default, borrow)]
     tool_calls: Vec<ToolCallDelta<'a>>,
 }
@@ -195,10 +195,15 @@ struct ToolCallDelta<'a> {
 #[derive(Deserialize)]
 struct FunctionDelta<'a> {
     #[serde(borrow)]
-    name: Option<Cow<'a, str>>,
+    name: Option<Text<'a>>,
     #[serde(borrow)]
-    arguments: Option<Cow<'a, str>>,
+    arguments: Option<Text<'a>>,
 }
+
+/// A string of a chunk. serde borrows a `Cow` only where it is a field's whole type, not inside
+/// an `Option`: this newtype is that field.
+#[derive(Deserialize)]
+struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
 
 #[derive(Deserialize)]
 struct Usage {
@@ -263,11 +268,11 @@ impl ModelProvider for OpenAi {
                 };
             }
             for choice in chunk.choices {
-                if let Some(t) = choice.delta.content.filter(|t| !t.is_empty()) {
+                if let Some(Text(t)) = choice.delta.content.filter(|t| !t.0.is_empty()) {
                     text.push_str(&t);
                     let _ = deltas.send(Delta::Text(t.into_owned()));
                 }
-                if let Some(t) = choice.delta.reasoning_content.filter(|t| !t.is_empty()) {
+                if let Some(Text(t)) = choice.delta.reasoning_content.filter(|t| !t.0.is_empty()) {
                     thinking.push_str(&t);
                     let _ = deltas.send(Delta::Thinking(t.into_owned()));
                 }
@@ -277,10 +282,10 @@ impl ModelProvider for OpenAi {
                         entry.0 = id;
                     }
                     if let Some(f) = tc.function {
-                        if let Some(name) = f.name {
+                        if let Some(Text(name)) = f.name {
                             entry.1.push_str(&name);
                         }
-                        if let Some(args) = f.arguments {
+                        if let Some(Text(args)) = f.arguments {
                             entry.2.push_str(&args);
                         }
                     }
@@ -358,6 +363,28 @@ mod tests {
             name: name.into(),
             arguments: arguments.into(),
         }
+    }
+
+    #[test]
+    fn a_chunks_text_is_borrowed_unless_it_has_escapes() {
+        let data = r#"{"id":"c","choices":[{"index":0,"delta":{"content":"plain","reasoning_content":"a\nb","tool_calls":[{"index":1,"id":"call_9","function":{"name":"list_tasks","arguments":null}}]},"finish_reason":null}],"usage":null}"#;
+        let chunk: Chunk = serde_json::from_str(data).unwrap();
+        let delta = &chunk.choices[0].delta;
+        let content = &delta.content.as_ref().unwrap().0;
+        assert!(matches!(content, Cow::Borrowed("plain")), "{content:?}");
+        let thinking = &delta.reasoning_content.as_ref().unwrap().0;
+        assert!(
+            matches!(thinking, Cow::Owned(t) if t == "a\nb"),
+            "{thinking:?}"
+        );
+        let call = &delta.tool_calls[0];
+        assert_eq!((call.index, call.id.as_deref()), (1, Some("call_9")));
+        let function = call.function.as_ref().unwrap();
+        assert_eq!(function.name.as_ref().unwrap().0, "list_tasks");
+        assert!(function.arguments.is_none(), "null is no text");
+
+        let bare: Chunk = serde_json::from_str(r#"{"choices":[{"delta":{}}]}"#).unwrap();
+        assert!(bare.choices[0].delta.content.is_none() && bare.usage.is_none());
     }
 
     #[test]

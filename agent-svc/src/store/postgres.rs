@@ -271,7 +271,11 @@ impl AgentStore for PgStore {
         // rather than hold a connection of its own while it waits.
         if !self.admitter.owner_is_waiting(&a.run.owner) {
             let client = self.client().await?;
-            if let Some(answer) = admission::one_unless_owner_busy(&client, a).await {
+            // Asked again: the owner's runs may have been queued while this one waited for a
+            // connection, and it must not overtake them.
+            if !self.admitter.owner_is_waiting(&a.run.owner)
+                && let Some(answer) = admission::one_unless_owner_busy(&client, a).await
+            {
                 return answer;
             }
         }
