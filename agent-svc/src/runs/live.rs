@@ -11,7 +11,7 @@ use std::{
 
 use prost::Message as _;
 use steward_proto::agent::v1 as pb;
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Notify, futures::OwnedNotified, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -22,8 +22,6 @@ use crate::{
 /// How often a watcher of a run on another replica re-reads the store when no notice comes
 /// (the notice connection is down, or the store has none).
 const POLL_FALLBACK: Duration = Duration::from_secs(1);
-/// Events a watcher's stream buffers before it waits for its client.
-const WATCH_BUFFER: usize = 64;
 
 /// The events a segment of a run made on this replica, from its first seq, for local watchers.
 pub(super) struct LiveRun {
@@ -49,11 +47,19 @@ impl LiveRun {
         self.last.send_replace(seq);
     }
 
-    /// Events after `after`, whether the log is closed, and the first seq it holds.
-    fn since(&self, after: u64) -> (Vec<pb::RunEvent>, bool, u64) {
+    /// Events after `after`, and whether the log is closed.
+    fn since(&self, after: u64) -> (Vec<pb::RunEvent>, bool) {
         let log = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let start = log.events.partition_point(|e| e.seq <= after);
-        (log.events[start..].to_vec(), log.closed, log.first_seq)
+        (log.events[start..].to_vec(), log.closed)
+    }
+
+    /// The first seq the log holds: those before it are in the store.
+    fn first_seq(&self) -> u64 {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .first_seq
     }
 }
 
@@ -192,41 +198,63 @@ fn is_terminal(event: &pb::RunEvent) -> bool {
 
 /// Follows one run for one client: events after `after`, ending after a terminal event.
 pub(super) struct Follow {
-    pub(super) live: Arc<Live>,
-    pub(super) store: SharedStore,
-    pub(super) run_id: String,
-    pub(super) thread_id: String,
-    pub(super) after: u64,
+    live: Arc<Live>,
+    store: SharedStore,
+    run_id: String,
+    thread_id: String,
+    after: u64,
+    /// Following a run executing elsewhere: its registration for notices, and the wake-up.
+    waiting: Option<(RemoteWait, std::pin::Pin<Box<OwnedNotified>>)>,
 }
 
-/// A watcher's items go boxed: a channel allocates its slots up front, 32 at a time, and a
-/// `RunEvent` or `Status` by value made that ~22 KiB per watching stream, for the stream's whole
-/// life (issue 13).
-type Watched = Box<Result<pb::RunEvent, tonic::Status>>;
-type Sender = mpsc::Sender<Watched>;
+type Item = Result<pb::RunEvent, tonic::Status>;
 
-/// The events of one watch, as the RPC streams them.
-pub struct Watch(mpsc::Receiver<Watched>);
+/// The events of one watch, as the RPC streams them. The watch is followed inside the stream's
+/// own poll, on the RPC's task: an event reaches the client with one wake-up, where a task of
+/// its own handed each event through a channel with two (issue 13). A client that leaves drops
+/// the stream, and the following ends with it.
+pub struct Watch(std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Item> + Send>>);
 
 impl Watch {
     /// A watch with nothing to deliver.
     pub(super) fn over() -> Self {
-        Watch(mpsc::channel(1).1)
+        Watch(Box::pin(futures_util::stream::empty()))
     }
 }
 
 impl tokio_stream::Stream for Watch {
-    type Item = Result<pb::RunEvent, tonic::Status>;
+    type Item = Item;
 
     fn poll_next(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
-        self.0.poll_recv(cx).map(|item| item.map(|boxed| *boxed))
+        self.0.as_mut().poll_next(cx)
     }
 }
 
+/// Events a replay reads from the store at a time.
+const REPLAY_PAGE: usize = 256;
+
 impl Follow {
+    /// Follows `run_id` (on `thread_id`) from the event after `after`.
+    pub(super) fn new(
+        live: Arc<Live>,
+        store: SharedStore,
+        run_id: &str,
+        thread_id: String,
+        after: u64,
+    ) -> Self {
+        Follow {
+            live,
+            store,
+            run_id: run_id.to_owned(),
+            thread_id,
+            after,
+            waiting: None,
+        }
+    }
+
     /// Whether a watch from `after` has nothing to deliver: the run's stream segment ended at
     /// or before `after` (WatchRun then returns at once instead of waiting forever).
     pub(super) fn already_over(state: RunState, last_event_seq: u64, after: u64) -> bool {
@@ -234,31 +262,35 @@ impl Follow {
     }
 
     pub(super) fn start(self) -> Watch {
-        let (tx, rx) = mpsc::channel(WATCH_BUFFER);
-        tokio::spawn(async move {
-            if let Err(e) = self.run(&tx).await {
-                let _ = tx.send(Box::new(Err(tonic::Status::from(e)))).await;
-            }
+        use futures_util::StreamExt as _;
+        let batches = futures_util::stream::unfold(Some(self), |follow| async move {
+            let mut follow = follow?;
+            let mut out = Vec::new();
+            let over = match follow.next(&mut out).await {
+                Ok(over) => over,
+                Err(e) => {
+                    out.push(Err(tonic::Status::from(e)));
+                    true
+                }
+            };
+            Some((out, (!over).then_some(follow)))
         });
-        Watch(rx)
+        Watch(Box::pin(batches.flat_map(futures_util::stream::iter)))
     }
 
-    async fn run(mut self, tx: &Sender) -> Result<(), ApiError> {
-        loop {
-            if let Some(local) = self.live.local(&self.run_id) {
-                if self.follow_local(&local, tx).await? {
-                    return Ok(());
-                }
-                continue;
+    /// The watch's next events into `out` (none: look again); true when the watch is over.
+    async fn next(&mut self, out: &mut Vec<Item>) -> Result<bool, ApiError> {
+        match self.live.local(&self.run_id) {
+            Some(local) => {
+                self.waiting = None;
+                self.next_local(&local, out).await
             }
-            if self.follow_remote_once(tx).await? {
-                return Ok(());
-            }
+            None => self.next_remote(out).await,
         }
     }
 
-    /// Sends one event; true when the watch is over (terminal event, or the client left).
-    async fn send(&mut self, mut event: pb::RunEvent, tx: &Sender) -> bool {
+    /// Adds one event; true when it ends the watch.
+    fn push(&mut self, mut event: pb::RunEvent, out: &mut Vec<Item>) -> bool {
         if event.seq <= self.after {
             return false;
         }
@@ -266,80 +298,93 @@ impl Follow {
         event.run_id.clone_from(&self.run_id);
         event.thread_id.clone_from(&self.thread_id);
         let terminal = is_terminal(&event);
-        tx.send(Box::new(Ok(event))).await.is_err() || terminal
+        out.push(Ok(event));
+        terminal
     }
 
-    /// Durable events after `self.after`, up to `until` (inclusive) if given; true when over.
-    async fn replay(&mut self, until: Option<u64>, tx: &Sender) -> Result<bool, ApiError> {
-        loop {
-            let batch = self
-                .store
-                .events_after(&self.run_id, self.after, 256)
-                .await?;
-            let full = batch.len() == 256;
-            let mut any = false;
-            for (seq, payload) in batch {
-                if until.is_some_and(|u| seq > u) {
-                    return Ok(false);
-                }
-                any = true;
-                let Ok(mut event) = pb::RunEvent::decode(payload.as_slice()) else {
-                    tracing::error!(run_id = %self.run_id, seq, "undecodable run event skipped");
-                    self.after = seq;
-                    continue;
-                };
-                event.seq = seq;
-                if self.send(event, tx).await {
-                    return Ok(true);
-                }
+    /// A page of durable events after `self.after`, up to `until` (inclusive) if given: whether
+    /// the watch is over, and whether the store may hold more of them.
+    async fn replay_page(
+        &mut self,
+        until: Option<u64>,
+        out: &mut Vec<Item>,
+    ) -> Result<(bool, bool), ApiError> {
+        let page = self
+            .store
+            .events_after(&self.run_id, self.after, REPLAY_PAGE)
+            .await?;
+        let more = page.len() == REPLAY_PAGE;
+        for (seq, payload) in page {
+            if until.is_some_and(|u| seq > u) {
+                return Ok((false, false));
             }
-            if !(full && any) {
-                return Ok(false);
+            let Ok(mut event) = pb::RunEvent::decode(payload.as_slice()) else {
+                tracing::error!(run_id = %self.run_id, seq, "undecodable run event skipped");
+                self.after = seq;
+                continue;
+            };
+            event.seq = seq;
+            if self.push(event, out) {
+                return Ok((true, false));
             }
         }
+        Ok((false, more))
     }
 
-    /// Follows a segment executing here; true when the watch is over, false when the segment
-    /// closed first (what follows is in the store or another segment).
-    async fn follow_local(&mut self, run: &Arc<LiveRun>, tx: &Sender) -> Result<bool, ApiError> {
+    /// The next events of a segment executing here: those before it from the store first, then
+    /// its own as it publishes them. None and not over: the segment closed (what follows is in
+    /// the store or another segment).
+    async fn next_local(&mut self, run: &LiveRun, out: &mut Vec<Item>) -> Result<bool, ApiError> {
+        // Subscribed before the log is read, so a publish after the read is not missed.
         let mut changes = run.last.subscribe();
-        let (_, _, first_seq) = run.since(self.after);
-        if self.after + 1 < first_seq && self.replay(Some(first_seq - 1), tx).await? {
-            return Ok(true);
+        let first_seq = run.first_seq();
+        if self.after + 1 < first_seq {
+            let (over, more) = self.replay_page(Some(first_seq - 1), out).await?;
+            if over || more || !out.is_empty() {
+                return Ok(over);
+            }
         }
         loop {
             changes.borrow_and_update();
-            let (events, closed, _) = run.since(self.after);
+            let (events, closed) = run.since(self.after);
+            let mut over = false;
             for event in events {
-                if self.send(event, tx).await {
-                    return Ok(true);
+                if self.push(event, out) {
+                    over = true;
+                    break;
                 }
             }
-            if closed {
-                return Ok(false);
+            if over || closed || !out.is_empty() {
+                return Ok(over);
             }
-            tokio::select! {
-                changed = changes.changed() => if changed.is_err() { return Ok(false) },
-                () = tx.closed() => return Ok(true),
+            if changes.changed().await.is_err() {
+                return Ok(false);
             }
         }
     }
 
-    /// One round of following a remote run: replay from the store, then wait for a notice (or
-    /// the poll fallback); true when the watch is over.
-    async fn follow_remote_once(&mut self, tx: &Sender) -> Result<bool, ApiError> {
-        let wait = self.live.wait_remote(&self.run_id);
-        let woken = wait.notify.notified();
-        tokio::pin!(woken);
-        woken.as_mut().enable();
-        if self.replay(None, tx).await? {
-            return Ok(true);
+    /// The next events of a run executing elsewhere, from the store: read again when a notice
+    /// says it has new ones (or the poll fallback comes first).
+    async fn next_remote(&mut self, out: &mut Vec<Item>) -> Result<bool, ApiError> {
+        // Registered, and enabled, before the store is read, so a notice after the read is not
+        // missed; kept while events are handed out, so the store is read again only after one.
+        if self.waiting.is_none() {
+            let wait = self.live.wait_remote(&self.run_id);
+            let mut woken = Box::pin(wait.notify.clone().notified_owned());
+            woken.as_mut().enable();
+            self.waiting = Some((wait, woken));
         }
-        tokio::select! {
-            () = &mut woken => {}
-            () = tokio::time::sleep(POLL_FALLBACK) => {}
-            () = tx.closed() => return Ok(true),
+        let (over, more) = self.replay_page(None, out).await?;
+        if over || more || !out.is_empty() {
+            return Ok(over);
         }
+        if let Some((_, woken)) = &mut self.waiting {
+            tokio::select! {
+                () = woken.as_mut() => {}
+                () = tokio::time::sleep(POLL_FALLBACK) => {}
+            }
+        }
+        self.waiting = None;
         Ok(false)
     }
 }

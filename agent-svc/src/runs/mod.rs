@@ -1373,13 +1373,13 @@ impl RunService {
     /// round trip and transaction fewer per run (issue 13). A run that already ended (a
     /// repeated request id) is replayed from the store to its terminal event, as any watch is.
     pub fn follow_started(self: &Arc<Self>, run_id: &str, thread_id: &str) -> Watch {
-        live::Follow {
-            live: self.live.clone(),
-            store: self.store.clone(),
-            run_id: run_id.to_owned(),
-            thread_id: thread_id.to_owned(),
-            after: 0,
-        }
+        live::Follow::new(
+            self.live.clone(),
+            self.store.clone(),
+            run_id,
+            thread_id.to_owned(),
+            0,
+        )
         .start()
     }
 
@@ -1398,13 +1398,13 @@ impl RunService {
         if live::Follow::already_over(run.state, run.last_event_seq, after) {
             return Ok(Watch::over());
         }
-        Ok(live::Follow {
-            live: self.live.clone(),
-            store: self.store.clone(),
-            run_id: run_id.to_owned(),
-            thread_id: run.thread_id,
+        Ok(live::Follow::new(
+            self.live.clone(),
+            self.store.clone(),
+            run_id,
+            run.thread_id,
             after,
-        }
+        )
         .start())
     }
 }
