@@ -205,6 +205,8 @@ pub(super) struct Follow {
     after: u64,
     /// Following a run executing elsewhere: its registration for notices, and the wake-up.
     waiting: Option<(RemoteWait, std::pin::Pin<Box<OwnedNotified>>)>,
+    /// The store was read to its end: the next read waits for a notice.
+    caught_up: bool,
 }
 
 type Item = Result<pb::RunEvent, tonic::Status>;
@@ -252,6 +254,7 @@ impl Follow {
             thread_id,
             after,
             waiting: None,
+            caught_up: false,
         }
     }
 
@@ -275,7 +278,10 @@ impl Follow {
             };
             Some((out, (!over).then_some(follow)))
         });
-        Watch(Box::pin(batches.flat_map(futures_util::stream::iter)))
+        // Fused: polled again after its end, it ends again, as a channel's receiver did.
+        Watch(Box::pin(
+            batches.flat_map(futures_util::stream::iter).fuse(),
+        ))
     }
 
     /// The watch's next events into `out` (none: look again); true when the watch is over.
@@ -283,6 +289,7 @@ impl Follow {
         match self.live.local(&self.run_id) {
             Some(local) => {
                 self.waiting = None;
+                self.caught_up = false;
                 self.next_local(&local, out).await
             }
             None => self.next_remote(out).await,
@@ -363,11 +370,21 @@ impl Follow {
         }
     }
 
-    /// The next events of a run executing elsewhere, from the store: read again when a notice
-    /// says it has new ones (or the poll fallback comes first).
+    /// The next events of a run executing elsewhere, from the store: read to its end, then
+    /// again only after a notice says it has new ones (or the poll fallback comes first).
     async fn next_remote(&mut self, out: &mut Vec<Item>) -> Result<bool, ApiError> {
+        if self.caught_up {
+            if let Some((_, woken)) = &mut self.waiting {
+                tokio::select! {
+                    () = woken.as_mut() => {}
+                    () = tokio::time::sleep(POLL_FALLBACK) => {}
+                }
+            }
+            self.waiting = None;
+            self.caught_up = false;
+        }
         // Registered, and enabled, before the store is read, so a notice after the read is not
-        // missed; kept while events are handed out, so the store is read again only after one.
+        // missed; kept until the store has been read to its end and a notice awaited.
         if self.waiting.is_none() {
             let wait = self.live.wait_remote(&self.run_id);
             let mut woken = Box::pin(wait.notify.clone().notified_owned());
@@ -375,16 +392,7 @@ impl Follow {
             self.waiting = Some((wait, woken));
         }
         let (over, more) = self.replay_page(None, out).await?;
-        if over || more || !out.is_empty() {
-            return Ok(over);
-        }
-        if let Some((_, woken)) = &mut self.waiting {
-            tokio::select! {
-                () = woken.as_mut() => {}
-                () = tokio::time::sleep(POLL_FALLBACK) => {}
-            }
-        }
-        self.waiting = None;
-        Ok(false)
+        self.caught_up = !more;
+        Ok(over)
     }
 }
