@@ -763,3 +763,76 @@ async fn a_caller_gone_mid_admission_leaves_no_run_that_nothing_runs() {
         );
     }
 }
+
+/// a client following a run that executes on another replica, who leaves part way, lets
+/// go of everything its watch held on the replica it watched from, while the run goes on to
+/// its end for the client that started it.
+#[tokio::test]
+async fn a8_a_watcher_that_leaves_a_run_on_another_replica_lets_go_of_its_registration() {
+    use steward_tests::rule_model::{RuleModel, RuleOptions};
+    let model = RuleModel::start_with(RuleOptions {
+        // Long enough that the run is still live while the watcher comes and goes.
+        slow: Duration::from_secs(3),
+        ..RuleOptions::default()
+    })
+    .await;
+    let mut app = steward_tests::spawn::spawn_app_with(
+        Backend::Postgres,
+        &[
+            ("MODEL_CHAIN", "openai/gpt-4o-mini"),
+            ("OPENAI_BASE_URL", &model.url),
+            ("OPENAI_API_KEY", "test"),
+        ],
+    )
+    .await;
+    let other = app.start_another_agent().await;
+    let watched_from = app.agent_replicas()[0].clone();
+    assert_eq!(watched_from.live_registrations(), 0);
+
+    let mut started = app
+        .agent_as("alice")
+        .await
+        .run_stream(pb::RunStreamRequest {
+            input: Some(input("a slow question")),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = started.next().await.unwrap().unwrap().event.unwrap();
+
+    let mut watcher = agent_as(other, "alice")
+        .await
+        .watch_run(pb::WatchRunRequest {
+            run_id: first.run_id.clone(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let replayed = watcher.next().await.unwrap().unwrap().event.unwrap();
+    assert_eq!(replayed.seq, 1, "the watch replays the run from the store");
+    assert!(
+        watched_from.live_registrations() > 0,
+        "the watch waits for notices of the run"
+    );
+
+    drop(watcher);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while watched_from.live_registrations() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        watched_from.live_registrations(),
+        0,
+        "nothing is held for a watcher that left"
+    );
+
+    let mut last = first;
+    while let Some(item) = started.next().await {
+        last = item.unwrap().event.unwrap();
+    }
+    let Some(pb::run_event::Kind::Result(result)) = last.kind else {
+        panic!("the run's own stream ends with its result: {last:?}");
+    };
+    assert_eq!(result.status(), pb::RunState::Completed, "{}", result.error);
+}
