@@ -771,8 +771,9 @@ async fn a_caller_gone_mid_admission_leaves_no_run_that_nothing_runs() {
 async fn a8_a_watcher_that_leaves_a_run_on_another_replica_lets_go_of_its_registration() {
     use steward_tests::rule_model::{RuleModel, RuleOptions};
     let model = RuleModel::start_with(RuleOptions {
-        // Long enough that the run is still live while the watcher comes and goes.
-        slow: Duration::from_secs(3),
+        // Long enough that the run is still live while the watcher comes and goes, and makes
+        // no event the watcher could notice its client gone by.
+        slow: Duration::from_secs(6),
         ..RuleOptions::default()
     })
     .await;
@@ -817,7 +818,7 @@ async fn a8_a_watcher_that_leaves_a_run_on_another_replica_lets_go_of_its_regist
     );
 
     drop(watcher);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
     while watched_from.live_registrations() > 0 && tokio::time::Instant::now() < deadline {
         tokio::task::yield_now().await;
     }
@@ -825,6 +826,10 @@ async fn a8_a_watcher_that_leaves_a_run_on_another_replica_lets_go_of_its_regist
         watched_from.live_registrations(),
         0,
         "nothing is held for a watcher that left"
+    );
+    assert!(
+        app.agent_replicas()[1].live_registrations() > 0,
+        "let go while the run was still executing, not when it ended"
     );
 
     let mut last = first;
