@@ -76,6 +76,24 @@ fn is_terminal(e: &pb::RunEvent) -> bool {
     )
 }
 
+/// A streaming run of alice's on the app's own agent replica, and its first event.
+async fn start_streaming(
+    app: &TestApp,
+    prompt: &str,
+) -> (tonic::Streaming<pb::RunStreamResponse>, pb::RunEvent) {
+    let mut stream = app
+        .agent_as("alice")
+        .await
+        .run_stream(pb::RunStreamRequest {
+            input: Some(input(prompt)),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap().event.unwrap();
+    (stream, first)
+}
+
 async fn sql_count(app: &TestApp, query: &str, run_id: &str) -> i64 {
     let client = app.sql().await;
     client.query_one(query, &[&run_id]).await.unwrap().get(0)
@@ -533,16 +551,7 @@ async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
     )
     .await;
     let second = app.start_another_agent().await;
-    let mut stream = app
-        .agent_as("alice")
-        .await
-        .run_stream(pb::RunStreamRequest {
-            input: Some(input("take your time")),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first = stream.next().await.unwrap().unwrap().event.unwrap();
+    let (mut stream, first) = start_streaming(&app, "take your time").await;
     let started = std::time::Instant::now();
     agent_as(second, "alice")
         .await
@@ -586,16 +595,7 @@ async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_mo
     )
     .await;
     let second = app.start_another_agent().await;
-    let mut stream = app
-        .agent_as("alice")
-        .await
-        .run_stream(pb::RunStreamRequest {
-            input: Some(input("take your time")),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first = stream.next().await.unwrap().unwrap().event.unwrap();
+    let (_stream, first) = start_streaming(&app, "take your time").await;
     let stopping = std::time::Instant::now();
     app.stop_service(app.agent_addr).await.unwrap();
     let seen: Vec<pb::RunEvent> = agent_as(second, "alice")
@@ -790,16 +790,7 @@ async fn a8_a_watcher_that_leaves_a_run_on_another_replica_lets_go_of_its_regist
     let watched_from = app.agent_replicas()[0].clone();
     assert_eq!(watched_from.live_registrations(), 0);
 
-    let mut started = app
-        .agent_as("alice")
-        .await
-        .run_stream(pb::RunStreamRequest {
-            input: Some(input("a slow question")),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first = started.next().await.unwrap().unwrap().event.unwrap();
+    let (mut started, first) = start_streaming(&app, "a slow question").await;
 
     let mut watcher = agent_as(other, "alice")
         .await
