@@ -24,6 +24,9 @@
 //! `bench/.venv-peers/bin/python` is used when it exists; without either the peers are skipped
 //! and the bench says so). Their per-iteration overhead over Steward's is the ratio reported.
 //!
+//! The services run on the bench's own runtime unless `BENCH_SERVICES=processes` starts their
+//! release binaries as processes of their own (docs/BENCHMARKS.md compares the two).
+//!
 //! Run: `cargo bench -p steward-tests --bench runs` (needs the test PostgreSQL).
 //! `BENCH_BACKENDS` picks `memory`, `postgres` or both (the default, `memory,postgres`).
 //! `BENCH_RUNS` (default 200) sets the measured runs per scenario and backend; a tenth of that
@@ -41,6 +44,7 @@ use steward_tests::{
     RunningService, SERVICE_TOKEN, TestDb, UserAgent, agent_as,
     bench::{percentile, summary},
     channel,
+    procs::ServiceProc,
     rule_model::RuleModel,
     spawn::{TEST_CREDENTIALS_KEY, start_agent, start_gateway},
     wait_for_status,
@@ -122,39 +126,80 @@ fn env(model: &RuleModel) -> HashMap<String, String> {
 }
 
 /// Gateway then agent, both ready, and a persistent client.
+/// A service as the bench hosts it: on the bench's own runtime (the default), or as its
+/// release binary in a process of its own, as it is deployed (`BENCH_SERVICES=processes`).
+enum Service {
+    InProcess(RunningService),
+    Process(ServiceProc),
+}
+
+impl Service {
+    fn addr(&self) -> std::net::SocketAddr {
+        match self {
+            Service::InProcess(s) => s.addr,
+            Service::Process(p) => p.addr,
+        }
+    }
+
+    async fn stop(&mut self) {
+        match self {
+            Service::InProcess(s) => s.stop().await.expect("the service stops"),
+            Service::Process(p) => {
+                tokio::task::block_in_place(|| p.terminate(Duration::from_secs(10)))
+                    .expect("the service stops");
+            }
+        }
+    }
+}
+
+/// `BENCH_SERVICES=processes`: each message between the caller, agent-svc, gateway-svc and
+/// the model then wakes another process, as in a deployment; in process, one runtime's two
+/// workers pass the work between them.
+fn as_processes() -> bool {
+    std::env::var("BENCH_SERVICES").is_ok_and(|v| v == "processes")
+}
+
+async fn start_one(name: &str, env: &HashMap<String, String>) -> Service {
+    if as_processes() {
+        let env = env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        return Service::Process(ServiceProc::serving(name, env).await);
+    }
+    let (service, health) = if name == "agent-svc" {
+        (
+            start_agent(env).await.expect("start agent-svc"),
+            AGENT_SERVICE_NAME,
+        )
+    } else {
+        (
+            start_gateway(env).await.expect("start gateway-svc"),
+            GATEWAY_SERVICE_NAME,
+        )
+    };
+    wait_for_status(channel(service.addr).await, health, ServingStatus::Serving).await;
+    Service::InProcess(service)
+}
+
 async fn start(
     base: &HashMap<String, String>,
     dbs: Option<(&TestDb, &TestDb)>,
-) -> (RunningService, RunningService, UserAgent) {
+) -> (Service, Service, UserAgent) {
     let mut gw_env = base.clone();
     let mut agent_env = base.clone();
     if let Some((agent_db, gw_db)) = dbs {
         gw_env.insert("DATABASE_URL".into(), gw_db.url().to_owned());
         agent_env.insert("DATABASE_URL".into(), agent_db.url().to_owned());
     }
-    let gateway = start_gateway(&gw_env).await.expect("start gateway-svc");
-    wait_for_status(
-        channel(gateway.addr).await,
-        GATEWAY_SERVICE_NAME,
-        ServingStatus::Serving,
-    )
-    .await;
-    agent_env.insert("GATEWAY_URL".into(), format!("http://{}", gateway.addr));
-    let agent = start_agent(&agent_env).await.expect("start agent-svc");
-    wait_for_status(
-        channel(agent.addr).await,
-        AGENT_SERVICE_NAME,
-        ServingStatus::Serving,
-    )
-    .await;
-    let client = agent_as(agent.addr, "bench-user").await;
+    let gateway = start_one("gateway-svc", &gw_env).await;
+    agent_env.insert("GATEWAY_URL".into(), format!("http://{}", gateway.addr()));
+    let agent = start_one("agent-svc", &agent_env).await;
+    let client = agent_as(agent.addr(), "bench-user").await;
     (gateway, agent, client)
 }
 
-async fn stop(mut gateway: RunningService, mut agent: RunningService, client: UserAgent) {
+async fn stop(mut gateway: Service, mut agent: Service, client: UserAgent) {
     drop(client);
-    agent.stop().await.expect("agent-svc stops");
-    gateway.stop().await.expect("gateway-svc stops");
+    agent.stop().await;
+    gateway.stop().await;
 }
 
 /// One run to its end on a new thread; its latency.

@@ -22,7 +22,7 @@ use crate::{
     executor::limits::Channel,
     gateway_client::GatewayError,
     prompt,
-    runs::{RunInput, RunService, SessionSetup},
+    runs::{Deliver, RunInput, RunService, SessionSetup},
     store::SharedStore,
 };
 
@@ -84,7 +84,7 @@ impl AgentService for AgentApi {
         let user = self.user(&request).await?;
         let input = convert::run_input(request.into_inner().input)?;
         let (run_id, thread_id) = self.runs.start(&user, input).await?;
-        let mut events = self.runs.follow_started(&run_id, &thread_id);
+        let mut events = self.runs.follow_started(&run_id, &thread_id, Deliver::End);
         while let Some(event) = events.next().await {
             if let Some(result) = terminal_result(&event?) {
                 return Ok(Response::new(pb::RunResponse {
@@ -193,7 +193,7 @@ impl AgentService for AgentApi {
             session: Some(session),
         };
         let (run_id, thread_id) = self.runs.start(&user, input).await?;
-        let mut events = self.runs.follow_started(&run_id, &thread_id);
+        let mut events = self.runs.follow_started(&run_id, &thread_id, Deliver::End);
         let mut result = None;
         while let Some(event) = events.next().await {
             if let Some(r) = terminal_result(&event?) {
@@ -250,7 +250,7 @@ impl AgentService for AgentApi {
         let approval = decision.approval;
         let mut result = None;
         if let Some((run_id, from)) = &decision.follow {
-            let mut events = self.runs.follow(&user, run_id, *from).await?;
+            let mut events = self.runs.follow(&user, run_id, *from, Deliver::End).await?;
             while let Some(event) = events.next().await {
                 if let Some(r) = terminal_result(&event?) {
                     result = Some(r);

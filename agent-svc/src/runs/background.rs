@@ -231,7 +231,7 @@ impl RunService {
                 }),
             };
             let (run_id, thread_id) = self.start(&task.owner, input).await?;
-            let mut events = self.follow_started(&run_id, &thread_id);
+            let mut events = self.follow_started(&run_id, &thread_id, Deliver::End);
             while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
                 let event = event.map_err(|s| ApiError::Unavailable(s.message().to_owned()))?;
                 match event.kind {

@@ -28,6 +28,9 @@ pub(super) struct LiveRun {
     inner: Mutex<LiveLog>,
     /// The last seq published; watchers wait on its changes.
     last: watch::Sender<u64>,
+    /// Set once a terminal event is published or the log closes: a caller that wants only the
+    /// run's end waits on this, not woken by each event before it (issue 13).
+    settled: watch::Sender<bool>,
 }
 
 struct LiveLog {
@@ -39,19 +42,31 @@ struct LiveLog {
 impl LiveRun {
     pub(super) fn publish(&self, event: pb::RunEvent) {
         let seq = event.seq;
+        let terminal = is_terminal(&event);
         self.inner
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .events
             .push(event);
         self.last.send_replace(seq);
+        if terminal {
+            self.settled.send_replace(true);
+        }
     }
 
-    /// Events after `after`, and whether the log is closed.
-    fn since(&self, after: u64) -> (Vec<pb::RunEvent>, bool) {
+    /// Events after `after` (only the terminal ones with `terminal_only`), the last seq in the
+    /// log, and whether the log is closed.
+    fn since(&self, after: u64, terminal_only: bool) -> (Vec<pb::RunEvent>, u64, bool) {
         let log = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let start = log.events.partition_point(|e| e.seq <= after);
-        (log.events[start..].to_vec(), log.closed)
+        let events = &log.events[start..];
+        let last = events.last().map_or(after, |e| e.seq);
+        let events = if terminal_only {
+            events.iter().filter(|e| is_terminal(e)).cloned().collect()
+        } else {
+            events.to_vec()
+        };
+        (events, last, log.closed)
     }
 
     /// The first seq the log holds: those before it are in the store.
@@ -83,6 +98,7 @@ impl Live {
                 closed: false,
             }),
             last: watch::channel(last_durable).0,
+            settled: watch::channel(false).0,
         });
         self.runs
             .lock()
@@ -96,6 +112,7 @@ impl Live {
     pub(super) fn close(&self, run_id: &str, run: &Arc<LiveRun>) {
         run.inner.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
         run.last.send_modify(|_| {});
+        run.settled.send_replace(true);
         let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
         if runs.get(run_id).is_some_and(|r| Arc::ptr_eq(r, run)) {
             runs.remove(run_id);
@@ -207,6 +224,18 @@ pub(super) struct Follow {
     waiting: Option<(RemoteWait, std::pin::Pin<Box<OwnedNotified>>)>,
     /// The store was read to its end: the next read waits for a notice.
     caught_up: bool,
+    /// Deliver only the terminal event: for callers that wait for a run's end.
+    terminal_only: bool,
+}
+
+/// What a follower of a run is given.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Deliver {
+    /// Every event, as WatchRun streams them.
+    Every,
+    /// Only the terminal event (the result, a pause or the error): what a caller waiting for
+    /// the run's end needs. The events before it neither wake the follower nor are copied.
+    End,
 }
 
 type Item = Result<pb::RunEvent, tonic::Status>;
@@ -235,6 +264,33 @@ impl tokio_stream::Stream for Watch {
     }
 }
 
+/// What a local follower waits on: each publish, or only the run's end.
+enum Changes {
+    Published(watch::Receiver<u64>),
+    Settled(watch::Receiver<bool>),
+}
+
+impl Changes {
+    fn mark_seen(&mut self) {
+        match self {
+            Changes::Published(r) => {
+                r.borrow_and_update();
+            }
+            Changes::Settled(r) => {
+                r.borrow_and_update();
+            }
+        }
+    }
+
+    /// Err: the segment's log is gone.
+    async fn changed(&mut self) -> Result<(), watch::error::RecvError> {
+        match self {
+            Changes::Published(r) => r.changed().await,
+            Changes::Settled(r) => r.changed().await,
+        }
+    }
+}
+
 /// Events a replay reads from the store at a time.
 const REPLAY_PAGE: usize = 256;
 
@@ -246,6 +302,7 @@ impl Follow {
         run_id: &str,
         thread_id: String,
         after: u64,
+        deliver: Deliver,
     ) -> Self {
         Follow {
             live,
@@ -255,6 +312,7 @@ impl Follow {
             after,
             waiting: None,
             caught_up: false,
+            terminal_only: deliver == Deliver::End,
         }
     }
 
@@ -296,15 +354,19 @@ impl Follow {
         }
     }
 
-    /// Adds one event; true when it ends the watch.
+    /// Adds one event (passed over when only the terminal one is wanted and this is not it);
+    /// true when it ends the watch.
     fn push(&mut self, mut event: pb::RunEvent, out: &mut Vec<Item>) -> bool {
         if event.seq <= self.after {
             return false;
         }
         self.after = event.seq;
+        let terminal = is_terminal(&event);
+        if self.terminal_only && !terminal {
+            return false;
+        }
         event.run_id.clone_from(&self.run_id);
         event.thread_id.clone_from(&self.thread_id);
-        let terminal = is_terminal(&event);
         out.push(Ok(event));
         terminal
     }
@@ -343,7 +405,11 @@ impl Follow {
     /// the store or another segment).
     async fn next_local(&mut self, run: &LiveRun, out: &mut Vec<Item>) -> Result<bool, ApiError> {
         // Subscribed before the log is read, so a publish after the read is not missed.
-        let mut changes = run.last.subscribe();
+        let mut changes = if self.terminal_only {
+            Changes::Settled(run.settled.subscribe())
+        } else {
+            Changes::Published(run.last.subscribe())
+        };
         let first_seq = run.first_seq();
         if self.after + 1 < first_seq {
             let (over, more) = self.replay_page(Some(first_seq - 1), out).await?;
@@ -352,14 +418,18 @@ impl Follow {
             }
         }
         loop {
-            changes.borrow_and_update();
-            let (events, closed) = run.since(self.after);
+            changes.mark_seen();
+            let (events, last, closed) = run.since(self.after, self.terminal_only);
             let mut over = false;
             for event in events {
                 if self.push(event, out) {
                     over = true;
                     break;
                 }
+            }
+            if !over {
+                // What was passed over is behind this watch, as if delivered.
+                self.after = self.after.max(last);
             }
             if over || closed || !out.is_empty() {
                 return Ok(over);
@@ -394,5 +464,117 @@ impl Follow {
         let (over, more) = self.replay_page(None, out).await?;
         self.caught_up = !more;
         Ok(over)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        sync::atomic::{AtomicUsize, Ordering},
+        task::{Context, Poll, Wake, Waker},
+    };
+
+    use tokio_stream::Stream as _;
+
+    use super::*;
+    use crate::store::memory::MemoryStore;
+
+    /// Counts how often the follower's task is woken.
+    #[derive(Default)]
+    struct Wakes(AtomicUsize);
+
+    impl Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn event(seq: u64, terminal: bool) -> pb::RunEvent {
+        let kind = if terminal {
+            pb::run_event::Kind::Result(Box::default())
+        } else {
+            pb::run_event::Kind::Delta(pb::DeltaEvent {
+                text: format!("part {seq}"),
+                reset: false,
+            })
+        };
+        pb::RunEvent {
+            run_id: "r".into(),
+            seq,
+            kind: Some(kind),
+            ..Default::default()
+        }
+    }
+
+    fn following(deliver: Deliver) -> (Arc<LiveRun>, Watch) {
+        let live = Arc::new(Live::default());
+        let run = live.open("r", 0);
+        let store: SharedStore = Arc::new(MemoryStore::new());
+        let watch = Follow::new(live, store, "r", "t".into(), 0, deliver).start();
+        (run, watch)
+    }
+
+    fn poll(watch: &mut Watch, wakes: &Arc<Wakes>) -> Poll<Option<Item>> {
+        let waker = Waker::from(wakes.clone());
+        std::pin::Pin::new(watch).poll_next(&mut Context::from_waker(&waker))
+    }
+
+    fn seq(polled: Poll<Option<Item>>) -> u64 {
+        match polled {
+            Poll::Ready(Some(Ok(event))) => event.seq,
+            other => panic!("expected an event, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a8_a_follower_of_the_end_is_not_woken_by_the_events_before_it() {
+        let (run, mut watch) = following(Deliver::End);
+        let wakes = Arc::new(Wakes::default());
+        run.publish(event(1, false));
+        assert!(
+            poll(&mut watch, &wakes).is_pending(),
+            "event 1 is passed over"
+        );
+        run.publish(event(2, false));
+        run.publish(event(3, false));
+        assert_eq!(
+            wakes.0.load(Ordering::SeqCst),
+            0,
+            "no wake-up before the end"
+        );
+        run.publish(event(4, true));
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 1, "woken by the end");
+        let end = poll(&mut watch, &wakes);
+        assert_eq!(seq(end), 4, "only the terminal event is delivered");
+        assert!(matches!(poll(&mut watch, &wakes), Poll::Ready(None)));
+    }
+
+    #[test]
+    fn a8_a_follower_of_every_event_is_woken_by_each_and_given_all() {
+        let (run, mut watch) = following(Deliver::Every);
+        let wakes = Arc::new(Wakes::default());
+        run.publish(event(1, false));
+        assert_eq!(seq(poll(&mut watch, &wakes)), 1);
+        assert!(poll(&mut watch, &wakes).is_pending());
+        run.publish(event(2, false));
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
+        assert_eq!(seq(poll(&mut watch, &wakes)), 2);
+        run.publish(event(3, true));
+        assert_eq!(seq(poll(&mut watch, &wakes)), 3);
+        assert!(matches!(poll(&mut watch, &wakes), Poll::Ready(None)));
+    }
+
+    #[tokio::test]
+    async fn a8_a_follower_of_the_end_is_woken_when_the_segment_closes_without_one() {
+        let live = Arc::new(Live::default());
+        let run = live.open("r", 0);
+        let store: SharedStore = Arc::new(MemoryStore::new());
+        let mut watch = Follow::new(live.clone(), store, "r", "t".into(), 0, Deliver::End).start();
+        let wakes = Arc::new(Wakes::default());
+        run.publish(event(1, false));
+        assert!(poll(&mut watch, &wakes).is_pending());
+        // A shutdown: the segment ends with no terminal event; what follows is in the store.
+        live.close("r", &run);
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 1, "woken by the close");
     }
 }

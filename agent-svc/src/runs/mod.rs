@@ -55,7 +55,7 @@ pub mod scheduled;
 mod tools;
 mod writer;
 
-pub use live::Watch;
+pub use live::{Deliver, Watch};
 pub use tools::{HISTORY_TOOL, TASK_AGENT_TOOL, sha256_hex};
 use tools::{NoTools, PolicyRunner};
 use writer::{RunWriter, StopReason, Stopper, WriterMsg, WriterSink};
@@ -1341,7 +1341,7 @@ impl RunService {
     ) -> Result<impl Stream<Item = Result<pb::RunEvent, tonic::Status>> + Send + 'static, ApiError>
     {
         let slot = WatchSlot::take(&self.watchers, owner, self.fair_use.max_watchers)?;
-        let events = self.follow(owner, run_id, after).await?;
+        let events = self.follow(owner, run_id, after, Deliver::Every).await?;
         Ok(tokio_stream::StreamExt::map(events, move |e| {
             let _held = &slot;
             e
@@ -1361,7 +1361,7 @@ impl RunService {
     ) -> Result<impl Stream<Item = Result<pb::RunEvent, tonic::Status>> + Send + 'static, ApiError>
     {
         let slot = WatchSlot::take(&self.watchers, owner, self.fair_use.max_watchers)?;
-        let events = self.follow_started(run_id, thread_id);
+        let events = self.follow_started(run_id, thread_id, Deliver::Every);
         Ok(tokio_stream::StreamExt::map(events, move |e| {
             let _held = &slot;
             e
@@ -1372,13 +1372,19 @@ impl RunService {
     /// thread is known and a run always has events, so there is nothing to read first: one
     /// round trip and transaction fewer per run (issue 13). A run that already ended (a
     /// repeated request id) is replayed from the store to its terminal event, as any watch is.
-    pub fn follow_started(self: &Arc<Self>, run_id: &str, thread_id: &str) -> Watch {
+    pub fn follow_started(
+        self: &Arc<Self>,
+        run_id: &str,
+        thread_id: &str,
+        deliver: Deliver,
+    ) -> Watch {
         live::Follow::new(
             self.live.clone(),
             self.store.clone(),
             run_id,
             thread_id.to_owned(),
             0,
+            deliver,
         )
         .start()
     }
@@ -1389,6 +1395,7 @@ impl RunService {
         owner: &str,
         run_id: &str,
         after: u64,
+        deliver: Deliver,
     ) -> Result<Watch, ApiError> {
         let run = self
             .store
@@ -1404,6 +1411,7 @@ impl RunService {
             run_id,
             run.thread_id,
             after,
+            deliver,
         )
         .start())
     }

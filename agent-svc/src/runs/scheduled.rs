@@ -504,7 +504,7 @@ impl RunService {
     ) -> Settle {
         let owner = &occurrence.schedule.owner;
         let followed = async {
-            let mut events = self.follow(owner, &run_id, 0).await?;
+            let mut events = self.follow(owner, &run_id, 0, Deliver::End).await?;
             while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
                 let event = event.map_err(|s| ApiError::Unavailable(s.message().to_owned()))?;
                 if let Some(r) = crate::api::terminal_result(&event) {
