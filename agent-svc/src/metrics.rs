@@ -79,12 +79,14 @@ pub fn watchers(delta: f64) {
 
 /// A run set apart to wait for its owner's admission lock: held elsewhere (another replica, a
 /// stalled transaction), or behind the owner's runs already waiting for it. A decision that
-/// continues a paused run waits for that lock on its own connection and is not counted here.
+/// continues a paused run and finds that lock held is counted here too, and waits for it on
+/// its own connection.
 pub fn admission_set_apart() {
     metrics::counter!("steward_db_admission_set_apart_total").increment(1);
 }
 
-/// Runs set apart (see [`admission_set_apart`]) on this replica and not yet answered.
+/// Runs and decisions set apart (see [`admission_set_apart`]) on this replica and not yet
+/// answered.
 pub fn admission_waiting_for_owner(delta: f64) {
     metrics::gauge!("steward_db_admission_waiting_for_owner").increment(delta);
 }

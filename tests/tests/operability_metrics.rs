@@ -325,3 +325,87 @@ async fn a_run_waits_for_alices_held_lock(on_existing_thread: bool) {
     .await
     .expect("no run waits once the lock is free");
 }
+
+/// R-4, O-2: a decision that continues a paused run takes its owner's admission lock, as an
+/// admission does; held by another session, the decision waits for it and says so in the
+/// metrics, as a run set apart does, and goes on once the lock is free.
+#[tokio::test]
+async fn r4_o2_a_decision_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
+    let cluster = Cluster::start(ClusterOptions {
+        agents: 1,
+        agent_env: vec![
+            ("METRICS_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
+            // Longer than the test: the decision waits for the holder, not for a timeout.
+            ("DATABASE_LOCK_TIMEOUT".into(), "60s".into()),
+        ],
+        ..ClusterOptions::default()
+    })
+    .await;
+    cluster.connect_gmail("alice", "tok-alice").await;
+    let mut alice = cluster.agent(0, "alice").await;
+    let paused = run_once(&mut alice, "send the numbers subject: Q3", "")
+        .await
+        .expect("a send run");
+    let approval = paused.approval.expect("the send waits for approval");
+
+    let mut side = cluster.sql().await;
+    let holder = side.transaction().await.unwrap();
+    holder
+        .execute(
+            "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1::text))",
+            &[&"alice"],
+        )
+        .await
+        .unwrap();
+    let decision = tokio::spawn(async move {
+        alice
+            .decide_approval(pb::DecideApprovalRequest {
+                approval_id: approval.id,
+                decision: pb::Decision::Approve as i32,
+                ..Default::default()
+            })
+            .await
+    });
+
+    let agent = metrics_addr(&cluster.agents[0]);
+    let waiting = |s: &BTreeMap<String, f64>| {
+        s.get("steward_db_admission_waiting_for_owner")
+            .copied()
+            .unwrap_or_default()
+    };
+    let series = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            let s = scrape(agent).await;
+            if waiting(&s) > 0.0 {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the decision waits for alice's lock, counted");
+    assert_eq!(waiting(&series), 1.0);
+    assert_eq!(
+        series.get("steward_db_admission_set_apart_total"),
+        Some(&1.0)
+    );
+    assert!(!decision.is_finished(), "the decision waits for the lock");
+
+    holder.rollback().await.unwrap();
+    let decided = decision
+        .await
+        .unwrap()
+        .expect("the decision goes on once the lock is free")
+        .into_inner();
+    let result = decided.result.expect("the continued run's result");
+    assert_eq!(
+        result.status,
+        pb::RunState::Completed as i32,
+        "the approved send ran: {result:?}"
+    );
+    assert_eq!(
+        waiting(&scrape(agent).await),
+        0.0,
+        "nothing waits once the decision is through"
+    );
+}

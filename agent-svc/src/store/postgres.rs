@@ -377,95 +377,32 @@ impl AgentStore for PgStore {
         audit_kind: &str,
         max_active_runs: u32,
     ) -> Result<Decided, StoreError> {
-        let mut client = self.client().await?;
-        let lock = client
-            .prepare_cached(admission::SQL_LOCK_RUN_OWNER)
-            .await
-            .map_err(db)?;
-        let fence = client.prepare_cached(SQL_DECIDE_FENCE).await.map_err(db)?;
-        let count = client
-            .prepare_cached(admission::SQL_LIVE_RUNS_OF_RUN)
-            .await
-            .map_err(db)?;
-        let revive = client.prepare_cached(SQL_DECIDE_RUN).await.map_err(db)?;
-        let record = client
-            .prepare_cached(&SQL_DECIDE_APPROVAL)
-            .await
-            .map_err(db)?;
-        // READ COMMITTED, as an admission: the count after the owner's lock must see every
-        // run admitted or revived before it.
-        let tx = client
-            .build_transaction()
-            .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
-            .start()
-            .await
-            .map_err(db)?;
-        // One pipeline, so the owner's lock is held for as few round trips as an admission
-        // holds it. Locks in the order admissions take them (the owner, then the thread's
-        // row) and ending a paused run takes them (its run row, then its approval).
-        let (owner, fenced, active, revived, recorded) = futures_util::future::join5(
-            tx.query_opt(&lock, &[&lease.run_id]),
-            tx.query_opt(&fence, &[&lease.thread_id, &lease.token]),
-            // Counted before this run is revived, so it is not among them.
-            tx.query_one(&count, &[&lease.run_id]),
-            tx.query_opt(&revive, &[&lease.run_id]),
-            tx.query_opt(
-                &record,
-                &[&approval_id, &wanted.key(), &decider, &lease.run_id],
-            ),
-        )
-        .await;
-        let (owner, fenced) = (owner.map_err(db)?, fenced.map_err(db)?);
-        if owner.is_none() || fenced.is_none() {
-            return Err(StoreError::LeaseLost);
-        }
-        let active = active.map_err(db)?.get::<_, i64>(0);
-        let (Some(run_row), Some(approval_row)) = (revived.map_err(db)?, recorded.map_err(db)?)
-        else {
-            drop(tx);
-            let approval_row = client
-                .query_one(
-                    &format!("SELECT {APPROVAL_COLUMNS} FROM agent.approvals WHERE id = $1"),
-                    &[&approval_id],
-                )
-                .await
-                .map_err(db)?;
-            let state: String = client
-                .query_one(
-                    "SELECT state FROM agent.runs WHERE id = $1",
-                    &[&lease.run_id],
-                )
-                .await
-                .map_err(db)?
-                .get(0);
-            return Ok(Decided::Lost {
-                approval: approval(&approval_row)?,
-                run_state: RunState::from_key(&state)?,
-            });
+        let decide = |lock| {
+            self.decide_under(
+                lease,
+                approval_id,
+                wanted,
+                decider,
+                audit_kind,
+                max_active_runs,
+                lock,
+            )
         };
-        if active >= i64::from(max_active_runs) {
-            // Dropped: rolled back, the approval still pending and the run still paused.
-            drop(tx);
-            return Ok(Decided::TooManyRuns {
-                active: u32::try_from(active).unwrap_or(u32::MAX),
-            });
+        // The owner's lock is tried first, in the same round trips. Held elsewhere (another
+        // replica admitting the owner, a stalled transaction), the decision waits for it as a
+        // run set apart does, and is counted and shown waiting the same way (R-4, O-2).
+        if let Some(decided) = decide(admission::SQL_TRY_LOCK_RUN_OWNER).await? {
+            return Ok(decided);
         }
-        let approval = approval(&approval_row)?;
-        tx.execute(
-            "INSERT INTO agent.audit (owner, kind, run_id, detail) VALUES ($1, $2, $3, $4)",
-            &[
-                &approval.owner,
-                &audit_kind,
-                &approval.run_id,
-                &serde_json::json!({"approval_id": approval.id, "tool": approval.tool}),
-            ],
-        )
-        .await
-        .map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        Ok(Decided::Won {
-            approval,
-            last_event_seq: run_row.get::<_, i64>(0) as u64,
+        crate::metrics::admission_set_apart();
+        crate::metrics::admission_waiting_for_owner(1.0);
+        let waited = decide(admission::SQL_LOCK_RUN_OWNER).await;
+        crate::metrics::admission_waiting_for_owner(-1.0);
+        waited?.ok_or_else(|| {
+            StoreError::Unavailable(format!(
+                "the admission lock of run {}'s owner stayed busy",
+                lease.run_id
+            ))
         })
     }
 
@@ -1248,6 +1185,117 @@ impl AgentStore for PgStore {
             .await
             .map_err(db)?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+}
+
+impl PgStore {
+    /// [`AgentStore::decide`] with the owner's lock taken by `lock` (`SQL_LOCK_RUN_OWNER` or
+    /// `SQL_TRY_LOCK_RUN_OWNER`); `None` when the try found the lock held elsewhere.
+    #[allow(clippy::too_many_arguments)]
+    async fn decide_under(
+        &self,
+        lease: &Lease,
+        approval_id: &str,
+        wanted: ApprovalState,
+        decider: &str,
+        audit_kind: &str,
+        max_active_runs: u32,
+        lock: &'static str,
+    ) -> Result<Option<Decided>, StoreError> {
+        let mut client = self.client().await?;
+        let lock = client.prepare_cached(lock).await.map_err(db)?;
+        let fence = client.prepare_cached(SQL_DECIDE_FENCE).await.map_err(db)?;
+        let count = client
+            .prepare_cached(admission::SQL_LIVE_RUNS_OF_RUN)
+            .await
+            .map_err(db)?;
+        let revive = client.prepare_cached(SQL_DECIDE_RUN).await.map_err(db)?;
+        let record = client
+            .prepare_cached(&SQL_DECIDE_APPROVAL)
+            .await
+            .map_err(db)?;
+        // READ COMMITTED, as an admission: the count after the owner's lock must see every
+        // run admitted or revived before it.
+        let tx = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+            .start()
+            .await
+            .map_err(db)?;
+        // One pipeline, so the owner's lock is held for as few round trips as an admission
+        // holds it. Locks in the order admissions take them (the owner, then the thread's
+        // row) and ending a paused run takes them (its run row, then its approval).
+        let (owner, fenced, active, revived, recorded) = futures_util::future::join5(
+            tx.query_opt(&lock, &[&lease.run_id]),
+            tx.query_opt(&fence, &[&lease.thread_id, &lease.token]),
+            // Counted before this run is revived, so it is not among them.
+            tx.query_one(&count, &[&lease.run_id]),
+            tx.query_opt(&revive, &[&lease.run_id]),
+            tx.query_opt(
+                &record,
+                &[&approval_id, &wanted.key(), &decider, &lease.run_id],
+            ),
+        )
+        .await;
+        if owner
+            .as_ref()
+            .err()
+            .is_some_and(|e| admission::owners_busy(e).is_some())
+        {
+            return Ok(None);
+        }
+        let (owner, fenced) = (owner.map_err(db)?, fenced.map_err(db)?);
+        if owner.is_none() || fenced.is_none() {
+            return Err(StoreError::LeaseLost);
+        }
+        let active = active.map_err(db)?.get::<_, i64>(0);
+        let (Some(run_row), Some(approval_row)) = (revived.map_err(db)?, recorded.map_err(db)?)
+        else {
+            drop(tx);
+            let approval_row = client
+                .query_one(
+                    &format!("SELECT {APPROVAL_COLUMNS} FROM agent.approvals WHERE id = $1"),
+                    &[&approval_id],
+                )
+                .await
+                .map_err(db)?;
+            let state: String = client
+                .query_one(
+                    "SELECT state FROM agent.runs WHERE id = $1",
+                    &[&lease.run_id],
+                )
+                .await
+                .map_err(db)?
+                .get(0);
+            return Ok(Some(Decided::Lost {
+                approval: approval(&approval_row)?,
+                run_state: RunState::from_key(&state)?,
+            }));
+        };
+        if active >= i64::from(max_active_runs) {
+            // Dropped: rolled back, the approval still pending and the run still paused.
+            drop(tx);
+            return Ok(Some(Decided::TooManyRuns {
+                active: u32::try_from(active).unwrap_or(u32::MAX),
+            }));
+        }
+        let approval = approval(&approval_row)?;
+        tx.execute(
+            "INSERT INTO agent.audit (owner, kind, run_id, detail) VALUES ($1, $2, $3, $4)",
+            &[
+                &approval.owner,
+                &audit_kind,
+                &approval.run_id,
+                &serde_json::json!({"approval_id": approval.id, "tool": approval.tool}),
+            ],
+        )
+        .await
+        .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(Some(Decided::Won {
+            approval,
+            last_event_seq: run_row.get::<_, i64>(0) as u64,
+        }))
     }
 }
 

@@ -298,6 +298,12 @@ pub(super) const REFUSED_OWNERS_BUSY: &str = "SWA05";
 /// revived by a decision is counted against the cap as one admitted is. Returns the owner.
 pub(super) const SQL_LOCK_RUN_OWNER: &str =
     "SELECT owner, pg_advisory_xact_lock(hashtext('runs:' || owner)) FROM agent.runs WHERE id = $1";
+/// `SQL_LOCK_RUN_OWNER` without waiting: refused with `REFUSED_OWNERS_BUSY`, naming the owner,
+/// when the lock is held elsewhere, so the decision is counted before it waits.
+pub(super) const SQL_TRY_LOCK_RUN_OWNER: &str = "SELECT owner, \
+      CASE WHEN pg_try_advisory_xact_lock(hashtext('runs:' || owner)) THEN 0 \
+      ELSE agent.admission_refused('SWA05', json_build_array(owner)::text) END \
+    FROM agent.runs WHERE id = $1";
 /// How many live runs the owner of run `$1` has.
 pub(super) const SQL_LIVE_RUNS_OF_RUN: &str = "SELECT count(*) FROM agent.runs \
     WHERE owner = (SELECT owner FROM agent.runs WHERE id = $1) \
