@@ -125,7 +125,6 @@ fn env(model: &RuleModel) -> HashMap<String, String> {
     )
 }
 
-/// Gateway then agent, both ready, and a persistent client.
 /// A service as the bench hosts it: on the bench's own runtime (the default), or as its
 /// release binary in a process of its own, as it is deployed (`BENCH_SERVICES=processes`).
 enum Service {
@@ -179,6 +178,7 @@ async fn start_one(name: &str, env: &HashMap<String, String>) -> Service {
     Service::InProcess(service)
 }
 
+/// Gateway then agent, both ready, and a persistent client.
 async fn start(
     base: &HashMap<String, String>,
     dbs: Option<(&TestDb, &TestDb)>,

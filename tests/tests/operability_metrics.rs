@@ -343,6 +343,29 @@ async fn r4_o2_a_decision_waiting_for_its_owners_held_lock_shows_in_the_metrics(
     .await;
     cluster.connect_gmail("alice", "tok-alice").await;
     let mut alice = cluster.agent(0, "alice").await;
+    let agent = metrics_addr(&cluster.agents[0]);
+    let set_apart = |s: &BTreeMap<String, f64>| {
+        s.get("steward_db_admission_set_apart_total")
+            .copied()
+            .unwrap_or_default()
+    };
+    let approve = |id: String| pb::DecideApprovalRequest {
+        approval_id: id,
+        decision: pb::Decision::Approve as i32,
+        ..Default::default()
+    };
+
+    // A decision that finds the lock free is not counted.
+    let paused = run_once(&mut alice, "send the numbers subject: Q2", "")
+        .await
+        .expect("a send run");
+    let approval = paused.approval.expect("the send waits for approval");
+    alice
+        .decide_approval(approve(approval.id))
+        .await
+        .expect("an uncontended decision");
+    assert_eq!(set_apart(&scrape(agent).await), 0.0);
+
     let paused = run_once(&mut alice, "send the numbers subject: Q3", "")
         .await
         .expect("a send run");
@@ -357,17 +380,8 @@ async fn r4_o2_a_decision_waiting_for_its_owners_held_lock_shows_in_the_metrics(
         )
         .await
         .unwrap();
-    let decision = tokio::spawn(async move {
-        alice
-            .decide_approval(pb::DecideApprovalRequest {
-                approval_id: approval.id,
-                decision: pb::Decision::Approve as i32,
-                ..Default::default()
-            })
-            .await
-    });
+    let decision = tokio::spawn(async move { alice.decide_approval(approve(approval.id)).await });
 
-    let agent = metrics_addr(&cluster.agents[0]);
     let waiting = |s: &BTreeMap<String, f64>| {
         s.get("steward_db_admission_waiting_for_owner")
             .copied()
@@ -385,10 +399,7 @@ async fn r4_o2_a_decision_waiting_for_its_owners_held_lock_shows_in_the_metrics(
     .await
     .expect("the decision waits for alice's lock, counted");
     assert_eq!(waiting(&series), 1.0);
-    assert_eq!(
-        series.get("steward_db_admission_set_apart_total"),
-        Some(&1.0)
-    );
+    assert_eq!(set_apart(&series), 1.0);
     assert!(!decision.is_finished(), "the decision waits for the lock");
 
     holder.rollback().await.unwrap();

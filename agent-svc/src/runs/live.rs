@@ -234,7 +234,9 @@ pub enum Deliver {
     /// Every event, as WatchRun streams them.
     Every,
     /// Only the terminal event (the result, a pause or the error): what a caller waiting for
-    /// the run's end needs. The events before it neither wake the follower nor are copied.
+    /// the run's end needs. Of a run executing on this replica, the events before it neither
+    /// wake the follower nor are copied; followed from the store (a run elsewhere, or events
+    /// before this segment), each notice still wakes it and each event is still read.
     End,
 }
 

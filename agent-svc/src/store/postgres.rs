@@ -395,10 +395,9 @@ impl AgentStore for PgStore {
             return Ok(decided);
         }
         crate::metrics::admission_set_apart();
-        crate::metrics::admission_waiting_for_owner(1.0);
-        let waited = decide(admission::SQL_LOCK_RUN_OWNER).await;
-        crate::metrics::admission_waiting_for_owner(-1.0);
-        waited?.ok_or_else(|| {
+        let _shown = WaitingForOwner::shown();
+        // Waiting for the lock is never refused as busy; a lock timeout is the database's error.
+        decide(admission::SQL_LOCK_RUN_OWNER).await?.ok_or_else(|| {
             StoreError::Unavailable(format!(
                 "the admission lock of run {}'s owner stayed busy",
                 lease.run_id
@@ -1185,6 +1184,23 @@ impl AgentStore for PgStore {
             .await
             .map_err(db)?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+}
+
+/// A decision shown waiting for its owner's lock while this lives: answered, failed, or its
+/// caller gone (the future dropped mid-wait), it is taken off the gauge.
+struct WaitingForOwner;
+
+impl WaitingForOwner {
+    fn shown() -> Self {
+        crate::metrics::admission_waiting_for_owner(1.0);
+        WaitingForOwner
+    }
+}
+
+impl Drop for WaitingForOwner {
+    fn drop(&mut self) {
+        crate::metrics::admission_waiting_for_owner(-1.0);
     }
 }
 
