@@ -235,6 +235,63 @@ async fn a_burst_of_runs_by_one_user_lists_the_tools_once() {
     assert_eq!(listed, 2.0, "one ListTools per user, not per run");
 }
 
+/// agent-svc's settings for the tests of waiting for an owner's admission lock.
+fn lock_wait_options() -> ClusterOptions {
+    ClusterOptions {
+        agents: 1,
+        agent_env: vec![
+            ("METRICS_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
+            // Longer than the test: what waits, waits for the holder, not for a timeout.
+            ("DATABASE_LOCK_TIMEOUT".into(), "60s".into()),
+        ],
+        ..ClusterOptions::default()
+    }
+}
+
+fn waiting_for_owner(s: &BTreeMap<String, f64>) -> f64 {
+    s.get("steward_db_admission_waiting_for_owner")
+        .copied()
+        .unwrap_or_default()
+}
+
+fn set_apart(s: &BTreeMap<String, f64>) -> f64 {
+    s.get("steward_db_admission_set_apart_total")
+        .copied()
+        .unwrap_or_default()
+}
+
+/// `owner`'s admission lock, held by a transaction on `side` until it ends.
+async fn hold_admission_lock<'a>(
+    side: &'a mut tokio_postgres::Client,
+    owner: &str,
+) -> tokio_postgres::Transaction<'a> {
+    let holder = side.transaction().await.unwrap();
+    holder
+        .execute(
+            "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1::text))",
+            &[&owner],
+        )
+        .await
+        .unwrap();
+    holder
+}
+
+/// agent-svc's series once something there waits for an owner's lock (at most 15 s: `what`
+/// is what was expected to wait).
+async fn once_waiting_for_owner(agent: SocketAddr, what: &str) -> BTreeMap<String, f64> {
+    tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            let s = scrape(agent).await;
+            if waiting_for_owner(&s) > 0.0 {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what} waits for the owner's lock, counted"))
+}
+
 /// R-4, O-2: a run whose owner's admission lock another session holds waits in the owner's
 /// queue, and agent-svc's metrics say so: counted as set apart, shown as waiting while the
 /// lock is held, and no longer waiting once it is free and the run has been admitted.
@@ -251,16 +308,7 @@ async fn r4_o2_a_run_on_an_existing_thread_waiting_for_its_owners_lock_shows_in_
 }
 
 async fn a_run_waits_for_alices_held_lock(on_existing_thread: bool) {
-    let cluster = Cluster::start(ClusterOptions {
-        agents: 1,
-        agent_env: vec![
-            ("METRICS_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
-            // Longer than the test: the run waits for the holder, not for a timeout.
-            ("DATABASE_LOCK_TIMEOUT".into(), "60s".into()),
-        ],
-        ..ClusterOptions::default()
-    })
-    .await;
+    let cluster = Cluster::start(lock_wait_options()).await;
     let mut alice = cluster.agent(0, "alice").await;
     let thread = if on_existing_thread {
         let first = run_once(&mut alice, "hello there", "").await.unwrap();
@@ -270,39 +318,14 @@ async fn a_run_waits_for_alices_held_lock(on_existing_thread: bool) {
         String::new()
     };
     let mut side = cluster.sql().await;
-    let holder = side.transaction().await.unwrap();
-    holder
-        .execute(
-            "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1::text))",
-            &[&"alice"],
-        )
-        .await
-        .unwrap();
+    let holder = hold_admission_lock(&mut side, "alice").await;
 
     let on = thread.clone();
     let run = tokio::spawn(async move { run_once(&mut alice, "hello again", &on).await });
     let agent = metrics_addr(&cluster.agents[0]);
-    let waiting = |s: &BTreeMap<String, f64>| {
-        s.get("steward_db_admission_waiting_for_owner")
-            .copied()
-            .unwrap_or_default()
-    };
-    let series = tokio::time::timeout(Duration::from_secs(15), async {
-        loop {
-            let s = scrape(agent).await;
-            if waiting(&s) > 0.0 {
-                return s;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the run waits in alice's queue");
-    assert_eq!(waiting(&series), 1.0);
-    assert_eq!(
-        series.get("steward_db_admission_set_apart_total"),
-        Some(&1.0)
-    );
+    let series = once_waiting_for_owner(agent, "the run").await;
+    assert_eq!(waiting_for_owner(&series), 1.0);
+    assert_eq!(set_apart(&series), 1.0);
     assert!(!run.is_finished(), "the run waits for the lock");
 
     holder.rollback().await.unwrap();
@@ -318,7 +341,7 @@ async fn a_run_waits_for_alices_held_lock(on_existing_thread: bool) {
         );
     }
     tokio::time::timeout(Duration::from_secs(10), async {
-        while waiting(&scrape(agent).await) != 0.0 {
+        while waiting_for_owner(&scrape(agent).await) != 0.0 {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
@@ -331,24 +354,10 @@ async fn a_run_waits_for_alices_held_lock(on_existing_thread: bool) {
 /// metrics, as a run set apart does, and goes on once the lock is free.
 #[tokio::test]
 async fn r4_o2_a_decision_waiting_for_its_owners_held_lock_shows_in_the_metrics() {
-    let cluster = Cluster::start(ClusterOptions {
-        agents: 1,
-        agent_env: vec![
-            ("METRICS_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
-            // Longer than the test: the decision waits for the holder, not for a timeout.
-            ("DATABASE_LOCK_TIMEOUT".into(), "60s".into()),
-        ],
-        ..ClusterOptions::default()
-    })
-    .await;
+    let cluster = Cluster::start(lock_wait_options()).await;
     cluster.connect_gmail("alice", "tok-alice").await;
     let mut alice = cluster.agent(0, "alice").await;
     let agent = metrics_addr(&cluster.agents[0]);
-    let set_apart = |s: &BTreeMap<String, f64>| {
-        s.get("steward_db_admission_set_apart_total")
-            .copied()
-            .unwrap_or_default()
-    };
     let approve = |id: String| pb::DecideApprovalRequest {
         approval_id: id,
         decision: pb::Decision::Approve as i32,
@@ -372,33 +381,11 @@ async fn r4_o2_a_decision_waiting_for_its_owners_held_lock_shows_in_the_metrics(
     let approval = paused.approval.expect("the send waits for approval");
 
     let mut side = cluster.sql().await;
-    let holder = side.transaction().await.unwrap();
-    holder
-        .execute(
-            "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1::text))",
-            &[&"alice"],
-        )
-        .await
-        .unwrap();
+    let holder = hold_admission_lock(&mut side, "alice").await;
     let decision = tokio::spawn(async move { alice.decide_approval(approve(approval.id)).await });
 
-    let waiting = |s: &BTreeMap<String, f64>| {
-        s.get("steward_db_admission_waiting_for_owner")
-            .copied()
-            .unwrap_or_default()
-    };
-    let series = tokio::time::timeout(Duration::from_secs(15), async {
-        loop {
-            let s = scrape(agent).await;
-            if waiting(&s) > 0.0 {
-                return s;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the decision waits for alice's lock, counted");
-    assert_eq!(waiting(&series), 1.0);
+    let series = once_waiting_for_owner(agent, "the decision").await;
+    assert_eq!(waiting_for_owner(&series), 1.0);
     assert_eq!(set_apart(&series), 1.0);
     assert!(!decision.is_finished(), "the decision waits for the lock");
 
@@ -415,7 +402,7 @@ async fn r4_o2_a_decision_waiting_for_its_owners_held_lock_shows_in_the_metrics(
         "the approved send ran: {result:?}"
     );
     assert_eq!(
-        waiting(&scrape(agent).await),
+        waiting_for_owner(&scrape(agent).await),
         0.0,
         "nothing waits once the decision is through"
     );
