@@ -10,3 +10,15 @@ pub async fn connect(db: &TestDb) -> tokio_postgres::Client {
     tokio::spawn(connection);
     client
 }
+
+/// Begins a transaction on `side` that holds `owner`'s admission lock (agent-svc's advisory
+/// key for it), as a stalled replica's transaction would, until `side` rolls back or closes.
+pub async fn hold_admission_lock(side: &tokio_postgres::Client, owner: &str) {
+    side.batch_execute("BEGIN").await.expect("BEGIN");
+    side.execute(
+        "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1::text))",
+        &[&owner],
+    )
+    .await
+    .expect("take the owner's admission lock");
+}

@@ -101,14 +101,7 @@ fn admit_new(id: &str, thread: &str, owner: &str, request: Option<&str>) -> Admi
 /// transaction would, until it rolls back.
 async fn holding_the_admission_lock_of(url: &str, owner: &str) -> tokio_postgres::Client {
     let holder = side_connection(url).await;
-    holder.batch_execute("BEGIN").await.unwrap();
-    holder
-        .execute(
-            "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1::text))",
-            &[&owner],
-        )
-        .await
-        .unwrap();
+    steward_tests::db::hold_admission_lock(&holder, owner).await;
     holder
 }
 

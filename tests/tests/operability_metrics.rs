@@ -7,6 +7,7 @@ use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
     agent_calls::run_once,
+    db::hold_admission_lock,
     procs::{Cluster, ClusterOptions, ServiceProc},
 };
 use tokio_stream::StreamExt;
@@ -260,22 +261,6 @@ fn set_apart(s: &BTreeMap<String, f64>) -> f64 {
         .unwrap_or_default()
 }
 
-/// `owner`'s admission lock, held by a transaction on `side` until it ends.
-async fn hold_admission_lock<'a>(
-    side: &'a mut tokio_postgres::Client,
-    owner: &str,
-) -> tokio_postgres::Transaction<'a> {
-    let holder = side.transaction().await.unwrap();
-    holder
-        .execute(
-            "SELECT pg_advisory_xact_lock(hashtext('runs:' || $1::text))",
-            &[&owner],
-        )
-        .await
-        .unwrap();
-    holder
-}
-
 /// agent-svc's series once something there waits for an owner's lock (at most 15 s: `what`
 /// is what was expected to wait).
 async fn once_waiting_for_owner(agent: SocketAddr, what: &str) -> BTreeMap<String, f64> {
@@ -317,8 +302,8 @@ async fn a_run_waits_for_alices_held_lock(on_existing_thread: bool) {
     } else {
         String::new()
     };
-    let mut side = cluster.sql().await;
-    let holder = hold_admission_lock(&mut side, "alice").await;
+    let holder = cluster.sql().await;
+    hold_admission_lock(&holder, "alice").await;
 
     let on = thread.clone();
     let run = tokio::spawn(async move { run_once(&mut alice, "hello again", &on).await });
@@ -328,7 +313,7 @@ async fn a_run_waits_for_alices_held_lock(on_existing_thread: bool) {
     assert_eq!(set_apart(&series), 1.0);
     assert!(!run.is_finished(), "the run waits for the lock");
 
-    holder.rollback().await.unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
     let result = run
         .await
         .unwrap()
@@ -380,8 +365,8 @@ async fn r4_o2_a_decision_waiting_for_its_owners_held_lock_shows_in_the_metrics(
         .expect("a send run");
     let approval = paused.approval.expect("the send waits for approval");
 
-    let mut side = cluster.sql().await;
-    let holder = hold_admission_lock(&mut side, "alice").await;
+    let holder = cluster.sql().await;
+    hold_admission_lock(&holder, "alice").await;
     let decision = tokio::spawn(async move { alice.decide_approval(approve(approval.id)).await });
 
     let series = once_waiting_for_owner(agent, "the decision").await;
@@ -389,7 +374,7 @@ async fn r4_o2_a_decision_waiting_for_its_owners_held_lock_shows_in_the_metrics(
     assert_eq!(set_apart(&series), 1.0);
     assert!(!decision.is_finished(), "the decision waits for the lock");
 
-    holder.rollback().await.unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
     let decided = decision
         .await
         .unwrap()
