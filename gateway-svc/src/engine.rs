@@ -17,14 +17,18 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     context::{CallContext, Services, millis},
+    domain::ErrorKind,
     domain::{CallOutcome, CallRequest, UserId},
     enforce::{ToolError, caps::cap_text},
     registry::{MAX_PREVIEW_CHARS, Preview, RegisteredTool, Registry, ToolOutput},
-    store::{AuditEntry, AuditLog, AuditRecord, IdempotencyStore, StoredResult},
+    store::{
+        AuditEntry, AuditLog, AuditRecord, IdempotencyClaim, IdempotencyStore, KeyState,
+        StoreError, StoredResult,
+    },
 };
 
-/// How much longer than the call itself an idempotency key is held: its preview check and
-/// audit record come first.
+/// How much longer than the call's deadlines an idempotency key is held: for its audit
+/// records and the store's round trips.
 const CLAIM_MARGIN: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
@@ -49,6 +53,52 @@ impl Engine {
         request: CallRequest,
         cancel: CancellationToken,
     ) -> CallOutcome {
+        // Resolved once: an MCP server may re-list its tools while the call runs, and the
+        // outcome and audit must describe the tool that ran.
+        let tool = self.registry.get(&request.tool);
+        let Some(service) = tool
+            .as_ref()
+            .filter(|t| t.spec.side_effect)
+            .map(|t| t.service)
+        else {
+            return self.execute_resolved(tool, user, request, cancel).await;
+        };
+        // A side effect, once started, runs to its end in a task of its own, and a caller that
+        // goes away (a unary caller's deadline, a dropped connection) cancels it instead of
+        // dropping it. Dropped mid-flight, a call that had reached upstream would free its
+        // idempotency key for a retry to act again, and would leave no audit record (R-3).
+        let on_drop = cancel.clone().drop_guard();
+        let (engine, owner) = (self.clone(), user.clone());
+        let (call_id, name) = (request.call_id.clone(), request.tool.clone());
+        let ran = tokio::spawn(tracing::Instrument::in_current_span(async move {
+            engine.execute_resolved(tool, &owner, request, cancel).await
+        }))
+        .await;
+        on_drop.disarm();
+        ran.unwrap_or_else(|_| {
+            tracing::error!(tool = %name, call_id = %call_id, "side-effect call panicked");
+            self.outcome(
+                call_id,
+                name,
+                false,
+                Err(ToolError::MayHaveActed {
+                    service,
+                    what: "The call failed inside the gateway".into(),
+                    kind: ErrorKind::Internal,
+                }),
+                0,
+                None,
+            )
+        })
+    }
+
+    async fn execute_resolved(
+        &self,
+        tool: Option<Arc<RegisteredTool>>,
+        user: &UserId,
+        request: CallRequest,
+        cancel: CancellationToken,
+    ) -> CallOutcome {
         let started = Instant::now();
         let call_id = request.call_id.clone();
         let run_id = request.run_id.clone();
@@ -61,9 +111,6 @@ impl Engine {
             trace_id = tracing::field::Empty,
         );
         svc_kit::telemetry::record_trace_id(&span);
-        // Resolved once: an MCP server may re-list its tools while the call runs, and the
-        // outcome and audit must describe the tool that ran.
-        let tool = self.registry.get(&request.tool);
         let (tool_name, outcome, ctx) =
             tracing::Instrument::instrument(self.run(tool.clone(), user, request, cancel), span)
                 .await;
@@ -156,12 +203,18 @@ impl Engine {
                         .into(),
                 });
             };
-            // Held for as long as this call may take, plus its preview and audit before it.
-            let hold = self.timeout(&request) + CLAIM_MARGIN;
+            // Held for as long as this call may take: its preview check (each under the
+            // call's deadline) and the call, plus the audit records around them.
+            let deadlines = if request.expected_binding.is_some() {
+                2
+            } else {
+                1
+            };
+            let hold = self.timeout(&request) * deadlines + CLAIM_MARGIN;
             let claim = match self.idempotency.claim(user, key, hold).await {
                 Ok(claim) => claim,
-                Err(crate::store::StoreError::InProgress(why)) => {
-                    return fail(ToolError::Internal(why));
+                Err(StoreError::InProgress(why)) => {
+                    return fail(ToolError::KeyInUse(why));
                 }
                 Err(e) => {
                     return fail(ToolError::Internal(format!(
@@ -195,86 +248,113 @@ impl Engine {
         // A read-only call's upstream records are kept for the batching writer (queued in
         // `execute`, after the call); any other call's are written as they happen.
         ctx.audit_later = tool.read_only;
-        let timeout = self.timeout(&request);
-        let service = tool.service;
-        if let Some(expected) = &request.expected_binding {
-            // Resolved in its own context: its reads are not the effect, so a refusal leaves
-            // the idempotency key free.
-            let check = self.context(user, &request, &name);
-            let now = match tokio::time::timeout(timeout, tool.tool.preview(&check, &request.args))
-                .await
-            {
-                Ok(Ok(p)) => p,
-                Ok(Err(e)) => return fail(e),
-                Err(_) => {
-                    return fail(ToolError::UpstreamTimeout {
-                        service,
-                        after: timeout,
-                    });
+        // The key's hold borrows the context, so it ends inside this block.
+        let result = {
+            let held = claim.map(|(claim, args_sha256)| Held {
+                claim: Some(claim),
+                args_sha256,
+                ctx: &ctx,
+            });
+            let timeout = self.timeout(&request);
+            let service = tool.service;
+            if let Some(expected) = &request.expected_binding {
+                // Resolved in its own context: its reads are not the effect, so a refusal leaves
+                // the idempotency key free.
+                let check = self.context(user, &request, &name);
+                let now =
+                    match tokio::time::timeout(timeout, tool.tool.preview(&check, &request.args))
+                        .await
+                    {
+                        Ok(Ok(p)) => p,
+                        Ok(Err(e)) => return fail(e),
+                        Err(_) => {
+                            return fail(ToolError::UpstreamTimeout {
+                                service,
+                                after: timeout,
+                            });
+                        }
+                    };
+                if &now.binding != expected {
+                    return fail(ToolError::ChangedSinceApproval(format!(
+                        "what {name} would do changed (it would now reach {})",
+                        if now.recipients.is_empty() {
+                            "something else".to_owned()
+                        } else {
+                            now.recipients.join(", ")
+                        }
+                    )));
                 }
-            };
-            if &now.binding != expected {
-                return fail(ToolError::ChangedSinceApproval(format!(
-                    "what {name} would do changed (it would now reach {})",
-                    if now.recipients.is_empty() {
-                        "something else".to_owned()
-                    } else {
-                        now.recipients.join(", ")
-                    }
-                )));
             }
-        }
-        if tool.spec.side_effect {
-            // P-5: no side effect without its audit record, written before the effect.
-            let intent = AuditRecord {
-                user: user.to_string(),
-                kind: "side_effect_intent".into(),
-                tool: name.clone(),
-                integration: Some(tool.spec.integration.key().to_owned()),
-                account: None,
-                call_id: request.call_id.clone(),
-                run_id: request.run_id.clone(),
-                status: "started".into(),
-                latency_ms: 0,
-                bytes: 0,
-                upstream_calls: 0,
-            };
-            if let Err(e) = self.services.audit.record(intent).await {
-                tracing::error!(error = %e, tool = %name, "side effect refused: its audit record could not be written");
-                return fail(ToolError::Internal(format!(
-                    "not executed, because its audit record could not be written: {e}"
-                )));
-            }
-        }
-        // Dropping the tool future on cancel or deadline drops its in-flight HTTP request too.
-        let result = tokio::select! {
-            r = tokio::time::timeout(timeout, tool.tool.call(&ctx, request.args)) => {
-                r.unwrap_or(Err(ToolError::UpstreamTimeout { service, after: timeout }))
-            }
-            () = cancel.cancelled() => Err(ToolError::Cancelled),
-        };
-
-        if let Some((claim, args_sha256)) = claim {
-            // Nothing reached upstream: a retry is safe, so the key stays free for it.
-            if ctx.upstream_calls() > 0 {
-                let outcome = self.outcome(
-                    request.call_id,
-                    name.clone(),
-                    tool.spec.reads_external_content,
-                    result.clone(),
-                    ctx.upstream_calls(),
-                    ctx.account(),
-                );
-                let stored = StoredResult {
+            if tool.spec.side_effect {
+                // P-5: no side effect without its audit record, written before the effect.
+                let intent = AuditRecord {
+                    user: user.to_string(),
+                    kind: "side_effect_intent".into(),
                     tool: name.clone(),
-                    args_sha256,
-                    outcome: serde_json::to_value(&outcome).unwrap_or(Value::Null),
+                    integration: Some(tool.spec.integration.key().to_owned()),
+                    account: None,
+                    call_id: request.call_id.clone(),
+                    run_id: request.run_id.clone(),
+                    status: "started".into(),
+                    latency_ms: 0,
+                    bytes: 0,
+                    upstream_calls: 0,
                 };
-                if let Err(e) = claim.complete(stored).await {
-                    tracing::error!(error = %e, tool = %name, "could not store an idempotent result");
+                if let Err(e) = self.services.audit.record(intent).await {
+                    tracing::error!(error = %e, tool = %name, "side effect refused: its audit record could not be written");
+                    return fail(ToolError::Internal(format!(
+                        "not executed, because its audit record could not be written: {e}"
+                    )));
                 }
             }
-        }
+            // Dropping the tool future on cancel or deadline drops its in-flight HTTP request too.
+            let result = tokio::select! {
+                r = tokio::time::timeout(timeout, tool.tool.call(&ctx, request.args)) => {
+                    r.unwrap_or(Err(ToolError::UpstreamTimeout { service, after: timeout }))
+                }
+                () = cancel.cancelled() => Err(ToolError::Cancelled),
+            };
+
+            let result = match result {
+                // Interrupted once its request had left: it may have acted, and must say so.
+                Err(e @ (ToolError::Cancelled | ToolError::UpstreamTimeout { .. }))
+                    if tool.spec.side_effect && ctx.upstream_calls() > 0 =>
+                {
+                    Err(ToolError::MayHaveActed {
+                        service,
+                        what: match &e {
+                            ToolError::UpstreamTimeout { after, .. } => format!(
+                                "{service} did not answer within {} seconds",
+                                after.as_secs().max(1)
+                            ),
+                            _ => "The call was cancelled".to_owned(),
+                        },
+                        kind: e.kind(),
+                    })
+                }
+                r => r,
+            };
+            if let Some(mut held) = held {
+                // Nothing reached upstream, or the upstream refused it for its rate (429): nothing
+                // was done, so a retry is safe and the key is freed for it. Otherwise the outcome
+                // is stored, and a retry replays it.
+                let refused = matches!(result, Err(ToolError::UpstreamRateLimited { .. }));
+                if ctx.upstream_calls() > 0 && !refused {
+                    let outcome = self.outcome(
+                        request.call_id,
+                        name.clone(),
+                        tool.spec.reads_external_content,
+                        result.clone(),
+                        ctx.upstream_calls(),
+                        ctx.account(),
+                    );
+                    held.store(&name, outcome).await;
+                } else {
+                    held.free();
+                }
+            }
+            result
+        };
         (name, Finished::Ran(result), Some(ctx))
     }
 
@@ -345,23 +425,27 @@ impl Engine {
     }
 
     /// What a completed side-effect call with this key returned, without running anything:
-    /// (tool, outcome), or `None` when no call with the key reached upstream.
+    /// (tool, outcome), or `None` when no call holds the key or completed with it. A key a
+    /// call still holds, or one whose call ended without storing its result, is
+    /// `StoreError::InProgress`: that call may have acted.
     pub async fn recorded(
         &self,
         user: &UserId,
         key: &str,
-    ) -> Result<Option<(String, CallOutcome)>, String> {
-        let Some(stored) = self
-            .idempotency
-            .lookup(user, key)
-            .await
-            .map_err(|e| format!("idempotency store unavailable: {e}"))?
-        else {
-            return Ok(None);
+    ) -> Result<Option<(String, CallOutcome)>, StoreError> {
+        let stored = match self.idempotency.lookup(user, key).await? {
+            KeyState::Free => return Ok(None),
+            KeyState::Held => {
+                return Err(StoreError::InProgress(format!(
+                    "a call with idempotency key {key:?} is still running, or ended without \
+                     recording its result: it may have taken effect"
+                )));
+            }
+            KeyState::Done(stored) => stored,
         };
         serde_json::from_value::<CallOutcome>(stored.outcome)
             .map(|o| Some((stored.tool, o)))
-            .map_err(|e| format!("stored result unreadable: {e}"))
+            .map_err(|e| StoreError::Unavailable(format!("stored result unreadable: {e}")))
     }
 
     fn outcome(
@@ -413,6 +497,64 @@ impl Engine {
 enum Finished {
     Ran(Result<ToolOutput, ToolError>),
     Replayed(CallOutcome),
+}
+
+/// How often storing a side effect's result is tried before its key is left to lapse.
+const STORE_ATTEMPTS: u32 = 4;
+
+/// A side effect's hold on its idempotency key while it runs. It ends by storing the call's
+/// outcome or by freeing the key; dropped without either (the call panicked), it frees the key
+/// only if no request reached upstream, and otherwise leaves it held until its hold lapses, so
+/// that no retry acts again at once (R-3).
+struct Held<'a> {
+    claim: Option<Box<dyn IdempotencyClaim>>,
+    args_sha256: String,
+    ctx: &'a CallContext,
+}
+
+impl Held<'_> {
+    /// Stores `outcome` under the key, trying again while the database is unavailable.
+    async fn store(&mut self, tool: &str, outcome: CallOutcome) {
+        let Some(mut claim) = self.claim.take() else {
+            return;
+        };
+        let stored = StoredResult {
+            tool: tool.to_owned(),
+            args_sha256: std::mem::take(&mut self.args_sha256),
+            outcome: serde_json::to_value(&outcome).unwrap_or(Value::Null),
+        };
+        let mut pause = Duration::from_millis(100);
+        for attempt in 1..=STORE_ATTEMPTS {
+            match claim.complete(&stored).await {
+                Ok(()) => return,
+                Err(StoreError::Unavailable(e)) if attempt < STORE_ATTEMPTS => {
+                    tracing::warn!(error = %e, tool, attempt, "could not store a side effect's result; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause *= 4;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, tool, "could not store a side effect's result; its key stays held until its hold lapses");
+                    break;
+                }
+            }
+        }
+        claim.abandon();
+    }
+
+    /// Nothing was done: the key is free for a retry.
+    fn free(&mut self) {
+        self.claim = None;
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if let Some(claim) = self.claim.take()
+            && self.ctx.upstream_calls() > 0
+        {
+            claim.abandon();
+        }
+    }
 }
 
 /// SHA-256 of the arguments' canonical JSON (serde_json sorts object keys), binding a stored

@@ -17,7 +17,8 @@ pub struct ProbeFetch {
     pub base: String,
 }
 
-/// `probe_send {to}`: POST `{base}/send` as the user's first Gmail account; a side effect.
+/// `probe_send {to, slow?}`: POST `{base}/send` as the user's first Gmail account; a side
+/// effect. With `slow`, the upstream counts the send and then never answers.
 pub struct ProbeSend {
     pub base: String,
 }
@@ -96,17 +97,22 @@ impl Tool for ProbeSend {
     fn spec(&self) -> ToolSpec {
         spec(
             "probe_send",
-            json!({"type": "object", "properties": {"to": {"type": "string"}}, "required": ["to"]}),
+            json!({"type": "object", "properties": {"to": {"type": "string"}, "slow": {"type": "boolean"}}, "required": ["to"]}),
             true,
             Integration::Gmail,
             1,
         )
     }
 
-    async fn call(&self, ctx: &CallContext, _args: Value) -> Result<ToolOutput, ToolError> {
+    async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let account = first_account(ctx).await?;
         ctx.charge(Integration::Gmail, &account, 1).await?;
-        let url = format!("{}/send", self.base);
+        let slow = if args["slow"].as_bool() == Some(true) {
+            "?slow=true"
+        } else {
+            ""
+        };
+        let url = format!("{}/send{slow}", self.base);
         let response = ctx
             .send(Integration::Gmail, &account, |token| {
                 ctx.http().post(&url).bearer_auth(token)

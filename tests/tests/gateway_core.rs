@@ -457,6 +457,75 @@ async fn a_repeated_idempotency_key_calls_upstream_once() {
     assert_eq!(w.probe.sends(), 1);
 }
 
+/// R-3, P-4: a unary ExecuteTool caller that goes away once the send has reached upstream (its
+/// deadline, a dropped connection) cancels the call instead of dropping it mid-flight. The key
+/// then holds "it may have taken effect", so a retry replays that rather than sending again;
+/// while the call runs, LookupCall says it may have acted rather than "not found".
+async fn a_side_effect_whose_caller_leaves_after_the_send_left_is_never_sent_twice(b: Backend) {
+    let w = world(b, &[]).await;
+    let mut g = w.app.gateway_as("u1").await;
+    connect(&mut g, "access-1", 3600).await;
+    let mut send = call(
+        "c1",
+        "probe_send",
+        serde_json::json!({"to": "boss@example.com", "slow": true}),
+    );
+    send.idempotency_key = "approval-lost-reply".into();
+    let started = w.probe.state.slow_started.notified();
+    let dropped = w.probe.state.slow_dropped.notified();
+    let first = {
+        let (mut g, send) = (g.clone(), send.clone());
+        tokio::spawn(async move { execute(&mut g, send).await })
+    };
+    started.await;
+    let looked_up = g
+        .lookup_call(pb::LookupCallRequest {
+            idempotency_key: "approval-lost-reply".into(),
+        })
+        .await
+        .expect_err("a call in flight is not reported as never run");
+    assert_eq!(looked_up.code(), tonic::Code::Aborted, "{looked_up:?}");
+    assert!(
+        looked_up.message().contains("may have taken effect"),
+        "{looked_up:?}"
+    );
+
+    first.abort();
+    dropped.await;
+    send.call_id = "c2".into();
+    let retried = tokio::time::timeout(Duration::from_secs(10), execute(&mut g, send))
+        .await
+        .expect("the retry replays the stored outcome instead of waiting on a second send");
+    assert!(retried.replayed, "{retried:?}");
+    assert_eq!(retried.error_kind, pb::ErrorKind::Cancelled as i32);
+    assert!(
+        retried.text.contains("may have taken effect"),
+        "{}",
+        retried.text
+    );
+    assert_eq!(w.probe.sends(), 1, "sent once, never twice");
+    let recorded = g
+        .lookup_call(pb::LookupCallRequest {
+            idempotency_key: "approval-lost-reply".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(recorded.found);
+}
+
+#[tokio::test]
+async fn in_memory_a_side_effect_whose_caller_leaves_after_the_send_left_is_never_sent_twice() {
+    a_side_effect_whose_caller_leaves_after_the_send_left_is_never_sent_twice(Backend::Memory)
+        .await;
+}
+
+#[tokio::test]
+async fn on_postgres_a_side_effect_whose_caller_leaves_after_the_send_left_is_never_sent_twice() {
+    a_side_effect_whose_caller_leaves_after_the_send_left_is_never_sent_twice(Backend::Postgres)
+        .await;
+}
+
 #[tokio::test]
 async fn dropping_the_execute_stream_cancels_a_slow_upstream_call() {
     let w = world(Backend::Memory, &[]).await;

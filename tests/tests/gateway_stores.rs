@@ -7,8 +7,8 @@ use gateway_svc::{
     domain::{Integration, McpSwitch, UserId},
     ratelimit::{Decision, LimitKey, Limits, RateLimitBackend, Window, memory::MemoryRateLimits},
     store::{
-        AccountStatus, AuditRecord, StoredAccount, StoredResult, Stores, TaskFilter, TaskPatch,
-        memory::MemoryStore, postgres::PgStore,
+        AccountStatus, AuditRecord, KeyState, StoredAccount, StoredResult, Stores, TaskFilter,
+        TaskPatch, memory::MemoryStore, postgres::PgStore,
     },
 };
 use steward_tests::TestDb;
@@ -173,14 +173,18 @@ async fn account_locks_held_during_refreshes_pin_no_connection(b: Backend) {
 
 async fn an_idempotency_key_replays_its_first_result(b: Backend) {
     let s = &b.stores.idempotency;
-    let claim = s.claim(&user("u1"), "k1", HOLD).await.unwrap();
+    let mut claim = s.claim(&user("u1"), "k1", HOLD).await.unwrap();
     assert!(claim.existing().is_none());
     let stored = StoredResult {
         tool: "send".into(),
         args_sha256: "abc".into(),
         outcome: serde_json::json!({"text": "sent"}),
     };
-    claim.complete(stored.clone()).await.unwrap();
+    claim.complete(&stored).await.unwrap();
+    assert_eq!(
+        s.lookup(&user("u1"), "k1").await.unwrap(),
+        KeyState::Done(stored.clone())
+    );
     assert_eq!(
         s.claim(&user("u1"), "k1", HOLD).await.unwrap().existing(),
         Some(&stored)
@@ -199,7 +203,7 @@ async fn a_held_key_makes_a_second_claim_wait_for_its_result_and_a_dropped_one_f
     b: Backend,
 ) {
     let s = b.stores.idempotency.clone();
-    let first = s.claim(&user("u1"), "k2", HOLD).await.unwrap();
+    let mut first = s.claim(&user("u1"), "k2", HOLD).await.unwrap();
     assert!(first.existing().is_none());
     // As many calls in flight as the PostgreSQL pool has connections (8), and the store still
     // answers at once: a claim pins no connection while its call runs upstream.
@@ -218,7 +222,11 @@ async fn a_held_key_makes_a_second_claim_wait_for_its_result_and_a_dropped_one_f
     .await
     .expect("the store answers while eight calls hold their keys")
     .unwrap();
-    assert!(answered.is_none(), "a pending call has no result yet");
+    assert_eq!(
+        answered,
+        KeyState::Held,
+        "a pending call has no result yet, and may be acting"
+    );
     drop(held);
     let waiting = {
         let s = s.clone();
@@ -233,7 +241,7 @@ async fn a_held_key_makes_a_second_claim_wait_for_its_result_and_a_dropped_one_f
         args_sha256: "abc".into(),
         outcome: serde_json::json!({"text": "sent once"}),
     };
-    first.complete(stored.clone()).await.unwrap();
+    first.complete(&stored).await.unwrap();
     assert_eq!(
         waiting.await.unwrap().unwrap(),
         Some(stored),
@@ -248,6 +256,11 @@ async fn a_held_key_makes_a_second_claim_wait_for_its_result_and_a_dropped_one_f
         .expect("the key was freed, not left until its hold lapsed")
         .unwrap();
     assert!(again.existing().is_none());
+    assert_eq!(
+        s.lookup(&user("u1"), "k4").await.unwrap(),
+        KeyState::Free,
+        "a key no call took"
+    );
     // A key still held past the waiter's own patience: a clear error, not a second action.
     let err = s
         .claim(&user("u1"), "k3", std::time::Duration::from_millis(200))
@@ -571,6 +584,28 @@ both_backends!(
     reminders_come_back_soonest_first_and_only_upcoming,
     g15_mcp_switches_are_per_user_and_turning_on_removes_only_that_switch,
 );
+
+/// a claim let go without its result after its call may have acted (storing the result
+/// kept failing) leaves the key held, answering "held" to lookups, until its hold lapses; only
+/// then may another call take it over. (In one process nothing can lapse: the memory store
+/// frees it.)
+#[tokio::test]
+async fn r3_on_postgres_an_abandoned_claim_keeps_its_key_held_until_its_hold_lapses() {
+    let b = postgres().await;
+    let s = &b.stores.idempotency;
+    let short = std::time::Duration::from_millis(300);
+    let claim = s.claim(&user("u1"), "sent-maybe", short).await.unwrap();
+    claim.abandon();
+    assert_eq!(
+        s.lookup(&user("u1"), "sent-maybe").await.unwrap(),
+        KeyState::Held
+    );
+    let later = s
+        .claim(&user("u1"), "sent-maybe", HOLD)
+        .await
+        .expect("taken over once the abandoned hold lapsed");
+    assert!(later.existing().is_none());
+}
 
 /// the reads every run makes (accounts, memory, tasks), asked by many users at once, go
 /// to PostgreSQL as a few statements, and each user gets its own rows and only those.

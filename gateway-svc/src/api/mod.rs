@@ -137,7 +137,8 @@ impl GatewayService for GatewayApi {
             .ok_or_else(|| ApiError::InvalidArgument("call is required".into()))?;
         let outcome = match convert::call_request(call) {
             Ok(call) => {
-                // A unary caller that goes away drops this future, which cancels the call.
+                // A unary caller that goes away drops this future, which cancels the call (a
+                // side effect still runs to its end, see `Engine::execute`).
                 self.engine
                     .execute(&user, call, CancellationToken::new())
                     .await
@@ -181,7 +182,7 @@ impl GatewayService for GatewayApi {
             .engine
             .recorded(&user, &key)
             .await
-            .map_err(|e| ApiError::Store(crate::store::StoreError::Unavailable(e)))?;
+            .map_err(ApiError::Store)?;
         Ok(Response::new(match recorded {
             Some((tool, outcome)) => pb::LookupCallResponse {
                 found: true,

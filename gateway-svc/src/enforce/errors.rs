@@ -90,6 +90,20 @@ pub enum ToolError {
     ChangedSinceApproval(String),
     #[error("The tool failed unexpectedly ({0}). Try again later.")]
     Internal(String),
+    /// A side effect interrupted after its request reached upstream: it may have acted, so it
+    /// must not be retried as if it had not (R-3, P-4).
+    #[error(
+        "{what} after its request reached {service}, so it may have taken effect. Do not repeat it; tell the user it is unconfirmed."
+    )]
+    MayHaveActed {
+        service: &'static str,
+        /// What interrupted it, as the start of a sentence.
+        what: String,
+        kind: ErrorKind,
+    },
+    /// Another call with the same idempotency key is still running.
+    #[error("{0}")]
+    KeyInUse(String),
 }
 
 fn detail_suffix(detail: &str) -> String {
@@ -119,7 +133,8 @@ impl ToolError {
             ToolError::UpstreamUnavailable { .. } => ErrorKind::UpstreamUnavailable,
             ToolError::Cancelled => ErrorKind::Cancelled,
             ToolError::ChangedSinceApproval(_) => ErrorKind::ChangedSinceApproval,
-            ToolError::Internal(_) => ErrorKind::Internal,
+            ToolError::Internal(_) | ToolError::KeyInUse(_) => ErrorKind::Internal,
+            ToolError::MayHaveActed { kind, .. } => *kind,
         }
     }
 
@@ -153,6 +168,21 @@ mod tests {
         );
         assert_eq!(e.kind(), ErrorKind::RateLimited);
         assert_eq!(e.retry_after_secs(), 42);
+    }
+
+    #[test]
+    fn an_interrupted_side_effect_says_it_may_have_acted_and_keeps_its_kind() {
+        let e = ToolError::MayHaveActed {
+            service: "Gmail",
+            what: "The call was cancelled".into(),
+            kind: ErrorKind::Cancelled,
+        };
+        assert_eq!(
+            e.to_string(),
+            "The call was cancelled after its request reached Gmail, so it may have taken effect. \
+             Do not repeat it; tell the user it is unconfirmed."
+        );
+        assert_eq!(e.kind(), ErrorKind::Cancelled);
     }
 
     #[test]

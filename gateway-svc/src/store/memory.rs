@@ -10,8 +10,8 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::{
     AccountLock, AccountStore, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
-    IdempotencyStore, McpSwitchStore, Note, NoteStore, Ping, Reminder, ReminderStore, StoreError,
-    StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
+    IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore, Ping, Reminder, ReminderStore,
+    StoreError, StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
 };
 use crate::domain::{Integration, McpSwitch, UserId};
 
@@ -44,6 +44,12 @@ impl<K: std::hash::Hash + Eq + Clone> KeyLocks<K> {
             locks.entry(key.clone()).or_default().clone()
         };
         Ok(lock.lock_owned().await)
+    }
+
+    /// Whether someone holds `key` right now.
+    fn held(&self, key: &K) -> Result<bool, StoreError> {
+        let locks = self.locks.lock().map_err(|_| poisoned())?;
+        Ok(locks.get(key).is_some_and(|l| l.try_lock().is_err()))
     }
 }
 
@@ -216,25 +222,29 @@ impl IdempotencyStore for MemoryStore {
             .get(&k)
             .cloned();
         Ok(Box::new(MemoryClaim {
-            _guard: guard,
+            guard: Some(guard),
             key: k,
             existing,
             results: self.results.clone(),
         }))
     }
 
-    async fn lookup(&self, user: &UserId, key: &str) -> Result<Option<StoredResult>, StoreError> {
-        Ok(self
-            .results
-            .lock()
-            .map_err(|_| poisoned())?
-            .get(&(user.clone(), key.to_owned()))
-            .cloned())
+    async fn lookup(&self, user: &UserId, key: &str) -> Result<KeyState, StoreError> {
+        let k = (user.clone(), key.to_owned());
+        if let Some(done) = self.results.lock().map_err(|_| poisoned())?.get(&k) {
+            return Ok(KeyState::Done(done.clone()));
+        }
+        Ok(if self.result_locks.held(&k)? {
+            KeyState::Held
+        } else {
+            KeyState::Free
+        })
     }
 }
 
 struct MemoryClaim {
-    _guard: OwnedMutexGuard<()>,
+    /// Held until the result is stored (or the claim is dropped).
+    guard: Option<OwnedMutexGuard<()>>,
     key: (UserId, String),
     existing: Option<StoredResult>,
     results: Arc<SyncMutex<HashMap<(UserId, String), StoredResult>>>,
@@ -246,13 +256,17 @@ impl IdempotencyClaim for MemoryClaim {
         self.existing.as_ref()
     }
 
-    async fn complete(self: Box<Self>, result: StoredResult) -> Result<(), StoreError> {
+    async fn complete(&mut self, result: &StoredResult) -> Result<(), StoreError> {
         self.results
             .lock()
             .map_err(|_| poisoned())?
-            .insert(self.key.clone(), result);
+            .insert(self.key.clone(), result.clone());
+        self.guard = None;
         Ok(())
     }
+
+    /// In one process there is no hold to lapse: the key is free once this claim is gone.
+    fn abandon(self: Box<Self>) {}
 }
 
 #[async_trait::async_trait]

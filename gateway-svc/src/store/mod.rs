@@ -177,15 +177,30 @@ pub struct StoredResult {
     pub outcome: serde_json::Value,
 }
 
-/// An idempotency key held exclusively until completed or dropped (dropped: the key is free
-/// again, for a call that never reached upstream), so two concurrent calls with one key run
-/// upstream once.
+/// An idempotency key held exclusively until completed, abandoned or dropped, so two
+/// concurrent calls with one key run upstream once.
 #[async_trait::async_trait]
 pub trait IdempotencyClaim: Send {
     /// The result stored by an earlier call with this key, if any.
     fn existing(&self) -> Option<&StoredResult>;
-    /// Stores the result and releases the key.
-    async fn complete(self: Box<Self>, result: StoredResult) -> Result<(), StoreError>;
+    /// Stores the result and releases the key. On an error the key is still held by this
+    /// claim, and storing may be tried again.
+    async fn complete(&mut self, result: &StoredResult) -> Result<(), StoreError>;
+    /// Lets go without a result and without freeing the key: its call may have acted, so the
+    /// key answers "in progress" until its hold lapses, rather than letting a retry act again
+    /// at once. (Dropping a claim frees the key: for a call that never reached upstream.)
+    fn abandon(self: Box<Self>);
+}
+
+/// What is known of an idempotency key without claiming it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KeyState {
+    /// No call holds it or has completed with it.
+    Free,
+    /// A call holds it: running, or ended without storing its result (it may have acted).
+    Held,
+    /// A call completed with it; its result.
+    Done(StoredResult),
 }
 
 #[async_trait::async_trait]
@@ -199,8 +214,8 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         key: &str,
         hold: std::time::Duration,
     ) -> Result<Box<dyn IdempotencyClaim>, StoreError>;
-    /// The stored result of a completed call with this key, without claiming it.
-    async fn lookup(&self, user: &UserId, key: &str) -> Result<Option<StoredResult>, StoreError>;
+    /// What is known of `key`, without claiming it.
+    async fn lookup(&self, user: &UserId, key: &str) -> Result<KeyState, StoreError>;
 }
 
 /// One audit record (G-9): who called what, against which account, how it went. Never

@@ -16,8 +16,8 @@ use tokio_postgres::Row;
 
 use super::{
     AccountLock, AccountStatus, AccountStore, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
-    IdempotencyStore, McpSwitchStore, Note, NoteStore, Ping, Reminder, ReminderStore, StoreError,
-    StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore,
+    IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore, Ping, Reminder, ReminderStore,
+    StoreError, StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore,
 };
 use crate::{
     domain::{Integration, McpSwitch, UserId},
@@ -402,22 +402,27 @@ impl Drop for PgAccountLock {
 
 #[async_trait::async_trait]
 impl IdempotencyStore for PgStore {
-    async fn lookup(&self, user: &UserId, key: &str) -> Result<Option<StoredResult>, StoreError> {
+    async fn lookup(&self, user: &UserId, key: &str) -> Result<KeyState, StoreError> {
         let row = self
             .client()
             .await?
             .query_opt(
-                "SELECT tool, args_sha256, outcome FROM gateway.idempotency \
-                 WHERE user_id = $1 AND key = $2 AND state = 'done'",
+                "SELECT state, tool, args_sha256, outcome FROM gateway.idempotency \
+                 WHERE user_id = $1 AND key = $2",
                 &[&user.as_str(), &key],
             )
             .await
             .map_err(db)?;
-        Ok(row.map(|r| StoredResult {
-            tool: r.get(0),
-            args_sha256: r.get(1),
-            outcome: r.get(2),
-        }))
+        Ok(match row {
+            None => KeyState::Free,
+            // Pending, whether its hold has lapsed or not: its call may have acted.
+            Some(r) if r.get::<_, &str>(0) != "done" => KeyState::Held,
+            Some(r) => KeyState::Done(StoredResult {
+                tool: r.get(1),
+                args_sha256: r.get(2),
+                outcome: r.get(3),
+            }),
+        })
     }
 
     async fn claim(
@@ -457,7 +462,7 @@ impl IdempotencyStore for PgStore {
                     existing: None,
                 }));
             }
-            if let Some(done) = self.lookup(user, key).await? {
+            if let KeyState::Done(done) = self.lookup(user, key).await? {
                 return Ok(Box::new(PgClaim {
                     pool: self.pool.clone(),
                     user: user.clone(),
@@ -490,22 +495,36 @@ impl IdempotencyClaim for PgClaim {
         self.existing.as_ref()
     }
 
-    async fn complete(mut self: Box<Self>, result: StoredResult) -> Result<(), StoreError> {
-        let Some(holder) = self.holder.take() else {
+    async fn complete(&mut self, result: &StoredResult) -> Result<(), StoreError> {
+        let Some(holder) = &self.holder else {
             return Ok(());
         };
         let client = pg::checkout(&self.pool, "gateway")
             .await
             .map_err(StoreError::unavailable)?;
-        client
+        let stored = client
             .execute(
                 "UPDATE gateway.idempotency SET state = 'done', tool = $4, args_sha256 = $5, outcome = $6, \
                  holder = NULL, lease_until = NULL WHERE user_id = $1 AND key = $2 AND holder = $3",
-                &[&self.user.as_str(), &self.key, &holder, &result.tool, &result.args_sha256, &result.outcome],
+                &[&self.user.as_str(), &self.key, holder, &result.tool, &result.args_sha256, &result.outcome],
             )
             .await
             .map_err(db)?;
+        // The key is no longer this claim's either way: stored, or taken over by another call.
+        self.holder = None;
+        if stored == 0 {
+            return Err(StoreError::InProgress(
+                "this call's hold on its idempotency key lapsed and another call took the key \
+                 over, so its result was not stored"
+                    .into(),
+            ));
+        }
         Ok(())
+    }
+
+    fn abandon(mut self: Box<Self>) {
+        // Forgotten, not deleted: the row stays pending until its hold lapses.
+        self.holder = None;
     }
 }
 

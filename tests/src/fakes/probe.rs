@@ -148,10 +148,26 @@ async fn slow(State(s): State<Arc<ProbeState>>, headers: HeaderMap) -> impl Into
     "unreachable"
 }
 
-async fn send(State(s): State<Arc<ProbeState>>, headers: HeaderMap) -> impl IntoResponse {
+#[derive(serde::Deserialize)]
+struct SendQuery {
+    #[serde(default)]
+    slow: bool,
+}
+
+async fn send(
+    State(s): State<Arc<ProbeState>>,
+    headers: HeaderMap,
+    Query(q): Query<SendQuery>,
+) -> impl IntoResponse {
     if let Err(code) = record(&s, "/send", &headers) {
         return (code, String::new());
     }
     let n = s.sends.fetch_add(1, Ordering::SeqCst) + 1;
+    if q.slow {
+        // Sent, and the answer never comes: what a caller sees of a send whose reply is lost.
+        let _guard = DropSignal(s.clone());
+        s.slow_started.notify_one();
+        std::future::pending::<()>().await;
+    }
     (StatusCode::OK, format!("sent message #{n}"))
 }
