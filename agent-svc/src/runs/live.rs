@@ -56,7 +56,7 @@ impl LiveRun {
 
     /// Events after `after` (only the terminal ones with `terminal_only`), the last seq in the
     /// log, and whether the log is closed.
-    fn since(&self, after: u64, terminal_only: bool) -> (Vec<pb::RunEvent>, u64, bool) {
+    pub(super) fn since(&self, after: u64, terminal_only: bool) -> (Vec<pb::RunEvent>, u64, bool) {
         let log = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let start = log.events.partition_point(|e| e.seq <= after);
         let events = &log.events[start..];

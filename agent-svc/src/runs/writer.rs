@@ -36,9 +36,10 @@ const DELTA_WINDOW: Duration = Duration::from_millis(50);
 const DELTA_WINDOW_MAX: Duration = Duration::from_secs(1);
 /// …or when it holds this many bytes.
 const DELTA_BYTES: usize = 2048;
-/// Events shown to watchers but not yet durable are flushed after this long…
+/// Events not yet durable are flushed after this long…
 const FLUSH_AFTER: Duration = Duration::from_millis(250);
-/// …or when this many are pending. The monitor's terminal event skips past this window.
+/// …or when this many are pending; at most this many are shown to watchers before they are
+/// durable (the rest wait for their commit). The monitor's terminal event skips past them.
 pub(super) const MAX_VOLATILE_EVENTS: usize = 64;
 /// How long a failed flush is retried (a database restart) before the run gives up.
 const FLUSH_RETRY_FOR: Duration = Duration::from_secs(10);
@@ -242,10 +243,15 @@ impl RunWriter {
         self.pending()
             .events
             .push((event.seq, event.encode_to_vec()));
-        if matches!(
+        // A terminal event is shown once durable. So is any event past the first
+        // MAX_VOLATILE_EVENTS not yet durable (and every one after it, to keep their order): the
+        // monitor numbers a dead writer's terminal event just past that many, and a
+        // watcher shown further would take it for one it had seen and wait forever.
+        let terminal = matches!(
             event.kind,
             Some(pb::run_event::Kind::Result(_) | pb::run_event::Kind::Error(_))
-        ) {
+        );
+        if terminal || !self.held.is_empty() || self.pending.events.len() > MAX_VOLATILE_EVENTS {
             self.held.push(event);
         } else {
             self.live.publish(event);
@@ -421,7 +427,7 @@ impl RunWriter {
         }
     }
 
-    /// The pending commit is durable: clear it and show the terminal events it held back.
+    /// The pending commit is durable: clear it and show the events it held back.
     fn committed(&mut self) {
         self.commits += 1;
         self.pending = RunCommit::default();
@@ -651,6 +657,33 @@ mod tests {
                 .expect("events")
                 .len(),
             6
+        );
+    }
+
+    #[tokio::test]
+    async fn r2_watchers_are_shown_at_most_the_volatile_limit_of_events_before_they_are_durable() {
+        let (mut writer, _store) = writer().await;
+        let extra = 3;
+        for n in 0..MAX_VOLATILE_EVENTS + extra {
+            writer.emit(pb::run_event::Kind::Delta(pb::DeltaEvent {
+                text: format!("part {n}"),
+                reset: false,
+            }));
+        }
+        let seqs = |writer: &RunWriter| -> Vec<u64> {
+            let (shown, _, _) = writer.live.since(1, false);
+            shown.iter().map(|e| e.seq).collect()
+        };
+        assert_eq!(
+            seqs(&writer),
+            (2..2 + MAX_VOLATILE_EVENTS as u64).collect::<Vec<_>>(),
+            "no further than a dead writer's terminal event would be numbered"
+        );
+        writer.flush().await.expect("committed");
+        assert_eq!(
+            seqs(&writer),
+            (2..2 + (MAX_VOLATILE_EVENTS + extra) as u64).collect::<Vec<_>>(),
+            "the rest are shown once durable, in order"
         );
     }
 
