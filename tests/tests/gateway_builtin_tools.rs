@@ -160,6 +160,55 @@ async fn tasks_crud_by_the_s3_tool_names_never_crosses_users() {
     assert!(bad_due.text.contains("RFC 3339"), "{}", bad_due.text);
 }
 
+/// G-4: words that are only whitespace are refused with a sentence naming the field, never
+/// saved empty or answered "Updated" with nothing changed.
+#[tokio::test]
+async fn blank_words_for_a_task_or_a_memory_are_refused_by_name() {
+    let app = spawn(Options::default()).await;
+    let mut g = app.gateway_as("u1").await;
+    let added = run(
+        &mut g,
+        "add_task",
+        serde_json::json!({"title": "Call dentist"}),
+    )
+    .await;
+    let id = task_id(&added.text);
+    for (tool, args, field) in [
+        (
+            "update_task",
+            serde_json::json!({"task_id": id, "title": "   "}),
+            "title is blank",
+        ),
+        (
+            "save_memory",
+            serde_json::json!({"content": " \n\t "}),
+            "content is blank",
+        ),
+        (
+            "create_memories",
+            serde_json::json!({"memories": [{"content": "Likes tea"}, {"content": "  "}]}),
+            "content is blank",
+        ),
+    ] {
+        let refused = run(&mut g, tool, args).await;
+        assert_eq!(
+            refused.error_kind,
+            pb::ErrorKind::InvalidArguments as i32,
+            "{tool}: {}",
+            refused.text
+        );
+        assert!(refused.text.contains(field), "{tool}: {}", refused.text);
+    }
+    let found = run(&mut g, "search_memory", serde_json::json!({"query": "tea"})).await;
+    assert!(
+        !found.text.contains("Likes tea"),
+        "a refused batch saves none of its notes: {}",
+        found.text
+    );
+    let listed = run(&mut g, "list_tasks", serde_json::json!({})).await;
+    assert!(listed.text.contains("Call dentist"), "{}", listed.text);
+}
+
 #[tokio::test]
 async fn search_memory_ranks_the_relevant_note_first() {
     let app = spawn(Options {

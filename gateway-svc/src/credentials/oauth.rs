@@ -34,6 +34,15 @@ pub enum RefreshError {
     Failed(String),
 }
 
+/// The longest lifetime a token response is taken at: access tokens live an hour, and an
+/// absurd `expires_in` would overflow the clock when added to now (and panic).
+const MAX_LIFETIME: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// A token response's `expires_in` seconds, at most [`MAX_LIFETIME`].
+fn lifetime(secs: u64) -> Duration {
+    Duration::from_secs(secs).min(MAX_LIFETIME)
+}
+
 #[derive(Deserialize)]
 struct TokenResponse {
     access_token: String,
@@ -80,7 +89,7 @@ impl OAuthClient {
                 .map_err(|_| RefreshError::Failed("unreadable token response".into()))?;
             return Ok(Refreshed {
                 access_token: parsed.access_token,
-                expires_in: parsed.expires_in.map(Duration::from_secs),
+                expires_in: parsed.expires_in.map(lifetime),
                 refresh_token: parsed.refresh_token,
             });
         }
@@ -97,5 +106,21 @@ impl OAuthClient {
             ))),
             Err(_) => Err(RefreshError::Failed(format!("HTTP {}", status.as_u16()))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_absurd_token_lifetime_is_capped_so_adding_it_to_now_cannot_overflow() {
+        assert_eq!(lifetime(3599), Duration::from_secs(3599));
+        assert_eq!(lifetime(u64::MAX), MAX_LIFETIME);
+        assert!(
+            std::time::SystemTime::now()
+                .checked_add(lifetime(u64::MAX))
+                .is_some()
+        );
     }
 }

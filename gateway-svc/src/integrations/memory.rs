@@ -34,15 +34,19 @@ fn note_schema() -> Value {
         "tags": {"type": "array", "maxItems": 10, "items": {"type": "string", "minLength": 1, "maxLength": 50}}}})
 }
 
-fn notes_from(args: &Value) -> Vec<(String, Vec<String>)> {
+fn notes_from(args: &Value, tool: &str) -> Result<Vec<(String, Vec<String>)>, ToolError> {
     args.get("memories")
         .and_then(Value::as_array)
-        .map(|m| m.iter().map(note_from).collect())
-        .unwrap_or_default()
+        .map(|m| m.iter().map(|v| note_from(v, tool)).collect())
+        .unwrap_or(Ok(Vec::new()))
 }
 
-fn note_from(v: &Value) -> (String, Vec<String>) {
-    let content = text_arg(v, "content").unwrap_or_default();
+/// One note's words and tags; words that are only whitespace are refused, not saved empty.
+fn note_from(v: &Value, tool: &str) -> Result<(String, Vec<String>), ToolError> {
+    let content = text_arg(v, "content").ok_or_else(|| ToolError::InvalidArguments {
+        tool: tool.to_owned(),
+        detail: "content is blank; give the words to remember".into(),
+    })?;
     let tags = v
         .get("tags")
         .and_then(Value::as_array)
@@ -53,7 +57,7 @@ fn note_from(v: &Value) -> (String, Vec<String>) {
                 .collect()
         })
         .unwrap_or_default();
-    (content, tags)
+    Ok((content, tags))
 }
 
 /// The provenance a memory written in this call gets: empty for the user's own words.
@@ -110,13 +114,13 @@ impl Tool for SaveMemory {
     }
 
     async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
-        Ok(memory_preview(&[note_from(args)], ctx))
+        Ok(memory_preview(&[note_from(args, "save_memory")?], ctx))
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let notes = self
             .0
-            .add_notes(&ctx.user, &[note_from(&args)], &origin(ctx))
+            .add_notes(&ctx.user, &[note_from(&args, "save_memory")?], &origin(ctx))
             .await
             .map_err(store_error)?;
         Ok(ToolOutput::text(format!("Saved memory #{}.", notes[0].id)))
@@ -138,11 +142,11 @@ impl Tool for CreateMemories {
     }
 
     async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
-        Ok(memory_preview(&notes_from(args), ctx))
+        Ok(memory_preview(&notes_from(args, "create_memories")?, ctx))
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let notes = notes_from(&args);
+        let notes = notes_from(&args, "create_memories")?;
         let saved = self
             .0
             .add_notes(&ctx.user, &notes, &origin(ctx))

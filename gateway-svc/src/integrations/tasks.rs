@@ -250,8 +250,19 @@ impl Tool for UpdateTask {
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let id = task_id(&args);
+        let title = match args.get("title") {
+            None => None,
+            Some(_) => {
+                Some(
+                    text_arg(&args, "title").ok_or_else(|| ToolError::InvalidArguments {
+                        tool: "update_task".into(),
+                        detail: "title is blank; give a title or leave it out".into(),
+                    })?,
+                )
+            }
+        };
         let patch = TaskPatch {
-            title: text_arg(&args, "title"),
+            title,
             description: args
                 .get("description")
                 .map(|_| text_arg(&args, "description")),
