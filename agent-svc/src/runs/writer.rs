@@ -410,13 +410,14 @@ impl RunWriter {
                     self.committed();
                     return Ok(());
                 }
-                Err(StoreError::LeaseLost) => return Err(StoreError::LeaseLost),
+                // The COMMIT went through but its answer was lost (the database went away right
+                // then): doing it again would duplicate it, or, for the run's last commit,
+                // which released the lease, be refused as a lost lease.
                 Err(_) if self.landed().await => {
-                    // The COMMIT went through but its answer was lost (the database went away
-                    // right then): doing it again would duplicate it.
                     self.committed();
                     return Ok(());
                 }
+                Err(StoreError::LeaseLost) => return Err(StoreError::LeaseLost),
                 Err(e) if started.elapsed() + wait > FLUSH_RETRY_FOR => return Err(e),
                 Err(e) => {
                     tracing::warn!(run_id = %self.run_id, error = %e, "could not record the run's progress; retrying");
@@ -437,14 +438,15 @@ impl RunWriter {
         }
     }
 
-    /// Whether the pending commit is in the store already: its last event is there.
+    /// Whether the pending commit is in the store already: its last event is there, byte for
+    /// byte (its time included), so no other writer's event at that seq is taken for it.
     async fn landed(&self) -> bool {
-        let Some(last) = self.pending.events.last().map(|(seq, _)| *seq) else {
+        let Some((last, payload)) = self.pending.events.last() else {
             return false;
         };
         matches!(
             self.store.events_after(&self.run_id, last - 1, 1).await,
-            Ok(found) if found.first().is_some_and(|(seq, _)| *seq == last)
+            Ok(found) if found.first().is_some_and(|(seq, p)| seq == last && p == payload)
         )
     }
 
@@ -684,6 +686,36 @@ mod tests {
             seqs(&writer),
             (2..2 + (MAX_VOLATILE_EVENTS + extra) as u64).collect::<Vec<_>>(),
             "the rest are shown once durable, in order"
+        );
+    }
+
+    #[tokio::test]
+    async fn r2_a_last_commit_that_landed_but_whose_answer_was_lost_is_not_taken_for_a_lost_lease()
+    {
+        let (mut writer, store) = writer().await;
+        writer.emit(pb::run_event::Kind::Error(pb::ErrorEvent {
+            message: "the end".into(),
+            ..Default::default()
+        }));
+        writer.pending.release = true;
+        // It lands, and its answer never reaches the writer: the lease is released.
+        store
+            .commit(&writer.lease, writer.pending.clone())
+            .await
+            .expect("landed");
+        assert!(matches!(
+            store.commit(&writer.lease, writer.pending.clone()).await,
+            Err(StoreError::LeaseLost)
+        ));
+        writer
+            .flush()
+            .await
+            .expect("the writer finds its commit in the store");
+        let (shown, _, _) = writer.live.since(1, false);
+        assert_eq!(
+            shown.len(),
+            1,
+            "the terminal event it held back is shown to watchers"
         );
     }
 
