@@ -146,9 +146,57 @@ pub struct RunService {
     pub schedule_rules: scheduled::ScheduleRules,
     live: Arc<live::Live>,
     /// Segments running here, to stop them at shutdown.
-    stoppers: Mutex<HashMap<String, Stopper>>,
+    stoppers: Arc<Mutex<HashMap<String, Stopper>>>,
     /// Open watch streams per user on this replica (fair use).
     watchers: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+/// What a segment registered on this replica, taken down when its task ends however it ends.
+/// A run that panics still closes its live log, so local followers turn to the store (where
+/// the health monitor ends the run once its lease lapses) instead of waiting forever. Only
+/// this segment's own entries are removed: a continuation of the same run (an approval
+/// decided here) may have registered its own meanwhile.
+struct SegmentRegistered {
+    live: Arc<live::Live>,
+    stoppers: Arc<Mutex<HashMap<String, Stopper>>>,
+    run_id: String,
+    stopper: Stopper,
+    live_run: Arc<live::LiveRun>,
+    /// Stops the lease keeper.
+    done: tokio_util::sync::CancellationToken,
+}
+
+impl SegmentRegistered {
+    fn still_ours(&self) -> bool {
+        self.stoppers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&self.run_id)
+            .is_some_and(|s| s.same(&self.stopper))
+    }
+}
+
+impl Drop for SegmentRegistered {
+    fn drop(&mut self) {
+        self.done.cancel();
+        let ours = self.still_ours();
+        if ours {
+            self.live
+                .cancels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&self.run_id);
+        }
+        crate::metrics::run_active(-1.0);
+        self.live.close(&self.run_id, &self.live_run);
+        // Last: shutdown waits for this map to empty.
+        if ours {
+            self.stoppers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&self.run_id);
+        }
+    }
 }
 
 /// The previous session's archiving and the prompt's recent session summaries (B-4).
@@ -237,7 +285,7 @@ impl RunService {
             fair_use: FairUse::default(),
             schedule_rules: scheduled::ScheduleRules::default(),
             live: Arc::default(),
-            stoppers: Mutex::default(),
+            stoppers: Arc::default(),
             watchers: Arc::default(),
         }
     }
@@ -518,6 +566,14 @@ impl RunService {
             async move {
                 crate::metrics::run_active(1.0);
                 let done = tokio_util::sync::CancellationToken::new();
+                let _registered = SegmentRegistered {
+                    live: this.live.clone(),
+                    stoppers: this.stoppers.clone(),
+                    run_id: seg.run_id.clone(),
+                    stopper: stopper.clone(),
+                    live_run: live_run.clone(),
+                    done: done.clone(),
+                };
                 writer::keep_lease(
                     this.store.clone(),
                     lease.clone(),
@@ -551,18 +607,6 @@ impl RunService {
                     }
                 };
                 this.end(&seg, &mut writer, worked).await;
-                done.cancel();
-                this.live
-                    .cancels
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&seg.run_id);
-                crate::metrics::run_active(-1.0);
-                this.live.close(&seg.run_id, &live_run);
-                this.stoppers
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&seg.run_id);
             },
             span,
         )));
@@ -1570,5 +1614,69 @@ fn unavailable(text: &str) -> ToolOutcome {
         error_kind: "UPSTREAM_UNAVAILABLE".into(),
         truncated: false,
         external: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Registers a segment of `run_id` as `spawn_segment` does.
+    fn register(
+        live: &Arc<live::Live>,
+        stoppers: &Arc<Mutex<HashMap<String, Stopper>>>,
+        run_id: &str,
+    ) -> SegmentRegistered {
+        let stopper = Stopper::default();
+        live.cancels
+            .lock()
+            .unwrap()
+            .insert(run_id.to_owned(), stopper.token.clone());
+        stoppers
+            .lock()
+            .unwrap()
+            .insert(run_id.to_owned(), stopper.clone());
+        SegmentRegistered {
+            live: live.clone(),
+            stoppers: stoppers.clone(),
+            run_id: run_id.to_owned(),
+            stopper,
+            live_run: live.open(run_id, 1),
+            done: tokio_util::sync::CancellationToken::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn r2_a_segment_that_panics_still_closes_its_live_log_and_takes_down_its_registrations() {
+        let (live, stoppers) = (Arc::new(live::Live::default()), Arc::default());
+        let registered = register(&live, &stoppers, "r1");
+        let (live_run, done) = (registered.live_run.clone(), registered.done.clone());
+        let ended = tokio::spawn(async move {
+            let _registered = registered;
+            panic!("a bug in the run");
+        })
+        .await;
+        assert!(ended.is_err_and(|e| e.is_panic()));
+        let (_, _, closed) = live_run.since(1, false);
+        assert!(closed, "followers are told to turn to the store");
+        assert!(done.is_cancelled(), "the lease keeper stops");
+        assert_eq!(live.registrations(), 0);
+        assert!(stoppers.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_ended_segment_leaves_a_continuation_of_its_run_registered() {
+        let (live, stoppers) = (Arc::new(live::Live::default()), Arc::default());
+        let first = register(&live, &stoppers, "r1");
+        let continuation = register(&live, &stoppers, "r1");
+        drop(first);
+        assert!(continuation.still_ours(), "its stopper stays for shutdown");
+        assert!(
+            live.cancels.lock().unwrap().contains_key("r1"),
+            "CancelRun still reaches it"
+        );
+        drop(continuation);
+        assert_eq!(live.registrations(), 0);
+        assert!(stoppers.lock().unwrap().is_empty());
     }
 }

@@ -73,6 +73,11 @@ impl Stopper {
         self.token.cancel();
     }
 
+    /// Whether `other` is this very stopper (a clone of it), not another segment's.
+    pub(super) fn same(&self, other: &Stopper) -> bool {
+        Arc::ptr_eq(&self.reason, &other.reason)
+    }
+
     pub(super) fn reason(&self) -> Option<StopReason> {
         if !self.token.is_cancelled() {
             return None;
