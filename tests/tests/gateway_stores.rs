@@ -129,6 +129,47 @@ async fn an_account_lock_is_exclusive_until_saved(b: Backend) {
     );
 }
 
+/// A refresh that finishes after the user reconnected or disconnected the account does not
+/// overwrite that: the new tokens stay, and a disconnected account does not come back.
+async fn a_refresh_saved_after_a_reconnect_or_a_disconnect_changes_nothing(b: Backend) {
+    let s = b.stores.accounts.clone();
+    s.upsert_account(account("u1", "a@x.com")).await.unwrap();
+    let refreshing = s
+        .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap();
+    let mut reconnected = account("u1", "a@x.com");
+    reconnected.access_token = vec![7, 7];
+    s.upsert_account(reconnected).await.unwrap();
+    let mut refreshed = refreshing.current().unwrap().clone();
+    refreshed.access_token = vec![9, 9];
+    refreshing.save(refreshed.clone()).await.unwrap();
+    let now = s
+        .get_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(now.access_token, vec![7, 7], "the reconnect's tokens stay");
+
+    let refreshing = s
+        .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap();
+    assert!(
+        s.delete_account(&user("u1"), Integration::Gmail, "a@x.com")
+            .await
+            .unwrap()
+    );
+    let _ = refreshing.save(refreshed).await;
+    assert!(
+        s.get_account(&user("u1"), Integration::Gmail, "a@x.com")
+            .await
+            .unwrap()
+            .is_none(),
+        "a disconnected account does not come back"
+    );
+}
+
 async fn a_dropped_lock_releases_without_writing(b: Backend) {
     let s = b.stores.accounts.clone();
     s.upsert_account(account("u1", "a@x.com")).await.unwrap();
@@ -574,6 +615,7 @@ both_backends!(
     accounts_are_scoped_to_their_user_and_round_trip,
     an_account_lock_is_exclusive_until_saved,
     a_dropped_lock_releases_without_writing,
+    a_refresh_saved_after_a_reconnect_or_a_disconnect_changes_nothing,
     account_locks_held_during_refreshes_pin_no_connection,
     an_idempotency_key_replays_its_first_result,
     a_held_key_makes_a_second_claim_wait_for_its_result_and_a_dropped_one_frees_it,

@@ -193,11 +193,19 @@ impl AccountLock for MemoryAccountLock {
     }
 
     async fn save(self: Box<Self>, updated: StoredAccount) -> Result<(), StoreError> {
+        let Some(locked) = &self.current else {
+            return Err(StoreError::Unavailable(format!(
+                "the account {} is gone; nothing to save",
+                updated.account
+            )));
+        };
         let key = account_key(&updated.user, updated.integration, &updated.account);
-        self.accounts
-            .lock()
-            .map_err(|_| poisoned())?
-            .insert(key, updated);
+        let mut accounts = self.accounts.lock().map_err(|_| poisoned())?;
+        // Only over the account as it was locked, as PostgreSQL's lease does: a reconnect or a
+        // disconnect while the refresh ran wins, and a disconnected account does not come back.
+        if accounts.get(&key) == Some(locked) {
+            accounts.insert(key, updated);
+        }
         Ok(())
     }
 }
