@@ -61,6 +61,7 @@ pub struct App {
     api: GatewayApi,
     mcp_hub: Arc<McpHub>,
     mcp_endpoint: Option<McpEndpoint>,
+    in_flight: Arc<crate::engine::InFlight>,
 }
 
 impl App {
@@ -161,7 +162,9 @@ impl App {
                 default_timeout: config.call_timeout,
                 max_timeout: config.call_max_timeout,
             },
+            in_flight: Arc::default(),
         };
+        let in_flight = engine.in_flight.clone();
         let mcp_endpoint = match config.mcp.listen_addr {
             Some(addr) => Some(
                 McpEndpoint::bind(
@@ -210,6 +213,7 @@ impl App {
             api,
             mcp_hub,
             mcp_endpoint,
+            in_flight,
         })
     }
 
@@ -297,6 +301,13 @@ impl App {
         }
         self.mcp_hub.stop();
         self.audit.close(deadline).await;
+        let cut = self.in_flight.count();
+        if cut > 0 {
+            tracing::error!(
+                calls = cut,
+                "AUDIT RECORDS LOST: {cut} tool call(s) were still running when the drain deadline passed; their records are not written"
+            );
+        }
         served?;
         Ok(())
     }

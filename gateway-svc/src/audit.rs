@@ -1042,6 +1042,7 @@ mod tests {
                 default_timeout: timeout,
                 max_timeout: timeout,
             },
+            in_flight: Arc::default(),
         };
         (engine, finished.subscribe())
     }
@@ -1071,6 +1072,38 @@ mod tests {
 
     fn pair(kind: &str, call_id: &str) -> (String, String) {
         (kind.to_owned(), call_id.to_owned())
+    }
+
+    #[tokio::test]
+    async fn a_call_counts_as_in_flight_until_its_records_are_handed_to_the_trail() {
+        let log = FakeLog::new(false);
+        let trail = AuditTrail::start(log.clone(), &config(1, 1));
+        let (engine, _) = engine(&log, trail.clone(), Duration::from_secs(10));
+        trail.record_later(record("c0")).await;
+        log.started(1).await;
+        trail.record_later(record("c1")).await;
+        // The queue is full: the read's records wait for space, and so does the call.
+        let read = tokio::spawn({
+            let engine = engine.clone();
+            async move {
+                engine
+                    .execute(
+                        &UserId::parse("u1").unwrap(),
+                        call("read", "r1"),
+                        CancellationToken::new(),
+                    )
+                    .await
+            }
+        });
+        trail.stats().wait_for(|s| s.waits == 1).await.unwrap();
+        assert_eq!(
+            engine.in_flight.count(),
+            1,
+            "a drain cut here would lose its records, and shutdown says so"
+        );
+        log.open();
+        read.await.unwrap();
+        assert_eq!(engine.in_flight.count(), 0);
     }
 
     #[tokio::test]

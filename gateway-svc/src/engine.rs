@@ -44,6 +44,32 @@ pub struct Engine {
     pub services: Arc<Services>,
     pub idempotency: Arc<dyn IdempotencyStore>,
     pub config: EngineConfig,
+    pub in_flight: Arc<InFlight>,
+}
+
+/// How many calls are running, so that shutdown can say how many audit records a drain cut
+/// short (a call's record is written when it ends).
+#[derive(Debug, Default)]
+pub struct InFlight(std::sync::atomic::AtomicUsize);
+
+impl InFlight {
+    pub fn count(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn start(&self) -> Running<'_> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Running(self)
+    }
+}
+
+/// One call counted in [`InFlight`] while it lives.
+struct Running<'a>(&'a InFlight);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Engine {
@@ -99,6 +125,7 @@ impl Engine {
         request: CallRequest,
         cancel: CancellationToken,
     ) -> CallOutcome {
+        let _running = self.in_flight.start();
         let started = Instant::now();
         let call_id = request.call_id.clone();
         let run_id = request.run_id.clone();
