@@ -52,12 +52,15 @@ impl ModelError {
         }
     }
 
-    /// 429, 500, 502, 503, 504, timeouts, connection errors and cut-off streams may succeed on
-    /// a retry; 400, 401, 403, 404 and the rest will not. 500 is retriable because local model
-    /// servers answer malformed tool-call JSON with it (S4 failure mode 6).
+    /// 408, 429, 500, 502, 503, 504, 529 (Anthropic's "overloaded"), timeouts, connection
+    /// errors and cut-off streams may succeed on a retry; 400, 401, 403, 404 and the rest will
+    /// not. 500 is retriable because local model servers answer malformed tool-call JSON with it
+    /// (S4 failure mode 6).
     pub fn is_retriable(&self) -> bool {
         match self {
-            ModelError::Status { status, .. } => matches!(status, 429 | 500 | 502 | 503 | 504),
+            ModelError::Status { status, .. } => {
+                matches!(status, 408 | 429 | 500 | 502 | 503 | 504 | 529)
+            }
             ModelError::Timeout | ModelError::Connection(_) | ModelError::TruncatedStream => true,
             ModelError::Decode(_) | ModelError::NotConfigured(_) => false,
         }
@@ -113,7 +116,7 @@ mod tests {
 
     #[test]
     fn retriable_statuses_are_exactly_the_transient_ones() {
-        for s in [429, 500, 502, 503, 504] {
+        for s in [408, 429, 500, 502, 503, 504, 529] {
             assert!(status(s).is_retriable(), "{s}");
         }
         for s in [400, 401, 403, 404, 422] {

@@ -35,6 +35,12 @@ pub fn body(request: &ModelRequest) -> Value {
                         .unwrap_or_else(|| json!({}));
                     parts.push(json!({"functionCall": {"name": c.name, "args": args}}));
                 }
+                if parts.is_empty() {
+                    // An empty answer (Gemini gives them itself) is kept in the history, and
+                    // Gemini refuses a content with no parts: every later run of the thread
+                    // would fail. Anthropic gets the same words.
+                    parts.push(json!({"text": "(no answer)"}));
+                }
                 contents.push(json!({"role": "model", "parts": parts}));
                 continue;
             }
@@ -172,5 +178,38 @@ impl ModelProvider for Gemini {
             usage,
             stop_reason: finish,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::ToolSet;
+
+    #[test]
+    fn an_empty_answer_in_the_history_is_sent_with_a_part_gemini_accepts() {
+        let turns = [
+            Turn::User("hi".into()),
+            Turn::Assistant {
+                text: String::new(),
+                tool_calls: vec![],
+            },
+            Turn::User("still there?".into()),
+        ];
+        let tools = ToolSet::new(vec![]);
+        let body = body(&ModelRequest {
+            model: "gemini-2.5-flash",
+            system: "[PERSONA]",
+            turns: &turns,
+            tools: &tools,
+            answer_only: false,
+            stable_turns: 0,
+            max_output_tokens: 100,
+        });
+        assert_eq!(body["contents"][1]["role"], "model");
+        assert_eq!(
+            body["contents"][1]["parts"],
+            serde_json::json!([{"text": "(no answer)"}])
+        );
     }
 }

@@ -2,7 +2,7 @@
 //! server that speaks it, by base URL. Tool-call arguments arrive in fragments keyed by index
 //! and are joined here; usage comes in the last chunk (`stream_options.include_usage`).
 
-use std::{borrow::Cow, collections::BTreeMap};
+use std::borrow::Cow;
 
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize, Serializer};
@@ -107,6 +107,16 @@ impl<'a> Message<'a> {
     }
 }
 
+/// A call's arguments as sent back in the history: what the model wrote when it is a JSON
+/// object, `{}` otherwise. Servers that parse them (Ollama, vLLM) refuse a request holding
+/// malformed JSON, and it would stay in the thread's history (the model was told, in the call's
+/// result, what was wrong). Anthropic and Gemini get `{}` the same way.
+fn sendable(arguments: &str) -> &str {
+    let object = arguments.trim_start().starts_with('{')
+        && serde_json::from_str::<serde::de::IgnoredAny>(arguments).is_ok();
+    if object { arguments } else { "{}" }
+}
+
 /// An assistant turn's tool calls in the wire shape.
 struct Calls<'a>(&'a [ToolCall]);
 
@@ -114,7 +124,7 @@ impl Serialize for Calls<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_seq(self.0.iter().map(|c| WireCall {
             function: Function {
-                arguments: &c.arguments,
+                arguments: sendable(&c.arguments),
                 name: &c.name,
             },
             id: &c.id,
@@ -163,6 +173,10 @@ struct Chunk<'a> {
     #[serde(default, borrow)]
     choices: Vec<Choice<'a>>,
     usage: Option<Usage>,
+    /// vLLM and OpenRouter report a failure inside the stream (`{"object": "error", ...}` or
+    /// `finish_reason: "error"` with this member) and then end it normally.
+    #[serde(default)]
+    error: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -179,14 +193,15 @@ struct ChunkDelta<'a> {
     /// DeepSeek / vLLM reasoning models stream thinking here.
     #[serde(borrow)]
     reasoning_content: Option<Text<'a>>,
+    /// Some servers send `"tool_calls": null` in text chunks.
     #[serde(default, borrow)]
-    tool_calls: Vec<ToolCallDelta<'a>>,
+    tool_calls: Option<Vec<ToolCallDelta<'a>>>,
 }
 
 #[derive(Deserialize)]
 struct ToolCallDelta<'a> {
-    #[serde(default)]
-    index: usize,
+    /// Ollama numbers every call of a parallel batch 0, and older builds leave it out.
+    index: Option<usize>,
     id: Option<String>,
     #[serde(borrow)]
     function: Option<FunctionDelta<'a>>,
@@ -246,60 +261,113 @@ impl ModelProvider for OpenAi {
             .map_err(|e| ModelError::from_reqwest(&e))?;
         let mut events = Box::pin(sse::events(response).await?);
 
-        let mut text = String::new();
-        let mut thinking = String::new();
-        let mut calls: BTreeMap<usize, (String, String, String)> = BTreeMap::new();
-        let mut usage = TokenUsage::default();
-        let mut finish: Option<String> = None;
+        let mut streamed = Streamed::default();
         let mut done = false;
         while let Some(event) = events.next().await {
             let (_, data) = event?;
-            if data.trim() == "[DONE]" {
+            if streamed.take(&data, deltas)? {
                 done = true;
                 break;
             }
-            let chunk: Chunk = serde_json::from_str(&data)
-                .map_err(|e| ModelError::Decode(format!("chunk: {e}")))?;
-            if let Some(u) = chunk.usage {
-                usage = TokenUsage {
-                    input_tokens: u.prompt_tokens,
-                    output_tokens: u.completion_tokens,
-                    cached_tokens: u.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
-                };
-            }
-            for choice in chunk.choices {
-                if let Some(Text(t)) = choice.delta.content.filter(|t| !t.0.is_empty()) {
-                    text.push_str(&t);
-                    let _ = deltas.send(Delta::Text(t.into_owned()));
-                }
-                if let Some(Text(t)) = choice.delta.reasoning_content.filter(|t| !t.0.is_empty()) {
-                    thinking.push_str(&t);
-                    let _ = deltas.send(Delta::Thinking(t.into_owned()));
-                }
-                for tc in choice.delta.tool_calls {
-                    let entry = calls.entry(tc.index).or_default();
-                    if let Some(id) = tc.id {
-                        entry.0 = id;
-                    }
-                    if let Some(f) = tc.function {
-                        if let Some(Text(name)) = f.name {
-                            entry.1.push_str(&name);
-                        }
-                        if let Some(Text(args)) = f.arguments {
-                            entry.2.push_str(&args);
-                        }
-                    }
-                }
-                if choice.finish_reason.is_some() {
-                    finish = choice.finish_reason;
-                }
-            }
         }
-        if !done && finish.is_none() {
+        if !done && streamed.finish.is_none() {
             return Err(ModelError::TruncatedStream);
         }
-        let tool_calls = calls
+        Ok(streamed.response())
+    }
+}
+
+/// What a stream's chunks add up to.
+#[derive(Default)]
+struct Streamed {
+    text: String,
+    thinking: String,
+    /// Tool calls in the order they began: (id, name, arguments), each joined from fragments.
+    calls: Vec<(String, String, String)>,
+    /// The call each stream index (`None`: no index given) is filling now.
+    filling: Vec<(Option<usize>, usize)>,
+    usage: TokenUsage,
+    finish: Option<String>,
+}
+
+impl Streamed {
+    /// Takes one event's data; true at the stream's end marker.
+    fn take(&mut self, data: &str, deltas: &DeltaSink) -> Result<bool, ModelError> {
+        if data.trim() == "[DONE]" {
+            return Ok(true);
+        }
+        let chunk: Chunk =
+            serde_json::from_str(data).map_err(|e| ModelError::Decode(format!("chunk: {e}")))?;
+        if let Some(error) = &chunk.error {
+            return Err(stream_error(error));
+        }
+        if let Some(u) = chunk.usage {
+            self.usage = TokenUsage {
+                input_tokens: u.prompt_tokens,
+                output_tokens: u.completion_tokens,
+                cached_tokens: u.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
+            };
+        }
+        for choice in chunk.choices {
+            if let Some(Text(t)) = choice.delta.content.filter(|t| !t.0.is_empty()) {
+                self.text.push_str(&t);
+                let _ = deltas.send(Delta::Text(t.into_owned()));
+            }
+            if let Some(Text(t)) = choice.delta.reasoning_content.filter(|t| !t.0.is_empty()) {
+                self.thinking.push_str(&t);
+                let _ = deltas.send(Delta::Thinking(t.into_owned()));
+            }
+            for tc in choice.delta.tool_calls.into_iter().flatten() {
+                let at = self.call_for(tc.index, tc.id.as_deref());
+                let entry = &mut self.calls[at];
+                if let Some(id) = tc.id {
+                    entry.0 = id;
+                }
+                if let Some(f) = tc.function {
+                    if let Some(Text(name)) = f.name {
+                        entry.1.push_str(&name);
+                    }
+                    if let Some(Text(args)) = f.arguments {
+                        entry.2.push_str(&args);
+                    }
+                }
+            }
+            if choice.finish_reason.as_deref() == Some("error") {
+                return Err(stream_error(&serde_json::Value::Null));
+            }
+            if choice.finish_reason.is_some() {
+                self.finish = choice.finish_reason;
+            }
+        }
+        Ok(false)
+    }
+
+    /// Where a fragment for stream index `index` goes: the call that index is filling, unless
+    /// the fragment names another id, which starts a new call (parallel calls all numbered 0,
+    /// or not numbered, would otherwise be joined into one).
+    fn call_for(&mut self, index: Option<usize>, id: Option<&str>) -> usize {
+        let filling = self.filling.iter().position(|(i, _)| *i == index);
+        if let Some(f) = filling {
+            let at = self.filling[f].1;
+            let current = &self.calls[at].0;
+            if id.is_none_or(|id| current.is_empty() || current == id) {
+                return at;
+            }
+        }
+        self.calls.push(Default::default());
+        let at = self.calls.len() - 1;
+        match filling {
+            Some(f) => self.filling[f].1 = at,
+            None => self.filling.push((index, at)),
+        }
+        at
+    }
+
+    fn response(self) -> ModelResponse {
+        let tool_calls = self
+            .calls
             .into_iter()
+            .enumerate()
             .map(|(i, (id, name, arguments))| ToolCall {
                 id: if id.is_empty() {
                     format!("call_{i}")
@@ -310,13 +378,31 @@ impl ModelProvider for OpenAi {
                 arguments,
             })
             .collect();
-        Ok(ModelResponse {
-            text,
-            thinking,
+        ModelResponse {
+            text: self.text,
+            thinking: self.thinking,
             tool_calls,
-            usage,
-            stop_reason: finish.unwrap_or_default(),
-        })
+            usage: self.usage,
+            stop_reason: self.finish.unwrap_or_default(),
+        }
+    }
+}
+
+/// A failure reported inside the stream, as the status it would have had: its numeric `code`
+/// when it is an HTTP status, 502 otherwise (the server's own upstream failed; worth a retry).
+fn stream_error(error: &serde_json::Value) -> ModelError {
+    let status = error["code"]
+        .as_u64()
+        .and_then(|c| u16::try_from(c).ok())
+        .filter(|c| (400..=599).contains(c))
+        .unwrap_or(502);
+    let message = error["message"]
+        .as_str()
+        .map_or_else(|| error.to_string(), str::to_owned);
+    ModelError::Status {
+        status,
+        detail: svc_kit::text::redacted_excerpt(&message, 200),
+        retry_after: None,
     }
 }
 
@@ -377,8 +463,8 @@ mod tests {
             matches!(thinking, Cow::Owned(t) if t == "a\nb"),
             "{thinking:?}"
         );
-        let call = &delta.tool_calls[0];
-        assert_eq!((call.index, call.id.as_deref()), (1, Some("call_9")));
+        let call = &delta.tool_calls.as_ref().expect("calls")[0];
+        assert_eq!((call.index, call.id.as_deref()), (Some(1), Some("call_9")));
         let function = call.function.as_ref().unwrap();
         assert_eq!(function.name.as_ref().unwrap().0, "list_tasks");
         assert!(function.arguments.is_none(), "null is no text");
@@ -458,5 +544,82 @@ mod tests {
         let with_tools: Value = serde_json::from_slice(&encode(&request)).unwrap();
         assert_eq!(with_tools["tools"][0]["function"]["name"], "list_tasks");
         assert_eq!(with_tools["messages"][2]["content"], Value::Null);
+    }
+
+    /// The chunks' data, taken in order: the response, or the error that ended it.
+    fn streamed(chunks: &[&str]) -> Result<ModelResponse, ModelError> {
+        let (deltas, _) = tokio::sync::mpsc::unbounded_channel();
+        let mut streamed = Streamed::default();
+        for data in chunks {
+            if streamed.take(data, &deltas)? {
+                break;
+            }
+        }
+        Ok(streamed.response())
+    }
+
+    #[test]
+    fn parallel_calls_that_all_come_as_index_0_or_none_stay_separate_calls() {
+        let got = streamed(&[
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"list_tasks","arguments":"{\"status\""}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":":\"pending\"}"}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"b","function":{"name":"search_memory","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"id":"c","function":{"name":"list_reminders","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ])
+        .expect("a response");
+        let calls: Vec<(&str, &str, &str)> = got
+            .tool_calls
+            .iter()
+            .map(|c| (c.id.as_str(), c.name.as_str(), c.arguments.as_str()))
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                ("a", "list_tasks", r#"{"status":"pending"}"#),
+                ("b", "search_memory", "{}"),
+                ("c", "list_reminders", "{}"),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_null_tool_calls_member_is_read_as_none() {
+        let got = streamed(&[
+            r#"{"choices":[{"delta":{"content":"Hi","tool_calls":null}}]}"#,
+            r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#,
+        ])
+        .expect("a response");
+        assert_eq!(got.text, "Hi");
+        assert!(got.tool_calls.is_empty());
+    }
+
+    #[test]
+    fn an_error_inside_the_stream_fails_the_call_with_its_status_never_an_empty_answer() {
+        let vllm = streamed(&[
+            r#"{"object":"error","error":{"message":"This model's maximum context length is 8192 tokens","code":400}}"#,
+            "[DONE]",
+        ])
+        .expect_err("an error");
+        assert!(
+            matches!(vllm, ModelError::Status { status: 400, .. }),
+            "{vllm:?}"
+        );
+        assert!(!vllm.is_retriable());
+        let openrouter = streamed(&[
+            r#"{"choices":[{"delta":{"content":"Par"}}]}"#,
+            r#"{"choices":[{"delta":{},"finish_reason":"error"}]}"#,
+        ])
+        .expect_err("an error");
+        assert!(openrouter.is_retriable(), "{openrouter:?}");
+    }
+
+    #[test]
+    fn malformed_arguments_go_back_in_the_history_as_an_empty_object() {
+        assert_eq!(sendable(r#"{"due":"today"}"#), r#"{"due":"today"}"#);
+        assert_eq!(sendable(r#"{"due": "tod"#), "{}");
+        assert_eq!(sendable("[1, 2]"), "{}");
+        assert_eq!(sendable(""), "{}");
     }
 }

@@ -141,7 +141,9 @@ fn rules(request: &ModelRequest) -> Step {
 
 /// What to say in "send an email to x saying …" (or "that …"); the whole request otherwise.
 fn message_of(text: &str) -> String {
-    let lower = text.to_lowercase();
+    // ASCII-only lowering keeps every byte offset: full lowering changes the length of some
+    // characters ("İ", the Kelvin sign), and the offset found would cut `text` mid-character.
+    let lower = text.to_ascii_lowercase();
     [" saying ", " that "]
         .iter()
         .find_map(|w| {
@@ -272,6 +274,19 @@ mod tests {
 
     fn request_rules(system: &str) -> Step {
         rules_for(system, "(opened)", &[])
+    }
+
+    #[test]
+    fn a_request_with_letters_whose_lowercase_is_longer_is_answered_without_a_panic() {
+        let Step::Call(calls) = rules_for(
+            "[PERSONA]\nx",
+            "Send İİİ an email to ana@istanbul.example saying İyi günler",
+            &["gmail_send"],
+        ) else {
+            panic!("expected a call")
+        };
+        let args: serde_json::Value = serde_json::from_str(&calls[0].1).unwrap();
+        assert_eq!(args["body"], "İyi günler");
     }
 
     #[test]
