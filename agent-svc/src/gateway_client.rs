@@ -633,6 +633,9 @@ impl ExecuteSession {
             let sent = self.tx.send(Box::new(request)).await.is_ok();
             waiters.push((sent, wait));
         }
+        // The calls run at once on the gateway, so they share one deadline: waited for one
+        // after another with a timeout each, N hung calls would hold the run N times as long.
+        let deadline = tokio::time::Instant::now() + self.call_timeout;
         let mut outcomes = Vec::with_capacity(waiters.len());
         for (sent, wait) in waiters {
             if !sent {
@@ -643,7 +646,7 @@ impl ExecuteSession {
                 continue;
             }
             outcomes.push(
-                match tokio::time::timeout(self.call_timeout, self.receive(wait)).await {
+                match tokio::time::timeout_at(deadline, self.receive(wait)).await {
                     Ok(Some(r)) => outcome(r),
                     Ok(None) => failed(
                         OUTCOME_UNKNOWN,
