@@ -300,6 +300,42 @@ async fn all_failing_gives_the_friendly_partial_results_message() {
     );
 }
 
+/// E-6: an answer that failed after part of it streamed (here an error inside the stream) is
+/// withdrawn from the client before the fallback text comes, not left on screen before it.
+#[tokio::test]
+async fn the_part_of_an_answer_that_streamed_before_it_failed_is_withdrawn() {
+    let fake = FakeOpenAi::start(vec![Answer::Stream {
+        events: vec![
+            serde_json::json!({"choices": [{"index": 0, "delta": {"content": "Your day: "}}]}),
+            serde_json::json!({"object": "error", "error": {"message": "context length exceeded", "code": 400}}),
+        ],
+        chunk: 64,
+    }])
+    .await;
+    let exec = executor(vec![ChainEntry {
+        provider: openai(&fake.url),
+        model: "gpt-4o".into(),
+    }]);
+    let events = Events::default();
+    let out = exec.run(&request(&[]), &EchoTools, &events).await;
+    assert!(
+        matches!(out.stop, Stop::ModelUnavailable(_)),
+        "{:?}",
+        out.stop
+    );
+    let seen = events.0.lock().unwrap();
+    let partial = seen
+        .iter()
+        .position(|e| matches!(e, RunEvent::TextDelta(t) if t == "Your day: "))
+        .expect("the partial text streamed");
+    assert!(
+        seen[partial..]
+            .iter()
+            .any(|e| matches!(e, RunEvent::DeltaReset)),
+        "{seen:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_run_executes_its_tools_on_gateway_svc_over_the_execute_stream() {
     let app = spawn(Options {

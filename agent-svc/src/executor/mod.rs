@@ -662,8 +662,10 @@ impl Run<'_> {
             result
         };
         let sink = self.sink;
-        let forward = async move {
+        let streamed = std::sync::atomic::AtomicBool::new(false);
+        let forward = async {
             while let Some(delta) = rx.recv().await {
+                streamed.store(true, std::sync::atomic::Ordering::Relaxed);
                 sink.emit(match delta {
                     Delta::Text(t) => RunEvent::TextDelta(t),
                     Delta::Thinking(t) => RunEvent::ThinkingDelta(t),
@@ -672,6 +674,11 @@ impl Run<'_> {
             }
         };
         let timed = tokio::time::timeout(remaining, async { tokio::join!(call, forward).0 }).await;
+        if !matches!(timed, Ok(Ok(_))) && streamed.into_inner() {
+            // What streamed of an answer that never finished is void: the client discards it
+            // before the run's last words (a final turn or the fallback) arrive.
+            self.sink.emit(RunEvent::DeltaReset);
+        }
         match timed {
             Err(_) => Ok(None),
             Ok(Err(failed)) => Err(failed.to_string()),
