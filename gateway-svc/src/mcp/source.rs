@@ -399,9 +399,25 @@ fn shown_url(url: &str) -> String {
     }
 }
 
-/// `text` with the configured URL (which may hold a key) replaced by its shown form.
+/// `text` with the configured URL (which may hold a key) replaced by its shown form. An error
+/// may quote the URL as written or as the HTTP client normalised it, or quote only its secret
+/// parts; each is taken out.
 fn scrub(text: &str, url: &str) -> String {
-    text.replace(url, &shown_url(url))
+    let shown = shown_url(url);
+    let mut out = text.replace(url, &shown);
+    if let Ok(parsed) = reqwest::Url::parse(url) {
+        out = out.replace(parsed.as_str(), &shown);
+        let secrets = [
+            parsed.password().map(str::to_owned),
+            parsed.query().map(str::to_owned),
+            Some(parsed.username().to_owned()),
+        ];
+        // A part of a few characters would blot out ordinary words; such a part is no key.
+        for secret in secrets.into_iter().flatten().filter(|s| s.len() >= 6) {
+            out = out.replace(&secret, "(hidden)");
+        }
+    }
+    out
 }
 
 /// Connects, lists, then follows the server: re-lists on list_changed, pings every interval,
@@ -634,7 +650,7 @@ impl Tool for McpTool {
         ctx.record_upstream_call(Integration::Mcp, Some(&server.name), status, started, bytes)
             .await;
         let result = result.map_err(|e| {
-            let error = describe(server.label, e);
+            let error = describe(server.label, &server.config.url, e);
             if error.kind() == crate::domain::ErrorKind::UpstreamUnavailable {
                 server.connection_lost(generation, error.to_string());
             }
@@ -674,13 +690,14 @@ fn error_status(e: &ServiceError) -> &'static str {
     }
 }
 
-/// A failed `tools/call` as a sentence for the model.
-fn describe(service: &'static str, e: ServiceError) -> ToolError {
+/// A failed `tools/call` as a sentence for the model; the server's `url` (which may hold a
+/// key) never appears in it.
+fn describe(service: &'static str, url: &str, e: ServiceError) -> ToolError {
     match e {
         // The server answered with a JSON-RPC error: its words, not a broken connection.
         ServiceError::McpError(data) => ToolError::RemoteTool {
             service,
-            detail: clip(&data.message, 2000),
+            detail: clip(&scrub(&data.message, url), 2000),
         },
         ServiceError::Timeout { timeout } => ToolError::UpstreamTimeout {
             service,
@@ -689,7 +706,10 @@ fn describe(service: &'static str, e: ServiceError) -> ToolError {
         ServiceError::Cancelled { .. } => ToolError::Cancelled,
         other => ToolError::UpstreamUnavailable {
             service,
-            detail: format!("the connection failed mid-call: {other}"),
+            detail: format!(
+                "the connection failed mid-call: {}",
+                scrub(&other.to_string(), url)
+            ),
         },
     }
 }
@@ -726,4 +746,57 @@ fn render(content: &[ContentBlock], structured: Option<&Value>) -> String {
         parts.push(value.to_string());
     }
     parts.join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const URL: &str = "https://user:s3cret-pass@mcp.example.com:8443/mcp?api_key=k-0123456789";
+
+    #[test]
+    fn a_scrubbed_error_keeps_the_host_and_never_the_key_in_any_form_it_was_quoted() {
+        for quoted in [
+            format!("error sending request for url ({URL})"),
+            "bad query api_key=k-0123456789".to_owned(),
+            "auth failed for s3cret-pass".to_owned(),
+        ] {
+            let shown = scrub(&quoted, URL);
+            assert!(!shown.contains("k-0123456789"), "{shown}");
+            assert!(!shown.contains("s3cret-pass"), "{shown}");
+        }
+        assert_eq!(
+            scrub(&format!("cannot reach {URL}"), URL),
+            "cannot reach https://mcp.example.com:8443/mcp"
+        );
+    }
+
+    #[test]
+    fn a_url_quoted_as_the_http_client_normalised_it_is_scrubbed_too() {
+        let configured = "HTTPS://MCP.example.com?api_key=k-0123456789";
+        let normalised = "https://mcp.example.com/?api_key=k-0123456789";
+        assert_eq!(
+            scrub(
+                &format!("error sending request for url ({normalised})"),
+                configured
+            ),
+            "error sending request for url (https://mcp.example.com/)"
+        );
+    }
+
+    #[test]
+    fn a_broken_call_is_described_without_the_key() {
+        let url = "http://127.0.0.1:9/mcp?token=abcdef123456";
+        let error = describe(
+            "MCP server \"demo\"",
+            url,
+            ServiceError::McpError(rmcp::model::ErrorData::internal_error(
+                format!("upstream {url} refused"),
+                None,
+            )),
+        );
+        let text = error.to_string();
+        assert!(!text.contains("abcdef123456"), "{text}");
+        assert!(text.contains("http://127.0.0.1:9/mcp"), "{text}");
+    }
 }
