@@ -493,13 +493,14 @@ impl Engine {
                 };
                 (text, out.display, None, 0, reads_external || out.external)
             }
-            // Failures are Steward's own classified sentences.
+            // Failures are Steward's own classified sentences, except where one quotes another
+            // party (a remote tool's own error text), which the agent must fence as data.
             Err(e) => (
                 e.to_string(),
                 None,
                 Some(e.kind()),
                 e.retry_after_secs(),
-                false,
+                e.carries_external_words(),
             ),
         };
         let capped = cap_text(text, self.config.max_result_chars);

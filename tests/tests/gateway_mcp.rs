@@ -250,6 +250,42 @@ async fn g15_invalid_arguments_never_reach_the_server() {
 }
 
 #[tokio::test]
+async fn g15_p1_a_remote_tools_own_error_text_is_marked_as_another_partys_words() {
+    let server = demo_server(None).await;
+    let app = app_with(&server, Backend::Memory, &[]).await;
+    listed_demo(&app, "alice").await;
+    let mut alice = app.gateway_as("alice").await;
+
+    // The server answers with isError and its own sentence: the gateway passes it on as an
+    // upstream error that quotes the server, flagged so the agent fences it as data.
+    let refused = call_tool_keyed(
+        &mut alice,
+        "mcp__demo__add_tool",
+        json!({"name": "lookup"}),
+        "add-lookup-again",
+    )
+    .await;
+    assert!(!refused.ok);
+    assert_eq!(
+        refused.error_kind,
+        pb::ErrorKind::UpstreamError as i32,
+        "{}",
+        refused.text
+    );
+    assert!(
+        refused.text.contains("already exists"),
+        "the server's words are kept: {}",
+        refused.text
+    );
+    assert!(refused.carries_external_content, "{}", refused.text);
+
+    // A failure Steward itself words carries no one else's text.
+    let invalid = call_tool(&mut alice, "mcp__demo__lookup", json!({"limit": 3})).await;
+    assert_eq!(invalid.error_kind, pb::ErrorKind::InvalidArguments as i32);
+    assert!(!invalid.carries_external_content);
+}
+
+#[tokio::test]
 async fn g15_a_servers_list_changed_notification_refreshes_listtools() {
     let server = demo_server(None).await;
     // No periodic probe within the test: only the notification can bring the new tool.

@@ -54,14 +54,19 @@ pub struct ToolOutcome {
 
 /// What the model reads as a call's result: what a tool returned is data (issue 14) and goes
 /// in a data block; a failure is a sentence written by Steward (the policy, the gateway's
-/// classified errors) and stays as it is, so the model can act on it.
+/// classified errors) and stays as it is, so the model can act on it — unless it quotes
+/// another party (a remote tool's own error text), which is data like any result.
 pub fn result_content(tool: &str, outcome: &ToolOutcome) -> String {
     match (outcome.ok, outcome.external) {
         (true, true) => {
             crate::fence::block(&format!("{EXTERNAL_SOURCE} from {tool}"), &outcome.text)
         }
         (true, false) => crate::fence::block(&format!("result of {tool}"), &outcome.text),
-        (false, _) => outcome.text.clone(),
+        (false, true) => crate::fence::block(
+            &format!("{EXTERNAL_SOURCE} from {tool}: the call failed"),
+            &outcome.text,
+        ),
+        (false, false) => outcome.text.clone(),
     }
 }
 

@@ -175,7 +175,8 @@ impl ToolRunner for PolicyRunner<'_> {
                     for (((pos, outcome), side_effect), name) in
                         positions.into_iter().zip(results).zip(side).zip(names)
                     {
-                        if outcome.ok && (outcome.external || self.external_readers.contains(&name))
+                        // A failure can carry others' words too (a remote tool's error).
+                        if outcome.external || (outcome.ok && self.external_readers.contains(&name))
                         {
                             self.guard.read(&name);
                         }

@@ -148,6 +148,12 @@ impl ToolError {
             _ => 0,
         }
     }
+
+    /// The sentence carries words another party wrote (an MCP server's own account of its
+    /// failure), so the agent must treat it as data, not as Steward's instruction (P-1).
+    pub fn carries_external_words(&self) -> bool {
+        matches!(self, ToolError::RemoteTool { .. })
+    }
 }
 
 #[cfg(test)]
