@@ -174,18 +174,13 @@ async fn write(shared: Arc<Shared>, batch: Vec<Queued>) {
             // its outcome is unknown; a run that was admitted is ended as abandoned once its
             // lease lapses, and a caller's retry with its request id finds it.
             Err(e) if e.as_db_error().is_none() => {
-                for q in together.drain(..) {
-                    q.answer(Err(StoreError::Unavailable(format!(
-                        "the admission's outcome is unknown: the database connection failed ({e}); retry the run"
-                    ))));
-                }
-                // The ones set apart were not sent: they go on a connection that works.
-                if client.is_closed() {
-                    let Some(fresh) = group::connection(pool, &mut alone).await else {
-                        return;
-                    };
-                    client = fresh;
-                }
+                let batch = std::mem::take(&mut together);
+                let advice = ("admission", "; retry the run");
+                let told = group::unknown_outcome(pool, client, &e, advice, batch, &mut alone);
+                let Some(usable) = told.await else {
+                    return;
+                };
+                client = usable;
             }
             Err(e) => match admission::owners_busy(&e) {
                 // Nothing was written: the rest of the batch is tried again without the busy

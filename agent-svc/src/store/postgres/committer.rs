@@ -117,18 +117,12 @@ async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: &Counters, sus
                 // again, a commit that landed would repeat its history rows, or fail its fence
                 // (a run's last commit releases its lease) and read as a lost lease. Each writer
                 // is told the outcome is unknown, and looks for its events before it retries.
-                tracing::warn!(error = %e, commits = together.len(), "a commit batch's outcome is unknown: its connection failed");
-                for q in together {
-                    q.answer(Err(StoreError::Unavailable(format!(
-                        "the commit's outcome is unknown: the database connection failed ({e})"
-                    ))));
-                }
-                if client.is_closed() {
-                    let Some(fresh) = group::connection(pool, &mut alone).await else {
-                        return;
-                    };
-                    client = fresh;
-                }
+                let told =
+                    group::unknown_outcome(pool, client, &e, ("commit", ""), together, &mut alone);
+                let Some(usable) = told.await else {
+                    return;
+                };
+                client = usable;
             }
             Err(e) => {
                 let retry = group::refused_batch(pool, client, &e, counts, together, &mut alone);

@@ -1,5 +1,6 @@
 //! What agent-svc's group commit and group admission share beyond `svc_kit::group`: a
-//! connection for a batch, and a batch the database refused handed to the one-by-one path.
+//! connection for a batch, a batch the database refused handed to the one-by-one path, and a
+//! batch whose outcome is unknown answered as such.
 
 use svc_kit::pg;
 
@@ -34,6 +35,30 @@ pub(super) async fn refused_batch<I, O>(
     tracing::debug!(%error, items = batch.len(), "the database refused a batch; writing each item alone");
     counts.retried();
     alone.splice(0..0, batch);
+    match client.is_closed() {
+        false => Some(client),
+        true => connection(pool, alone).await,
+    }
+}
+
+/// A batch whose statement got no answer (the connection failed under it): it may have
+/// committed, so writing it again could repeat it. Each waiter of `batch` is told its `what`'s
+/// outcome is unknown (then `advice`), and the items set apart in `alone`, never sent, get a
+/// connection that works — `client`, or a fresh one (`None`: every waiter told so).
+pub(super) async fn unknown_outcome<I, O>(
+    pool: &pg::PgPool,
+    client: pg::Pooled,
+    error: &tokio_postgres::Error,
+    (what, advice): (&str, &str),
+    batch: Vec<Waiting<I, O>>,
+    alone: &mut Vec<Waiting<I, O>>,
+) -> Option<pg::Pooled> {
+    tracing::warn!(%error, items = batch.len(), "a {what} batch's outcome is unknown: its connection failed");
+    for q in batch {
+        q.answer(Err(StoreError::Unavailable(format!(
+            "the {what}'s outcome is unknown: the database connection failed ({error}){advice}"
+        ))));
+    }
     match client.is_closed() {
         false => Some(client),
         true => connection(pool, alone).await,
