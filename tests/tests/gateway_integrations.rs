@@ -616,3 +616,56 @@ async fn calendar_events_are_created_found_and_updated_with_their_time_zone() {
         none.text
     );
 }
+
+#[tokio::test]
+async fn calendar_plain_dates_make_all_day_events_and_search_whole_days() {
+    let cal = steward_tests::fakes::calendar::FakeCalendar::start().await;
+    let mut w = world(&[("GOOGLE_CALENDAR_API_BASE_URL", cal.url.as_str())]).await;
+    connect(
+        &mut w.g,
+        pb::Integration::GoogleCalendar,
+        "me@example.com",
+        steward_tests::fakes::calendar::TOKEN,
+    )
+    .await;
+    let created = run_keyed(
+        &mut w.g,
+        "calendar_event_create",
+        serde_json::json!({"summary": "Offsite", "start": "2031-03-04", "end": "2031-03-05"}),
+        "allday",
+    )
+    .await;
+    assert!(created.ok, "{}", created.text);
+    assert_eq!(
+        created.text,
+        "Created event [evt1] \"Offsite\" — 2031-03-04 to 2031-03-05 (all day) in me@example.com."
+    );
+
+    // A day given as both bounds is searched from its first moment through its end.
+    let found = run(
+        &mut w.g,
+        "calendar_search",
+        serde_json::json!({"time_min": "2031-03-04", "time_max": "2031-03-04"}),
+    )
+    .await;
+    assert!(
+        found
+            .text
+            .starts_with("Events in me@example.com (1):\n1. [evt1] \"Offsite\" — 2031-03-04 to 2031-03-05 (all day)"),
+        "{}",
+        found.text
+    );
+    let mixed = run_keyed(
+        &mut w.g,
+        "calendar_event_create",
+        serde_json::json!({"summary": "x", "start": "2031-03-04", "end": "2031-03-04T10:00:00Z"}),
+        "mixed",
+    )
+    .await;
+    assert_eq!(
+        mixed.error_kind,
+        pb::ErrorKind::InvalidArguments as i32,
+        "{}",
+        mixed.text
+    );
+}

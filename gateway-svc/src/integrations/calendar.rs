@@ -12,7 +12,6 @@ use crate::{
     domain::Integration,
     enforce::ToolError,
     registry::{Preview, Tool, ToolOutput, ToolSpec, digest, first_lines, line},
-    time::parse_when,
 };
 
 pub const DEFAULT_BASE_URL: &str = "https://www.googleapis.com";
@@ -86,14 +85,24 @@ impl EventTime {
     }
 }
 
+/// When an event happens, as the model reads it. An all-day event's end date from Google is
+/// the day after its last; it is shown as the last day, so "to" reads inclusive.
+fn span(start: &EventTime, end: &EventTime) -> String {
+    let day = |t: &EventTime| {
+        t.date
+            .as_deref()
+            .filter(|_| t.date_time.is_none())
+            .and_then(|d| d.parse::<jiff::civil::Date>().ok())
+    };
+    match (day(start), day(end).and_then(|d| d.yesterday().ok())) {
+        (Some(first), Some(last)) if last <= first => format!("{first} (all day)"),
+        (Some(first), Some(last)) => format!("{first} to {last} (all day)"),
+        _ => format!("{} to {}", start.show(), end.show()),
+    }
+}
+
 fn render(e: &Event) -> String {
-    let mut line = format!(
-        "[{}] \"{}\" — {} to {}",
-        e.id,
-        e.summary,
-        e.start.show(),
-        e.end.show()
-    );
+    let mut line = format!("[{}] \"{}\" — {}", e.id, e.summary, span(&e.start, &e.end));
     if !e.location.is_empty() {
         line.push_str(&format!(" — {}", e.location));
     }
@@ -148,19 +157,105 @@ async fn account(ctx: &CallContext, args: &Value, tool: &str) -> Result<String, 
     }
 }
 
-fn rfc3339(args: &Value, field: &str, tool: &str) -> Result<Option<String>, ToolError> {
+/// A time argument as the calendar takes it: an instant, or a whole day (a plain date), which
+/// is an all-day event's date and, in a search, the bounds of that day. A plain date is never
+/// turned into some instant of it: a search from "2026-11-25" starts at its first moment, and
+/// an event on it lasts the day.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum When {
+    At(jiff::Timestamp),
+    Day(jiff::civil::Date),
+}
+
+impl When {
+    /// The first moment of the day (UTC), or the instant.
+    fn first_moment(self) -> jiff::Timestamp {
+        match self {
+            When::At(t) => t,
+            When::Day(d) => day_start(d),
+        }
+    }
+
+    /// The moment just after the day (UTC), or the instant: an exclusive upper bound.
+    fn after(self) -> jiff::Timestamp {
+        match self {
+            When::At(t) => t,
+            When::Day(d) => d.tomorrow().map_or(jiff::Timestamp::MAX, day_start),
+        }
+    }
+}
+
+fn day_start(d: jiff::civil::Date) -> jiff::Timestamp {
+    d.to_zoned(jiff::tz::TimeZone::UTC)
+        .map_or(jiff::Timestamp::MAX, |z| z.timestamp())
+}
+
+fn when(args: &Value, field: &str, tool: &str) -> Result<Option<When>, ToolError> {
     let Some(raw) = text_arg(args, field) else {
         return Ok(None);
     };
-    let t = parse_when(&raw).map_err(|detail| ToolError::InvalidArguments {
+    let raw = raw.trim();
+    if let Ok(t) = raw.parse::<jiff::Timestamp>() {
+        return Ok(Some(When::At(t)));
+    }
+    if let Ok(d) = raw.parse::<jiff::civil::Date>() {
+        return Ok(Some(When::Day(d)));
+    }
+    Err(ToolError::InvalidArguments {
         tool: tool.into(),
-        detail: format!("{field}: {detail}"),
-    })?;
-    Ok(Some(
-        jiff::Timestamp::try_from(t)
-            .map(|ts| ts.to_string())
-            .unwrap_or(raw),
-    ))
+        detail: format!(
+            "{field}: {raw:?} is not a time; use RFC 3339 like 2026-11-25T09:00:00+01:00, or a date like 2026-11-25 for a whole day"
+        ),
+    })
+}
+
+/// An event's `start` and `end` as Google Calendar takes them: both instants (`dateTime`, in
+/// `zone` when given) or both days (`date`; the user's `end` is the last day, Google's is the
+/// day after). `None` for a time not given (an update keeps it).
+fn event_times(
+    start: Option<When>,
+    end: Option<When>,
+    zone: Option<&str>,
+    tool: &str,
+) -> Result<[Option<Value>; 2], ToolError> {
+    let invalid = |detail: &str| ToolError::InvalidArguments {
+        tool: tool.into(),
+        detail: detail.into(),
+    };
+    match (start, end) {
+        (Some(When::Day(s)), Some(When::Day(e))) => {
+            if e < s {
+                return Err(invalid("end must be on or after start"));
+            }
+            let after = e
+                .tomorrow()
+                .map_err(|_| invalid("end is past the last date a calendar holds"))?;
+            Ok([
+                Some(json!({ "date": s.to_string() })),
+                Some(json!({ "date": after.to_string() })),
+            ])
+        }
+        (Some(When::Day(_)), _) | (_, Some(When::Day(_))) => Err(invalid(
+            "an all-day event needs both start and end as dates (YYYY-MM-DD); a timed one needs both as RFC 3339 date-times",
+        )),
+        (start, end) => {
+            if let (Some(When::At(s)), Some(When::At(e))) = (start, end)
+                && s >= e
+            {
+                return Err(invalid("end must be after start"));
+            }
+            let timed = |w: Option<When>| {
+                w.map(|w| {
+                    let mut t = json!({ "dateTime": w.first_moment().to_string() });
+                    if let Some(z) = zone {
+                        t["timeZone"] = json!(z);
+                    }
+                    t
+                })
+            };
+            Ok([timed(start), timed(end)])
+        }
+    }
 }
 
 struct Search(CalendarApi);
@@ -177,8 +272,8 @@ impl Tool for Search {
             "calendar_search",
             "Find events in the user's calendar between two times (default: the next 7 days), optionally matching text.",
             json!({"type": "object", "additionalProperties": false, "properties": {
-                "time_min": {"type": "string", "description": "RFC 3339; default now"},
-                "time_max": {"type": "string", "description": "RFC 3339; default 7 days after time_min"},
+                "time_min": {"type": "string", "description": "RFC 3339 or a date; default now"},
+                "time_max": {"type": "string", "description": "RFC 3339 or a date (through its end); default 7 days after time_min"},
                 "query": {"type": "string", "maxLength": 200},
                 "calendar_id": {"type": "string", "default": "primary"},
                 "max_results": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
@@ -191,16 +286,20 @@ impl Tool for Search {
         let account = account(ctx, &args, "calendar_search").await?;
         let now =
             jiff::Timestamp::try_from(SystemTime::now()).unwrap_or(jiff::Timestamp::UNIX_EPOCH);
-        let time_min =
-            rfc3339(&args, "time_min", "calendar_search")?.unwrap_or_else(|| now.to_string());
-        let default_max = time_min
-            .parse::<jiff::Timestamp>()
-            .ok()
-            .and_then(|t| t.checked_add(jiff::SignedDuration::from_hours(24 * 7)).ok())
-            .map(|t| t.to_string());
-        let time_max = rfc3339(&args, "time_max", "calendar_search")?
-            .or(default_max)
-            .unwrap_or_default();
+        let from = when(&args, "time_min", "calendar_search")?.map_or(now, When::first_moment);
+        let until = match when(&args, "time_max", "calendar_search")? {
+            Some(w) => w.after(),
+            None => from
+                .checked_add(jiff::SignedDuration::from_hours(24 * 7))
+                .unwrap_or(jiff::Timestamp::MAX),
+        };
+        if until <= from {
+            return Err(ToolError::InvalidArguments {
+                tool: "calendar_search".into(),
+                detail: "time_max must be after time_min".into(),
+            });
+        }
+        let (time_min, time_max) = (from.to_string(), until.to_string());
         let max = args
             .get("max_results")
             .and_then(Value::as_u64)
@@ -259,8 +358,8 @@ impl Tool for Write {
     fn spec(&self) -> ToolSpec {
         let mut properties = json!({
             "summary": {"type": "string", "minLength": 1, "maxLength": 500},
-            "start": {"type": "string", "description": "RFC 3339, e.g. 2026-11-25T09:00:00+01:00"},
-            "end": {"type": "string", "description": "RFC 3339"},
+            "start": {"type": "string", "description": "RFC 3339, e.g. 2026-11-25T09:00:00+01:00; a date for all day"},
+            "end": {"type": "string", "description": "RFC 3339; a date (the last day) for all day"},
             "time_zone": {"type": "string", "description": "IANA zone for the event, e.g. Europe/Berlin"},
             "description": {"type": "string", "maxLength": 8000},
             "location": {"type": "string", "maxLength": 500},
@@ -314,22 +413,14 @@ impl Tool for Write {
                 body.insert(key.into(), json!(v));
             }
         }
-        let start = rfc3339(&args, "start", tool)?;
-        let end = rfc3339(&args, "end", tool)?;
-        if let (Some(s), Some(e)) = (&start, &end)
-            && s >= e
-        {
-            return Err(ToolError::InvalidArguments {
-                tool: tool.into(),
-                detail: "end must be after start".into(),
-            });
-        }
+        let [start, end] = event_times(
+            when(&args, "start", tool)?,
+            when(&args, "end", tool)?,
+            zone.as_deref(),
+            tool,
+        )?;
         for (key, value) in [("start", start), ("end", end)] {
-            if let Some(v) = value {
-                let mut t = json!({ "dateTime": v });
-                if let Some(z) = &zone {
-                    t["timeZone"] = json!(z);
-                }
+            if let Some(t) = value {
                 body.insert(key.into(), t);
             }
         }
@@ -529,6 +620,84 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    fn times(start: &str, end: &str) -> Result<[Option<Value>; 2], ToolError> {
+        let args = json!({"start": start, "end": end});
+        event_times(
+            when(&args, "start", "t")?,
+            when(&args, "end", "t")?,
+            Some("Europe/Berlin"),
+            "t",
+        )
+    }
+
+    #[test]
+    fn plain_dates_make_an_all_day_event_through_its_last_day() {
+        let [start, end] = times("2026-11-25", "2026-11-26").unwrap();
+        assert_eq!(start, Some(json!({"date": "2026-11-25"})));
+        // Google's end date is exclusive: the day after the last day.
+        assert_eq!(end, Some(json!({"date": "2026-11-27"})));
+        let [_, one_day] = times("2026-11-25", "2026-11-25").unwrap();
+        assert_eq!(one_day, Some(json!({"date": "2026-11-26"})));
+    }
+
+    #[test]
+    fn timed_events_keep_their_instants_and_zone() {
+        let [start, end] = times("2026-11-25T09:00:00+01:00", "2026-11-25T10:00:00+01:00").unwrap();
+        assert_eq!(
+            start,
+            Some(json!({"dateTime": "2026-11-25T08:00:00Z", "timeZone": "Europe/Berlin"}))
+        );
+        assert_eq!(
+            end,
+            Some(json!({"dateTime": "2026-11-25T09:00:00Z", "timeZone": "Europe/Berlin"}))
+        );
+    }
+
+    #[test]
+    fn mixed_backwards_or_unreadable_times_are_refused_with_what_to_fix() {
+        let mixed = times("2026-11-25", "2026-11-25T10:00:00Z")
+            .unwrap_err()
+            .to_string();
+        assert!(mixed.contains("both start and end as dates"), "{mixed}");
+        let backwards = times("2026-11-25", "2026-11-24").unwrap_err().to_string();
+        assert!(backwards.contains("on or after start"), "{backwards}");
+        let timed = times("2026-11-25T10:00:00Z", "2026-11-25T09:00:00Z").unwrap_err();
+        assert!(timed.to_string().contains("after start"), "{timed}");
+        let vague = times("tomorrow", "2026-11-25").unwrap_err().to_string();
+        assert!(
+            vague.contains("start: \"tomorrow\" is not a time"),
+            "{vague}"
+        );
+    }
+
+    #[test]
+    fn an_all_day_event_reads_through_its_last_day() {
+        let day = |d: &str| EventTime {
+            date: Some(d.into()),
+            ..EventTime::default()
+        };
+        assert_eq!(
+            span(&day("2031-03-04"), &day("2031-03-05")),
+            "2031-03-04 (all day)"
+        );
+        assert_eq!(
+            span(&day("2031-03-04"), &day("2031-03-07")),
+            "2031-03-04 to 2031-03-06 (all day)"
+        );
+        // An end no later than the start (not what Google sends) still reads as one day.
+        assert_eq!(
+            span(&day("2031-03-04"), &day("2031-03-04")),
+            "2031-03-04 (all day)"
+        );
+    }
+
+    #[test]
+    fn a_searched_day_runs_from_its_first_moment_to_the_next_day() {
+        let day = When::Day("2026-11-25".parse().unwrap());
+        assert_eq!(day.first_moment().to_string(), "2026-11-25T00:00:00Z");
+        assert_eq!(day.after().to_string(), "2026-11-26T00:00:00Z");
+    }
 
     /// A time as the calendar may send it: a real timestamp in a real zone, an all-day date,
     /// or anything at all (other people's invitations are hostile too).
