@@ -183,7 +183,7 @@ impl CallContext {
             .send_raw(integration, Some(account), build(&token))
             .await?;
         if first.status != StatusCode::UNAUTHORIZED {
-            return check_status(integration.label(), first);
+            return check_status(integration.label(), account, first);
         }
         let token = credentials
             .access_token(&self.user, integration, account, Some(&token))
@@ -200,7 +200,7 @@ impl CallContext {
                 account: account.to_owned(),
             });
         }
-        check_status(integration.label(), second)
+        check_status(integration.label(), account, second)
     }
 
     /// Sends one request and reads its body under the cap; any status comes back.
@@ -353,7 +353,11 @@ fn transport_error(service: &'static str, e: &reqwest::Error) -> ToolError {
 
 /// Turns non-success statuses into errors the model can act on. 404 is returned to the tool,
 /// which knows what was missing.
-fn check_status(service: &'static str, r: UpstreamResponse) -> Result<UpstreamResponse, ToolError> {
+fn check_status(
+    service: &'static str,
+    account: &str,
+    r: UpstreamResponse,
+) -> Result<UpstreamResponse, ToolError> {
     let status = r.status;
     if status.is_success() || status == StatusCode::NOT_FOUND {
         return Ok(r);
@@ -364,19 +368,50 @@ fn check_status(service: &'static str, r: UpstreamResponse) -> Result<UpstreamRe
             retry_after: retry_after(&r.headers),
         });
     }
+    let reason = google_reason(&r.body);
+    // Google answers a rate or quota limit with 403 and says so in the reason: a limit to wait
+    // out, not a permission the user lacks.
+    if status == StatusCode::FORBIDDEN
+        && let Some(wait) = reason
+            .as_deref()
+            .and_then(|why| limit_wait(why, &r.headers))
+    {
+        return Err(ToolError::UpstreamRateLimited {
+            service,
+            retry_after: wait,
+        });
+    }
     // What the upstream said stays in the logs (redacted): it can echo tokens or the request,
-    // and it is someone else's words. The model and the user get the classified sentence.
+    // and it is someone else's words. The model and the user get the classified sentence,
+    // with at most Google's reason, a machine word from a fixed vocabulary.
     tracing::warn!(
         service,
         status = status.as_u16(),
+        reason = reason.as_deref().unwrap_or(""),
         detail = %svc_kit::text::redacted_excerpt(&short_detail(&r.body), 200),
         "upstream error"
     );
+    let said = |before: &str, after: &str| {
+        reason
+            .as_deref()
+            .map(|r| format!("{before}{r}{after}"))
+            .unwrap_or_default()
+    };
     if status == StatusCode::FORBIDDEN {
         return Err(ToolError::PermissionDenied {
             service,
-            account: String::new(),
-            detail: "permission denied".into(),
+            account: account.to_owned(),
+            detail: format!(
+                "permission denied{}; the account may not allow this, or access must be granted again",
+                said(" (", ")")
+            ),
+        });
+    }
+    if status.is_client_error() {
+        return Err(ToolError::UpstreamRejected {
+            service,
+            status: status.as_u16(),
+            reason: said(", ", ""),
         });
     }
     Err(ToolError::Upstream {
@@ -384,6 +419,32 @@ fn check_status(service: &'static str, r: UpstreamResponse) -> Result<UpstreamRe
         status: status.as_u16(),
         detail: String::new(),
     })
+}
+
+/// How long to wait out a Google limit named by `reason`, or `None` when it names none: a
+/// per-minute limit as `Retry-After` says, a daily quota for an hour at least.
+fn limit_wait(reason: &str, headers: &HeaderMap) -> Option<Duration> {
+    match reason {
+        "rateLimitExceeded" | "userRateLimitExceeded" => Some(retry_after(headers)),
+        "quotaExceeded" | "dailyLimitExceeded" => {
+            Some(retry_after(headers).max(Duration::from_secs(3600)))
+        }
+        _ => None,
+    }
+}
+
+/// Google's machine reason for an error (`error.errors[0].reason`, or `error.status`), when it
+/// is a plain word: never free text.
+fn google_reason(body: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let reason = v
+        .pointer("/error/errors/0/reason")
+        .or_else(|| v.pointer("/error/status"))?
+        .as_str()?;
+    (!reason.is_empty()
+        && reason.len() <= 40
+        && reason.bytes().all(|b| b.is_ascii_alphabetic() || b == b'_'))
+    .then(|| reason.to_owned())
 }
 
 /// `Retry-After` as seconds or an HTTP date; 30 s when absent or unreadable.

@@ -636,7 +636,30 @@ async fn upstream_failures_become_clear_results() {
         (
             "/status/403",
             pb::ErrorKind::PermissionDenied,
-            "Gmail refused the request",
+            // The account is named, so the user knows which one to look at.
+            "Gmail refused the request for work@example.com: permission denied;",
+        ),
+        (
+            "/status/403?reason=insufficientPermissions",
+            pb::ErrorKind::PermissionDenied,
+            "Gmail refused the request for work@example.com: permission denied (insufficientPermissions);",
+        ),
+        // Google says "rate limit" with a 403: a limit to wait out, not a permission.
+        (
+            "/status/403?reason=userRateLimitExceeded",
+            pb::ErrorKind::RateLimited,
+            "Gmail is rate limiting requests. Try again in 42 seconds.",
+        ),
+        (
+            "/status/403?reason=dailyLimitExceeded",
+            pb::ErrorKind::RateLimited,
+            "Gmail is rate limiting requests. Try again in 3600 seconds.",
+        ),
+        // A request the upstream refuses as it is is not worth sending again unchanged.
+        (
+            "/status/400?reason=invalidArgument",
+            pb::ErrorKind::UpstreamError,
+            "Gmail rejected the request (HTTP 400, invalidArgument). Sending it again unchanged will fail the same way;",
         ),
         (
             "/slow",

@@ -61,6 +61,17 @@ pub enum ToolError {
         status: u16,
         detail: String,
     },
+    /// The upstream refused this request as it is (a 4xx other than 401/403/404/429): sent
+    /// again unchanged it fails again.
+    #[error(
+        "{service} rejected the request (HTTP {status}{reason}). Sending it again unchanged will fail the same way; change the request or tell the user."
+    )]
+    UpstreamRejected {
+        service: &'static str,
+        status: u16,
+        /// The upstream's machine reason as ", word", or empty.
+        reason: String,
+    },
     /// A tool of another server (MCP) answered that the call failed, in its own words.
     #[error("{service} reported that the call failed: {detail}")]
     RemoteTool {
@@ -127,6 +138,7 @@ impl ToolError {
             ToolError::CredentialsRevoked { .. } => ErrorKind::CredentialsRevoked,
             ToolError::PermissionDenied { .. } => ErrorKind::PermissionDenied,
             ToolError::Upstream { .. }
+            | ToolError::UpstreamRejected { .. }
             | ToolError::UpstreamGarbage { .. }
             | ToolError::RemoteTool { .. } => ErrorKind::UpstreamError,
             ToolError::UpstreamTimeout { .. } => ErrorKind::UpstreamTimeout,

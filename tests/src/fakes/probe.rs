@@ -117,16 +117,30 @@ async fn data(
     (StatusCode::OK, unit.repeat(q.size))
 }
 
+#[derive(serde::Deserialize)]
+struct StatusQuery {
+    /// Google's machine reason for the error (`error.errors[0].reason`), e.g.
+    /// `userRateLimitExceeded`.
+    reason: Option<String>,
+}
+
+/// Answers with `code`, a Google-shaped error body (with `?reason=`, its reason) and a
+/// `Retry-After` of 42 s.
 async fn status(
     State(s): State<Arc<ProbeState>>,
     headers: HeaderMap,
     Path(code): Path<u16>,
+    Query(q): Query<StatusQuery>,
 ) -> impl IntoResponse {
     let _ = record(&s, "/status", &headers);
     let code = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut error = serde_json::json!({"message": "Backend Error"});
+    if let Some(reason) = q.reason {
+        error["errors"] = serde_json::json!([{"reason": reason, "message": "Backend Error"}]);
+    }
     (
         [("retry-after", "42")],
-        (code, r#"{"error":{"message":"Backend Error"}}"#),
+        (code, serde_json::json!({ "error": error }).to_string()),
     )
 }
 
