@@ -72,6 +72,14 @@ async fn a_search_over_ten_messages_makes_one_list_and_one_batch_request_and_nev
     .await;
     assert!(r.ok, "{}", r.text);
     assert_eq!(r.upstream_calls, 2);
+    // Twelve match and ten were asked for: the answer says there are more, and how to get them.
+    assert!(
+        r.text.contains(
+            "\n(More messages match than these 10; ask for up to 50 with max_results, or narrow the query.)\n"
+        ),
+        "{}",
+        r.text
+    );
     let recorded = w.gmail.recorded();
     let http: Vec<_> = recorded
         .iter()
@@ -223,7 +231,7 @@ async fn an_upstream_error_body_never_reaches_the_result_text() {
     assert!(!r.text.contains("SECRET"), "{}", r.text);
     assert!(!r.text.contains("attacker"), "{}", r.text);
     assert!(
-        r.text.starts_with("Gmail returned an error (HTTP 400)."),
+        r.text.starts_with("Gmail rejected the request (HTTP 400)."),
         "{}",
         r.text
     );
@@ -505,6 +513,20 @@ async fn slack_channels_paginate_and_history_reads_and_a_429_names_the_wait() {
         "{}",
         history.text
     );
+    assert!(!history.text.contains("older messages exist"));
+    let latest = run(
+        &mut w.g,
+        "slack_read",
+        serde_json::json!({"channel": "C00000001", "limit": 1}),
+    )
+    .await;
+    assert!(
+        latest
+            .text
+            .ends_with("Deploy is done\n(older messages exist; ask for a higher limit, up to 100)"),
+        "{}",
+        latest.text
+    );
     let missing = run(
         &mut w.g,
         "slack_read",
@@ -604,6 +626,16 @@ async fn calendar_events_are_created_found_and_updated_with_their_time_zone() {
         "{}",
         moved.text
     );
+    let first_only = run(
+        &mut w.g,
+        "calendar_search",
+        serde_json::json!({"time_min": "2031-03-01T00:00:00Z", "time_max": "2031-03-08T00:00:00Z", "max_results": 1}),
+    )
+    .await;
+    assert!(
+        !first_only.text.contains("More events match"),
+        "one event, one asked for"
+    );
     let none = run(
         &mut w.g,
         "calendar_search",
@@ -641,6 +673,28 @@ async fn calendar_plain_dates_make_all_day_events_and_search_whole_days() {
         "Created event [evt1] \"Offsite\" — 2031-03-04 to 2031-03-05 (all day) in me@example.com."
     );
 
+    let second = run_keyed(
+        &mut w.g,
+        "calendar_event_create",
+        serde_json::json!({"summary": "Dinner", "start": "2031-03-04T19:00:00Z", "end": "2031-03-04T21:00:00Z"}),
+        "dinner",
+    )
+    .await;
+    assert!(second.ok, "{}", second.text);
+    let one_of_two = run(
+        &mut w.g,
+        "calendar_search",
+        serde_json::json!({"time_min": "2031-03-04", "time_max": "2031-03-04", "max_results": 1}),
+    )
+    .await;
+    assert!(
+        one_of_two.text.ends_with(
+            "\n(More events match; narrow the time range or ask for more with max_results, up to 50.)"
+        ),
+        "{}",
+        one_of_two.text
+    );
+
     // A day given as both bounds is searched from its first moment through its end.
     let found = run(
         &mut w.g,
@@ -651,7 +705,7 @@ async fn calendar_plain_dates_make_all_day_events_and_search_whole_days() {
     assert!(
         found
             .text
-            .starts_with("Events in me@example.com (1):\n1. [evt1] \"Offsite\" — 2031-03-04 to 2031-03-05 (all day)"),
+            .starts_with("Events in me@example.com (2):\n1. [evt1] \"Offsite\" — 2031-03-04 to 2031-03-05 (all day)"),
         "{}",
         found.text
     );

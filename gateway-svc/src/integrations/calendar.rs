@@ -27,6 +27,9 @@ pub struct CalendarApi {
 struct Events {
     #[serde(default)]
     items: Vec<Event>,
+    /// Present when more events match than this page holds.
+    #[serde(default, rename = "nextPageToken")]
+    next_page_token: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -340,8 +343,13 @@ impl Tool for Search {
             .enumerate()
             .map(|(i, e)| format!("{}. {}", i + 1, render(e)))
             .collect();
+        let more = if events.next_page_token.is_some_and(|t| !t.is_empty()) {
+            "\n(More events match; narrow the time range or ask for more with max_results, up to 50.)"
+        } else {
+            ""
+        };
         Ok(ToolOutput::text(format!(
-            "Events in {account} ({}):\n{}",
+            "Events in {account} ({}):\n{}{more}",
             events.items.len(),
             lines.join("\n")
         )))

@@ -43,9 +43,12 @@ struct Label {
 }
 
 #[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
 struct MessageList {
     #[serde(default)]
     messages: Vec<MessageRef>,
+    /// Present when more messages match than this page holds.
+    next_page_token: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -59,6 +62,8 @@ struct Found {
     /// Set when the search asked Gmail for fewer than wanted and found as many as it asked
     /// for: there may be more.
     cut: Option<Cut>,
+    /// Gmail said more messages match than were asked for (and nothing was cut).
+    more: bool,
 }
 
 /// Why a search asked Gmail for fewer messages than wanted.
@@ -238,9 +243,22 @@ impl GmailApi {
                     .bearer_auth(token)
             })
             .await
-            .and_then(|list| list.json::<MessageList>(SERVICE));
-        let mut ids: Vec<String> = match listed {
-            Ok(list) => list.messages.into_iter().map(|m| m.id).collect(),
+            .and_then(|list| {
+                // A 404 here is no mailbox, not "no messages": it must not read as an answer.
+                if list.status == reqwest::StatusCode::NOT_FOUND {
+                    return Err(ToolError::Upstream {
+                        service: SERVICE,
+                        status: 404,
+                        detail: "the mailbox was not found".into(),
+                    });
+                }
+                list.json::<MessageList>(SERVICE)
+            });
+        let (mut ids, pages_on): (Vec<String>, bool) = match listed {
+            Ok(list) => (
+                list.messages.into_iter().map(|m| m.id).collect(),
+                list.next_page_token.is_some_and(|t| !t.is_empty()),
+            ),
             Err(e) => {
                 // No metadata fetch will follow: none of it was used.
                 reservation.refund(fetch).await;
@@ -252,17 +270,20 @@ impl GmailApi {
         reservation.refund(fetch - ids.len() as u32).await;
         // Cut, and as many found as asked for: there may be more.
         let cut = cut.filter(|_| ids.len() == fetch as usize);
+        let more = cut.is_none() && pages_on;
         if ids.is_empty() {
             return Ok(Found {
                 messages: Vec::new(),
                 cut,
+                more,
             });
         }
         let paths: Vec<String> = ids
             .iter()
             .map(|id| {
                 format!(
-                    "/gmail/v1/users/me/messages/{id}?format=metadata&metadataHeaders=Subject&metadataHeaders=From&metadataHeaders=Date"
+                    "/gmail/v1/users/me/messages/{}?format=metadata&metadataHeaders=Subject&metadataHeaders=From&metadataHeaders=Date",
+                    urlencode(id)
                 )
             })
             .collect();
@@ -305,7 +326,11 @@ impl GmailApi {
                 None => Err(format!("[{id}] (missing from Gmail's batch answer)")),
             })
             .collect();
-        Ok(Found { messages, cut })
+        Ok(Found {
+            messages,
+            cut,
+            more,
+        })
     }
 
     async fn get_message(
@@ -489,7 +514,11 @@ impl Tool for SearchGmail {
                 Ok(Found { messages, .. }) if messages.is_empty() => {
                     section.push_str("\nNo messages match.");
                 }
-                Ok(Found { messages, cut }) => {
+                Ok(Found {
+                    messages,
+                    cut,
+                    more,
+                }) => {
                     for (i, m) in messages.iter().enumerate() {
                         match m {
                             Ok(m) => {
@@ -516,6 +545,9 @@ impl Tool for SearchGmail {
                     if let Some(cut) = cut {
                         section.push('\n');
                         section.push_str(&cut.note());
+                    } else if more {
+                        section.push('\n');
+                        section.push_str(&more_note(messages.len(), max));
                     }
                 }
             }
@@ -531,6 +563,19 @@ impl Tool for SearchGmail {
             display: Some(json!({ "messages": display })),
             external: true,
         })
+    }
+}
+
+/// What to say when Gmail has more matches than were shown: ask for more, or narrow the query
+/// once the most one search takes is shown.
+fn more_note(shown: usize, asked: u32) -> String {
+    let most = batch::MAX_PER_BATCH;
+    if (asked as usize) < most {
+        format!(
+            "(More messages match than these {shown}; ask for up to {most} with max_results, or narrow the query.)"
+        )
+    } else {
+        format!("(More messages match than these {shown}; narrow the query to see the rest.)")
     }
 }
 

@@ -257,8 +257,14 @@ impl Tool for Read {
                 format!("[{when}] {who}: {}", m["text"].as_str().unwrap_or(""))
             })
             .collect();
+        // Older messages than these exist: say so, so "the latest N" is not read as all.
+        let more = if page["has_more"].as_bool() == Some(true) {
+            "\n(older messages exist; ask for a higher limit, up to 100)"
+        } else {
+            ""
+        };
         Ok(ToolOutput::text(format!(
-            "Latest messages in {channel} ({}):\n{}",
+            "Latest messages in {channel} ({}):\n{}{more}",
             messages.len(),
             lines.join("\n")
         )))

@@ -106,7 +106,18 @@ async fn list(
         .cloned()
         .collect();
     items.sort_by_key(start_of);
-    Json(json!({"kind": "calendar#events", "items": items})).into_response()
+    // As Google does: at most `maxResults`, and a token for the next page when more match.
+    let max: usize = q
+        .get("maxResults")
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(250);
+    let mut page = json!({"kind": "calendar#events"});
+    if items.len() > max {
+        page["nextPageToken"] = json!(format!("after-{max}"));
+        items.truncate(max);
+    }
+    page["items"] = json!(items);
+    Json(page).into_response()
 }
 
 async fn insert(

@@ -315,7 +315,7 @@ async fn list(
         .get("maxResults")
         .and_then(|m| m.parse().ok())
         .unwrap_or(100);
-    let matching: Vec<Value> = messages
+    let all: Vec<Value> = messages
         .iter()
         .filter(|m| {
             // Every fake message is unread in INBOX (see `metadata_json`); other queries match
@@ -323,13 +323,19 @@ async fn list(
             matches!(query.as_str(), "" | "in:inbox" | "is:unread")
                 || m.subject.to_lowercase().contains(&query)
         })
-        .take(max)
         .map(|m| json!({"id": m.id, "threadId": m.thread_id}))
         .collect();
-    if matching.is_empty() {
+    if all.is_empty() {
         return Json(json!({"resultSizeEstimate": 0})).into_response();
     }
-    Json(json!({"messages": matching, "resultSizeEstimate": matching.len()})).into_response()
+    let total = all.len();
+    let matching: Vec<Value> = all.into_iter().take(max).collect();
+    let mut page = json!({"messages": matching, "resultSizeEstimate": total});
+    // As Gmail does: a token for the next page when this one did not hold every match.
+    if total > max {
+        page["nextPageToken"] = json!(format!("page-after-{max}"));
+    }
+    Json(page).into_response()
 }
 
 async fn message(

@@ -14,7 +14,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::get,
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
 #[derive(Default)]
 pub struct SlackState {
@@ -120,5 +120,9 @@ async fn history(
             json!({"type": "message", "user": "U045EF6GH", "text": "Standup moved to 10:00", "ts": "1771916400.000100"}),
         ]
     });
-    Json(json!({"ok": true, "has_more": false, "messages": messages})).into_response()
+    // As Slack does: at most `limit`, newest first, and `has_more` when older ones are left.
+    let limit: usize = q.get("limit").and_then(|l| l.parse().ok()).unwrap_or(100);
+    let has_more = messages.len() > limit;
+    let messages: Vec<Value> = messages.into_iter().take(limit).collect();
+    Json(json!({"ok": true, "has_more": has_more, "messages": messages})).into_response()
 }
