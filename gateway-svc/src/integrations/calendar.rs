@@ -113,15 +113,15 @@ fn render(e: &Event) -> String {
 }
 
 impl CalendarApi {
-    fn events_url(&self, calendar: &str) -> String {
-        let calendar: String = calendar
-            .chars()
-            .filter(|c| c.is_ascii_alphanumeric() || "@._-".contains(*c))
-            .collect();
-        format!(
-            "{}/calendar/v3/calendars/{calendar}/events",
+    /// The events of the calendar `args` name (`calendar_id`, "primary" when omitted).
+    fn events_url(&self, args: &Value, tool: &str) -> Result<(String, String), ToolError> {
+        let calendar = text_arg(args, "calendar_id").unwrap_or_else(|| "primary".into());
+        let segment = super::path_segment(&calendar, "calendar_id", tool)?;
+        let url = format!(
+            "{}/calendar/v3/calendars/{segment}/events",
             self.base_url.trim_end_matches('/')
-        )
+        );
+        Ok((calendar, url))
     }
 }
 
@@ -308,7 +308,7 @@ impl Tool for Search {
             .and_then(Value::as_u64)
             .unwrap_or(10)
             .to_string();
-        let calendar = text_arg(&args, "calendar_id").unwrap_or_else(|| "primary".into());
+        let (calendar, url) = self.0.events_url(&args, "calendar_search")?;
         let mut query = vec![
             ("timeMin", time_min.clone()),
             ("timeMax", time_max.clone()),
@@ -320,7 +320,6 @@ impl Tool for Search {
             query.push(("q", q));
         }
         ctx.charge(Integration::GoogleCalendar, &account, 1).await?;
-        let url = self.0.events_url(&calendar);
         let r = ctx
             .send(Integration::GoogleCalendar, &account, |t| {
                 ctx.http().get(&url).query(&query).bearer_auth(t)
@@ -440,14 +439,17 @@ impl Tool for Write {
                 .collect();
             body.insert("attendees".into(), Value::Array(attendees));
         }
-        let calendar = text_arg(&args, "calendar_id").unwrap_or_else(|| "primary".into());
-        let base = self.api.events_url(&calendar);
+        let (calendar, base) = self.api.events_url(&args, tool)?;
+        // Checked before the charge: a bad id costs the user nothing.
+        let event_url = match self.update {
+            true => Some(format!("{base}/{}", event_id(&args, tool)?)),
+            false => None,
+        };
         ctx.charge(Integration::GoogleCalendar, &account, 1).await?;
         let body = Value::Object(body);
-        let r = if self.update {
-            let url = format!("{base}/{}", event_id(&args));
+        let r = if let Some(url) = &event_url {
             ctx.send(Integration::GoogleCalendar, &account, |t| {
-                ctx.http().patch(&url).json(&body).bearer_auth(t)
+                ctx.http().patch(url).json(&body).bearer_auth(t)
             })
             .await?
         } else {
@@ -470,13 +472,13 @@ impl Tool for Write {
     }
 }
 
-/// The event id as it goes into a URL: letters and digits only.
-fn event_id(args: &Value) -> String {
-    text_arg(args, "event_id")
-        .unwrap_or_default()
-        .chars()
-        .filter(char::is_ascii_alphanumeric)
-        .collect()
+/// The event id as it goes into a URL, whole (a recurring event's instance ids hold `_`).
+fn event_id(args: &Value, tool: &str) -> Result<String, ToolError> {
+    super::path_segment(
+        &text_arg(args, "event_id").unwrap_or_default(),
+        "event_id",
+        tool,
+    )
 }
 
 /// The attendees an event write names, when it names them.
@@ -605,8 +607,9 @@ impl Write {
         account: &str,
         args: &Value,
     ) -> Result<Event, ToolError> {
-        let calendar = text_arg(args, "calendar_id").unwrap_or_else(|| "primary".into());
-        let url = format!("{}/{}", self.api.events_url(&calendar), event_id(args));
+        let tool = "calendar_event_update";
+        let (calendar, base) = self.api.events_url(args, tool)?;
+        let url = format!("{base}/{}", event_id(args, tool)?);
         ctx.charge(Integration::GoogleCalendar, account, 1).await?;
         let r = ctx
             .send(Integration::GoogleCalendar, account, |t| {

@@ -278,15 +278,15 @@ impl GmailApi {
                 more,
             });
         }
-        let paths: Vec<String> = ids
+        let paths = ids
             .iter()
             .map(|id| {
-                format!(
+                Ok(format!(
                     "/gmail/v1/users/me/messages/{}?format=metadata&metadataHeaders=Subject&metadataHeaders=From&metadataHeaders=Date",
-                    urlencode(id)
-                )
+                    super::path_segment(id, "a listed message id", &ctx.tool)?
+                ))
             })
-            .collect();
+            .collect::<Result<Vec<String>, ToolError>>()?;
         let boundary = format!(
             "steward_{}",
             ctx.call_id
@@ -339,8 +339,9 @@ impl GmailApi {
         account: &str,
         id: &str,
     ) -> Result<Option<Message>, ToolError> {
+        let id = super::path_segment(id, "id", &ctx.tool)?;
         ctx.charge(Integration::Gmail, account, 1).await?;
-        let url = self.url(&format!("/gmail/v1/users/me/messages/{}", urlencode(id)));
+        let url = self.url(&format!("/gmail/v1/users/me/messages/{id}"));
         let r = ctx
             .send(Integration::Gmail, account, |token| {
                 ctx.http()
@@ -378,8 +379,35 @@ impl GmailApi {
     }
 }
 
-fn urlencode(s: &str) -> String {
-    s.chars().filter(char::is_ascii_alphanumeric).collect()
+/// The addresses of an address-list header (`To`, `Cc`, `Reply-To`): split on the commas
+/// between mailboxes, never on one inside a quoted name (`"Doe, Jane" <jane@x>`), a comment
+/// or angle brackets; only values that hold an `@` (a group's name or `undisclosed-recipients:;`
+/// is no address).
+fn addresses(header: &str) -> Vec<&str> {
+    let mut parts = Vec::new();
+    let (mut start, mut quoted, mut escaped, mut depth, mut angle) = (0, false, false, 0u32, false);
+    for (i, c) in header.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            '(' if !quoted => depth += 1,
+            ')' if !quoted => depth = depth.saturating_sub(1),
+            '<' if !quoted => angle = true,
+            '>' if !quoted => angle = false,
+            ',' if !quoted && depth == 0 && !angle => {
+                parts.push(&header[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&header[start..]);
+    parts
+        .into_iter()
+        .map(address)
+        .filter(|a| a.contains('@'))
+        .collect()
 }
 
 /// The address inside `Name <addr>`, or the whole value.
@@ -769,11 +797,10 @@ impl Tool for ThreadRead {
             text_arg(&args, "account").as_deref(),
             "gmail_thread_read",
         )?;
+        let segment = super::path_segment(&id, "thread_id", "gmail_thread_read")?;
+        let url = self.0.url(&format!("/gmail/v1/users/me/threads/{segment}"));
         for account in &accounts {
             ctx.charge(Integration::Gmail, &account.account, 1).await?;
-            let url = self
-                .0
-                .url(&format!("/gmail/v1/users/me/threads/{}", urlencode(&id)));
             let r = ctx
                 .send(Integration::Gmail, &account.account, |t| {
                     ctx.http()
@@ -1103,7 +1130,7 @@ impl Reply {
                 to.push(a.to_owned());
             }
         };
-        for a in reply_to.split(',').map(address) {
+        for a in addresses(reply_to) {
             add(a);
         }
         if args
@@ -1112,7 +1139,7 @@ impl Reply {
             .unwrap_or(false)
         {
             for field in ["To", "Cc"] {
-                for a in original.header(field).split(',').map(address) {
+                for a in addresses(original.header(field)) {
                     add(a);
                 }
             }
@@ -1179,6 +1206,40 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn an_address_list_splits_between_mailboxes_never_inside_a_name() {
+        assert_eq!(
+            addresses(
+                r#""Doe, Jane" <jane@example.com>, bob@example.com, Ann (ops, east) <ann@example.com>"#
+            ),
+            ["jane@example.com", "bob@example.com", "ann@example.com"]
+        );
+        assert_eq!(
+            addresses(r#""a \"quoted, name\"" <q@example.com>"#),
+            ["q@example.com"]
+        );
+        assert!(addresses("undisclosed-recipients:;").is_empty());
+        assert!(addresses("").is_empty());
+    }
+
+    #[test]
+    fn an_id_goes_into_a_path_whole_or_is_refused() {
+        let segment = |id: &str| crate::integrations::path_segment(id, "id", "t");
+        assert_eq!(segment("19c90d").unwrap(), "19c90d");
+        assert_eq!(
+            segment("abc_20261125T090000Z").unwrap(),
+            "abc_20261125T090000Z"
+        );
+        assert_eq!(segment("a/b#c d").unwrap(), "a%2Fb%23c%20d");
+        assert_eq!(
+            segment("en.usa#holiday@group.v.calendar.google.com").unwrap(),
+            "en.usa%23holiday@group.v.calendar.google.com"
+        );
+        for bad in ["", ".", ".."] {
+            assert!(segment(bad).is_err(), "{bad:?}");
+        }
+    }
 
     proptest! {
         // Q-3: whatever the model or an email puts in the fields, a message preview is built

@@ -34,6 +34,28 @@ pub fn builtin(stores: &Stores, upstreams: &Upstreams) -> Vec<Arc<dyn Tool>> {
     tools
 }
 
+/// An id (`field` of `tool`'s arguments, or one an upstream gave) as one URL path segment:
+/// unreserved characters as they are, every other byte percent-encoded. Nothing is dropped, so
+/// an id with a `_` or `#` can never name another item, and a `/` can never add a segment.
+/// "", "." and ".." are refused: a URL parser reads the dots as moves even when encoded.
+pub(crate) fn path_segment(value: &str, field: &str, tool: &str) -> Result<String, ToolError> {
+    if matches!(value, "" | "." | "..") {
+        return Err(ToolError::InvalidArguments {
+            tool: tool.into(),
+            detail: format!("{field} {value:?} is not an id"),
+        });
+    }
+    let mut out = String::with_capacity(value.len());
+    for b in value.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b'@') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    Ok(out)
+}
+
 /// Store failures inside a tool become a result the model can relay, never an RPC error.
 pub(crate) fn store_error(e: crate::store::StoreError) -> ToolError {
     ToolError::Internal(format!("storage is unavailable ({e})"))
