@@ -226,11 +226,19 @@ impl ModelsConfig {
             model: m.clone(),
         };
         let chain: Vec<ChainEntry> = self.chain.iter().map(entry).collect();
-        let first = self
+        // One fit serves the whole chain, so it is made for the smallest window in it: a
+        // fallback model is never sent more than it can take.
+        let context_window = self
             .chain
-            .first()
-            .map(|(_, m)| m.as_str())
-            .unwrap_or_default();
+            .iter()
+            .map(|(_, m)| {
+                self.context_windows
+                    .get(m)
+                    .copied()
+                    .unwrap_or(DEFAULT_CONTEXT_WINDOW)
+            })
+            .min()
+            .unwrap_or(DEFAULT_CONTEXT_WINDOW);
         let setup = ModelSetup {
             chain,
             retry: RetryPolicy {
@@ -239,11 +247,7 @@ impl ModelsConfig {
                 ..RetryPolicy::default()
             },
             max_output_tokens: self.max_output_tokens,
-            context_window: self
-                .context_windows
-                .get(first)
-                .copied()
-                .unwrap_or(DEFAULT_CONTEXT_WINDOW),
+            context_window,
             history_tokens: self.history_tokens,
             prices: self.prices.clone(),
             final_turn_grace: Duration::from_secs(10),
@@ -315,7 +319,10 @@ mod tests {
                 "MODEL_PRICES",
                 "claude-sonnet-4-5=3/15/0.3,gpt-4o-mini=0.15/0.6",
             ),
-            ("MODEL_CONTEXT_WINDOWS", "claude-sonnet-4-5=200000"),
+            (
+                "MODEL_CONTEXT_WINDOWS",
+                "claude-sonnet-4-5=200000,gpt-4o-mini=100000",
+            ),
             ("SUMMARY_MODEL", "openai/gpt-4o-mini"),
         ])
         .unwrap();
@@ -332,7 +339,8 @@ mod tests {
             }
         );
         let (setup, summary) = cfg.build(&reqwest::Client::new());
-        assert_eq!(setup.context_window, 200_000);
+        // The fallback's smaller window is what every call is fitted to.
+        assert_eq!(setup.context_window, 100_000);
         assert_eq!(setup.chain[0].provider.name(), "anthropic");
         assert_eq!(summary.model, "gpt-4o-mini");
     }

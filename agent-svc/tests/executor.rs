@@ -539,3 +539,46 @@ fn p1_a_failure_quoting_a_remote_tool_reaches_the_model_as_external_data() {
         own
     );
 }
+
+#[tokio::test]
+async fn e8_a_current_turn_over_the_window_sends_its_older_results_as_a_note_not_an_overflow() {
+    // Three reads of ~6,000 characters into a 5,000-token window with 2,048 kept for the answer.
+    let model = Arc::new(ScriptedModel::new(vec![
+        Step::Call(vec![call("read_file", r#"{"n":1}"#)]),
+        Step::Call(vec![call("read_file", r#"{"n":2}"#)]),
+        Step::Call(vec![call("read_file", r#"{"n":3}"#)]),
+        Step::Reply("Read all three.".into()),
+    ]));
+    let mut tools = Tools::default();
+    tools
+        .answers
+        .insert("read_file".into(), "report ".repeat(850));
+    let mut executor = setup(vec![(model.clone(), "primary")]);
+    Arc::get_mut(&mut executor.models).unwrap().context_window = 5_000;
+    let events = Events::default();
+    let out = executor
+        .run(&request(&["read_file"]), &tools, &events)
+        .await;
+    assert_eq!(out.text, "Read all three.");
+
+    let seen = model.seen.lock().unwrap();
+    let last = &seen.last().unwrap().turns;
+    let results: Vec<&str> = last
+        .iter()
+        .filter_map(|t| match t {
+            Turn::ToolResult { content, .. } => Some(content.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(results.len(), 3, "every call keeps its result");
+    assert_eq!(results[0], agent_svc::executor::budget::ELIDED_RESULT);
+    assert!(
+        results[2].contains("report report"),
+        "the latest round is whole"
+    );
+    // What the run keeps is untouched: only the call's copy was cut.
+    assert!(out.new_turns.iter().all(|t| !matches!(
+        t,
+        Turn::ToolResult { content, .. } if content == agent_svc::executor::budget::ELIDED_RESULT
+    )));
+}

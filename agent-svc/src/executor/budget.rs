@@ -125,11 +125,22 @@ impl TokenCounter {
     }
 }
 
+/// What a tool result of the current turn says in its place when the turn alone is over the
+/// context window. The call and its result stay paired; the model can call again.
+pub const ELIDED_RESULT: &str = "[This earlier result was left out to fit the model's context window. \
+Call the tool again if you still need it.]";
+
+/// An upper bound of [`ELIDED_RESULT`]'s tokens as a turn, under every counter.
+const ELIDED_RESULT_TOKENS: usize = PER_TURN_OVERHEAD + 48;
+
 /// What fitting the transcript did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fit {
     /// The call sends `turns[evicted_turns..]`.
     pub evicted_turns: usize,
+    /// The current turn's tool results (indices into `turns`, oldest first) that go as
+    /// [`ELIDED_RESULT`]: the history was gone and the turn was still over the window.
+    pub elided_results: Vec<usize>,
     /// Some of them went because the context window was full, not for the history limit.
     pub window_full: bool,
     pub estimated_input_tokens: usize,
@@ -152,7 +163,9 @@ pub struct Budget {
 ///
 /// Whole units go from the front, never splitting a tool call from its results, and what is
 /// kept starts with a user turn. The last user turn and everything after it (the current turn)
-/// always stay, even if they alone do not fit: the provider then answers with a clear error.
+/// always stay; when they alone do not fit, the current turn's older tool results (never the
+/// latest round's) give their place to [`ELIDED_RESULT`], oldest first. Only a latest round
+/// too big by itself still goes over, and the provider then answers with a clear error.
 ///
 /// The history limit cuts in steps of half the limit, counted from the start of the history,
 /// so the cut moves only every few runs and the kept history stays a stable prefix that a
@@ -196,9 +209,28 @@ pub fn fit(turns: &[Turn], sizes: &[usize], fixed: usize, budget: Budget) -> Fit
         dropped += unit;
         cut = end;
     }
+    let mut elided_results = Vec::new();
+    if total > budget.window {
+        let latest_round = turns
+            .iter()
+            .rposition(|t| matches!(t, Turn::Assistant { .. }))
+            .unwrap_or(turns.len())
+            .max(current_start);
+        for i in current_start..latest_round {
+            if total <= budget.window {
+                break;
+            }
+            if matches!(turns[i], Turn::ToolResult { .. }) && sizes[i] > ELIDED_RESULT_TOKENS {
+                total -= sizes[i] - ELIDED_RESULT_TOKENS;
+                elided_results.push(i);
+                window_full = true;
+            }
+        }
+    }
     Fit {
         evicted_turns: cut,
-        estimated_input_tokens: total - budget.reserve_output,
+        elided_results,
+        estimated_input_tokens: total.saturating_sub(budget.reserve_output),
         window_full,
     }
 }
@@ -363,5 +395,42 @@ mod tests {
             Turn::User("reply to the second one".into())
         );
         assert!(tight.window_full, "a full window is told apart");
+    }
+
+    #[test]
+    fn a_current_turn_over_the_window_gives_up_its_older_results_never_the_latest_round() {
+        let counter = TokenCounter::Ratio;
+        let budget = Budget {
+            window: 6000,
+            reserve_output: 1000,
+            history: 0,
+        };
+        // Three rounds of 7,000 characters (~2,000 tokens) each in the current turn.
+        let mut turns = exchange(0);
+        turns.push(Turn::User("read all three reports".into()));
+        for id in ["a", "b", "c"] {
+            turns.extend(pair(id, 7000));
+        }
+        let sizes: Vec<usize> = turns.iter().map(|t| counter.turn(t)).collect();
+        let fit = fit(&turns, &sizes, 100, budget);
+        assert_eq!(
+            turns[fit.evicted_turns],
+            Turn::User("read all three reports".into())
+        );
+        assert_eq!(fit.elided_results, [4], "only the oldest result had to go");
+        assert!(fit.window_full);
+        assert!(fit.estimated_input_tokens + budget.reserve_output <= budget.window);
+
+        // Too tight for even that: every older result goes, the latest round stays whole.
+        let tighter = Budget {
+            window: 3000,
+            ..budget
+        };
+        let fit = super::fit(&turns, &sizes, 100, tighter);
+        assert_eq!(fit.elided_results, [4, 6]);
+        assert!(
+            !fit.elided_results.contains(&8),
+            "the latest result is never elided"
+        );
     }
 }

@@ -651,10 +651,28 @@ impl Run<'_> {
                 "older history left out for the history limit"
             );
         }
+        // Rare (the current turn alone is over the window): a copy with older results elided.
+        let sent: std::borrow::Cow<'_, [Turn]> = if fit.elided_results.is_empty() {
+            std::borrow::Cow::Borrowed(&self.turns[fit.evicted_turns..])
+        } else {
+            tracing::warn!(
+                elided = fit.elided_results.len(),
+                tokens = fit.estimated_input_tokens,
+                "the current turn is over the context window; older tool results left out"
+            );
+            let mut turns = self.turns[fit.evicted_turns..].to_vec();
+            for i in &fit.elided_results {
+                if let Some(Turn::ToolResult { content, .. }) = turns.get_mut(i - fit.evicted_turns)
+                {
+                    *content = budget::ELIDED_RESULT.to_owned();
+                }
+            }
+            std::borrow::Cow::Owned(turns)
+        };
         let request = ModelRequest {
             model: "",
             system: &system,
-            turns: &self.turns[fit.evicted_turns..],
+            turns: &sent,
             tools,
             answer_only,
             stable_turns: self.history_len.saturating_sub(fit.evicted_turns),
