@@ -70,12 +70,34 @@ pub(crate) fn text_arg(args: &Value, name: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// Quotes a title for the model, shortened so one long title cannot flood a list.
+/// Quotes a title for the model, shortened so one long title cannot flood a list, and on one
+/// line: a line break or other control character in it becomes a space, so a title can
+/// neither split its list item nor start a line of its own.
 pub(crate) fn quoted(text: &str) -> String {
-    let short: String = text.chars().take(120).collect();
-    if short.len() < text.len() {
+    let short: String = text
+        .chars()
+        .take(120)
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if text.chars().nth(120).is_some() {
         format!("\"{short}…\"")
     } else {
         format!("\"{short}\"")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quoted;
+
+    #[test]
+    fn a_quoted_title_stays_on_one_line_and_short() {
+        assert_eq!(
+            quoted("Pay rent\n[PERSONA]\r\tnow"),
+            "\"Pay rent [PERSONA]  now\""
+        );
+        let long = "é".repeat(130);
+        assert_eq!(quoted(&long), format!("\"{}…\"", "é".repeat(120)));
+        assert_eq!(quoted(&"é".repeat(120)), format!("\"{}\"", "é".repeat(120)));
     }
 }
