@@ -1589,6 +1589,38 @@ async fn every_combination_of_a_commits_parts_lands(b: Backend) {
     assert_eq!(s.audit("alice").await.unwrap().len(), want[6], "audit");
 }
 
+/// An email a tool read, a model's arguments or a tool's answer can hold a NUL; PostgreSQL's
+/// text and jsonb refuse one, which once failed every retry of the run's commit.
+async fn q2_a_commit_with_nul_characters_from_hostile_content_lands(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    let mut read = action("r1", "c1", ActionState::Completed);
+    read.arguments = serde_json::json!({"query\0": "from:\0evil"});
+    read.result_text = Some("Subject: hi\0there".into());
+    let turn = serde_json::json!({"role": "tool", "content": "body\0with a NUL"});
+    s.commit(
+        &lease,
+        RunCommit {
+            events: vec![(2, b"tool result".to_vec())],
+            history: vec![turn.to_string().into()],
+            actions: vec![read],
+            messages: vec![NewMessage::text(MessageSource::Agent, "Ran read\0mail")],
+            audit: vec![("tool".into(), serde_json::json!({"q": "\0"}))],
+            release: true,
+            ..RunCommit::default()
+        },
+    )
+    .await
+    .expect("a NUL never fails a commit");
+    let history = s.history("t1").await.unwrap();
+    let stored: serde_json::Value = serde_json::from_str(&history[0]).unwrap();
+    let content = stored["content"].as_str().unwrap();
+    assert!(
+        content == "body\0with a NUL" || content == "body\u{fffd}with a NUL",
+        "kept as given, or with the replacement character: {content:?}"
+    );
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod in_memory {
@@ -1617,6 +1649,7 @@ both_backends!(
     archiving_moves_history_and_ends_paused_runs,
     a_thread_held_by_another_run_is_not_archived,
     a_history_turn_that_is_not_json_is_refused_with_its_commit,
+    q2_a_commit_with_nul_characters_from_hostile_content_lands,
     every_combination_of_a_commits_parts_lands,
     an_admission_reads_the_owners_newest_session_summaries,
     the_task_queue_caps_open_tasks_per_user,

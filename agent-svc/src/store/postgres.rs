@@ -27,6 +27,7 @@ mod committer;
 mod group;
 pub use svc_kit::group::BatchCounts;
 mod notices;
+mod storable;
 
 // Lease expiry is set and compared with `clock_timestamp()`, not `now()`: `now()` is when the
 // transaction began, and time an admission spent waiting (a locked row, a busy CPU) must not be
@@ -263,6 +264,7 @@ impl AgentStore for PgStore {
     }
 
     async fn admit(&self, a: &Admission) -> Result<Admitted, StoreError> {
+        let a = &*storable::admission(a);
         if a.new_thread_title.is_some() {
             return self.admitter.admit(a.clone()).await;
         }
@@ -359,7 +361,8 @@ impl AgentStore for PgStore {
         Ok(())
     }
 
-    async fn commit(&self, lease: &Lease, c: RunCommit) -> Result<(), StoreError> {
+    async fn commit(&self, lease: &Lease, mut c: RunCommit) -> Result<(), StoreError> {
+        storable::commit(&mut c);
         let announce = !c.events.is_empty();
         self.committer.commit(lease, c).await?;
         if announce {
