@@ -404,6 +404,78 @@ async fn oversized_and_missing_fields_are_refused_by_name() {
     );
 }
 
+/// On PostgreSQL, where a NUL or an out-of-range number once came back as UNAVAILABLE (a
+/// retry that can never work) with the database's own words.
+#[tokio::test]
+async fn a2_input_no_store_can_keep_is_refused_by_name_not_reported_as_an_outage() {
+    let app = spawn(Options::default()).await;
+    let mut alice = app.agent_as("alice").await;
+    let invalid = |e: tonic::Status, field: &str| {
+        assert_eq!(e.code(), Code::InvalidArgument, "{field}: {}", e.message());
+        assert!(e.message().contains(field), "{field}: {}", e.message());
+    };
+    invalid(
+        run(&mut alice, input("hello\0world")).await.unwrap_err(),
+        "input.prompt contains a NUL",
+    );
+    let mut snippet = input("hi");
+    snippet.attached_context = vec![pb::AttachedContext {
+        r#type: pb::ContextType::Email as i32,
+        id: "m1".into(),
+        snippet: "a\0b".into(),
+        ..Default::default()
+    }];
+    invalid(
+        run(&mut alice, snippet).await.unwrap_err(),
+        "input.attached_context[0].snippet",
+    );
+    let mut long_key = input("hi");
+    long_key.request_id = "k".repeat(129);
+    invalid(
+        run(&mut alice, long_key).await.unwrap_err(),
+        "input.request_id",
+    );
+    invalid(
+        alice
+            .get_run(pb::GetRunRequest::default())
+            .await
+            .unwrap_err(),
+        "run_id is required",
+    );
+    invalid(
+        alice
+            .list_threads(pb::ListThreadsRequest {
+                page_token: "9223372036854775808".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err(),
+        "page_token",
+    );
+    invalid(
+        alice
+            .open_session(pb::OpenSessionRequest {
+                request_id: "k".repeat(10_000),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err(),
+        "request_id",
+    );
+
+    // The largest after_seq on an ended run: the watch is over at once, no overflow.
+    let done = run(&mut alice, input("hi")).await.unwrap();
+    let watch = alice
+        .watch_run(pb::WatchRunRequest {
+            run_id: done.run_id.clone(),
+            after_seq: u64::MAX,
+        })
+        .await
+        .unwrap();
+    let events: Vec<_> = watch.into_inner().collect().await;
+    assert!(events.is_empty(), "{events:?}");
+}
+
 #[tokio::test]
 async fn calls_without_an_identity_are_unauthenticated() {
     let app = spawn(Options {

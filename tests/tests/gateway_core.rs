@@ -110,6 +110,76 @@ async fn schema_invalid_arguments_never_reach_upstream_and_the_model_reads_why()
 }
 
 #[tokio::test]
+async fn g4_a_call_or_account_the_gateway_cannot_honour_as_sent_is_refused_by_name_not_adjusted() {
+    let w = world(Backend::Postgres, &[]).await;
+    let mut g = w.app.gateway_as("u1").await;
+    connect(&mut g, "access-1", 3600).await;
+    let mut negative = call("c1", "probe_fetch", serde_json::json!({"path": "/data"}));
+    negative.timeout = Some(prost_types::Duration {
+        seconds: -5,
+        nanos: 0,
+    });
+    let mut unknown_channel = call("c2", "probe_fetch", serde_json::json!({"path": "/data"}));
+    unknown_channel.channel = 99;
+    let mut provenance = call("c3", "probe_fetch", serde_json::json!({"path": "/data"}));
+    provenance.read_external_from = vec!["search_gmail".into(), "  ".into()];
+    for (bad, field) in [
+        (negative, "timeout"),
+        (unknown_channel, "channel 99"),
+        (provenance, "read_external_from"),
+    ] {
+        let r = execute(&mut g, bad).await;
+        assert_eq!(
+            r.error_kind,
+            pb::ErrorKind::InvalidArguments as i32,
+            "{}",
+            r.text
+        );
+        assert!(r.text.contains(field), "{field}: {}", r.text);
+        assert_eq!(r.upstream_calls, 0);
+    }
+    assert_eq!(w.probe.request_count(), 0, "nothing reached upstream");
+
+    for (expires_at, account, field) in [
+        (Some((-1, 0)), ACCOUNT, "expires_at"),
+        (Some((100_000_000_000_000, 0)), ACCOUNT, "expires_at"),
+        (None, "work\0@example.com", "account"),
+    ] {
+        let refused = g
+            .connect_account(pb::ConnectAccountRequest {
+                integration: pb::Integration::Gmail as i32,
+                account: account.into(),
+                access_token: "a".into(),
+                expires_at: expires_at
+                    .map(|(seconds, nanos)| prost_types::Timestamp { seconds, nanos }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(
+            refused.code(),
+            tonic::Code::InvalidArgument,
+            "{}",
+            refused.message()
+        );
+        assert!(refused.message().contains(field), "{}", refused.message());
+    }
+    let blank = g
+        .disconnect_account(pb::DisconnectAccountRequest {
+            integration: pb::Integration::Gmail as i32,
+            account: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        blank.code(),
+        tonic::Code::InvalidArgument,
+        "{}",
+        blank.message()
+    );
+}
+
+#[tokio::test]
 async fn a_fifty_kilobyte_result_comes_back_capped_with_the_exact_notice() {
     let w = world(Backend::Memory, &[]).await;
     let mut g = w.app.gateway_as("u1").await;

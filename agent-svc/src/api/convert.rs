@@ -27,6 +27,74 @@ fn too_long(field: &str, len: usize, max: usize) -> ApiError {
     ApiError::InvalidArgument(format!("{field} is {len} bytes; the limit is {max}"))
 }
 
+/// A text field the caller wrote: at most `max` bytes and no NUL character (which no store
+/// can keep, and which no one types).
+pub fn text(field: &str, value: &str, max: usize) -> Result<(), ApiError> {
+    if value.len() > max {
+        return Err(too_long(field, value.len(), max));
+    }
+    if value.contains('\0') {
+        return Err(ApiError::InvalidArgument(format!(
+            "{field} contains a NUL character; remove it"
+        )));
+    }
+    Ok(())
+}
+
+/// An id the caller names (a run, thread, approval or schedule): required, at most 256 bytes,
+/// no control characters.
+pub fn id<'a>(field: &str, value: &'a str) -> Result<&'a str, ApiError> {
+    if value.is_empty() {
+        return Err(ApiError::InvalidArgument(format!("{field} is required")));
+    }
+    optional_id(field, value)?;
+    Ok(value)
+}
+
+/// As [`id`], where empty means "none".
+pub fn optional_id(field: &str, value: &str) -> Result<(), ApiError> {
+    if value.len() > MAX_ID_BYTES {
+        return Err(too_long(field, value.len(), MAX_ID_BYTES));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(ApiError::InvalidArgument(format!(
+            "{field} contains a control character; ids never do"
+        )));
+    }
+    Ok(())
+}
+
+/// A request id (idempotency key): optional, at most 128 bytes, no NUL.
+pub fn request_id(field: &str, value: &str) -> Result<Option<String>, ApiError> {
+    text(field, value, MAX_REQUEST_ID_BYTES)?;
+    Ok(Some(value.to_owned()).filter(|r| !r.is_empty()))
+}
+
+/// Every string of a JSON value the caller sent, keys included, free of NUL.
+fn json_text(field: &str, v: &serde_json::Value) -> Result<(), ApiError> {
+    let nul = |s: &str| s.contains('\0');
+    let found = match v {
+        serde_json::Value::String(s) => nul(s),
+        serde_json::Value::Array(items) => {
+            return items.iter().try_for_each(|i| json_text(field, i));
+        }
+        serde_json::Value::Object(map) => {
+            if map.keys().any(|k| nul(k)) {
+                true
+            } else {
+                return map.values().try_for_each(|i| json_text(field, i));
+            }
+        }
+        _ => false,
+    };
+    if found {
+        return Err(ApiError::InvalidArgument(format!(
+            "{field} contains a NUL character; remove it"
+        )));
+    }
+    Ok(())
+}
+
 /// The channel a caller may pick. The long-running channels (scheduled, heartbeat) are
 /// Steward's own, not an interactive caller's (fair use); a session opening has its own RPC.
 pub fn channel(c: i32) -> Result<Channel, ApiError> {
@@ -53,26 +121,20 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::InvalidArgument("input.prompt is required".into()));
     }
-    if input.prompt.len() > MAX_PROMPT_BYTES {
-        return Err(too_long(
-            "input.prompt",
-            input.prompt.len(),
-            MAX_PROMPT_BYTES,
-        ));
-    }
+    text("input.prompt", &input.prompt, MAX_PROMPT_BYTES)?;
+    optional_id("input.thread_id", &input.thread_id)?;
+    text("input.model_override", &input.model_override, MAX_ID_BYTES)?;
     let skip = input
         .conversation
         .len()
         .saturating_sub(MAX_CONVERSATION_ENTRIES);
     let mut conversation = Vec::new();
     for (i, entry) in input.conversation.into_iter().enumerate().skip(skip) {
-        if entry.text.len() > MAX_CONVERSATION_TEXT_BYTES {
-            return Err(too_long(
-                &format!("input.conversation[{i}].text"),
-                entry.text.len(),
-                MAX_CONVERSATION_TEXT_BYTES,
-            ));
-        }
+        text(
+            &format!("input.conversation[{i}].text"),
+            &entry.text,
+            MAX_CONVERSATION_TEXT_BYTES,
+        )?;
         let user = match pb::Role::try_from(entry.role) {
             Ok(pb::Role::User) => true,
             Ok(pb::Role::Assistant) => false,
@@ -104,9 +166,7 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
             ("title", &a.title, MAX_TITLE_BYTES),
             ("snippet", &a.snippet, MAX_SNIPPET_BYTES),
         ] {
-            if value.len() > max {
-                return Err(too_long(&field(name), value.len(), max));
-            }
+            text(&field(name), value, max)?;
         }
         let meta = a
             .meta
@@ -117,6 +177,7 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
         if meta_len > MAX_META_BYTES {
             return Err(too_long(&field("meta"), meta_len, MAX_META_BYTES));
         }
+        json_text(&field("meta"), &meta)?;
         let kind = match pb::ContextType::try_from(a.r#type) {
             Ok(pb::ContextType::Email) => "email",
             Ok(pb::ContextType::CalendarEvent) => "calendar_event",
@@ -136,13 +197,7 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
             meta,
         });
     }
-    if input.request_id.len() > MAX_REQUEST_ID_BYTES {
-        return Err(too_long(
-            "input.request_id",
-            input.request_id.len(),
-            MAX_REQUEST_ID_BYTES,
-        ));
-    }
+    let request_id = request_id("input.request_id", &input.request_id)?;
     let budget = input.budget.unwrap_or_default();
     if budget.max_cost_usd < 0.0 || !budget.max_cost_usd.is_finite() {
         return Err(ApiError::InvalidArgument(
@@ -155,7 +210,7 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
         conversation,
         attached,
         channel: channel(input.channel)?,
-        request_id: Some(input.request_id).filter(|r| !r.is_empty()),
+        request_id,
         max_total_tokens: Some(budget.max_total_tokens).filter(|t| *t > 0),
         max_cost_usd: Some(budget.max_cost_usd).filter(|c| *c > 0.0),
         model_override: Some(input.model_override).filter(|m| !m.is_empty()),
@@ -346,12 +401,13 @@ pub fn page(
     default: usize,
     max: usize,
 ) -> Result<(usize, usize), ApiError> {
+    // An offset the database can take (a signed 64-bit OFFSET), or the token is not ours.
     let offset = if token.is_empty() {
         0
     } else {
-        token.parse().map_err(|_| {
+        token.parse::<u32>().map_err(|_| {
             ApiError::InvalidArgument("page_token is not one this service issued".into())
-        })?
+        })? as usize
     };
     let size = match size {
         0 => default,

@@ -129,7 +129,13 @@ impl Identity {
                 let kid = header
                     .kid
                     .ok_or_else(|| invalid("it names no key id (kid), which a JWKS needs"))?;
-                let (key, algorithm) = keys.key(&kid).await.map_err(|e| invalid(&e))?;
+                let (key, algorithm) = keys.key(&kid).await.map_err(|e| match e {
+                    super::jwks::KeyError::Unknown(why) => invalid(&why),
+                    super::jwks::KeyError::Unavailable => ApiError::Unavailable(
+                        "the signing keys that verify tokens are unavailable right now; try again shortly"
+                            .into(),
+                    ),
+                })?;
                 let mut validation = (**validation).clone();
                 validation.algorithms = vec![algorithm];
                 subject(token, &key, &validation)?

@@ -29,6 +29,14 @@ impl std::fmt::Debug for Jwks {
     }
 }
 
+/// Why a token's key is not at hand: the key set could not be read (the caller's token may be
+/// fine: try again), or it does not list the key (the token is not ours).
+#[derive(Debug)]
+pub enum KeyError {
+    Unavailable,
+    Unknown(String),
+}
+
 impl Jwks {
     pub fn new(url: &str) -> Self {
         Self {
@@ -43,7 +51,7 @@ impl Jwks {
     }
 
     /// The key and algorithm for `kid`, fetching the set if it is not known yet.
-    pub async fn key(&self, kid: &str) -> Result<(DecodingKey, Algorithm), String> {
+    pub async fn key(&self, kid: &str) -> Result<(DecodingKey, Algorithm), KeyError> {
         if let Some(k) = self.keys.read().await.get(kid) {
             return Ok(k.clone());
         }
@@ -58,14 +66,17 @@ impl Jwks {
                 match self.fetch().await {
                     Ok(keys) => *self.keys.write().await = keys,
                     Err(e) => {
+                        // The details (the identity provider's URL) stay in the log.
                         tracing::error!(url = %self.url, error = %e, "could not fetch the JWKS");
-                        return Err(format!("the signing keys could not be fetched ({e})"));
+                        return Err(KeyError::Unavailable);
                     }
                 }
             }
         }
         self.keys.read().await.get(kid).cloned().ok_or_else(|| {
-            format!("it is signed with key id {kid:?}, which the JWKS does not list")
+            KeyError::Unknown(format!(
+                "it is signed with key id {kid:?}, which the JWKS does not list"
+            ))
         })
     }
 

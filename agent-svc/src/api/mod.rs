@@ -117,6 +117,9 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
         let user = self.user(&request).await?;
         let r = request.into_inner();
+        convert::optional_id("thread_id", &r.thread_id)?;
+        convert::text("time_zone", &r.time_zone, 64)?;
+        let request_id = convert::request_id("request_id", &r.request_id)?;
         let gateway = self
             .runs
             .gateway
@@ -126,7 +129,17 @@ impl AgentService for AgentApi {
             .bootstrap(&user, &r.time_zone, gw::Channel::SessionOpen)
             .await
             .map_err(|e| match e {
-                GatewayError::Refused(m) => ApiError::InvalidArgument(m),
+                // The gateway checks what the caller sent (the time zone); anything else it
+                // refuses is this deployment's fault, not the caller's.
+                GatewayError::Refused(m) if m.starts_with("InvalidArgument: ") => {
+                    ApiError::InvalidArgument(m["InvalidArgument: ".len()..].to_owned())
+                }
+                GatewayError::Refused(m) => {
+                    tracing::error!(error = %m, "the gateway refused a session bootstrap");
+                    ApiError::Unavailable(
+                        "the session context is unavailable right now; try again shortly".into(),
+                    )
+                }
                 GatewayError::Unavailable(m) => ApiError::Unavailable(m),
             })?;
         let thread_id = if r.thread_id.is_empty() {
@@ -186,7 +199,7 @@ impl AgentService for AgentApi {
             conversation: Vec::new(),
             attached: Vec::new(),
             channel: Channel::SessionOpen,
-            request_id: Some(r.request_id).filter(|k| !k.is_empty()),
+            request_id,
             max_total_tokens: None,
             max_cost_usd: None,
             model_override: None,
@@ -235,18 +248,30 @@ impl AgentService for AgentApi {
                 .into());
             }
         };
-        if r.comment.len() > 1024 {
-            return Err(ApiError::InvalidArgument(format!(
-                "comment is {} bytes; the limit is 1024",
-                r.comment.len()
-            ))
-            .into());
-        }
+        convert::id("approval_id", &r.approval_id)?;
+        convert::text("comment", &r.comment, 1024)?;
+        convert::text("args_sha256", &r.args_sha256, 64)?;
         let sha = Some(r.args_sha256.as_str()).filter(|s| !s.is_empty());
         let decision = self
             .runs
             .decide(&user, &r.approval_id, approve, sha)
             .await?;
+        if !r.comment.is_empty() {
+            // The decider's note goes to the audit trail beside the decision it explains.
+            let detail = serde_json::json!({
+                "approval_id": r.approval_id,
+                "decision": if approve { "approve" } else { "reject" },
+                "comment": r.comment,
+            });
+            let run = Some(decision.approval.run_id.as_str());
+            if let Err(e) = self
+                .store
+                .record_audit(&user, "approval_comment", run, detail)
+                .await
+            {
+                tracing::error!(error = %e, approval_id = %r.approval_id, "could not record an approval's comment");
+            }
+        }
         let approval = decision.approval;
         let mut result = None;
         if let Some((run_id, from)) = &decision.follow {
@@ -295,6 +320,7 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::GetRunResponse>, Status> {
         let user = self.user(&request).await?;
         let id = request.into_inner().run_id;
+        convert::id("run_id", &id)?;
         let run = self
             .store
             .get_run(&user, &id)
@@ -341,6 +367,7 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::ListMessagesResponse>, Status> {
         let user = self.user(&request).await?;
         let r = request.into_inner();
+        convert::id("thread_id", &r.thread_id)?;
         self.store
             .get_thread(&user, &r.thread_id)
             .await
@@ -368,10 +395,11 @@ impl AgentService for AgentApi {
         request: Request<pb::CancelRunRequest>,
     ) -> Result<Response<pb::CancelRunResponse>, Status> {
         let user = self.user(&request).await?;
-        let run = self
-            .runs
-            .cancel(&user, &request.into_inner().run_id)
-            .await?;
+        let r = request.into_inner();
+        convert::id("run_id", &r.run_id)?;
+        convert::text("reason", &r.reason, 1024)?;
+        let reason = Some(r.reason.trim()).filter(|s| !s.is_empty());
+        let run = self.runs.cancel(&user, &r.run_id, reason).await?;
         Ok(Response::new(pb::CancelRunResponse {
             run: Some(convert::run(&run)),
         }))
@@ -383,6 +411,7 @@ impl AgentService for AgentApi {
     ) -> Result<Response<Self::WatchRunStream>, Status> {
         let user = self.user(&request).await?;
         let r = request.into_inner();
+        convert::id("run_id", &r.run_id)?;
         let events = self.runs.watch(&user, &r.run_id, r.after_seq).await?;
         Ok(Response::new(Box::pin(events.map(|e| {
             e.map(|event| pb::WatchRunResponse { event: Some(event) })
@@ -422,7 +451,7 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::UpdateScheduleResponse>, Status> {
         let user = self.user(&request).await?;
         let r = request.into_inner();
-        let id = r.schedule_id.clone();
+        let id = convert::id("schedule_id", &r.schedule_id)?.to_owned();
         let schedule = self
             .runs
             .update_schedule(&user, &id, schedules::change(r)?)
@@ -438,6 +467,7 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::DeleteScheduleResponse>, Status> {
         let user = self.user(&request).await?;
         let id = request.into_inner().schedule_id;
+        convert::id("schedule_id", &id)?;
         if !self
             .store
             .delete_schedule(&user, &id)
@@ -455,6 +485,7 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::RunScheduleNowResponse>, Status> {
         let user = self.user(&request).await?;
         let id = request.into_inner().schedule_id;
+        convert::id("schedule_id", &id)?;
         let (run_id, thread_id) = self.runs.run_schedule_now(&user, &id, &self.worker).await?;
         Ok(Response::new(pb::RunScheduleNowResponse {
             run_id,

@@ -1332,7 +1332,14 @@ impl RunService {
 
     /// CancelRun: a running run (on any replica) stops at its next step and ends cancelled; a
     /// run paused for approval ends now and its approval can no longer be used.
-    pub async fn cancel(&self, owner: &str, run_id: &str) -> Result<Run, ApiError> {
+    /// CancelRun: `reason`, when given, goes to the audit trail and, for a paused run, into
+    /// its terminal error.
+    pub async fn cancel(
+        &self,
+        owner: &str,
+        run_id: &str,
+        reason: Option<&str>,
+    ) -> Result<Run, ApiError> {
         let run = self
             .store
             .get_run(owner, run_id)
@@ -1344,8 +1351,18 @@ impl RunService {
                 run.state.key()
             )));
         }
+        if let Some(reason) = reason {
+            let detail = serde_json::json!({ "reason": reason });
+            self.store
+                .record_audit(owner, "cancel_requested", Some(run_id), detail)
+                .await?;
+        }
         if run.state == RunState::AwaitingConfirmation {
-            let message = "The run was cancelled.";
+            let message = match reason {
+                Some(reason) => format!("The run was cancelled: {reason}"),
+                None => "The run was cancelled.".to_owned(),
+            };
+            let message = message.as_str();
             self.store
                 .end_paused(
                     run_id,
@@ -1448,6 +1465,14 @@ impl RunService {
             .ok_or_else(|| ApiError::NotFound(format!("run {run_id}")))?;
         if live::Follow::already_over(run.state, run.last_event_seq, after) {
             return Ok(Watch::over());
+        }
+        // No caller can have seen an event further on than the volatile ones a writer shows
+        // before their commit; a watch from past them would wait for events that never come.
+        if after >= run.last_event_seq.saturating_add(ABANDONED_SEQ_GAP) {
+            return Err(ApiError::InvalidArgument(format!(
+                "after_seq {after} is past run {run_id}'s last event ({}); pass 0, or the seq of an event you received",
+                run.last_event_seq
+            )));
         }
         Ok(live::Follow::new(
             self.live.clone(),

@@ -17,14 +17,33 @@ use crate::{
 pub const MAX_CALL_ID_BYTES: usize = 128;
 pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 128;
 
-pub fn channel(c: i32) -> Channel {
-    match pb::Channel::try_from(c).unwrap_or(pb::Channel::Unspecified) {
+/// The channel a call names; `None` for a number this build does not know (a newer caller's
+/// channel is not silently treated as WEB, whose limits may differ).
+pub fn channel(c: i32) -> Option<Channel> {
+    Some(match pb::Channel::try_from(c).ok()? {
         pb::Channel::Unspecified | pb::Channel::Web => Channel::Web,
         pb::Channel::Telegram => Channel::Telegram,
         pb::Channel::SessionOpen => Channel::SessionOpen,
         pb::Channel::Scheduled => Channel::Scheduled,
         pb::Channel::Heartbeat => Channel::Heartbeat,
+    })
+}
+
+/// At most this many tools whose external content a run had read, each named in at most this
+/// many bytes: more is not a run's list (the agent sends the tools it called).
+pub const MAX_READ_EXTERNAL_FROM: usize = 64;
+const MAX_TOOL_NAME_BYTES: usize = 128;
+
+/// A credential's expiry as the store can keep it: after 1970 and before year 9999.
+pub fn expiry(t: &prost_types::Timestamp) -> Result<std::time::SystemTime, String> {
+    const YEAR_9999: i64 = 253_402_300_799;
+    if t.seconds < 0 || t.seconds > YEAR_9999 || !(0..1_000_000_000).contains(&t.nanos) {
+        return Err(format!(
+            "expires_at {}s {}ns is not a time between 1970 and 9999",
+            t.seconds, t.nanos
+        ));
     }
+    steward_proto::wellknown::system_time(t).ok_or_else(|| "expires_at is out of range".into())
 }
 
 pub fn integration_from_pb(i: i32) -> Option<Integration> {
@@ -102,6 +121,46 @@ pub fn call_request(call: pb::ToolCall) -> Result<CallRequest, Rejected> {
             format!("idempotency_key is longer than {MAX_IDEMPOTENCY_KEY_BYTES} bytes"),
         ));
     }
+    if call.idempotency_key.contains('\0') || call.call_id.contains('\0') {
+        return Err(reject(
+            &call,
+            "call_id and idempotency_key must not contain a NUL character".into(),
+        ));
+    }
+    let Some(channel) = channel(call.channel) else {
+        return Err(reject(
+            &call,
+            format!("channel {} is not one this gateway knows", call.channel),
+        ));
+    };
+    if call.read_external_from.len() > MAX_READ_EXTERNAL_FROM
+        || call
+            .read_external_from
+            .iter()
+            .any(|t| t.trim().is_empty() || t.len() > MAX_TOOL_NAME_BYTES)
+    {
+        return Err(reject(
+            &call,
+            format!(
+                "read_external_from must list at most {MAX_READ_EXTERNAL_FROM} tool names, each 1 to {MAX_TOOL_NAME_BYTES} bytes"
+            ),
+        ));
+    }
+    let timeout = match call.timeout {
+        None => None,
+        Some(d) if d.seconds >= 0 && (0..1_000_000_000).contains(&d.nanos) => {
+            Some(Duration::new(d.seconds as u64, d.nanos as u32))
+        }
+        Some(d) => {
+            return Err(reject(
+                &call,
+                format!(
+                    "timeout {}s {}ns is not a duration; give a positive one or none",
+                    d.seconds, d.nanos
+                ),
+            ));
+        }
+    };
     let args = match &call.arguments {
         None => Value::Object(Map::new()),
         Some(pb::tool_call::Arguments::Args(s)) => struct_to_json(s),
@@ -122,24 +181,15 @@ pub fn call_request(call: pb::ToolCall) -> Result<CallRequest, Rejected> {
     if !args.is_object() {
         return Err(reject(&call, "the arguments must be a JSON object".into()));
     }
-    let timeout = call.timeout.and_then(|d| {
-        (d.seconds >= 0 && d.nanos >= 0).then(|| Duration::new(d.seconds as u64, d.nanos as u32))
-    });
     Ok(CallRequest {
         call_id: call.call_id,
         tool: call.tool,
         args,
         idempotency_key: Some(call.idempotency_key).filter(|k| !k.is_empty()),
-        channel: channel(call.channel),
+        channel,
         timeout,
         run_id: Some(call.run_id).filter(|r| !r.is_empty()),
-        read_external_from: call
-            .read_external_from
-            .into_iter()
-            .filter(|s| !s.trim().is_empty())
-            .take(20)
-            .map(|s| s.chars().take(64).collect())
-            .collect(),
+        read_external_from: call.read_external_from,
         expected_binding: Some(call.expected_binding).filter(|b| !b.is_empty()),
     })
 }

@@ -31,6 +31,22 @@ type ResultStream = Pin<Box<dyn Stream<Item = Result<pb::ExecuteResponse, Status
 /// How many results may wait for a slow reader before tool tasks pause.
 const RESULT_BUFFER: usize = 64;
 
+/// Bounds of what ConnectAccount takes: an OAuth token is a few hundred bytes to a few KiB.
+const MAX_TOKEN_BYTES: usize = 16 * 1024;
+const MAX_SCOPES: usize = 64;
+
+/// An account name as a caller gives it (an address or a team id): 1 to 320 bytes, no control
+/// characters.
+fn account_name(account: &str) -> Result<(), ApiError> {
+    if account.is_empty() || account.len() > 320 || account.chars().any(char::is_control) {
+        return Err(ApiError::InvalidArgument(
+            "account must be 1 to 320 bytes with no control characters (the address or team id)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// The GatewayService implementation.
 pub struct GatewayApi {
     engine: Engine,
@@ -172,9 +188,9 @@ impl GatewayService for GatewayApi {
     ) -> Result<Response<pb::LookupCallResponse>, Status> {
         let user = self.user(&request)?;
         let key = request.into_inner().idempotency_key;
-        if key.is_empty() || key.len() > 256 {
+        if key.is_empty() || key.len() > 256 || key.contains('\0') {
             return Err(ApiError::InvalidArgument(
-                "idempotency_key is required (at most 256 bytes)".into(),
+                "idempotency_key is required (at most 256 bytes, no NUL)".into(),
             )
             .into());
         }
@@ -218,21 +234,38 @@ impl GatewayService for GatewayApi {
         let integration = convert::integration_from_pb(r.integration).ok_or_else(|| {
             ApiError::InvalidArgument("integration must be set (e.g. INTEGRATION_GMAIL)".into())
         })?;
-        if r.account.is_empty() || r.account.len() > 320 {
-            return Err(ApiError::InvalidArgument(
-                "account must be 1 to 320 bytes (the address or team id)".into(),
-            )
-            .into());
+        account_name(&r.account)?;
+        for (field, value) in [
+            ("access_token", &r.access_token),
+            ("refresh_token", &r.refresh_token),
+        ] {
+            if value.len() > MAX_TOKEN_BYTES || value.chars().any(char::is_control) {
+                return Err(ApiError::InvalidArgument(format!(
+                    "{field} must be at most {MAX_TOKEN_BYTES} bytes with no control characters"
+                ))
+                .into());
+            }
         }
         if r.access_token.is_empty() {
             return Err(ApiError::InvalidArgument("access_token is required".into()).into());
         }
+        if r.scopes.len() > MAX_SCOPES || r.scopes.iter().any(|s| s.len() > 512 || s.contains('\0'))
+        {
+            return Err(ApiError::InvalidArgument(format!(
+                "scopes must be at most {MAX_SCOPES}, each at most 512 bytes"
+            ))
+            .into());
+        }
+        let expires_at = match &r.expires_at {
+            None => None,
+            Some(t) => Some(convert::expiry(t).map_err(ApiError::InvalidArgument)?),
+        };
         let new = NewAccount {
             integration,
             account: r.account,
             access_token: r.access_token,
             refresh_token: Some(r.refresh_token).filter(|t| !t.is_empty()),
-            expires_at: r.expires_at.as_ref().and_then(convert::system_time),
+            expires_at,
             scopes: r.scopes,
         };
         let info = self
@@ -266,6 +299,7 @@ impl GatewayService for GatewayApi {
         let integration = convert::integration_from_pb(r.integration).ok_or_else(|| {
             ApiError::InvalidArgument("integration must be set (e.g. INTEGRATION_GMAIL)".into())
         })?;
+        account_name(&r.account)?;
         if !self
             .credentials
             .disconnect(&user, integration, &r.account)
