@@ -407,7 +407,8 @@ fn check_status(
             ),
         });
     }
-    if status.is_client_error() {
+    // 408 and 425 are the upstream's own "not now": the same request may work later.
+    if status.is_client_error() && status != StatusCode::REQUEST_TIMEOUT && status.as_u16() != 425 {
         return Err(ToolError::UpstreamRejected {
             service,
             status: status.as_u16(),

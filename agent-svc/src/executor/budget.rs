@@ -126,12 +126,19 @@ impl TokenCounter {
 }
 
 /// What a tool result of the current turn says in its place when the turn alone is over the
-/// context window. The call and its result stay paired; the model can call again.
-pub const ELIDED_RESULT: &str = "[This earlier result was left out to fit the model's context window. \
-Call the tool again if you still need it.]";
+/// context window. The call and its result stay paired; the model may read again, and is told
+/// never to act again (the call may have sent or changed something).
+pub fn elided_result(tool: &str) -> String {
+    let tool: String = tool.chars().take(64).collect();
+    format!(
+        "[The result of this {tool} call was left out to fit the model's context window. \
+If the call only read data and you still need it, call it again; never repeat a call that sent, \
+created or changed something.]"
+    )
+}
 
-/// An upper bound of [`ELIDED_RESULT`]'s tokens as a turn, under every counter.
-const ELIDED_RESULT_TOKENS: usize = PER_TURN_OVERHEAD + 48;
+/// An upper bound of [`elided_result`]'s tokens as a turn, under every counter.
+const ELIDED_RESULT_TOKENS: usize = PER_TURN_OVERHEAD + 110;
 
 /// What fitting the transcript did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,7 +146,7 @@ pub struct Fit {
     /// The call sends `turns[evicted_turns..]`.
     pub evicted_turns: usize,
     /// The current turn's tool results (indices into `turns`, oldest first) that go as
-    /// [`ELIDED_RESULT`]: the history was gone and the turn was still over the window.
+    /// [`elided_result`]: the history was gone and the turn was still over the window.
     pub elided_results: Vec<usize>,
     /// Some of them went because the context window was full, not for the history limit.
     pub window_full: bool,
@@ -164,8 +171,9 @@ pub struct Budget {
 /// Whole units go from the front, never splitting a tool call from its results, and what is
 /// kept starts with a user turn. The last user turn and everything after it (the current turn)
 /// always stay; when they alone do not fit, the current turn's older tool results (never the
-/// latest round's) give their place to [`ELIDED_RESULT`], oldest first. Only a latest round
-/// too big by itself still goes over, and the provider then answers with a clear error.
+/// latest round's, never a failure's) give their place to [`elided_result`], oldest first.
+/// Only a latest round too big by itself still goes over, and the provider then answers with
+/// a clear error.
 ///
 /// The history limit cuts in steps of half the limit, counted from the start of the history,
 /// so the cut moves only every few runs and the kept history stays a stable prefix that a
@@ -220,7 +228,15 @@ pub fn fit(turns: &[Turn], sizes: &[usize], fixed: usize, budget: Budget) -> Fit
             if total <= budget.window {
                 break;
             }
-            if matches!(turns[i], Turn::ToolResult { .. }) && sizes[i] > ELIDED_RESULT_TOKENS {
+            // A failure is Steward's own short sentence the model acts on: it stays.
+            if matches!(
+                turns[i],
+                Turn::ToolResult {
+                    is_error: false,
+                    ..
+                }
+            ) && sizes[i] > ELIDED_RESULT_TOKENS
+            {
                 total -= sizes[i] - ELIDED_RESULT_TOKENS;
                 elided_results.push(i);
                 window_full = true;
@@ -432,5 +448,13 @@ mod tests {
             !fit.elided_results.contains(&8),
             "the latest result is never elided"
         );
+
+        // A failure stays whatever its size: the model acts on Steward's sentence.
+        let mut failed = turns.clone();
+        if let Turn::ToolResult { is_error, .. } = &mut failed[4] {
+            *is_error = true;
+        }
+        let fit = super::fit(&failed, &sizes, 100, tighter);
+        assert_eq!(fit.elided_results, [6]);
     }
 }

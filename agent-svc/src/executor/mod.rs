@@ -662,9 +662,10 @@ impl Run<'_> {
             );
             let mut turns = self.turns[fit.evicted_turns..].to_vec();
             for i in &fit.elided_results {
-                if let Some(Turn::ToolResult { content, .. }) = turns.get_mut(i - fit.evicted_turns)
+                if let Some(Turn::ToolResult { content, name, .. }) =
+                    turns.get_mut(i - fit.evicted_turns)
                 {
-                    *content = budget::ELIDED_RESULT.to_owned();
+                    *content = budget::elided_result(name);
                 }
             }
             std::borrow::Cow::Owned(turns)

@@ -171,45 +171,84 @@ enum When {
 }
 
 impl When {
-    /// The first moment of the day (UTC), or the instant.
-    fn first_moment(self) -> jiff::Timestamp {
+    /// The first moment of the day in `tz`, or the instant.
+    fn first_moment(self, tz: &jiff::tz::TimeZone) -> jiff::Timestamp {
         match self {
             When::At(t) => t,
-            When::Day(d) => day_start(d),
+            When::Day(d) => day_start(d, tz),
         }
     }
 
-    /// The moment just after the day (UTC), or the instant: an exclusive upper bound.
-    fn after(self) -> jiff::Timestamp {
+    /// The moment just after the day in `tz`, or the instant: an exclusive upper bound.
+    fn after(self, tz: &jiff::tz::TimeZone) -> jiff::Timestamp {
         match self {
             When::At(t) => t,
-            When::Day(d) => d.tomorrow().map_or(jiff::Timestamp::MAX, day_start),
+            When::Day(d) => d
+                .tomorrow()
+                .map_or(jiff::Timestamp::MAX, |d| day_start(d, tz)),
         }
     }
 }
 
-fn day_start(d: jiff::civil::Date) -> jiff::Timestamp {
-    d.to_zoned(jiff::tz::TimeZone::UTC)
+fn day_start(d: jiff::civil::Date, tz: &jiff::tz::TimeZone) -> jiff::Timestamp {
+    d.to_zoned(tz.clone())
         .map_or(jiff::Timestamp::MAX, |z| z.timestamp())
 }
 
-fn when(args: &Value, field: &str, tool: &str) -> Result<Option<When>, ToolError> {
+/// The `time_zone` argument: an IANA zone, or none (UTC is then assumed only for plain dates).
+fn zone_arg(args: &Value, tool: &str) -> Result<Option<(String, jiff::tz::TimeZone)>, ToolError> {
+    let Some(name) = text_arg(args, "time_zone") else {
+        return Ok(None);
+    };
+    match jiff::tz::TimeZone::get(&name) {
+        Ok(tz) => Ok(Some((name, tz))),
+        Err(_) => Err(ToolError::InvalidArguments {
+            tool: tool.into(),
+            detail: format!("time_zone {name:?} is not an IANA zone"),
+        }),
+    }
+}
+
+/// A time argument: RFC 3339 with an offset; a local date-time (no offset) read in `zone`; or
+/// exactly a date (`YYYY-MM-DD`) for a whole day. A local time with no zone to read it in is
+/// refused, never guessed.
+fn when(
+    args: &Value,
+    field: &str,
+    tool: &str,
+    zone: Option<&jiff::tz::TimeZone>,
+) -> Result<Option<When>, ToolError> {
     let Some(raw) = text_arg(args, field) else {
         return Ok(None);
     };
     let raw = raw.trim();
+    let invalid = |detail: String| ToolError::InvalidArguments {
+        tool: tool.into(),
+        detail: format!("{field}: {detail}"),
+    };
     if let Ok(t) = raw.parse::<jiff::Timestamp>() {
         return Ok(Some(When::At(t)));
     }
-    if let Ok(d) = raw.parse::<jiff::civil::Date>() {
+    // jiff reads a date out of any text that starts with one: only the bare date is a day.
+    if raw.len() == 10
+        && let Ok(d) = raw.parse::<jiff::civil::Date>()
+    {
         return Ok(Some(When::Day(d)));
     }
-    Err(ToolError::InvalidArguments {
-        tool: tool.into(),
-        detail: format!(
-            "{field}: {raw:?} is not a time; use RFC 3339 like 2026-11-25T09:00:00+01:00, or a date like 2026-11-25 for a whole day"
-        ),
-    })
+    if let Ok(local) = raw.parse::<jiff::civil::DateTime>() {
+        let Some(tz) = zone else {
+            return Err(invalid(format!(
+                "{raw:?} has no offset; add one (2026-11-25T09:00:00+01:00 or Z) or give time_zone"
+            )));
+        };
+        return local
+            .to_zoned(tz.clone())
+            .map(|z| Some(When::At(z.timestamp())))
+            .map_err(|e| invalid(format!("{raw:?} is not a time in that zone ({e})")));
+    }
+    Err(invalid(format!(
+        "{raw:?} is not a time; use RFC 3339 like 2026-11-25T09:00:00+01:00, or a date like 2026-11-25 for a whole day"
+    )))
 }
 
 /// An event's `start` and `end` as Google Calendar takes them: both instants (`dateTime`, in
@@ -233,9 +272,10 @@ fn event_times(
             let after = e
                 .tomorrow()
                 .map_err(|_| invalid("end is past the last date a calendar holds"))?;
+            // The other kind's fields are cleared: an update merges into what the event has.
             Ok([
-                Some(json!({ "date": s.to_string() })),
-                Some(json!({ "date": after.to_string() })),
+                Some(json!({ "date": s.to_string(), "dateTime": null, "timeZone": null })),
+                Some(json!({ "date": after.to_string(), "dateTime": null, "timeZone": null })),
             ])
         }
         (Some(When::Day(_)), _) | (_, Some(When::Day(_))) => Err(invalid(
@@ -249,7 +289,10 @@ fn event_times(
             }
             let timed = |w: Option<When>| {
                 w.map(|w| {
-                    let mut t = json!({ "dateTime": w.first_moment().to_string() });
+                    let mut t = json!({
+                        "dateTime": w.first_moment(&jiff::tz::TimeZone::UTC).to_string(),
+                        "date": null,
+                    });
                     if let Some(z) = zone {
                         t["timeZone"] = json!(z);
                     }
@@ -277,6 +320,7 @@ impl Tool for Search {
             json!({"type": "object", "additionalProperties": false, "properties": {
                 "time_min": {"type": "string", "description": "RFC 3339 or a date; default now"},
                 "time_max": {"type": "string", "description": "RFC 3339 or a date (through its end); default 7 days after time_min"},
+                "time_zone": {"type": "string", "description": "IANA zone of dates and local times; default UTC"},
                 "query": {"type": "string", "maxLength": 200},
                 "calendar_id": {"type": "string", "default": "primary"},
                 "max_results": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
@@ -289,9 +333,13 @@ impl Tool for Search {
         let account = account(ctx, &args, "calendar_search").await?;
         let now =
             jiff::Timestamp::try_from(SystemTime::now()).unwrap_or(jiff::Timestamp::UNIX_EPOCH);
-        let from = when(&args, "time_min", "calendar_search")?.map_or(now, When::first_moment);
-        let until = match when(&args, "time_max", "calendar_search")? {
-            Some(w) => w.after(),
+        let tool = "calendar_search";
+        let zone = zone_arg(&args, tool)?;
+        let tz = zone.as_ref().map(|(_, tz)| tz);
+        let days_in = tz.cloned().unwrap_or(jiff::tz::TimeZone::UTC);
+        let from = when(&args, "time_min", tool, tz)?.map_or(now, |w| w.first_moment(&days_in));
+        let until = match when(&args, "time_max", tool, tz)? {
+            Some(w) => w.after(&days_in),
             None => from
                 .checked_add(jiff::SignedDuration::from_hours(24 * 7))
                 .unwrap_or(jiff::Timestamp::MAX),
@@ -314,7 +362,7 @@ impl Tool for Search {
             ("timeMax", time_max.clone()),
             ("singleEvents", "true".into()),
             ("orderBy", "startTime".into()),
-            ("maxResults", max),
+            ("maxResults", max.clone()),
         ];
         if let Some(q) = text_arg(&args, "query") {
             query.push(("q", q));
@@ -342,10 +390,14 @@ impl Tool for Search {
             .enumerate()
             .map(|(i, e)| format!("{}. {}", i + 1, render(e)))
             .collect();
-        let more = if events.next_page_token.is_some_and(|t| !t.is_empty()) {
-            "\n(More events match; narrow the time range or ask for more with max_results, up to 50.)"
-        } else {
-            ""
+        let more = match events.next_page_token.is_some_and(|t| !t.is_empty()) {
+            false => "",
+            true if max == "50" => {
+                "\n(More events match than the 50 shown; narrow the time range.)"
+            }
+            true => {
+                "\n(More events match; narrow the time range or ask for more with max_results, up to 50.)"
+            }
         };
         Ok(ToolOutput::text(format!(
             "Events in {account} ({}):\n{}{more}",
@@ -401,15 +453,8 @@ impl Tool for Write {
             "calendar_event_create"
         };
         let account = account(ctx, &args, tool).await?;
-        let zone = text_arg(&args, "time_zone");
-        if let Some(z) = &zone
-            && jiff::tz::TimeZone::get(z).is_err()
-        {
-            return Err(ToolError::InvalidArguments {
-                tool: tool.into(),
-                detail: format!("time_zone {z:?} is not an IANA zone"),
-            });
-        }
+        let zone = zone_arg(&args, tool)?;
+        let tz = zone.as_ref().map(|(_, tz)| tz);
         let mut body = Map::new();
         for (field, key) in [
             ("summary", "summary"),
@@ -421,9 +466,9 @@ impl Tool for Write {
             }
         }
         let [start, end] = event_times(
-            when(&args, "start", tool)?,
-            when(&args, "end", tool)?,
-            zone.as_deref(),
+            when(&args, "start", tool, tz)?,
+            when(&args, "end", tool, tz)?,
+            zone.as_ref().map(|(name, _)| name.as_str()),
             tool,
         )?;
         for (key, value) in [("start", start), ("end", end)] {
@@ -535,12 +580,11 @@ fn create_preview(args: &Value) -> Preview {
 fn update_preview(account: &str, current: &Event, args: &Value) -> Preview {
     let old_attendees = current.attendee_list();
     let mut text = format!(
-        "Update event [{}] \"{}\" in {}\nNow: {} to {}\n",
+        "Update event [{}] \"{}\" in {}\nNow: {}\n",
         line(&current.id, 100),
         line(&current.summary, 200),
         line(account, 200),
-        line(&current.start.show(), 60),
-        line(&current.end.show(), 60)
+        line(&span(&current.start, &current.end), 130),
     );
     push_attendees(&mut text, "Attendees now", &old_attendees);
     text.push_str("Changes:\n");
@@ -634,9 +678,10 @@ mod tests {
 
     fn times(start: &str, end: &str) -> Result<[Option<Value>; 2], ToolError> {
         let args = json!({"start": start, "end": end});
+        let berlin = jiff::tz::TimeZone::get("Europe/Berlin").unwrap();
         event_times(
-            when(&args, "start", "t")?,
-            when(&args, "end", "t")?,
+            when(&args, "start", "t", Some(&berlin))?,
+            when(&args, "end", "t", Some(&berlin))?,
             Some("Europe/Berlin"),
             "t",
         )
@@ -645,24 +690,26 @@ mod tests {
     #[test]
     fn plain_dates_make_an_all_day_event_through_its_last_day() {
         let [start, end] = times("2026-11-25", "2026-11-26").unwrap();
-        assert_eq!(start, Some(json!({"date": "2026-11-25"})));
+        let day = |d: &str| json!({"date": d, "dateTime": null, "timeZone": null});
+        assert_eq!(start, Some(day("2026-11-25")));
         // Google's end date is exclusive: the day after the last day.
-        assert_eq!(end, Some(json!({"date": "2026-11-27"})));
+        assert_eq!(end, Some(day("2026-11-27")));
         let [_, one_day] = times("2026-11-25", "2026-11-25").unwrap();
-        assert_eq!(one_day, Some(json!({"date": "2026-11-26"})));
+        assert_eq!(one_day, Some(day("2026-11-26")));
     }
 
     #[test]
     fn timed_events_keep_their_instants_and_zone() {
         let [start, end] = times("2026-11-25T09:00:00+01:00", "2026-11-25T10:00:00+01:00").unwrap();
-        assert_eq!(
-            start,
-            Some(json!({"dateTime": "2026-11-25T08:00:00Z", "timeZone": "Europe/Berlin"}))
-        );
-        assert_eq!(
-            end,
-            Some(json!({"dateTime": "2026-11-25T09:00:00Z", "timeZone": "Europe/Berlin"}))
-        );
+        let at = |t: &str| json!({"dateTime": t, "date": null, "timeZone": "Europe/Berlin"});
+        assert_eq!(start, Some(at("2026-11-25T08:00:00Z")));
+        assert_eq!(end, Some(at("2026-11-25T09:00:00Z")));
+        // A local time is read in the event's zone, never taken for a whole day.
+        let [start, _] = times("2026-11-25T09:00:00", "2026-11-25T10:00:00").unwrap();
+        assert_eq!(start, Some(at("2026-11-25T08:00:00Z")));
+        let args = json!({"start": "2026-11-25T09:00:00"});
+        let unzoned = when(&args, "start", "t", None).unwrap_err().to_string();
+        assert!(unzoned.contains("has no offset"), "{unzoned}");
     }
 
     #[test]
@@ -704,10 +751,14 @@ mod tests {
     }
 
     #[test]
-    fn a_searched_day_runs_from_its_first_moment_to_the_next_day() {
+    fn a_searched_day_runs_from_its_first_moment_to_the_next_day_in_its_zone() {
         let day = When::Day("2026-11-25".parse().unwrap());
-        assert_eq!(day.first_moment().to_string(), "2026-11-25T00:00:00Z");
-        assert_eq!(day.after().to_string(), "2026-11-26T00:00:00Z");
+        let utc = jiff::tz::TimeZone::UTC;
+        assert_eq!(day.first_moment(&utc).to_string(), "2026-11-25T00:00:00Z");
+        assert_eq!(day.after(&utc).to_string(), "2026-11-26T00:00:00Z");
+        let la = jiff::tz::TimeZone::get("America/Los_Angeles").unwrap();
+        assert_eq!(day.first_moment(&la).to_string(), "2026-11-25T08:00:00Z");
+        assert_eq!(day.after(&la).to_string(), "2026-11-26T08:00:00Z");
     }
 
     /// A time as the calendar may send it: a real timestamp in a real zone, an all-day date,

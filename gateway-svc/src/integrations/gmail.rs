@@ -246,11 +246,9 @@ impl GmailApi {
             .and_then(|list| {
                 // A 404 here is no mailbox, not "no messages": it must not read as an answer.
                 if list.status == reqwest::StatusCode::NOT_FOUND {
-                    return Err(ToolError::Upstream {
-                        service: SERVICE,
-                        status: 404,
-                        detail: "the mailbox was not found".into(),
-                    });
+                    return Err(ToolError::NotFound(format!(
+                        "Gmail found no mailbox for {account}; the account may need to be reconnected."
+                    )));
                 }
                 list.json::<MessageList>(SERVICE)
             });
@@ -339,7 +337,7 @@ impl GmailApi {
         account: &str,
         id: &str,
     ) -> Result<Option<Message>, ToolError> {
-        let id = super::path_segment(id, "id", &ctx.tool)?;
+        let id = super::path_segment(id, "message_id", &ctx.tool)?;
         ctx.charge(Integration::Gmail, account, 1).await?;
         let url = self.url(&format!("/gmail/v1/users/me/messages/{id}"));
         let r = ctx
@@ -389,15 +387,18 @@ fn addresses(header: &str) -> Vec<&str> {
     for (i, c) in header.char_indices() {
         match c {
             _ if escaped => escaped = false,
-            '\\' if quoted => escaped = true,
-            '"' => quoted = !quoted,
+            '\\' if quoted || depth > 0 => escaped = true,
+            // A quote inside a comment is part of the comment.
+            '"' if depth == 0 => quoted = !quoted,
             '(' if !quoted => depth += 1,
             ')' if !quoted => depth = depth.saturating_sub(1),
-            '<' if !quoted => angle = true,
-            '>' if !quoted => angle = false,
-            ',' if !quoted && depth == 0 && !angle => {
+            '<' if !quoted && depth == 0 => angle = true,
+            '>' if !quoted && depth == 0 => angle = false,
+            // A group (`Team: a@x, b@y;`) opens with its name and closes with `;`: both end a
+            // mailbox as a comma does.
+            ',' | ':' | ';' if !quoted && depth == 0 && !angle => {
                 parts.push(&header[start..i]);
-                start = i + 1;
+                start = i + c.len_utf8();
             }
             _ => {}
         }
@@ -1220,6 +1221,14 @@ mod tests {
             ["q@example.com"]
         );
         assert!(addresses("undisclosed-recipients:;").is_empty());
+        assert_eq!(
+            addresses(r#"Ann (say "hi) <a@example.com>, b@example.com"#),
+            ["a@example.com", "b@example.com"]
+        );
+        assert_eq!(
+            addresses("Team: a@example.com, b@example.com;, c@example.com"),
+            ["a@example.com", "b@example.com", "c@example.com"]
+        );
         assert!(addresses("").is_empty());
     }
 

@@ -71,19 +71,10 @@ pub(crate) fn text_arg(args: &Value, name: &str) -> Option<String> {
 }
 
 /// Quotes a title for the model, shortened so one long title cannot flood a list, and on one
-/// line: a line break or other control character in it becomes a space, so a title can
-/// neither split its list item nor start a line of its own.
+/// line (see [`crate::registry::line`]): a title can neither split its list item nor start a
+/// line of its own.
 pub(crate) fn quoted(text: &str) -> String {
-    let short: String = text
-        .chars()
-        .take(120)
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    if text.chars().nth(120).is_some() {
-        format!("\"{short}…\"")
-    } else {
-        format!("\"{short}\"")
-    }
+    format!("\"{}\"", crate::registry::line(text, 120))
 }
 
 #[cfg(test)]

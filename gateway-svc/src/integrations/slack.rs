@@ -234,7 +234,7 @@ impl Tool for Read {
                 ctx,
                 &team,
                 "conversations.history",
-                &[("channel", channel.clone()), ("limit", limit)],
+                &[("channel", channel.clone()), ("limit", limit.clone())],
             )
             .await?;
         let messages = page["messages"].as_array().cloned().unwrap_or_default();
@@ -258,10 +258,10 @@ impl Tool for Read {
             })
             .collect();
         // Older messages than these exist: say so, so "the latest N" is not read as all.
-        let more = if page["has_more"].as_bool() == Some(true) {
-            "\n(older messages exist; ask for a higher limit, up to 100)"
-        } else {
-            ""
+        let more = match page["has_more"].as_bool() == Some(true) {
+            false => "",
+            true if limit == "100" => "\n(older messages exist beyond the latest 100)",
+            true => "\n(older messages exist; ask for a higher limit, up to 100)",
         };
         Ok(ToolOutput::text(format!(
             "Latest messages in {channel} ({}):\n{}{more}",

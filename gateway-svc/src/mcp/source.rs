@@ -403,21 +403,37 @@ fn shown_url(url: &str) -> String {
 /// may quote the URL as written or as the HTTP client normalised it, or quote only its secret
 /// parts; each is taken out.
 fn scrub(text: &str, url: &str) -> String {
-    let shown = shown_url(url);
-    let mut out = text.replace(url, &shown);
+    // The whole URL first, to a marker the secrets cannot be part of; the shown form goes in
+    // last, so hiding a secret never edits it.
+    const MARK: &str = "\u{1}url\u{1}";
+    let mut out = text.replace(url, MARK);
     if let Ok(parsed) = reqwest::Url::parse(url) {
-        out = out.replace(parsed.as_str(), &shown);
-        let secrets = [
-            parsed.password().map(str::to_owned),
-            parsed.query().map(str::to_owned),
-            Some(parsed.username().to_owned()),
-        ];
-        // A part of a few characters would blot out ordinary words; such a part is no key.
-        for secret in secrets.into_iter().flatten().filter(|s| s.len() >= 6) {
-            out = out.replace(&secret, "(hidden)");
+        out = out.replace(parsed.as_str(), MARK);
+        let mut secrets: Vec<String> = [parsed.password(), parsed.query(), Some(parsed.username())]
+            .into_iter()
+            .flatten()
+            .map(str::to_owned)
+            .collect();
+        // Each query value on its own too, as sent and as decoded.
+        for (_, value) in parsed.query_pairs() {
+            secrets.push(value.into_owned());
+        }
+        if let Some(query) = parsed.query() {
+            secrets.extend(
+                query
+                    .split('&')
+                    .filter_map(|p| p.split_once('='))
+                    .map(|(_, v)| v.to_owned()),
+            );
+        }
+        // Longest first, so a part of a longer secret is not hidden alone. A part of a few
+        // characters would blot out ordinary words; such a part is no key.
+        secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        for secret in secrets.iter().filter(|s| s.len() >= 6) {
+            out = out.replace(secret.as_str(), "(hidden)");
         }
     }
-    out
+    out.replace(MARK, &shown_url(url))
 }
 
 /// Connects, lists, then follows the server: re-lists on list_changed, pings every interval,
@@ -660,7 +676,7 @@ impl Tool for McpTool {
         if result.is_error == Some(true) {
             return Err(ToolError::RemoteTool {
                 service: server.label,
-                detail: clip(&text, 2000),
+                detail: clip(&scrub(&text, &server.config.url), 2000),
             });
         }
         Ok(ToolOutput::text(text))
@@ -704,13 +720,15 @@ fn describe(service: &'static str, url: &str, e: ServiceError) -> ToolError {
             after: timeout,
         },
         ServiceError::Cancelled { .. } => ToolError::Cancelled,
-        other => ToolError::UpstreamUnavailable {
-            service,
-            detail: format!(
-                "the connection failed mid-call: {}",
-                scrub(&other.to_string(), url)
-            ),
-        },
+        // A transport failure's text can carry the server's own response body: it goes to
+        // the log, and the model reads only what happened.
+        other => {
+            tracing::warn!(service, error = %scrub(&other.to_string(), url), "an MCP call's connection failed");
+            ToolError::UpstreamUnavailable {
+                service,
+                detail: "the connection failed mid-call".into(),
+            }
+        }
     }
 }
 
@@ -781,6 +799,21 @@ mod tests {
                 configured
             ),
             "error sending request for url (https://mcp.example.com/)"
+        );
+    }
+
+    #[test]
+    fn each_query_value_is_hidden_alone_and_the_shown_host_is_never_edited() {
+        let url = "https://example:pass-word@mcp.example.com/mcp?a=1&api_key=SECRET-123";
+        let shown = scrub(
+            &format!("failed {url}: api_key=SECRET-123 rejected by SECRET-123"),
+            url,
+        );
+        assert!(!shown.contains("SECRET-123"), "{shown}");
+        assert!(!shown.contains("pass-word"), "{shown}");
+        assert!(
+            shown.starts_with("failed https://mcp.example.com/mcp:"),
+            "{shown}"
         );
     }
 

@@ -55,10 +55,17 @@ fn authorised(headers: &HeaderMap) -> bool {
 /// When an event starts, as an RFC 3339 instant; an all-day event starts at its date's first
 /// moment (UTC, which is what these tests use).
 fn start_of(e: &Value) -> String {
-    if let Some(t) = e.pointer("/start/dateTime").and_then(Value::as_str) {
+    time_of(e, "start")
+}
+
+fn time_of(e: &Value, which: &str) -> String {
+    if let Some(t) = e
+        .pointer(&format!("/{which}/dateTime"))
+        .and_then(Value::as_str)
+    {
         return t.to_owned();
     }
-    e.pointer("/start/date")
+    e.pointer(&format!("/{which}/date"))
         .and_then(Value::as_str)
         .map(|d| format!("{d}T00:00:00Z"))
         .unwrap_or_default()
@@ -92,8 +99,10 @@ async fn list(
         .expect("lock")
         .iter()
         .filter(|e| {
-            let start = ts(&start_of(e));
-            min.is_none_or(|m| start.is_some_and(|s| s >= m))
+            // As Google filters: timeMin bounds an event's end, timeMax its start, both
+            // exclusive, so an event under way at timeMin is found.
+            let (start, end) = (ts(&start_of(e)), ts(&time_of(e, "end")));
+            min.is_none_or(|m| end.is_some_and(|t| t > m))
                 && max.is_none_or(|m| start.is_some_and(|s| s < m))
                 && text.as_ref().is_none_or(|t| {
                     e["summary"]
