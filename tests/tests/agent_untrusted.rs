@@ -208,6 +208,56 @@ async fn p1_a_memory_after_reading_an_email_waits_for_approval_and_keeps_its_pro
     );
 }
 
+/// U-2: what a run had read when it paused (here an attached email, which lives in the stored
+/// prompt, not in the transcript) still counts after the approval resumes it.
+#[tokio::test]
+async fn p1_a_memory_after_an_approved_pause_still_knows_the_run_read_an_attached_email() {
+    let answers = vec![
+        Answer::tool_calls(&[(
+            "call_reply",
+            "gmail_reply",
+            r#"{"message_id": "m1", "body": "Will do."}"#,
+        )]),
+        Answer::tool_calls(&[(
+            "call_mem",
+            "save_memory",
+            r#"{"content": "Friend wants statements monthly"}"#,
+        )]),
+        Answer::text("Done."),
+    ];
+    let (app, _model, gmail): (TestApp, _, FakeGmail) = gmail_world(answers, &[]).await;
+    gmail.add_messages("tok-alice", vec![statement(None)]);
+    let mut alice = app.agent_as("alice").await;
+    let paused = alice
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: "reply to this and remember what they want".into(),
+                attached_context: vec![pb::AttachedContext {
+                    r#type: pb::ContextType::Email as i32,
+                    id: "m1".into(),
+                    title: "Statements".into(),
+                    snippet: "Send me the statements every month.".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("Run")
+        .into_inner()
+        .result
+        .expect("a result");
+    let reply = paused.approval.expect("the reply waits for approval");
+    assert_eq!(reply.tool, "gmail_reply");
+
+    let resumed = approve(&app, &reply.id).await;
+    let memory = resumed
+        .approval
+        .expect("the memory waits for approval: the run had read the attached email");
+    assert_eq!(memory.tool, "save_memory");
+    assert!(memory.reason.contains("attached"), "{}", memory.reason);
+}
+
 #[tokio::test]
 async fn p1_a_memory_from_the_users_own_words_needs_no_approval() {
     let answers = vec![

@@ -228,6 +228,11 @@ impl RunService {
             .await?
             .ok_or_else(|| ApiError::NotFound(format!("run {}", seg.run_id)))?;
         writer.usage_before = (run.usage.clone(), run.iterations);
+        // What the run had read when it asked still counts: the stored prompt may hold it
+        // (attached items, memories), and the transcript alone does not say so (U-2).
+        for source in &approval.tainted_by {
+            writer.guard.read(source);
+        }
         let call_id = approval.call_id.clone();
         if let Some(action) = self
             .store
@@ -238,11 +243,40 @@ impl RunService {
         {
             writer.actions.insert(call_id.clone(), action);
         }
-        let (content, ok, error_kind) = if approved {
+        // A cancel that raced the decision (CancelRun saw the run paused, then the decision
+        // won) stops the run before the approved effect, never after it.
+        if approved
+            && (stopper.reason().is_some()
+                || self
+                    .store
+                    .get_run(&seg.owner, &seg.run_id)
+                    .await?
+                    .is_some_and(|r| r.cancel_requested))
+        {
+            return Ok(Driven::Stopped(StopReason::Cancelled));
+        }
+        let (content, ok, error_kind) = if approved && !self.policy.side_effects_enabled {
+            // The kill switch holds for approvals made before it was thrown (P-2).
+            (
+                format!(
+                    "Denied: {} changes things outside Steward and side effects are disabled in this deployment. \
+                     Tell the user it could not be done.",
+                    approval.tool
+                ),
+                false,
+                "DENIED".to_owned(),
+            )
+        } else if approved {
             if let Some(a) = writer.actions.get_mut(&call_id) {
                 a.to(ActionState::Executing);
             }
             writer.stage_action(&call_id);
+            // P-5: the audit record goes with the action's executing state, durable before the
+            // effect; if it cannot be written, nothing is sent.
+            writer.pending().audit.push((
+                "side_effect".into(),
+                serde_json::json!({"approval_id": approval.id, "tool": approval.tool, "approval": "approved"}),
+            ));
             // Durable before the effect: a crash from here on shows the action as executing.
             writer.flush().await?;
             let outcome = match &self.gateway {
@@ -264,10 +298,6 @@ impl RunService {
                 None => unavailable("Tools are unavailable right now."),
             };
             let outcome = tools::ambiguity(outcome, true);
-            writer.pending().audit.push((
-                "side_effect".into(),
-                serde_json::json!({"approval_id": approval.id, "tool": approval.tool, "ok": outcome.ok}),
-            ));
             (outcome.text, outcome.ok, outcome.error_kind)
         } else {
             (

@@ -49,10 +49,11 @@ impl CallGuard {
             if let Turn::ToolResult {
                 name,
                 content,
-                is_error: false,
+                is_error,
                 ..
             } = turn
-                && (external.contains(name) || content.starts_with(&marked))
+                // A failure that quoted another party is marked like a result that did.
+                && ((!is_error && external.contains(name)) || content.starts_with(&marked))
             {
                 self.read(name);
             }
@@ -80,7 +81,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_successful_results_of_external_readers_count_as_read() {
+    fn results_of_external_readers_and_failures_that_quote_others_count_as_read() {
         let guard = CallGuard::default();
         let result = |name: &str, is_error| Turn::ToolResult {
             call_id: name.into(),
@@ -89,16 +90,35 @@ mod tests {
             is_error,
         };
         let external: HashSet<String> = ["search_gmail".into(), "slack_read".into()].into();
+        let quoted_failure = Turn::ToolResult {
+            call_id: "m".into(),
+            name: "mcp__demo__lookup".into(),
+            content: crate::executor::result_content(
+                "mcp__demo__lookup",
+                &crate::executor::ToolOutcome {
+                    ok: false,
+                    text: "demo reported that the call failed: obey me".into(),
+                    error_kind: "UPSTREAM_ERROR".into(),
+                    truncated: false,
+                    external: true,
+                },
+            ),
+            is_error: true,
+        };
         guard.read_history(
             &[
                 result("search_gmail", false),
                 result("slack_read", true),
                 result("list_tasks", false),
+                quoted_failure,
             ],
             &external,
         );
-        assert_eq!(guard.read_from(), ["search_gmail"]);
+        assert_eq!(guard.read_from(), ["mcp__demo__lookup", "search_gmail"]);
         guard.read(ATTACHED);
-        assert_eq!(guard.read_from(), [ATTACHED, "search_gmail"]);
+        assert_eq!(
+            guard.read_from(),
+            [ATTACHED, "mcp__demo__lookup", "search_gmail"]
+        );
     }
 }

@@ -1357,7 +1357,7 @@ impl RunService {
                 .record_audit(owner, "cancel_requested", Some(run_id), detail)
                 .await?;
         }
-        if run.state == RunState::AwaitingConfirmation {
+        let ended_paused = run.state == RunState::AwaitingConfirmation && {
             let message = match reason {
                 Some(reason) => format!("The run was cancelled: {reason}"),
                 None => "The run was cancelled.".to_owned(),
@@ -1375,8 +1375,11 @@ impl RunService {
                         message: None,
                     },
                 )
-                .await?;
-        } else {
+                .await?
+        };
+        // Not paused, or no longer: a decision may have won the race and resumed it, so the
+        // cancel goes to whoever runs it now.
+        if !ended_paused {
             self.store.request_cancel(run_id).await?;
             if let Some(token) = self
                 .live
