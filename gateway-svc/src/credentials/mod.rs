@@ -302,10 +302,8 @@ fn usable_token(
     let fresh = stored
         .expires_at
         .is_none_or(|at| at > SystemTime::now() + EXPIRY_SKEW);
+    // After a 401: a token another caller has put in place since, if it has not expired too.
     let replaced = rejected.is_some_and(|r| r != token);
-    let usable = match rejected {
-        Some(_) => replaced,
-        None => fresh,
-    };
+    let usable = fresh && (rejected.is_none() || replaced);
     Ok(usable.then_some(token))
 }

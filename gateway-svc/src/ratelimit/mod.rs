@@ -86,6 +86,10 @@ impl FromStr for Limits {
             if n == 0 {
                 return Err(format!("{part:?}: a limit must be at least 1"));
             }
+            // The database keeps counts as int4.
+            if n > i32::MAX as u32 {
+                return Err(format!("{part:?}: a limit must be at most {}", i32::MAX));
+            }
             if out.iter().any(|(existing, _)| *existing == w) {
                 return Err(format!("the {} window is given twice", w.label()));
             }
@@ -352,7 +356,7 @@ impl RateLimiter {
         match decision {
             Decision::Allowed(usage) => {
                 for u in &usage {
-                    let threshold = u.limit * 4 / 5;
+                    let threshold = (u64::from(u.limit) * 4 / 5) as u32;
                     // Warn once per window: on the charge that crosses 80%.
                     if u.used >= threshold && u.used.saturating_sub(cost) < threshold {
                         tracing::warn!(

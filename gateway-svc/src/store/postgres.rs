@@ -336,7 +336,9 @@ impl AccountLock for PgAccountLock {
     }
 
     async fn save(mut self: Box<Self>, a: StoredAccount) -> Result<(), StoreError> {
-        let Some(holder) = self.holder.take() else {
+        // Kept until the UPDATE lands: a save that fails or is cancelled still frees the lease
+        // on drop, instead of leaving every caller of the account waiting out its hold.
+        let Some(holder) = self.holder.clone() else {
             return Err(StoreError::Unavailable(format!(
                 "the account {} is gone; nothing to save",
                 a.account
@@ -364,6 +366,7 @@ impl AccountLock for PgAccountLock {
             )
             .await
             .map_err(db)?;
+        self.holder = None;
         Ok(())
     }
 }
