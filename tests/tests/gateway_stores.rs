@@ -379,6 +379,31 @@ async fn rate_limits_allow_exactly_the_limit_then_name_the_wait(b: Backend) {
     }
 }
 
+/// Two replicas whose clocks straddle a minute's boundary: the one ahead opens the next window
+/// and the one behind charges into it instead of rolling it back (which wiped its count at
+/// every boundary, and let a user past the limit while the clocks disagreed).
+async fn g6_a_replica_whose_clock_lags_never_rolls_a_window_back(b: Backend) {
+    let key = LimitKey {
+        user: user("u1"),
+        integration: Integration::Gmail,
+        account: "a@x.com".into(),
+    };
+    let limits: Limits = "30/minute".parse().unwrap();
+    let behind = 1_000_000_079; // the last second of a minute here
+    let ahead = behind + 2; // two seconds into the next on the other replica
+    let mut allowed = 0;
+    for i in 0..40 {
+        let now = if i % 2 == 0 { ahead } else { behind };
+        if matches!(
+            b.limits.charge(&key, &limits, 1, now).await.unwrap(),
+            Decision::Allowed(_)
+        ) {
+            allowed += 1;
+        }
+    }
+    assert_eq!(allowed, 30, "one window, however the clocks alternate");
+}
+
 async fn tasks_are_listed_pending_first_by_due_date_and_scoped_to_their_user(b: Backend) {
     let s = &b.stores.tasks;
     let at = |secs| Some(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs));
@@ -621,6 +646,7 @@ both_backends!(
     a_held_key_makes_a_second_claim_wait_for_its_result_and_a_dropped_one_frees_it,
     audit_records_come_back_in_order_per_user,
     rate_limits_allow_exactly_the_limit_then_name_the_wait,
+    g6_a_replica_whose_clock_lags_never_rolls_a_window_back,
     tasks_are_listed_pending_first_by_due_date_and_scoped_to_their_user,
     memory_search_ranks_the_relevant_note_first,
     reminders_come_back_soonest_first_and_only_upcoming,

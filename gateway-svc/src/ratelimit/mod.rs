@@ -156,9 +156,21 @@ pub enum Decision {
     },
 }
 
+/// The window a charge at `now` goes into and what it holds: this clock's window, or a stored
+/// one that starts later — another replica's clock runs ahead, or this one stepped back — which
+/// is never rolled back (rolling it back would wipe its count at every boundary). An older
+/// stored window is stale and counts as empty.
+fn current(window: Window, counts: &[WindowCount], now: u64) -> (u64, u32) {
+    let ours = window.start(now);
+    match counts.iter().find(|(w, _, _)| *w == window) {
+        Some(&(_, start, used)) if start >= ours => (start, used),
+        _ => (ours, 0),
+    }
+}
+
 /// The decision for a charge of `cost` against stored counts, shared by both backends so they
-/// cannot disagree. `counts` holds (window, window_start, used) as stored; stale windows count
-/// as empty. Returns the decision and, when allowed, the new (window, start, used) to store.
+/// cannot disagree. `counts` holds (window, window_start, used) as stored (see [`current`]).
+/// Returns the decision and, when allowed, the new (window, start, used) to store.
 pub fn decide(
     limits: &Limits,
     counts: &[WindowCount],
@@ -170,13 +182,10 @@ pub fn decide(
     let mut windows = limits.0.clone();
     windows.sort_by_key(|(w, _)| w.seconds());
     for (window, limit) in windows {
-        let start = window.start(now);
-        let used = counts
-            .iter()
-            .find(|(w, s, _)| *w == window && *s == start)
-            .map_or(0, |(_, _, used)| *used);
+        let (start, used) = current(window, counts, now);
         if used.saturating_add(cost) > limit {
-            let retry_after = Duration::from_secs(start + window.seconds() - now);
+            let retry_after =
+                Duration::from_secs((start + window.seconds()).saturating_sub(now).max(1));
             return (
                 Decision::Denied {
                     window,
@@ -210,14 +219,7 @@ pub fn decide_up_to(
     let room = limits
         .0
         .iter()
-        .map(|&(window, limit)| {
-            let start = window.start(now);
-            let used = counts
-                .iter()
-                .find(|(w, s, _)| *w == window && *s == start)
-                .map_or(0, |(_, _, used)| *used);
-            limit.saturating_sub(used)
-        })
+        .map(|&(window, limit)| limit.saturating_sub(current(window, counts, now).1))
         .min()
         .unwrap_or(u32::MAX);
     let cost = max.min(room).max(min.min(max));
@@ -511,6 +513,34 @@ mod tests {
                 limit: 30,
                 retry_after: Duration::from_secs(42)
             }
+        );
+    }
+
+    #[test]
+    fn a_window_from_a_clock_running_ahead_is_never_rolled_back_and_keeps_its_count() {
+        let limits: Limits = "30/minute".parse().unwrap();
+        let now = 1_000_000_079; // 59 s into a minute here
+        let ahead = Window::Minute.start(now) + 60; // another replica is already in the next
+        let (d, stored) = decide(&limits, &[(Window::Minute, ahead, 29)], 1, now);
+        assert!(matches!(d, Decision::Allowed(_)), "{d:?}");
+        assert_eq!(
+            stored,
+            [(Window::Minute, ahead, 30)],
+            "charged to the newer window"
+        );
+        let (d, _) = decide(&limits, &[(Window::Minute, ahead, 30)], 1, now);
+        assert!(
+            matches!(d, Decision::Denied { .. }),
+            "its count holds: {d:?}"
+        );
+        // A window older than this clock's is stale and counts as empty.
+        let (d, stored) = decide(&limits, &[(Window::Minute, ahead - 120, 30)], 1, now);
+        assert!(matches!(d, Decision::Allowed(_)), "{d:?}");
+        assert_eq!(stored, [(Window::Minute, ahead - 60, 1)]);
+        assert!(
+            format!("{}/minute", i32::MAX as u64 + 1)
+                .parse::<Limits>()
+                .is_err()
         );
     }
 
