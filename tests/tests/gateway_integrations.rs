@@ -561,8 +561,8 @@ async fn a_revoked_slack_token_asks_for_reconnection() {
     assert_eq!(r.text, "Your Slack account T0002 needs to be reconnected.");
 }
 
-#[tokio::test]
-async fn calendar_events_are_created_found_and_updated_with_their_time_zone() {
+/// The fake calendar, and a gateway with me@example.com connected to it.
+async fn calendar_world() -> (steward_tests::fakes::calendar::FakeCalendar, World) {
     let cal = steward_tests::fakes::calendar::FakeCalendar::start().await;
     let mut w = world(&[("GOOGLE_CALENDAR_API_BASE_URL", cal.url.as_str())]).await;
     connect(
@@ -572,6 +572,12 @@ async fn calendar_events_are_created_found_and_updated_with_their_time_zone() {
         steward_tests::fakes::calendar::TOKEN,
     )
     .await;
+    (cal, w)
+}
+
+#[tokio::test]
+async fn calendar_events_are_created_found_and_updated_with_their_time_zone() {
+    let (_cal, mut w) = calendar_world().await;
     let created = run_keyed(
         &mut w.g,
         "calendar_event_create",
@@ -650,15 +656,7 @@ async fn calendar_events_are_created_found_and_updated_with_their_time_zone() {
 
 #[tokio::test]
 async fn calendar_plain_dates_make_all_day_events_and_search_whole_days() {
-    let cal = steward_tests::fakes::calendar::FakeCalendar::start().await;
-    let mut w = world(&[("GOOGLE_CALENDAR_API_BASE_URL", cal.url.as_str())]).await;
-    connect(
-        &mut w.g,
-        pb::Integration::GoogleCalendar,
-        "me@example.com",
-        steward_tests::fakes::calendar::TOKEN,
-    )
-    .await;
+    let (_cal, mut w) = calendar_world().await;
     let created = run_keyed(
         &mut w.g,
         "calendar_event_create",
