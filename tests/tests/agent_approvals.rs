@@ -132,6 +132,46 @@ async fn a_supervised_send_waits_with_a_preview_and_approval_on_another_instance
     );
 }
 
+/// P-2: the kill switch thrown after a send was approved-to-be still stops it: the replica
+/// that receives the decision runs with side effects disabled and sends nothing.
+#[tokio::test]
+async fn p2_an_approval_decided_where_side_effects_are_disabled_sends_nothing() {
+    let (mut app, gmail) = world(send_then("I could not send it."), &[]).await;
+    let paused = run(&app, "email my boss the budget").await;
+    let approval = paused.approval.clone().unwrap();
+    let stopped = app
+        .start_another_agent_with(&[("AGENT_SIDE_EFFECTS_ENABLED", "false")])
+        .await;
+    let mut b = agent_as(stopped, "alice").await;
+    let done = b
+        .decide_approval(decide(&approval.id, pb::Decision::Approve))
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    assert_eq!(
+        done.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        done.error
+    );
+    assert!(gmail.sent().is_empty(), "nothing was sent");
+    let run = b
+        .get_run(pb::GetRunRequest {
+            run_id: paused.run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let send = run
+        .actions
+        .iter()
+        .find(|a| a.tool == "gmail_send")
+        .expect("the send's action");
+    assert_eq!(send.error_kind, "DENIED", "{send:?}");
+}
+
 #[tokio::test]
 async fn a_rejection_is_recorded_and_the_model_answers() {
     let (app, gmail) = world(send_then("Understood, I won't send it."), &[]).await;

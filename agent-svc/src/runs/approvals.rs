@@ -243,19 +243,30 @@ impl RunService {
         {
             writer.actions.insert(call_id.clone(), action);
         }
+        // A shutdown or a lost lease before anything ran: this segment stops as it would
+        // anywhere else (the lease goes to another replica's monitor).
+        if let Some(reason) = stopper.reason().filter(|r| *r != StopReason::Cancelled) {
+            return Ok(Driven::Stopped(reason));
+        }
         // A cancel that raced the decision (CancelRun saw the run paused, then the decision
-        // won) stops the run before the approved effect, never after it.
-        if approved
+        // won) ends the run without the approved effect; the call is answered, so the
+        // transcript stays whole.
+        let mut stopped = (approved
             && (stopper.reason().is_some()
                 || self
                     .store
                     .get_run(&seg.owner, &seg.run_id)
                     .await?
-                    .is_some_and(|r| r.cancel_requested))
-        {
-            return Ok(Driven::Stopped(StopReason::Cancelled));
-        }
-        let (content, ok, error_kind) = if approved && !self.policy.side_effects_enabled {
+                    .is_some_and(|r| r.cancel_requested)))
+        .then_some(StopReason::Cancelled);
+        let side_effect = writer.actions.get(&call_id).is_none_or(|a| a.side_effect);
+        let (content, ok, error_kind) = if stopped.is_some() {
+            (
+                "Not executed: the run was cancelled before the approved action ran.".to_owned(),
+                false,
+                "CANCELLED".to_owned(),
+            )
+        } else if approved && side_effect && !self.policy.side_effects_enabled {
             // The kill switch holds for approvals made before it was thrown (P-2).
             (
                 format!(
@@ -278,9 +289,18 @@ impl RunService {
                 serde_json::json!({"approval_id": approval.id, "tool": approval.tool, "approval": "approved"}),
             ));
             // Durable before the effect: a crash from here on shows the action as executing.
-            writer.flush().await?;
-            let outcome = match &self.gateway {
-                Some(g) => {
+            if let Err(e) = writer.flush().await {
+                // Not sent: the run's end must not write the record of an effect.
+                writer.pending().audit.pop();
+                return Err(e.into());
+            }
+            // A stop that came during that commit (a local cancel) still comes before the effect.
+            stopped = stopper.reason();
+            let outcome = match (&self.gateway, &stopped) {
+                (_, Some(_)) => {
+                    unavailable("Not executed: the run was stopped before the approved action ran.")
+                }
+                (Some(g), None) => {
                     g.execute_once(crate::gateway_client::OnceCall {
                         user: &seg.owner,
                         run_id: &seg.run_id,
@@ -295,9 +315,12 @@ impl RunService {
                     })
                     .await
                 }
-                None => unavailable("Tools are unavailable right now."),
+                (None, None) => unavailable("Tools are unavailable right now."),
             };
-            let outcome = tools::ambiguity(outcome, true);
+            let outcome = match stopped {
+                Some(_) => outcome,
+                None => tools::ambiguity(outcome, true),
+            };
             (outcome.text, outcome.ok, outcome.error_kind)
         } else {
             (
@@ -351,6 +374,9 @@ impl RunService {
                     ),
                 )
             });
+        }
+        if let Some(reason) = stopped {
+            return Ok(Driven::Stopped(reason));
         }
         let mut history = self.load_history(&seg.thread_id).await?;
         history.push(result);

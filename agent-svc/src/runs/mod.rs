@@ -1357,41 +1357,51 @@ impl RunService {
                 .record_audit(owner, "cancel_requested", Some(run_id), detail)
                 .await?;
         }
-        let ended_paused = run.state == RunState::AwaitingConfirmation && {
-            let message = match reason {
-                Some(reason) => format!("The run was cancelled: {reason}"),
-                None => "The run was cancelled.".to_owned(),
-            };
-            let message = message.as_str();
-            self.store
-                .end_paused(
-                    run_id,
-                    &Ending {
-                        state: RunState::Cancelled,
-                        error: message.into(),
-                        failure_kind: "cancelled".into(),
-                        event: encode(cancelled_result(message)),
-                        seq_gap: 1,
-                        message: None,
-                    },
-                )
-                .await?
+        let message = match reason {
+            Some(reason) => format!("The run was cancelled: {reason}"),
+            None => "The run was cancelled.".to_owned(),
         };
-        // Not paused, or no longer: a decision may have won the race and resumed it, so the
-        // cancel goes to whoever runs it now.
-        if !ended_paused {
-            self.store.request_cancel(run_id).await?;
-            if let Some(token) = self
-                .live
-                .cancels
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(run_id)
-            {
-                token.cancel();
+        let ending = Ending {
+            state: RunState::Cancelled,
+            error: message.clone(),
+            failure_kind: "cancelled".into(),
+            event: encode(cancelled_result(&message)),
+            seq_gap: 1,
+            message: None,
+        };
+        // A run can move between paused and running while this goes on (a decision resumes
+        // it, the resumed segment pauses again): each is tried against the state it is in now,
+        // a few times, before the cancel is reported as not taken.
+        let mut state = run.state;
+        for _ in 0..3 {
+            let taken = if state == RunState::AwaitingConfirmation {
+                self.store.end_paused(run_id, &ending).await?
+            } else {
+                let requested = self.store.request_cancel(run_id).await?;
+                if let Some(token) = self
+                    .live
+                    .cancels
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(run_id)
+                {
+                    token.cancel();
+                }
+                requested
+            };
+            let now = self
+                .store
+                .get_run(owner, run_id)
+                .await?
+                .unwrap_or(run.clone());
+            if taken || now.state.is_terminal() {
+                return Ok(now);
             }
+            state = now.state;
         }
-        Ok(self.store.get_run(owner, run_id).await?.unwrap_or(run))
+        Err(ApiError::Aborted(format!(
+            "run {run_id} kept changing state while it was being cancelled; cancel it again"
+        )))
     }
 
     /// WatchRun: the run's events after `after`, then live ones, ending after the

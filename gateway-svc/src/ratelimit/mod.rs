@@ -156,14 +156,17 @@ pub enum Decision {
     },
 }
 
-/// The window a charge at `now` goes into and what it holds: this clock's window, or a stored
-/// one that starts later — another replica's clock runs ahead, or this one stepped back — which
-/// is never rolled back (rolling it back would wipe its count at every boundary). An older
-/// stored window is stale and counts as empty.
+/// The window a charge at `now` goes into and what it holds: this clock's window, or the next
+/// one when a stored window already starts there — another replica's clock runs ahead across
+/// a boundary — which is never rolled back (rolling it back would wipe its count at every
+/// boundary). An older stored window is stale and counts as empty; one further ahead (a clock
+/// that jumped) is not trusted either, so it cannot stretch a window over hours.
 fn current(window: Window, counts: &[WindowCount], now: u64) -> (u64, u32) {
     let ours = window.start(now);
     match counts.iter().find(|(w, _, _)| *w == window) {
-        Some(&(_, start, used)) if start >= ours => (start, used),
+        Some(&(_, start, used)) if start == ours || start == ours + window.seconds() => {
+            (start, used)
+        }
         _ => (ours, 0),
     }
 }
@@ -533,10 +536,13 @@ mod tests {
             matches!(d, Decision::Denied { .. }),
             "its count holds: {d:?}"
         );
-        // A window older than this clock's is stale and counts as empty.
-        let (d, stored) = decide(&limits, &[(Window::Minute, ahead - 120, 30)], 1, now);
-        assert!(matches!(d, Decision::Allowed(_)), "{d:?}");
-        assert_eq!(stored, [(Window::Minute, ahead - 60, 1)]);
+        // A window older than this clock's is stale and counts as empty, and so is one from
+        // a clock that jumped far ahead.
+        for stale in [ahead - 120, ahead + 3_600] {
+            let (d, stored) = decide(&limits, &[(Window::Minute, stale, 30)], 1, now);
+            assert!(matches!(d, Decision::Allowed(_)), "{d:?}");
+            assert_eq!(stored, [(Window::Minute, ahead - 60, 1)]);
+        }
         assert!(
             format!("{}/minute", i32::MAX as u64 + 1)
                 .parse::<Limits>()

@@ -22,23 +22,24 @@ const SQL_READ: &str =
 /// The whole charge `$5` added to every window of key `$1` (seconds `$2`, current start `$3`,
 /// limit `$4`) that has room for it, under the key's lock (taken before any row is written:
 /// every row the insert sees comes through the join with it). A stored window from an earlier
-/// start counts as empty and one from a later start is the current one (another replica's
-/// clock is ahead), as `decide` has it. Returns each window charged. A charge the windows
+/// start counts as empty and one that starts a window later is the current one (another
+/// replica's clock is ahead across the boundary), as `decide` has it. Returns each window charged. A charge the windows
 /// as the statement first sees them cannot take writes nothing and returns nothing (the usual
 /// denial, with no error in the server's log); one that a charge committed meanwhile filled —
 /// the rows are raised on their latest version, behind the lock — raises SWR01, so nothing of
 /// it stays.
 const SQL_CHARGE_WHOLE: &str = "WITH locked AS (SELECT pg_advisory_xact_lock(hashtextextended($1, 0))), \
-  seen AS (SELECT bool_and(COALESCE(CASE WHEN r.window_start >= c.start THEN r.used ELSE 0 END, 0)::int8 + $5::int4 <= c.lim) \
+  seen AS (SELECT bool_and(COALESCE(CASE WHEN r.window_start IN (c.start, c.start + c.secs) THEN r.used ELSE 0 END, 0)::int8 + $5::int4 <= c.lim) \
       AS fits \
       FROM unnest($2::int4[], $3::int8[], $4::int4[]) AS c(secs, start, lim) \
       LEFT JOIN gateway.rate_windows r ON r.limit_key = $1 AND r.window_secs = c.secs), \
   charged AS (INSERT INTO gateway.rate_windows AS w (limit_key, window_secs, window_start, used) \
       SELECT $1, c.secs, c.start, $5 FROM unnest($2::int4[], $3::int8[], $4::int4[]) AS c(secs, start, lim), locked \
       WHERE $5 <= c.lim AND (SELECT fits FROM seen) \
-      ON CONFLICT (limit_key, window_secs) DO UPDATE SET window_start = GREATEST(w.window_start, EXCLUDED.window_start), \
-        used = CASE WHEN w.window_start >= EXCLUDED.window_start THEN w.used ELSE 0 END + EXCLUDED.used \
-      WHERE CASE WHEN w.window_start >= EXCLUDED.window_start THEN w.used ELSE 0 END::int8 + EXCLUDED.used \
+      ON CONFLICT (limit_key, window_secs) DO UPDATE SET \
+        window_start = CASE WHEN w.window_start = EXCLUDED.window_start + w.window_secs THEN w.window_start ELSE EXCLUDED.window_start END, \
+        used = CASE WHEN w.window_start IN (EXCLUDED.window_start, EXCLUDED.window_start + w.window_secs) THEN w.used ELSE 0 END + EXCLUDED.used \
+      WHERE CASE WHEN w.window_start IN (EXCLUDED.window_start, EXCLUDED.window_start + w.window_secs) THEN w.used ELSE 0 END::int8 + EXCLUDED.used \
         <= (SELECT c.lim FROM unnest($2::int4[], $4::int4[]) AS c(secs, lim) WHERE c.secs = w.window_secs) \
       RETURNING w.window_secs, w.used) \
   SELECT window_secs, used, \
