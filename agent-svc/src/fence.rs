@@ -32,6 +32,17 @@ pub fn block(source: &str, content: &str) -> String {
     out
 }
 
+/// What a block made by [`block`] holds (neutralised as it went in); `None` for any other
+/// text.
+pub fn body(text: &str) -> Option<&str> {
+    text.strip_prefix(OPEN)?
+        .strip_prefix(" source=\"")?
+        .split_once("\">\n")?
+        .1
+        .strip_suffix(CLOSE)?
+        .strip_suffix('\n')
+}
+
 /// A label keeps letters, digits, spaces and a little punctuation; no quotes or brackets, so
 /// it cannot end the attribute or the tag. At most 80 characters.
 fn label(source: &str) -> String {
@@ -112,6 +123,14 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn a_blocks_body_comes_back_whole_and_other_text_has_none() {
+        let fenced = block("result of list_tasks", "No pending tasks.");
+        assert_eq!(body(&fenced), Some("No pending tasks."));
+        assert_eq!(body("Not executed: denied."), None);
+        assert_eq!(body(&block("x", "")), Some(""));
+    }
 
     fn count(haystack: &str, needle: &str) -> usize {
         haystack.matches(needle).count()

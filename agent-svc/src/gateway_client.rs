@@ -29,6 +29,9 @@ pub enum GatewayError {
     Unavailable(String),
     #[error("gateway-svc refused the call: {0}")]
     Refused(String),
+    /// The gateway found what was sent invalid (INVALID_ARGUMENT): its words name what to fix.
+    #[error("gateway-svc refused the call: InvalidArgument: {0}")]
+    Invalid(String),
 }
 
 impl From<tonic::Status> for GatewayError {
@@ -37,6 +40,7 @@ impl From<tonic::Status> for GatewayError {
             tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
                 GatewayError::Unavailable(s.message().to_owned())
             }
+            tonic::Code::InvalidArgument => GatewayError::Invalid(s.message().to_owned()),
             _ => GatewayError::Refused(format!("{:?}: {}", s.code(), s.message())),
         }
     }
@@ -328,7 +332,9 @@ impl GatewayClient {
             .await
             {
                 Ok(Ok(tools)) => return Ok(tools),
-                Ok(Err(refused @ GatewayError::Refused(_))) => return Err(refused),
+                Ok(Err(refused @ (GatewayError::Refused(_) | GatewayError::Invalid(_)))) => {
+                    return Err(refused);
+                }
                 Ok(Err(unavailable)) => unavailable,
                 Err(_) => GatewayError::Unavailable(format!(
                     "ListTools had no answer within {LIST_TOOLS_TIMEOUT:?}"

@@ -442,10 +442,7 @@ fn google_reason(body: &[u8]) -> Option<String> {
         .pointer("/error/errors/0/reason")
         .or_else(|| v.pointer("/error/status"))?
         .as_str()?;
-    (!reason.is_empty()
-        && reason.len() <= 40
-        && reason.bytes().all(|b| b.is_ascii_alphabetic() || b == b'_'))
-    .then(|| reason.to_owned())
+    crate::enforce::errors::code_word(reason).map(str::to_owned)
 }
 
 /// `Retry-After` as seconds or an HTTP date; 30 s when absent or unreadable.

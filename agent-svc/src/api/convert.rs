@@ -72,22 +72,17 @@ pub fn request_id(field: &str, value: &str) -> Result<Option<String>, ApiError> 
 
 /// Every string of a JSON value the caller sent, keys included, free of NUL.
 fn json_text(field: &str, v: &serde_json::Value) -> Result<(), ApiError> {
-    let nul = |s: &str| s.contains('\0');
-    let found = match v {
-        serde_json::Value::String(s) => nul(s),
-        serde_json::Value::Array(items) => {
-            return items.iter().try_for_each(|i| json_text(field, i));
-        }
-        serde_json::Value::Object(map) => {
-            if map.keys().any(|k| nul(k)) {
-                true
-            } else {
-                return map.values().try_for_each(|i| json_text(field, i));
+    fn has_nul(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::String(s) => s.contains('\0'),
+            serde_json::Value::Array(items) => items.iter().any(has_nul),
+            serde_json::Value::Object(map) => {
+                map.iter().any(|(k, v)| k.contains('\0') || has_nul(v))
             }
+            _ => false,
         }
-        _ => false,
-    };
-    if found {
+    }
+    if has_nul(v) {
         return Err(ApiError::InvalidArgument(format!(
             "{field} contains a NUL character; remove it"
         )));

@@ -131,9 +131,7 @@ impl AgentService for AgentApi {
             .map_err(|e| match e {
                 // The gateway checks what the caller sent (the time zone); anything else it
                 // refuses is this deployment's fault, not the caller's.
-                GatewayError::Refused(m) if m.starts_with("InvalidArgument: ") => {
-                    ApiError::InvalidArgument(m["InvalidArgument: ".len()..].to_owned())
-                }
+                GatewayError::Invalid(m) => ApiError::InvalidArgument(m),
                 GatewayError::Refused(m) => {
                     tracing::error!(error = %m, "the gateway refused a session bootstrap");
                     ApiError::Unavailable(

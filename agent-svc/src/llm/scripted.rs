@@ -88,7 +88,10 @@ fn rules(request: &ModelRequest) -> Step {
                 .rev()
                 .take_while(|t| matches!(t, Turn::ToolResult { .. }))
                 .filter_map(|t| match t {
-                    Turn::ToolResult { content, .. } => Some(data_inside(content)),
+                    // Quoted as a person would, without the fence the prompt puts around it.
+                    Turn::ToolResult { content, .. } => {
+                        Some(crate::fence::body(content).unwrap_or(content))
+                    }
                     _ => None,
                 })
                 .collect();
@@ -246,16 +249,6 @@ fn turn_len(t: &Turn) -> usize {
     }
 }
 
-/// What a data block holds (the offline model answers with it as a person would, without the
-/// fence the prompt puts around it); any other text as it is.
-fn data_inside(content: &str) -> &str {
-    content
-        .strip_prefix("<data source=\"")
-        .and_then(|rest| rest.split_once("\">\n"))
-        .and_then(|(_, body)| body.strip_suffix("\n</data>"))
-        .unwrap_or(content)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,16 +277,6 @@ mod tests {
 
     fn request_rules(system: &str) -> Step {
         rules_for(system, "(opened)", &[])
-    }
-
-    #[test]
-    fn the_offline_answer_quotes_what_a_tool_returned_without_its_fence() {
-        let fenced = crate::fence::block("result of list_tasks", "No pending tasks.");
-        assert_eq!(data_inside(&fenced), "No pending tasks.");
-        assert_eq!(
-            data_inside("Not executed: denied."),
-            "Not executed: denied."
-        );
     }
 
     #[test]

@@ -115,10 +115,7 @@ fn refused(status: u16, body: &[u8]) -> RefreshError {
     }
     // The endpoint's error code is a word from RFC 6749's list; anything else it sent is not
     // repeated.
-    let code = Some(e.error.as_str()).filter(|c| {
-        !c.is_empty() && c.len() <= 40 && c.bytes().all(|b| b.is_ascii_alphabetic() || b == b'_')
-    });
-    RefreshError::Failed(match code {
+    RefreshError::Failed(match crate::enforce::errors::code_word(&e.error) {
         Some(code) => format!("HTTP {status} {code}"),
         None => format!("HTTP {status}"),
     })

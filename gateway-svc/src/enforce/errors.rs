@@ -117,6 +117,16 @@ pub enum ToolError {
     KeyInUse(String),
 }
 
+/// `code` when it is a machine word (an upstream's error code or reason from a fixed
+/// vocabulary: 1 to 40 ASCII letters or `_`), the only part of an upstream's error that may be
+/// repeated to the model; `None` for free text, which stays in the log.
+pub fn code_word(code: &str) -> Option<&str> {
+    (!code.is_empty()
+        && code.len() <= 40
+        && code.bytes().all(|b| b.is_ascii_alphabetic() || b == b'_'))
+    .then_some(code)
+}
+
 fn detail_suffix(detail: &str) -> String {
     if detail.is_empty() {
         String::new()

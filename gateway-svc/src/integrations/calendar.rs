@@ -346,7 +346,7 @@ impl Tool for Search {
         };
         if until <= from {
             return Err(ToolError::InvalidArguments {
-                tool: "calendar_search".into(),
+                tool: tool.into(),
                 detail: "time_max must be after time_min".into(),
             });
         }
@@ -356,7 +356,7 @@ impl Tool for Search {
             .and_then(Value::as_u64)
             .unwrap_or(10)
             .to_string();
-        let (calendar, url) = self.0.events_url(&args, "calendar_search")?;
+        let (calendar, url) = self.0.events_url(&args, tool)?;
         let mut query = vec![
             ("timeMin", time_min.clone()),
             ("timeMax", time_max.clone()),

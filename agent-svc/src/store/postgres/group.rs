@@ -35,10 +35,7 @@ pub(super) async fn refused_batch<I, O>(
     tracing::debug!(%error, items = batch.len(), "the database refused a batch; writing each item alone");
     counts.retried();
     alone.splice(0..0, batch);
-    match client.is_closed() {
-        false => Some(client),
-        true => connection(pool, alone).await,
-    }
+    usable(pool, client, alone).await
 }
 
 /// A batch whose statement got no answer (the connection failed under it): it may have
@@ -59,6 +56,16 @@ pub(super) async fn unknown_outcome<I, O>(
             "the {what}'s outcome is unknown: the database connection failed ({error}){advice}"
         ))));
     }
+    usable(pool, client, alone).await
+}
+
+/// `client` if its connection still works, or a fresh one for the items in `alone` (`None`:
+/// the pool has none, every waiter told so).
+async fn usable<I, O>(
+    pool: &pg::PgPool,
+    client: pg::Pooled,
+    alone: &mut Vec<Waiting<I, O>>,
+) -> Option<pg::Pooled> {
     match client.is_closed() {
         false => Some(client),
         true => connection(pool, alone).await,
