@@ -52,6 +52,8 @@ pub struct CallContext {
     services: Arc<Services>,
     upstream_calls: AtomicU32,
     account: Mutex<Option<String>>,
+    /// The access token of each account the call charged or sent as, resolved once per call.
+    tokens: Mutex<Vec<(Integration, String, String)>>,
 }
 
 /// An upstream answer that passed the status checks.
@@ -92,6 +94,7 @@ impl CallContext {
             services,
             upstream_calls: AtomicU32::new(0),
             account: Mutex::new(None),
+            tokens: Mutex::new(Vec::new()),
         }
     }
 
@@ -122,6 +125,42 @@ impl CallContext {
             .await
     }
 
+    /// A usable access token of `account`: the one this call already resolved, or one from the
+    /// credentials (refreshed first when it is about to expire).
+    async fn token(&self, integration: Integration, account: &str) -> Result<String, ToolError> {
+        let known = self.tokens.lock().ok().and_then(|t| {
+            t.iter()
+                .find(|(i, a, _)| *i == integration && a == account)
+                .map(|(_, _, token)| token.clone())
+        });
+        if let Some(token) = known {
+            return Ok(token);
+        }
+        let token = self
+            .services
+            .credentials
+            .access_token(&self.user, integration, account, None)
+            .await?;
+        self.remember_token(integration, account, &token);
+        Ok(token)
+    }
+
+    fn remember_token(&self, integration: Integration, account: &str, token: &str) {
+        if let Ok(mut t) = self.tokens.lock() {
+            t.retain(|(i, a, _)| !(*i == integration && a == account));
+            t.push((integration, account.to_owned(), token.to_owned()));
+        }
+    }
+
+    /// Before a charge: an account that needs credentials must have usable ones, so a missing
+    /// or revoked account (or one whose refresh fails) costs no budget for calls it cannot make.
+    async fn can_send(&self, integration: Integration, account: &str) -> Result<(), ToolError> {
+        if integration.provider().is_some() {
+            self.token(integration, account).await?;
+        }
+        Ok(())
+    }
+
     /// Charges `cost` upstream calls against the user's limits for `account` before making them.
     pub async fn charge(
         &self,
@@ -130,6 +169,7 @@ impl CallContext {
         cost: u32,
     ) -> Result<(), ToolError> {
         self.use_account(account);
+        self.can_send(integration, account).await?;
         let key = LimitKey {
             user: self.user.clone(),
             integration,
@@ -152,6 +192,7 @@ impl CallContext {
         max: u32,
     ) -> Result<HeldReservation, ToolError> {
         self.use_account(account);
+        self.can_send(integration, account).await?;
         let key = LimitKey {
             user: self.user.clone(),
             integration,
@@ -176,9 +217,7 @@ impl CallContext {
     ) -> Result<UpstreamResponse, ToolError> {
         self.use_account(account);
         let credentials = &self.services.credentials;
-        let token = credentials
-            .access_token(&self.user, integration, account, None)
-            .await?;
+        let token = self.token(integration, account).await?;
         let first = self
             .send_raw(integration, Some(account), build(&token))
             .await?;
@@ -188,11 +227,15 @@ impl CallContext {
         let token = credentials
             .access_token(&self.user, integration, account, Some(&token))
             .await?;
+        self.remember_token(integration, account, &token);
         self.charge(integration, account, 1).await?;
         let second = self
             .send_raw(integration, Some(account), build(&token))
             .await?;
         if second.status == StatusCode::UNAUTHORIZED {
+            credentials
+                .refused_fresh(&self.user, integration, account, &token)
+                .await;
             return Err(ToolError::CredentialsRevoked {
                 provider: integration
                     .provider()

@@ -23,7 +23,8 @@ pub struct ProbeSend {
     pub base: String,
 }
 
-/// `probe_charge {account}`: charges one Gmail call for `account` and makes none.
+/// `probe_charge {account}`: charges one Gmail call for `account` (which must be connected,
+/// as every charge needs usable credentials) and makes none.
 pub struct ProbeCharge;
 
 /// `probe_echo {text}`: no upstream at all; returns its text.

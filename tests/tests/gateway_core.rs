@@ -276,11 +276,13 @@ async fn a_hundred_concurrent_calls_across_three_gateways_sharing_postgres_allow
                 .unwrap(),
         );
     }
-    inside_one_minute().await;
     let mut clients = Vec::new();
     for g in &gateways {
         clients.push(gateway_as(g.addr, "u1").await);
     }
+    // A charge is made only for an account that can be used (its token resolves).
+    connect(&mut clients[0], "access-1", 3600).await;
+    inside_one_minute().await;
     let calls = (0..100).map(|i| {
         let mut client = clients[i % 3].clone();
         async move {
@@ -392,6 +394,60 @@ async fn a_401_refreshes_once_and_retries_once() {
     );
 }
 
+/// G-8: a token refused even after it was refreshed means the grant gives no access any more:
+/// the model is told to reconnect, the account says so, and later calls fail at once instead of
+/// refreshing and calling upstream twice each time.
+#[tokio::test]
+async fn a_refreshed_token_that_is_refused_too_marks_the_account_for_reconnection() {
+    for backend in [Backend::Memory, Backend::Postgres] {
+        let w = world(backend, &[]).await;
+        let mut g = w.app.gateway_as("u1").await;
+        connect(&mut g, "stale-but-unexpired", 3600).await;
+        w.probe.accept_only(&["a-token-never-issued"]);
+        let probe = |id: &str| {
+            call(
+                id,
+                "probe_fetch",
+                serde_json::json!({"path": "/data?size=2"}),
+            )
+        };
+        let r = execute(&mut g, probe("c1")).await;
+        assert_eq!(
+            (r.ok, r.error_kind, r.text.as_str()),
+            (
+                false,
+                pb::ErrorKind::CredentialsRevoked as i32,
+                "Your Google account work@example.com needs to be reconnected."
+            ),
+            "{backend:?}"
+        );
+        assert_eq!(w.oauth.refreshes(), 1, "{backend:?}");
+        let accounts = g
+            .list_accounts(pb::ListAccountsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .accounts;
+        assert_eq!(
+            accounts[0].status,
+            pb::AccountStatus::NeedsReconnect as i32,
+            "{backend:?}: the account says what the model was told"
+        );
+
+        let again = execute(&mut g, probe("c2")).await;
+        assert_eq!(
+            again.error_kind,
+            pb::ErrorKind::CredentialsRevoked as i32,
+            "{backend:?}"
+        );
+        assert_eq!(
+            (w.probe.request_count(), w.oauth.refreshes()),
+            (2, 1),
+            "{backend:?}: nothing more was sent or refreshed"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_revoked_refresh_token_asks_for_reconnection_and_marks_the_account() {
     let w = world(Backend::Postgres, &[]).await;
@@ -424,6 +480,52 @@ async fn a_revoked_refresh_token_asks_for_reconnection_and_marks_the_account() {
         .accounts;
     assert_eq!(accounts[0].status, pb::AccountStatus::NeedsReconnect as i32);
     assert_eq!(w.probe.request_count(), 0);
+}
+
+/// G-6, G-8: a call that cannot be made for want of credentials costs no budget — the
+/// account's token is resolved before the charge, not after it.
+#[tokio::test]
+async fn g6_a_call_refused_for_its_credentials_spends_no_rate_limit_budget() {
+    let w = world(Backend::Postgres, &[("RATE_LIMITS_GMAIL", "2/minute")]).await;
+    let mut g = w.app.gateway_as("u1").await;
+    connect(&mut g, "expired-access", -10).await;
+    w.oauth
+        .state
+        .revoked
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let fetch = |id: &str| {
+        call(
+            id,
+            "probe_fetch",
+            serde_json::json!({"path": "/data?size=1"}),
+        )
+    };
+    let refused = execute(&mut g, fetch("c1")).await;
+    assert_eq!(
+        refused.error_kind,
+        pb::ErrorKind::CredentialsRevoked as i32,
+        "{}",
+        refused.text
+    );
+
+    // Reconnected: the minute's two calls are both still there.
+    w.oauth
+        .state
+        .revoked
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    connect(&mut g, "access-2", 3600).await;
+    for id in ["c2", "c3"] {
+        let r = execute(&mut g, fetch(id)).await;
+        assert!(r.ok, "{id}: {}", r.text);
+    }
+    let third = execute(&mut g, fetch("c4")).await;
+    assert_eq!(
+        third.error_kind,
+        pb::ErrorKind::RateLimited as i32,
+        "{}",
+        third.text
+    );
+    assert_eq!(w.probe.request_count(), 2);
 }
 
 #[tokio::test]

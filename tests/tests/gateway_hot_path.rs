@@ -507,24 +507,27 @@ async fn refunds_go_back_to_the_windows_charged_and_never_below_zero(b: Arc<dyn 
     let limits: Limits = "10/minute,100/hour".parse().unwrap();
     // What a refund gives back can be charged again.
     let a = key("a");
-    assert!(allowed(&b.charge(&a, &limits, 6, T).await.unwrap()));
-    b.refund(&a, &limits, 4, T).await.unwrap();
+    let six = b.charge(&a, &limits, 6, T).await.unwrap();
+    assert!(allowed(&six));
+    b.refund(&a, 4, &six.charged()).await.unwrap();
     assert!(allowed(&b.charge(&a, &limits, 8, T).await.unwrap()));
     assert!(!allowed(&b.charge(&a, &limits, 1, T).await.unwrap()));
 
     // Never below zero: a refund larger than the count empties the window, no more.
     let z = key("z");
-    assert!(allowed(&b.charge(&z, &limits, 3, T).await.unwrap()));
-    b.refund(&z, &limits, 50, T).await.unwrap();
+    let three = b.charge(&z, &limits, 3, T).await.unwrap();
+    assert!(allowed(&three));
+    b.refund(&z, 50, &three.charged()).await.unwrap();
     assert!(allowed(&b.charge(&z, &limits, 10, T).await.unwrap()));
     assert!(!allowed(&b.charge(&z, &limits, 1, T).await.unwrap()));
 
     // A refund for a minute that has ended leaves the new minute's count alone; the hour it
     // was charged to gets it back.
     let r = key("r");
-    assert!(allowed(&b.charge(&r, &limits, 5, T).await.unwrap()));
+    let five = b.charge(&r, &limits, 5, T).await.unwrap();
+    assert!(allowed(&five));
     assert!(allowed(&b.charge(&r, &limits, 4, T + 60).await.unwrap()));
-    b.refund(&r, &limits, 5, T).await.unwrap();
+    b.refund(&r, 5, &five.charged()).await.unwrap();
     match b.charge(&r, &limits, 6, T + 60).await.unwrap() {
         Decision::Allowed(usage) => {
             let used: Vec<u32> = usage.iter().map(|u| u.used).collect();
@@ -609,10 +612,9 @@ async fn g6_concurrent_charges_and_refunds_on_postgres_lose_nothing() {
             let (backend, limits) = (backend.clone(), limits.clone());
             tokio::spawn(async move {
                 for _ in 0..20 {
-                    assert!(allowed(
-                        &backend.charge(&key("c"), &limits, 6, T).await.unwrap()
-                    ));
-                    backend.refund(&key("c"), &limits, 5, T).await.unwrap();
+                    let six = backend.charge(&key("c"), &limits, 6, T).await.unwrap();
+                    assert!(allowed(&six));
+                    backend.refund(&key("c"), 5, &six.charged()).await.unwrap();
                 }
             })
         })

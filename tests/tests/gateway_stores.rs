@@ -404,6 +404,37 @@ async fn g6_a_replica_whose_clock_lags_never_rolls_a_window_back(b: Backend) {
     assert_eq!(allowed, 30, "one window, however the clocks alternate");
 }
 
+/// The replica behind reserves into the window the one ahead opened; what its reservation did
+/// not use goes back to that window, not to the one its own clock names (where it was lost).
+async fn g6_a_lagging_replicas_refund_goes_back_to_the_windows_it_charged(b: Backend) {
+    let key = LimitKey {
+        user: user("u1"),
+        integration: Integration::Gmail,
+        account: "a@x.com".into(),
+    };
+    let limits: Limits = "30/minute".parse().unwrap();
+    let behind = 1_000_000_079;
+    let ahead = behind + 2;
+    let opened = b.limits.charge(&key, &limits, 1, ahead).await.unwrap();
+    assert!(matches!(opened, Decision::Allowed(_)));
+    let search = b.limits.charge(&key, &limits, 10, behind).await.unwrap();
+    assert_eq!(
+        search.charged(),
+        opened.charged(),
+        "the lagging replica charged the window already open"
+    );
+    b.limits.refund(&key, 8, &search.charged()).await.unwrap();
+    // 1 + 10 - 8 = 3 used: 27 left, and not one more.
+    assert!(matches!(
+        b.limits.charge(&key, &limits, 27, ahead).await.unwrap(),
+        Decision::Allowed(_)
+    ));
+    assert!(matches!(
+        b.limits.charge(&key, &limits, 1, ahead).await.unwrap(),
+        Decision::Denied { .. }
+    ));
+}
+
 async fn tasks_are_listed_pending_first_by_due_date_and_scoped_to_their_user(b: Backend) {
     let s = &b.stores.tasks;
     let at = |secs| Some(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs));
@@ -647,6 +678,7 @@ both_backends!(
     audit_records_come_back_in_order_per_user,
     rate_limits_allow_exactly_the_limit_then_name_the_wait,
     g6_a_replica_whose_clock_lags_never_rolls_a_window_back,
+    g6_a_lagging_replicas_refund_goes_back_to_the_windows_it_charged,
     tasks_are_listed_pending_first_by_due_date_and_scoped_to_their_user,
     memory_search_ranks_the_relevant_note_first,
     reminders_come_back_soonest_first_and_only_upcoming,

@@ -277,6 +277,49 @@ impl Credentials {
     }
 }
 
+impl Credentials {
+    /// The upstream refused `token` although it had just been refreshed or replaced: the grant
+    /// no longer gives access (scopes withdrawn, the account disabled), and only reconnecting
+    /// helps. The account is marked so — as the model is told — unless another call has put a
+    /// different token in place since, which may still work. A failure to record it is logged:
+    /// the call's answer is the same.
+    pub async fn refused_fresh(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+        token: &str,
+    ) {
+        let marked = async {
+            let cipher = self.cipher.as_ref().ok_or(CredentialError::NoKey)?;
+            let lock = self.store.lock_account(user, integration, account).await?;
+            let Some(current) = lock.current().cloned() else {
+                return Ok(false);
+            };
+            let row = row_id(user, integration, account);
+            let same = cipher
+                .decrypt(&current.access_token, &row)
+                .is_ok_and(|t| t == token);
+            if !same || current.status == AccountStatus::NeedsReconnect {
+                return Ok(false);
+            }
+            let mut updated = current;
+            updated.status = AccountStatus::NeedsReconnect;
+            lock.save(updated).await?;
+            Ok::<_, CredentialError>(true)
+        };
+        match marked.await {
+            Ok(true) => {
+                tracing::warn!(user = %user, integration = integration.key(), account, "a freshly refreshed token was refused; account needs reconnecting");
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::error!(user = %user, integration = integration.key(), account, error = %e, "could not mark the account as needing reconnection");
+            }
+        }
+    }
+}
+
 fn revoked(integration: Integration, account: &str) -> ToolError {
     ToolError::CredentialsRevoked {
         provider: integration

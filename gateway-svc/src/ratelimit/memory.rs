@@ -2,7 +2,9 @@
 
 use std::{collections::HashMap, sync::Mutex};
 
-use super::{Decision, LimitKey, Limits, RateLimitBackend, WindowCount, decide_up_to, refunded};
+use super::{
+    Decision, LimitKey, Limits, RateLimitBackend, Window, WindowCount, decide_up_to, refunded,
+};
 use crate::store::StoreError;
 
 /// Past this many keys, windows that ended are pruned on the next charge.
@@ -45,16 +47,15 @@ impl RateLimitBackend for MemoryRateLimits {
     async fn refund(
         &self,
         key: &LimitKey,
-        _limits: &Limits,
         amount: u32,
-        charged_at: u64,
+        charged: &[(Window, u64)],
     ) -> Result<(), StoreError> {
         let mut counts = self
             .counts
             .lock()
             .map_err(|_| StoreError::Unavailable("rate limiter lock poisoned".into()))?;
         if let Some(entry) = counts.get_mut(&key.storage_key()) {
-            *entry = refunded(entry, amount, charged_at);
+            *entry = refunded(entry, amount, charged);
         }
         Ok(())
     }

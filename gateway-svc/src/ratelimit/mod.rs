@@ -141,6 +141,9 @@ pub type WindowCount = (Window, u64, u32);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WindowUsage {
     pub window: Window,
+    /// The start of the window charged (Unix seconds): this clock's, or the next one when
+    /// another replica had opened it (see [`current`]).
+    pub start: u64,
     pub used: u32,
     pub limit: u32,
 }
@@ -154,6 +157,17 @@ pub enum Decision {
         limit: u32,
         retry_after: Duration,
     },
+}
+
+impl Decision {
+    /// The windows an allowed charge went into, each with its start: what a refund of it
+    /// gives back to. Empty for a denial.
+    pub fn charged(&self) -> Vec<(Window, u64)> {
+        match self {
+            Decision::Allowed(usage) => usage.iter().map(|u| (u.window, u.start)).collect(),
+            Decision::Denied { .. } => Vec::new(),
+        }
+    }
 }
 
 /// The window a charge at `now` goes into and what it holds: this clock's window, or the next
@@ -201,6 +215,7 @@ pub fn decide(
         updated.push((window, start, used + cost));
         usage.push(WindowUsage {
             window,
+            start,
             used: used + cost,
             limit,
         });
@@ -230,15 +245,20 @@ pub fn decide_up_to(
     (decision, updated, cost)
 }
 
-/// Stored counts after giving back `amount` of a charge made at `charged_at`, shared by both
-/// backends: only the windows that charge went into lose it (one that has rolled over since
-/// keeps its count, so a refund never grants budget in a window it was not charged to), and
-/// never below zero.
-pub fn refunded(counts: &[WindowCount], amount: u32, charged_at: u64) -> Vec<WindowCount> {
+/// Stored counts after giving back `amount` of a charge that went into the windows `charged`
+/// ((window, start) as the charge decided them), shared by both backends: only those windows
+/// lose it — one that has rolled over since keeps its count, so a refund never grants budget
+/// in a window it was not charged to, and one a lagging clock charged into the next window is
+/// found there —, and never below zero.
+pub fn refunded(
+    counts: &[WindowCount],
+    amount: u32,
+    charged: &[(Window, u64)],
+) -> Vec<WindowCount> {
     counts
         .iter()
         .map(|&(window, start, used)| {
-            if start == window.start(charged_at) {
+            if charged.contains(&(window, start)) {
                 (window, start, used.saturating_sub(amount))
             } else {
                 (window, start, used)
@@ -274,15 +294,13 @@ pub trait RateLimitBackend: Send + Sync + 'static {
         now: u64,
     ) -> Result<(Decision, u32), StoreError>;
 
-    /// Atomically gives back `amount` of a charge to `key` made at `charged_at` that was not
-    /// used, as [`refunded`] says: only in the windows of `limits` that charge went into, never
-    /// taking one below zero.
+    /// Atomically gives back `amount` of a charge to `key` that was not used, as [`refunded`]
+    /// says: only in the windows `charged` ([`Decision::charged`]), never taking one below zero.
     async fn refund(
         &self,
         key: &LimitKey,
-        limits: &Limits,
         amount: u32,
-        charged_at: u64,
+        charged: &[(Window, u64)],
     ) -> Result<(), StoreError>;
 }
 
@@ -291,8 +309,8 @@ pub trait RateLimitBackend: Send + Sync + 'static {
 pub struct Reservation {
     pub key: LimitKey,
     pub cost: u32,
-    /// When it was charged (Unix seconds): a refund goes to the windows of that moment.
-    pub at: u64,
+    /// The windows it was charged to, with their starts: a refund goes to those.
+    pub charged: Vec<(Window, u64)>,
 }
 
 /// The limiter tools call: picks the integration's limits, charges, warns at 80%, and turns a
@@ -344,7 +362,7 @@ impl RateLimiter {
             reservation: Reservation {
                 key: key.clone(),
                 cost,
-                at: now,
+                charged: usage.iter().map(|u| (u.window, u.start)).collect(),
             },
             usage,
             if_dropped: 0,
@@ -404,14 +422,11 @@ impl RateLimiter {
             return;
         }
         let key = &reservation.key;
-        let Some(limits) = (self.limits)(key.integration) else {
+        // Nothing was charged where the integration has no limits.
+        if reservation.charged.is_empty() {
             return;
-        };
-        if let Err(e) = self
-            .backend
-            .refund(key, &limits, amount, reservation.at)
-            .await
-        {
+        }
+        if let Err(e) = self.backend.refund(key, amount, &reservation.charged).await {
             tracing::warn!(
                 error = %e, user = %key.user, integration = key.integration.key(), account = %key.account,
                 amount, "could not give back unused rate-limit budget"
@@ -561,8 +576,9 @@ mod tests {
             // A day window from before the charge (stale): untouched.
             (Window::Day, Window::Day.start(charged_at) - 86_400, 9),
         ];
+        let charged = [(Window::Minute, minute), (Window::Hour, hour)];
         assert_eq!(
-            refunded(&counts, 5, charged_at),
+            refunded(&counts, 5, &charged),
             [
                 (Window::Minute, minute, 2),
                 (Window::Hour, hour, 0),
@@ -571,7 +587,14 @@ mod tests {
         );
         // The minute rolled over since the charge: the new minute keeps its count.
         let later = [(Window::Minute, minute + 60, 4)];
-        assert_eq!(refunded(&later, 3, charged_at), later);
+        assert_eq!(refunded(&later, 3, &charged), later);
+        // A lagging clock's charge into the next minute (opened by a clock ahead) is given
+        // back there.
+        let next = [(Window::Minute, minute + 60, 4)];
+        assert_eq!(
+            refunded(&next, 3, &[(Window::Minute, minute + 60)]),
+            [(Window::Minute, minute + 60, 1)]
+        );
     }
 
     #[test]

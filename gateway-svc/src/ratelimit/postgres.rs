@@ -41,8 +41,8 @@ const SQL_CHARGE_WHOLE: &str = "WITH locked AS (SELECT pg_advisory_xact_lock(has
         used = CASE WHEN w.window_start IN (EXCLUDED.window_start, EXCLUDED.window_start + w.window_secs) THEN w.used ELSE 0 END + EXCLUDED.used \
       WHERE CASE WHEN w.window_start IN (EXCLUDED.window_start, EXCLUDED.window_start + w.window_secs) THEN w.used ELSE 0 END::int8 + EXCLUDED.used \
         <= (SELECT c.lim FROM unnest($2::int4[], $4::int4[]) AS c(secs, lim) WHERE c.secs = w.window_secs) \
-      RETURNING w.window_secs, w.used) \
-  SELECT window_secs, used, \
+      RETURNING w.window_secs, w.used, w.window_start) \
+  SELECT window_secs, used, window_start, \
     (SELECT CASE WHEN count(*) = cardinality($2::int4[]) THEN 0 ELSE gateway.charge_refused() END FROM charged) \
   FROM charged";
 /// The SQLSTATE `gateway.charge_refused()` raises (migration V8).
@@ -150,16 +150,14 @@ impl RateLimitBackend for PgRateLimits {
     async fn refund(
         &self,
         key: &LimitKey,
-        limits: &Limits,
         amount: u32,
-        charged_at: u64,
+        charged: &[(Window, u64)],
     ) -> Result<(), StoreError> {
         // The windows the charge went into, as `refunded` picks them; a row whose window has
         // rolled over since has another start and is left alone.
-        let (secs, starts): (Vec<i32>, Vec<i64>) = limits
-            .0
+        let (secs, starts): (Vec<i32>, Vec<i64>) = charged
             .iter()
-            .map(|(w, _)| (w.seconds() as i32, w.start(charged_at) as i64))
+            .map(|&(w, start)| (w.seconds() as i32, start as i64))
             .unzip();
         let client = svc_kit::pg::checkout(&self.pool, "gateway")
             .await
@@ -234,13 +232,15 @@ async fn charge_whole(
     }
     let usage = windows
         .iter()
-        .map(|&(window, limit)| {
-            let used = rows
+        .zip(&starts)
+        .map(|(&(window, limit), &ours)| {
+            let (used, start) = rows
                 .iter()
                 .find(|r| r.get::<_, i32>(0) == window.seconds() as i32)
-                .map_or(0, |r| r.get::<_, i32>(1));
+                .map_or((0, ours), |r| (r.get::<_, i32>(1), r.get::<_, i64>(2)));
             WindowUsage {
                 window,
+                start: start as u64,
                 used: used as u32,
                 limit,
             }
