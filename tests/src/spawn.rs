@@ -343,17 +343,17 @@ impl TestApp {
 
     /// A run service of its own on the test database (offline model, no gateway): what any
     /// replica's monitor does, on demand.
-    pub async fn monitor(&self) -> agent_svc::runs::RunService {
+    pub async fn monitor(&self) -> std::sync::Arc<agent_svc::runs::RunService> {
         let models = agent_svc::models::ModelsConfig::load(&mut Vars::new(|_| None))
             .build(&reqwest::Client::new())
             .0;
-        agent_svc::runs::RunService::new(
+        std::sync::Arc::new(agent_svc::runs::RunService::new(
             std::sync::Arc::new(self.agent_store().await),
             std::sync::Arc::new(models),
             None,
             None,
             6000,
-        )
+        ))
     }
 
     /// A plain connection to the test database, for what the API cannot show.

@@ -545,6 +545,60 @@ async fn a_decision_behind_another_that_recorded_nothing_is_told_to_decide_again
     approve_and_see_it_sent_once(&mut alice, &approval.id, &gmail).await;
 }
 
+/// E-12, A-6: a decision that was recorded while its decider went away before continuing the
+/// run (its replica died just after the commit, or the commit's answer never came back) still
+/// happens: the health monitor continues the run instead of failing it, and the mail goes out
+/// once.
+#[tokio::test]
+async fn e12_a_decision_recorded_by_a_decider_that_vanished_is_carried_out_by_the_monitor() {
+    let (app, _model, gmail) = gmail_world(send_then("Sent it to your boss."), &[]).await;
+    let paused = run(&app, "email my boss the budget").await;
+    let approval = paused.approval.clone().unwrap();
+    // The vanished decider, on another replica: it took the lease and recorded the decision.
+    let replica = app.agent_store().await;
+    let pending = replica
+        .get_approval("alice", &approval.id)
+        .await
+        .unwrap()
+        .unwrap();
+    let lease = match replica
+        .lock_thread(&pending.thread_id, &pending.run_id, Duration::from_secs(60))
+        .await
+        .unwrap()
+    {
+        agent_svc::store::LockOutcome::Acquired(lease) => lease,
+        busy => panic!("the paused run's lease is taken: {busy:?}"),
+    };
+    let decided = replica
+        .decide(
+            &lease,
+            &approval.id,
+            agent_svc::store::ApprovalState::Approved,
+            "alice",
+            "approval_approved",
+            10,
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(decided, agent_svc::store::Decided::Won { .. }),
+        "{decided:?}"
+    );
+    // Then it was gone: its lease lets go (released here rather than waited out).
+    replica.release_lease(&lease).await.unwrap();
+    assert!(gmail.sent().is_empty());
+
+    // Any replica's monitor (this one's own may come first: either way it is continued once).
+    let swept = app.agent_replicas()[0]
+        .sweep_stale_runs(Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(swept <= 1, "{swept}");
+    // The user, asking again, follows the same decision to the run's end.
+    let mut alice = app.agent_as("alice").await;
+    approve_and_see_it_sent_once(&mut alice, &approval.id, &gmail).await;
+}
+
 /// Approves `approval_id`: its run completes, and the mail is sent exactly once.
 async fn approve_and_see_it_sent_once(alice: &mut UserAgent, approval_id: &str, gmail: &FakeGmail) {
     let done = alice

@@ -416,6 +416,91 @@ async fn a_briefing_that_wants_to_send_under_supervised_trust_leaves_a_pending_a
     );
 }
 
+/// The tools a model request offered, by name.
+fn offered(request: &serde_json::Value) -> Vec<String> {
+    let mut names: Vec<String> = request["tools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t["function"]["name"].as_str().map(str::to_owned))
+        .collect();
+    names.sort();
+    names
+}
+
+/// P-1: an approval continues the run it paused, with that run's limits — a briefing that
+/// paused on a send goes on with the briefing's short list, not every tool the user has.
+#[tokio::test]
+async fn p1_a_briefing_resumed_by_its_approval_is_offered_only_the_briefings_tools() {
+    let answers = vec![
+        Answer::tool_calls(&[(
+            "call_send",
+            "gmail_send",
+            r#"{"to": "boss@example.com", "subject": "Status", "body": "All good."}"#,
+        )]),
+        Answer::text("Sent your boss the status."),
+    ];
+    let (app, model, gmail) = gmail_world(answers, &[NO_WORKERS]).await;
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        pb::CreateScheduleRequest {
+            kind: pb::ScheduleKind::Briefing as i32,
+            prompt: "Send my boss a status update.".into(),
+            interval: Some(prost_types::Duration {
+                seconds: 3600,
+                nanos: 0,
+            }),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let fired = fire_everywhere(
+        &app.agent_replicas(),
+        time(&schedule.next_due_at) + Duration::from_secs(1),
+    )
+    .await;
+    assert_eq!(fired[0].outcome, ScheduleOutcome::AwaitingApproval);
+    let run = get_run(&mut alice, fired[0].run_id.as_deref().unwrap())
+        .await
+        .unwrap();
+    let send = run.actions.iter().find(|a| a.tool == "gmail_send");
+    let approval_id = send
+        .expect("the send waits for approval")
+        .approval_id
+        .clone();
+
+    let decided = alice
+        .decide_approval(pb::DecideApprovalRequest {
+            approval_id,
+            decision: pb::Decision::Approve as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        decided.result.unwrap().status,
+        pb::RunState::Completed as i32
+    );
+    assert_eq!(gmail.sent().len(), 1, "the approved send went out once");
+
+    let requests = model.requests();
+    let (first, resumed) = (
+        offered(&requests[0].1),
+        offered(&requests.last().unwrap().1),
+    );
+    assert!(
+        first.iter().any(|t| t == "gmail_send") && !first.iter().any(|t| t == "create_memories"),
+        "the briefing's own list: {first:?}"
+    );
+    assert_eq!(
+        resumed, first,
+        "the resumed run is offered what the briefing was, not the user's whole list"
+    );
+}
+
 #[tokio::test]
 async fn run_schedule_now_starts_a_run_the_caller_can_watch() {
     let app = spawn_app_with(Backend::Memory, &[NO_WORKERS]).await;

@@ -165,6 +165,7 @@ fn approval(id: &str, run_id: &str, thread_id: &str, ttl: Duration) -> Approval 
         // Issue 14: both round-trip through every backend.
         binding: "digest-of-resolved-recipients".into(),
         tainted_by: vec!["search_gmail".into()],
+        allowed_tools: Some(vec!["list_tasks".into(), "gmail_send".into()]),
     }
 }
 
@@ -692,6 +693,11 @@ async fn r4_a_decision_does_not_take_its_owner_past_the_run_cap(b: Backend) {
     );
     let approval = s.get_approval("alice", "a1").await.unwrap().unwrap();
     assert_eq!(approval.state, ApprovalState::Pending, "nothing recorded");
+    assert_eq!(
+        approval.allowed_tools.as_deref(),
+        Some(&["list_tasks".to_owned(), "gmail_send".to_owned()][..]),
+        "the pause kept the tools its resume may offer"
+    );
     assert_eq!(
         s.get_run("alice", "r1").await.unwrap().unwrap().state,
         RunState::AwaitingConfirmation
@@ -1747,12 +1753,13 @@ fn everything(id: &str, thread: &str, seq: u64) -> RunCommit {
             iterations: Some(7),
             ..RunPatch::default()
         },
-        approval: Some(approval(
-            &format!("a-{id}"),
-            id,
-            thread,
-            Duration::from_secs(60),
-        )),
+        approval: Some(Approval {
+            // r2 could use every tool: stored as NULL, not as an empty list.
+            allowed_tools: approval(&format!("a-{id}"), id, thread, Duration::from_secs(60))
+                .allowed_tools
+                .filter(|_| id != "r2"),
+            ..approval(&format!("a-{id}"), id, thread, Duration::from_secs(60))
+        }),
         audit: vec![("side_effect".into(), serde_json::json!({"run": id}))],
         release: true,
     }
@@ -1801,10 +1808,16 @@ async fn commits_waiting_together_are_written_together_each_behind_its_own_fence
         assert_eq!((run.iterations, run.last_event_seq), (7, 2), "{id}");
         assert_eq!(s.list_actions(id).await.unwrap().len(), 1, "{id}");
         let approval = s.get_approval("alice", &format!("a-{id}")).await.unwrap();
+        let approval = approval.unwrap();
         assert_eq!(
-            approval.unwrap().tainted_by,
+            approval.tainted_by,
             ["search_gmail"],
             "{id}: its provenance survives the batch"
+        );
+        assert_eq!(
+            approval.allowed_tools,
+            (id != "r2").then(|| vec!["list_tasks".to_owned(), "gmail_send".to_owned()]),
+            "{id}: and so do the tools its resume may offer (every tool as NULL)"
         );
         assert_eq!(s.history(&lease.thread_id).await.unwrap().len(), 1, "{id}");
         let messages = s.list_messages(&lease.thread_id, 0, 10).await.unwrap();

@@ -258,6 +258,47 @@ async fn p1_a_memory_after_an_approved_pause_still_knows_the_run_read_an_attache
     assert!(memory.reason.contains("attached"), "{}", memory.reason);
 }
 
+/// P-1: others' words do not launder through a session's summary. A session that read an
+/// email is archived; the next session's prompt carries its summary, so a memory written there
+/// still waits for approval.
+#[tokio::test]
+async fn p1_a_memory_after_reading_the_summary_of_a_session_that_read_an_email_waits_for_approval()
+{
+    let answers = vec![
+        Answer::tool_calls(&[("call_search", "search_gmail", r#"{"query": "in:inbox"}"#)]),
+        Answer::text("You have a statement request."),
+        // The summary of that session, written when the next message archives it.
+        Answer::text("Alice read a message from her bank asking for statements."),
+        Answer::tool_calls(&[(
+            "call_mem",
+            "save_memory",
+            r#"{"content": "The bank wants statements by post"}"#,
+        )]),
+        Answer::text("Noted."),
+    ];
+    // Every new message starts a new session, so the second run archives the first session.
+    let (app, _model, gmail): (TestApp, _, FakeGmail) =
+        gmail_world(answers, &[("AGENT_SESSION_TIMEOUT", "0s")]).await;
+    gmail.add_messages("tok-alice", vec![statement(None)]);
+    let mut alice = app.agent_as("alice").await;
+    let first = run_once(&mut alice, "check my mail", "").await.unwrap();
+    assert_eq!(
+        first.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        first.error
+    );
+
+    let second = run_once(&mut alice, "remember what the bank wants", &first.thread_id)
+        .await
+        .unwrap();
+    let approval = second
+        .approval
+        .expect("the memory waits for approval: the prompt carried an email's words");
+    assert_eq!(approval.tool, "save_memory");
+    assert!(approval.reason.contains("sessions"), "{}", approval.reason);
+}
+
 #[tokio::test]
 async fn p1_a_memory_from_the_users_own_words_needs_no_approval() {
     let answers = vec![

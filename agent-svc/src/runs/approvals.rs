@@ -111,23 +111,7 @@ impl RunService {
                 last_event_seq,
             }) => {
                 crate::metrics::approval_decided(approve);
-                let segment = Segment {
-                    owner: owner.to_owned(),
-                    thread_id: approval.thread_id.clone(),
-                    run_id: approval.run_id.clone(),
-                    channel: convert::channel_from_key(&run.channel),
-                };
-                self.spawn_segment(
-                    segment,
-                    lease,
-                    From::Seq(last_event_seq),
-                    Plan::Continue {
-                        approval: Box::new(approval.clone()),
-                        approved: approve,
-                    },
-                );
-                let follow = Some((approval.run_id.clone(), last_event_seq));
-                Ok(Decision { approval, follow })
+                Ok(self.continue_decided(lease, approval, &run.channel, last_event_seq))
             }
             Ok(Decided::Lost { .. }) => {
                 let _ = self.store.release_lease(&lease).await;
@@ -143,10 +127,70 @@ impl RunService {
                 ))
             }
             Err(e) => {
+                // The commit's answer can be lost after it landed. This caller still holds the
+                // lease, so a decision that stands is its own: it continues the run. Otherwise
+                // the lease goes, and a decision that landed unseen is the health monitor's to
+                // continue (`sweep_stale_runs`).
+                if let Some((approval, last_event_seq)) =
+                    self.landed(owner, approval_id, wanted, &run.id).await
+                {
+                    tracing::warn!(approval_id, error = %e, "the decision's commit answer was lost, but the decision landed; continuing the run");
+                    crate::metrics::approval_decided(approve);
+                    return Ok(self.continue_decided(
+                        lease,
+                        approval,
+                        &run.channel,
+                        last_event_seq,
+                    ));
+                }
                 let _ = self.store.release_lease(&lease).await;
                 Err(e.into())
             }
         }
+    }
+
+    /// The decision recorded and the run it continues, if this decision is what the store now
+    /// holds (an error while reading says nothing: `None`).
+    async fn landed(
+        &self,
+        owner: &str,
+        approval_id: &str,
+        wanted: ApprovalState,
+        run_id: &str,
+    ) -> Option<(Approval, u64)> {
+        let approval = self.store.get_approval(owner, approval_id).await.ok()??;
+        let run = self.store.get_run(owner, run_id).await.ok()??;
+        (approval.state == wanted && run.state == RunState::Executing)
+            .then_some((approval, run.last_event_seq))
+    }
+
+    /// Continues a run whose approval was just decided, holding `lease`: a segment answers
+    /// the paused call and goes on; the caller follows from `last_event_seq`.
+    pub(super) fn continue_decided(
+        self: &Arc<Self>,
+        lease: Lease,
+        approval: Approval,
+        channel: &str,
+        last_event_seq: u64,
+    ) -> Decision {
+        let approved = approval.state == ApprovalState::Approved;
+        let segment = Segment {
+            owner: approval.owner.clone(),
+            thread_id: approval.thread_id.clone(),
+            run_id: approval.run_id.clone(),
+            channel: convert::channel_from_key(channel),
+        };
+        self.spawn_segment(
+            segment,
+            lease,
+            From::Seq(last_event_seq),
+            Plan::Continue {
+                approval: Box::new(approval.clone()),
+                approved,
+            },
+        );
+        let follow = Some((approval.run_id.clone(), last_event_seq));
+        Decision { approval, follow }
     }
 
     /// The decision asked for was already made: follow the run if it is still going.
@@ -409,7 +453,8 @@ impl RunService {
             writer,
             request,
             self.models.clone(),
-            None,
+            // A scheduled briefing that paused on a send goes on with its own short list.
+            approval.allowed_tools.as_deref(),
             stopper,
             super::Prefetched::default(),
         )

@@ -2,7 +2,7 @@
 //! background task agents (B-5).
 
 use super::*;
-use crate::store::MessageKind;
+use crate::store::{LockOutcome, MessageKind};
 
 impl RunService {
     /// Archives the thread's LLM history with a 2–3 sentence summary (B-4). Race-safe: the store
@@ -114,10 +114,16 @@ impl RunService {
     /// The health monitor's sweep (E-12): a run still live whose thread lease lapsed (plus
     /// `grace`) lost its writer — its replica died or stalled. It is failed with a message and
     /// a terminal event, and its thread freed, by one conditional transaction (one sweeper
-    /// wins; a writer whose lease is live again is left alone). Returns how many it ended.
-    pub async fn sweep_stale_runs(&self, grace: Duration) -> Result<usize, ApiError> {
+    /// wins; a writer whose lease is live again is left alone). A run whose approval was
+    /// decided but never continued is continued instead (see `take_up_decided`). Returns how
+    /// many runs it ended or continued.
+    pub async fn sweep_stale_runs(self: &Arc<Self>, grace: Duration) -> Result<usize, ApiError> {
         let mut ended = 0;
         for run in self.store.abandoned_runs(grace, 200).await? {
+            if self.take_up_decided(&run).await? {
+                ended += 1;
+                continue;
+            }
             let message =
                 "This run stopped: the server running it stopped responding. Please try again.";
             let ending = Ending {
@@ -137,6 +143,59 @@ impl RunService {
             }
         }
         Ok(ended)
+    }
+
+    /// A run whose approval was decided while its decider went away before continuing it (the
+    /// replica died just after the decision's commit, or that commit's answer was lost): the
+    /// user's decision stands, so the run is continued here rather than failed. Only while
+    /// the paused call is untouched: once a segment has taken it up, the run ends as any other
+    /// run that lost its writer (its action may have begun; it is never started twice).
+    async fn take_up_decided(self: &Arc<Self>, run: &Run) -> Result<bool, ApiError> {
+        if run.state != RunState::Executing {
+            return Ok(false);
+        }
+        let Some(approval) = self.decided_and_untouched(run).await? else {
+            return Ok(false);
+        };
+        let lease = match self
+            .store
+            .lock_thread(&run.thread_id, &run.id, self.lease)
+            .await?
+        {
+            LockOutcome::Acquired(lease) => lease,
+            LockOutcome::Busy { .. } => return Ok(false),
+        };
+        // Under the lease, again: another sweeper may have continued it in between.
+        let now = self.store.get_run(&run.owner, &run.id).await?;
+        let still = match &now {
+            Some(r) if r.state == RunState::Executing => self.decided_and_untouched(r).await?,
+            _ => None,
+        };
+        let (Some(approval), Some(now)) = (still.filter(|a| a.id == approval.id), now) else {
+            let _ = self.store.release_lease(&lease).await;
+            return Ok(false);
+        };
+        tracing::warn!(run_id = %run.id, approval_id = %approval.id, "health monitor continued a run whose decided approval was never taken up");
+        self.continue_decided(lease, approval, &now.channel, now.last_event_seq);
+        Ok(true)
+    }
+
+    /// The decided approval of `run` whose paused call nothing has answered yet.
+    async fn decided_and_untouched(&self, run: &Run) -> Result<Option<Approval>, ApiError> {
+        let waiting = self
+            .store
+            .list_actions(&run.id)
+            .await?
+            .into_iter()
+            .find(|a| a.state == ActionState::AwaitingConfirmation);
+        let Some(approval_id) = waiting.and_then(|a| a.approval_id) else {
+            return Ok(None);
+        };
+        Ok(self
+            .store
+            .get_approval(&run.owner, &approval_id)
+            .await?
+            .filter(|a| matches!(a.state, ApprovalState::Approved | ApprovalState::Rejected)))
     }
 
     /// Runs the sweep every `interval` until the process ends.

@@ -13,6 +13,7 @@ use crate::{gateway_client::CallPreview, llm::Turn};
 pub(super) const ATTACHED: &str = "attached context";
 pub(super) const TASK_INSTRUCTIONS: &str = "task instructions";
 pub(super) const MEMORY: &str = "memories taken from external content";
+pub(super) const EARLIER_SESSIONS: &str = "summaries of sessions that read external content";
 
 #[derive(Debug, Default)]
 pub(super) struct CallGuard {

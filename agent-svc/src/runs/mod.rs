@@ -854,7 +854,12 @@ impl RunService {
             None => None,
         };
         let recent_sessions = match recent {
-            Ok(list) => list.into_iter().map(|a| a.summary).collect(),
+            Ok(list) => {
+                if list.iter().any(|a| a.external) {
+                    guard.read(guard::EARLIER_SESSIONS);
+                }
+                list.into_iter().map(|a| a.summary).collect()
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "recent session summaries unavailable");
                 Vec::new()
@@ -998,6 +1003,7 @@ impl RunService {
         let (side_effects, memory_writers, external_readers) =
             (&*side_effects, &*memory_writers, &*external_readers);
         writer.side_effects = side_effects.clone();
+        writer.allowed_tools = allowed.map(<[String]>::to_vec);
         let guard = writer.guard.clone();
         guard.read_history(&request.history, external_readers);
         let session = match (&self.gateway, request.tools.is_empty(), session) {
@@ -1211,6 +1217,7 @@ impl RunService {
                 decided_at: None,
                 binding: shown.binding,
                 tainted_by: writer.guard.read_from(),
+                allowed_tools: writer.allowed_tools.clone(),
             };
             if let Some(a) = writer.actions.get_mut(call_id) {
                 a.to(ActionState::AwaitingConfirmation);

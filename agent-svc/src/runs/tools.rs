@@ -42,7 +42,11 @@ impl ToolRunner for PolicyRunner<'_> {
         let mut paused = false;
         for (i, call) in calls.into_iter().enumerate() {
             if call.name == HISTORY_TOOL {
-                outcomes[i] = Some(search_history(self.store, self.user, &call.args).await);
+                let outcome = search_history(self.store, self.user, &call.args).await;
+                if outcome.external {
+                    self.guard.read(HISTORY_TOOL);
+                }
+                outcomes[i] = Some(outcome);
                 continue;
             }
             if call.name == TASK_AGENT_TOOL {
@@ -368,7 +372,8 @@ async fn search_history(store: &SharedStore, user: &str, args: &serde_json::Valu
                 text,
                 error_kind: String::new(),
                 truncated: false,
-                external: false,
+                // A session that read others' words passes them on in its summary.
+                external: hits.iter().any(|a| a.external),
             }
         }
         Err(e) => ToolOutcome {

@@ -192,6 +192,8 @@ pub(super) struct RunWriter {
     /// The run's actions by call id, as they are now.
     pub(super) actions: HashMap<String, Action>,
     pub(super) side_effects: HashSet<String>,
+    /// The only tools the run may use (`None`: every tool); a pause hands them to its resume.
+    pub(super) allowed_tools: Option<Vec<String>>,
     /// What the segment has read and the previews of its paused calls (issue 14).
     pub(super) guard: Arc<super::guard::CallGuard>,
     /// What the run's earlier segments used (usage, iterations): a continuation adds to it.
@@ -216,6 +218,7 @@ impl RunWriter {
             held: Vec::new(),
             actions: HashMap::new(),
             side_effects: HashSet::new(),
+            allowed_tools: None,
             guard: Arc::default(),
             usage_before: Default::default(),
             commits: 0,

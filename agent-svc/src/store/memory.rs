@@ -14,7 +14,7 @@ use super::{
     Action, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive, Decided, Ending,
     Lease, LockOutcome, Message, MessageKind, MessageSource, Occurrence, Run, RunCommit, RunPatch,
     RunState, Schedule, ScheduleOutcome, Settle, StoreError, TaskAgent, Thread, TurnJson,
-    transcript_text,
+    carries_external, transcript_text,
 };
 
 /// A thread's lease: holder run, fencing token, expiry on the monotonic clock.
@@ -808,6 +808,7 @@ impl AgentStore for MemoryStore {
                 summary: summary.to_owned(),
                 turn_count: turns.len() as u32,
                 archived_at: SystemTime::now(),
+                external: carries_external(&turns),
             };
             s.archives.push((
                 owner.to_owned(),

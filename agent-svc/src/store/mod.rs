@@ -803,6 +803,21 @@ pub struct Archive {
     pub summary: String,
     pub turn_count: u32,
     pub archived_at: SystemTime,
+    /// Its transcript held others' words (a result marked as external content): its summary
+    /// and its text carry them on.
+    pub external: bool,
+}
+
+/// Whether a serialized transcript holds a tool result marked as external content (see
+/// `executor::result_content`).
+pub fn carries_external(turns: &[Value]) -> bool {
+    let marked = format!("<data source=\"{}", crate::executor::EXTERNAL_SOURCE);
+    turns.iter().any(|t| {
+        t.get("role").and_then(Value::as_str) == Some("tool_result")
+            && t.pointer("/content/content")
+                .and_then(Value::as_str)
+                .is_some_and(|c| c.starts_with(&marked))
+    })
 }
 
 /// The plain text of a serialized transcript, for full-text search.
@@ -846,6 +861,9 @@ pub struct Approval {
     pub binding: String,
     /// The tools whose external content the run had read when it asked (issue 14).
     pub tainted_by: Vec<String>,
+    /// The only tools the run could use when it asked (`None`: every tool): its resume
+    /// offers these again.
+    pub allowed_tools: Option<Vec<String>>,
 }
 
 /// What a scheduled run is for: its guidance, channel and limits.
@@ -999,4 +1017,42 @@ pub enum Settle {
         run_id: Option<String>,
         error: Option<String>,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::Turn;
+
+    fn json(turn: &Turn) -> Value {
+        serde_json::to_value(turn).unwrap()
+    }
+
+    #[test]
+    fn only_a_tool_result_marked_as_external_content_makes_a_transcript_carry_others_words() {
+        let marked = crate::executor::result_content(
+            "search_gmail",
+            &crate::executor::ToolOutcome {
+                ok: true,
+                text: "From: bank".into(),
+                error_kind: String::new(),
+                truncated: false,
+                external: true,
+            },
+        );
+        let result = |content: &str| {
+            json(&Turn::ToolResult {
+                call_id: "c".into(),
+                name: "search_gmail".into(),
+                content: content.into(),
+                is_error: false,
+            })
+        };
+        let user = json(&Turn::User(marked.clone()));
+        assert!(carries_external(&[user.clone(), result(&marked)]));
+        assert!(!carries_external(&[
+            user,
+            result("<data source=\"result of list_tasks\">")
+        ]));
+    }
 }

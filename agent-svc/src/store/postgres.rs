@@ -11,7 +11,7 @@ use super::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive,
     Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, Occurrence, Run,
     RunCommit, RunNotice, RunState, RunUsage, Schedule, ScheduleKind, ScheduleOutcome, Settle,
-    StoreError, TaskAgent, Thread, TurnJson, transcript_text,
+    StoreError, TaskAgent, Thread, TurnJson, carries_external, transcript_text,
 };
 
 mod embedded {
@@ -505,6 +505,7 @@ impl AgentStore for PgStore {
         let mut turns: Vec<(i64, Value)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
         turns.sort_by_key(|(seq, _)| *seq);
         let turns: Vec<Value> = turns.into_iter().map(|(_, t)| t).collect();
+        let external = carries_external(&turns);
         // Paused runs of the session end with it; their approvals can no longer be used.
         end_runs(
             &*tx,
@@ -522,9 +523,9 @@ impl AgentStore for PgStore {
         .map_err(db)?;
         let row = tx
             .query_one(
-                "INSERT INTO agent.session_archives (thread_id, owner, summary, transcript, transcript_text, turn_count) \
-                 VALUES ($1, $2, $3, $4, $5, $6) RETURNING archived_at",
-                &[&thread_id, &owner, &summary, &Value::Array(turns.clone()), &transcript_text(&turns), &(turns.len() as i32)],
+                "INSERT INTO agent.session_archives (thread_id, owner, summary, transcript, transcript_text, turn_count, external) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING archived_at",
+                &[&thread_id, &owner, &summary, &Value::Array(turns.clone()), &transcript_text(&turns), &(turns.len() as i32), &external],
             )
             .await
             .map_err(db)?;
@@ -534,6 +535,7 @@ impl AgentStore for PgStore {
             summary: summary.to_owned(),
             turn_count: turns.len() as u32,
             archived_at: row.get(0),
+            external,
         }))
     }
 
@@ -744,7 +746,7 @@ impl AgentStore for PgStore {
             .client()
             .await?
             .query(
-                "SELECT thread_id, summary, turn_count, archived_at FROM agent.session_archives, websearch_to_tsquery('english', $2) q \
+                "SELECT thread_id, summary, turn_count, archived_at, external FROM agent.session_archives, websearch_to_tsquery('english', $2) q \
                  WHERE owner = $1 AND tsv @@ q ORDER BY ts_rank_cd(tsv, q) DESC, archived_at DESC LIMIT $3",
                 &[&owner, &query, &(limit as i64)],
             )
@@ -1319,7 +1321,7 @@ impl PgStore {
 }
 
 const APPROVAL_COLUMNS: &str = "id, run_id, thread_id, owner, call_id, tool, arguments, args_sha256, preview, reason, state, \
-    created_at, expires_at, decided_by, decided_at, binding, tainted_by";
+    created_at, expires_at, decided_by, decided_at, binding, tainted_by, allowed_tools";
 
 fn approval(r: &Row) -> Result<Approval, StoreError> {
     Ok(Approval {
@@ -1340,6 +1342,7 @@ fn approval(r: &Row) -> Result<Approval, StoreError> {
         decided_at: r.get(14),
         binding: r.get(15),
         tainted_by: r.get(16),
+        allowed_tools: r.get(17),
     })
 }
 
@@ -1349,6 +1352,7 @@ fn archive(r: &Row) -> Archive {
         summary: r.get(1),
         turn_count: r.get::<_, i32>(2) as u32,
         archived_at: r.get(3),
+        external: r.get(4),
     }
 }
 

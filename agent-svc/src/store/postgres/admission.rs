@@ -335,7 +335,7 @@ const SQL_SUPERSEDE: &str = "WITH ended AS (UPDATE agent.runs SET state = 'cance
 /// same transaction keeps any other run from pausing meanwhile).
 const SQL_NOT_PAUSED: &str = "SELECT agent.admission_refused('SWA03', id) FROM agent.runs \
     WHERE thread_id = $1 AND state = 'awaiting_confirmation' LIMIT 1";
-pub(super) const SQL_RECENT_SUMMARIES: &str = "SELECT thread_id, summary, turn_count, archived_at \
+pub(super) const SQL_RECENT_SUMMARIES: &str = "SELECT thread_id, summary, turn_count, archived_at, external \
      FROM agent.session_archives WHERE owner = $1 ORDER BY archived_at DESC, id DESC LIMIT $2";
 
 const SQL_ADMIT_RUN: &str = "WITH r AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, \

@@ -59,7 +59,7 @@ const SQL_ADMIT_MANY: &str = "WITH u AS (SELECT * FROM unnest($1::text[], $2::te
 
 /// The newest `$2` session summaries of each owner in `$1`, as `archive` reads them, with the
 /// owner last.
-const SQL_SUMMARIES_OF_OWNERS: &str = "SELECT thread_id, summary, turn_count, archived_at, owner \
+const SQL_SUMMARIES_OF_OWNERS: &str = "SELECT thread_id, summary, turn_count, archived_at, external, owner \
     FROM (SELECT a.*, row_number() OVER (PARTITION BY a.owner ORDER BY a.archived_at DESC, a.id DESC) AS n \
       FROM agent.session_archives a WHERE a.owner = ANY($1::text[])) newest \
     WHERE n <= $2 ORDER BY owner, n";
@@ -333,7 +333,7 @@ async fn many(
     committed?;
     let mut summaries: HashMap<String, Vec<Archive>> = HashMap::new();
     for row in &recent {
-        summaries.entry(row.get(4)).or_default().push(archive(row));
+        summaries.entry(row.get(5)).or_default().push(archive(row));
     }
     let mut started = HashMap::new();
     for row in admitted {

@@ -72,18 +72,20 @@ const SQL: &str = "WITH locked AS (SELECT t.id FROM agent.threads t WHERE t.id =
     WHERE r.id = u.run AND (u.expect IS NULL OR r.state = u.expect) \
       AND u.run IN (SELECT run FROM fenced)), \
   approval AS (INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, arguments, \
-      args_sha256, preview, reason, state, created_at, expires_at, binding, tainted_by) \
+      args_sha256, preview, reason, state, created_at, expires_at, binding, tainted_by, allowed_tools) \
     SELECT id, run_id, thread_id, owner, call_id, tool, arguments, args_sha256, preview, reason, state, \
-      created_at, expires_at, binding, ARRAY(SELECT jsonb_array_elements_text(tainted_by)) \
+      created_at, expires_at, binding, ARRAY(SELECT jsonb_array_elements_text(tainted_by)), \
+      CASE WHEN jsonb_typeof(allowed_tools) = 'array' \
+        THEN ARRAY(SELECT jsonb_array_elements_text(allowed_tools)) END \
     FROM unnest($44::text[], $45::text[], $46::text[], $47::text[], $48::text[], $49::text[], $50::text[], \
       $51::jsonb[], $52::text[], $53::text[], $54::text[], $55::text[], $56::timestamptz[], \
-      $57::timestamptz[], $58::text[], $59::jsonb[]) AS u(lease_run, id, run_id, thread_id, owner, \
-        call_id, tool, arguments, args_sha256, preview, reason, state, created_at, expires_at, binding, \
-        tainted_by) \
+      $57::timestamptz[], $58::text[], $59::jsonb[], $60::jsonb[]) AS u(lease_run, id, run_id, thread_id, \
+        owner, call_id, tool, arguments, args_sha256, preview, reason, state, created_at, expires_at, \
+        binding, tainted_by, allowed_tools) \
     WHERE u.lease_run IN (SELECT run FROM fenced)), \
   audit AS (INSERT INTO agent.audit (owner, kind, run_id, detail) \
     SELECT r.owner, u.k, r.id, u.d \
-    FROM unnest($60::text[], $61::text[], $62::jsonb[]) WITH ORDINALITY AS u(run, k, d, o) \
+    FROM unnest($61::text[], $62::text[], $63::jsonb[]) WITH ORDINALITY AS u(run, k, d, o) \
       JOIN agent.runs r ON r.id = u.run \
     WHERE u.run IN (SELECT run FROM fenced) ORDER BY o) \
   SELECT run, true FROM fenced \
@@ -154,6 +156,8 @@ struct ApprovalColumns<'a> {
     expires_at: Vec<SystemTime>,
     binding: Vec<&'a str>,
     tainted_by: Vec<Value>,
+    /// JSON null: every tool.
+    allowed_tools: Vec<Value>,
 }
 
 impl<'a> Columns<'a> {
@@ -221,6 +225,8 @@ impl<'a> Columns<'a> {
             cols.binding.push(&a.binding);
             // A row's text[] cannot be an element of another array: it travels as JSON.
             cols.tainted_by.push(Value::from(a.tainted_by.clone()));
+            cols.allowed_tools
+                .push(Value::from(a.allowed_tools.clone()));
         }
         for (kind, detail) in &c.audit {
             self.audit_run.push(run);
@@ -270,7 +276,7 @@ impl<'a> Columns<'a> {
             &p.max_seq,
             &p.expect,
         ]);
-        params.extend::<[&(dyn ToSql + Sync); 16]>([
+        params.extend::<[&(dyn ToSql + Sync); 17]>([
             &a.lease_run,
             &a.id,
             &a.run_id,
@@ -287,6 +293,7 @@ impl<'a> Columns<'a> {
             &a.expires_at,
             &a.binding,
             &a.tainted_by,
+            &a.allowed_tools,
         ]);
         params.extend::<[&(dyn ToSql + Sync); 3]>([
             &self.audit_run,

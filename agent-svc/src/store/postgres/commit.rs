@@ -67,7 +67,7 @@ pub(super) async fn one(
     }
     if let (Some(a), Some(approval_state)) = (&c.approval, &approval_state) {
         parts.with(Part::Approval);
-        params.extend::<[Param<'_>; 15]>([
+        params.extend::<[Param<'_>; 16]>([
             &a.id,
             &a.run_id,
             &a.thread_id,
@@ -83,6 +83,7 @@ pub(super) async fn one(
             &a.expires_at,
             &a.binding,
             &a.tainted_by,
+            &a.allowed_tools,
         ]);
     }
     if !audit_kinds.is_empty() {
@@ -243,10 +244,10 @@ impl Part {
             Part::Approval => {
                 "approval AS (INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, \
                    arguments, args_sha256, preview, reason, state, created_at, expires_at, binding, \
-                   tainted_by) \
+                   tainted_by, allowed_tools) \
                  SELECT #1::text, #2::text, #3::text, #4::text, #5::text, #6::text, #7::jsonb, #8::text, \
                    #9::text, #10::text, #11::text, #12::timestamptz, #13::timestamptz, #14::text, \
-                   #15::text[] \
+                   #15::text[], #16::text[] \
                  WHERE EXISTS (SELECT 1 FROM fenced))"
             }
             Part::Audit => {
@@ -266,7 +267,7 @@ impl Part {
             Part::Actions => 12,
             Part::Messages => 4,
             Part::Patch => 13,
-            Part::Approval => 15,
+            Part::Approval => 16,
             Part::Audit => 2,
         }
     }

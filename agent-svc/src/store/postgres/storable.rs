@@ -56,6 +56,7 @@ pub(super) fn commit(c: &mut RunCommit) {
         }
         json(&mut a.arguments);
         a.tainted_by.iter_mut().for_each(text);
+        a.allowed_tools.iter_mut().flatten().for_each(text);
     }
     for (kind, detail) in &mut c.audit {
         text(kind);
