@@ -29,6 +29,36 @@ pub fn struct_to_json(s: &Struct) -> Value {
     )
 }
 
+/// Where `s` holds a number JSON cannot carry (NaN or an infinity), as a path like
+/// `a.b[2]`: [`struct_to_json`] would make it null, so an edge refuses it by name instead.
+pub fn non_finite_number(s: &Struct) -> Option<String> {
+    fn within(v: &prost_types::Value, path: String) -> Option<String> {
+        match &v.kind {
+            Some(Kind::NumberValue(n)) if !n.is_finite() => Some(path),
+            Some(Kind::ListValue(l)) => l
+                .values
+                .iter()
+                .enumerate()
+                .find_map(|(i, v)| within(v, format!("{path}[{i}]"))),
+            Some(Kind::StructValue(s)) => fields(s, &path),
+            _ => None,
+        }
+    }
+    fn fields(s: &Struct, path: &str) -> Option<String> {
+        s.fields.iter().find_map(|(k, v)| {
+            within(
+                v,
+                if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                },
+            )
+        })
+    }
+    fields(s, "")
+}
+
 fn value_to_json(v: &prost_types::Value) -> Value {
     match &v.kind {
         None | Some(Kind::NullValue(_)) => Value::Null,
@@ -76,6 +106,48 @@ fn json_to_value(v: &Value) -> prost_types::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_nan_or_an_infinity_anywhere_in_a_struct_is_found_by_its_path() {
+        let number = |n: f64| prost_types::Value {
+            kind: Some(Kind::NumberValue(n)),
+        };
+        let inner = Struct {
+            fields: [(
+                "scores".to_owned(),
+                prost_types::Value {
+                    kind: Some(Kind::ListValue(ListValue {
+                        values: vec![number(1.0), number(f64::NAN)],
+                    })),
+                },
+            )]
+            .into(),
+        };
+        let outer = Struct {
+            fields: [
+                ("ok".to_owned(), number(2.5)),
+                (
+                    "inner".to_owned(),
+                    prost_types::Value {
+                        kind: Some(Kind::StructValue(inner)),
+                    },
+                ),
+            ]
+            .into(),
+        };
+        assert_eq!(
+            non_finite_number(&outer).as_deref(),
+            Some("inner.scores[1]")
+        );
+        let fine = Struct {
+            fields: [("x".to_owned(), number(f64::MAX))].into(),
+        };
+        assert_eq!(non_finite_number(&fine), None);
+        let infinite = Struct {
+            fields: [("x".to_owned(), number(f64::NEG_INFINITY))].into(),
+        };
+        assert_eq!(non_finite_number(&infinite).as_deref(), Some("x"));
+    }
 
     #[test]
     fn json_arguments_round_trip_through_struct_with_integers_kept() {

@@ -402,6 +402,16 @@ async fn oversized_and_missing_fields_are_refused_by_name() {
             .message()
             .contains("input.model_override")
     );
+    // The chain's model under another provider's name is not in the chain either.
+    let configured = run(&mut alice, input("hi")).await.unwrap();
+    let mut other_provider = input("hi");
+    other_provider.model_override = format!("gemini/{}", configured.model);
+    let refused = run(&mut alice, other_provider).await.unwrap_err();
+    assert!(
+        refused.message().contains("input.model_override"),
+        "{}",
+        refused.message()
+    );
 }
 
 /// On PostgreSQL, where a NUL or an out-of-range number once came back as UNAVAILABLE (a
@@ -428,6 +438,26 @@ async fn a2_input_no_store_can_keep_is_refused_by_name_not_reported_as_an_outage
     invalid(
         run(&mut alice, snippet).await.unwrap_err(),
         "input.attached_context[0].snippet",
+    );
+    // NaN has no JSON form: it would have been kept as null.
+    let mut nan = input("hi");
+    nan.attached_context = vec![pb::AttachedContext {
+        r#type: pb::ContextType::Email as i32,
+        id: "m1".into(),
+        meta: Some(prost_types::Struct {
+            fields: [(
+                "score".to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::NumberValue(f64::NAN)),
+                },
+            )]
+            .into(),
+        }),
+        ..Default::default()
+    }];
+    invalid(
+        run(&mut alice, nan).await.unwrap_err(),
+        "input.attached_context[0].meta.score is not a finite number",
     );
     let mut long_key = input("hi");
     long_key.request_id = "k".repeat(129);

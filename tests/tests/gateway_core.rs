@@ -123,10 +123,22 @@ async fn g4_a_call_or_account_the_gateway_cannot_honour_as_sent_is_refused_by_na
     unknown_channel.channel = 99;
     let mut provenance = call("c3", "probe_fetch", serde_json::json!({"path": "/data"}));
     provenance.read_external_from = vec!["search_gmail".into(), "  ".into()];
+    // A Struct number JSON cannot hold (it became null).
+    let mut nan = call("c4", "probe_fetch", serde_json::json!({}));
+    nan.arguments = Some(Arguments::Args(prost_types::Struct {
+        fields: [(
+            "path".to_owned(),
+            prost_types::Value {
+                kind: Some(prost_types::value::Kind::NumberValue(f64::NAN)),
+            },
+        )]
+        .into(),
+    }));
     for (bad, field) in [
         (negative, "timeout"),
         (unknown_channel, "channel 99"),
         (provenance, "read_external_from"),
+        (nan, "argument path is not a finite number"),
     ] {
         let r = execute(&mut g, bad).await;
         assert_eq!(

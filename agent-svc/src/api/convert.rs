@@ -3,7 +3,7 @@
 
 use steward_proto::agent::v1 as pb;
 
-pub use steward_proto::wellknown::{json_to_struct, struct_to_json, timestamp};
+pub use steward_proto::wellknown::{json_to_struct, non_finite_number, struct_to_json, timestamp};
 
 use super::ApiError;
 use crate::{
@@ -162,6 +162,12 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
             ("snippet", &a.snippet, MAX_SNIPPET_BYTES),
         ] {
             text(&field(name), value, max)?;
+        }
+        if let Some(at) = a.meta.as_ref().and_then(non_finite_number) {
+            return Err(ApiError::InvalidArgument(format!(
+                "{}.{at} is not a finite number (NaN or an infinity); JSON cannot hold it",
+                field("meta")
+            )));
         }
         let meta = a
             .meta

@@ -128,11 +128,13 @@ impl RunService {
             }
             Err(e) => {
                 // The commit's answer can be lost after it landed. This caller still holds the
-                // lease, so a decision that stands is its own: it continues the run. Otherwise
-                // the lease goes, and a decision that landed unseen is the health monitor's to
-                // continue (`sweep_stale_runs`).
-                if let Some((approval, last_event_seq)) =
-                    self.landed(owner, approval_id, wanted, &run.id).await
+                // lease (unless the store said it lost it), so a decision that stands is its
+                // own: it continues the run. Otherwise the lease goes, and a decision that
+                // landed unseen is the health monitor's to continue (`sweep_stale_runs`).
+                let maybe_ours = !matches!(e, StoreError::LeaseLost);
+                if maybe_ours
+                    && let Some((approval, last_event_seq)) =
+                        self.landed(owner, approval_id, wanted, &run.id).await
                 {
                     tracing::warn!(approval_id, error = %e, "the decision's commit answer was lost, but the decision landed; continuing the run");
                     crate::metrics::approval_decided(approve);

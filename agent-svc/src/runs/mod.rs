@@ -497,13 +497,16 @@ impl RunService {
         let Some(wanted) = model_override else {
             return Ok(self.models.clone());
         };
-        let wanted_model = wanted.rsplit('/').next().unwrap_or(wanted);
-        let Some(pos) = self
-            .models
-            .chain
-            .iter()
-            .position(|e| e.model == wanted_model)
-        else {
+        // "provider/model" names one entry exactly; a bare model name (which may itself hold
+        // a '/', as OpenRouter's do) the first entry of that model.
+        let chain = &self.models.chain;
+        let exact = chain.iter().position(|e| {
+            wanted
+                .strip_prefix(e.provider.name())
+                .and_then(|m| m.strip_prefix('/'))
+                == Some(e.model.as_str())
+        });
+        let Some(pos) = exact.or_else(|| chain.iter().position(|e| e.model == wanted)) else {
             let known: Vec<_> = self
                 .models
                 .chain

@@ -163,7 +163,17 @@ pub fn call_request(call: pb::ToolCall) -> Result<CallRequest, Rejected> {
     };
     let args = match &call.arguments {
         None => Value::Object(Map::new()),
-        Some(pb::tool_call::Arguments::Args(s)) => struct_to_json(s),
+        Some(pb::tool_call::Arguments::Args(s)) => {
+            if let Some(at) = non_finite_number(s) {
+                return Err(reject(
+                    &call,
+                    format!(
+                        "argument {at} is not a finite number (NaN or an infinity); JSON cannot hold it"
+                    ),
+                ));
+            }
+            struct_to_json(s)
+        }
         Some(pb::tool_call::Arguments::ArgsJson(text)) if text.trim().is_empty() => {
             Value::Object(Map::new())
         }
@@ -328,7 +338,9 @@ pub fn bootstrap(c: &BootstrapContext) -> pb::GetBootstrapContextResponse {
     }
 }
 
-pub use steward_proto::wellknown::{json_to_struct, struct_to_json, system_time, timestamp};
+pub use steward_proto::wellknown::{
+    json_to_struct, non_finite_number, struct_to_json, system_time, timestamp,
+};
 
 #[cfg(test)]
 mod tests {
