@@ -152,6 +152,14 @@ impl CallContext {
         }
     }
 
+    /// The account's token was refused and could not be replaced: later sends of this call
+    /// ask the credentials again (which know whether the account must be reconnected).
+    fn forget_token(&self, integration: Integration, account: &str) {
+        if let Ok(mut t) = self.tokens.lock() {
+            t.retain(|(i, a, _)| !(*i == integration && a == account));
+        }
+    }
+
     /// Before a charge: an account that needs credentials must have usable ones, so a missing
     /// or revoked account (or one whose refresh fails) costs no budget for calls it cannot make.
     async fn can_send(&self, integration: Integration, account: &str) -> Result<(), ToolError> {
@@ -224,9 +232,16 @@ impl CallContext {
         if first.status != StatusCode::UNAUTHORIZED {
             return check_status(integration.label(), account, first);
         }
-        let token = credentials
+        let token = match credentials
             .access_token(&self.user, integration, account, Some(&token))
-            .await?;
+            .await
+        {
+            Ok(token) => token,
+            Err(e) => {
+                self.forget_token(integration, account);
+                return Err(e);
+            }
+        };
         self.remember_token(integration, account, &token);
         self.charge(integration, account, 1).await?;
         let second = self
@@ -236,6 +251,7 @@ impl CallContext {
             credentials
                 .refused_fresh(&self.user, integration, account, &token)
                 .await;
+            self.forget_token(integration, account);
             return Err(ToolError::CredentialsRevoked {
                 provider: integration
                     .provider()

@@ -545,24 +545,13 @@ async fn a_decision_behind_another_that_recorded_nothing_is_told_to_decide_again
     approve_and_see_it_sent_once(&mut alice, &approval.id, &gmail).await;
 }
 
-/// E-12, A-6: a decision that was recorded while its decider went away before continuing the
-/// run (its replica died just after the commit, or the commit's answer never came back) still
-/// happens: the health monitor continues the run instead of failing it, and the mail goes out
-/// once.
-#[tokio::test]
-async fn e12_a_decision_recorded_by_a_decider_that_vanished_is_carried_out_by_the_monitor() {
-    let (app, _model, gmail) = gmail_world(send_then("Sent it to your boss."), &[]).await;
-    let paused = run(&app, "email my boss the budget").await;
+/// The run `paused` waits on, approved by a decider on another replica that recorded the
+/// decision and was then gone: its lease lets go (released here rather than waited out).
+async fn decided_by_a_vanished_decider(app: &TestApp, paused: &pb::RunResult) {
     let approval = paused.approval.clone().unwrap();
-    // The vanished decider, on another replica: it took the lease and recorded the decision.
     let replica = app.agent_store().await;
-    let pending = replica
-        .get_approval("alice", &approval.id)
-        .await
-        .unwrap()
-        .unwrap();
     let lease = match replica
-        .lock_thread(&pending.thread_id, &pending.run_id, Duration::from_secs(60))
+        .lock_thread(&paused.thread_id, &paused.run_id, Duration::from_secs(60))
         .await
         .unwrap()
     {
@@ -584,8 +573,18 @@ async fn e12_a_decision_recorded_by_a_decider_that_vanished_is_carried_out_by_th
         matches!(decided, agent_svc::store::Decided::Won { .. }),
         "{decided:?}"
     );
-    // Then it was gone: its lease lets go (released here rather than waited out).
     replica.release_lease(&lease).await.unwrap();
+}
+
+/// E-12, A-6: a decision that was recorded while its decider went away before continuing the
+/// run (its replica died just after the commit, or the commit's answer never came back) still
+/// happens: the health monitor continues the run instead of failing it, and the mail goes out
+/// once.
+#[tokio::test]
+async fn e12_a_decision_recorded_by_a_decider_that_vanished_is_carried_out_by_the_monitor() {
+    let (app, _model, gmail) = gmail_world(send_then("Sent it to your boss."), &[]).await;
+    let paused = run(&app, "email my boss the budget").await;
+    decided_by_a_vanished_decider(&app, &paused).await;
     assert!(gmail.sent().is_empty());
 
     // Any replica's monitor (this one's own may come first: either way it is continued once).
@@ -596,7 +595,90 @@ async fn e12_a_decision_recorded_by_a_decider_that_vanished_is_carried_out_by_th
     assert!(swept <= 1, "{swept}");
     // The user, asking again, follows the same decision to the run's end.
     let mut alice = app.agent_as("alice").await;
-    approve_and_see_it_sent_once(&mut alice, &approval.id, &gmail).await;
+    let approval_id = paused.approval.unwrap().id;
+    approve_and_see_it_sent_once(&mut alice, &approval_id, &gmail).await;
+}
+
+/// E-12: but not once the session that asked has been archived — the conversation the call
+/// belonged to is over, so the run is ended as abandoned and nothing is sent.
+#[tokio::test]
+async fn e12_a_vanished_deciders_run_whose_session_was_archived_is_ended_not_continued() {
+    // The replicas' own monitors stay out of it: this test's sweep comes after the archive.
+    let (app, _model, gmail) = gmail_world(
+        send_then("Sent it to your boss."),
+        &[("HEALTH_MONITOR_INTERVAL", "3600s")],
+    )
+    .await;
+    let paused = run(&app, "email my boss the budget").await;
+    decided_by_a_vanished_decider(&app, &paused).await;
+    let monitor = app.monitor().await;
+    monitor.archive("alice", &paused.thread_id, None).await;
+    assert!(
+        app.agent_store()
+            .await
+            .history(&paused.thread_id)
+            .await
+            .unwrap()
+            .is_empty(),
+        "the session was archived"
+    );
+
+    monitor.sweep_stale_runs(Duration::ZERO).await.unwrap();
+    let mut alice = app.agent_as("alice").await;
+    let run = steward_tests::agent_calls::get_run(&mut alice, &paused.run_id)
+        .await
+        .unwrap()
+        .run
+        .unwrap();
+    assert_eq!(run.state, pb::RunState::Failed as i32);
+    assert!(gmail.sent().is_empty(), "nothing is sent");
+}
+
+/// P-5: on the approved path the agent's `side_effect` audit record is durable before the
+/// effect — it is in the database while the send is still at Gmail — and there is one.
+#[tokio::test]
+async fn p5_an_approved_sends_audit_record_is_written_before_the_send_reaches_gmail() {
+    let (app, gmail) = world(send_then("Sent it to your boss."), &[]).await;
+    let paused = run(&app, "email my boss the budget").await;
+    let approval = paused.approval.clone().unwrap();
+    let gate = gmail.hold_sends();
+    let mut alice = app.agent_as("alice").await;
+    let deciding = tokio::spawn({
+        let id = approval.id.clone();
+        async move {
+            alice
+                .decide_approval(decide(&id, pb::Decision::Approve))
+                .await
+        }
+    });
+    gate.arrived().await;
+    let audit_kinds = |client: tokio_postgres::Client, run_id: String| async move {
+        client
+            .query(
+                "SELECT kind FROM agent.audit WHERE run_id = $1 ORDER BY id",
+                &[&run_id],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
+    };
+    let at_the_send = audit_kinds(app.sql().await, paused.run_id.clone()).await;
+    assert!(
+        at_the_send.iter().any(|k| k == "side_effect"),
+        "the record is there while the send is in flight: {at_the_send:?}"
+    );
+    gate.release();
+    let done = deciding.await.unwrap().unwrap().into_inner();
+    assert_eq!(done.result.unwrap().status, pb::RunState::Completed as i32);
+    assert_eq!(gmail.sent().len(), 1);
+    let after = audit_kinds(app.sql().await, paused.run_id.clone()).await;
+    assert_eq!(
+        after.iter().filter(|k| *k == "side_effect").count(),
+        1,
+        "one record for one effect: {after:?}"
+    );
 }
 
 /// Approves `approval_id`: its run completes, and the mail is sent exactly once.

@@ -11,7 +11,7 @@ use agent_svc::store::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Decided, Ending,
     Lease, LockOutcome, MessageKind, MessageSource, NewMessage, Occurrence, Run, RunCommit,
     RunPatch, RunState, Schedule, ScheduleKind, ScheduleOutcome, Settle, StoreError, TaskAgent,
-    action_id, memory::MemoryStore, postgres::PgStore,
+    TurnJson, action_id, memory::MemoryStore, postgres::PgStore,
 };
 use steward_tests::TestDb;
 use svc_kit::{pg::PoolOptions, server_config::DatabaseConfig};
@@ -897,6 +897,71 @@ async fn a_new_message_supersedes_a_paused_run(b: Backend) {
     );
 }
 
+/// P-1, U-2: a session is archived as having read others' words when one of its runs did,
+/// even when its transcript does not show it (an attached item lives in the run's prompt);
+/// the next session of the thread starts clean.
+async fn p1_an_archive_says_whether_its_session_read_external_content(b: Backend) {
+    let s = &b.store;
+    let turn = |text: &str| -> TurnJson {
+        serde_json::json!({"role": "user", "content": text})
+            .to_string()
+            .into()
+    };
+    let finish = |text: &str, read_external: Option<bool>| RunCommit {
+        history: vec![turn(text)],
+        patch: RunPatch {
+            state: Some(RunState::Completed),
+            read_external,
+            ..RunPatch::default()
+        },
+        release: true,
+        ..RunCommit::default()
+    };
+    let archive = |summary: &'static str| async move {
+        s.archive_history(
+            "t1",
+            "alice",
+            summary,
+            &ending(RunState::Cancelled, 1),
+            None,
+        )
+        .await
+        .unwrap()
+        .unwrap()
+    };
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    s.commit(&lease, finish("summarise the attached mail", Some(true)))
+        .await
+        .unwrap();
+    assert!(archive("Mail").await.external);
+
+    let lease = match s
+        .admit(&admission(
+            new_run("r2", "t1", "alice", None),
+            false,
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap()
+    {
+        Admitted::Started { lease, .. } => lease,
+        other => panic!("not admitted: {other:?}"),
+    };
+    s.commit(&lease, finish("thanks", None)).await.unwrap();
+    assert!(
+        !archive("Thanks").await.external,
+        "the next session starts clean"
+    );
+    let recent: Vec<bool> = s
+        .recent_summaries("alice", 5)
+        .await
+        .unwrap()
+        .iter()
+        .map(|a| a.external)
+        .collect();
+    assert_eq!(recent, [false, true], "newest first, each as archived");
+}
+
 async fn archiving_moves_history_and_ends_paused_runs(b: Backend) {
     let s = &b.store;
     let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
@@ -1653,6 +1718,7 @@ both_backends!(
     a_run_whose_lease_lapsed_is_ended_once_after_a_gap,
     a_new_message_supersedes_a_paused_run,
     archiving_moves_history_and_ends_paused_runs,
+    p1_an_archive_says_whether_its_session_read_external_content,
     a_thread_held_by_another_run_is_not_archived,
     a_history_turn_that_is_not_json_is_refused_with_its_commit,
     q2_a_commit_with_nul_characters_from_hostile_content_lands,

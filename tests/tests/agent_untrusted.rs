@@ -299,6 +299,57 @@ async fn p1_a_memory_after_reading_the_summary_of_a_session_that_read_an_email_w
     assert!(approval.reason.contains("sessions"), "{}", approval.reason);
 }
 
+/// P-1: the same through an attached email, which lives in the run's prompt and leaves no
+/// marked result in the transcript: the session is still archived as having read it.
+#[tokio::test]
+async fn p1_a_memory_after_the_summary_of_a_session_with_an_attached_email_waits_for_approval() {
+    let answers = vec![
+        Answer::text("They want statements by post."),
+        Answer::text("Alice asked about an email from her bank."),
+        Answer::tool_calls(&[(
+            "call_mem",
+            "save_memory",
+            r#"{"content": "The bank wants statements by post"}"#,
+        )]),
+        Answer::text("Noted."),
+    ];
+    let (app, _model, _gmail) = gmail_world(answers, &[("AGENT_SESSION_TIMEOUT", "0s")]).await;
+    let mut alice = app.agent_as("alice").await;
+    let first = alice
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: "what does this want?".into(),
+                attached_context: vec![pb::AttachedContext {
+                    r#type: pb::ContextType::Email as i32,
+                    id: "m1".into(),
+                    title: "Statements".into(),
+                    snippet: "Send me the statements by post.".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("Run")
+        .into_inner()
+        .result
+        .expect("a result");
+    assert_eq!(
+        first.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        first.error
+    );
+
+    let second = run_once(&mut alice, "remember what the bank wants", &first.thread_id)
+        .await
+        .unwrap();
+    let approval = second
+        .approval
+        .expect("the memory waits for approval: the summary carried an email's words");
+    assert_eq!(approval.tool, "save_memory");
+}
+
 #[tokio::test]
 async fn p1_a_memory_from_the_users_own_words_needs_no_approval() {
     let answers = vec![

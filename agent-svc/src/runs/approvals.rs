@@ -135,6 +135,8 @@ impl RunService {
                 if maybe_ours
                     && let Some((approval, last_event_seq)) =
                         self.landed(owner, approval_id, wanted, &run.id).await
+                    // Still ours after those reads: otherwise the monitor has the run.
+                    && matches!(self.store.renew_lease(&lease, self.lease).await, Ok(Some(_)))
                 {
                     tracing::warn!(approval_id, error = %e, "the decision's commit answer was lost, but the decision landed; continuing the run");
                     crate::metrics::approval_decided(approve);

@@ -120,9 +120,17 @@ impl RunService {
     pub async fn sweep_stale_runs(self: &Arc<Self>, grace: Duration) -> Result<usize, ApiError> {
         let mut ended = 0;
         for run in self.store.abandoned_runs(grace, 200).await? {
-            if self.take_up_decided(&run).await? {
-                ended += 1;
-                continue;
+            match self.take_up_decided(&run).await {
+                Ok(true) => {
+                    ended += 1;
+                    continue;
+                }
+                Ok(false) => {}
+                // Ended as abandoned, as before take-ups existed: a run must not stay live
+                // with nobody running it.
+                Err(e) => {
+                    tracing::warn!(run_id = %run.id, error = %e, "could not check whether a decided approval awaits this run");
+                }
             }
             let message =
                 "This run stopped: the server running it stopped responding. Please try again.";
@@ -151,12 +159,9 @@ impl RunService {
     /// the paused call is untouched: once a segment has taken it up, the run ends as any other
     /// run that lost its writer (its action may have begun; it is never started twice).
     async fn take_up_decided(self: &Arc<Self>, run: &Run) -> Result<bool, ApiError> {
-        if run.state != RunState::Executing {
+        if run.state != RunState::Executing || self.decided_and_untouched(run).await?.is_none() {
             return Ok(false);
         }
-        let Some(approval) = self.decided_and_untouched(run).await? else {
-            return Ok(false);
-        };
         let lease = match self
             .store
             .lock_thread(&run.thread_id, &run.id, self.lease)
@@ -165,19 +170,46 @@ impl RunService {
             LockOutcome::Acquired(lease) => lease,
             LockOutcome::Busy { .. } => return Ok(false),
         };
-        // Under the lease, again: another sweeper may have continued it in between.
-        let now = self.store.get_run(&run.owner, &run.id).await?;
-        let still = match &now {
-            Some(r) if r.state == RunState::Executing => self.decided_and_untouched(r).await?,
-            _ => None,
+        match self.still_to_take_up(run).await {
+            Ok(Some((approval, now))) => {
+                tracing::warn!(run_id = %run.id, approval_id = %approval.id, "health monitor continued a run whose decided approval was never taken up");
+                // Past anything a stalled decider may have shown followers without committing
+                // it, as a failed run's terminal event is.
+                let from = now.last_event_seq + ABANDONED_SEQ_GAP;
+                self.continue_decided(lease, approval, &now.channel, from);
+                Ok(true)
+            }
+            other => {
+                let _ = self.store.release_lease(&lease).await;
+                other.map(|_| false)
+            }
+        }
+    }
+
+    /// Under the lease, again (another sweeper may have continued the run in between): the
+    /// decided approval and the run, if the run still waits on it and its session still holds
+    /// the paused call (an archive that came first has ended that conversation).
+    async fn still_to_take_up(&self, run: &Run) -> Result<Option<(Approval, Run)>, ApiError> {
+        let Some(now) = self
+            .store
+            .get_run(&run.owner, &run.id)
+            .await?
+            .filter(|r| r.state == RunState::Executing)
+        else {
+            return Ok(None);
         };
-        let (Some(approval), Some(now)) = (still.filter(|a| a.id == approval.id), now) else {
-            let _ = self.store.release_lease(&lease).await;
-            return Ok(false);
+        let Some(approval) = self.decided_and_untouched(&now).await? else {
+            return Ok(None);
         };
-        tracing::warn!(run_id = %run.id, approval_id = %approval.id, "health monitor continued a run whose decided approval was never taken up");
-        self.continue_decided(lease, approval, &now.channel, now.last_event_seq);
-        Ok(true)
+        let history = self.load_history(&run.thread_id).await?;
+        let call = approval.call_id.as_str();
+        let asked = history.iter().any(|t| {
+            matches!(t, Turn::Assistant { tool_calls, .. } if tool_calls.iter().any(|c| c.id == call))
+        });
+        let answered = history
+            .iter()
+            .any(|t| matches!(t, Turn::ToolResult { call_id, .. } if call_id == call));
+        Ok((asked && !answered).then_some((approval, now)))
     }
 
     /// The decided approval of `run` whose paused call nothing has answered yet.

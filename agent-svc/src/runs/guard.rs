@@ -29,6 +29,11 @@ impl CallGuard {
         }
     }
 
+    /// Whether the run has read anyone else's words.
+    pub(super) fn has_read(&self) -> bool {
+        self.read_from.lock().is_ok_and(|r| !r.is_empty())
+    }
+
     /// Every external source the run has read, sorted; empty: only the user's own words.
     pub(super) fn read_from(&self) -> Vec<String> {
         self.read_from

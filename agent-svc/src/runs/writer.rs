@@ -200,6 +200,8 @@ pub(super) struct RunWriter {
     pub(super) usage_before: (crate::store::RunUsage, u32),
     /// Commits made by this segment.
     pub(super) commits: u32,
+    /// The run's row says it read external content (its session's archive will say so).
+    marked_external: bool,
 }
 
 impl RunWriter {
@@ -222,6 +224,7 @@ impl RunWriter {
             guard: Arc::default(),
             usage_before: Default::default(),
             commits: 0,
+            marked_external: false,
         }
     }
 
@@ -410,11 +413,17 @@ impl RunWriter {
         if self.pending.is_empty() {
             return Ok(());
         }
+        // What the run has read from others goes on record with its next commit.
+        let marking = !self.marked_external && self.guard.has_read();
+        if marking {
+            self.pending.patch.read_external = Some(true);
+        }
         let started = Instant::now();
         let mut wait = Duration::from_millis(100);
         loop {
             match self.store.commit(&self.lease, self.pending.clone()).await {
                 Ok(()) => {
+                    self.marked_external |= marking;
                     self.committed();
                     return Ok(());
                 }
@@ -422,6 +431,7 @@ impl RunWriter {
                 // then): doing it again would duplicate it, or, for the run's last commit,
                 // which released the lease, be refused as a lost lease.
                 Err(_) if self.landed().await => {
+                    self.marked_external |= marking;
                     self.committed();
                     return Ok(());
                 }

@@ -28,6 +28,8 @@ struct Held {
 struct ThreadRow {
     thread: Thread,
     lease: Option<Held>,
+    /// A run of the current session read external content (cleared by its archive).
+    read_external: bool,
 }
 
 impl ThreadRow {
@@ -306,6 +308,7 @@ impl AgentStore for MemoryStore {
                 ThreadRow {
                     thread: thread.clone(),
                     lease: None,
+                    read_external: false,
                 },
             );
             Ok(thread)
@@ -387,6 +390,7 @@ impl AgentStore for MemoryStore {
                                 last_run_id: None,
                             },
                             lease: None,
+                            read_external: false,
                         },
                     );
                 }
@@ -558,6 +562,11 @@ impl AgentStore for MemoryStore {
                 );
             }
             let owner = s.runs.get(run_id).map(|r| r.owner.clone());
+            if c.patch.read_external == Some(true)
+                && let Some(t) = s.threads.get_mut(&lease.thread_id)
+            {
+                t.read_external = true;
+            }
             if let Some(run) = s.runs.get_mut(run_id)
                 && c.patch.expect.is_none_or(|e| e == run.state)
             {
@@ -808,8 +817,12 @@ impl AgentStore for MemoryStore {
                 summary: summary.to_owned(),
                 turn_count: turns.len() as u32,
                 archived_at: SystemTime::now(),
-                external: carries_external(&turns),
+                external: carries_external(&turns)
+                    || s.threads.get(thread_id).is_some_and(|t| t.read_external),
             };
+            if let Some(t) = s.threads.get_mut(thread_id) {
+                t.read_external = false;
+            }
             s.archives.push((
                 owner.to_owned(),
                 archive.clone(),

@@ -233,6 +233,9 @@ pub struct RunPatch {
     pub finished_at: Option<SystemTime>,
     pub prompt_sections: Option<Vec<(String, u32)>>,
     pub system_prompt: Option<String>,
+    /// The run has read external content (`Some(true)`; never unset): its session's archive
+    /// says so.
+    pub read_external: Option<bool>,
     /// Take effect only on a run in this state (compare-and-set); other runs are untouched.
     pub expect: Option<RunState>,
 }
@@ -255,6 +258,7 @@ impl RunPatch {
             finished_at,
             prompt_sections,
             system_prompt,
+            read_external,
             expect
         );
     }

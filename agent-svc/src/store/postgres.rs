@@ -505,7 +505,18 @@ impl AgentStore for PgStore {
         let mut turns: Vec<(i64, Value)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
         turns.sort_by_key(|(seq, _)| *seq);
         let turns: Vec<Value> = turns.into_iter().map(|(_, t)| t).collect();
-        let external = carries_external(&turns);
+        // Others' words the transcript does not show (an attached item, a memory, an earlier
+        // summary in a run's prompt) count too: a run of this session that read any.
+        let runs_read: Option<bool> = tx
+            .query_one(
+                "SELECT bool_or(read_external) FROM agent.runs WHERE thread_id = $1 AND created_at > \
+                   COALESCE((SELECT max(archived_at) FROM agent.session_archives WHERE thread_id = $1), '-infinity')",
+                &[&thread_id],
+            )
+            .await
+            .map_err(db)?
+            .get(0);
+        let external = carries_external(&turns) || runs_read.unwrap_or(false);
         // Paused runs of the session end with it; their approvals can no longer be used.
         end_runs(
             &*tx,

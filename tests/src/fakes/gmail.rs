@@ -139,6 +139,28 @@ pub struct GmailState {
     pub sent: Mutex<Vec<(String, Option<String>)>>,
     /// How long each send takes to be answered (a slow upstream).
     send_delay: Mutex<Option<std::time::Duration>>,
+    /// While set, each send waits here after it arrived and before it is done.
+    send_gate: Mutex<Option<Arc<SendGate>>>,
+}
+
+/// Holds sends at the moment they reach the fake: the test sees one arrive, looks at the
+/// world as it is then, and lets it through.
+#[derive(Default)]
+pub struct SendGate {
+    arrived: tokio::sync::Notify,
+    released: tokio::sync::Notify,
+}
+
+impl SendGate {
+    /// Resolves once a send has reached the fake (and is being held).
+    pub async fn arrived(&self) {
+        self.arrived.notified().await;
+    }
+
+    /// Lets the held send (or the next one to arrive) through.
+    pub fn release(&self) {
+        self.released.notify_one();
+    }
 }
 
 #[derive(Clone)]
@@ -182,6 +204,13 @@ impl FakeGmail {
     }
 
     /// Every send is answered only after `delay`.
+    /// From now on, every send is held at arrival until the gate releases it.
+    pub fn hold_sends(&self) -> Arc<SendGate> {
+        let gate = Arc::new(SendGate::default());
+        *self.state.send_gate.lock().expect("lock") = Some(gate.clone());
+        gate
+    }
+
     pub fn delay_sends(&self, delay: std::time::Duration) {
         *self.state.send_delay.lock().expect("lock") = Some(delay);
     }
@@ -396,6 +425,12 @@ async fn send(
         return r;
     }
     record(&s, "POST", "/messages/send", None);
+    let gate = s.send_gate.lock().expect("lock").clone();
+    if let Some(gate) = gate {
+        // notify_one keeps a permit: the test may start waiting after the send arrived.
+        gate.arrived.notify_one();
+        gate.released.notified().await;
+    }
     let delay = *s.send_delay.lock().expect("lock");
     if let Some(delay) = delay {
         tokio::time::sleep(delay).await;

@@ -64,11 +64,12 @@ const SQL: &str = "WITH locked AS (SELECT t.id FROM agent.threads t WHERE t.id =
       finished_at = COALESCE(u.finished_at, r.finished_at), \
       prompt_sections = COALESCE(u.sections, r.prompt_sections), \
       system_prompt = COALESCE(u.system_prompt, r.system_prompt), \
-      last_event_seq = GREATEST(r.last_event_seq, COALESCE(u.max_seq, 0)) \
+      last_event_seq = GREATEST(r.last_event_seq, COALESCE(u.max_seq, 0)), \
+      read_external = r.read_external OR COALESCE(u.read_external, false) \
     FROM unnest($30::text[], $31::text[], $32::text[], $33::jsonb[], $34::int4[], $35::text[], $36::text[], \
       $37::text[], $38::timestamptz[], $39::timestamptz[], $40::jsonb[], $41::text[], $42::bigint[], \
-      $43::text[]) AS u(run, state, model, usage, iterations, error, failure_kind, summary, started_at, \
-        finished_at, sections, system_prompt, max_seq, expect) \
+      $43::text[], $64::bool[]) AS u(run, state, model, usage, iterations, error, failure_kind, summary, \
+        started_at, finished_at, sections, system_prompt, max_seq, expect, read_external) \
     WHERE r.id = u.run AND (u.expect IS NULL OR r.state = u.expect) \
       AND u.run IN (SELECT run FROM fenced)), \
   approval AS (INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, arguments, \
@@ -136,6 +137,8 @@ struct PatchColumns<'a> {
     system_prompt: Vec<Option<&'a str>>,
     max_seq: Vec<Option<i64>>,
     expect: Vec<Option<&'static str>>,
+    /// Bound last of all (`$64`), so the columns before it kept their numbers.
+    read_external: Vec<Option<bool>>,
 }
 
 #[derive(Default)]
@@ -205,6 +208,7 @@ impl<'a> Columns<'a> {
             cols.system_prompt.push(p.system_prompt.as_deref());
             cols.max_seq.push(values.max_seq);
             cols.expect.push(values.expect);
+            cols.read_external.push(p.read_external);
         }
         if let Some(a) = &c.approval {
             let cols = &mut self.approval;
@@ -295,10 +299,11 @@ impl<'a> Columns<'a> {
             &a.tainted_by,
             &a.allowed_tools,
         ]);
-        params.extend::<[&(dyn ToSql + Sync); 3]>([
+        params.extend::<[&(dyn ToSql + Sync); 4]>([
             &self.audit_run,
             &self.audit_kind,
             &self.audit_detail,
+            &p.read_external,
         ]);
         params
     }

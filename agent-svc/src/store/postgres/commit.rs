@@ -140,7 +140,7 @@ impl PatchValues {
     }
 
     /// The patch's parameters in `Part::Patch`'s order.
-    fn params<'a>(&'a self, p: &'a RunPatch) -> [Param<'a>; 13] {
+    fn params<'a>(&'a self, p: &'a RunPatch) -> [Param<'a>; 14] {
         [
             &self.state,
             &p.model,
@@ -155,6 +155,7 @@ impl PatchValues {
             &p.system_prompt,
             &self.max_seq,
             &self.expect,
+            &p.read_external,
         ]
     }
 }
@@ -237,7 +238,8 @@ impl Part {
                    finished_at = COALESCE(#9::timestamptz, finished_at), \
                    prompt_sections = COALESCE(#10::jsonb, prompt_sections), \
                    system_prompt = COALESCE(#11::text, system_prompt), \
-                   last_event_seq = GREATEST(last_event_seq, COALESCE(#12::bigint, 0)) \
+                   last_event_seq = GREATEST(last_event_seq, COALESCE(#12::bigint, 0)), \
+                   read_external = read_external OR COALESCE(#14::boolean, false) \
                  WHERE id = $5 AND (#13::text IS NULL OR state = #13::text) \
                    AND EXISTS (SELECT 1 FROM fenced))"
             }
@@ -266,7 +268,7 @@ impl Part {
             Part::History => 1,
             Part::Actions => 12,
             Part::Messages => 4,
-            Part::Patch => 13,
+            Part::Patch => 14,
             Part::Approval => 16,
             Part::Audit => 2,
         }
