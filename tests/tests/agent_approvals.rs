@@ -634,6 +634,46 @@ async fn e12_a_vanished_deciders_run_whose_session_was_archived_is_ended_not_con
     assert!(gmail.sent().is_empty(), "nothing is sent");
 }
 
+/// a cancel that came between the decision and its continuation (CancelRun saw the run
+/// executing, so it only flagged it) wins: the approved send is not made, the paused call is
+/// answered "not executed", and the run ends cancelled.
+#[tokio::test]
+async fn a_cancel_between_a_decision_and_its_continuation_stops_the_send() {
+    let (app, _model, gmail) = gmail_world(
+        send_then("Sent it to your boss."),
+        &[("HEALTH_MONITOR_INTERVAL", "3600s")],
+    )
+    .await;
+    let paused = run(&app, "email my boss the budget").await;
+    decided_by_a_vanished_decider(&app, &paused).await;
+    let store = app.agent_store().await;
+    assert!(store.request_cancel(&paused.run_id).await.unwrap());
+
+    app.agent_replicas()[0]
+        .sweep_stale_runs(Duration::ZERO)
+        .await
+        .unwrap();
+    let mut alice = app.agent_as("alice").await;
+    let done = alice
+        .decide_approval(decide(&paused.approval.unwrap().id, pb::Decision::Approve))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(done.result.unwrap().status, pb::RunState::Cancelled as i32);
+    assert!(gmail.sent().is_empty(), "nothing is sent");
+    let actions = steward_tests::agent_calls::get_run(&mut alice, &paused.run_id)
+        .await
+        .unwrap()
+        .actions;
+    let send = actions.iter().find(|a| a.tool == "gmail_send").unwrap();
+    assert_eq!(send.state, pb::ActionState::Failed as i32);
+    assert!(
+        send.result_text.starts_with("Not executed"),
+        "{}",
+        send.result_text
+    );
+}
+
 /// P-5: on the approved path the agent's `side_effect` audit record is durable before the
 /// effect — it is in the database while the send is still at Gmail — and there is one.
 #[tokio::test]

@@ -188,6 +188,35 @@ async fn a_dropped_lock_releases_without_writing(b: Backend) {
     assert_eq!(again.current().unwrap().access_token, vec![1, 2, 3]);
 }
 
+/// G-8: a refresh whose save fails (here PostgreSQL refuses a NUL in a scope) frees the
+/// account at once: the next caller does not wait out the refresh hold, and finds the row as
+/// it was.
+#[tokio::test]
+async fn g8_on_postgres_a_refresh_whose_save_fails_frees_the_account_at_once() {
+    let b = postgres().await;
+    let s = b.stores.accounts.clone();
+    s.upsert_account(account("u1", "a@x.com")).await.unwrap();
+    let lock = s
+        .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap();
+    let mut refreshed = lock.current().unwrap().clone();
+    refreshed.access_token = vec![9, 9, 9];
+    refreshed.scopes = vec!["gmail\0readonly".into()];
+    assert!(
+        lock.save(refreshed).await.is_err(),
+        "the database refused it"
+    );
+    let again = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        s.lock_account(&user("u1"), Integration::Gmail, "a@x.com"),
+    )
+    .await
+    .expect("the failed save let go of the account")
+    .unwrap();
+    assert_eq!(again.current().unwrap().access_token, vec![1, 2, 3]);
+}
+
 async fn account_locks_held_during_refreshes_pin_no_connection(b: Backend) {
     let s = &b.stores.accounts;
     let mut held = Vec::new();

@@ -113,6 +113,17 @@ impl RunService {
                 crate::metrics::approval_decided(approve);
                 Ok(self.continue_decided(lease, approval, &run.channel, last_event_seq))
             }
+            // Still pending on a paused run, under this caller's lease: the one condition the
+            // store checks that this replica did not is expiry, by the database's clock.
+            Ok(Decided::Lost {
+                approval: ref lost,
+                run_state: RunState::AwaitingConfirmation,
+            }) if lost.state == ApprovalState::Pending => {
+                let _ = self.store.release_lease(&lease).await;
+                Err(ApiError::FailedPrecondition(format!(
+                    "approval {approval_id} expired; ask again"
+                )))
+            }
             Ok(Decided::Lost { .. }) => {
                 let _ = self.store.release_lease(&lease).await;
                 self.after_losing(owner, approval_id, wanted, &run).await

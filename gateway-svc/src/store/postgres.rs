@@ -236,7 +236,10 @@ impl AccountStore for PgStore {
         // endpoint is called while nothing of the pool is held.
         let holder = format!("{:032x}", rand::random::<u128>());
         let hold_ms = REFRESH_HOLD.as_millis() as f64;
-        let mut wait = Patience::new(REFRESH_HOLD);
+        // A waiter outlasts a crashed holder's lease by a moment, so it takes the account
+        // over when that lease lapses instead of giving up right then (the call's own
+        // deadline, usually shorter, still bounds the wait).
+        let mut wait = Patience::new(REFRESH_HOLD + Duration::from_secs(2));
         loop {
             let client = self.client().await?;
             let taken = client
