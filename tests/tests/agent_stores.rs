@@ -898,8 +898,9 @@ async fn a_new_message_supersedes_a_paused_run(b: Backend) {
 }
 
 /// P-1, U-2: a session is archived as having read others' words when one of its runs did,
-/// even when its transcript does not show it (an attached item lives in the run's prompt);
-/// the next session of the thread starts clean.
+/// even when its transcript does not show it (an attached item lives in the run's prompt) —
+/// including the run that archived the session before it and only then read them; the session
+/// after starts clean.
 async fn p1_an_archive_says_whether_its_session_read_external_content(b: Backend) {
     let s = &b.store;
     let turn = |text: &str| -> TurnJson {
@@ -907,49 +908,60 @@ async fn p1_an_archive_says_whether_its_session_read_external_content(b: Backend
             .to_string()
             .into()
     };
-    let finish = |text: &str, read_external: Option<bool>| RunCommit {
+    let finish = |text: &str, read_external: bool| RunCommit {
         history: vec![turn(text)],
         patch: RunPatch {
             state: Some(RunState::Completed),
-            read_external,
             ..RunPatch::default()
         },
         release: true,
+        read_external,
         ..RunCommit::default()
     };
-    let archive = |summary: &'static str| async move {
+    let archive = |summary: &'static str, holder: Option<Lease>| async move {
         s.archive_history(
             "t1",
             "alice",
             summary,
             &ending(RunState::Cancelled, 1),
-            None,
+            holder.as_ref(),
         )
         .await
         .unwrap()
         .unwrap()
     };
+    let next_run = |id: &'static str| async move {
+        match s
+            .admit(&admission(
+                new_run(id, "t1", "alice", None),
+                false,
+                Duration::from_secs(60),
+            ))
+            .await
+            .unwrap()
+        {
+            Admitted::Started { lease, .. } => lease,
+            other => panic!("not admitted: {other:?}"),
+        }
+    };
     let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
-    s.commit(&lease, finish("summarise the attached mail", Some(true)))
+    s.commit(&lease, finish("summarise the attached mail", true))
         .await
         .unwrap();
-    assert!(archive("Mail").await.external);
-
-    let lease = match s
-        .admit(&admission(
-            new_run("r2", "t1", "alice", None),
-            false,
-            Duration::from_secs(60),
-        ))
+    // r2 starts a new session: it archives r1's under its own lease, then reads the summary.
+    let lease = next_run("r2").await;
+    assert!(archive("Mail", Some(lease.clone())).await.external);
+    s.commit(&lease, finish("what did the bank want?", true))
         .await
-        .unwrap()
-    {
-        Admitted::Started { lease, .. } => lease,
-        other => panic!("not admitted: {other:?}"),
-    };
-    s.commit(&lease, finish("thanks", None)).await.unwrap();
+        .unwrap();
     assert!(
-        !archive("Thanks").await.external,
+        archive("Bank", None).await.external,
+        "r2 read the summary after its own archive"
+    );
+    let lease = next_run("r3").await;
+    s.commit(&lease, finish("thanks", false)).await.unwrap();
+    assert!(
+        !archive("Thanks", None).await.external,
         "the next session starts clean"
     );
     let recent: Vec<bool> = s
@@ -959,7 +971,11 @@ async fn p1_an_archive_says_whether_its_session_read_external_content(b: Backend
         .iter()
         .map(|a| a.external)
         .collect();
-    assert_eq!(recent, [false, true], "newest first, each as archived");
+    assert_eq!(
+        recent,
+        [false, true, true],
+        "newest first, each as archived"
+    );
 }
 
 async fn archiving_moves_history_and_ends_paused_runs(b: Backend) {
@@ -1828,6 +1844,7 @@ fn everything(id: &str, thread: &str, seq: u64) -> RunCommit {
         }),
         audit: vec![("side_effect".into(), serde_json::json!({"run": id}))],
         release: true,
+        read_external: true,
     }
 }
 

@@ -277,8 +277,15 @@ async fn p1_a_memory_after_reading_the_summary_of_a_session_that_read_an_email_w
         Answer::text("Noted."),
     ];
     // Every new message starts a new session, so the second run archives the first session.
-    let (app, _model, gmail): (TestApp, _, FakeGmail) =
-        gmail_world(answers, &[("AGENT_SESSION_TIMEOUT", "0s")]).await;
+    let (app, _model, gmail): (TestApp, _, FakeGmail) = gmail_world(
+        answers,
+        &[
+            ("AGENT_SESSION_TIMEOUT", "0s"),
+            // Only the next run archives: a monitor sweep would ask the model for a summary too.
+            ("HEALTH_MONITOR_INTERVAL", "3600s"),
+        ],
+    )
+    .await;
     gmail.add_messages("tok-alice", vec![statement(None)]);
     let mut alice = app.agent_as("alice").await;
     let first = run_once(&mut alice, "check my mail", "").await.unwrap();
@@ -313,7 +320,15 @@ async fn p1_a_memory_after_the_summary_of_a_session_with_an_attached_email_waits
         )]),
         Answer::text("Noted."),
     ];
-    let (app, _model, _gmail) = gmail_world(answers, &[("AGENT_SESSION_TIMEOUT", "0s")]).await;
+    let (app, _model, _gmail) = gmail_world(
+        answers,
+        &[
+            ("AGENT_SESSION_TIMEOUT", "0s"),
+            // Only the next run archives: a monitor sweep would ask the model for a summary too.
+            ("HEALTH_MONITOR_INTERVAL", "3600s"),
+        ],
+    )
+    .await;
     let mut alice = app.agent_as("alice").await;
     let first = alice
         .run(pb::RunRequest {

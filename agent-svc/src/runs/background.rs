@@ -126,8 +126,14 @@ impl RunService {
                     continue;
                 }
                 Ok(false) => {}
-                // Ended as abandoned, as before take-ups existed: a run must not stay live
-                // with nobody running it.
+                // The database away for a moment: the next sweep looks again, rather than
+                // failing a run whose user's decision may stand.
+                Err(e @ ApiError::Unavailable(_)) => {
+                    tracing::warn!(run_id = %run.id, error = %e, "could not check whether a decided approval awaits this run; next sweep");
+                    continue;
+                }
+                // Anything else will not clear by waiting: ended as abandoned, as a run must not
+                // stay live with nobody running it.
                 Err(e) => {
                     tracing::warn!(run_id = %run.id, error = %e, "could not check whether a decided approval awaits this run");
                 }
@@ -145,9 +151,15 @@ impl RunService {
                 seq_gap: ABANDONED_SEQ_GAP,
                 message: Some(message.into()),
             };
-            if self.store.end_abandoned(&run.id, &ending).await? {
-                tracing::warn!(run_id = %run.id, thread_id = %run.thread_id, "health monitor ended a run whose lease lapsed");
-                ended += 1;
+            match self.store.end_abandoned(&run.id, &ending).await {
+                Ok(true) => {
+                    tracing::warn!(run_id = %run.id, thread_id = %run.thread_id, "health monitor ended a run whose lease lapsed");
+                    ended += 1;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(run_id = %run.id, error = %e, "could not end an abandoned run; next sweep");
+                }
             }
         }
         Ok(ended)
@@ -172,10 +184,36 @@ impl RunService {
         };
         match self.still_to_take_up(run).await {
             Ok(Some((approval, now))) => {
-                tracing::warn!(run_id = %run.id, approval_id = %approval.id, "health monitor continued a run whose decided approval was never taken up");
                 // Past anything a stalled decider may have shown followers without committing
-                // it, as a failed run's terminal event is.
+                // it, as a failed run's terminal event is — and stored there first, so a
+                // follower reconnecting from a seq it was shown is not refused, and another
+                // take-up after this one numbers past it too.
                 let from = now.last_event_seq + ABANDONED_SEQ_GAP;
+                let notice = pb::RunEvent {
+                    run_id: run.id.clone(),
+                    seq: from,
+                    time: Some(convert::timestamp(SystemTime::now())),
+                    thread_id: run.thread_id.clone(),
+                    kind: Some(pb::run_event::Kind::Status(pb::StatusEvent {
+                        state: pb::RunState::Executing as i32,
+                        detail: "continued after the server that took the decision stopped".into(),
+                    })),
+                };
+                let stored = self
+                    .store
+                    .commit(
+                        &lease,
+                        crate::store::RunCommit {
+                            events: vec![(from, notice.encode_to_vec())],
+                            ..Default::default()
+                        },
+                    )
+                    .await;
+                if let Err(e) = stored {
+                    let _ = self.store.release_lease(&lease).await;
+                    return Err(e.into());
+                }
+                tracing::warn!(run_id = %run.id, approval_id = %approval.id, "health monitor continued a run whose decided approval was never taken up");
                 self.continue_decided(lease, approval, &now.channel, from);
                 Ok(true)
             }

@@ -416,7 +416,7 @@ impl RunWriter {
         // What the run has read from others goes on record with its next commit.
         let marking = !self.marked_external && self.guard.has_read();
         if marking {
-            self.pending.patch.read_external = Some(true);
+            self.pending.read_external = true;
         }
         let started = Instant::now();
         let mut wait = Duration::from_millis(100);

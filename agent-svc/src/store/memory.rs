@@ -562,7 +562,7 @@ impl AgentStore for MemoryStore {
                 );
             }
             let owner = s.runs.get(run_id).map(|r| r.owner.clone());
-            if c.patch.read_external == Some(true)
+            if c.read_external
                 && let Some(t) = s.threads.get_mut(&lease.thread_id)
             {
                 t.read_external = true;

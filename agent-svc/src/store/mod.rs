@@ -233,9 +233,6 @@ pub struct RunPatch {
     pub finished_at: Option<SystemTime>,
     pub prompt_sections: Option<Vec<(String, u32)>>,
     pub system_prompt: Option<String>,
-    /// The run has read external content (`Some(true)`; never unset): its session's archive
-    /// says so.
-    pub read_external: Option<bool>,
     /// Take effect only on a run in this state (compare-and-set); other runs are untouched.
     pub expect: Option<RunState>,
 }
@@ -258,7 +255,6 @@ impl RunPatch {
             finished_at,
             prompt_sections,
             system_prompt,
-            read_external,
             expect
         );
     }
@@ -338,6 +334,9 @@ pub struct RunCommit {
     pub audit: Vec<(String, Value)>,
     /// Free the thread's lease (the run ended or paused).
     pub release: bool,
+    /// The run has read others' words: the thread's current session is marked so (never
+    /// unmarked by a commit), and its archive records it.
+    pub read_external: bool,
 }
 
 impl RunCommit {

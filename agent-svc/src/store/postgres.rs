@@ -506,17 +506,18 @@ impl AgentStore for PgStore {
         turns.sort_by_key(|(seq, _)| *seq);
         let turns: Vec<Value> = turns.into_iter().map(|(_, t)| t).collect();
         // Others' words the transcript does not show (an attached item, a memory, an earlier
-        // summary in a run's prompt) count too: a run of this session that read any.
-        let runs_read: Option<bool> = tx
+        // summary in a run's prompt) count too: the session's runs marked the thread. The
+        // mark ends with the session.
+        let marked: bool = tx
             .query_one(
-                "SELECT bool_or(read_external) FROM agent.runs WHERE thread_id = $1 AND created_at > \
-                   COALESCE((SELECT max(archived_at) FROM agent.session_archives WHERE thread_id = $1), '-infinity')",
+                "UPDATE agent.threads t SET read_external = false FROM agent.threads old \
+                 WHERE t.id = $1 AND old.id = t.id RETURNING old.read_external",
                 &[&thread_id],
             )
             .await
             .map_err(db)?
             .get(0);
-        let external = carries_external(&turns) || runs_read.unwrap_or(false);
+        let external = carries_external(&turns) || marked;
         // Paused runs of the session end with it; their approvals can no longer be used.
         end_runs(
             &*tx,

@@ -24,8 +24,10 @@ const SQL: &str = "WITH locked AS (SELECT t.id FROM agent.threads t WHERE t.id =
       SET updated_at = CASE WHEN u.touch THEN now() ELSE t.updated_at END, \
       lock_run_id = CASE WHEN u.rel THEN NULL ELSE t.lock_run_id END, \
       lock_token = CASE WHEN u.rel THEN NULL ELSE t.lock_token END, \
-      lock_expires_at = CASE WHEN u.rel THEN NULL ELSE t.lock_expires_at END \
-    FROM unnest($1::text[], $2::text[], $3::bool[], $4::bool[], $5::text[]) AS u(thread, token, touch, rel, run) \
+      lock_expires_at = CASE WHEN u.rel THEN NULL ELSE t.lock_expires_at END, \
+      read_external = t.read_external OR u.taint \
+    FROM unnest($1::text[], $2::text[], $3::bool[], $4::bool[], $5::text[], $64::bool[]) \
+      AS u(thread, token, touch, rel, run, taint) \
     WHERE t.id = u.thread AND t.id IN (SELECT id FROM locked) \
       AND t.lock_token = u.token AND t.lock_expires_at > clock_timestamp() \
     RETURNING u.run, u.thread), \
@@ -64,12 +66,11 @@ const SQL: &str = "WITH locked AS (SELECT t.id FROM agent.threads t WHERE t.id =
       finished_at = COALESCE(u.finished_at, r.finished_at), \
       prompt_sections = COALESCE(u.sections, r.prompt_sections), \
       system_prompt = COALESCE(u.system_prompt, r.system_prompt), \
-      last_event_seq = GREATEST(r.last_event_seq, COALESCE(u.max_seq, 0)), \
-      read_external = r.read_external OR COALESCE(u.read_external, false) \
+      last_event_seq = GREATEST(r.last_event_seq, COALESCE(u.max_seq, 0)) \
     FROM unnest($30::text[], $31::text[], $32::text[], $33::jsonb[], $34::int4[], $35::text[], $36::text[], \
       $37::text[], $38::timestamptz[], $39::timestamptz[], $40::jsonb[], $41::text[], $42::bigint[], \
-      $43::text[], $64::bool[]) AS u(run, state, model, usage, iterations, error, failure_kind, summary, \
-        started_at, finished_at, sections, system_prompt, max_seq, expect, read_external) \
+      $43::text[]) AS u(run, state, model, usage, iterations, error, failure_kind, summary, started_at, \
+        finished_at, sections, system_prompt, max_seq, expect) \
     WHERE r.id = u.run AND (u.expect IS NULL OR r.state = u.expect) \
       AND u.run IN (SELECT run FROM fenced)), \
   approval AS (INSERT INTO agent.approvals (id, run_id, thread_id, owner, call_id, tool, arguments, \
@@ -101,6 +102,8 @@ struct Columns<'a> {
     fence_touch: Vec<bool>,
     fence_release: Vec<bool>,
     fence_run: Vec<&'a str>,
+    /// Bound last of all (`$64`), so the columns after the fence's kept their numbers.
+    fence_taint: Vec<bool>,
     event_run: Vec<&'a str>,
     event_seq: Vec<i64>,
     event_payload: Vec<&'a [u8]>,
@@ -137,8 +140,6 @@ struct PatchColumns<'a> {
     system_prompt: Vec<Option<&'a str>>,
     max_seq: Vec<Option<i64>>,
     expect: Vec<Option<&'static str>>,
-    /// Bound last of all (`$64`), so the columns before it kept their numbers.
-    read_external: Vec<Option<bool>>,
 }
 
 #[derive(Default)]
@@ -171,6 +172,7 @@ impl<'a> Columns<'a> {
         self.fence_touch.push(!c.messages.is_empty());
         self.fence_release.push(c.release);
         self.fence_run.push(run);
+        self.fence_taint.push(c.read_external);
         for (seq, payload) in &c.events {
             self.event_run.push(run);
             self.event_seq.push(*seq as i64);
@@ -208,7 +210,6 @@ impl<'a> Columns<'a> {
             cols.system_prompt.push(p.system_prompt.as_deref());
             cols.max_seq.push(values.max_seq);
             cols.expect.push(values.expect);
-            cols.read_external.push(p.read_external);
         }
         if let Some(a) = &c.approval {
             let cols = &mut self.approval;
@@ -303,7 +304,7 @@ impl<'a> Columns<'a> {
             &self.audit_run,
             &self.audit_kind,
             &self.audit_detail,
-            &p.read_external,
+            &self.fence_taint,
         ]);
         params
     }

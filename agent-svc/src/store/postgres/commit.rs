@@ -43,8 +43,14 @@ pub(super) async fn one(
     // The fence, then each part present, binding the shared parameters first and each part's
     // own in its CTE's order.
     let mut parts = Parts::default();
-    let mut params: Vec<Param<'_>> =
-        vec![&lease.thread_id, &lease.token, &touch, &c.release, run_id];
+    let mut params: Vec<Param<'_>> = vec![
+        &lease.thread_id,
+        &lease.token,
+        &touch,
+        &c.release,
+        run_id,
+        &c.read_external,
+    ];
     if !seqs.is_empty() {
         parts.with(Part::Events);
         params.extend::<[Param<'_>; 2]>([&seqs, &payloads]);
@@ -140,7 +146,7 @@ impl PatchValues {
     }
 
     /// The patch's parameters in `Part::Patch`'s order.
-    fn params<'a>(&'a self, p: &'a RunPatch) -> [Param<'a>; 14] {
+    fn params<'a>(&'a self, p: &'a RunPatch) -> [Param<'a>; 13] {
         [
             &self.state,
             &p.model,
@@ -155,7 +161,6 @@ impl PatchValues {
             &p.system_prompt,
             &self.max_seq,
             &self.expect,
-            &p.read_external,
         ]
     }
 }
@@ -184,7 +189,7 @@ impl Part {
         Part::Audit,
     ];
 
-    /// The part's CTE. `$1`..`$5` are shared (see [`SHARED`]); `#n` is the part's own n-th
+    /// The part's CTE. `$1`..`$6` are shared (see [`SHARED`]); `#n` is the part's own n-th
     /// parameter, numbered after the parts before it when the statement is built. Every write
     /// is gated on the fence, so whatever order PostgreSQL runs the CTEs in, a lost lease
     /// writes nothing and answers `SWL01`, never a key conflict of a stale write.
@@ -238,8 +243,7 @@ impl Part {
                    finished_at = COALESCE(#9::timestamptz, finished_at), \
                    prompt_sections = COALESCE(#10::jsonb, prompt_sections), \
                    system_prompt = COALESCE(#11::text, system_prompt), \
-                   last_event_seq = GREATEST(last_event_seq, COALESCE(#12::bigint, 0)), \
-                   read_external = read_external OR COALESCE(#14::boolean, false) \
+                   last_event_seq = GREATEST(last_event_seq, COALESCE(#12::bigint, 0)) \
                  WHERE id = $5 AND (#13::text IS NULL OR state = #13::text) \
                    AND EXISTS (SELECT 1 FROM fenced))"
             }
@@ -268,7 +272,7 @@ impl Part {
             Part::History => 1,
             Part::Actions => 12,
             Part::Messages => 4,
-            Part::Patch => 14,
+            Part::Patch => 13,
             Part::Approval => 16,
             Part::Audit => 2,
         }
@@ -280,12 +284,20 @@ impl Part {
 }
 
 /// The parameters every commit binds first, in this order: the thread id, the lease token,
-/// whether to touch the thread (messages arrived), whether to release the lease, the run id.
-/// Their types are given when the statement is prepared, so a combination that reads none of
-/// the run's rows (only history, say) still knows what `$5` is.
-pub(super) const SHARED: [tokio_postgres::types::Type; 5] = {
+/// whether to touch the thread (messages arrived), whether to release the lease, the run id,
+/// whether the run has read external content (marked on the thread). Their types are given
+/// when the statement is prepared, so a combination that reads none of the run's rows (only
+/// history, say) still knows what `$5` is.
+pub(super) const SHARED: [tokio_postgres::types::Type; 6] = {
     use tokio_postgres::types::Type;
-    [Type::TEXT, Type::TEXT, Type::BOOL, Type::BOOL, Type::TEXT]
+    [
+        Type::TEXT,
+        Type::TEXT,
+        Type::BOOL,
+        Type::BOOL,
+        Type::TEXT,
+        Type::BOOL,
+    ]
 };
 
 /// The writer's fence: the thread row, locked, still this lease's and unexpired. It also
@@ -294,7 +306,8 @@ const FENCE: &str = "WITH fenced AS (UPDATE agent.threads \
       SET updated_at = CASE WHEN $3 THEN now() ELSE updated_at END, \
       lock_run_id = CASE WHEN $4 THEN NULL ELSE lock_run_id END, \
       lock_token = CASE WHEN $4 THEN NULL ELSE lock_token END, \
-      lock_expires_at = CASE WHEN $4 THEN NULL ELSE lock_expires_at END \
+      lock_expires_at = CASE WHEN $4 THEN NULL ELSE lock_expires_at END, \
+      read_external = read_external OR $6 \
     WHERE id = $1 AND lock_token = $2 AND lock_expires_at > clock_timestamp() RETURNING 1)";
 /// When the lease is not live the statement raises `LEASE_LOST` (`agent.lease_lost()`,
 /// migration V11) and nothing of it stays.
