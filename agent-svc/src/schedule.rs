@@ -3,11 +3,13 @@
 //! (INVALID_ARGUMENT naming the field); the store calls [`Recurrence::next_due`] when it claims
 //! an occurrence, so every replica computes the same next time.
 //!
-//! Daylight saving: cron times are civil times in the zone, resolved by jiff (`jiff-cron`). A
-//! daily 09:00 stays 09:00 local across both transitions, once per day. A time that does not
-//! exist on a spring-forward day fires shifted forward by the gap (02:30 in Europe/Berlin fires
-//! at 03:30 that day); a time that exists twice on a fall-back day fires once, at the second of
-//! the two.
+//! Daylight saving: cron times are civil times in the zone. They are searched on the wall
+//! clock (`jiff-cron` over civil time, where no hour is missing or repeated) and each one found
+//! is then placed in the zone, so every civil time in the expression fires once a day across
+//! both transitions — a daily 09:00 stays 09:00 local, and "every two hours" keeps its twelve
+//! a day. A time that does not exist on a spring-forward day fires shifted forward by the gap
+//! (02:30 in Europe/Berlin fires at 03:30 that day); a time that exists twice on a fall-back
+//! day fires once, at the first of the two (RFC 5545's rule, jiff's `compatible`).
 
 use std::{str::FromStr, time::Duration, time::SystemTime};
 
@@ -24,6 +26,10 @@ pub enum Recurrence {
     /// Every `period` from the schedule's anchor (its creation), whatever the clock on the wall.
     Every { period: Duration },
 }
+
+/// The most civil times a search passes over before the first after its start (see
+/// `next_due`): three hours of minutes.
+const FOLD_MINUTES: usize = 3 * 60 + 1;
 
 /// Day-of-week names in standard cron order (0 = Sunday; 7 is Sunday too).
 const DAYS: [&str; 7] = ["Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"];
@@ -95,9 +101,25 @@ impl Recurrence {
             }
             Recurrence::Cron { zone, schedule, .. } => {
                 let at = Timestamp::try_from(after).ok()?;
-                let from = Zoned::new(at, zone.clone());
-                let next = schedule.after(from).next()?;
-                Some(SystemTime::from(next.timestamp()))
+                // Searched in the zone itself, the library stepped by absolute hours and, landing
+                // on an hour the expression does not hold (03:00 after 00:00 + 2 h on a spring
+                // day), gave up the rest of the day. On the wall clock (UTC has no transitions)
+                // every civil time is met once.
+                let wall = Zoned::new(at, zone.clone())
+                    .datetime()
+                    .to_zoned(TimeZone::UTC)
+                    .ok()?;
+                schedule
+                    .after(wall)
+                    // Seen from a repeated hour's second pass, its civil times fired in the
+                    // first and are passed over: a fold of up to three hours, minute by minute.
+                    .take(FOLD_MINUTES)
+                    .filter_map(|civil| zone.to_ambiguous_zoned(civil.datetime()).compatible().ok())
+                    .map(|placed| placed.timestamp())
+                    // A gap's time shifted onto one already past, or a repeated hour's first
+                    // pass seen from its second: not after `after`.
+                    .find(|t| *t > at)
+                    .map(SystemTime::from)
             }
         }
     }
@@ -272,8 +294,85 @@ mod tests {
         assert_eq!(local(spring[0], "Europe/Berlin"), "2026-03-29 03:30 CEST");
         assert_eq!(local(spring[1], "Europe/Berlin"), "2026-03-30 02:30 CEST");
         let autumn = occurrences(&r, at("2026-10-24T12:00:00+02:00[Europe/Berlin]"), 2);
-        assert_eq!(local(autumn[0], "Europe/Berlin"), "2026-10-25 02:30 CET");
+        assert_eq!(local(autumn[0], "Europe/Berlin"), "2026-10-25 02:30 CEST");
         assert_eq!(local(autumn[1], "Europe/Berlin"), "2026-10-26 02:30 CET");
+    }
+
+    /// Local times of the occurrences on `day` (YYYY-MM-DD, local), stepping from the day before.
+    fn one_day(expr: &str, zone: &str, start: &str, day: &str) -> Vec<String> {
+        let r = Recurrence::cron(expr, zone).unwrap();
+        occurrences(&r, at(start), 40)
+            .into_iter()
+            .map(|t| local(t, zone))
+            .filter(|l| l.starts_with(day))
+            .map(|l| l[11..].to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn e2_several_hours_a_day_keep_every_one_across_daylight_saving_and_none_doubles() {
+        let hours = |h: &[&str]| h.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        // Spring forward in Berlin: 02:00 does not exist and fires at 03:00 (once).
+        assert_eq!(
+            one_day(
+                "0 */2 * * *",
+                "Europe/Berlin",
+                "2026-03-28T21:00:00+01:00[Europe/Berlin]",
+                "2026-03-29"
+            ),
+            hours(&[
+                "00:00 CET",
+                "03:00 CEST",
+                "04:00 CEST",
+                "06:00 CEST",
+                "08:00 CEST",
+                "10:00 CEST",
+                "12:00 CEST",
+                "14:00 CEST",
+                "16:00 CEST",
+                "18:00 CEST",
+                "20:00 CEST",
+                "22:00 CEST"
+            ])
+        );
+        // Fall back in Berlin: 02:00 happens twice and fires once.
+        let autumn = one_day(
+            "0 */2 * * *",
+            "Europe/Berlin",
+            "2026-10-24T21:00:00+02:00[Europe/Berlin]",
+            "2026-10-25",
+        );
+        assert_eq!(autumn.len(), 12, "{autumn:?}");
+        assert_eq!(&autumn[..3], ["00:00 CEST", "02:00 CEST", "04:00 CET"]);
+        assert_eq!(
+            one_day(
+                "0 0,12 * * *",
+                "America/New_York",
+                "2026-03-07T18:00:00-05:00[America/New_York]",
+                "2026-03-08"
+            ),
+            hours(&["00:00 EST", "12:00 EDT"])
+        );
+        // Fall back in New York: 01:00 happens twice and fires once.
+        assert_eq!(
+            one_day(
+                "0 1-3 * * *",
+                "America/New_York",
+                "2026-10-31T18:00:00-04:00[America/New_York]",
+                "2026-11-01"
+            ),
+            hours(&["01:00 EDT", "02:00 EST", "03:00 EST"])
+        );
+        // Every minute, seen from inside the repeated hour's second pass: its minutes fired in
+        // the first, so the next is the first minute after the fold.
+        let r = Recurrence::cron("* * * * *", "America/New_York").unwrap();
+        let next = r
+            .next_due(
+                SystemTime::UNIX_EPOCH,
+                at("2026-11-01T01:30:00-05:00[America/New_York]"),
+            )
+            .unwrap();
+        assert_eq!(local(next, "America/New_York"), "2026-11-01 02:00 EST");
     }
 
     #[test]

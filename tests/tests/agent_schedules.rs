@@ -625,6 +625,29 @@ async fn another_users_schedule_is_not_found_and_bad_input_names_the_field() {
         (bad("", "", 10_000_000_000_000, Briefing), "interval"),
         (bad("", "", 0, Briefing), "cron or interval"),
         (bad("0 9 * * *", "UTC", 0, Unspecified), "kind"),
+        // Text no store can keep is refused by name, not reported as an outage.
+        (
+            pb::CreateScheduleRequest {
+                prompt: "brief me\0".into(),
+                ..bad("0 9 * * *", "UTC", 0, Briefing)
+            },
+            "prompt contains a NUL",
+        ),
+        (
+            pb::CreateScheduleRequest {
+                thread_id: "t\0".into(),
+                ..bad("0 9 * * *", "UTC", 0, Briefing)
+            },
+            "thread_id",
+        ),
+        (
+            bad("0 9 * * *", &"Z".repeat(65), 0, Briefing),
+            "time_zone is 65 bytes",
+        ),
+        (
+            bad(&"0 ".repeat(200), "UTC", 0, Briefing),
+            "cron is 400 bytes",
+        ),
     ] {
         let status = create(&mut alice, request).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");

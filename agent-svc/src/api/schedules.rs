@@ -5,7 +5,10 @@ use std::time::Duration;
 
 use steward_proto::agent::v1 as pb;
 
-use super::{ApiError, convert::timestamp};
+use super::{
+    ApiError,
+    convert::{self, MAX_PROMPT_BYTES, timestamp},
+};
 use crate::{
     runs::scheduled::{NewSchedule, ScheduleChange},
     store::{Schedule, ScheduleKind, ScheduleOutcome},
@@ -37,7 +40,33 @@ fn cron(c: String) -> Option<String> {
     Some(c).filter(|c| !c.trim().is_empty())
 }
 
+/// IANA zone names are short ("America/Argentina/ComodRivadavia" is among the longest).
+const MAX_TIME_ZONE_BYTES: usize = 64;
+/// Five fields, lists included, are far shorter.
+const MAX_CRON_BYTES: usize = 256;
+
+/// The texts a schedule keeps, each checked by name before anything reads them: none holds a
+/// NUL (no store can keep one) or exceeds its size (they are echoed in errors and prompts).
+fn texts(
+    prompt: Option<&str>,
+    cron: Option<&str>,
+    time_zone: Option<&str>,
+) -> Result<(), ApiError> {
+    if let Some(p) = prompt {
+        convert::text("prompt", p, MAX_PROMPT_BYTES)?;
+    }
+    if let Some(c) = cron {
+        convert::text("cron", c, MAX_CRON_BYTES)?;
+    }
+    if let Some(z) = time_zone {
+        convert::text("time_zone", z, MAX_TIME_ZONE_BYTES)?;
+    }
+    Ok(())
+}
+
 pub(super) fn new_schedule(r: pb::CreateScheduleRequest) -> Result<NewSchedule, ApiError> {
+    texts(Some(&r.prompt), Some(&r.cron), Some(&r.time_zone))?;
+    convert::optional_id("thread_id", &r.thread_id)?;
     Ok(NewSchedule {
         kind: kind(r.kind)?,
         every: interval(r.interval)?,
@@ -51,6 +80,11 @@ pub(super) fn new_schedule(r: pb::CreateScheduleRequest) -> Result<NewSchedule, 
 }
 
 pub(super) fn change(r: pb::UpdateScheduleRequest) -> Result<ScheduleChange, ApiError> {
+    texts(
+        r.prompt.as_deref(),
+        r.cron.as_deref(),
+        r.time_zone.as_deref(),
+    )?;
     if r.cron.as_deref().is_some_and(|c| c.trim().is_empty()) {
         return Err(ApiError::InvalidArgument(
             "cron, when set, must not be empty (set interval instead to switch to an interval)"
