@@ -11,7 +11,7 @@ use agent_svc::store::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Decided, Ending,
     Lease, LockOutcome, MessageKind, MessageSource, NewMessage, Occurrence, Run, RunCommit,
     RunPatch, RunState, Schedule, ScheduleKind, ScheduleOutcome, Settle, StoreError, TaskAgent,
-    TurnJson, action_id, memory::MemoryStore, postgres::PgStore,
+    TaskSettle, TurnJson, action_id, memory::MemoryStore, postgres::PgStore,
 };
 use steward_tests::TestDb;
 use svc_kit::{pg::PoolOptions, server_config::DatabaseConfig};
@@ -1149,7 +1149,7 @@ fn queued_task(id: &str, owner: &str, thread: &str) -> TaskAgent {
     }
 }
 
-async fn the_task_queue_caps_open_tasks_per_user(b: Backend) {
+async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b: Backend) {
     let s = &b.store;
     s.create_thread("t1", "alice", "x").await.unwrap();
     let task = |id: &str| queued_task(id, "alice", "t1");
@@ -1162,9 +1162,38 @@ async fn the_task_queue_caps_open_tasks_per_user(b: Backend) {
         .unwrap()
         .unwrap();
     assert_eq!(claimed.attempts, 1);
-    s.settle_task_agent(&claimed.id, "completed", Some("ok"), None, None)
+    let completed = TaskSettle {
+        state: "completed",
+        result: Some("ok"),
+        error: None,
+        retry_at: None,
+        report: Some((MessageSource::Agent, "Task agent finished: ok")),
+    };
+    // An attempt whose claim was taken over (here: a later attempt number) settles nothing.
+    let stale = TaskAgent {
+        attempts: 0,
+        ..claimed.clone()
+    };
+    assert!(!s.settle_task_agent(&stale, "w", &completed).await.unwrap());
+    assert!(
+        s.settle_task_agent(&claimed, "w", &completed)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !s.settle_task_agent(&claimed, "w", &completed)
+            .await
+            .unwrap(),
+        "settled once: a second settle of the same attempt is refused"
+    );
+    let posted: Vec<String> = s
+        .list_messages("t1", 0, 10)
         .await
-        .unwrap();
+        .unwrap()
+        .into_iter()
+        .map(|m| m.content)
+        .collect();
+    assert_eq!(posted, ["Task agent finished: ok"], "the report, once");
     assert!(s.enqueue_task_agent(&task("k3"), 2).await.unwrap());
     assert_eq!(
         s.get_task_agent("alice", &claimed.id)
@@ -1740,7 +1769,7 @@ both_backends!(
     q2_a_commit_with_nul_characters_from_hostile_content_lands,
     every_combination_of_a_commits_parts_lands,
     an_admission_reads_the_owners_newest_session_summaries,
-    the_task_queue_caps_open_tasks_per_user,
+    the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once,
     a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found,
     schedules_belong_to_their_owner_and_the_per_user_cap_holds,
     a_due_occurrence_is_claimed_once_and_missed_slots_collapse_into_it,

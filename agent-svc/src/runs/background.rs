@@ -2,7 +2,7 @@
 //! background task agents (B-5).
 
 use super::*;
-use crate::store::{LockOutcome, MessageKind};
+use crate::store::LockOutcome;
 
 impl RunService {
     /// Archives the thread's LLM history with a 2–3 sentence summary (B-4). Race-safe: the store
@@ -303,12 +303,8 @@ impl RunService {
             loop {
                 tick.tick().await;
                 loop {
-                    match this
-                        .store
-                        .claim_task_agent(&worker, Duration::from_secs(660))
-                        .await
-                    {
-                        Ok(Some(task)) => this.run_task_agent(task).await,
+                    match this.store.claim_task_agent(&worker, TASK_CLAIM).await {
+                        Ok(Some(task)) => this.run_task_agent(task, &worker).await,
                         Ok(None) => break,
                         Err(e) => {
                             tracing::warn!(error = %e, "task queue unavailable");
@@ -323,7 +319,7 @@ impl RunService {
     /// One attempt of a task agent: a run on its own thread through the same admission,
     /// prompt assembly and writer as any run (background limits, no approvals possible), then
     /// its result posted to the parent thread, or a retry per E-12.
-    async fn run_task_agent(self: &Arc<Self>, task: TaskAgent) {
+    async fn run_task_agent(self: &Arc<Self>, task: TaskAgent, worker: &str) {
         let thread_id = format!("task-{}", task.id);
         let outcome: Result<Box<pb::RunResult>, ApiError> = async {
             if self.store.get_thread(&task.owner, &thread_id).await?.is_none() {
@@ -380,59 +376,76 @@ impl RunService {
             Ok(r) => (None, Some(r.error.clone())),
             Err(e) => (None, Some(e.to_string())),
         };
-        let settled = match (done, error) {
+        // Someone stopped it (CancelRun): not a failure to try again.
+        let cancelled = matches!(&outcome, Ok(r) if r.status == pb::RunState::Cancelled as i32);
+        let settle = |state, result, error, retry_at, report| crate::store::TaskSettle {
+            state,
+            result,
+            error,
+            retry_at,
+            report,
+        };
+        let (report, settled) = match (done, error) {
             (Some(text), _) => {
-                let message = format!("Task agent finished ({}):\n{text}", task.goal);
-                let posted = self
-                    .store
-                    .add_message(
-                        &task.parent_thread_id,
-                        None,
-                        MessageSource::Agent,
-                        MessageKind::Text,
-                        &message,
-                        serde_json::json!({ "task_agent_id": task.id }),
-                    )
-                    .await;
-                if let Err(e) = posted {
-                    tracing::error!(task = %task.id, error = %e, "could not post a task agent's result");
-                }
-                self.store
-                    .settle_task_agent(&task.id, "completed", Some(&text), None, None)
-                    .await
+                let report = format!("Task agent finished ({}):\n{text}", task.goal);
+                let how = settle(
+                    "completed",
+                    Some(text.as_str()),
+                    None,
+                    None,
+                    Some((MessageSource::Agent, report.as_str())),
+                );
+                (
+                    true,
+                    self.store.settle_task_agent(&task, worker, &how).await,
+                )
             }
             (None, error) => {
                 let error = error.unwrap_or_default();
-                if let Some(backoff) = retry_backoff(&error, task.attempts) {
+                if let Some(backoff) = retry_backoff(&error, task.attempts).filter(|_| !cancelled) {
                     let retry_at = SystemTime::now() + backoff;
                     tracing::warn!(task = %task.id, attempt = task.attempts, %error, "task agent failed; retrying later");
-                    self.store
-                        .settle_task_agent(&task.id, "queued", None, Some(&error), Some(retry_at))
-                        .await
+                    let how = settle("queued", None, Some(error.as_str()), Some(retry_at), None);
+                    (
+                        false,
+                        self.store.settle_task_agent(&task, worker, &how).await,
+                    )
                 } else {
-                    let message = format!("Task agent could not finish ({}): {error}", task.goal);
-                    let _ = self
-                        .store
-                        .add_message(
-                            &task.parent_thread_id,
-                            None,
-                            MessageSource::Error,
-                            MessageKind::Text,
-                            &message,
-                            serde_json::json!({ "task_agent_id": task.id }),
-                        )
-                        .await;
-                    self.store
-                        .settle_task_agent(&task.id, "failed", None, Some(&error), None)
-                        .await
+                    let report = format!("Task agent could not finish ({}): {error}", task.goal);
+                    let how = settle(
+                        "failed",
+                        None,
+                        Some(error.as_str()),
+                        None,
+                        Some((MessageSource::Error, report.as_str())),
+                    );
+                    (
+                        true,
+                        self.store.settle_task_agent(&task, worker, &how).await,
+                    )
                 }
             }
         };
-        if let Err(e) = settled {
-            tracing::error!(task = %task.id, error = %e, "could not record a task agent's outcome");
+        match settled {
+            Ok(true) => {}
+            // Its claim lapsed and another attempt holds the task: that one reports.
+            Ok(false) => {
+                tracing::warn!(task = %task.id, attempt = task.attempts, "task agent attempt outlived its claim; its outcome is dropped");
+            }
+            Err(e) if report => {
+                tracing::error!(task = %task.id, error = %e, "could not record a task agent's outcome or post its report; it runs again once its claim lapses");
+            }
+            Err(e) => {
+                tracing::error!(task = %task.id, error = %e, "could not record a task agent's outcome");
+            }
         }
     }
 }
+
+/// How long a task agent's attempt holds its task: the longest a task run can take (its
+/// wall-clock limit, a tool call started just before it, the final answer) and a margin. A
+/// worker that dies leaves the task to be taken again after this.
+const TASK_CLAIM: Duration = Duration::from_secs(600 + 60 + 60 + 180);
 
 /// E-12's retry schedule for unattended work that failed after `attempts` tries: rate limits get
 /// 5 tries, network trouble 3, anything else 2, with exponential backoff from 10 s and up to 25%

@@ -13,8 +13,8 @@ use serde_json::Value;
 use super::{
     Action, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive, Decided, Ending,
     Lease, LockOutcome, Message, MessageKind, MessageSource, Occurrence, Run, RunCommit, RunPatch,
-    RunState, Schedule, ScheduleOutcome, Settle, StoreError, TaskAgent, Thread, TurnJson,
-    carries_external, transcript_text,
+    RunState, Schedule, ScheduleOutcome, Settle, StoreError, TaskAgent, TaskSettle, Thread,
+    TurnJson, carries_external, transcript_text,
 };
 
 /// A thread's lease: holder run, fencing token, expiry on the monotonic clock.
@@ -939,22 +939,36 @@ impl AgentStore for MemoryStore {
 
     async fn settle_task_agent(
         &self,
-        id: &str,
-        state: &str,
-        result: Option<&str>,
-        error: Option<&str>,
-        retry_at: Option<SystemTime>,
-    ) -> Result<(), StoreError> {
+        task: &TaskAgent,
+        _worker: &str,
+        settle: &TaskSettle<'_>,
+    ) -> Result<bool, StoreError> {
         self.with(|s| {
-            if let Some((task, next, claimed)) = s.tasks.iter_mut().find(|(t, _, _)| t.id == id) {
-                task.state = state.to_owned();
-                task.result = result.map(str::to_owned).or(task.result.take());
-                task.last_error = error.map(str::to_owned).or(task.last_error.take());
-                if let Some(at) = retry_at {
-                    *next = at;
-                }
-                *claimed = None;
+            // The attempt count is the claim's fence: every claim raises it.
+            let Some((held, next, claimed)) = s.tasks.iter_mut().find(|(t, _, _)| {
+                t.id == task.id && t.state == "running" && t.attempts == task.attempts
+            }) else {
+                return false;
+            };
+            held.state = settle.state.to_owned();
+            held.result = settle.result.map(str::to_owned).or(held.result.take());
+            held.last_error = settle.error.map(str::to_owned).or(held.last_error.take());
+            if let Some(at) = settle.retry_at {
+                *next = at;
             }
+            *claimed = None;
+            let parent = held.parent_thread_id.clone();
+            if let Some((source, text)) = settle.report {
+                s.add_message(
+                    &parent,
+                    None,
+                    source,
+                    MessageKind::Text,
+                    text,
+                    serde_json::json!({ "task_agent_id": task.id }),
+                );
+            }
+            true
         })
     }
 

@@ -573,15 +573,16 @@ pub trait AgentStore: Send + Sync + 'static {
         worker: &str,
         lease: Duration,
     ) -> Result<Option<TaskAgent>, StoreError>;
-    /// Ends a task: completed with its result, failed permanently, or queued again at `retry_at`.
+    /// Ends the attempt `task` is (as claimed: `worker`, and its `attempts` as the fence) as
+    /// `settle` says, and posts its report to the parent thread in the same transaction. False:
+    /// that attempt no longer holds the task (its claim lapsed and another took it), and
+    /// nothing was written — a stale attempt can neither overwrite the task nor post twice.
     async fn settle_task_agent(
         &self,
-        id: &str,
-        state: &str,
-        result: Option<&str>,
-        error: Option<&str>,
-        retry_at: Option<SystemTime>,
-    ) -> Result<(), StoreError>;
+        task: &TaskAgent,
+        worker: &str,
+        settle: &TaskSettle<'_>,
+    ) -> Result<bool, StoreError>;
     async fn get_task_agent(&self, owner: &str, id: &str) -> Result<Option<TaskAgent>, StoreError>;
 
     /// Stores a new schedule unless the owner already has `max_per_owner`; false then.
@@ -797,6 +798,18 @@ pub struct TaskAgent {
     pub attempts: u32,
     pub last_error: Option<String>,
     pub result: Option<String>,
+}
+
+/// How a task agent's attempt ends.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskSettle<'a> {
+    /// completed | failed | queued (again, at `retry_at`)
+    pub state: &'a str,
+    pub result: Option<&'a str>,
+    pub error: Option<&'a str>,
+    pub retry_at: Option<SystemTime>,
+    /// (source, text) posted to the parent thread with the settle.
+    pub report: Option<(MessageSource, &'a str)>,
 }
 
 /// An archived session (B-4).

@@ -11,7 +11,7 @@ use super::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive,
     Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, Occurrence, Run,
     RunCommit, RunNotice, RunState, RunUsage, Schedule, ScheduleKind, ScheduleOutcome, Settle,
-    StoreError, TaskAgent, Thread, TurnJson, carries_external, transcript_text,
+    StoreError, TaskAgent, TaskSettle, Thread, TurnJson, carries_external, transcript_text,
 };
 
 mod embedded {
@@ -1084,23 +1084,44 @@ impl AgentStore for PgStore {
 
     async fn settle_task_agent(
         &self,
-        id: &str,
-        state: &str,
-        result: Option<&str>,
-        error: Option<&str>,
-        retry_at: Option<SystemTime>,
-    ) -> Result<(), StoreError> {
-        self.client()
+        task: &TaskAgent,
+        worker: &str,
+        settle: &TaskSettle<'_>,
+    ) -> Result<bool, StoreError> {
+        let (source, report) = settle.report.map_or((None, None), |(source, text)| {
+            (Some(source_key(source)), Some(text))
+        });
+        // One statement: the settle, fenced by the claim, and the report only if it held.
+        let settled = self
+            .client()
             .await?
-            .execute(
-                "UPDATE agent.task_agents SET state = $2, result = COALESCE($3::text, result), last_error = COALESCE($4::text, last_error), \
+            .query_opt(
+                "WITH settled AS (UPDATE agent.task_agents SET state = $2, result = COALESCE($3::text, result), \
+                   last_error = COALESCE($4::text, last_error), \
                    next_attempt_at = COALESCE($5::timestamptz, next_attempt_at), claimed_by = NULL, claimed_until = NULL, \
-                   updated_at = now() WHERE id = $1",
-                &[&id, &state, &result, &error, &retry_at],
+                   updated_at = now() \
+                   WHERE id = $1 AND state = 'running' AND claimed_by = $6 AND attempts = $7 \
+                   RETURNING parent_thread_id), \
+                 posted AS (INSERT INTO agent.messages (thread_id, source, kind, content, metadata) \
+                   SELECT parent_thread_id, $8, 'text', $9, jsonb_build_object('task_agent_id', $1::text) \
+                   FROM settled WHERE $9::text IS NOT NULL RETURNING thread_id), \
+                 touched AS (UPDATE agent.threads SET updated_at = now() WHERE id IN (SELECT thread_id FROM posted)) \
+                 SELECT 1 FROM settled",
+                &[
+                    &task.id,
+                    &settle.state,
+                    &settle.result,
+                    &settle.error,
+                    &settle.retry_at,
+                    &worker,
+                    &(task.attempts as i32),
+                    &source,
+                    &report,
+                ],
             )
             .await
             .map_err(db)?;
-        Ok(())
+        Ok(settled.is_some())
     }
 
     async fn get_task_agent(&self, owner: &str, id: &str) -> Result<Option<TaskAgent>, StoreError> {

@@ -385,16 +385,16 @@ mod tests {
         parts.with(Part::Events);
         parts.with(Part::Audit);
         let sql = parts.sql();
-        assert!(sql.contains("unnest($6::bigint[], $7::bytea[])"), "{sql}");
-        assert!(sql.contains("unnest($8::text[], $9::jsonb[])"), "{sql}");
+        assert!(sql.contains("unnest($7::bigint[], $8::bytea[])"), "{sql}");
+        assert!(sql.contains("unnest($9::text[], $10::jsonb[])"), "{sql}");
         assert!(!sql.contains('#'), "{sql}");
-        assert_eq!(parts.arity(), 9);
+        assert_eq!(parts.arity(), 10);
     }
 
     #[test]
     fn every_part_numbers_exactly_the_parameters_it_binds() {
         for part in Part::ALL {
-            // Numbered from 100, the part's own parameters stand apart from the shared $1..$5.
+            // Numbered from 100, the part's own parameters stand apart from the shared $1..$6.
             let mut sql = String::new();
             number(&mut sql, part.cte(), 100);
             let highest = (1..=20)
