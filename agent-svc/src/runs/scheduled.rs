@@ -453,18 +453,35 @@ impl RunService {
         // The due time in milliseconds (PostgreSQL keeps microseconds, so it reads back alike).
         let request_id = format!("schedule:{}:{due}:{}", s.id, occurrence.attempt);
         let channel = s.kind.channel();
+        // An occurrence taken over after its run started finds that run first: asking the
+        // gateway again could fail and turn one occurrence into a retry, and a second run.
+        if let Some(run) = self
+            .store
+            .find_run_by_request(&s.owner, &request_id)
+            .await?
+        {
+            return Ok((run.id, run.thread_id));
+        }
         let bootstrap = match &self.gateway {
-            Some(gateway) => Some(
-                gateway
-                    .bootstrap(&s.owner, &s.time_zone, gateway_channel(channel))
-                    .await
-                    .map_err(|e| {
-                        ApiError::Unavailable(format!(
-                            "the briefing context could not be fetched (gateway unavailable): {e}"
-                        ))
-                    })?
-                    .rendered,
-            ),
+            Some(gateway) => {
+                // Bounded like every other gateway call: occurrences start one after another.
+                let fetched = tokio::time::timeout(
+                    gateway.call_timeout,
+                    gateway.bootstrap(&s.owner, &s.time_zone, gateway_channel(channel)),
+                )
+                .await
+                .map_err(|_| "it did not answer in time".to_owned())
+                .and_then(|r| r.map_err(|e| e.to_string()));
+                Some(
+                    fetched
+                        .map_err(|e| {
+                            ApiError::Unavailable(format!(
+                                "the briefing context could not be fetched (gateway unavailable): {e}"
+                            ))
+                        })?
+                        .rendered,
+                )
+            }
             None => None,
         };
         let prompt = if s.prompt.trim().is_empty() {
