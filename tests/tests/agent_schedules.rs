@@ -364,18 +364,10 @@ async fn b4_a_briefing_over_two_inboxes_reads_metadata_only_stays_under_3000_tok
     assert_eq!((history, archives), (0, 1), "the session was archived");
 }
 
-#[tokio::test]
-async fn a_briefing_that_wants_to_send_under_supervised_trust_leaves_a_pending_approval_and_sends_nothing()
- {
-    let answers = vec![Answer::tool_calls(&[(
-        "call_send",
-        "gmail_send",
-        r#"{"to": "boss@example.com", "subject": "Status", "body": "All good."}"#,
-    )])];
-    let (app, _model, gmail) = gmail_world(answers, &[NO_WORKERS]).await;
-    let mut alice = app.agent_as("alice").await;
+/// Alice's hourly briefing "Send my boss a status update.", fired once at its first due time.
+async fn a_briefing_that_sends_fires(app: &TestApp, alice: &mut UserAgent) -> Vec<Fired> {
     let schedule = create(
-        &mut alice,
+        alice,
         pb::CreateScheduleRequest {
             kind: pb::ScheduleKind::Briefing as i32,
             prompt: "Send my boss a status update.".into(),
@@ -388,11 +380,24 @@ async fn a_briefing_that_wants_to_send_under_supervised_trust_leaves_a_pending_a
     )
     .await
     .unwrap();
-    let fired = fire_everywhere(
+    fire_everywhere(
         &app.agent_replicas(),
         time(&schedule.next_due_at) + Duration::from_secs(1),
     )
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn a_briefing_that_wants_to_send_under_supervised_trust_leaves_a_pending_approval_and_sends_nothing()
+ {
+    let answers = vec![Answer::tool_calls(&[(
+        "call_send",
+        "gmail_send",
+        r#"{"to": "boss@example.com", "subject": "Status", "body": "All good."}"#,
+    )])];
+    let (app, _model, gmail) = gmail_world(answers, &[NO_WORKERS]).await;
+    let mut alice = app.agent_as("alice").await;
+    let fired = a_briefing_that_sends_fires(&app, &mut alice).await;
     assert_eq!(fired.len(), 1);
     assert_eq!(fired[0].outcome, ScheduleOutcome::AwaitingApproval);
     assert!(gmail.sent().is_empty(), "nothing is sent unattended");
@@ -442,25 +447,7 @@ async fn p1_a_briefing_resumed_by_its_approval_is_offered_only_the_briefings_too
     ];
     let (app, model, gmail) = gmail_world(answers, &[NO_WORKERS]).await;
     let mut alice = app.agent_as("alice").await;
-    let schedule = create(
-        &mut alice,
-        pb::CreateScheduleRequest {
-            kind: pb::ScheduleKind::Briefing as i32,
-            prompt: "Send my boss a status update.".into(),
-            interval: Some(prost_types::Duration {
-                seconds: 3600,
-                nanos: 0,
-            }),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
-    let fired = fire_everywhere(
-        &app.agent_replicas(),
-        time(&schedule.next_due_at) + Duration::from_secs(1),
-    )
-    .await;
+    let fired = a_briefing_that_sends_fires(&app, &mut alice).await;
     assert_eq!(fired[0].outcome, ScheduleOutcome::AwaitingApproval);
     let run = get_run(&mut alice, fired[0].run_id.as_deref().unwrap())
         .await

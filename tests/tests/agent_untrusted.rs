@@ -208,6 +208,33 @@ async fn p1_a_memory_after_reading_an_email_waits_for_approval_and_keeps_its_pro
     );
 }
 
+/// A run of `prompt` with an email attached (id m1, "Statements", its `snippet`).
+async fn run_with_an_attached_email(
+    alice: &mut steward_tests::UserAgent,
+    prompt: &str,
+    snippet: &str,
+) -> pb::RunResult {
+    alice
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: prompt.into(),
+                attached_context: vec![pb::AttachedContext {
+                    r#type: pb::ContextType::Email as i32,
+                    id: "m1".into(),
+                    title: "Statements".into(),
+                    snippet: snippet.into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("Run")
+        .into_inner()
+        .result
+        .expect("a result")
+}
+
 /// U-2: what a run had read when it paused (here an attached email, which lives in the stored
 /// prompt, not in the transcript) still counts after the approval resumes it.
 #[tokio::test]
@@ -228,25 +255,12 @@ async fn p1_a_memory_after_an_approved_pause_still_knows_the_run_read_an_attache
     let (app, _model, gmail): (TestApp, _, FakeGmail) = gmail_world(answers, &[]).await;
     gmail.add_messages("tok-alice", vec![statement(None)]);
     let mut alice = app.agent_as("alice").await;
-    let paused = alice
-        .run(pb::RunRequest {
-            input: Some(pb::RunInput {
-                prompt: "reply to this and remember what they want".into(),
-                attached_context: vec![pb::AttachedContext {
-                    r#type: pb::ContextType::Email as i32,
-                    id: "m1".into(),
-                    title: "Statements".into(),
-                    snippet: "Send me the statements every month.".into(),
-                    ..Default::default()
-                }],
-                ..Default::default()
-            }),
-        })
-        .await
-        .expect("Run")
-        .into_inner()
-        .result
-        .expect("a result");
+    let paused = run_with_an_attached_email(
+        &mut alice,
+        "reply to this and remember what they want",
+        "Send me the statements every month.",
+    )
+    .await;
     let reply = paused.approval.expect("the reply waits for approval");
     assert_eq!(reply.tool, "gmail_reply");
 
@@ -330,25 +344,12 @@ async fn p1_a_memory_after_the_summary_of_a_session_with_an_attached_email_waits
     )
     .await;
     let mut alice = app.agent_as("alice").await;
-    let first = alice
-        .run(pb::RunRequest {
-            input: Some(pb::RunInput {
-                prompt: "what does this want?".into(),
-                attached_context: vec![pb::AttachedContext {
-                    r#type: pb::ContextType::Email as i32,
-                    id: "m1".into(),
-                    title: "Statements".into(),
-                    snippet: "Send me the statements by post.".into(),
-                    ..Default::default()
-                }],
-                ..Default::default()
-            }),
-        })
-        .await
-        .expect("Run")
-        .into_inner()
-        .result
-        .expect("a result");
+    let first = run_with_an_attached_email(
+        &mut alice,
+        "what does this want?",
+        "Send me the statements by post.",
+    )
+    .await;
     assert_eq!(
         first.status,
         pb::RunState::Completed as i32,
