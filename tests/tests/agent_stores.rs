@@ -1174,6 +1174,9 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
         attempts: 0,
         ..claimed.clone()
     };
+    let hold = Duration::from_secs(60);
+    assert!(s.renew_task_claim(&claimed, "w", hold).await.unwrap());
+    assert!(!s.renew_task_claim(&stale, "w", hold).await.unwrap());
     assert!(!s.settle_task_agent(&stale, "w", &completed).await.unwrap());
     assert!(
         s.settle_task_agent(&claimed, "w", &completed)
@@ -1185,6 +1188,10 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
             .await
             .unwrap(),
         "settled once: a second settle of the same attempt is refused"
+    );
+    assert!(
+        !s.renew_task_claim(&claimed, "w", hold).await.unwrap(),
+        "a settled task has no claim to renew"
     );
     let posted: Vec<String> = s
         .list_messages("t1", 0, 10)

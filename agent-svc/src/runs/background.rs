@@ -127,8 +127,15 @@ impl RunService {
                 }
                 Ok(false) => {}
                 // The database away for a moment: the next sweep looks again, rather than
-                // failing a run whose user's decision may stand.
-                Err(e @ ApiError::Unavailable(_)) => {
+                // failing a run whose user's decision may stand — for a day at most, since
+                // the store reports most of its errors this way, lasting ones too.
+                Err(
+                    e @ (ApiError::Unavailable(_) | ApiError::Store(StoreError::Unavailable(_))),
+                ) if run
+                    .created_at
+                    .elapsed()
+                    .is_ok_and(|age| age < TAKE_UP_PATIENCE) =>
+                {
                     tracing::warn!(run_id = %run.id, error = %e, "could not check whether a decided approval awaits this run; next sweep");
                     continue;
                 }
@@ -321,10 +328,19 @@ impl RunService {
     /// its result posted to the parent thread, or a retry per E-12.
     async fn run_task_agent(self: &Arc<Self>, task: TaskAgent, worker: &str) {
         let thread_id = format!("task-{}", task.id);
-        let outcome: Result<Box<pb::RunResult>, ApiError> = async {
-            if self.store.get_thread(&task.owner, &thread_id).await?.is_none() {
+        let work = async {
+            if self
+                .store
+                .get_thread(&task.owner, &thread_id)
+                .await?
+                .is_none()
+            {
                 let title: String = format!("Task: {}", task.goal).chars().take(80).collect();
-                match self.store.create_thread(&thread_id, &task.owner, &title).await {
+                match self
+                    .store
+                    .create_thread(&thread_id, &task.owner, &title)
+                    .await
+                {
                     Ok(_) | Err(StoreError::Conflict(_)) => {}
                     Err(e) => return Err(e.into()),
                 }
@@ -367,9 +383,31 @@ impl RunService {
                     _ => {}
                 }
             }
-            Err(ApiError::Unavailable(format!("task agent run {run_id} ended without a result")))
-        }
-        .await;
+            Err(ApiError::Unavailable(format!(
+                "task agent run {run_id} ended without a result"
+            )))
+        };
+        // The claim is renewed while the attempt works, so a long run is not taken over by
+        // another worker (whose start would find the task's thread busy).
+        let outcome: Result<Box<pb::RunResult>, ApiError> = {
+            tokio::pin!(work);
+            let mut renew = tokio::time::interval_at(
+                tokio::time::Instant::now() + TASK_CLAIM / 3,
+                TASK_CLAIM / 3,
+            );
+            loop {
+                tokio::select! {
+                    outcome = &mut work => break outcome,
+                    _ = renew.tick() => {
+                        match self.store.renew_task_claim(&task, worker, TASK_CLAIM).await {
+                            Ok(true) => {}
+                            Ok(false) => tracing::warn!(task = %task.id, "task agent's claim was taken over; its outcome will be dropped"),
+                            Err(e) => tracing::warn!(task = %task.id, error = %e, "could not renew a task agent's claim"),
+                        }
+                    }
+                }
+            }
+        };
 
         let (done, error) = match &outcome {
             Ok(r) if r.status == pb::RunState::Completed as i32 => (Some(r.summary.clone()), None),
@@ -441,6 +479,10 @@ impl RunService {
         }
     }
 }
+
+/// How long a run whose take-up check keeps failing on an unavailable store is left for the
+/// next sweep before it is ended as abandoned.
+const TAKE_UP_PATIENCE: Duration = Duration::from_secs(24 * 3600);
 
 /// How long a task agent's attempt holds its task: the longest a task run can take (its
 /// wall-clock limit, a tool call started just before it, the final answer) and a margin. A

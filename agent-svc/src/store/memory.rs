@@ -937,6 +937,26 @@ impl AgentStore for MemoryStore {
         })
     }
 
+    async fn renew_task_claim(
+        &self,
+        task: &TaskAgent,
+        _worker: &str,
+        hold: Duration,
+    ) -> Result<bool, StoreError> {
+        let now = SystemTime::now();
+        self.with(|s| {
+            match s.tasks.iter_mut().find(|(t, _, _)| {
+                t.id == task.id && t.state == "running" && t.attempts == task.attempts
+            }) {
+                Some((_, _, claimed)) => {
+                    *claimed = Some(now + hold);
+                    true
+                }
+                None => false,
+            }
+        })
+    }
+
     async fn settle_task_agent(
         &self,
         task: &TaskAgent,

@@ -573,6 +573,14 @@ pub trait AgentStore: Send + Sync + 'static {
         worker: &str,
         lease: Duration,
     ) -> Result<Option<TaskAgent>, StoreError>;
+    /// Extends the claim of the attempt `task` is (fenced as `settle_task_agent` is) to `hold`
+    /// from now; false when that attempt no longer holds the task.
+    async fn renew_task_claim(
+        &self,
+        task: &TaskAgent,
+        worker: &str,
+        hold: Duration,
+    ) -> Result<bool, StoreError>;
     /// Ends the attempt `task` is (as claimed: `worker`, and its `attempts` as the fence) as
     /// `settle` says, and posts its report to the parent thread in the same transaction. False:
     /// that attempt no longer holds the task (its claim lapsed and another took it), and

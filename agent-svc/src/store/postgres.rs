@@ -1082,6 +1082,30 @@ impl AgentStore for PgStore {
         Ok(n == 1)
     }
 
+    async fn renew_task_claim(
+        &self,
+        task: &TaskAgent,
+        worker: &str,
+        hold: Duration,
+    ) -> Result<bool, StoreError> {
+        let renewed = self
+            .client()
+            .await?
+            .execute(
+                "UPDATE agent.task_agents SET claimed_until = $4 \
+                 WHERE id = $1 AND state = 'running' AND claimed_by = $2 AND attempts = $3",
+                &[
+                    &task.id,
+                    &worker,
+                    &(task.attempts as i32),
+                    &lease_until(hold),
+                ],
+            )
+            .await
+            .map_err(db)?;
+        Ok(renewed == 1)
+    }
+
     async fn settle_task_agent(
         &self,
         task: &TaskAgent,
@@ -1089,8 +1113,12 @@ impl AgentStore for PgStore {
         settle: &TaskSettle<'_>,
     ) -> Result<bool, StoreError> {
         let (source, report) = settle.report.map_or((None, None), |(source, text)| {
-            (Some(source_key(source)), Some(text))
+            (Some(source_key(source)), Some(storable::str_cow(text)))
         });
+        // A NUL would fail this settle on every try, and the task would run again and again.
+        let result = settle.result.map(storable::str_cow);
+        let error = settle.error.map(storable::str_cow);
+        let report = report.as_deref();
         // One statement: the settle, fenced by the claim, and the report only if it held.
         let settled = self
             .client()
@@ -1110,8 +1138,8 @@ impl AgentStore for PgStore {
                 &[
                     &task.id,
                     &settle.state,
-                    &settle.result,
-                    &settle.error,
+                    &result.as_deref(),
+                    &error.as_deref(),
                     &settle.retry_at,
                     &worker,
                     &(task.attempts as i32),

@@ -108,6 +108,16 @@ pub(super) fn admission(a: &Admission) -> Cow<'_, Admission> {
     Cow::Owned(a)
 }
 
+/// `s` as storable: borrowed as it is unless it holds a NUL (a task's result or report, which
+/// a model may have copied from hostile content).
+pub(super) fn str_cow(s: &str) -> Cow<'_, str> {
+    if s.contains('\0') {
+        Cow::Owned(s.replace('\0', &REPLACEMENT.to_string()))
+    } else {
+        Cow::Borrowed(s)
+    }
+}
+
 fn text(s: &mut String) {
     if s.contains('\0') {
         *s = s.replace('\0', "\u{fffd}");
