@@ -465,10 +465,7 @@ async fn a_revoked_refresh_token_asks_for_reconnection_and_marks_the_account() {
     let w = world(Backend::Postgres, &[]).await;
     let mut g = w.app.gateway_as("u1").await;
     connect(&mut g, "expired-access", -10).await;
-    w.oauth
-        .state
-        .revoked
-        .store(true, std::sync::atomic::Ordering::SeqCst);
+    w.oauth.set_revoked(true);
     let r = execute(
         &mut g,
         call(
@@ -501,10 +498,7 @@ async fn g6_a_call_refused_for_its_credentials_spends_no_rate_limit_budget() {
     let w = world(Backend::Postgres, &[("RATE_LIMITS_GMAIL", "2/minute")]).await;
     let mut g = w.app.gateway_as("u1").await;
     connect(&mut g, "expired-access", -10).await;
-    w.oauth
-        .state
-        .revoked
-        .store(true, std::sync::atomic::Ordering::SeqCst);
+    w.oauth.set_revoked(true);
     let fetch = |id: &str| {
         call(
             id,
@@ -521,10 +515,7 @@ async fn g6_a_call_refused_for_its_credentials_spends_no_rate_limit_budget() {
     );
 
     // Reconnected: the minute's two calls are both still there.
-    w.oauth
-        .state
-        .revoked
-        .store(false, std::sync::atomic::Ordering::SeqCst);
+    w.oauth.set_revoked(false);
     connect(&mut g, "access-2", 3600).await;
     for id in ["c2", "c3"] {
         let r = execute(&mut g, fetch(id)).await;

@@ -196,22 +196,17 @@ impl RunService {
                 // follower reconnecting from a seq it was shown is not refused, and another
                 // take-up after this one numbers past it too.
                 let from = now.last_event_seq + ABANDONED_SEQ_GAP;
-                let notice = pb::RunEvent {
-                    run_id: run.id.clone(),
-                    seq: from,
-                    time: Some(convert::timestamp(SystemTime::now())),
-                    thread_id: run.thread_id.clone(),
-                    kind: Some(pb::run_event::Kind::Status(pb::StatusEvent {
-                        state: pb::RunState::Executing as i32,
-                        detail: "continued after the server that took the decision stopped".into(),
-                    })),
-                };
+                // Stored as an ending's event is: its seq, run and thread come from its row.
+                let notice = encode(pb::run_event::Kind::Status(pb::StatusEvent {
+                    state: pb::RunState::Executing as i32,
+                    detail: "continued after the server that took the decision stopped".into(),
+                }));
                 let stored = self
                     .store
                     .commit(
                         &lease,
                         crate::store::RunCommit {
-                            events: vec![(from, notice.encode_to_vec())],
+                            events: vec![(from, notice)],
                             ..Default::default()
                         },
                     )

@@ -26,6 +26,12 @@ pub struct FakeOAuth {
 }
 
 impl FakeOAuth {
+    /// From now on the token endpoint answers every refresh `invalid_grant` (or, with false,
+    /// refreshes again).
+    pub fn set_revoked(&self, revoked: bool) {
+        self.state.revoked.store(revoked, Ordering::SeqCst);
+    }
+
     pub async fn start() -> Self {
         let state = Arc::new(OAuthState::default());
         let router = Router::new()
