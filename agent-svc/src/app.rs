@@ -154,13 +154,15 @@ impl App {
             .runs
             .spawn_monitor(self.config.monitor_interval, self.config.run_grace);
         let notices = self.runs.spawn_notice_router();
-        let workers = self
-            .config
-            .task_workers
-            .then(|| self.runs.spawn_task_workers(self.config.task_poll_interval));
+        // One name for this process's task claims and schedule holds, handed back at shutdown.
+        let worker = format!("agent-{}", uuid::Uuid::new_v4());
+        let workers = self.config.task_workers.then(|| {
+            self.runs
+                .spawn_task_workers(self.config.task_poll_interval, worker.clone())
+        });
         let schedules = self.config.schedule_workers.then(|| {
             self.runs
-                .spawn_schedule_workers(self.config.schedule_poll_interval)
+                .spawn_schedule_workers(self.config.schedule_poll_interval, worker.clone())
         });
         let max = self.config.server.max_message_bytes;
         let runs = self.runs.clone();
@@ -193,6 +195,8 @@ impl App {
         // Runs still going after the drain hand their threads back: their progress is
         // committed and their leases released, so another replica's monitor ends them at once.
         runs.release_all(std::time::Duration::from_secs(5)).await;
+        // After the runs: a task or occurrence taken up elsewhere finds its thread free.
+        runs.hand_back(&worker).await;
         if let Some(n) = notices {
             n.abort();
         }

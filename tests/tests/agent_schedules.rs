@@ -732,6 +732,59 @@ async fn e12_a_failed_scheduled_run_is_retried_on_its_schedule_then_recorded_as_
     assert_eq!(shown[0].last_run_id, runs[1].0);
 }
 
+/// E-12: a schedule switched off while its occurrence was in progress (the switch leaves an
+/// occurrence that is held alone) is not retried once that attempt fails.
+#[tokio::test]
+async fn e12_a_schedule_switched_off_while_its_run_was_going_is_not_retried() {
+    let refused = || Answer::ErrorBody {
+        status: 400,
+        body: r#"{"error": {"message": "this request is malformed"}}"#.into(),
+    };
+    let (app, _model, _gmail) = gmail_world(vec![refused(), refused()], &[NO_WORKERS]).await;
+    let replicas = app.agent_replicas();
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        every_minute_in_berlin(pb::ScheduleKind::Heartbeat),
+    )
+    .await
+    .unwrap();
+    let now = time(&schedule.next_due_at) + Duration::from_secs(1);
+    let fired = fire_everywhere(&replicas, now).await;
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Retrying, "{fired:?}");
+    // What an UpdateSchedule that landed while the run was going leaves: switched off, with
+    // the occurrence (then held) still there, now waiting for its retry.
+    app.sql()
+        .await
+        .execute(
+            "UPDATE agent.schedules SET enabled = false WHERE id = $1",
+            &[&schedule.id],
+        )
+        .await
+        .unwrap();
+
+    let fired = fire_everywhere(&replicas, now + Duration::from_secs(13)).await;
+    assert_eq!(fired.len(), 1, "{fired:?}");
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Failed);
+    assert_eq!(
+        runs_on(&app, &schedule.thread_id).await.len(),
+        1,
+        "no second run"
+    );
+    let shown = listed(&mut alice).await;
+    assert!(
+        shown[0].last_error.contains("switched off"),
+        "{}",
+        shown[0].last_error
+    );
+    assert!(
+        fire_everywhere(&replicas, now + Duration::from_secs(600))
+            .await
+            .is_empty(),
+        "nothing is left to fire"
+    );
+}
+
 #[tokio::test]
 async fn a_scheduled_run_waits_for_the_users_pending_approval_instead_of_voiding_it() {
     let answers = vec![

@@ -366,55 +366,102 @@ async fn an_archived_session_is_summarised_into_the_next_prompt_and_found_by_a_w
     );
 }
 
-#[tokio::test]
-async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the_parent_thread() {
-    let model = FakeOpenAi::start(vec![
-        Answer::tool_calls(&[(
-            "c1",
-            "create_task_agent",
-            r#"{"instructions":"Look at my pending tasks and summarise them","goal":"task summary"}"#,
-        )]),
+/// An app whose first replica takes no background work, and a run on it whose model queued a
+/// task agent (goal `goal`): the model's answers after the parent's two are `then`. Returns the
+/// app, the model, the parent run's result and the task's id.
+async fn a_task_queued_by_the_model(
+    goal: &str,
+    then: Vec<Answer>,
+    env: &[(&str, &str)],
+) -> (TestApp, FakeOpenAi, pb::RunResult, String) {
+    let arguments =
+        serde_json::json!({"instructions": format!("Work towards: {goal}"), "goal": goal});
+    let mut answers = vec![
+        Answer::tool_calls(&[("c1", "create_task_agent", &arguments.to_string())]),
         Answer::text("I've started a task agent."),
-        Answer::text("You have no pending tasks."),
-    ])
-    .await;
-    let mut app = spawn(Options {
+    ];
+    answers.extend(then);
+    let model = FakeOpenAi::start(answers).await;
+    let mut all = vec![
+        ("MODEL_CHAIN".to_owned(), "openai/gpt-4o".to_owned()),
+        ("OPENAI_BASE_URL".to_owned(), model.url.clone()),
+        // This instance takes no background work: only another one can run the task.
+        ("TASK_AGENT_WORKERS".to_owned(), "false".to_owned()),
+    ];
+    all.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    let app = spawn(Options {
         backend: Some(Backend::Postgres),
-        env: vec![
-            ("MODEL_CHAIN".into(), "openai/gpt-4o".into()),
-            ("OPENAI_BASE_URL".into(), model.url.clone()),
-            // This instance takes no background work: only the other one can run the task.
-            ("TASK_AGENT_WORKERS".into(), "false".into()),
-        ],
+        env: all,
         ..Options::default()
     })
     .await;
-    let mut alice = app.agent_as("alice").await;
-    let input = pb::RunInput {
-        prompt: "summarise my tasks in the background".into(),
-        ..Default::default()
-    };
-    let started = alice
-        .run(pb::RunRequest { input: Some(input) })
+    let parent = app
+        .agent_as("alice")
+        .await
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: format!("{goal}, in the background"),
+                ..Default::default()
+            }),
+        })
         .await
         .unwrap()
         .into_inner()
         .result
         .unwrap();
-    assert_eq!(started.summary, "I've started a task agent.");
+    assert_eq!(parent.summary, "I've started a task agent.");
+    let task: String = app
+        .sql()
+        .await
+        .query_one("SELECT id FROM agent.task_agents", &[])
+        .await
+        .unwrap()
+        .get(0);
+    (app, model, parent, task)
+}
 
-    app.start_another_agent_with(&[
-        ("TASK_AGENT_WORKERS", "true"),
-        ("TASK_AGENT_POLL_INTERVAL", "100ms"),
-    ])
-    .await;
-    // The result arrives asynchronously; poll the thread, bounded.
-    let thread = started.thread_id.clone();
-    let report = tokio::time::timeout(std::time::Duration::from_secs(15), async {
+const TASK_WORKERS: [(&str, &str); 2] = [
+    ("TASK_AGENT_WORKERS", "true"),
+    ("TASK_AGENT_POLL_INTERVAL", "100ms"),
+];
+
+/// The task's row once `ready` holds of it (state, attempts, last error, claimed by), within
+/// 15 s.
+async fn task_row_when(
+    app: &TestApp,
+    task: &str,
+    ready: impl Fn(&str, i32, &str, Option<&str>) -> bool,
+) -> (String, i32, String, Option<String>) {
+    let client = app.sql().await;
+    tokio::time::timeout(std::time::Duration::from_secs(15), async {
+        loop {
+            let row = client
+                .query_one(
+                    "SELECT state, attempts, coalesce(last_error, ''), claimed_by FROM agent.task_agents WHERE id = $1",
+                    &[&task],
+                )
+                .await
+                .unwrap();
+            let (state, attempts, error, claimed): (String, i32, String, Option<String>) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            if ready(&state, attempts, &error, claimed.as_deref()) {
+                return (state, attempts, error, claimed);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the task reached the state within 15 s")
+}
+
+/// The task agent's report on the parent thread, within 15 s.
+async fn task_report(app: &TestApp, thread: &str) -> String {
+    let mut alice = app.agent_as("alice").await;
+    tokio::time::timeout(std::time::Duration::from_secs(15), async {
         loop {
             let messages = alice
                 .list_messages(pb::ListMessagesRequest {
-                    thread_id: thread.clone(),
+                    thread_id: thread.to_owned(),
                     ..Default::default()
                 })
                 .await
@@ -423,7 +470,7 @@ async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the
                 .messages;
             if let Some(m) = messages
                 .iter()
-                .find(|m| m.content.starts_with("Task agent finished"))
+                .find(|m| m.content.starts_with("Task agent"))
             {
                 return m.content.clone();
             }
@@ -431,9 +478,20 @@ async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the
         }
     })
     .await
-    .expect("the task agent reported within 15 s");
+    .expect("the task agent reported within 15 s")
+}
+
+#[tokio::test]
+async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the_parent_thread() {
+    let (mut app, model, started, _task) = a_task_queued_by_the_model(
+        "task summary",
+        vec![Answer::text("You have no pending tasks.")],
+        &[],
+    )
+    .await;
+    app.start_another_agent_with(&TASK_WORKERS).await;
     assert_eq!(
-        report,
+        task_report(&app, &started.thread_id).await,
         "Task agent finished (task summary):\nYou have no pending tasks."
     );
     let task_request = &model.requests()[2].1;
@@ -461,68 +519,137 @@ async fn a_task_agent_that_fails_on_a_retriable_error_is_queued_again_with_backo
         status: 503,
         retry_after: None,
     };
-    let model = FakeOpenAi::start(vec![
-        Answer::tool_calls(&[(
-            "c1",
-            "create_task_agent",
-            r#"{"instructions":"do it","goal":"flaky work"}"#,
-        )]),
-        Answer::text("Started."),
-        failing.clone(),
-        failing.clone(),
-        failing,
-    ])
+    let (mut app, _model, _parent, task) = a_task_queued_by_the_model(
+        "flaky work",
+        vec![failing.clone(), failing.clone(), failing],
+        &[("MODEL_RETRIES", "2")],
+    )
     .await;
-    let mut app = spawn(Options {
-        backend: Some(Backend::Postgres),
-        env: vec![
-            ("MODEL_CHAIN".into(), "openai/gpt-4o".into()),
-            ("OPENAI_BASE_URL".into(), model.url.clone()),
-            ("TASK_AGENT_WORKERS".into(), "false".into()),
-            ("MODEL_RETRIES".into(), "2".into()),
-        ],
-        ..Options::default()
+    app.start_another_agent_with(&TASK_WORKERS).await;
+    let (state, attempts, error, _) = task_row_when(&app, &task, |state, attempts, _, _| {
+        state == "queued" && attempts > 0
     })
     .await;
-    let mut alice = app.agent_as("alice").await;
-    let input = pb::RunInput {
-        prompt: "do the flaky work later".into(),
-        ..Default::default()
-    };
-    alice
-        .run(pb::RunRequest { input: Some(input) })
+    assert_eq!((state.as_str(), attempts), ("queued", 1));
+    assert!(error.contains("HTTP 503"), "{error}");
+    let later: bool = app
+        .sql()
         .await
-        .unwrap();
-    app.start_another_agent_with(&[
-        ("TASK_AGENT_WORKERS", "true"),
-        ("TASK_AGENT_POLL_INTERVAL", "100ms"),
-    ])
-    .await;
+        .query_one(
+            "SELECT next_attempt_at > now() + interval '5 seconds' FROM agent.task_agents WHERE id = $1",
+            &[&task],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(later, "the retry waits at least the 10 s backoff");
+}
 
-    let client = app.sql().await;
-    let row = tokio::time::timeout(std::time::Duration::from_secs(15), async {
-        loop {
-            let row = client
-                .query_opt(
-                    "SELECT state, attempts, last_error, next_attempt_at > now() + interval '5 seconds' FROM agent.task_agents \
-                     WHERE attempts > 0 AND state = 'queued'",
-                    &[],
-                )
-                .await
-                .unwrap();
-            if let Some(row) = row {
-                return row;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+/// B-5, E-12: a replica that stops while its task agent works hands the task back; another
+/// replica takes it up at once instead of when the claim lapses, 15 minutes later.
+#[tokio::test]
+async fn b5_a_task_agent_in_progress_at_shutdown_is_handed_back_and_finished_by_another_replica() {
+    let (mut app, model, parent, task) = a_task_queued_by_the_model(
+        "long research",
+        vec![
+            // The first attempt's model call outlasts its replica.
+            Answer::Slow(
+                Box::new(Answer::text("never seen")),
+                std::time::Duration::from_secs(120),
+            ),
+            Answer::text("Found it."),
+        ],
+        &[],
+    )
+    .await;
+    let first = app.start_another_agent_with(&TASK_WORKERS).await;
+    let claimed = task_row_when(&app, &task, |state, _, _, _| state == "running").await;
+    assert_eq!(claimed.1, 1);
+    tokio::time::timeout(std::time::Duration::from_secs(15), async {
+        while model.requests().len() < 3 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
     })
     .await
-    .expect("the failed attempt was recorded");
-    let (state, attempts, error, later): (String, i32, String, bool) =
-        (row.get(0), row.get(1), row.get(2), row.get(3));
-    assert_eq!((state.as_str(), attempts), ("queued", 1));
-    assert!(error.contains("HTTP 503"), "{error}");
-    assert!(later, "the retry waits at least the 10 s backoff");
+    .expect("the first attempt asked the model");
+
+    app.stop_service(first).await.expect("a clean drain");
+    let (state, attempts, _, claimed_by) = task_row_when(&app, &task, |_, _, _, _| true).await;
+    assert_eq!(
+        (state.as_str(), attempts, claimed_by),
+        ("queued", 1, None),
+        "handed back as the replica stopped, not held until its claim lapses"
+    );
+
+    app.start_another_agent_with(&TASK_WORKERS).await;
+    assert_eq!(
+        task_report(&app, &parent.thread_id).await,
+        "Task agent finished (long research):\nFound it."
+    );
+    let (state, attempts, _, _) = task_row_when(&app, &task, |_, _, _, _| true).await;
+    assert_eq!((state.as_str(), attempts), ("completed", 2));
+}
+
+/// B-5, E-12: a task whose thread is busy (or whose user is at the run cap) has not been tried:
+/// it waits without spending an attempt, and runs under the same attempt once the thread is free.
+#[tokio::test]
+async fn b5_a_task_agent_whose_thread_is_busy_waits_without_spending_an_attempt() {
+    use agent_svc::store::{AgentStore, LockOutcome};
+    let (mut app, _model, parent, task) =
+        a_task_queued_by_the_model("tidy up", vec![Answer::text("Tidied.")], &[]).await;
+    let store = app.agent_store().await;
+    let thread = format!("task-{task}");
+    store.create_thread(&thread, "alice", "busy").await.unwrap();
+    let LockOutcome::Acquired(lease) = store
+        .lock_thread(&thread, "someone-else", std::time::Duration::from_secs(120))
+        .await
+        .unwrap()
+    else {
+        panic!("the test holds the task's thread");
+    };
+
+    app.start_another_agent_with(&TASK_WORKERS).await;
+    let (state, attempts, error, claimed_by) = task_row_when(&app, &task, |_, _, error, _| {
+        error.contains("already has an active run")
+    })
+    .await;
+    assert_eq!(
+        (state.as_str(), attempts, claimed_by),
+        ("queued", 0, None),
+        "not an attempt: {error}"
+    );
+
+    store.release_lease(&lease).await.unwrap();
+    // Due now rather than after the 30 s wait.
+    app.sql()
+        .await
+        .execute(
+            "UPDATE agent.task_agents SET next_attempt_at = now() WHERE id = $1",
+            &[&task],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        task_report(&app, &parent.thread_id).await,
+        "Task agent finished (tidy up):\nTidied."
+    );
+    let runs: Vec<String> = app
+        .sql()
+        .await
+        .query(
+            "SELECT request_id FROM agent.runs WHERE thread_id = $1",
+            &[&thread],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        runs,
+        [format!("task-{task}-attempt-1")],
+        "one run, the first attempt's"
+    );
 }
 
 #[tokio::test]

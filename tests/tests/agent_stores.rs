@@ -1157,7 +1157,7 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
     assert!(s.enqueue_task_agent(&task("k2"), 2).await.unwrap());
     assert!(!s.enqueue_task_agent(&task("k3"), 2).await.unwrap());
     let claimed = s
-        .claim_task_agent("w", Duration::from_secs(60))
+        .claim_task_agent("w", Duration::from_secs(60), 5)
         .await
         .unwrap()
         .unwrap();
@@ -1168,6 +1168,7 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
         error: None,
         retry_at: None,
         report: Some((MessageSource::Agent, "Task agent finished: ok")),
+        keep_attempt: false,
     };
     // An attempt whose claim was taken over (here: a later attempt number) settles nothing.
     let stale = TaskAgent {
@@ -1211,6 +1212,129 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
             .as_deref(),
         Some("ok")
     );
+}
+
+/// B-5, E-12: an attempt that did not happen keeps its number; a stopping worker hands back
+/// what it holds; a task whose every attempt lost its worker is failed and its parent told.
+async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "x").await.unwrap();
+    assert!(
+        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5)
+            .await
+            .unwrap()
+    );
+    let hold = Duration::from_secs(60);
+    let first = s.claim_task_agent("w1", hold, 3).await.unwrap().unwrap();
+    assert_eq!(first.attempts, 1);
+    let not_yet = TaskSettle {
+        state: "queued",
+        result: None,
+        error: Some("thread busy"),
+        retry_at: Some(SystemTime::now()),
+        report: None,
+        keep_attempt: true,
+    };
+    assert!(s.settle_task_agent(&first, "w1", &not_yet).await.unwrap());
+    let again = s.claim_task_agent("w1", hold, 3).await.unwrap().unwrap();
+    assert_eq!(
+        again.attempts, 1,
+        "the same attempt, so its request id finds the run it may have started"
+    );
+
+    assert_eq!(s.release_task_claims("w2").await.unwrap(), 0, "not w2's");
+    assert_eq!(s.release_task_claims("w1").await.unwrap(), 1);
+    assert!(
+        !s.settle_task_agent(&again, "w1", &not_yet).await.unwrap(),
+        "a handed-back attempt settles nothing"
+    );
+    // A zero-long claim lapses at once: the worker "died" on each of these attempts.
+    let second = s
+        .claim_task_agent("w2", Duration::ZERO, 3)
+        .await
+        .unwrap()
+        .expect("handed back: ready at once");
+    assert_eq!(second.attempts, 2);
+    let third = s
+        .claim_task_agent("w3", Duration::ZERO, 3)
+        .await
+        .unwrap()
+        .expect("its claim lapsed: taken over");
+    assert_eq!(third.attempts, 3);
+    assert!(
+        s.claim_task_agent("w4", hold, 3).await.unwrap().is_none(),
+        "a claim that lapsed on the last attempt is not taken again"
+    );
+    assert_eq!(
+        s.fail_lapsed_task_agents(3, "it kept stopping")
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        s.fail_lapsed_task_agents(3, "it kept stopping")
+            .await
+            .unwrap(),
+        0,
+        "failed once"
+    );
+    let task = s.get_task_agent("alice", "k1").await.unwrap().unwrap();
+    assert_eq!(
+        (task.state.as_str(), task.last_error.as_deref()),
+        ("failed", Some("it kept stopping"))
+    );
+    let posted: Vec<String> = s
+        .list_messages("t1", 0, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.content)
+        .collect();
+    assert_eq!(
+        posted,
+        ["Task agent could not finish (done): it kept stopping"]
+    );
+}
+
+/// A stopping worker hands back the occurrences its holders (`worker/claim`) hold, and only
+/// those: another worker takes them over at once, and the old holder can no longer settle.
+async fn a_stopping_workers_occurrences_are_handed_back(b: Backend) {
+    let s = &b.store;
+    for id in ["s1", "s2"] {
+        s.create_schedule(&every_minute(id, "alice", t0()), 10)
+            .await
+            .unwrap();
+    }
+    let now = t0() + secs(61);
+    let mine = s
+        .claim_schedule("w1/a", now, secs(600))
+        .await
+        .unwrap()
+        .unwrap();
+    let theirs = s
+        .claim_schedule("w10/b", now, secs(600))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_ne!(mine.schedule.id, theirs.schedule.id);
+    assert_eq!(s.release_schedule_holds("w1").await.unwrap(), 1);
+    let taken = s
+        .claim_schedule("w2/c", now, secs(600))
+        .await
+        .unwrap()
+        .expect("handed back: taken over at once");
+    assert_eq!(
+        (&taken.schedule.id, taken.due_at, taken.attempt),
+        (&mine.schedule.id, mine.due_at, mine.attempt),
+        "the same occurrence and attempt"
+    );
+    let done = Settle::Done {
+        outcome: ScheduleOutcome::Completed,
+        run_id: None,
+        error: None,
+    };
+    assert!(!s.settle_schedule(&mine, "w1/a", &done).await.unwrap());
+    assert!(s.settle_schedule(&theirs, "w10/b", &done).await.unwrap());
 }
 
 async fn threads_belong_to_their_owner(b: Backend) {
@@ -1777,6 +1901,8 @@ both_backends!(
     every_combination_of_a_commits_parts_lands,
     an_admission_reads_the_owners_newest_session_summaries,
     the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once,
+    task_claims_are_kept_handed_back_or_ended_by_their_rules,
+    a_stopping_workers_occurrences_are_handed_back,
     a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found,
     schedules_belong_to_their_owner_and_the_per_user_cap_holds,
     a_due_occurrence_is_claimed_once_and_missed_slots_collapse_into_it,

@@ -296,16 +296,38 @@ impl RunService {
     }
 
     /// Task-agent workers (B-5): every `interval`, take ready tasks from the shared queue (any
-    /// replica may) and run them until none is ready.
-    pub fn spawn_task_workers(self: &Arc<Self>, interval: Duration) -> tokio::task::JoinHandle<()> {
+    /// replica may) and run them until none is ready. `worker` names this process's claims, so
+    /// [`RunService::hand_back`] can release them when it stops.
+    pub fn spawn_task_workers(
+        self: &Arc<Self>,
+        interval: Duration,
+        worker: String,
+    ) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
-        let worker = format!("agent-{}", uuid::Uuid::new_v4());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             loop {
                 tick.tick().await;
+                match this
+                    .store
+                    .fail_lapsed_task_agents(MAX_TASK_ATTEMPTS, TASK_KEPT_STOPPING)
+                    .await
+                {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        tracing::error!(
+                            tasks = n,
+                            "task agents whose every attempt lost its worker were failed"
+                        )
+                    }
+                    Err(e) => tracing::warn!(error = %e, "task queue unavailable"),
+                }
                 loop {
-                    match this.store.claim_task_agent(&worker, TASK_CLAIM).await {
+                    match this
+                        .store
+                        .claim_task_agent(&worker, TASK_CLAIM, MAX_TASK_ATTEMPTS)
+                        .await
+                    {
                         Ok(Some(task)) => this.run_task_agent(task, &worker).await,
                         Ok(None) => break,
                         Err(e) => {
@@ -318,73 +340,37 @@ impl RunService {
         })
     }
 
+    /// At shutdown, once this process's workers are stopped and its runs handed back: the tasks
+    /// and scheduled occurrences `worker` holds are released, so another replica takes them up
+    /// now rather than when their claims lapse (up to 15 minutes later).
+    pub async fn hand_back(&self, worker: &str) {
+        match self.store.release_task_claims(worker).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(tasks = n, "handed back task agents in progress"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not hand back task agents; they are taken up when their claims lapse")
+            }
+        }
+        match self.store.release_schedule_holds(worker).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                occurrences = n,
+                "handed back scheduled occurrences in progress"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not hand back scheduled occurrences; they are taken over when their holds lapse")
+            }
+        }
+    }
+
     /// One attempt of a task agent: a run on its own thread through the same admission,
     /// prompt assembly and writer as any run (background limits, no approvals possible), then
     /// its result posted to the parent thread, or a retry per E-12.
     async fn run_task_agent(self: &Arc<Self>, task: TaskAgent, worker: &str) {
-        let thread_id = format!("task-{}", task.id);
-        let work = async {
-            if self
-                .store
-                .get_thread(&task.owner, &thread_id)
-                .await?
-                .is_none()
-            {
-                let title: String = format!("Task: {}", task.goal).chars().take(80).collect();
-                match self
-                    .store
-                    .create_thread(&thread_id, &task.owner, &title)
-                    .await
-                {
-                    Ok(_) | Err(StoreError::Conflict(_)) => {}
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            // The goal and instructions were written by the model, perhaps after reading
-            // someone else's words: they enter the task run as data, not as orders.
-            let input = RunInput {
-                prompt: format!(
-                    "Carry out the background task described below for the user.\n{}",
-                    crate::fence::block("task instructions", &task.instructions)
-                ),
-                thread_id: Some(thread_id.clone()),
-                conversation: Vec::new(),
-                attached: Vec::new(),
-                channel: limits::Channel::TaskAgent,
-                request_id: Some(format!("task-{}-attempt-{}", task.id, task.attempts)),
-                max_total_tokens: None,
-                max_cost_usd: None,
-                model_override: None,
-                session: Some(SessionSetup {
-                    guidance: format!(
-                        "You are a background task agent working for the user, without them present. \
-                         Work step by step with your tools towards the goal below and finish with a short report.\n{}",
-                        crate::fence::block("task goal", &task.goal)
-                    ),
-                    bootstrap: None,
-                    allowed_tools: None,
-                    yield_to_approvals: false,
-                }),
-            };
-            let (run_id, thread_id) = self.start(&task.owner, input).await?;
-            let mut events = self.follow_started(&run_id, &thread_id, Deliver::End);
-            while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
-                let event = event.map_err(|s| ApiError::Unavailable(s.message().to_owned()))?;
-                match event.kind {
-                    Some(pb::run_event::Kind::Result(result)) => return Ok(result),
-                    Some(pb::run_event::Kind::Error(e)) => {
-                        return Err(ApiError::Unavailable(e.message));
-                    }
-                    _ => {}
-                }
-            }
-            Err(ApiError::Unavailable(format!(
-                "task agent run {run_id} ended without a result"
-            )))
-        };
         // The claim is renewed while the attempt works, so a long run is not taken over by
         // another worker (whose start would find the task's thread busy).
-        let outcome: Result<Box<pb::RunResult>, ApiError> = {
+        let attempt = {
+            let work = self.attempt_task_agent(&task);
             tokio::pin!(work);
             let mut renew = tokio::time::interval_at(
                 tokio::time::Instant::now() + TASK_CLAIM / 3,
@@ -392,7 +378,7 @@ impl RunService {
             );
             loop {
                 tokio::select! {
-                    outcome = &mut work => break outcome,
+                    attempt = &mut work => break attempt,
                     _ = renew.tick() => {
                         match self.store.renew_task_claim(&task, worker, TASK_CLAIM).await {
                             Ok(true) => {}
@@ -403,69 +389,22 @@ impl RunService {
                 }
             }
         };
-
-        let (done, error) = match &outcome {
-            Ok(r) if r.status == pb::RunState::Completed as i32 => (Some(r.summary.clone()), None),
-            Ok(r) => (None, Some(r.error.clone())),
-            Err(e) => (None, Some(e.to_string())),
+        let outcome = task_outcome(&task, attempt);
+        let how = crate::store::TaskSettle {
+            state: outcome.state,
+            result: outcome.result.as_deref(),
+            error: outcome.error.as_deref(),
+            retry_at: outcome.retry_at,
+            report: outcome.report.as_ref().map(|(s, text)| (*s, text.as_str())),
+            keep_attempt: outcome.keep_attempt,
         };
-        // Someone stopped it (CancelRun): not a failure to try again.
-        let cancelled = matches!(&outcome, Ok(r) if r.status == pb::RunState::Cancelled as i32);
-        let settle = |state, result, error, retry_at, report| crate::store::TaskSettle {
-            state,
-            result,
-            error,
-            retry_at,
-            report,
-        };
-        let (report, settled) = match (done, error) {
-            (Some(text), _) => {
-                let report = format!("Task agent finished ({}):\n{text}", task.goal);
-                let how = settle(
-                    "completed",
-                    Some(text.as_str()),
-                    None,
-                    None,
-                    Some((MessageSource::Agent, report.as_str())),
-                );
-                (
-                    true,
-                    self.store.settle_task_agent(&task, worker, &how).await,
-                )
-            }
-            (None, error) => {
-                let error = error.unwrap_or_default();
-                if let Some(backoff) = retry_backoff(&error, task.attempts).filter(|_| !cancelled) {
-                    let retry_at = SystemTime::now() + backoff;
-                    tracing::warn!(task = %task.id, attempt = task.attempts, %error, "task agent failed; retrying later");
-                    let how = settle("queued", None, Some(error.as_str()), Some(retry_at), None);
-                    (
-                        false,
-                        self.store.settle_task_agent(&task, worker, &how).await,
-                    )
-                } else {
-                    let report = format!("Task agent could not finish ({}): {error}", task.goal);
-                    let how = settle(
-                        "failed",
-                        None,
-                        Some(error.as_str()),
-                        None,
-                        Some((MessageSource::Error, report.as_str())),
-                    );
-                    (
-                        true,
-                        self.store.settle_task_agent(&task, worker, &how).await,
-                    )
-                }
-            }
-        };
-        match settled {
+        match self.store.settle_task_agent(&task, worker, &how).await {
             Ok(true) => {}
             // Its claim lapsed and another attempt holds the task: that one reports.
             Ok(false) => {
                 tracing::warn!(task = %task.id, attempt = task.attempts, "task agent attempt outlived its claim; its outcome is dropped");
             }
-            Err(e) if report => {
+            Err(e) if how.report.is_some() => {
                 tracing::error!(task = %task.id, error = %e, "could not record a task agent's outcome or post its report; it runs again once its claim lapses");
             }
             Err(e) => {
@@ -473,7 +412,172 @@ impl RunService {
             }
         }
     }
+
+    /// Starts (or, by its request id, finds) the attempt's run and follows it to its end.
+    async fn attempt_task_agent(self: &Arc<Self>, task: &TaskAgent) -> TaskAttempt {
+        let thread_id = format!("task-{}", task.id);
+        let created = match self.store.get_thread(&task.owner, &thread_id).await {
+            Ok(Some(_)) => Ok(()),
+            Ok(None) => {
+                let title: String = format!("Task: {}", task.goal).chars().take(80).collect();
+                match self
+                    .store
+                    .create_thread(&thread_id, &task.owner, &title)
+                    .await
+                {
+                    Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = created {
+            return TaskAttempt::NotYet(format!("the task's thread could not be read: {e}"));
+        }
+        // The goal and instructions were written by the model, perhaps after reading
+        // someone else's words: they enter the task run as data, not as orders.
+        let input = RunInput {
+            prompt: format!(
+                "Carry out the background task described below for the user.\n{}",
+                crate::fence::block("task instructions", &task.instructions)
+            ),
+            thread_id: Some(thread_id),
+            conversation: Vec::new(),
+            attached: Vec::new(),
+            channel: limits::Channel::TaskAgent,
+            request_id: Some(format!("task-{}-attempt-{}", task.id, task.attempts)),
+            max_total_tokens: None,
+            max_cost_usd: None,
+            model_override: None,
+            session: Some(SessionSetup {
+                guidance: format!(
+                    "You are a background task agent working for the user, without them present. \
+                     Work step by step with your tools towards the goal below and finish with a short report.\n{}",
+                    crate::fence::block("task goal", &task.goal)
+                ),
+                bootstrap: None,
+                allowed_tools: None,
+                yield_to_approvals: false,
+            }),
+        };
+        let (run_id, thread_id) = match self.start(&task.owner, input).await {
+            Ok(ids) => ids,
+            // The task's thread busy, the user at the run cap: no run was started.
+            Err(ApiError::Aborted(why) | ApiError::ResourceExhausted(why)) => {
+                return TaskAttempt::NotYet(why);
+            }
+            // The store away or this process stopping: the run may or may not have started,
+            // and the same request id finds it if it did.
+            Err(e @ (ApiError::Store(_) | ApiError::Unavailable(_))) => {
+                return TaskAttempt::NotYet(e.to_string());
+            }
+            Err(e) => return TaskAttempt::Failed(e.to_string()),
+        };
+        let mut events = self.follow_started(&run_id, &thread_id, Deliver::End);
+        while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
+            match event {
+                Ok(event) => {
+                    if let Some(result) = crate::api::terminal_result(&event) {
+                        return TaskAttempt::Ended(Box::new(result));
+                    }
+                }
+                // Following failed, not the run: the run goes on, and the next take-up of this
+                // attempt follows it again.
+                Err(status) => {
+                    return TaskAttempt::NotYet(format!(
+                        "run {run_id} could not be followed: {}",
+                        status.message()
+                    ));
+                }
+            }
+        }
+        TaskAttempt::NotYet(format!("run {run_id} could not be followed to its end"))
+    }
 }
+
+/// How an attempt settles its task, owned (see [`crate::store::TaskSettle`]).
+struct TaskOutcome {
+    state: &'static str,
+    result: Option<String>,
+    error: Option<String>,
+    retry_at: Option<SystemTime>,
+    report: Option<(MessageSource, String)>,
+    keep_attempt: bool,
+}
+
+/// Completed and reported; not yet, and taken up again without counting; failed, and retried on
+/// the E-12 schedule or reported as failed for good. A cancelled run (CancelRun) is final.
+fn task_outcome(task: &TaskAgent, attempt: TaskAttempt) -> TaskOutcome {
+    let again = |error: String, at: Duration, keep_attempt| TaskOutcome {
+        state: "queued",
+        result: None,
+        error: Some(error),
+        retry_at: Some(SystemTime::now() + at),
+        report: None,
+        keep_attempt,
+    };
+    let (error, cancelled) = match attempt {
+        TaskAttempt::Ended(r) if r.status == pb::RunState::Completed as i32 => {
+            return TaskOutcome {
+                state: "completed",
+                report: Some((
+                    MessageSource::Agent,
+                    format!("Task agent finished ({}):\n{}", task.goal, r.summary),
+                )),
+                result: Some(r.summary),
+                error: None,
+                retry_at: None,
+                keep_attempt: false,
+            };
+        }
+        TaskAttempt::NotYet(why) => {
+            tracing::warn!(task = %task.id, attempt = task.attempts, %why, "task agent attempt taken up again later");
+            return again(why, TASK_NOT_YET, true);
+        }
+        TaskAttempt::Ended(r) => (r.error, r.status == pb::RunState::Cancelled as i32),
+        TaskAttempt::Failed(error) => (error, false),
+    };
+    match retry_backoff(&error, task.attempts).filter(|_| !cancelled) {
+        Some(backoff) => {
+            tracing::warn!(task = %task.id, attempt = task.attempts, %error, "task agent failed; retrying later");
+            again(error, backoff, false)
+        }
+        None => TaskOutcome {
+            state: "failed",
+            report: Some((
+                MessageSource::Error,
+                format!("Task agent could not finish ({}): {error}", task.goal),
+            )),
+            result: None,
+            error: Some(error),
+            retry_at: None,
+            keep_attempt: false,
+        },
+    }
+}
+
+/// How one attempt of a task agent went.
+enum TaskAttempt {
+    /// Its run ended: completed, failed or cancelled.
+    Ended(Box<pb::RunResult>),
+    /// It could not start a run, or failed before its run ended for a reason that is its own.
+    Failed(String),
+    /// Not an attempt: its run could not start for now (the task's thread busy, the user at
+    /// the run cap) or could not be followed (the store away). The same attempt is taken up
+    /// again shortly, and its request id finds the run if one started.
+    NotYet(String),
+}
+
+/// How soon an attempt that did not happen ([`TaskAttempt::NotYet`]) is taken up again.
+const TASK_NOT_YET: Duration = Duration::from_secs(30);
+
+/// The most attempts a task gets; a claim that lapses on the last one (its worker went away
+/// every time) fails the task. As many as the most retries E-12 allows any error.
+const MAX_TASK_ATTEMPTS: u32 = 5;
+
+/// Why such a task failed, as its parent thread is told.
+const TASK_KEPT_STOPPING: &str =
+    "every attempt stopped with the server running it; it was not tried again";
 
 /// How long a run whose take-up check keeps failing on an unavailable store is left for the
 /// next sweep before it is ended as abandoned.

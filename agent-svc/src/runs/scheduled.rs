@@ -360,12 +360,13 @@ impl RunService {
     }
 
     /// Workers: every `interval`, fire whatever is due. Any number of replicas may run them.
+    /// `worker` names this process's holds, so [`RunService::hand_back`] can release them.
     pub fn spawn_schedule_workers(
         self: &Arc<Self>,
         interval: Duration,
+        worker: String,
     ) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
-        let worker = format!("agent-{}", uuid::Uuid::new_v4());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             loop {
@@ -390,7 +391,7 @@ impl RunService {
         Result<(String, String), ApiError>,
         tokio::task::JoinHandle<Fired>,
     ) {
-        let started = self.start_occurrence(&occurrence).await;
+        let started = self.start_occurrence(&occurrence, at_once).await;
         let (run, early) = match &started {
             Ok((run_id, thread_id)) => (Some((run_id.clone(), thread_id.clone())), None),
             Err(e) if at_once => (
@@ -443,6 +444,7 @@ impl RunService {
     async fn start_occurrence(
         self: &Arc<Self>,
         occurrence: &Occurrence,
+        at_once: bool,
     ) -> Result<(String, String), ApiError> {
         let s = &occurrence.schedule;
         let due = occurrence
@@ -461,6 +463,19 @@ impl RunService {
             .await?
         {
             return Ok((run.id, run.thread_id));
+        }
+        // Switched off after an attempt failed or was postponed: the rest of the occurrence is
+        // not owed. (One whose run is going is followed to its end, above.)
+        if !s.enabled
+            && !at_once
+            && matches!(
+                s.last_outcome,
+                Some(ScheduleOutcome::Retrying | ScheduleOutcome::Postponed)
+            )
+        {
+            return Err(ApiError::FailedPrecondition(
+                "the schedule was switched off before this occurrence could run again".into(),
+            ));
         }
         let bootstrap = match &self.gateway {
             Some(gateway) => {
@@ -600,9 +615,21 @@ impl RunService {
 }
 
 /// How an occurrence whose run could not start settles: a busy thread or the user's run cap
-/// postpones it; a schedule whose thread is gone fails; anything else is retried per E-12.
+/// postpones it; the store away leaves the attempt to be taken up again (whether its run
+/// started is not known, and its request id finds that run if it did); a schedule whose thread
+/// is gone, or that was switched off, fails; anything else is retried per E-12.
 fn start_failed(occurrence: &Occurrence, e: &ApiError, now: SystemTime) -> Settle {
     match e {
+        ApiError::Store(_) => {
+            tracing::warn!(schedule = %occurrence.schedule.id, error = %e, "scheduled run not started; the same attempt is taken up again");
+            Settle::Again {
+                // Postponed, not retrying: this does not count as an attempt.
+                outcome: ScheduleOutcome::Postponed,
+                run_id: None,
+                error: Some(e.to_string()),
+                at: now + POSTPONE,
+            }
+        }
         ApiError::Aborted(why) | ApiError::ResourceExhausted(why) => {
             tracing::info!(schedule = %occurrence.schedule.id, %why, "scheduled run postponed");
             Settle::Again {
@@ -612,11 +639,13 @@ fn start_failed(occurrence: &Occurrence, e: &ApiError, now: SystemTime) -> Settl
                 at: now + POSTPONE,
             }
         }
-        ApiError::NotFound(_) | ApiError::InvalidArgument(_) => Settle::Done {
-            outcome: ScheduleOutcome::Failed,
-            run_id: None,
-            error: Some(e.to_string()),
-        },
+        ApiError::NotFound(_) | ApiError::InvalidArgument(_) | ApiError::FailedPrecondition(_) => {
+            Settle::Done {
+                outcome: ScheduleOutcome::Failed,
+                run_id: None,
+                error: Some(e.to_string()),
+            }
+        }
         _ => failed(occurrence, None, e.to_string(), now),
     }
 }

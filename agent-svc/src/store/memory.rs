@@ -64,6 +64,9 @@ impl ScheduleRow {
     }
 }
 
+/// A task's claim: until when, by which worker.
+type TaskClaim = (SystemTime, String);
+
 #[derive(Default)]
 struct State {
     threads: HashMap<String, ThreadRow>,
@@ -77,7 +80,8 @@ struct State {
     approvals: HashMap<String, Approval>,
     actions: Vec<Action>,
     archives: Vec<(String, Archive, String)>,
-    tasks: Vec<(TaskAgent, SystemTime, Option<SystemTime>)>,
+    /// A task, when it is next due, and its claim.
+    tasks: Vec<(TaskAgent, SystemTime, Option<TaskClaim>)>,
     schedules: Vec<ScheduleRow>,
     audit: Vec<(String, String, Value)>,
     // Indexes, so that a long-lived process (this is the embedded default) does not scan
@@ -921,19 +925,76 @@ impl AgentStore for MemoryStore {
 
     async fn claim_task_agent(
         &self,
-        _worker: &str,
+        worker: &str,
         lease: Duration,
+        max_attempts: u32,
     ) -> Result<Option<TaskAgent>, StoreError> {
         let now = SystemTime::now();
         self.with(|s| {
             let (task, _, claimed) = s.tasks.iter_mut().find(|(t, next, claimed)| {
                 (t.state == "queued" && *next <= now)
-                    || (t.state == "running" && claimed.is_some_and(|c| c < now))
+                    || (t.state == "running"
+                        && t.attempts < max_attempts
+                        && claimed.as_ref().is_some_and(|(c, _)| *c < now))
             })?;
             task.state = "running".into();
             task.attempts += 1;
-            *claimed = Some(now + lease);
+            *claimed = Some((now + lease, worker.to_owned()));
             Some(task.clone())
+        })
+    }
+
+    async fn fail_lapsed_task_agents(
+        &self,
+        max_attempts: u32,
+        reason: &str,
+    ) -> Result<usize, StoreError> {
+        let now = SystemTime::now();
+        self.with(|s| {
+            let mut reports = Vec::new();
+            for (task, _, claimed) in &mut s.tasks {
+                if task.state == "running"
+                    && task.attempts >= max_attempts
+                    && claimed.as_ref().is_some_and(|(c, _)| *c < now)
+                {
+                    task.state = "failed".into();
+                    task.last_error = Some(reason.to_owned());
+                    *claimed = None;
+                    reports.push((
+                        task.parent_thread_id.clone(),
+                        format!("Task agent could not finish ({}): {reason}", task.goal),
+                        task.id.clone(),
+                    ));
+                }
+            }
+            let n = reports.len();
+            for (parent, text, id) in reports {
+                s.add_message(
+                    &parent,
+                    None,
+                    MessageSource::Error,
+                    MessageKind::Text,
+                    &text,
+                    serde_json::json!({ "task_agent_id": id }),
+                );
+            }
+            n
+        })
+    }
+
+    async fn release_task_claims(&self, worker: &str) -> Result<usize, StoreError> {
+        let now = SystemTime::now();
+        self.with(|s| {
+            let mut n = 0;
+            for (task, next, claimed) in &mut s.tasks {
+                if task.state == "running" && claimed.as_ref().is_some_and(|(_, w)| w == worker) {
+                    task.state = "queued".into();
+                    *next = now;
+                    *claimed = None;
+                    n += 1;
+                }
+            }
+            n
         })
     }
 
@@ -948,11 +1009,11 @@ impl AgentStore for MemoryStore {
             match s.tasks.iter_mut().find(|(t, _, _)| {
                 t.id == task.id && t.state == "running" && t.attempts == task.attempts
             }) {
-                Some((_, _, claimed)) => {
-                    *claimed = Some(now + hold);
+                Some((_, _, Some((until, _)))) => {
+                    *until = now + hold;
                     true
                 }
-                None => false,
+                _ => false,
             }
         })
     }
@@ -971,6 +1032,9 @@ impl AgentStore for MemoryStore {
                 return false;
             };
             held.state = settle.state.to_owned();
+            if settle.keep_attempt {
+                held.attempts -= 1;
+            }
             held.result = settle.result.map(str::to_owned).or(held.result.take());
             held.last_error = settle.error.map(str::to_owned).or(held.last_error.take());
             if let Some(at) = settle.retry_at {
@@ -1162,6 +1226,24 @@ impl AgentStore for MemoryStore {
             row.schedule.last_fired_at = Some(now);
             Ok(Some(row.claim(worker, now, now, hold)))
         })?
+    }
+
+    async fn release_schedule_holds(&self, worker: &str) -> Result<usize, StoreError> {
+        let now = SystemTime::now();
+        let prefix = format!("{worker}/");
+        self.with(|s| {
+            let mut n = 0;
+            for row in &mut s.schedules {
+                if row.schedule.occurrence_at.is_some()
+                    && row.holder.as_ref().is_some_and(|h| h.starts_with(&prefix))
+                {
+                    row.holder = None;
+                    row.held_until = Some(now);
+                    n += 1;
+                }
+            }
+            n
+        })
     }
 
     async fn settle_schedule(

@@ -566,13 +566,27 @@ pub trait AgentStore: Send + Sync + 'static {
         task: &TaskAgent,
         max_queued: u32,
     ) -> Result<bool, StoreError>;
-    /// Takes the next ready task (queued and due, or running with an expired claim) for
-    /// `worker`, exclusively across replicas, counting the attempt.
+    /// Takes the next ready task (queued and due, or running with an expired claim on an
+    /// attempt before `max_attempts`) for `worker`, exclusively across replicas, counting the
+    /// attempt.
     async fn claim_task_agent(
         &self,
         worker: &str,
         lease: Duration,
+        max_attempts: u32,
     ) -> Result<Option<TaskAgent>, StoreError>;
+    /// Fails every task whose claim lapsed on attempt `max_attempts` or later — each of its
+    /// workers went away mid-attempt, so a task that brings its process down is not taken again
+    /// forever — and posts "Task agent could not finish (goal): `reason`" to its parent thread
+    /// in the same statement. Returns how many.
+    async fn fail_lapsed_task_agents(
+        &self,
+        max_attempts: u32,
+        reason: &str,
+    ) -> Result<usize, StoreError>;
+    /// Hands back every task `worker` holds (its process is stopping): each is ready again at
+    /// once for another worker, whose attempt counts as a new one. Returns how many.
+    async fn release_task_claims(&self, worker: &str) -> Result<usize, StoreError>;
     /// Extends the claim of the attempt `task` is (fenced as `settle_task_agent` is) to `hold`
     /// from now; false when that attempt no longer holds the task.
     async fn renew_task_claim(
@@ -624,6 +638,9 @@ pub trait AgentStore: Send + Sync + 'static {
         now: SystemTime,
         hold: Duration,
     ) -> Result<Option<Occurrence>, StoreError>;
+    /// Hands back every occurrence a holder of `worker` (`worker/…`) holds (its process is
+    /// stopping): each can be taken over at once rather than when its hold lapses.
+    async fn release_schedule_holds(&self, worker: &str) -> Result<usize, StoreError>;
     /// Records how `occurrence` went, if `worker` still holds it; false otherwise.
     async fn settle_schedule(
         &self,
@@ -818,6 +835,10 @@ pub struct TaskSettle<'a> {
     pub retry_at: Option<SystemTime>,
     /// (source, text) posted to the parent thread with the settle.
     pub report: Option<(MessageSource, &'a str)>,
+    /// The attempt did not count (its run could not start for now, or could not be followed):
+    /// the next claim takes the same attempt number, so its request id finds the run this one
+    /// may have started instead of starting a second.
+    pub keep_attempt: bool,
 }
 
 /// An archived session (B-4).

@@ -788,6 +788,7 @@ impl AgentStore for PgStore {
         &self,
         worker: &str,
         lease: Duration,
+        max_attempts: u32,
     ) -> Result<Option<TaskAgent>, StoreError> {
         let row = self
             .client()
@@ -798,15 +799,55 @@ impl AgentStore for PgStore {
                        updated_at = now() \
                      WHERE id = (SELECT id FROM agent.task_agents \
                                  WHERE (state = 'queued' AND next_attempt_at <= now()) \
-                                    OR (state = 'running' AND claimed_until < now()) \
+                                    OR (state = 'running' AND claimed_until < now() AND attempts < $3) \
                                  ORDER BY next_attempt_at LIMIT 1 FOR UPDATE SKIP LOCKED) \
                      RETURNING {TASK_COLUMNS}"
                 ),
-                &[&worker, &lease_until(lease)],
+                &[&worker, &lease_until(lease), &(max_attempts as i32)],
             )
             .await
             .map_err(db)?;
         Ok(row.as_ref().map(task_agent))
+    }
+
+    async fn fail_lapsed_task_agents(
+        &self,
+        max_attempts: u32,
+        reason: &str,
+    ) -> Result<usize, StoreError> {
+        let failed = self
+            .client()
+            .await?
+            .query_one(
+                "WITH failed AS (UPDATE agent.task_agents SET state = 'failed', last_error = $2, \
+                   claimed_by = NULL, claimed_until = NULL, updated_at = now() \
+                   WHERE state = 'running' AND claimed_until < now() AND attempts >= $1 \
+                   RETURNING id, parent_thread_id, goal), \
+                 posted AS (INSERT INTO agent.messages (thread_id, source, kind, content, metadata) \
+                   SELECT parent_thread_id, 'error', 'text', 'Task agent could not finish (' || goal || '): ' || $2, \
+                     jsonb_build_object('task_agent_id', id) FROM failed RETURNING thread_id), \
+                 touched AS (UPDATE agent.threads SET updated_at = now() WHERE id IN (SELECT thread_id FROM posted)) \
+                 SELECT count(*) FROM failed",
+                &[&(max_attempts as i32), &reason],
+            )
+            .await
+            .map_err(db)?;
+        Ok(failed.get::<_, i64>(0) as usize)
+    }
+
+    async fn release_task_claims(&self, worker: &str) -> Result<usize, StoreError> {
+        let released = self
+            .client()
+            .await?
+            .execute(
+                "UPDATE agent.task_agents SET state = 'queued', next_attempt_at = now(), claimed_by = NULL, \
+                   claimed_until = NULL, updated_at = now() \
+                 WHERE state = 'running' AND claimed_by = $1",
+                &[&worker],
+            )
+            .await
+            .map_err(db)?;
+        Ok(released as usize)
     }
 
     async fn create_schedule(
@@ -1031,6 +1072,21 @@ impl AgentStore for PgStore {
         }))
     }
 
+    async fn release_schedule_holds(&self, worker: &str) -> Result<usize, StoreError> {
+        // A holder is `worker/claim`; `worker` is a generated name, free of LIKE's wildcards.
+        let released = self
+            .client()
+            .await?
+            .execute(
+                "UPDATE agent.schedules SET holder = NULL, held_until = now(), updated_at = now() \
+                 WHERE occurrence_at IS NOT NULL AND starts_with(holder, $1 || '/')",
+                &[&worker],
+            )
+            .await
+            .map_err(db)?;
+        Ok(released as usize)
+    }
+
     async fn settle_schedule(
         &self,
         occurrence: &Occurrence,
@@ -1127,7 +1183,7 @@ impl AgentStore for PgStore {
                 "WITH settled AS (UPDATE agent.task_agents SET state = $2, result = COALESCE($3::text, result), \
                    last_error = COALESCE($4::text, last_error), \
                    next_attempt_at = COALESCE($5::timestamptz, next_attempt_at), claimed_by = NULL, claimed_until = NULL, \
-                   updated_at = now() \
+                   attempts = attempts - CASE WHEN $10 THEN 1 ELSE 0 END, updated_at = now() \
                    WHERE id = $1 AND state = 'running' AND claimed_by = $6 AND attempts = $7 \
                    RETURNING parent_thread_id), \
                  posted AS (INSERT INTO agent.messages (thread_id, source, kind, content, metadata) \
@@ -1145,6 +1201,7 @@ impl AgentStore for PgStore {
                     &(task.attempts as i32),
                     &source,
                     &report,
+                    &settle.keep_attempt,
                 ],
             )
             .await
