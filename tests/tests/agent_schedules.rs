@@ -199,7 +199,8 @@ async fn e12_occurrences_missed_while_every_replica_was_down_run_once_on_recover
 
 #[tokio::test]
 async fn a_busy_thread_postpones_the_occurrence_and_it_runs_once_when_free() {
-    let app = spawn_app_with(Backend::Postgres, &[NO_WORKERS]).await;
+    let (app, _model, gmail) =
+        gmail_world(vec![Answer::text("Nothing urgent.")], &[NO_WORKERS]).await;
     let replicas = app.agent_replicas();
     let mut alice = app.agent_as("alice").await;
     let schedule = create(
@@ -208,21 +209,26 @@ async fn a_busy_thread_postpones_the_occurrence_and_it_runs_once_when_free() {
     )
     .await
     .unwrap();
-    let first = time(&schedule.next_due_at);
+    let due = time(&schedule.next_due_at);
     let store = app.agent_store().await;
     let LockOutcome::Acquired(lease) = store
-        .lock_thread(&schedule.thread_id, "a-users-run", Duration::from_secs(60))
+        .lock_thread(&schedule.thread_id, "a-users-run", Duration::from_secs(120))
         .await
         .unwrap()
     else {
         panic!("the thread was free")
     };
 
-    let now = first + Duration::from_secs(1);
-    let fired = fire_everywhere(&replicas, now).await;
+    let asked = gmail.requests();
+    let fired = fire_everywhere(&replicas, due + Duration::from_secs(1)).await;
     assert_eq!(fired.len(), 1);
     assert_eq!(fired[0].outcome, ScheduleOutcome::Postponed);
     assert!(runs_on(&app, &schedule.thread_id).await.is_empty());
+    assert_eq!(
+        gmail.requests(),
+        asked,
+        "a postponed occurrence does not fetch its context (the unread counts)"
+    );
     let shown = listed(&mut alice).await;
     assert_eq!(shown[0].last_outcome, pb::ScheduleOutcome::Postponed as i32);
     assert!(
@@ -230,18 +236,73 @@ async fn a_busy_thread_postpones_the_occurrence_and_it_runs_once_when_free() {
         "{}",
         shown[0].last_error
     );
-
-    store.release_lease(&lease).await.unwrap();
     assert!(
-        fire_everywhere(&replicas, now + Duration::from_secs(10))
+        fire_everywhere(&replicas, due + Duration::from_secs(11))
             .await
             .is_empty(),
         "a postponed occurrence waits its turn"
     );
-    let fired = fire_everywhere(&replicas, now + Duration::from_secs(31)).await;
+
+    // Still busy an hour later: the later an occurrence is, the longer it waits (ten minutes
+    // at most), rather than trying every 30 s for as long as an approval stays undecided.
+    let late = due + Duration::from_secs(3600);
+    assert_eq!(
+        fire_everywhere(&replicas, late).await[0].outcome,
+        ScheduleOutcome::Postponed
+    );
+    assert!(
+        fire_everywhere(&replicas, late + Duration::from_secs(300))
+            .await
+            .is_empty(),
+        "an hour late, it waits ten minutes"
+    );
+
+    store.release_lease(&lease).await.unwrap();
+    let fired = fire_everywhere(&replicas, late + Duration::from_secs(601)).await;
     assert_eq!(fired.len(), 1);
     assert_eq!(fired[0].outcome, ScheduleOutcome::Completed);
     assert_eq!(runs_on(&app, &schedule.thread_id).await.len(), 1);
+    assert!(gmail.requests() > asked, "the run that started fetched it");
+}
+
+/// A replica starts the occurrences due at one time together: one whose gateway call hangs
+/// does not hold up the claiming and starting of the others.
+#[tokio::test]
+async fn occurrences_due_together_start_together_on_a_replica() {
+    // A "gateway" that accepts connections and never answers.
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hole_addr = hole.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = hole.accept().await {
+            held.push(socket);
+        }
+    });
+    let mut app = spawn_app_with(Backend::Postgres, &[NO_WORKERS]).await;
+    let gateway = format!("http://{hole_addr}");
+    app.start_another_agent_with(&[NO_WORKERS, ("GATEWAY_URL", gateway.as_str())])
+        .await;
+    let mut due = Vec::new();
+    for user in ["ann", "ben", "cat"] {
+        let schedule = create(
+            &mut app.agent_as(user).await,
+            every_minute_in_berlin(pb::ScheduleKind::Heartbeat),
+        )
+        .await
+        .unwrap();
+        due.push(time(&schedule.next_due_at));
+    }
+    let now = due.into_iter().max().unwrap() + Duration::from_secs(1);
+
+    let replica = &app.agent_replicas()[0];
+    let fired = tokio::time::timeout(
+        Duration::from_secs(4),
+        replica.fire_due_schedules("replica", now),
+    )
+    .await
+    .expect("every due occurrence was claimed and started while the gateway hangs")
+    .expect("fire due schedules");
+    assert_eq!(fired.len(), 3);
 }
 
 /// Twelve large newsletters in an inbox (ten of them unread).

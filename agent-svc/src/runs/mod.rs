@@ -458,16 +458,10 @@ impl RunService {
                     Sessions::Read(summaries)
                 },
             ),
-            Admitted::Busy { run_id: active } => {
-                return Err(ApiError::Aborted(format!(
-                    "thread {thread_id} already has an active run ({active}); wait for it to finish or cancel it"
-                )));
-            }
+            Admitted::Busy { run_id: active } => return Err(thread_busy(&thread_id, &active)),
             Admitted::Duplicate { run_id, thread_id } => return Ok((run_id, thread_id)),
             Admitted::AwaitingApproval { run_id: paused } => {
-                return Err(ApiError::Aborted(format!(
-                    "thread {thread_id} has a run waiting for your approval ({paused}); it runs once that is decided"
-                )));
+                return Err(thread_paused(&thread_id, &paused));
             }
             Admitted::TooManyRuns { active } => {
                 return Err(self.at_the_run_cap(active, "wait for one to finish"));
@@ -1663,6 +1657,20 @@ fn unavailable(text: &str) -> ToolOutcome {
         truncated: false,
         external: false,
     }
+}
+
+/// A run refused because `thread_id` has a run going (`active`).
+fn thread_busy(thread_id: &str, active: &str) -> ApiError {
+    ApiError::Aborted(format!(
+        "thread {thread_id} already has an active run ({active}); wait for it to finish or cancel it"
+    ))
+}
+
+/// A run refused because `thread_id` has a run waiting for the user's approval (`paused`).
+fn thread_paused(thread_id: &str, paused: &str) -> ApiError {
+    ApiError::Aborted(format!(
+        "thread {thread_id} has a run waiting for your approval ({paused}); it runs once that is decided"
+    ))
 }
 
 #[cfg(test)]

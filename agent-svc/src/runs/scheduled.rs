@@ -37,6 +37,11 @@ impl Default for ScheduleRules {
 const HOLD: Duration = Duration::from_secs(660);
 /// How long an occurrence waits when its thread is busy or the user is at the run cap.
 const POSTPONE: Duration = Duration::from_secs(30);
+/// The longest a postponed occurrence waits between tries: a thread can stay busy for hours
+/// (an approval the user has not decided).
+const MAX_POSTPONE: Duration = Duration::from_secs(600);
+/// How many occurrences one worker starts at once.
+const STARTS_AT_ONCE: usize = 16;
 /// Prompts are the user's own words, stored with the schedule: 8 KiB is plenty for an
 /// instruction that runs every day.
 const MAX_PROMPT_BYTES: usize = 8 * 1024;
@@ -310,19 +315,45 @@ impl RunService {
     /// Every worker tick: fire what is due at `now` (the clock is a parameter so tests can
     /// drive it). Each occurrence's run is followed in its own task; the handles resolve when
     /// the occurrence has settled.
+    ///
+    /// Up to [`STARTS_AT_ONCE`] occurrences start together, so at a popular hour one whose
+    /// gateway call is slow does not hold up the rest; a replica claims no more than it can
+    /// start, and leaves the others to the other replicas.
     pub async fn fire_due_schedules(
         self: &Arc<Self>,
         worker: &str,
         now: SystemTime,
     ) -> Result<Vec<tokio::task::JoinHandle<Fired>>, ApiError> {
+        let starts = Arc::new(tokio::sync::Semaphore::new(STARTS_AT_ONCE));
         let mut fired = Vec::new();
         loop {
+            let start = starts
+                .clone()
+                .acquire_owned()
+                .await
+                .expect("the semaphore is never closed");
             let holder = holder(worker);
             let Some(occurrence) = self.store.claim_schedule(&holder, now, HOLD).await? else {
                 return Ok(fired);
             };
-            let (_, settled) = self.fire(&holder, occurrence, now, false).await;
-            fired.push(settled);
+            let this = self.clone();
+            fired.push(tokio::spawn(async move {
+                let schedule_id = occurrence.schedule.id.clone();
+                let (_, settled) = this.fire(&holder, occurrence, now, false).await;
+                drop(start);
+                match settled.await {
+                    Ok(fired) => fired,
+                    Err(e) => match e.try_into_panic() {
+                        Ok(panic) => std::panic::resume_unwind(panic),
+                        // The runtime is stopping: the hold lapses, or is handed back.
+                        Err(_) => Fired {
+                            schedule_id,
+                            run_id: None,
+                            outcome: ScheduleOutcome::Running,
+                        },
+                    },
+                }
+            }));
         }
     }
 
@@ -476,6 +507,21 @@ impl RunService {
             return Err(ApiError::FailedPrecondition(
                 "the schedule was switched off before this occurrence could run again".into(),
             ));
+        }
+        // A busy thread postpones the occurrence (the admission below decides): found out here
+        // first, so a postponed occurrence does not ask the gateway for its context every try.
+        if let Some(thread_id) = &s.thread_id
+            && let Some(thread) = self.store.get_thread(&s.owner, thread_id).await?
+        {
+            if let Some(active) = &thread.active_run_id {
+                return Err(thread_busy(thread_id, active));
+            }
+            if let Some(last) = &thread.last_run_id
+                && let Some(run) = self.store.get_run(&s.owner, last).await?
+                && run.state == RunState::AwaitingConfirmation
+            {
+                return Err(thread_paused(thread_id, last));
+            }
         }
         let bootstrap = match &self.gateway {
             Some(gateway) => {
@@ -636,7 +682,7 @@ fn start_failed(occurrence: &Occurrence, e: &ApiError, now: SystemTime) -> Settl
                 outcome: ScheduleOutcome::Postponed,
                 run_id: None,
                 error: Some(why.clone()),
-                at: now + POSTPONE,
+                at: now + postponed_for(occurrence, now),
             }
         }
         ApiError::NotFound(_) | ApiError::InvalidArgument(_) | ApiError::FailedPrecondition(_) => {
@@ -648,6 +694,14 @@ fn start_failed(occurrence: &Occurrence, e: &ApiError, now: SystemTime) -> Settl
         }
         _ => failed(occurrence, None, e.to_string(), now),
     }
+}
+
+/// How long a postponed occurrence waits before its next try: a quarter of how late it
+/// already is, from [`POSTPONE`] up to [`MAX_POSTPONE`] — soon after a short wait, rarely
+/// during a long one.
+fn postponed_for(occurrence: &Occurrence, now: SystemTime) -> Duration {
+    let late = now.duration_since(occurrence.due_at).unwrap_or_default();
+    (late / 4).clamp(POSTPONE, MAX_POSTPONE)
 }
 
 /// A failed occurrence: retried on the E-12 schedule, or failed for good.
