@@ -1497,17 +1497,36 @@ async fn schedules_belong_to_their_owner_and_the_per_user_cap_holds(b: Backend) 
     assert_eq!(ids, ["s1", "s2"]);
     assert!(s.get_schedule("bob", "s1").await.unwrap().is_none());
     assert!(!s.delete_schedule("bob", "s1").await.unwrap());
-    let mut changed = every_minute("s1", "bob", t0());
+    let read = s.get_schedule("alice", "s1").await.unwrap().unwrap();
+    let mut changed = Schedule {
+        owner: "bob".into(),
+        ..read.clone()
+    };
     assert!(
         !s.save_schedule(&changed, true).await.unwrap(),
         "bob cannot change alice's schedule"
     );
     changed.owner = "alice".into();
     changed.prompt = "anything new?".into();
-    changed.enabled = false;
     assert!(s.save_schedule(&changed, true).await.unwrap());
+    // Another update that read the schedule before that one: it would undo the new prompt.
+    let stale = Schedule {
+        enabled: false,
+        ..read
+    };
+    assert!(
+        !s.save_schedule(&stale, true).await.unwrap(),
+        "a save over a schedule changed since it was read writes nothing"
+    );
+    let mut again = s.get_schedule("alice", "s1").await.unwrap().unwrap();
+    again.enabled = false;
+    assert!(s.save_schedule(&again, true).await.unwrap());
     let got = s.get_schedule("alice", "s1").await.unwrap().unwrap();
-    assert_eq!((got.prompt.as_str(), got.enabled), ("anything new?", false));
+    assert_eq!(
+        (got.prompt.as_str(), got.enabled),
+        ("anything new?", false),
+        "both changes stand"
+    );
     assert!(s.delete_schedule("alice", "s1").await.unwrap());
     assert!(s.get_schedule("alice", "s1").await.unwrap().is_none());
 }

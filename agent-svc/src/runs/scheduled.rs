@@ -258,34 +258,50 @@ impl RunService {
         Ok(schedule)
     }
 
+    /// Applies `change` to the schedule as it stands. Two updates at once both land: each
+    /// writes only if the schedule is as it read it, and reads again otherwise.
     pub async fn update_schedule(
         &self,
         owner: &str,
         id: &str,
         change: ScheduleChange,
     ) -> Result<Schedule, ApiError> {
-        let mut s = self
-            .store
-            .get_schedule(owner, id)
-            .await?
-            .ok_or_else(|| ApiError::NotFound(format!("schedule {id}")))?;
-        if let Some(prompt) = change.prompt {
-            check_prompt(&prompt)?;
-            s.prompt = prompt;
+        for _ in 0..5 {
+            let mut s = self
+                .store
+                .get_schedule(owner, id)
+                .await?
+                .ok_or_else(|| ApiError::NotFound(format!("schedule {id}")))?;
+            let reschedule = self.apply(&mut s, &change)?;
+            // False: gone, or changed since it was read (by another update, or a worker).
+            if self.store.save_schedule(&s, reschedule).await? {
+                return Ok(self.store.get_schedule(owner, id).await?.unwrap_or(s));
+            }
+        }
+        Err(ApiError::Aborted(format!(
+            "schedule {id} kept changing while this update was applied; try again"
+        )))
+    }
+
+    /// `change` applied to `s`, checked; true when the next due time was worked out again.
+    fn apply(&self, s: &mut Schedule, change: &ScheduleChange) -> Result<bool, ApiError> {
+        if let Some(prompt) = &change.prompt {
+            check_prompt(prompt)?;
+            s.prompt = prompt.clone();
         }
         let timing = change.cron.is_some() || change.every.is_some() || change.time_zone.is_some();
-        match (change.cron, change.every) {
+        match (&change.cron, change.every) {
             (Some(_), Some(_)) => {
                 return Err(ApiError::InvalidArgument(
                     "set either cron or interval, not both".into(),
                 ));
             }
-            (Some(c), None) => (s.cron, s.every) = (Some(c), None),
+            (Some(c), None) => (s.cron, s.every) = (Some(c.clone()), None),
             (None, Some(e)) => (s.cron, s.every) = (None, Some(e)),
             (None, None) => {}
         }
-        if let Some(tz) = change.time_zone {
-            s.time_zone = tz;
+        if let Some(tz) = &change.time_zone {
+            s.time_zone = tz.clone();
         }
         if timing {
             let recurrence = self.recurrence(s.cron.as_deref(), s.every, &s.time_zone)?;
@@ -306,10 +322,7 @@ impl RunService {
             }
             s.enabled = enabled;
         }
-        if !self.store.save_schedule(&s, reschedule).await? {
-            return Err(ApiError::NotFound(format!("schedule {id}")));
-        }
-        Ok(self.store.get_schedule(owner, id).await?.unwrap_or(s))
+        Ok(reschedule)
     }
 
     /// Every worker tick: fire what is due at `now` (the clock is a parameter so tests can

@@ -1115,11 +1115,11 @@ impl AgentStore for MemoryStore {
 
     async fn save_schedule(&self, sch: &Schedule, reschedule: bool) -> Result<bool, StoreError> {
         self.with(|s| {
-            let Some(row) = s
-                .schedules
-                .iter_mut()
-                .find(|r| r.schedule.id == sch.id && r.schedule.owner == sch.owner)
-            else {
+            let Some(row) = s.schedules.iter_mut().find(|r| {
+                r.schedule.id == sch.id
+                    && r.schedule.owner == sch.owner
+                    && r.schedule.updated_at == sch.updated_at
+            }) else {
                 return false;
             };
             let r = &mut row.schedule;

@@ -615,7 +615,8 @@ pub trait AgentStore: Send + Sync + 'static {
     /// Writes the definition of an existing schedule (prompt, recurrence, zone, enabled) and,
     /// when `reschedule`, its next due time (otherwise a claim that moved it meanwhile stands).
     /// Switching it off drops an occurrence that is waiting (postponed or retrying) but not one
-    /// whose run is in progress. False when it is gone.
+    /// whose run is in progress. Only over the schedule as `s` was read (its `updated_at`):
+    /// false when it is gone or has changed since, and nothing is written.
     async fn save_schedule(&self, s: &Schedule, reschedule: bool) -> Result<bool, StoreError>;
     async fn delete_schedule(&self, owner: &str, id: &str) -> Result<bool, StoreError>;
     /// Takes the next occurrence to fire at `now`, exclusively across replicas (SKIP LOCKED):

@@ -938,7 +938,7 @@ impl AgentStore for PgStore {
                    occurrence_at = CASE WHEN NOT $7 AND holder IS NULL THEN NULL ELSE occurrence_at END, \
                    attempts = CASE WHEN NOT $7 AND holder IS NULL THEN 0 ELSE attempts END, \
                    held_until = CASE WHEN NOT $7 AND holder IS NULL THEN NULL ELSE held_until END, \
-                   updated_at = now() WHERE id = $1 AND owner = $2",
+                   updated_at = now() WHERE id = $1 AND owner = $2 AND updated_at = $10",
                 &[
                     &sch.id,
                     &sch.owner,
@@ -949,6 +949,7 @@ impl AgentStore for PgStore {
                     &sch.enabled,
                     &sch.next_due_at,
                     &reschedule,
+                    &sch.updated_at,
                 ],
             )
             .await
