@@ -170,6 +170,7 @@ impl App {
             self.store.clone(),
             self.runs,
             self.config.identity.clone(),
+            worker.clone(),
         ))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
@@ -191,11 +192,13 @@ impl App {
         monitor.abort();
         for w in [workers, schedules].into_iter().flatten() {
             w.abort();
+            // Gone once this resolves: nothing of theirs settles or claims after the hand-back.
+            let _ = w.await;
         }
         // Runs still going after the drain hand their threads back: their progress is
         // committed and their leases released, so another replica's monitor ends them at once.
         runs.release_all(std::time::Duration::from_secs(5)).await;
-        // After the runs: a task or occurrence taken up elsewhere finds its thread free.
+        // After the runs, so what takes a task or occurrence over finds them stopped.
         runs.hand_back(&worker).await;
         if let Some(n) = notices {
             n.abort();

@@ -574,20 +574,79 @@ async fn b5_a_task_agent_in_progress_at_shutdown_is_handed_back_and_finished_by_
     .expect("the first attempt asked the model");
 
     app.stop_service(first).await.expect("a clean drain");
-    let (state, attempts, _, claimed_by) = task_row_when(&app, &task, |_, _, _, _| true).await;
-    assert_eq!(
-        (state.as_str(), attempts, claimed_by),
-        ("queued", 1, None),
+    let lapsed: bool = app
+        .sql()
+        .await
+        .query_one(
+            "SELECT state = 'running' AND attempts = 1 AND claimed_until <= now() FROM agent.task_agents WHERE id = $1",
+            &[&task],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        lapsed,
         "handed back as the replica stopped, not held until its claim lapses"
     );
 
-    app.start_another_agent_with(&TASK_WORKERS).await;
+    // The replica that takes it over follows the stopped attempt's run (ended by the health
+    // monitor) instead of starting a second beside it, then retries.
+    app.start_another_agent_with(&[
+        TASK_WORKERS[0],
+        TASK_WORKERS[1],
+        ("HEALTH_MONITOR_INTERVAL", "200ms"),
+    ])
+    .await;
+    let (_, _, error, _) = task_row_when(&app, &task, |state, attempts, _, _| {
+        state == "queued" && attempts == 2
+    })
+    .await;
+    assert!(error.contains("stopped responding"), "{error}");
+    assert_eq!(
+        task_runs(&app, &task).await,
+        [format!("task-{task}-attempt-1")]
+    );
+    due_now(&app, &task).await;
     assert_eq!(
         task_report(&app, &parent.thread_id).await,
         "Task agent finished (long research):\nFound it."
     );
     let (state, attempts, _, _) = task_row_when(&app, &task, |_, _, _, _| true).await;
-    assert_eq!((state.as_str(), attempts), ("completed", 2));
+    assert_eq!((state.as_str(), attempts), ("completed", 3));
+    assert_eq!(
+        task_runs(&app, &task).await,
+        [
+            format!("task-{task}-attempt-1"),
+            format!("task-{task}-attempt-3")
+        ]
+    );
+}
+
+/// The request ids of the runs on the task's thread, oldest first.
+async fn task_runs(app: &TestApp, task: &str) -> Vec<String> {
+    app.sql()
+        .await
+        .query(
+            "SELECT request_id FROM agent.runs WHERE thread_id = $1 ORDER BY created_at",
+            &[&format!("task-{task}")],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// The task is due now rather than after its wait.
+async fn due_now(app: &TestApp, task: &str) {
+    app.sql()
+        .await
+        .execute(
+            "UPDATE agent.task_agents SET next_attempt_at = now() WHERE id = $1",
+            &[&task],
+        )
+        .await
+        .unwrap();
 }
 
 /// B-5, E-12: a task whose thread is busy (or whose user is at the run cap) has not been tried:
@@ -620,33 +679,13 @@ async fn b5_a_task_agent_whose_thread_is_busy_waits_without_spending_an_attempt(
     );
 
     store.release_lease(&lease).await.unwrap();
-    // Due now rather than after the 30 s wait.
-    app.sql()
-        .await
-        .execute(
-            "UPDATE agent.task_agents SET next_attempt_at = now() WHERE id = $1",
-            &[&task],
-        )
-        .await
-        .unwrap();
+    due_now(&app, &task).await;
     assert_eq!(
         task_report(&app, &parent.thread_id).await,
         "Task agent finished (tidy up):\nTidied."
     );
-    let runs: Vec<String> = app
-        .sql()
-        .await
-        .query(
-            "SELECT request_id FROM agent.runs WHERE thread_id = $1",
-            &[&thread],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
     assert_eq!(
-        runs,
+        task_runs(&app, &task).await,
         [format!("task-{task}-attempt-1")],
         "one run, the first attempt's"
     );

@@ -1146,6 +1146,8 @@ fn queued_task(id: &str, owner: &str, thread: &str) -> TaskAgent {
         attempts: 0,
         last_error: None,
         result: None,
+        created_at: SystemTime::now(),
+        taken_over: false,
     }
 }
 
@@ -1226,7 +1228,7 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
     );
     let hold = Duration::from_secs(60);
     let first = s.claim_task_agent("w1", hold, 3).await.unwrap().unwrap();
-    assert_eq!(first.attempts, 1);
+    assert_eq!((first.attempts, first.taken_over), (1, false));
     let not_yet = TaskSettle {
         state: "queued",
         result: None,
@@ -1244,23 +1246,27 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
 
     assert_eq!(s.release_task_claims("w2").await.unwrap(), 0, "not w2's");
     assert_eq!(s.release_task_claims("w1").await.unwrap(), 1);
-    assert!(
-        !s.settle_task_agent(&again, "w1", &not_yet).await.unwrap(),
-        "a handed-back attempt settles nothing"
-    );
     // A zero-long claim lapses at once: the worker "died" on each of these attempts.
     let second = s
         .claim_task_agent("w2", Duration::ZERO, 3)
         .await
         .unwrap()
         .expect("handed back: ready at once");
-    assert_eq!(second.attempts, 2);
+    assert_eq!(
+        (second.attempts, second.taken_over),
+        (2, true),
+        "taken over from an attempt that never settled"
+    );
+    assert!(
+        !s.settle_task_agent(&again, "w1", &not_yet).await.unwrap(),
+        "a handed-back attempt that was taken over settles nothing"
+    );
     let third = s
         .claim_task_agent("w3", Duration::ZERO, 3)
         .await
         .unwrap()
         .expect("its claim lapsed: taken over");
-    assert_eq!(third.attempts, 3);
+    assert_eq!((third.attempts, third.taken_over), (3, true));
     assert!(
         s.claim_task_agent("w4", hold, 3).await.unwrap().is_none(),
         "a claim that lapsed on the last attempt is not taken again"

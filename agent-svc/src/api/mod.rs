@@ -33,17 +33,23 @@ pub struct AgentApi {
     store: SharedStore,
     runs: Arc<RunService>,
     identity: identity::Identity,
-    /// This replica's name as the holder of occurrences it starts (RunScheduleNow).
+    /// This replica's name as the holder of occurrences it starts (RunScheduleNow), the same
+    /// as its workers': what it holds is handed back when it stops.
     worker: String,
 }
 
 impl AgentApi {
-    pub fn new(store: SharedStore, runs: Arc<RunService>, identity: identity::Identity) -> Self {
+    pub fn new(
+        store: SharedStore,
+        runs: Arc<RunService>,
+        identity: identity::Identity,
+        worker: String,
+    ) -> Self {
         Self {
             store,
             runs,
             identity,
-            worker: format!("api-{}", uuid::Uuid::new_v4()),
+            worker,
         }
     }
 

@@ -340,9 +340,10 @@ impl RunService {
         })
     }
 
-    /// At shutdown, once this process's workers are stopped and its runs handed back: the tasks
-    /// and scheduled occurrences `worker` holds are released, so another replica takes them up
-    /// now rather than when their claims lapse (up to 15 minutes later).
+    /// At shutdown, once this process's workers are aborted and its runs stopped: the tasks and
+    /// scheduled occurrences `worker` holds are handed back, so another replica takes them up
+    /// now rather than when their claims lapse (up to 15 minutes later). It follows the run an
+    /// attempt started, if any, rather than starting a second.
     pub async fn hand_back(&self, worker: &str) {
         match self.store.release_task_claims(worker).await {
             Ok(0) => {}
@@ -432,7 +433,7 @@ impl RunService {
             Err(e) => Err(e),
         };
         if let Err(e) = created {
-            return TaskAttempt::NotYet(format!("the task's thread could not be read: {e}"));
+            return not_yet(task, ApiError::Store(e));
         }
         // The goal and instructions were written by the model, perhaps after reading
         // someone else's words: they enter the task run as data, not as orders.
@@ -460,18 +461,26 @@ impl RunService {
                 yield_to_approvals: false,
             }),
         };
-        let (run_id, thread_id) = match self.start(&task.owner, input).await {
+        // Taking over from an attempt that never settled: its run, if it started one, is
+        // followed to its end rather than a second one started beside it.
+        let earlier = match task.attempts.checked_sub(1).filter(|_| task.taken_over) {
+            Some(n) => match self
+                .store
+                .find_run_by_request(&task.owner, &format!("task-{}-attempt-{n}", task.id))
+                .await
+            {
+                Ok(run) => run.map(|r| (r.id, r.thread_id)),
+                Err(e) => return not_yet(task, ApiError::Store(e)),
+            },
+            None => None,
+        };
+        let started = match earlier {
+            Some(ids) => Ok(ids),
+            None => self.start(&task.owner, input).await,
+        };
+        let (run_id, thread_id) = match started {
             Ok(ids) => ids,
-            // The task's thread busy, the user at the run cap: no run was started.
-            Err(ApiError::Aborted(why) | ApiError::ResourceExhausted(why)) => {
-                return TaskAttempt::NotYet(why);
-            }
-            // The store away or this process stopping: the run may or may not have started,
-            // and the same request id finds it if it did.
-            Err(e @ (ApiError::Store(_) | ApiError::Unavailable(_))) => {
-                return TaskAttempt::NotYet(e.to_string());
-            }
-            Err(e) => return TaskAttempt::Failed(e.to_string()),
+            Err(e) => return not_yet(task, e),
         };
         let mut events = self.follow_started(&run_id, &thread_id, Deliver::End);
         while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
@@ -484,14 +493,36 @@ impl RunService {
                 // Following failed, not the run: the run goes on, and the next take-up of this
                 // attempt follows it again.
                 Err(status) => {
-                    return TaskAttempt::NotYet(format!(
-                        "run {run_id} could not be followed: {}",
-                        status.message()
-                    ));
+                    let why = format!("run {run_id} could not be followed: {}", status.message());
+                    return not_yet(task, ApiError::Unavailable(why));
                 }
             }
         }
-        TaskAttempt::NotYet(format!("run {run_id} could not be followed to its end"))
+        let why = format!("run {run_id} could not be followed to its end");
+        not_yet(task, ApiError::Unavailable(why))
+    }
+}
+
+/// An attempt that could not start its run, or follow it, because of `e`: not an attempt if
+/// that may clear by waiting (the task's thread busy, the user at the run cap, the store or
+/// this process away — the run may have started, and the same request id finds it), for a
+/// task younger than [`TASK_NOT_YET_PATIENCE`]; otherwise a failed attempt.
+fn not_yet(task: &TaskAgent, e: ApiError) -> TaskAttempt {
+    let passing = matches!(
+        e,
+        ApiError::Aborted(_)
+            | ApiError::ResourceExhausted(_)
+            | ApiError::Unavailable(_)
+            | ApiError::Store(StoreError::Unavailable(_))
+    );
+    let young = task
+        .created_at
+        .elapsed()
+        .is_ok_and(|age| age < TASK_NOT_YET_PATIENCE);
+    if passing && young {
+        TaskAttempt::NotYet(e.to_string())
+    } else {
+        TaskAttempt::Failed(e.to_string())
     }
 }
 
@@ -560,7 +591,7 @@ fn task_outcome(task: &TaskAgent, attempt: TaskAttempt) -> TaskOutcome {
 enum TaskAttempt {
     /// Its run ended: completed, failed or cancelled.
     Ended(Box<pb::RunResult>),
-    /// It could not start a run, or failed before its run ended for a reason that is its own.
+    /// It could not start or follow a run, for a reason that waiting will not clear.
     Failed(String),
     /// Not an attempt: its run could not start for now (the task's thread busy, the user at
     /// the run cap) or could not be followed (the store away). The same attempt is taken up
@@ -570,6 +601,9 @@ enum TaskAttempt {
 
 /// How soon an attempt that did not happen ([`TaskAttempt::NotYet`]) is taken up again.
 const TASK_NOT_YET: Duration = Duration::from_secs(30);
+/// How long after it was queued a task's attempts may keep not happening: past this, what
+/// keeps them from it (a store error that is not passing, say) counts against its tries.
+const TASK_NOT_YET_PATIENCE: Duration = Duration::from_secs(6 * 3600);
 
 /// The most attempts a task gets; a claim that lapses on the last one (its worker went away
 /// every time) fails the task. As many as the most retries E-12 allows any error.
@@ -577,7 +611,7 @@ const MAX_TASK_ATTEMPTS: u32 = 5;
 
 /// Why such a task failed, as its parent thread is told.
 const TASK_KEPT_STOPPING: &str =
-    "every attempt stopped with the server running it; it was not tried again";
+    "its last attempt stopped with the server running it, and it has no tries left";
 
 /// How long a run whose take-up check keeps failing on an unavailable store is left for the
 /// next sweep before it is ended as abandoned.
@@ -589,13 +623,14 @@ const TAKE_UP_PATIENCE: Duration = Duration::from_secs(24 * 3600);
 const TASK_CLAIM: Duration = Duration::from_secs(600 + 60 + 60 + 180);
 
 /// E-12's retry schedule for unattended work that failed after `attempts` tries: rate limits get
-/// 5 tries, network trouble 3, anything else 2, with exponential backoff from 10 s and up to 25%
-/// jitter. `None`: give up.
+/// 5 tries, network trouble (and a server that stopped mid-run) 3, anything else 2, with
+/// exponential backoff from 10 s and up to 25% jitter. `None`: give up.
 pub(super) fn retry_backoff(error: &str, attempts: u32) -> Option<Duration> {
     let tries = if error.contains("HTTP 429") || error.contains("rate limit") {
         5
     } else if [
         "timed out",
+        "stopped responding",
         "connection",
         "cut off",
         "unreachable",

@@ -435,7 +435,7 @@ impl RunService {
         Result<(String, String), ApiError>,
         tokio::task::JoinHandle<Fired>,
     ) {
-        let started = self.start_occurrence(&occurrence, at_once).await;
+        let started = self.start_occurrence(&occurrence).await;
         let (run, early) = match &started {
             Ok((run_id, thread_id)) => (Some((run_id.clone(), thread_id.clone())), None),
             Err(e) if at_once => (
@@ -488,7 +488,6 @@ impl RunService {
     async fn start_occurrence(
         self: &Arc<Self>,
         occurrence: &Occurrence,
-        at_once: bool,
     ) -> Result<(String, String), ApiError> {
         let s = &occurrence.schedule;
         let due = occurrence
@@ -509,9 +508,9 @@ impl RunService {
             return Ok((run.id, run.thread_id));
         }
         // Switched off after an attempt failed or was postponed: the rest of the occurrence is
-        // not owed. (One whose run is going is followed to its end, above.)
+        // not owed. (One whose run is going is followed to its end, above; RunScheduleNow's
+        // first attempt is Running.)
         if !s.enabled
-            && !at_once
             && matches!(
                 s.last_outcome,
                 Some(ScheduleOutcome::Retrying | ScheduleOutcome::Postponed)
@@ -675,11 +674,14 @@ impl RunService {
 
 /// How an occurrence whose run could not start settles: a busy thread or the user's run cap
 /// postpones it; the store away leaves the attempt to be taken up again (whether its run
-/// started is not known, and its request id finds that run if it did); a schedule whose thread
-/// is gone, or that was switched off, fails; anything else is retried per E-12.
+/// started is not known, and its request id finds that run if it did) for the first 40
+/// minutes; a schedule whose thread is gone, or that was switched off, fails; anything else is
+/// retried per E-12.
 fn start_failed(occurrence: &Occurrence, e: &ApiError, now: SystemTime) -> Settle {
     match e {
-        ApiError::Store(_) => {
+        ApiError::Store(StoreError::Unavailable(_))
+            if postponed_for(occurrence, now) < MAX_POSTPONE =>
+        {
             tracing::warn!(schedule = %occurrence.schedule.id, error = %e, "scheduled run not started; the same attempt is taken up again");
             Settle::Again {
                 // Postponed, not retrying: this does not count as an attempt.

@@ -299,6 +299,8 @@ async fn enqueue_task_agent(
         attempts: 0,
         last_error: None,
         result: None,
+        created_at: std::time::SystemTime::now(),
+        taken_over: false,
     };
     match store.enqueue_task_agent(&task, max_queued).await {
         Ok(false) => ToolOutcome {

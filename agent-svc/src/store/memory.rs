@@ -937,10 +937,14 @@ impl AgentStore for MemoryStore {
                         && t.attempts < max_attempts
                         && claimed.as_ref().is_some_and(|(c, _)| *c < now))
             })?;
+            let taken_over = task.state == "running";
             task.state = "running".into();
             task.attempts += 1;
             *claimed = Some((now + lease, worker.to_owned()));
-            Some(task.clone())
+            Some(TaskAgent {
+                taken_over,
+                ..task.clone()
+            })
         })
     }
 
@@ -986,11 +990,12 @@ impl AgentStore for MemoryStore {
         let now = SystemTime::now();
         self.with(|s| {
             let mut n = 0;
-            for (task, next, claimed) in &mut s.tasks {
-                if task.state == "running" && claimed.as_ref().is_some_and(|(_, w)| w == worker) {
-                    task.state = "queued".into();
-                    *next = now;
-                    *claimed = None;
+            for (task, _, claimed) in &mut s.tasks {
+                if let Some((until, w)) = claimed
+                    && task.state == "running"
+                    && w == worker
+                {
+                    *until = now - Duration::from_millis(1);
                     n += 1;
                 }
             }
@@ -1229,7 +1234,6 @@ impl AgentStore for MemoryStore {
     }
 
     async fn release_schedule_holds(&self, worker: &str) -> Result<usize, StoreError> {
-        let now = SystemTime::now();
         let prefix = format!("{worker}/");
         self.with(|s| {
             let mut n = 0;
@@ -1238,7 +1242,7 @@ impl AgentStore for MemoryStore {
                     && row.holder.as_ref().is_some_and(|h| h.starts_with(&prefix))
                 {
                     row.holder = None;
-                    row.held_until = Some(now);
+                    row.held_until = Some(SystemTime::UNIX_EPOCH);
                     n += 1;
                 }
             }

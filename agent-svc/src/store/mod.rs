@@ -567,25 +567,27 @@ pub trait AgentStore: Send + Sync + 'static {
         max_queued: u32,
     ) -> Result<bool, StoreError>;
     /// Takes the next ready task (queued and due, or running with an expired claim on an
-    /// attempt before `max_attempts`) for `worker`, exclusively across replicas, counting the
-    /// attempt.
+    /// attempt before `max_attempts`: `taken_over`) for `worker`, exclusively across replicas,
+    /// counting the attempt.
     async fn claim_task_agent(
         &self,
         worker: &str,
         lease: Duration,
         max_attempts: u32,
     ) -> Result<Option<TaskAgent>, StoreError>;
-    /// Fails every task whose claim lapsed on attempt `max_attempts` or later — each of its
-    /// workers went away mid-attempt, so a task that brings its process down is not taken again
-    /// forever — and posts "Task agent could not finish (goal): `reason`" to its parent thread
-    /// in the same statement. Returns how many.
+    /// Fails every task whose claim lapsed on attempt `max_attempts` or later — its last
+    /// attempt's worker went away mid-attempt with no tries left, so a task that brings its
+    /// process down is not taken again forever — and posts "Task agent could not finish (goal):
+    /// `reason`" to its parent thread in the same statement. Returns how many.
     async fn fail_lapsed_task_agents(
         &self,
         max_attempts: u32,
         reason: &str,
     ) -> Result<usize, StoreError>;
-    /// Hands back every task `worker` holds (its process is stopping): each is ready again at
-    /// once for another worker, whose attempt counts as a new one. Returns how many.
+    /// Hands back every task `worker` holds (its process is stopping): each claim lapses now,
+    /// so another worker takes the task over at once (`taken_over`) rather than when the claim
+    /// would have lapsed. A settle of the attempt that lands first still counts. Returns how
+    /// many.
     async fn release_task_claims(&self, worker: &str) -> Result<usize, StoreError>;
     /// Extends the claim of the attempt `task` is (fenced as `settle_task_agent` is) to `hold`
     /// from now; false when that attempt no longer holds the task.
@@ -640,7 +642,8 @@ pub trait AgentStore: Send + Sync + 'static {
         hold: Duration,
     ) -> Result<Option<Occurrence>, StoreError>;
     /// Hands back every occurrence a holder of `worker` (`worker/…`) holds (its process is
-    /// stopping): each can be taken over at once rather than when its hold lapses.
+    /// stopping): each can be taken over at once, whatever the claimer's clock, rather than
+    /// when its hold lapses.
     async fn release_schedule_holds(&self, worker: &str) -> Result<usize, StoreError>;
     /// Records how `occurrence` went, if `worker` still holds it; false otherwise.
     async fn settle_schedule(
@@ -824,6 +827,10 @@ pub struct TaskAgent {
     pub attempts: u32,
     pub last_error: Option<String>,
     pub result: Option<String>,
+    pub created_at: SystemTime,
+    /// As claimed: this attempt takes the task from one that never settled (its claim lapsed,
+    /// or its worker handed it back), which may have started a run.
+    pub taken_over: bool,
 }
 
 /// How a task agent's attempt ends.

@@ -797,17 +797,21 @@ impl AgentStore for PgStore {
                 &format!(
                     "UPDATE agent.task_agents SET state = 'running', claimed_by = $1, claimed_until = $2, attempts = attempts + 1, \
                        updated_at = now() \
-                     WHERE id = (SELECT id FROM agent.task_agents \
-                                 WHERE (state = 'queued' AND next_attempt_at <= now()) \
-                                    OR (state = 'running' AND claimed_until < now() AND attempts < $3) \
-                                 ORDER BY next_attempt_at LIMIT 1 FOR UPDATE SKIP LOCKED) \
-                     RETURNING {TASK_COLUMNS}"
+                     FROM (SELECT id AS pick, state AS was FROM agent.task_agents \
+                           WHERE (state = 'queued' AND next_attempt_at <= now()) \
+                              OR (state = 'running' AND claimed_until < now() AND attempts < $3) \
+                           ORDER BY next_attempt_at LIMIT 1 FOR UPDATE SKIP LOCKED) old \
+                     WHERE id = old.pick \
+                     RETURNING {TASK_COLUMNS}, old.was = 'running'"
                 ),
                 &[&worker, &lease_until(lease), &(max_attempts as i32)],
             )
             .await
             .map_err(db)?;
-        Ok(row.as_ref().map(task_agent))
+        Ok(row.map(|r| TaskAgent {
+            taken_over: r.get(10),
+            ..task_agent(&r)
+        }))
     }
 
     async fn fail_lapsed_task_agents(
@@ -840,8 +844,7 @@ impl AgentStore for PgStore {
             .client()
             .await?
             .execute(
-                "UPDATE agent.task_agents SET state = 'queued', next_attempt_at = now(), claimed_by = NULL, \
-                   claimed_until = NULL, updated_at = now() \
+                "UPDATE agent.task_agents SET claimed_until = now() - interval '1 millisecond', updated_at = now() \
                  WHERE state = 'running' AND claimed_by = $1",
                 &[&worker],
             )
@@ -1079,7 +1082,7 @@ impl AgentStore for PgStore {
             .client()
             .await?
             .execute(
-                "UPDATE agent.schedules SET holder = NULL, held_until = now(), updated_at = now() \
+                "UPDATE agent.schedules SET holder = NULL, held_until = 'epoch', updated_at = now() \
                  WHERE occurrence_at IS NOT NULL AND starts_with(holder, $1 || '/')",
                 &[&worker],
             )
@@ -1475,8 +1478,7 @@ fn archive(r: &Row) -> Archive {
     }
 }
 
-const TASK_COLUMNS: &str =
-    "id, owner, parent_thread_id, instructions, goal, state, attempts, last_error, result";
+const TASK_COLUMNS: &str = "id, owner, parent_thread_id, instructions, goal, state, attempts, last_error, result, created_at";
 
 const SCHEDULE_COLUMNS: &str = "id, owner, kind, prompt, cron, every_secs, time_zone, enabled, thread_id, \
     next_due_at, last_outcome, last_run_id, last_error, last_fired_at, occurrence_at, attempts, created_at, updated_at";
@@ -1545,6 +1547,8 @@ fn task_agent(r: &Row) -> TaskAgent {
         attempts: r.get::<_, i32>(6) as u32,
         last_error: r.get(7),
         result: r.get(8),
+        created_at: r.get(9),
+        taken_over: false,
     }
 }
 
