@@ -125,18 +125,25 @@ impl Recurrence {
     }
 
     /// The shortest gap between the next few occurrences after `from`: what "too frequent" is
-    /// judged by.
+    /// judged by. A cron expression is judged on the wall clock, as written: a spring-forward
+    /// day's missing hour (01:00 then 03:00 for "every two hours") does not make it more
+    /// frequent than it is.
     pub fn shortest_gap(&self, from: SystemTime) -> Duration {
-        if let Recurrence::Every { period } = self {
-            return *period;
-        }
+        let wall = match self {
+            Recurrence::Every { period } => return *period,
+            Recurrence::Cron { expr, schedule, .. } => Recurrence::Cron {
+                expr: expr.clone(),
+                zone: TimeZone::UTC,
+                schedule: schedule.clone(),
+            },
+        };
         let mut shortest = Duration::MAX;
-        let mut last = match self.next_due(from, from) {
+        let mut last = match wall.next_due(from, from) {
             Some(t) => t,
             None => return shortest,
         };
         for _ in 0..48 {
-            let Some(next) = self.next_due(from, last) else {
+            let Some(next) = wall.next_due(from, last) else {
                 break;
             };
             shortest = shortest.min(next.duration_since(last).unwrap_or_default());
@@ -394,6 +401,16 @@ mod tests {
         assert!(weekdays("Monkey").unwrap_err().contains("not a day"));
         assert!(weekdays("5-1").unwrap_err().contains("backwards"));
         assert!(weekdays("*/0").unwrap_err().contains("positive"));
+    }
+
+    #[test]
+    fn e2_every_two_hours_is_two_hours_apart_even_in_the_days_before_daylight_saving() {
+        let r = Recurrence::cron("0 */2 * * *", "Europe/Berlin").unwrap();
+        // Two days before 2027-03-28, when 02:00 does not exist and 00:00 is followed by 03:00.
+        let before = at("2027-03-26T12:00:00+01:00[Europe/Berlin]");
+        assert_eq!(r.shortest_gap(before), Duration::from_secs(2 * 3600));
+        let fall = at("2027-10-29T12:00:00+02:00[Europe/Berlin]");
+        assert_eq!(r.shortest_gap(fall), Duration::from_secs(2 * 3600));
     }
 
     #[test]

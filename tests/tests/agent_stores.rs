@@ -1307,7 +1307,7 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
 async fn a_stopping_workers_occurrences_are_handed_back(b: Backend) {
     let s = &b.store;
     for id in ["s1", "s2"] {
-        s.create_schedule(&every_minute(id, "alice", t0()), 10)
+        s.create_schedule(&every_minute(id, "alice", t0()), 10, None)
             .await
             .unwrap();
     }
@@ -1474,22 +1474,42 @@ fn secs(n: u64) -> Duration {
 async fn schedules_belong_to_their_owner_and_the_per_user_cap_holds(b: Backend) {
     let s = &b.store;
     assert!(
-        s.create_schedule(&every_minute("s1", "alice", t0()), 2)
+        s.create_schedule(&every_minute("s1", "alice", t0()), 2, None)
+            .await
+            .unwrap()
+    );
+    let with_thread = |id: &str, t| Schedule {
+        thread_id: Some(format!("schedule-{id}")),
+        ..every_minute(id, "alice", t)
+    };
+    assert!(
+        s.create_schedule(&with_thread("s2", t0() + secs(1)), 2, Some("Heartbeat"))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        s.get_thread("alice", "schedule-s2")
+            .await
+            .unwrap()
+            .unwrap()
+            .title,
+        "Heartbeat",
+        "created with its schedule"
+    );
+    assert!(
+        !s.create_schedule(&with_thread("s3", t0()), 2, Some("Heartbeat"))
             .await
             .unwrap()
     );
     assert!(
-        s.create_schedule(&every_minute("s2", "alice", t0() + secs(1)), 2)
+        s.get_thread("alice", "schedule-s3")
             .await
             .unwrap()
+            .is_none(),
+        "a schedule refused at the cap leaves no thread behind"
     );
     assert!(
-        !s.create_schedule(&every_minute("s3", "alice", t0()), 2)
-            .await
-            .unwrap()
-    );
-    assert!(
-        s.create_schedule(&every_minute("s4", "bob", t0()), 2)
+        s.create_schedule(&every_minute("s4", "bob", t0()), 2, None)
             .await
             .unwrap()
     );
@@ -1539,7 +1559,7 @@ async fn schedules_belong_to_their_owner_and_the_per_user_cap_holds(b: Backend) 
 
 async fn a_due_occurrence_is_claimed_once_and_missed_slots_collapse_into_it(b: Backend) {
     let s = &b.store;
-    s.create_schedule(&every_minute("s1", "alice", t0()), 10)
+    s.create_schedule(&every_minute("s1", "alice", t0()), 10, None)
         .await
         .unwrap();
     assert!(
@@ -1596,7 +1616,7 @@ async fn a_due_occurrence_is_claimed_once_and_missed_slots_collapse_into_it(b: B
 
 async fn of_concurrent_claimers_exactly_one_gets_an_occurrence(b: Backend) {
     let s = &b.store;
-    s.create_schedule(&every_minute("s1", "alice", t0()), 10)
+    s.create_schedule(&every_minute("s1", "alice", t0()), 10, None)
         .await
         .unwrap();
     let claims = futures_util::future::join_all((0..8).map(|i| {
@@ -1613,7 +1633,7 @@ async fn of_concurrent_claimers_exactly_one_gets_an_occurrence(b: Backend) {
 
 async fn an_occurrence_is_retried_taken_over_or_run_now_only_by_its_rules(b: Backend) {
     let s = &b.store;
-    s.create_schedule(&every_minute("s1", "alice", t0()), 10)
+    s.create_schedule(&every_minute("s1", "alice", t0()), 10, None)
         .await
         .unwrap();
     let now = t0() + secs(61);
@@ -1695,10 +1715,10 @@ async fn an_occurrence_is_retried_taken_over_or_run_now_only_by_its_rules(b: Bac
 
 async fn switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_one(b: Backend) {
     let s = &b.store;
-    s.create_schedule(&every_minute("s1", "alice", t0()), 10)
+    s.create_schedule(&every_minute("s1", "alice", t0()), 10, None)
         .await
         .unwrap();
-    s.create_schedule(&every_minute("s2", "alice", t0()), 10)
+    s.create_schedule(&every_minute("s2", "alice", t0()), 10, None)
         .await
         .unwrap();
     let now = t0() + secs(61);

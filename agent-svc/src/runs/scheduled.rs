@@ -200,14 +200,14 @@ impl RunService {
     ) -> Result<Schedule, ApiError> {
         check_prompt(&new.prompt)?;
         let recurrence = self.recurrence(new.cron.as_deref(), new.every, &new.time_zone)?;
-        // Checked again, race-free, when the schedule is stored; checked here first so a refused
-        // schedule leaves no thread behind.
+        // Checked again, race-free, when the schedule (and its thread) is stored.
         let cap = self.schedule_rules.max_per_user;
         if self.store.list_schedules(owner).await?.len() >= cap as usize {
             return Err(too_many_schedules(cap));
         }
         let now = SystemTime::now();
         let id = uuid::Uuid::new_v4().to_string();
+        let mut new_thread = None;
         let thread_id = match (&new.thread_id, new.new_thread_per_run) {
             (Some(_), true) => {
                 return Err(ApiError::InvalidArgument(
@@ -223,11 +223,8 @@ impl RunService {
             }
             (None, true) => None,
             (None, false) => {
-                let thread = format!("schedule-{id}");
-                self.store
-                    .create_thread(&thread, owner, &format!("{} ({id})", new.kind.title()))
-                    .await?;
-                Some(thread)
+                new_thread = Some(format!("{} ({id})", new.kind.title()));
+                Some(format!("schedule-{id}"))
             }
         };
         let schedule = Schedule {
@@ -252,7 +249,11 @@ impl RunService {
             created_at: now,
             updated_at: now,
         };
-        if !self.store.create_schedule(&schedule, cap).await? {
+        if !self
+            .store
+            .create_schedule(&schedule, cap, new_thread.as_deref())
+            .await?
+        {
             return Err(too_many_schedules(cap));
         }
         Ok(schedule)

@@ -67,6 +67,24 @@ impl ScheduleRow {
 /// A task's claim: until when, by which worker.
 type TaskClaim = (SystemTime, String);
 
+/// A new thread's row, unlocked.
+fn new_thread(id: &str, owner: &str, title: &str) -> ThreadRow {
+    let now = SystemTime::now();
+    ThreadRow {
+        thread: Thread {
+            id: id.to_owned(),
+            owner: owner.to_owned(),
+            title: title.to_owned(),
+            created_at: now,
+            updated_at: now,
+            active_run_id: None,
+            last_run_id: None,
+        },
+        lease: None,
+        read_external: false,
+    }
+}
+
 #[derive(Default)]
 struct State {
     threads: HashMap<String, ThreadRow>,
@@ -121,6 +139,15 @@ fn open_runs<'a>(
 }
 
 impl State {
+    fn insert_thread(&mut self, row: ThreadRow) -> Result<(), StoreError> {
+        let id = row.thread.id.clone();
+        if self.threads.contains_key(&id) {
+            return Err(StoreError::Conflict(format!("thread {id}")));
+        }
+        self.threads.insert(id, row);
+        Ok(())
+    }
+
     fn recent_summaries(&self, owner: &str, limit: usize) -> Vec<Archive> {
         self.archives
             .iter()
@@ -293,30 +320,9 @@ impl AgentStore for MemoryStore {
         owner: &str,
         title: &str,
     ) -> Result<Thread, StoreError> {
-        let now = SystemTime::now();
-        let thread = Thread {
-            id: id.to_owned(),
-            owner: owner.to_owned(),
-            title: title.to_owned(),
-            created_at: now,
-            updated_at: now,
-            active_run_id: None,
-            last_run_id: None,
-        };
-        self.with(|s| {
-            if s.threads.contains_key(id) {
-                return Err(StoreError::Conflict(format!("thread {id}")));
-            }
-            s.threads.insert(
-                id.to_owned(),
-                ThreadRow {
-                    thread: thread.clone(),
-                    lease: None,
-                    read_external: false,
-                },
-            );
-            Ok(thread)
-        })?
+        let row = new_thread(id, owner, title);
+        let thread = row.thread.clone();
+        self.with(|s| s.insert_thread(row).map(|()| thread))?
     }
 
     async fn get_thread(&self, owner: &str, id: &str) -> Result<Option<Thread>, StoreError> {
@@ -1074,7 +1080,12 @@ impl AgentStore for MemoryStore {
         &self,
         sch: &Schedule,
         max_per_owner: u32,
+        thread_title: Option<&str>,
     ) -> Result<bool, StoreError> {
+        let thread = thread_title.map(|title| {
+            let id = sch.thread_id.as_deref().unwrap_or_default();
+            new_thread(id, &sch.owner, title)
+        });
         self.with(|s| {
             let mine = s
                 .schedules
@@ -1086,6 +1097,9 @@ impl AgentStore for MemoryStore {
             }
             if s.schedules.iter().any(|r| r.schedule.id == sch.id) {
                 return Err(StoreError::Conflict(format!("schedule {}", sch.id)));
+            }
+            if let Some(row) = thread {
+                s.insert_thread(row)?;
             }
             s.schedules.push(ScheduleRow {
                 schedule: sch.clone(),

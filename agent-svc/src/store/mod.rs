@@ -609,8 +609,15 @@ pub trait AgentStore: Send + Sync + 'static {
     ) -> Result<bool, StoreError>;
     async fn get_task_agent(&self, owner: &str, id: &str) -> Result<Option<TaskAgent>, StoreError>;
 
-    /// Stores a new schedule unless the owner already has `max_per_owner`; false then.
-    async fn create_schedule(&self, s: &Schedule, max_per_owner: u32) -> Result<bool, StoreError>;
+    /// Stores a new schedule unless the owner already has `max_per_owner`; false then. With
+    /// `thread_title`, its thread (`s.thread_id`) is created with it, so a schedule refused at
+    /// the cap leaves no thread behind.
+    async fn create_schedule(
+        &self,
+        s: &Schedule,
+        max_per_owner: u32,
+        thread_title: Option<&str>,
+    ) -> Result<bool, StoreError>;
     async fn get_schedule(&self, owner: &str, id: &str) -> Result<Option<Schedule>, StoreError>;
     /// Oldest first.
     async fn list_schedules(&self, owner: &str) -> Result<Vec<Schedule>, StoreError>;

@@ -857,6 +857,7 @@ impl AgentStore for PgStore {
         &self,
         sch: &Schedule,
         max_per_owner: u32,
+        thread_title: Option<&str>,
     ) -> Result<bool, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db)?;
@@ -877,6 +878,14 @@ impl AgentStore for PgStore {
             .get(0);
         if n >= i64::from(max_per_owner) {
             return Ok(false);
+        }
+        if let Some(title) = thread_title {
+            tx.execute(
+                "INSERT INTO agent.threads (id, owner, title) VALUES ($1, $2, $3)",
+                &[&sch.thread_id, &sch.owner, &title],
+            )
+            .await
+            .map_err(db)?;
         }
         tx.execute(
             "INSERT INTO agent.schedules (id, owner, kind, prompt, cron, every_secs, time_zone, enabled, thread_id, \
