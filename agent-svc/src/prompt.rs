@@ -56,6 +56,8 @@ pub struct PromptInput {
     pub bootstrap: Option<String>,
     /// Summaries of the user's last archived sessions, newest first (B-4).
     pub recent_sessions: Vec<String>,
+    /// One line per task agent this thread started (B-5): its goal, and its result or state.
+    pub task_agents: Vec<String>,
 }
 
 /// The assembled prompt and each section's name and estimated tokens.
@@ -98,6 +100,16 @@ pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Pro
         sections.push((
             "RECENT SESSIONS",
             fence::block("past session summaries", &lines.join("\n")).into(),
+        ));
+    }
+    if !input.task_agents.is_empty() {
+        sections.push((
+            "BACKGROUND TASKS",
+            fence::block(
+                "task agents started in this conversation",
+                &input.task_agents.join("\n"),
+            )
+            .into(),
         ));
     }
     // What changes from run to run comes last (see PER_RUN_SECTIONS).

@@ -483,9 +483,12 @@ async fn task_report(app: &TestApp, thread: &str) -> String {
 
 #[tokio::test]
 async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the_parent_thread() {
-    let (mut app, model, started, _task) = a_task_queued_by_the_model(
+    let (mut app, model, started, task) = a_task_queued_by_the_model(
         "task summary",
-        vec![Answer::text("You have no pending tasks.")],
+        vec![
+            Answer::text("You have no pending tasks."),
+            Answer::text("It found no pending tasks."),
+        ],
         &[],
     )
     .await;
@@ -510,6 +513,27 @@ async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the
     assert!(
         !tools.contains(&"create_task_agent"),
         "a task agent cannot start another: {tools:?}"
+    );
+
+    // B-5: the parent's next run knows what the task reported.
+    app.agent_as("alice")
+        .await
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: "what did the background task find?".into(),
+                thread_id: started.thread_id.clone(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap();
+    let next = &model.requests()[3].1;
+    let system = next["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        system.contains(&format!(
+            "[BACKGROUND TASKS]\n<data source=\"task agents started in this conversation\">\n- task summary [{task}]: finished: You have no pending tasks.\n</data>"
+        )),
+        "{system}"
     );
 }
 

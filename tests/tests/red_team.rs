@@ -30,7 +30,7 @@ use steward_tests::{
 const ATTACKER: &str = "attacker@evil.test";
 const ALLOWLIST: [&str; 2] = ["boss@example.com", "friend@example.com"];
 /// The section names the prompt assembler may emit.
-const SECTIONS: [&str; 8] = [
+const SECTIONS: [&str; 9] = [
     "PERSONA",
     "OPERATING MODEL",
     "ABOUT THE USER",
@@ -38,6 +38,7 @@ const SECTIONS: [&str; 8] = [
     "SESSION OPEN",
     "BOOTSTRAP CONTEXT",
     "RECENT SESSIONS",
+    "BACKGROUND TASKS",
     "CURRENT TIME",
 ];
 

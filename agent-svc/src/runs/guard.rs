@@ -14,6 +14,8 @@ pub(super) const ATTACHED: &str = "attached context";
 pub(super) const TASK_INSTRUCTIONS: &str = "task instructions";
 pub(super) const MEMORY: &str = "memories taken from external content";
 pub(super) const EARLIER_SESSIONS: &str = "summaries of sessions that read external content";
+/// A task agent works unattended with the user's tools, so its report may carry what it read.
+pub(super) const TASK_RESULTS: &str = "task agents' reports";
 
 #[derive(Debug, Default)]
 pub(super) struct CallGuard {

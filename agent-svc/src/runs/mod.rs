@@ -784,8 +784,17 @@ impl RunService {
                 None => None,
             }
         };
+        let tasks = started_task_agents(&history);
         let (prompt, tools) = tokio::join!(
-            self.assemble(seg, input, &models, &writer.guard, &mut session, sessions),
+            self.assemble(
+                seg,
+                input,
+                &models,
+                &writer.guard,
+                &mut session,
+                sessions,
+                &tasks
+            ),
             listing
         );
         writer.pending().patch.merge(RunPatch {
@@ -820,6 +829,7 @@ impl RunService {
 
     /// The one prompt assembler (B-1): every run's system prompt is built here; a
     /// continuation reuses what its run stored.
+    #[allow(clippy::too_many_arguments)]
     async fn assemble(
         &self,
         seg: &Segment,
@@ -828,19 +838,24 @@ impl RunService {
         guard: &guard::CallGuard,
         session: &mut Option<ExecuteSession>,
         sessions: Sessions,
+        tasks: &[&str],
     ) -> crate::prompt::Prompt {
-        // The gateway's memory and (after an archive) the store's summaries are asked at once:
-        // two round trips to different services need not queue.
-        let (about_user, recent) = tokio::join!(self.about_user(seg, input, session), async {
-            match sessions {
-                Sessions::Read(list) => Ok(list),
-                Sessions::ArchiveFirst => {
-                    self.store
-                        .recent_summaries(&seg.owner, self.summary_count)
-                        .await
+        // The gateway's memory, (after an archive) the store's summaries and the thread's task
+        // agents are asked at once: round trips to different services need not queue.
+        let (about_user, recent, task_agents) = tokio::join!(
+            self.about_user(seg, input, session),
+            async {
+                match sessions {
+                    Sessions::Read(list) => Ok(list),
+                    Sessions::ArchiveFirst => {
+                        self.store
+                            .recent_summaries(&seg.owner, self.summary_count)
+                            .await
+                    }
                 }
-            }
-        });
+            },
+            self.task_agent_lines(&seg.owner, tasks, guard)
+        );
         let about_user = match about_user {
             Some((text, external)) => {
                 if external {
@@ -870,12 +885,56 @@ impl RunService {
                 session_guidance: input.session.as_ref().map(|s| s.guidance.clone()),
                 bootstrap: input.session.as_ref().and_then(|s| s.bootstrap.clone()),
                 recent_sessions,
+                task_agents,
             },
             executor::budget::TokenCounter::for_model(
                 models.chain.first().map_or("", |e| e.model.as_str()),
             ),
             SystemTime::now(),
         )
+    }
+
+    /// [BACKGROUND TASKS] (B-5): where each task agent the thread started stands, and what a
+    /// finished one reported, so the model knows it when the user asks — its report is posted
+    /// to the thread as a message, which the model's history does not hold. A task that cannot
+    /// be read is left out (logged).
+    async fn task_agent_lines(
+        &self,
+        owner: &str,
+        tasks: &[&str],
+        guard: &guard::CallGuard,
+    ) -> Vec<String> {
+        let mut lines = Vec::new();
+        for id in tasks {
+            let task = match self.store.get_task_agent(owner, id).await {
+                Ok(Some(task)) => task,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(task = %id, error = %e, "a task agent could not be read for the prompt");
+                    continue;
+                }
+            };
+            let (state, text) = match task.state.as_str() {
+                "completed" => ("finished", task.result.unwrap_or_default()),
+                "failed" => ("could not finish", task.last_error.unwrap_or_default()),
+                _ => ("still working", String::new()),
+            };
+            if !text.is_empty() {
+                guard.read(guard::TASK_RESULTS);
+            }
+            let mut line = format!("- {} [{}]: {state}", task.goal, task.id);
+            if !text.is_empty() {
+                line.push_str(": ");
+                if text.chars().count() > TASK_REPORT_CHARS {
+                    line.extend(text.chars().take(TASK_REPORT_CHARS));
+                    line.push_str(" … (cut here; the whole report is in the thread's messages)");
+                } else {
+                    line.push_str(&text);
+                }
+            }
+            lines.push(line);
+        }
+        lines
     }
 
     /// [ABOUT THE USER]: what memory holds that bears on the prompt, asked over the run's
@@ -1658,6 +1717,33 @@ fn unavailable(text: &str) -> ToolOutcome {
         external: false,
     }
 }
+
+/// The ids of the task agents `history` shows this thread starting, the latest
+/// [`PROMPT_TASK_AGENTS`]: what `create_task_agent` answered (fenced as its result) when it
+/// queued one.
+fn started_task_agents(history: &[Turn]) -> Vec<&str> {
+    let mut ids: Vec<&str> = history
+        .iter()
+        .filter_map(|t| match t {
+            Turn::ToolResult {
+                name,
+                content,
+                is_error: false,
+                ..
+            } if name == TASK_AGENT_TOOL => content
+                .split_once(tools::TASK_STARTED)
+                .and_then(|(_, rest)| rest.split(';').next()),
+            _ => None,
+        })
+        .collect();
+    let skip = ids.len().saturating_sub(PROMPT_TASK_AGENTS);
+    ids.drain(..skip);
+    ids
+}
+
+/// How many of a thread's task agents its prompt shows, and how much of each report.
+const PROMPT_TASK_AGENTS: usize = 3;
+const TASK_REPORT_CHARS: usize = 2000;
 
 /// A run refused because `thread_id` has a run going (`active`).
 fn thread_busy(thread_id: &str, active: &str) -> ApiError {

@@ -255,6 +255,8 @@ pub(super) fn ambiguity(outcome: ToolOutcome, side_effect: bool) -> ToolOutcome 
 
 /// The agent's own tool (B-5): queues a background task agent for this thread.
 pub const TASK_AGENT_TOOL: &str = "create_task_agent";
+/// How its answer begins, before the task's id (the prompt finds the thread's tasks by it).
+pub(super) const TASK_STARTED: &str = "Started task agent ";
 
 pub(super) fn task_agent_tool() -> crate::llm::ToolDecl {
     crate::llm::ToolDecl {
@@ -315,7 +317,7 @@ async fn enqueue_task_agent(
         Ok(true) => ToolOutcome {
             ok: true,
             text: format!(
-                "Started task agent {}; its result will be posted to this thread when it finishes.",
+                "{TASK_STARTED}{}; its result will be posted to this thread when it finishes.",
                 task.id
             ),
             error_kind: String::new(),
