@@ -192,9 +192,10 @@ impl App {
         monitor.abort();
         for w in [workers, schedules].into_iter().flatten() {
             w.abort();
-            // Gone once this resolves: nothing of theirs settles or claims after the hand-back.
+            // Gone once this resolves: they claim nothing more.
             let _ = w.await;
         }
+        runs.settle_starts(std::time::Duration::from_secs(5)).await;
         // Runs still going after the drain hand their threads back: their progress is
         // committed and their leases released, so another replica's monitor ends them at once.
         runs.release_all(std::time::Duration::from_secs(5)).await;

@@ -300,7 +300,7 @@ async fn occurrences_due_together_start_together_on_a_replica() {
         replica.fire_due_schedules("replica", now),
     )
     .await
-    .expect("every due occurrence was claimed and started while the gateway hangs")
+    .expect("every due occurrence was claimed, its start under way, while the gateway hangs")
     .expect("fire due schedules");
     assert_eq!(fired.len(), 3);
 }

@@ -531,7 +531,7 @@ async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the
     let system = next["messages"][0]["content"].as_str().unwrap();
     assert!(
         system.contains(&format!(
-            "[BACKGROUND TASKS]\n<data source=\"task agents started in this conversation\">\n- task summary [{task}]: finished: You have no pending tasks.\n</data>"
+            "[BACKGROUND TASKS]\n<data source=\"task agents started in this conversation\">\n- task summary [{task}]: finished:\n  You have no pending tasks.\n</data>"
         )),
         "{system}"
     );

@@ -1147,7 +1147,7 @@ fn queued_task(id: &str, owner: &str, thread: &str) -> TaskAgent {
         last_error: None,
         result: None,
         created_at: SystemTime::now(),
-        taken_over: false,
+        settled_attempt: 0,
     }
 }
 
@@ -1228,7 +1228,7 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
     );
     let hold = Duration::from_secs(60);
     let first = s.claim_task_agent("w1", hold, 3).await.unwrap().unwrap();
-    assert_eq!((first.attempts, first.taken_over), (1, false));
+    assert_eq!((first.attempts, first.settled_attempt), (1, 0));
     let not_yet = TaskSettle {
         state: "queued",
         result: None,
@@ -1240,8 +1240,9 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
     assert!(s.settle_task_agent(&first, "w1", &not_yet).await.unwrap());
     let again = s.claim_task_agent("w1", hold, 3).await.unwrap().unwrap();
     assert_eq!(
-        again.attempts, 1,
-        "the same attempt, so its request id finds the run it may have started"
+        (again.attempts, again.settled_attempt),
+        (1, 0),
+        "the same attempt, and not settled: the run it may have started is followed"
     );
 
     assert_eq!(s.release_task_claims("w2").await.unwrap(), 0, "not w2's");
@@ -1253,20 +1254,27 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
         .unwrap()
         .expect("handed back: ready at once");
     assert_eq!(
-        (second.attempts, second.taken_over),
-        (2, true),
+        (second.attempts, second.settled_attempt),
+        (2, 0),
         "taken over from an attempt that never settled"
     );
     assert!(
         !s.settle_task_agent(&again, "w1", &not_yet).await.unwrap(),
         "a handed-back attempt that was taken over settles nothing"
     );
+    // An attempt that ran and failed is settled: its run is accounted for.
+    let retry = TaskSettle {
+        error: Some("HTTP 503"),
+        keep_attempt: false,
+        ..not_yet
+    };
+    assert!(s.settle_task_agent(&second, "w2", &retry).await.unwrap());
     let third = s
         .claim_task_agent("w3", Duration::ZERO, 3)
         .await
         .unwrap()
-        .expect("its claim lapsed: taken over");
-    assert_eq!((third.attempts, third.taken_over), (3, true));
+        .expect("due again");
+    assert_eq!((third.attempts, third.settled_attempt), (3, 2));
     assert!(
         s.claim_task_agent("w4", hold, 3).await.unwrap().is_none(),
         "a claim that lapsed on the last attempt is not taken again"

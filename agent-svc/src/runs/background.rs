@@ -317,7 +317,7 @@ impl RunService {
                     Ok(n) => {
                         tracing::error!(
                             tasks = n,
-                            "task agents whose every attempt lost its worker were failed"
+                            "task agents whose last attempt lost its worker with no tries left were failed"
                         )
                     }
                     Err(e) => tracing::warn!(error = %e, "task queue unavailable"),
@@ -342,8 +342,8 @@ impl RunService {
 
     /// At shutdown, once this process's workers are aborted and its runs stopped: the tasks and
     /// scheduled occurrences `worker` holds are handed back, so another replica takes them up
-    /// now rather than when their claims lapse (up to 15 minutes later). It follows the run an
-    /// attempt started, if any, rather than starting a second.
+    /// now rather than when their claims lapse (up to 15 minutes later); what takes a task up
+    /// follows the run its attempt started, if any, rather than starting a second.
     pub async fn hand_back(&self, worker: &str) {
         match self.store.release_task_claims(worker).await {
             Ok(0) => {}
@@ -414,27 +414,50 @@ impl RunService {
         }
     }
 
+    /// The newest run on the task's thread if no settled attempt accounts for it — its worker
+    /// died, was stopped or could not follow it — to be followed (or its ending used) instead
+    /// of a second run started beside it. Creates the thread on the first attempt.
+    async fn unaccounted_run(
+        &self,
+        task: &TaskAgent,
+        thread_id: &str,
+    ) -> Result<Option<(String, String)>, StoreError> {
+        let Some(thread) = self.store.get_thread(&task.owner, thread_id).await? else {
+            let title: String = format!("Task: {}", task.goal).chars().take(80).collect();
+            return match self
+                .store
+                .create_thread(thread_id, &task.owner, &title)
+                .await
+            {
+                Ok(_) | Err(StoreError::Conflict(_)) => Ok(None),
+                Err(e) => Err(e),
+            };
+        };
+        let Some(last) = thread.last_run_id else {
+            return Ok(None);
+        };
+        let prefix = format!("task-{}-attempt-", task.id);
+        Ok(self
+            .store
+            .get_run(&task.owner, &last)
+            .await?
+            .filter(|run| {
+                run.request_id
+                    .as_deref()
+                    .and_then(|r| r.strip_prefix(&prefix))
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .is_some_and(|n| n > task.settled_attempt)
+            })
+            .map(|run| (run.id, run.thread_id)))
+    }
+
     /// Starts (or, by its request id, finds) the attempt's run and follows it to its end.
     async fn attempt_task_agent(self: &Arc<Self>, task: &TaskAgent) -> TaskAttempt {
         let thread_id = format!("task-{}", task.id);
-        let created = match self.store.get_thread(&task.owner, &thread_id).await {
-            Ok(Some(_)) => Ok(()),
-            Ok(None) => {
-                let title: String = format!("Task: {}", task.goal).chars().take(80).collect();
-                match self
-                    .store
-                    .create_thread(&thread_id, &task.owner, &title)
-                    .await
-                {
-                    Ok(_) | Err(StoreError::Conflict(_)) => Ok(()),
-                    Err(e) => Err(e),
-                }
-            }
-            Err(e) => Err(e),
+        let earlier = match self.unaccounted_run(task, &thread_id).await {
+            Ok(run) => run,
+            Err(e) => return not_yet(task, ApiError::Store(e)),
         };
-        if let Err(e) = created {
-            return not_yet(task, ApiError::Store(e));
-        }
         // The goal and instructions were written by the model, perhaps after reading
         // someone else's words: they enter the task run as data, not as orders.
         let input = RunInput {
@@ -460,19 +483,6 @@ impl RunService {
                 allowed_tools: None,
                 yield_to_approvals: false,
             }),
-        };
-        // Taking over from an attempt that never settled: its run, if it started one, is
-        // followed to its end rather than a second one started beside it.
-        let earlier = match task.attempts.checked_sub(1).filter(|_| task.taken_over) {
-            Some(n) => match self
-                .store
-                .find_run_by_request(&task.owner, &format!("task-{}-attempt-{n}", task.id))
-                .await
-            {
-                Ok(run) => run.map(|r| (r.id, r.thread_id)),
-                Err(e) => return not_yet(task, ApiError::Store(e)),
-            },
-            None => None,
         };
         let started = match earlier {
             Some(ids) => Ok(ids),
@@ -505,8 +515,9 @@ impl RunService {
 
 /// An attempt that could not start its run, or follow it, because of `e`: not an attempt if
 /// that may clear by waiting (the task's thread busy, the user at the run cap, the store or
-/// this process away — the run may have started, and the same request id finds it), for a
-/// task younger than [`TASK_NOT_YET_PATIENCE`]; otherwise a failed attempt.
+/// this process away — the run may have started, and the next attempt follows it, see
+/// `unaccounted_run`), for a task younger than [`TASK_NOT_YET_PATIENCE`]; otherwise a failed
+/// attempt.
 fn not_yet(task: &TaskAgent, e: ApiError) -> TaskAttempt {
     let passing = matches!(
         e,

@@ -149,6 +149,8 @@ pub struct RunService {
     stoppers: Arc<Mutex<HashMap<String, Stopper>>>,
     /// Open watch streams per user on this replica (fair use).
     watchers: Arc<Mutex<HashMap<String, u32>>>,
+    /// Scheduled occurrences this replica is starting: a permit each, taken before the claim.
+    occurrence_starts: Arc<tokio::sync::Semaphore>,
 }
 
 /// What a segment registered on this replica, taken down when its task ends however it ends.
@@ -287,6 +289,7 @@ impl RunService {
             live: Arc::default(),
             stoppers: Arc::default(),
             watchers: Arc::default(),
+            occurrence_starts: Arc::new(tokio::sync::Semaphore::new(scheduled::STARTS_AT_ONCE)),
         }
     }
 
@@ -904,9 +907,15 @@ impl RunService {
         tasks: &[&str],
         guard: &guard::CallGuard,
     ) -> Vec<String> {
+        let read = futures_util::future::join_all(
+            tasks
+                .iter()
+                .map(|id| async move { (id, self.store.get_task_agent(owner, id).await) }),
+        )
+        .await;
         let mut lines = Vec::new();
-        for id in tasks {
-            let task = match self.store.get_task_agent(owner, id).await {
+        for (id, task) in read {
+            let task = match task {
                 Ok(Some(task)) => task,
                 Ok(None) => continue,
                 Err(e) => {
@@ -922,17 +931,22 @@ impl RunService {
             if !text.is_empty() {
                 guard.read(guard::TASK_RESULTS);
             }
-            let mut line = format!("- {} [{}]: {state}", task.goal, task.id);
+            // One entry per task, its report's lines indented under it: neither the goal nor
+            // the report (both written by a model) can pass for another task's entry.
+            let goal = task.goal.split_whitespace().collect::<Vec<_>>().join(" ");
+            let mut entry = format!("- {goal} [{}]: {state}", task.id);
             if !text.is_empty() {
-                line.push_str(": ");
-                if text.chars().count() > TASK_REPORT_CHARS {
-                    line.extend(text.chars().take(TASK_REPORT_CHARS));
-                    line.push_str(" … (cut here; the whole report is in the thread's messages)");
-                } else {
-                    line.push_str(&text);
+                let mut report: String = text.chars().take(TASK_REPORT_CHARS).collect();
+                if report.len() < text.len() {
+                    report.push_str(" … (the rest of the report is cut)");
+                }
+                entry.push(':');
+                for line in report.lines() {
+                    entry.push_str("\n  ");
+                    entry.push_str(line);
                 }
             }
-            lines.push(line);
+            lines.push(entry);
         }
         lines
     }

@@ -40,8 +40,10 @@ const POSTPONE: Duration = Duration::from_secs(30);
 /// The longest a postponed occurrence waits between tries: a thread can stay busy for hours
 /// (an approval the user has not decided).
 const MAX_POSTPONE: Duration = Duration::from_secs(600);
-/// How many occurrences one worker starts at once.
-const STARTS_AT_ONCE: usize = 16;
+/// How long after its due time an occurrence whose start met the store away keeps its attempt.
+const STORE_PATIENCE: Duration = Duration::from_secs(6 * 3600);
+/// How many occurrences one replica starts at once.
+pub(super) const STARTS_AT_ONCE: usize = 16;
 /// Prompts are the user's own words, stored with the schedule: 8 KiB is plenty for an
 /// instruction that runs every day.
 const MAX_PROMPT_BYTES: usize = 8 * 1024;
@@ -330,18 +332,18 @@ impl RunService {
     /// drive it). Each occurrence's run is followed in its own task; the handles resolve when
     /// the occurrence has settled.
     ///
-    /// Up to [`STARTS_AT_ONCE`] occurrences start together, so at a popular hour one whose
-    /// gateway call is slow does not hold up the rest; a replica claims no more than it can
-    /// start, and leaves the others to the other replicas.
+    /// Up to [`STARTS_AT_ONCE`] occurrences start together on a replica (across ticks), so at
+    /// a popular hour one whose gateway call is slow does not hold up the rest; a replica
+    /// claims no more than it can start, and leaves the others to the other replicas.
     pub async fn fire_due_schedules(
         self: &Arc<Self>,
         worker: &str,
         now: SystemTime,
     ) -> Result<Vec<tokio::task::JoinHandle<Fired>>, ApiError> {
-        let starts = Arc::new(tokio::sync::Semaphore::new(STARTS_AT_ONCE));
         let mut fired = Vec::new();
         loop {
-            let start = starts
+            let start = self
+                .occurrence_starts
                 .clone()
                 .acquire_owned()
                 .await
@@ -402,6 +404,14 @@ impl RunService {
                 Err(e)
             }
         }
+    }
+
+    /// At shutdown, once the schedule workers are stopped: waits (at most `wait`) until the
+    /// occurrences this replica was starting have started, so their runs are among those
+    /// stopped before the hand-back.
+    pub async fn settle_starts(&self, wait: Duration) {
+        let all = STARTS_AT_ONCE as u32;
+        let _ = tokio::time::timeout(wait, self.occurrence_starts.acquire_many(all)).await;
     }
 
     /// Workers: every `interval`, fire whatever is due. Any number of replicas may run them.
@@ -538,7 +548,8 @@ impl RunService {
         }
         let bootstrap = match &self.gateway {
             Some(gateway) => {
-                // Bounded like every other gateway call: occurrences start one after another.
+                // Bounded like every other gateway call: a start holds one of the replica's
+                // permits while it waits.
                 let fetched = tokio::time::timeout(
                     gateway.call_timeout,
                     gateway.bootstrap(&s.owner, &s.time_zone, gateway_channel(channel)),
@@ -675,13 +686,15 @@ impl RunService {
 
 /// How an occurrence whose run could not start settles: a busy thread or the user's run cap
 /// postpones it; the store away leaves the attempt to be taken up again (whether its run
-/// started is not known, and its request id finds that run if it did) for the first 40
-/// minutes; a schedule whose thread is gone, or that was switched off, fails; anything else is
-/// retried per E-12.
+/// started is not known, and its request id finds that run if it did) for the first six hours
+/// after the occurrence was due; a schedule whose thread is gone, or that was switched off,
+/// fails; anything else is retried per E-12.
 fn start_failed(occurrence: &Occurrence, e: &ApiError, now: SystemTime) -> Settle {
     match e {
         ApiError::Store(StoreError::Unavailable(_))
-            if postponed_for(occurrence, now) < MAX_POSTPONE =>
+            if now
+                .duration_since(occurrence.due_at)
+                .is_ok_and(|late| late < STORE_PATIENCE) =>
         {
             tracing::warn!(schedule = %occurrence.schedule.id, error = %e, "scheduled run not started; the same attempt is taken up again");
             Settle::Again {

@@ -302,7 +302,7 @@ async fn enqueue_task_agent(
         last_error: None,
         result: None,
         created_at: std::time::SystemTime::now(),
-        taken_over: false,
+        settled_attempt: 0,
     };
     match store.enqueue_task_agent(&task, max_queued).await {
         Ok(false) => ToolOutcome {

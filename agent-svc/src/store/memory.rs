@@ -56,6 +56,7 @@ impl ScheduleRow {
     ) -> Occurrence {
         self.holder = Some(worker.to_owned());
         self.held_until = Some(now + hold);
+        touch(&mut self.schedule.updated_at);
         Occurrence {
             schedule: self.schedule.clone(),
             due_at,
@@ -66,6 +67,11 @@ impl ScheduleRow {
 
 /// A task's claim: until when, by which worker.
 type TaskClaim = (SystemTime, String);
+
+/// Moves a row's `updated_at` on, always forward: UpdateSchedule's fence is this value.
+fn touch(updated_at: &mut SystemTime) {
+    *updated_at = SystemTime::now().max(*updated_at + Duration::from_micros(1));
+}
 
 /// A new thread's row, unlocked.
 fn new_thread(id: &str, owner: &str, title: &str) -> ThreadRow {
@@ -943,14 +949,10 @@ impl AgentStore for MemoryStore {
                         && t.attempts < max_attempts
                         && claimed.as_ref().is_some_and(|(c, _)| *c < now))
             })?;
-            let taken_over = task.state == "running";
             task.state = "running".into();
             task.attempts += 1;
             *claimed = Some((now + lease, worker.to_owned()));
-            Some(TaskAgent {
-                taken_over,
-                ..task.clone()
-            })
+            Some(task.clone())
         })
     }
 
@@ -1045,6 +1047,8 @@ impl AgentStore for MemoryStore {
             held.state = settle.state.to_owned();
             if settle.keep_attempt {
                 held.attempts -= 1;
+            } else {
+                held.settled_attempt = held.attempts;
             }
             held.result = settle.result.map(str::to_owned).or(held.result.take());
             held.last_error = settle.error.map(str::to_owned).or(held.last_error.take());
@@ -1155,7 +1159,7 @@ impl AgentStore for MemoryStore {
                 r.attempts = 0;
                 row.held_until = None;
             }
-            r.updated_at = SystemTime::now();
+            touch(&mut r.updated_at);
             true
         })
     }
@@ -1257,6 +1261,7 @@ impl AgentStore for MemoryStore {
                 {
                     row.holder = None;
                     row.held_until = Some(SystemTime::UNIX_EPOCH);
+                    touch(&mut row.schedule.updated_at);
                     n += 1;
                 }
             }
@@ -1315,7 +1320,7 @@ impl AgentStore for MemoryStore {
                     row.held_until = None;
                 }
             }
-            sch.updated_at = SystemTime::now();
+            touch(&mut sch.updated_at);
             true
         })
     }

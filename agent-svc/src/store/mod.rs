@@ -567,8 +567,8 @@ pub trait AgentStore: Send + Sync + 'static {
         max_queued: u32,
     ) -> Result<bool, StoreError>;
     /// Takes the next ready task (queued and due, or running with an expired claim on an
-    /// attempt before `max_attempts`: `taken_over`) for `worker`, exclusively across replicas,
-    /// counting the attempt.
+    /// attempt before `max_attempts`) for `worker`, exclusively across replicas, counting the
+    /// attempt.
     async fn claim_task_agent(
         &self,
         worker: &str,
@@ -585,9 +585,8 @@ pub trait AgentStore: Send + Sync + 'static {
         reason: &str,
     ) -> Result<usize, StoreError>;
     /// Hands back every task `worker` holds (its process is stopping): each claim lapses now,
-    /// so another worker takes the task over at once (`taken_over`) rather than when the claim
-    /// would have lapsed. A settle of the attempt that lands first still counts. Returns how
-    /// many.
+    /// so another worker takes the task over at once rather than when the claim would have
+    /// lapsed. A settle of the attempt that lands first still counts. Returns how many.
     async fn release_task_claims(&self, worker: &str) -> Result<usize, StoreError>;
     /// Extends the claim of the attempt `task` is (fenced as `settle_task_agent` is) to `hold`
     /// from now; false when that attempt no longer holds the task.
@@ -835,9 +834,9 @@ pub struct TaskAgent {
     pub last_error: Option<String>,
     pub result: Option<String>,
     pub created_at: SystemTime,
-    /// As claimed: this attempt takes the task from one that never settled (its claim lapsed,
-    /// or its worker handed it back), which may have started a run.
-    pub taken_over: bool,
+    /// The last attempt whose outcome was recorded: a run of a later attempt on the task's
+    /// thread was never accounted for.
+    pub settled_attempt: u32,
 }
 
 /// How a task agent's attempt ends.
@@ -851,8 +850,8 @@ pub struct TaskSettle<'a> {
     /// (source, text) posted to the parent thread with the settle.
     pub report: Option<(MessageSource, &'a str)>,
     /// The attempt did not count (its run could not start for now, or could not be followed):
-    /// the next claim takes the same attempt number, so its request id finds the run this one
-    /// may have started instead of starting a second.
+    /// the next claim takes the same attempt number, and its outcome is not recorded as
+    /// settled, so the run this one may have started is followed rather than a second started.
     pub keep_attempt: bool,
 }
 

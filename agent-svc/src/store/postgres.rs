@@ -797,21 +797,17 @@ impl AgentStore for PgStore {
                 &format!(
                     "UPDATE agent.task_agents SET state = 'running', claimed_by = $1, claimed_until = $2, attempts = attempts + 1, \
                        updated_at = now() \
-                     FROM (SELECT id AS pick, state AS was FROM agent.task_agents \
-                           WHERE (state = 'queued' AND next_attempt_at <= now()) \
-                              OR (state = 'running' AND claimed_until < now() AND attempts < $3) \
-                           ORDER BY next_attempt_at LIMIT 1 FOR UPDATE SKIP LOCKED) old \
-                     WHERE id = old.pick \
-                     RETURNING {TASK_COLUMNS}, old.was = 'running'"
+                     WHERE id = (SELECT id FROM agent.task_agents \
+                                 WHERE (state = 'queued' AND next_attempt_at <= now()) \
+                                    OR (state = 'running' AND claimed_until < now() AND attempts < $3) \
+                                 ORDER BY next_attempt_at LIMIT 1 FOR UPDATE SKIP LOCKED) \
+                     RETURNING {TASK_COLUMNS}"
                 ),
                 &[&worker, &lease_until(lease), &(max_attempts as i32)],
             )
             .await
             .map_err(db)?;
-        Ok(row.map(|r| TaskAgent {
-            taken_over: r.get(10),
-            ..task_agent(&r)
-        }))
+        Ok(row.as_ref().map(task_agent))
     }
 
     async fn fail_lapsed_task_agents(
@@ -1196,7 +1192,8 @@ impl AgentStore for PgStore {
                 "WITH settled AS (UPDATE agent.task_agents SET state = $2, result = COALESCE($3::text, result), \
                    last_error = COALESCE($4::text, last_error), \
                    next_attempt_at = COALESCE($5::timestamptz, next_attempt_at), claimed_by = NULL, claimed_until = NULL, \
-                   attempts = attempts - CASE WHEN $10 THEN 1 ELSE 0 END, updated_at = now() \
+                   attempts = attempts - CASE WHEN $10 THEN 1 ELSE 0 END, \
+                   settled_attempt = CASE WHEN $10 THEN settled_attempt ELSE attempts END, updated_at = now() \
                    WHERE id = $1 AND state = 'running' AND claimed_by = $6 AND attempts = $7 \
                    RETURNING parent_thread_id), \
                  posted AS (INSERT INTO agent.messages (thread_id, source, kind, content, metadata) \
@@ -1487,7 +1484,8 @@ fn archive(r: &Row) -> Archive {
     }
 }
 
-const TASK_COLUMNS: &str = "id, owner, parent_thread_id, instructions, goal, state, attempts, last_error, result, created_at";
+const TASK_COLUMNS: &str = "id, owner, parent_thread_id, instructions, goal, state, attempts, last_error, result, \
+    created_at, settled_attempt";
 
 const SCHEDULE_COLUMNS: &str = "id, owner, kind, prompt, cron, every_secs, time_zone, enabled, thread_id, \
     next_due_at, last_outcome, last_run_id, last_error, last_fired_at, occurrence_at, attempts, created_at, updated_at";
@@ -1557,7 +1555,7 @@ fn task_agent(r: &Row) -> TaskAgent {
         last_error: r.get(7),
         result: r.get(8),
         created_at: r.get(9),
-        taken_over: false,
+        settled_attempt: r.get::<_, i32>(10) as u32,
     }
 }
 
