@@ -537,6 +537,61 @@ async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the
     );
 }
 
+/// B-5 on the embedded default (in-memory stores, one process): the task is taken up by the
+/// same replica and reports to the parent thread, whose next run knows what it found.
+#[tokio::test]
+async fn b5_a_task_agent_runs_and_reports_on_the_in_memory_store() {
+    let arguments = r#"{"instructions":"Look at my tasks","goal":"task check"}"#;
+    let model = FakeOpenAi::start(vec![
+        Answer::tool_calls(&[("c1", "create_task_agent", arguments)]),
+        // The parent's answer and the task's are alike: one replica runs both, in either order.
+        Answer::text("Nothing is overdue."),
+        Answer::text("Nothing is overdue."),
+        Answer::text("It found nothing overdue."),
+    ])
+    .await;
+    let app = spawn(Options {
+        backend: Some(Backend::Memory),
+        env: vec![
+            ("MODEL_CHAIN".into(), "openai/gpt-4o".into()),
+            ("OPENAI_BASE_URL".into(), model.url.clone()),
+            ("TASK_AGENT_POLL_INTERVAL".into(), "100ms".into()),
+        ],
+        ..Options::default()
+    })
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    let run = |prompt: &str, thread_id: &str| pb::RunRequest {
+        input: Some(pb::RunInput {
+            prompt: prompt.into(),
+            thread_id: thread_id.into(),
+            ..Default::default()
+        }),
+    };
+    let parent = alice
+        .run(run("check my tasks in the background", ""))
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    let report = task_report(&app, &parent.thread_id).await;
+    assert_eq!(
+        report,
+        "Task agent finished (task check):\nNothing is overdue."
+    );
+    alice
+        .run(run("what did it find?", &parent.thread_id))
+        .await
+        .unwrap();
+    let next = &model.requests()[3].1;
+    let system = next["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        system.contains("- task check [") && system.contains("]: finished:\n  Nothing is overdue."),
+        "{system}"
+    );
+}
+
 #[tokio::test]
 async fn a_task_agent_that_fails_on_a_retriable_error_is_queued_again_with_backoff() {
     let failing = Answer::Error {
