@@ -22,7 +22,10 @@ use steward_tests::{
     Backend, TestApp, UserAgent,
     agent_calls::{get_run, messages},
     calls::connect_account,
-    fakes::{gmail::FakeMessage, openai::Answer},
+    fakes::{
+        gmail::{FakeGmail, FakeMessage},
+        openai::{Answer, FakeOpenAi},
+    },
     spawn_app_with,
     worlds::gmail_world,
 };
@@ -747,14 +750,15 @@ async fn another_users_schedule_is_not_found_and_bad_input_names_the_field() {
     assert!(bad_update.message().contains("cron"));
 }
 
-#[tokio::test]
-async fn e12_a_failed_scheduled_run_is_retried_on_its_schedule_then_recorded_as_failed() {
+/// Alice's every-minute heartbeat, whose model refuses its first two requests (a 400: two
+/// tries under E-12).
+async fn a_heartbeat_whose_model_refuses()
+-> (TestApp, (FakeOpenAi, FakeGmail), UserAgent, pb::Schedule) {
     let refused = || Answer::ErrorBody {
         status: 400,
         body: r#"{"error": {"message": "this request is malformed"}}"#.into(),
     };
-    let (app, _model, _gmail) = gmail_world(vec![refused(), refused()], &[NO_WORKERS]).await;
-    let replicas = app.agent_replicas();
+    let (app, model, gmail) = gmail_world(vec![refused(), refused()], &[NO_WORKERS]).await;
     let mut alice = app.agent_as("alice").await;
     let schedule = create(
         &mut alice,
@@ -762,6 +766,14 @@ async fn e12_a_failed_scheduled_run_is_retried_on_its_schedule_then_recorded_as_
     )
     .await
     .unwrap();
+    // The fakes live as long as the test holds them.
+    (app, (model, gmail), alice, schedule)
+}
+
+#[tokio::test]
+async fn e12_a_failed_scheduled_run_is_retried_on_its_schedule_then_recorded_as_failed() {
+    let (app, _fakes, mut alice, schedule) = a_heartbeat_whose_model_refuses().await;
+    let replicas = app.agent_replicas();
     let now = time(&schedule.next_due_at) + Duration::from_secs(1);
 
     let fired = fire_everywhere(&replicas, now).await;
@@ -797,19 +809,8 @@ async fn e12_a_failed_scheduled_run_is_retried_on_its_schedule_then_recorded_as_
 /// occurrence that is held alone) is not retried once that attempt fails.
 #[tokio::test]
 async fn e12_a_schedule_switched_off_while_its_run_was_going_is_not_retried() {
-    let refused = || Answer::ErrorBody {
-        status: 400,
-        body: r#"{"error": {"message": "this request is malformed"}}"#.into(),
-    };
-    let (app, _model, _gmail) = gmail_world(vec![refused(), refused()], &[NO_WORKERS]).await;
+    let (app, _fakes, mut alice, schedule) = a_heartbeat_whose_model_refuses().await;
     let replicas = app.agent_replicas();
-    let mut alice = app.agent_as("alice").await;
-    let schedule = create(
-        &mut alice,
-        every_minute_in_berlin(pb::ScheduleKind::Heartbeat),
-    )
-    .await
-    .unwrap();
     let now = time(&schedule.next_due_at) + Duration::from_secs(1);
     let fired = fire_everywhere(&replicas, now).await;
     assert_eq!(fired[0].outcome, ScheduleOutcome::Retrying, "{fired:?}");

@@ -395,19 +395,7 @@ impl AgentStore for MemoryStore {
                     }
                     s.threads.insert(
                         run.thread_id.clone(),
-                        ThreadRow {
-                            thread: Thread {
-                                id: run.thread_id.clone(),
-                                owner: run.owner.clone(),
-                                title: title.clone(),
-                                created_at: now,
-                                updated_at: now,
-                                active_run_id: None,
-                                last_run_id: None,
-                            },
-                            lease: None,
-                            read_external: false,
-                        },
+                        new_thread(&run.thread_id, &run.owner, title),
                     );
                 }
                 None => {
