@@ -3,3 +3,7 @@
 -- never accounted for (its worker died, was stopped, or could not follow it), so it is
 -- followed, or its ending used, instead of a second run being started beside it.
 ALTER TABLE agent.task_agents ADD COLUMN settled_attempt integer NOT NULL DEFAULT 0;
+-- Tasks already queued have recorded every attempt they made; one still running has not
+-- recorded its current attempt, whose run is followed by whatever takes it up next.
+UPDATE agent.task_agents
+   SET settled_attempt = CASE WHEN state = 'running' THEN greatest(attempts - 1, 0) ELSE attempts END;

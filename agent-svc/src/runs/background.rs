@@ -422,7 +422,12 @@ impl RunService {
         task: &TaskAgent,
         thread_id: &str,
     ) -> Result<Option<(String, String)>, StoreError> {
-        let Some(thread) = self.store.get_thread(&task.owner, thread_id).await? else {
+        if self
+            .store
+            .get_thread(&task.owner, thread_id)
+            .await?
+            .is_none()
+        {
             let title: String = format!("Task: {}", task.goal).chars().take(80).collect();
             return match self
                 .store
@@ -432,23 +437,20 @@ impl RunService {
                 Ok(_) | Err(StoreError::Conflict(_)) => Ok(None),
                 Err(e) => Err(e),
             };
-        };
-        let Some(last) = thread.last_run_id else {
-            return Ok(None);
-        };
-        let prefix = format!("task-{}-attempt-", task.id);
-        Ok(self
-            .store
-            .get_run(&task.owner, &last)
-            .await?
-            .filter(|run| {
-                run.request_id
-                    .as_deref()
-                    .and_then(|r| r.strip_prefix(&prefix))
-                    .and_then(|n| n.parse::<u32>().ok())
-                    .is_some_and(|n| n > task.settled_attempt)
-            })
-            .map(|run| (run.id, run.thread_id)))
+        }
+        // Every attempt since the last settled one may have started a run (the current one
+        // too, when it did not count before); at most one did, as the next followed it.
+        for n in (task.settled_attempt + 1..=task.attempts).rev() {
+            let request = format!("task-{}-attempt-{n}", task.id);
+            if let Some(run) = self
+                .store
+                .find_run_by_request(&task.owner, &request)
+                .await?
+            {
+                return Ok(Some((run.id, run.thread_id)));
+            }
+        }
+        Ok(None)
     }
 
     /// Starts (or, by its request id, finds) the attempt's run and follows it to its end.
@@ -502,14 +504,17 @@ impl RunService {
                 }
                 // Following failed, not the run: the run goes on, and the next take-up of this
                 // attempt follows it again.
+                // Whatever the task's age: its outcome is readable once it ends, and recording
+                // this attempt as settled would leave a run nobody accounts for.
                 Err(status) => {
-                    let why = format!("run {run_id} could not be followed: {}", status.message());
-                    return not_yet(task, ApiError::Unavailable(why));
+                    return TaskAttempt::NotYet(format!(
+                        "run {run_id} could not be followed: {}",
+                        status.message()
+                    ));
                 }
             }
         }
-        let why = format!("run {run_id} could not be followed to its end");
-        not_yet(task, ApiError::Unavailable(why))
+        TaskAttempt::NotYet(format!("run {run_id} could not be followed to its end"))
     }
 }
 

@@ -941,7 +941,10 @@ impl RunService {
                     report.push_str(" … (the rest of the report is cut)");
                 }
                 entry.push(':');
-                for line in report.lines() {
+                for line in report
+                    .split(['\n', '\r', '\u{85}', '\u{2028}', '\u{2029}'])
+                    .filter(|l| !l.is_empty())
+                {
                     entry.push_str("\n  ");
                     entry.push_str(line);
                 }

@@ -408,7 +408,8 @@ impl RunService {
 
     /// At shutdown, once the schedule workers are stopped: waits (at most `wait`) until the
     /// occurrences this replica was starting have started, so their runs are among those
-    /// stopped before the hand-back.
+    /// stopped before the hand-back. Best effort: a start still waiting on the gateway after
+    /// `wait` goes on, and what takes its occurrence over follows its run by request id.
     pub async fn settle_starts(&self, wait: Duration) {
         let all = STARTS_AT_ONCE as u32;
         let _ = tokio::time::timeout(wait, self.occurrence_starts.acquire_many(all)).await;
@@ -702,7 +703,7 @@ fn start_failed(occurrence: &Occurrence, e: &ApiError, now: SystemTime) -> Settl
                 outcome: ScheduleOutcome::Postponed,
                 run_id: None,
                 error: Some(e.to_string()),
-                at: now + POSTPONE,
+                at: now + postponed_for(occurrence, now),
             }
         }
         ApiError::Aborted(why) | ApiError::ResourceExhausted(why) => {

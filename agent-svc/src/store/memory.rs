@@ -68,6 +68,16 @@ impl ScheduleRow {
 /// A task's claim: until when, by which worker.
 type TaskClaim = (SystemTime, String);
 
+/// Whether the attempt `task` is, claimed by `worker`, still holds `row` (the claim's fence:
+/// worker and attempt number, as on PostgreSQL — numbers repeat after an attempt that did not
+/// count).
+fn holds(row: &TaskAgent, claimed: &Option<TaskClaim>, task: &TaskAgent, worker: &str) -> bool {
+    row.id == task.id
+        && row.state == "running"
+        && row.attempts == task.attempts
+        && claimed.as_ref().is_some_and(|(_, w)| w == worker)
+}
+
 /// Moves a row's `updated_at` on, always forward: UpdateSchedule's fence is this value.
 fn touch(updated_at: &mut SystemTime) {
     *updated_at = SystemTime::now().max(*updated_at + Duration::from_micros(1));
@@ -1002,14 +1012,16 @@ impl AgentStore for MemoryStore {
     async fn renew_task_claim(
         &self,
         task: &TaskAgent,
-        _worker: &str,
+        worker: &str,
         hold: Duration,
     ) -> Result<bool, StoreError> {
         let now = SystemTime::now();
         self.with(|s| {
-            match s.tasks.iter_mut().find(|(t, _, _)| {
-                t.id == task.id && t.state == "running" && t.attempts == task.attempts
-            }) {
+            match s
+                .tasks
+                .iter_mut()
+                .find(|(t, _, claimed)| holds(t, claimed, task, worker))
+            {
                 Some((_, _, Some((until, _)))) => {
                     *until = now + hold;
                     true
@@ -1022,14 +1034,15 @@ impl AgentStore for MemoryStore {
     async fn settle_task_agent(
         &self,
         task: &TaskAgent,
-        _worker: &str,
+        worker: &str,
         settle: &TaskSettle<'_>,
     ) -> Result<bool, StoreError> {
         self.with(|s| {
-            // The attempt count is the claim's fence: every claim raises it.
-            let Some((held, next, claimed)) = s.tasks.iter_mut().find(|(t, _, _)| {
-                t.id == task.id && t.state == "running" && t.attempts == task.attempts
-            }) else {
+            let Some((held, next, claimed)) = s
+                .tasks
+                .iter_mut()
+                .find(|(t, _, claimed)| holds(t, claimed, task, worker))
+            else {
                 return false;
             };
             held.state = settle.state.to_owned();
@@ -1191,6 +1204,7 @@ impl AgentStore for MemoryStore {
                             row.schedule.enabled = false;
                             row.schedule.last_outcome = Some(ScheduleOutcome::Failed);
                             row.schedule.last_error = Some(e.to_string());
+                            touch(&mut row.schedule.updated_at);
                             return Err(e);
                         }
                     };
