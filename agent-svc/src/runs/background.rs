@@ -406,7 +406,7 @@ impl RunService {
                 tracing::warn!(task = %task.id, attempt = task.attempts, "task agent attempt outlived its claim; its outcome is dropped");
             }
             Err(e) if how.report.is_some() => {
-                tracing::error!(task = %task.id, error = %e, "could not record a task agent's outcome or post its report; it runs again once its claim lapses");
+                tracing::error!(task = %task.id, error = %e, "could not record a task agent's outcome or post its report; once its claim lapses the next attempt takes up its run's ending");
             }
             Err(e) => {
                 tracing::error!(task = %task.id, error = %e, "could not record a task agent's outcome");
@@ -414,9 +414,9 @@ impl RunService {
         }
     }
 
-    /// The newest run on the task's thread if no settled attempt accounts for it — its worker
-    /// died, was stopped or could not follow it — to be followed (or its ending used) instead
-    /// of a second run started beside it. Creates the thread on the first attempt.
+    /// The run of an attempt since the last settled one, if one started — its worker died, was
+    /// stopped or could not follow it — to be followed (or its ending used) instead of a second
+    /// run started beside it. Creates the thread on the first attempt.
     async fn unaccounted_run(
         &self,
         task: &TaskAgent,
