@@ -1135,6 +1135,16 @@ async fn a_thread_held_by_another_run_is_not_archived(b: Backend) {
 }
 
 /// Task agent `id` of `owner`, queued from thread `thread`, never tried.
+/// What the thread's messages say, oldest first.
+async fn posted_on(s: &Arc<dyn AgentStore>, thread: &str) -> Vec<String> {
+    s.list_messages(thread, 0, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.content)
+        .collect()
+}
+
 fn queued_task(id: &str, owner: &str, thread: &str) -> TaskAgent {
     TaskAgent {
         id: id.into(),
@@ -1196,13 +1206,7 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
         !s.renew_task_claim(&claimed, "w", hold).await.unwrap(),
         "a settled task has no claim to renew"
     );
-    let posted: Vec<String> = s
-        .list_messages("t1", 0, 10)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|m| m.content)
-        .collect();
+    let posted = posted_on(s, "t1").await;
     assert_eq!(posted, ["Task agent finished: ok"], "the report, once");
     assert!(s.enqueue_task_agent(&task("k3"), 2).await.unwrap());
     assert_eq!(
@@ -1297,13 +1301,7 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
         (task.state.as_str(), task.last_error.as_deref()),
         ("failed", Some("it kept stopping"))
     );
-    let posted: Vec<String> = s
-        .list_messages("t1", 0, 10)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|m| m.content)
-        .collect();
+    let posted = posted_on(s, "t1").await;
     assert_eq!(
         posted,
         ["Task agent could not finish (done): it kept stopping"]
