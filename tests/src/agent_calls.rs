@@ -48,6 +48,27 @@ pub async fn run_once(
         thread_id: thread_id.to_owned(),
         ..Default::default()
     };
+    run_input(client, input).await
+}
+
+/// One Run on a new thread with `attached` context items.
+pub async fn run_with_attached(
+    client: &mut UserAgent,
+    prompt: &str,
+    attached: Vec<pb::AttachedContext>,
+) -> Result<pb::RunResult, tonic::Status> {
+    let input = pb::RunInput {
+        prompt: prompt.to_owned(),
+        attached_context: attached,
+        ..Default::default()
+    };
+    run_input(client, input).await
+}
+
+async fn run_input(
+    client: &mut UserAgent,
+    input: pb::RunInput,
+) -> Result<pb::RunResult, tonic::Status> {
     let result = client
         .run(pb::RunRequest { input: Some(input) })
         .await?

@@ -214,25 +214,16 @@ async fn run_with_an_attached_email(
     prompt: &str,
     snippet: &str,
 ) -> pb::RunResult {
-    alice
-        .run(pb::RunRequest {
-            input: Some(pb::RunInput {
-                prompt: prompt.into(),
-                attached_context: vec![pb::AttachedContext {
-                    r#type: pb::ContextType::Email as i32,
-                    id: "m1".into(),
-                    title: "Statements".into(),
-                    snippet: snippet.into(),
-                    ..Default::default()
-                }],
-                ..Default::default()
-            }),
-        })
+    let email = pb::AttachedContext {
+        r#type: pb::ContextType::Email as i32,
+        id: "m1".into(),
+        title: "Statements".into(),
+        snippet: snippet.into(),
+        ..Default::default()
+    };
+    steward_tests::agent_calls::run_with_attached(alice, prompt, vec![email])
         .await
         .expect("Run")
-        .into_inner()
-        .result
-        .expect("a result")
 }
 
 /// U-2: what a run had read when it paused (here an attached email, which lives in the stored

@@ -453,19 +453,9 @@ async fn run(
     attached: Vec<pb::AttachedContext>,
 ) -> pb::RunResult {
     let mut agent = app.agent_as(user).await;
-    agent
-        .run(pb::RunRequest {
-            input: Some(pb::RunInput {
-                prompt,
-                attached_context: attached,
-                ..Default::default()
-            }),
-        })
+    steward_tests::agent_calls::run_with_attached(&mut agent, &prompt, attached)
         .await
         .expect("Run")
-        .into_inner()
-        .result
-        .expect("a result")
 }
 
 /// Addresses a sent or drafted RFC 5322 message went to (To, Cc, Bcc).
