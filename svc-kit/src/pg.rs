@@ -139,6 +139,21 @@ pub fn server_message(e: &tokio_postgres::error::DbError) -> String {
     }
 }
 
+/// Whether the server refused a statement for good: sent again with the same data, it fails the
+/// same way. SQLSTATE class 22 (a data exception), 23 (an integrity constraint), 42 (a syntax or
+/// access rule, a missing privilege among them), 54 (a program limit, such as an index row too
+/// large) and P0001 (a trigger's `RAISE EXCEPTION` without its own code). Everything else — a
+/// serialization failure or deadlock (40), a lock timeout (55P03), the server shutting down or
+/// an operator's cancel (57), a broken connection (08), no room (53), a cached plan gone stale
+/// (0A000) — may clear by waiting, so callers retry it.
+pub fn refused_for_good(code: &tokio_postgres::error::SqlState) -> bool {
+    let code = code.code();
+    code == "P0001"
+        || ["22", "23", "42", "54"]
+            .iter()
+            .any(|class| code.starts_with(class))
+}
+
 /// Warns at start when pools of this size could open more connections than the server allows:
 /// both services use the same default size, so twice this pool (one replica each) must fit in
 /// `max_connections` less the superuser reserve. Past that PostgreSQL refuses new connections
@@ -410,4 +425,38 @@ pub async fn migrate(url: &str, runner: refinery::Runner, lock_key: i64) -> Resu
         tracing::info!(version = m.version(), name = m.name(), "applied migration");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_postgres::error::SqlState;
+
+    use super::refused_for_good;
+
+    #[test]
+    fn what_the_server_refused_for_good_is_told_from_what_may_clear_by_waiting() {
+        for lasting in [
+            SqlState::CHECK_VIOLATION,
+            SqlState::FOREIGN_KEY_VIOLATION,
+            SqlState::STRING_DATA_RIGHT_TRUNCATION,
+            SqlState::UNDEFINED_COLUMN,
+            SqlState::INSUFFICIENT_PRIVILEGE,
+            SqlState::PROGRAM_LIMIT_EXCEEDED,
+            SqlState::RAISE_EXCEPTION,
+        ] {
+            assert!(refused_for_good(&lasting), "{}", lasting.code());
+        }
+        for passing in [
+            SqlState::T_R_SERIALIZATION_FAILURE,
+            SqlState::T_R_DEADLOCK_DETECTED,
+            SqlState::LOCK_NOT_AVAILABLE,
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::QUERY_CANCELED,
+            SqlState::CONNECTION_FAILURE,
+            SqlState::TOO_MANY_CONNECTIONS,
+            SqlState::FEATURE_NOT_SUPPORTED,
+        ] {
+            assert!(!refused_for_good(&passing), "{}", passing.code());
+        }
+    }
 }

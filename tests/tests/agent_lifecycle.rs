@@ -539,6 +539,37 @@ async fn r4_a_run_whose_owners_lock_is_held_by_a_stalled_transaction_fails_unava
     assert_eq!(after.status, pb::RunState::Completed as i32);
 }
 
+/// a run the database refuses for good (here a constraint an operator added) fails
+/// INTERNAL in the database's own words, not UNAVAILABLE: a client told to retry would meet the
+/// same refusal every time. Other runs go on.
+#[tokio::test]
+async fn a10_a_run_the_database_refuses_for_good_fails_internal_not_unavailable() {
+    let (app, _model, _gmail) = gmail_world(vec![Answer::text("after")], &[]).await;
+    app.sql()
+        .await
+        .batch_execute(
+            "ALTER TABLE agent.messages ADD CONSTRAINT no_passwords CHECK (content NOT LIKE '%password%')",
+        )
+        .await
+        .unwrap();
+    let mut alice = agent_as(app.agent_addr, "alice").await;
+    let refused = alice
+        .run(pb::RunRequest {
+            input: Some(input("my password is hunter2")),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Internal, "{}", refused.message());
+    assert!(
+        refused.message().contains("refused this for good")
+            && refused.message().contains("no_passwords"),
+        "{}",
+        refused.message()
+    );
+    let after = run_on(app.agent_addr, input("and now")).await;
+    assert_eq!(after.status, pb::RunState::Completed as i32);
+}
+
 #[tokio::test]
 async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
     let (mut app, _model, _gmail) = gmail_world(

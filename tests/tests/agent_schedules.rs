@@ -847,6 +847,78 @@ async fn e12_a_schedule_switched_off_while_its_run_was_going_is_not_retried() {
     );
 }
 
+/// E-12: an occurrence whose start meets the database away for a moment (here a lock held past
+/// DATABASE_LOCK_TIMEOUT) is postponed under the same attempt and runs once the database is
+/// back. One whose run the database refuses for good is a failed attempt, retried on E-12's
+/// schedule and then failed, not postponed for hours as if the database were away.
+#[tokio::test]
+async fn e12_an_occurrence_the_database_cannot_start_for_now_waits_and_one_it_refuses_for_good_fails()
+ {
+    let (app, _model, _gmail) = gmail_world(
+        vec![Answer::text("Nothing urgent.")],
+        &[NO_WORKERS, ("DATABASE_LOCK_TIMEOUT", "200ms")],
+    )
+    .await;
+    let replicas = app.agent_replicas();
+    let mut alice = app.agent_as("alice").await;
+    let schedule = create(
+        &mut alice,
+        every_minute_in_berlin(pb::ScheduleKind::Heartbeat),
+    )
+    .await
+    .unwrap();
+    let due = time(&schedule.next_due_at);
+
+    // Another session holds the runs table: the start's first read waits past the lock timeout.
+    let mut holder = app.sql().await;
+    let held = holder.transaction().await.unwrap();
+    held.batch_execute("LOCK TABLE agent.runs IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let fired = fire_everywhere(&replicas, due + Duration::from_secs(1)).await;
+    held.rollback().await.unwrap();
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Postponed, "{fired:?}");
+    let shown = listed(&mut alice).await;
+    assert!(
+        shown[0].last_error.contains("DATABASE_LOCK_TIMEOUT"),
+        "the database's own reason: {}",
+        shown[0].last_error
+    );
+    let fired = fire_everywhere(&replicas, due + Duration::from_secs(32)).await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Completed, "{fired:?}");
+    let runs = runs_on(&app, &schedule.thread_id).await;
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert!(runs[0].1.ends_with(":1"), "the same attempt: {runs:?}");
+
+    // The next occurrence's run is refused by the database for good (a constraint an operator
+    // added, here): waiting does not help, so the attempt counts.
+    app.sql()
+        .await
+        .batch_execute(
+            "ALTER TABLE agent.runs ADD CONSTRAINT no_more_scheduled_runs \
+               CHECK (request_id NOT LIKE 'schedule:%') NOT VALID",
+        )
+        .await
+        .unwrap();
+    let next = due + Duration::from_secs(61);
+    let fired = fire_everywhere(&replicas, next).await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Retrying, "{fired:?}");
+    let shown = listed(&mut alice).await;
+    assert!(
+        shown[0].last_error.contains("refused this for good")
+            && shown[0].last_error.contains("no_more_scheduled_runs"),
+        "{}",
+        shown[0].last_error
+    );
+    let fired = fire_everywhere(&replicas, next + Duration::from_secs(13)).await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Failed, "{fired:?}");
+    assert_eq!(runs_on(&app, &schedule.thread_id).await.len(), 1);
+}
+
 #[tokio::test]
 async fn a_scheduled_run_waits_for_the_users_pending_approval_instead_of_voiding_it() {
     let answers = vec![

@@ -770,6 +770,32 @@ async fn b5_a_task_agent_whose_thread_is_busy_waits_without_spending_an_attempt(
     );
 }
 
+/// B-5, E-12: a task whose run the database refuses for good (here a constraint an operator
+/// added) spends its attempt and is retried with backoff like any failure, rather than waiting
+/// for hours as if the database were away for a moment.
+#[tokio::test]
+async fn b5_a_task_agent_whose_run_the_database_refuses_for_good_spends_its_attempt() {
+    let (mut app, _model, _parent, task) =
+        a_task_queued_by_the_model("tidy up", vec![Answer::text("Tidied.")], &[]).await;
+    app.sql()
+        .await
+        .batch_execute(
+            "ALTER TABLE agent.runs ADD CONSTRAINT no_task_runs \
+               CHECK (request_id NOT LIKE 'task-%') NOT VALID",
+        )
+        .await
+        .unwrap();
+    app.start_another_agent_with(&TASK_WORKERS).await;
+    let (state, attempts, error, _) =
+        task_row_when(&app, &task, |_, _, error, _| !error.is_empty()).await;
+    assert_eq!((state.as_str(), attempts), ("queued", 1), "{error}");
+    assert!(
+        error.contains("refused this for good") && error.contains("no_task_runs"),
+        "{error}"
+    );
+    assert!(task_runs(&app, &task).await.is_empty());
+}
+
 #[tokio::test]
 async fn b1_a_run_prompt_holds_what_memory_knows_about_the_user() {
     let (app, model, _gmail) = world(vec![Answer::text("Noted.")]).await;

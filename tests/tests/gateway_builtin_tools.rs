@@ -209,6 +209,43 @@ async fn blank_words_for_a_task_or_a_memory_are_refused_by_name() {
     assert!(listed.text.contains("Call dentist"), "{}", listed.text);
 }
 
+/// Q-2, I-6: what the database refuses for good (here a constraint an operator added) reaches
+/// the model as a request that fails the same way when sent again, not as storage that is
+/// away for a moment ("try again later"); the user's other writes go on.
+#[tokio::test]
+async fn a_task_the_database_refuses_for_good_is_not_called_a_passing_failure() {
+    let app = spawn(Options {
+        backend: Some(Backend::Postgres),
+        ..Options::default()
+    })
+    .await;
+    app.sql()
+        .await
+        .batch_execute(
+            "ALTER TABLE gateway.tasks ADD CONSTRAINT no_secret_plans CHECK (title NOT LIKE '%secret%')",
+        )
+        .await
+        .unwrap();
+    let mut g = app.gateway_as("alice").await;
+    let refused = run(
+        &mut g,
+        "add_task",
+        serde_json::json!({"title": "A secret plan"}),
+    )
+    .await;
+    assert!(!refused.ok);
+    assert_eq!(refused.error_kind, pb::ErrorKind::Internal as i32);
+    assert!(
+        refused.text.contains("no_secret_plans")
+            && refused.text.contains("will fail the same way")
+            && !refused.text.contains("Try again later"),
+        "{}",
+        refused.text
+    );
+    let added = run(&mut g, "add_task", serde_json::json!({"title": "Buy milk"})).await;
+    assert!(added.ok, "{}", added.text);
+}
+
 #[tokio::test]
 async fn search_memory_ranks_the_relevant_note_first() {
     let app = spawn(Options {

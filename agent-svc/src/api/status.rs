@@ -42,7 +42,9 @@ impl From<ApiError> for Status {
             }
             ApiError::Store(StoreError::NotFound(_)) => Status::not_found(message),
             ApiError::Store(StoreError::Conflict(_)) => Status::already_exists(message),
-            ApiError::Store(StoreError::Corrupt(_)) => Status::internal(message),
+            ApiError::Store(StoreError::Corrupt(_) | StoreError::Rejected(_)) => {
+                Status::internal(message)
+            }
         }
     }
 }

@@ -127,8 +127,8 @@ impl RunService {
                 }
                 Ok(false) => {}
                 // The database away for a moment: the next sweep looks again, rather than
-                // failing a run whose user's decision may stand — for a day at most, since
-                // the store reports most of its errors this way, lasting ones too.
+                // failing a run whose user's decision may stand — for a day at most, as an
+                // outage that long is no longer a moment.
                 Err(
                     e @ (ApiError::Unavailable(_) | ApiError::Store(StoreError::Unavailable(_))),
                 ) if run

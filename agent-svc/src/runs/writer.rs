@@ -436,6 +436,7 @@ impl RunWriter {
                     return Ok(());
                 }
                 Err(StoreError::LeaseLost) => return Err(StoreError::LeaseLost),
+                Err(e @ StoreError::Rejected(_)) => return Err(e),
                 Err(e) if started.elapsed() + wait > FLUSH_RETRY_FOR => return Err(e),
                 Err(e) => {
                     tracing::warn!(run_id = %self.run_id, error = %e, "could not record the run's progress; retrying");

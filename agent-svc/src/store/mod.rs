@@ -31,6 +31,11 @@ pub enum StoreError {
     /// A row that must be new already exists.
     #[error("{0} already exists")]
     Conflict(String),
+    /// The database refused this for good: the same statement with the same data fails again
+    /// (see [`svc_kit::pg::refused_for_good`]). Never retried, and never taken for the database
+    /// being away: unattended work counts it as a failed attempt.
+    #[error("the database refused this for good: {0}")]
+    Rejected(String),
 }
 
 impl StoreError {
@@ -47,7 +52,10 @@ impl From<svc_kit::group::Lost> for StoreError {
 
 impl From<svc_kit::pg::PgError> for StoreError {
     fn from(e: svc_kit::pg::PgError) -> Self {
-        StoreError::Unavailable(e.to_string())
+        match e {
+            svc_kit::pg::PgError::Query(e) => postgres::db(e),
+            e => StoreError::Unavailable(e.to_string()),
+        }
     }
 }
 

@@ -100,11 +100,15 @@ impl PgStore {
     }
 }
 
-fn db(e: tokio_postgres::Error) -> StoreError {
+/// A PostgreSQL error with the server's own words, classified: a row that must be new already
+/// there, what the server refused for good, and the rest (no connection, a lock timeout, a
+/// serialization failure, the server shutting down), which may clear by waiting.
+pub(super) fn db(e: tokio_postgres::Error) -> StoreError {
     match e.as_db_error() {
         Some(d) if *d.code() == tokio_postgres::error::SqlState::UNIQUE_VIOLATION => {
             StoreError::Conflict(format!("{} ({})", d.message(), d.code().code()))
         }
+        Some(d) if pg::refused_for_good(d.code()) => StoreError::Rejected(pg::server_message(d)),
         Some(d) => StoreError::Unavailable(pg::server_message(d)),
         None => StoreError::Unavailable(e.to_string()),
     }

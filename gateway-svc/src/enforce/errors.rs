@@ -101,6 +101,12 @@ pub enum ToolError {
     ChangedSinceApproval(String),
     #[error("The tool failed unexpectedly ({0}). Try again later.")]
     Internal(String),
+    /// Steward's own storage refused what the call would store, for good (a constraint, a
+    /// limit): waiting does not help, unlike [`ToolError::Internal`].
+    #[error(
+        "The tool's storage refused this ({0}). Sending it again unchanged will fail the same way; change the request or tell the user."
+    )]
+    StorageRefused(String),
     /// A side effect interrupted after its request reached upstream: it may have acted, so it
     /// must not be retried as if it had not (R-3, P-4).
     #[error(
@@ -155,7 +161,9 @@ impl ToolError {
             ToolError::UpstreamUnavailable { .. } => ErrorKind::UpstreamUnavailable,
             ToolError::Cancelled => ErrorKind::Cancelled,
             ToolError::ChangedSinceApproval(_) => ErrorKind::ChangedSinceApproval,
-            ToolError::Internal(_) | ToolError::KeyInUse(_) => ErrorKind::Internal,
+            ToolError::Internal(_) | ToolError::StorageRefused(_) | ToolError::KeyInUse(_) => {
+                ErrorKind::Internal
+            }
             ToolError::MayHaveActed { kind, .. } => *kind,
         }
     }

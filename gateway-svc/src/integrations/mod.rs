@@ -58,7 +58,12 @@ pub(crate) fn path_segment(value: &str, field: &str, tool: &str) -> Result<Strin
 
 /// Store failures inside a tool become a result the model can relay, never an RPC error.
 pub(crate) fn store_error(e: crate::store::StoreError) -> ToolError {
-    ToolError::Internal(format!("storage is unavailable ({e})"))
+    match e {
+        crate::store::StoreError::Rejected { code, message } => {
+            ToolError::StorageRefused(format!("{message} ({code})"))
+        }
+        e => ToolError::Internal(format!("storage is unavailable ({e})")),
+    }
 }
 
 /// A string argument, trimmed; `None` when absent or blank.

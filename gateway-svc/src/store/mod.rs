@@ -23,11 +23,10 @@ pub enum StoreError {
     /// Another call holds this idempotency key and is still running.
     #[error("{0}")]
     InProgress(String),
-    /// The database refused this data for good: writing it again cannot succeed (SQLSTATE
-    /// class 22 data exception, 23 integrity constraint, 42 syntax or access rule — a missing
-    /// privilege among them —, or P0001, a trigger's RAISE). Only audit writes report it
-    /// (see [`StoreError::audit_write`]); other writes say `Unavailable`.
-    #[error("the database refused the record: {message} ({code})")]
+    /// The database refused this for good: the same statement with the same data fails again
+    /// (see [`svc_kit::pg::refused_for_good`]), so it is never retried — an audit record is
+    /// isolated and logged (`crate::audit`), a call's storage failure is not "try again".
+    #[error("the database refused this for good: {message} ({code})")]
     Rejected { code: String, message: String },
 }
 
@@ -42,26 +41,18 @@ impl StoreError {
         StoreError::Unavailable(e.to_string())
     }
 
-    /// A PostgreSQL error with the server's own message (tokio-postgres prints only "db error").
+    /// A PostgreSQL error with the server's own message (tokio-postgres prints only "db error"),
+    /// classified: what the server refused for good is [`StoreError::Rejected`]; everything
+    /// else — no connection, the pool, a serialization failure or deadlock, a lock timeout, the
+    /// server shutting down, a full disk — is `Unavailable`, and may clear by waiting.
     pub fn db(e: tokio_postgres::Error) -> Self {
         match e.as_db_error() {
-            Some(db) => StoreError::Unavailable(svc_kit::pg::server_message(db)),
-            None => StoreError::Unavailable(e.to_string()),
-        }
-    }
-
-    /// An audit write's failure, classified for the batching writer (`crate::audit`): what
-    /// the server refused for good is [`StoreError::Rejected`] (never retried: the record is
-    /// isolated and logged); everything else — no connection, the pool, a serialization
-    /// failure or deadlock (40xxx), the server shutting down or an admin's cancel (57xxx), a
-    /// broken connection (08xxx), a full disk — is `Unavailable` and retried.
-    pub fn audit_write(e: tokio_postgres::Error) -> Self {
-        match e.as_db_error() {
-            Some(db) if is_permanent(db.code().code()) => StoreError::Rejected {
+            Some(db) if svc_kit::pg::refused_for_good(db.code()) => StoreError::Rejected {
                 code: db.code().code().to_owned(),
                 message: db.message().to_owned(),
             },
-            _ => Self::db(e),
+            Some(db) => StoreError::Unavailable(svc_kit::pg::server_message(db)),
+            None => StoreError::Unavailable(e.to_string()),
         }
     }
 
@@ -69,15 +60,6 @@ impl StoreError {
     pub fn is_permanent(&self) -> bool {
         matches!(self, StoreError::Rejected { .. })
     }
-}
-
-/// SQLSTATEs that no retry of the same statement and data can get past: classes 22, 23 and 42,
-/// and P0001 (`RAISE EXCEPTION` without its own code).
-pub fn is_permanent(sqlstate: &str) -> bool {
-    sqlstate == "P0001"
-        || ["22", "23", "42"]
-            .iter()
-            .any(|class| sqlstate.starts_with(class))
 }
 
 impl From<svc_kit::pg::PgError> for StoreError {

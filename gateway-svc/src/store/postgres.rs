@@ -646,7 +646,7 @@ impl AuditLog for PgStore {
             .await
             // A refused record is told apart from an outage: the batching writer isolates the
             // first and retries the second.
-            .map_err(StoreError::audit_write)?;
+            .map_err(StoreError::db)?;
         Ok(())
     }
 

@@ -49,8 +49,9 @@ impl Committer {
 }
 
 /// Runs whose last commit failed on its own after its batch failed: the database refuses
-/// something in it (a duplicate key, text it cannot store), and its writer will retry it for
-/// a while. Until it commits, it is written alone, so it fails no one else's batch again.
+/// something in it (a duplicate key, a constraint), and its writer sends it again — retried
+/// while the failure may pass, or carried by the run's failure commit when it may not. Until
+/// it commits, it is written alone, so it fails no one else's batch again.
 #[derive(Default)]
 struct Suspects(std::sync::Mutex<std::collections::HashSet<String>>);
 
