@@ -323,13 +323,29 @@ impl Pooled {
         }
     }
 
+    /// `result`, forgetting the connection's prepared statements when the server says one
+    /// is stale ("cached plan must not change result type", 0A000, after a migration changed
+    /// a table under it): prepared again, the next use works, where the cached one would fail
+    /// on this connection for as long as it lives.
+    fn unless_stale<T>(
+        &self,
+        result: Result<T, tokio_postgres::Error>,
+    ) -> Result<T, tokio_postgres::Error> {
+        if let Err(e) = &result
+            && e.code() == Some(&tokio_postgres::error::SqlState::FEATURE_NOT_SUPPORTED)
+        {
+            self.client.statement_cache.clear();
+        }
+        result
+    }
+
     pub async fn query<'a>(
         &self,
         sql: impl Into<Sql<'a>>,
         params: Params<'_>,
     ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
         let statement = self.statement(sql.into()).await?;
-        self.client.query(&statement, params).await
+        self.unless_stale(self.client.query(&statement, params).await)
     }
 
     pub async fn query_one<'a>(
@@ -338,7 +354,7 @@ impl Pooled {
         params: Params<'_>,
     ) -> Result<tokio_postgres::Row, tokio_postgres::Error> {
         let statement = self.statement(sql.into()).await?;
-        self.client.query_one(&statement, params).await
+        self.unless_stale(self.client.query_one(&statement, params).await)
     }
 
     pub async fn query_opt<'a>(
@@ -347,7 +363,7 @@ impl Pooled {
         params: Params<'_>,
     ) -> Result<Option<tokio_postgres::Row>, tokio_postgres::Error> {
         let statement = self.statement(sql.into()).await?;
-        self.client.query_opt(&statement, params).await
+        self.unless_stale(self.client.query_opt(&statement, params).await)
     }
 
     pub async fn execute<'a>(
@@ -356,7 +372,7 @@ impl Pooled {
         params: Params<'_>,
     ) -> Result<u64, tokio_postgres::Error> {
         let statement = self.statement(sql.into()).await?;
-        self.client.execute(&statement, params).await
+        self.unless_stale(self.client.execute(&statement, params).await)
     }
 }
 

@@ -646,7 +646,7 @@ async fn e12_a_vanished_deciders_run_whose_session_was_archived_is_ended_not_con
 async fn a_cancel_between_a_decision_and_its_continuation_stops_the_send() {
     let (app, gmail, paused) = a_send_approved_by_a_vanished_decider().await;
     let store = app.agent_store().await;
-    assert!(store.request_cancel(&paused.run_id).await.unwrap());
+    assert!(store.request_cancel(&paused.run_id, None).await.unwrap());
 
     app.agent_replicas()[0]
         .sweep_stale_runs(Duration::ZERO)

@@ -7,7 +7,8 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
-    Backend, Options, TestApp, agent_as, fakes::openai::Answer, spawn::spawn, worlds::gmail_world,
+    Backend, Options, TestApp, agent_as, agent_calls::get_run, fakes::openai::Answer, spawn::spawn,
+    worlds::gmail_world,
 };
 use tonic::Code;
 
@@ -570,6 +571,71 @@ async fn a10_a_run_the_database_refuses_for_good_fails_internal_not_unavailable(
     assert_eq!(after.status, pb::RunState::Completed as i32);
 }
 
+/// A-10, R-2: a run whose progress the database refuses for good mid-run (here its answer,
+/// under a constraint an operator added) fails at once in the database's words, with its usage
+/// kept, instead of being left for the health monitor to end minutes later as if its server
+/// had stopped responding. Its thread is free for the next run.
+#[tokio::test]
+async fn a10_a_run_whose_answer_the_database_refuses_for_good_fails_at_once_naming_why() {
+    let (app, _model, _gmail) = gmail_world(
+        vec![
+            Answer::text("The password is hunter2."),
+            Answer::text("I can't repeat it."),
+        ],
+        &[],
+    )
+    .await;
+    app.sql()
+        .await
+        .batch_execute(
+            "ALTER TABLE agent.messages ADD CONSTRAINT no_passwords \
+               CHECK (content NOT LIKE '%password is%')",
+        )
+        .await
+        .unwrap();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(30),
+        run_on(app.agent_addr, input("what is the wifi password?")),
+    )
+    .await
+    .expect("the run ends without waiting for the health monitor");
+    assert_eq!(
+        refused.status,
+        pb::RunState::Failed as i32,
+        "{}",
+        refused.error
+    );
+    assert!(
+        refused.error.contains("refused it for good") && refused.error.contains("no_passwords"),
+        "{}",
+        refused.error
+    );
+    let mut alice = agent_as(app.agent_addr, "alice").await;
+    let run = get_run(&mut alice, &refused.run_id)
+        .await
+        .unwrap()
+        .run
+        .unwrap();
+    assert!(
+        run.usage.is_some_and(|u| u.input_tokens > 0),
+        "the model call's usage is kept"
+    );
+    let next = run_on(
+        app.agent_addr,
+        pb::RunInput {
+            thread_id: refused.thread_id.clone(),
+            ..input("then don't say it")
+        },
+    )
+    .await;
+    assert_eq!(
+        next.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        next.error
+    );
+}
+
 #[tokio::test]
 async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
     let (mut app, _model, _gmail) = gmail_world(
@@ -584,11 +650,11 @@ async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
     let second = app.start_another_agent().await;
     let (mut stream, first) = start_streaming(&app, "take your time").await;
     let started = std::time::Instant::now();
-    agent_as(second, "alice")
-        .await
+    let mut canceller = agent_as(second, "alice").await;
+    canceller
         .cancel_run(pb::CancelRunRequest {
             run_id: first.run_id.clone(),
-            ..Default::default()
+            reason: "asked about the wrong account".into(),
         })
         .await
         .unwrap();
@@ -596,9 +662,12 @@ async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
     while let Some(Ok(r)) = stream.next().await {
         last = r.event;
     }
+    // The reason given on one replica is in the run's end, written by the other.
+    let told = "The run was cancelled: asked about the wrong account";
     match last.and_then(|e| e.kind) {
         Some(pb::run_event::Kind::Result(r)) => {
-            assert_eq!(r.status, pb::RunState::Cancelled as i32)
+            assert_eq!(r.status, pb::RunState::Cancelled as i32);
+            assert_eq!(r.error, told);
         }
         other => panic!("not cancelled: {other:?}"),
     }
@@ -607,6 +676,12 @@ async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
         "the notice reached the other replica, not the lease renewal: {:?}",
         started.elapsed()
     );
+    let run = get_run(&mut canceller, &first.run_id)
+        .await
+        .unwrap()
+        .run
+        .unwrap();
+    assert_eq!(run.error, told);
 }
 
 #[tokio::test]

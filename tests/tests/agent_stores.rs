@@ -777,7 +777,7 @@ async fn a_paused_run_ends_once_and_its_approval_expires(b: Backend) {
         ApprovalState::Expired
     );
     assert!(
-        !s.request_cancel("r1").await.unwrap(),
+        !s.request_cancel("r1", None).await.unwrap(),
         "an ended run takes no cancel"
     );
 }
@@ -1389,7 +1389,13 @@ async fn a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found(b:
     let s = &b.store;
     s.ping().await.unwrap();
     let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
-    assert!(s.request_cancel("r1").await.unwrap());
+    assert!(s.request_cancel("r1", Some("wrong thread")).await.unwrap());
+    assert!(
+        s.request_cancel("r1", Some("a later reason"))
+            .await
+            .unwrap(),
+        "asked twice, still live"
+    );
     assert_eq!(
         s.renew_lease(&lease, Duration::from_secs(60))
             .await
@@ -1397,12 +1403,12 @@ async fn a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found(b:
         Some(true),
         "the holder learns of the cancel when it renews"
     );
-    assert!(
-        s.get_run("alice", "r1")
-            .await
-            .unwrap()
-            .unwrap()
-            .cancel_requested
+    let run = s.get_run("alice", "r1").await.unwrap().unwrap();
+    assert!(run.cancel_requested);
+    assert_eq!(
+        run.cancel_reason.as_deref(),
+        Some("wrong thread"),
+        "the first reason given is kept"
     );
     s.commit(
         &lease,
@@ -2155,8 +2161,8 @@ async fn a_refused_commit_in_a_batch_fails_alone_and_the_rest_land() {
         let id = lease.run_id.as_str();
         if id == "r3" {
             assert!(
-                matches!(answer, Err(StoreError::Unavailable(_))),
-                "{answer:?}"
+                matches!(answer, Err(StoreError::Rejected(_))),
+                "refused for good, not the database away: {answer:?}"
             );
             assert_eq!(seqs(s, id).await, [1], "nothing of the refused commit");
         } else {
@@ -3170,7 +3176,7 @@ async fn a_batch_whose_summaries_cannot_be_read_admits_nothing() {
     for (a, answer) in batch.iter().zip(answers) {
         let id = &a.run.id;
         assert!(
-            matches!(answer, Err(StoreError::Unavailable(_))),
+            matches!(answer, Err(StoreError::Rejected(_))),
             "{id}: {answer:?}"
         );
         assert!(s.get_run(&a.run.owner, id).await.unwrap().is_none(), "{id}");

@@ -230,3 +230,40 @@ async fn an_unreachable_database_fails_start_up_with_a_clear_error() {
     };
     assert!(err.contains("cannot connect to PostgreSQL"), "{err}");
 }
+
+/// a migration that changes a column under a connection's prepared statement fails that
+/// statement once ("cached plan must not change result type"); the connection then forgets its
+/// prepared statements, so the next use is prepared again and works, instead of failing for as
+/// long as the pooled connection lives.
+#[tokio::test]
+async fn a_statement_made_stale_by_a_migration_fails_once_then_is_prepared_again() {
+    let db = TestDb::create().await.unwrap();
+    let pool = svc_kit::pg::pool(
+        db.url(),
+        &svc_kit::pg::PoolOptions {
+            max_connections: 1,
+            ..svc_kit::pg::PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let side = steward_tests::db::connect(&db).await;
+    side.batch_execute("CREATE TABLE widgets (size int); INSERT INTO widgets VALUES (3)")
+        .await
+        .unwrap();
+    let read = "SELECT size FROM widgets";
+    let pooled = svc_kit::pg::checkout(&pool, "test").await.unwrap();
+    let size: i32 = pooled.query_one(read, &[]).await.unwrap().get(0);
+    assert_eq!(size, 3);
+
+    side.batch_execute("ALTER TABLE widgets ALTER COLUMN size TYPE bigint")
+        .await
+        .unwrap();
+    let stale = pooled.query_one(read, &[]).await.unwrap_err();
+    assert_eq!(
+        stale.code(),
+        Some(&tokio_postgres::error::SqlState::FEATURE_NOT_SUPPORTED),
+        "{stale:?}"
+    );
+    let size: i64 = pooled.query_one(read, &[]).await.unwrap().get(0);
+    assert_eq!(size, 3, "prepared again on the same connection");
+}

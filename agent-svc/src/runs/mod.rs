@@ -1145,15 +1145,23 @@ impl RunService {
                 }
             }
             Ok(Driven::Stopped(StopReason::Cancelled)) => {
-                let message = "The run was cancelled.";
+                // The reason was given to whichever replica took the CancelRun.
+                let reason = match self.store.get_run(&seg.owner, &seg.run_id).await {
+                    Ok(run) => run.and_then(|r| r.cancel_reason),
+                    Err(e) => {
+                        tracing::warn!(run_id = %seg.run_id, error = %e, "could not read why the run was cancelled");
+                        None
+                    }
+                };
+                let message = cancelled_message(reason.as_deref());
                 writer.pending().patch.merge(RunPatch {
                     state: Some(RunState::Cancelled),
-                    error: Some(message.into()),
+                    error: Some(message.clone()),
                     failure_kind: Some("cancelled".into()),
                     finished_at: Some(SystemTime::now()),
                     ..RunPatch::default()
                 });
-                writer.emit(cancelled_result(message));
+                writer.emit(cancelled_result(&message));
             }
             Ok(Driven::Stopped(StopReason::Shutdown)) => {
                 tracing::warn!(run_id = %seg.run_id, "shutting down: releasing the run's lease for another replica's monitor to end it");
@@ -1191,8 +1199,32 @@ impl RunService {
             Err(StoreError::LeaseLost) => {
                 tracing::error!(run_id = %seg.run_id, "the run lost its lease before its end was recorded; the health monitor will end it");
             }
+            Err(StoreError::Rejected(why)) => self.end_refused(seg, writer, &why).await,
             Err(e) => {
                 tracing::error!(run_id = %seg.run_id, error = %e, "could not record the run's end; the health monitor will end it when its lease lapses");
+                let _ = self.store.release_lease(&writer.lease).await;
+            }
+        }
+    }
+
+    /// The database refused the run's last commit for good — sent again it fails the same
+    /// way, and the health monitor would end the run minutes later as if its server had
+    /// stopped responding. What it refused is set aside (logged by count, not content) and the
+    /// failure, naming the database's reason, is recorded alone.
+    async fn end_refused(&self, seg: &Segment, writer: &mut RunWriter, why: &str) {
+        let set_aside = writer.set_aside_refused();
+        tracing::error!(run_id = %seg.run_id, error = %why, %set_aside, "the database refused the run's progress for good; recording its failure without it");
+        Self::fail(
+            writer,
+            &format!(
+                "the run could not record its progress (the database refused it for good: {why})"
+            ),
+        );
+        writer.pending().release = true;
+        match writer.flush().await {
+            Ok(()) => crate::metrics::run_ended(RunState::Failed.key()),
+            Err(e) => {
+                tracing::error!(run_id = %seg.run_id, error = %e, "could not record the run's failure either; the health monitor will end it when its lease lapses");
                 let _ = self.store.release_lease(&writer.lease).await;
             }
         }
@@ -1437,10 +1469,7 @@ impl RunService {
                 .record_audit(owner, "cancel_requested", Some(run_id), detail)
                 .await?;
         }
-        let message = match reason {
-            Some(reason) => format!("The run was cancelled: {reason}"),
-            None => "The run was cancelled.".to_owned(),
-        };
+        let message = cancelled_message(reason);
         let ending = Ending {
             state: RunState::Cancelled,
             error: message.clone(),
@@ -1457,7 +1486,7 @@ impl RunService {
             let taken = if state == RunState::AwaitingConfirmation {
                 self.store.end_paused(run_id, &ending).await?
             } else {
-                let requested = self.store.request_cancel(run_id).await?;
+                let requested = self.store.request_cancel(run_id, reason).await?;
                 if let Some(token) = self
                     .live
                     .cancels
@@ -1633,6 +1662,14 @@ fn to_json(turn: &Turn) -> Result<crate::store::TurnJson, ApiError> {
     serde_json::to_string(turn)
         .map(String::into_boxed_str)
         .map_err(|e| ApiError::Unavailable(format!("could not serialize the transcript: {e}")))
+}
+
+/// What a cancelled run's end says, with the reason its canceller gave.
+fn cancelled_message(reason: Option<&str>) -> String {
+    match reason {
+        Some(reason) => format!("The run was cancelled: {reason}"),
+        None => "The run was cancelled.".to_owned(),
+    }
 }
 
 fn cancelled_result(message: &str) -> pb::run_event::Kind {

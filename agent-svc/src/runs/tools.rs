@@ -324,13 +324,32 @@ async fn enqueue_task_agent(
             truncated: false,
             external: false,
         },
-        Err(e) => ToolOutcome {
-            ok: false,
-            text: format!("Could not start a task agent ({e})."),
-            error_kind: "UPSTREAM_UNAVAILABLE".into(),
-            truncated: false,
-            external: false,
-        },
+        Err(e) => store_failed("Could not start a task agent", &e),
+    }
+}
+
+/// A store failure in one of the agent's own tools, worded as the gateway words its own: what
+/// the database refused for good is not "unavailable right now", since sending it again
+/// unchanged fails the same way.
+fn store_failed(what: &str, e: &StoreError) -> ToolOutcome {
+    let (text, kind) = match e {
+        StoreError::Rejected(_) => (
+            format!(
+                "{what} ({e}). Sending it again unchanged will fail the same way; change the request or tell the user."
+            ),
+            "INTERNAL",
+        ),
+        _ => (
+            format!("{what} ({e}). Try again later."),
+            "UPSTREAM_UNAVAILABLE",
+        ),
+    };
+    ToolOutcome {
+        ok: false,
+        text,
+        error_kind: kind.into(),
+        truncated: false,
+        external: false,
     }
 }
 
@@ -380,13 +399,7 @@ async fn search_history(store: &SharedStore, user: &str, args: &serde_json::Valu
                 external: hits.iter().any(|a| a.external),
             }
         }
-        Err(e) => ToolOutcome {
-            ok: false,
-            text: format!("Past sessions are unavailable right now ({e})."),
-            error_kind: "UPSTREAM_UNAVAILABLE".into(),
-            truncated: false,
-            external: false,
-        },
+        Err(e) => store_failed("Past sessions could not be searched", &e),
     }
 }
 

@@ -447,6 +447,36 @@ impl RunWriter {
         }
     }
 
+    /// The database refused the pending commit for good: none of its rows can be written, so
+    /// its events, turns, actions, messages, audit and approval are set aside (never shown as
+    /// durable; what watchers were already shown stays numbered, and what comes next is
+    /// numbered after it) and only its patch of the run row is kept, with its usage. Returns
+    /// what was set aside, for the log.
+    pub(super) fn set_aside_refused(&mut self) -> String {
+        let c = &mut self.pending;
+        let said = format!(
+            "{} events, {} turns, {} actions, {} messages, {} audit records{}",
+            c.events.len(),
+            c.history.len(),
+            c.actions.len(),
+            c.messages.len(),
+            c.audit.len(),
+            if c.approval.is_some() {
+                ", an approval"
+            } else {
+                ""
+            }
+        );
+        *c = RunCommit {
+            patch: std::mem::take(&mut c.patch),
+            read_external: c.read_external,
+            ..RunCommit::default()
+        };
+        self.held.clear();
+        self.delta = None;
+        said
+    }
+
     /// The pending commit is durable: clear it and show the events it held back.
     fn committed(&mut self) {
         self.commits += 1;

@@ -766,10 +766,13 @@ impl AgentStore for MemoryStore {
         })
     }
 
-    async fn request_cancel(&self, run_id: &str) -> Result<bool, StoreError> {
+    async fn request_cancel(&self, run_id: &str, reason: Option<&str>) -> Result<bool, StoreError> {
         self.with(|s| match s.runs.get_mut(run_id) {
             Some(run) if run.state.is_live() => {
                 run.cancel_requested = true;
+                if run.cancel_reason.is_none() {
+                    run.cancel_reason = reason.map(str::to_owned);
+                }
                 true
             }
             _ => false,

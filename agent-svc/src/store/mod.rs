@@ -16,7 +16,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("the database is unavailable: {0}")]
     Unavailable(String),
@@ -189,6 +189,8 @@ pub struct Run {
     pub failure_kind: Option<String>,
     pub summary: String,
     pub cancel_requested: bool,
+    /// What the caller of CancelRun said, if anything (the first reason given).
+    pub cancel_reason: Option<String>,
     pub last_event_seq: u64,
     /// (section name, estimated tokens) of the system prompt, in order.
     pub prompt_sections: Vec<(String, u32)>,
@@ -217,6 +219,7 @@ impl Run {
             failure_kind: None,
             summary: String::new(),
             cancel_requested: false,
+            cancel_reason: None,
             last_event_seq: 1,
             prompt_sections: Vec::new(),
             system_prompt: String::new(),
@@ -529,8 +532,9 @@ pub trait AgentStore: Send + Sync + 'static {
         owner: &str,
         request_id: &str,
     ) -> Result<Option<Run>, StoreError>;
-    /// Marks a live run for cancellation; false when it is not live (ended or paused).
-    async fn request_cancel(&self, run_id: &str) -> Result<bool, StoreError>;
+    /// Marks a live run for cancellation, keeping the first `reason` given; false when it is
+    /// not live (ended or paused).
+    async fn request_cancel(&self, run_id: &str, reason: Option<&str>) -> Result<bool, StoreError>;
 
     /// Events with seq > `after`, in order, at most `limit`.
     async fn events_after(

@@ -169,7 +169,7 @@ fn message(r: &Row) -> Message {
 
 const RUN_COLUMNS: &str = "id, thread_id, owner, request_id, state, channel, model, usage, iterations, error, \
     failure_kind, summary, cancel_requested, last_event_seq, created_at, started_at, finished_at, prompt_sections, \
-    system_prompt";
+    system_prompt, cancel_reason";
 
 fn run(r: &Row) -> Result<Run, StoreError> {
     let usage: Value = r.get(7);
@@ -193,6 +193,7 @@ fn run(r: &Row) -> Result<Run, StoreError> {
         finished_at: r.get(16),
         prompt_sections: serde_json::from_value(r.get(17)).unwrap_or_default(),
         system_prompt: r.get(18),
+        cancel_reason: r.get(19),
     })
 }
 
@@ -583,8 +584,9 @@ impl AgentStore for PgStore {
                     &t.id,
                     &t.owner,
                     &t.parent_thread_id,
-                    &t.instructions,
-                    &t.goal,
+                    // The model's words: a NUL in them must not fail the enqueue.
+                    &storable::str_cow(&t.instructions),
+                    &storable::str_cow(&t.goal),
                     &i64::from(max_queued),
                 ],
             ),
@@ -695,15 +697,16 @@ impl AgentStore for PgStore {
         row.as_ref().map(run).transpose()
     }
 
-    async fn request_cancel(&self, run_id: &str) -> Result<bool, StoreError> {
+    async fn request_cancel(&self, run_id: &str, reason: Option<&str>) -> Result<bool, StoreError> {
         let n = self
             .client()
             .await?
             .query(
-                "WITH u AS (UPDATE agent.runs SET cancel_requested = true WHERE id = $1 \
+                "WITH u AS (UPDATE agent.runs SET cancel_requested = true, \
+                   cancel_reason = coalesce(cancel_reason, $2) WHERE id = $1 \
                    AND state IN ('queued', 'planning', 'executing') RETURNING id) \
                  SELECT pg_notify('agent_runs', 'c:' || id) FROM u",
-                &[&run_id],
+                &[&run_id, &reason],
             )
             .await
             .map_err(db)?;

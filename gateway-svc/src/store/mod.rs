@@ -16,7 +16,7 @@ use crate::{
     ratelimit::RateLimitBackend,
 };
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("the database is unavailable: {0}")]
     Unavailable(String),

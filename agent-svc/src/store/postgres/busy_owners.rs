@@ -19,7 +19,7 @@ use svc_kit::{group::Counters, pg};
 use tokio::sync::Semaphore;
 
 use super::{admission, db, group::Waiting};
-use crate::store::{Admission, Admitted, StoreError};
+use crate::store::{Admission, Admitted};
 
 type Queued = Waiting<Admission, Admitted>;
 
@@ -118,12 +118,9 @@ async fn serve_until_empty(busy: &BusyOwners, owner: &str) {
             continue;
         };
         if let Err(e) = lock_freed(client, owner).await {
-            let why = match db(e) {
-                StoreError::Unavailable(why) => why,
-                other => other.to_string(),
-            };
+            let error = db(e);
             for q in runs {
-                q.answer(Err(StoreError::Unavailable(why.clone())));
+                q.answer(Err(error.clone()));
             }
             continue;
         }

@@ -141,7 +141,7 @@ async fn write(pool: &pg::PgPool, mut batch: Vec<Queued>, counts: &Counters, sus
         // Refused by a database that is still there: it would fail a batch as well.
         let refused = matches!(
             answer,
-            Err(StoreError::Conflict(_) | StoreError::Unavailable(_))
+            Err(StoreError::Conflict(_) | StoreError::Rejected(_) | StoreError::Unavailable(_))
         ) && !client.is_closed();
         suspects.mark(&lease.run_id, refused);
         q.answer(answer);

@@ -181,10 +181,7 @@ async fn read<R: Read>(
 
 fn answer_all<R: Read>(batch: Vec<Waiting<R, Vec<R::Item>, StoreError>>, error: &StoreError) {
     for w in batch {
-        w.answer(Err(StoreError::Unavailable(match error {
-            StoreError::Unavailable(text) => text.clone(),
-            other => other.to_string(),
-        })));
+        w.answer(Err(error.clone()));
     }
 }
 
