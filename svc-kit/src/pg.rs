@@ -326,7 +326,10 @@ impl Pooled {
     /// `result`, forgetting the connection's prepared statements when the server says one
     /// is stale ("cached plan must not change result type", 0A000, after a migration changed
     /// a table under it): prepared again, the next use works, where the cached one would fail
-    /// on this connection for as long as it lives.
+    /// on this connection for as long as it lives. Only statements run through these methods
+    /// are watched: the pipelined and batched statements the stores run on the client itself
+    /// (commits, admissions, rate-limit charges) return fixed column types, which a
+    /// migration that only adds never changes.
     fn unless_stale<T>(
         &self,
         result: Result<T, tokio_postgres::Error>,

@@ -620,6 +620,11 @@ async fn a10_a_run_whose_answer_the_database_refuses_for_good_fails_at_once_nami
         run.usage.is_some_and(|u| u.input_tokens > 0),
         "the model call's usage is kept"
     );
+    assert!(
+        !run.summary.contains("hunter2"),
+        "what was refused is not kept elsewhere: {}",
+        run.summary
+    );
     let next = run_on(
         app.agent_addr,
         pb::RunInput {
@@ -634,6 +639,74 @@ async fn a10_a_run_whose_answer_the_database_refuses_for_good_fails_at_once_nami
         "{}",
         next.error
     );
+}
+
+/// A-10, R-2: when the database refuses even the failure's note in the thread (here every
+/// message but the user's), the run still ends at once, its row and terminal event saying why.
+#[tokio::test]
+async fn a10_a_run_whose_failure_note_is_refused_too_still_ends_saying_why() {
+    let (app, _model, _gmail) = gmail_world(vec![Answer::text("Hello.")], &[]).await;
+    app.sql()
+        .await
+        .batch_execute(
+            "ALTER TABLE agent.messages ADD CONSTRAINT users_only CHECK (source = 'user') NOT VALID",
+        )
+        .await
+        .unwrap();
+    let refused =
+        tokio::time::timeout(Duration::from_secs(30), run_on(app.agent_addr, input("hi")))
+            .await
+            .expect("the run ends without waiting for the health monitor");
+    assert_eq!(
+        refused.status,
+        pb::RunState::Failed as i32,
+        "{}",
+        refused.error
+    );
+    assert!(refused.error.contains("users_only"), "{}", refused.error);
+}
+
+/// A-10, R-2: the same when the refusal comes mid-run — a tool call's note in the thread, here
+/// — the run stops at that commit and fails at once in the database's words.
+#[tokio::test]
+async fn a10_a_run_whose_progress_the_database_refuses_mid_run_stops_and_fails_at_once() {
+    let (app, model, _gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("c1", "list_tasks", "{}")]),
+            Answer::text("You have no tasks."),
+        ],
+        &[],
+    )
+    .await;
+    app.sql()
+        .await
+        .batch_execute(
+            "ALTER TABLE agent.messages ADD CONSTRAINT no_tool_notes \
+               CHECK (content NOT LIKE 'Ran list_tasks%')",
+        )
+        .await
+        .unwrap();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(30),
+        run_on(app.agent_addr, input("what are my tasks?")),
+    )
+    .await
+    .expect("the run ends without waiting for the health monitor");
+    assert_eq!(
+        refused.status,
+        pb::RunState::Failed as i32,
+        "{}",
+        refused.error
+    );
+    assert!(
+        refused.error.contains("refused it for good") && refused.error.contains("no_tool_notes"),
+        "{}",
+        refused.error
+    );
+    // The commit goes beside the next model call (R-2), which the stop then cuts short: the
+    // model is asked at most once more, never for the answer it would have given.
+    assert!(model.requests().len() <= 2);
+    assert!(!refused.summary.contains("no tasks"), "{}", refused.summary);
 }
 
 #[tokio::test]

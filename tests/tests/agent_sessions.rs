@@ -181,27 +181,22 @@ async fn an_empty_model_answer_makes_the_session_silent() {
     assert!(greeting.greeting.is_empty());
 }
 
-#[tokio::test]
-async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed() {
-    use std::time::Duration;
-
+/// A run another instance admitted and was executing when it died: its lease (a millisecond)
+/// lapses and nobody renews it. Returns its thread's id.
+async fn a_run_whose_replica_died(app: &TestApp, run_id: &str) -> String {
     use agent_svc::store::{Admission, Admitted, AgentStore, Run};
-    let (app, _model, _gmail) = world(vec![Answer::text("fresh start")]).await;
     let store = app.agent_store().await;
-    // A run that another instance admitted and was executing when it died: its lease (here
-    // a millisecond) lapses and nobody renews it.
     let thread = store
-        .create_thread("t-dead", "alice", "orphaned")
+        .create_thread(&format!("t-{run_id}"), "alice", "orphaned")
         .await
         .unwrap();
-    let run = Run::queued("r-dead", &thread.id, "alice", "web");
     let admitted = store
         .admit(&Admission {
-            run,
+            run: Run::queued(run_id, &thread.id, "alice", "web"),
             new_thread_title: None,
             user_message: Some("do the thing".into()),
             first_event: Vec::new(),
-            lease: Duration::from_millis(1),
+            lease: std::time::Duration::from_millis(1),
             max_active_runs: 10,
             supersede_event: Vec::new(),
             supersede_message: String::new(),
@@ -211,6 +206,15 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
         .await
         .unwrap();
     assert!(matches!(admitted, Admitted::Started { .. }), "{admitted:?}");
+    thread.id
+}
+
+#[tokio::test]
+async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed() {
+    use std::time::Duration;
+
+    let (app, _model, _gmail) = world(vec![Answer::text("fresh start")]).await;
+    let thread_id = a_run_whose_replica_died(&app, "r-dead").await;
 
     // Any replica's monitor: a service built on the same database sweeps once.
     let runs = app.monitor().await;
@@ -253,7 +257,7 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
     ));
     let next = pb::RunInput {
         prompt: "hello again".into(),
-        thread_id: thread.id,
+        thread_id,
         ..Default::default()
     };
     let result = alice
@@ -264,6 +268,44 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
         .result
         .unwrap();
     assert_eq!(result.summary, "fresh start");
+}
+
+/// A run cancelled as its replica died (the cancel recorded, nobody left to act on it) is ended
+/// by the monitor as cancelled, with the canceller's reason — not failed as "stopped
+/// responding", which a task agent or a schedule would retry.
+#[tokio::test]
+async fn a_cancelled_run_whose_replica_died_is_ended_cancelled_with_its_reason() {
+    use agent_svc::store::AgentStore;
+    let (app, _model, _gmail) = world(vec![]).await;
+    a_run_whose_replica_died(&app, "r-gone").await;
+    let store = app.agent_store().await;
+    assert!(
+        store
+            .request_cancel("r-gone", Some("not needed any more"))
+            .await
+            .unwrap()
+    );
+    let runs = app.monitor().await;
+    assert_eq!(
+        runs.sweep_stale_runs(std::time::Duration::ZERO)
+            .await
+            .unwrap(),
+        1
+    );
+    let got = app
+        .agent_as("alice")
+        .await
+        .get_run(pb::GetRunRequest {
+            run_id: "r-gone".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert_eq!(got.state, pb::RunState::Cancelled as i32);
+    assert_eq!(got.failure_kind, pb::FailureKind::Cancelled as i32);
+    assert_eq!(got.error, "The run was cancelled: not needed any more");
 }
 
 #[tokio::test]

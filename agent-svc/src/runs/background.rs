@@ -145,18 +145,32 @@ impl RunService {
                     tracing::warn!(run_id = %run.id, error = %e, "could not check whether a decided approval awaits this run");
                 }
             }
-            let message =
-                "This run stopped: the server running it stopped responding. Please try again.";
-            let ending = Ending {
-                state: RunState::Failed,
-                error: message.into(),
-                failure_kind: "timed_out".into(),
-                event: encode(pb::run_event::Kind::Error(pb::ErrorEvent {
-                    message: message.into(),
-                    kind: pb::FailureKind::TimedOut as i32,
-                })),
-                seq_gap: ABANDONED_SEQ_GAP,
-                message: Some(message.into()),
+            let ending = if run.cancel_requested {
+                // Its cancel came first: it ends as its canceller asked, with their reason —
+                // not as a failure, which a task agent or a schedule would retry.
+                let message = super::cancelled_message(run.cancel_reason.as_deref());
+                Ending {
+                    state: RunState::Cancelled,
+                    error: message.clone(),
+                    failure_kind: "cancelled".into(),
+                    event: encode(super::cancelled_result(&message)),
+                    seq_gap: ABANDONED_SEQ_GAP,
+                    message: None,
+                }
+            } else {
+                let message =
+                    "This run stopped: the server running it stopped responding. Please try again.";
+                Ending {
+                    state: RunState::Failed,
+                    error: message.into(),
+                    failure_kind: "timed_out".into(),
+                    event: encode(pb::run_event::Kind::Error(pb::ErrorEvent {
+                        message: message.into(),
+                        kind: pb::FailureKind::TimedOut as i32,
+                    })),
+                    seq_gap: ABANDONED_SEQ_GAP,
+                    message: Some(message.into()),
+                }
             };
             match self.store.end_abandoned(&run.id, &ending).await {
                 Ok(true) => {

@@ -1214,14 +1214,22 @@ impl RunService {
     async fn end_refused(&self, seg: &Segment, writer: &mut RunWriter, why: &str) {
         let set_aside = writer.set_aside_refused();
         tracing::error!(run_id = %seg.run_id, error = %why, %set_aside, "the database refused the run's progress for good; recording its failure without it");
-        Self::fail(
-            writer,
-            &format!(
-                "the run could not record its progress (the database refused it for good: {why})"
-            ),
+        let message = format!(
+            "the run could not record its progress (the database refused it for good: {why})"
         );
+        Self::fail(writer, &message);
         writer.pending().release = true;
-        match writer.flush().await {
+        let mut flushed = writer.flush().await;
+        if let Err(StoreError::Rejected(again)) = &flushed {
+            // Even the failure's message in the thread is refused (a rule on every message, a
+            // revoked grant): the run's row and terminal event still say why it ended.
+            tracing::error!(run_id = %seg.run_id, error = %again, "the database refused the run's failure message too; recording its end without it");
+            writer.set_aside_refused();
+            Self::failed_ending(writer, &message, pb::FailureKind::Internal);
+            writer.pending().release = true;
+            flushed = writer.flush().await;
+        }
+        match flushed {
             Ok(()) => crate::metrics::run_ended(RunState::Failed.key()),
             Err(e) => {
                 tracing::error!(run_id = %seg.run_id, error = %e, "could not record the run's failure either; the health monitor will end it when its lease lapses");
@@ -1237,21 +1245,26 @@ impl RunService {
 
     /// The run fails with the message, shown in the thread, and its failure kind.
     fn fail_as(writer: &mut RunWriter, message: &str, kind: pb::FailureKind) {
+        writer
+            .pending()
+            .messages
+            .push(NewMessage::text(MessageSource::Error, message));
+        Self::failed_ending(writer, message, kind);
+    }
+
+    /// The run's row and terminal event say it failed, with the message and its kind.
+    fn failed_ending(writer: &mut RunWriter, message: &str, kind: pb::FailureKind) {
         let key = match kind {
             pb::FailureKind::GatewayUnavailable => "gateway_unavailable",
             _ => "internal",
         };
-        let pending = writer.pending();
-        pending.patch.merge(RunPatch {
+        writer.pending().patch.merge(RunPatch {
             state: Some(RunState::Failed),
             error: Some(message.to_owned()),
             failure_kind: Some(key.into()),
             finished_at: Some(SystemTime::now()),
             ..RunPatch::default()
         });
-        pending
-            .messages
-            .push(NewMessage::text(MessageSource::Error, message));
         writer.emit(pb::run_event::Kind::Error(pb::ErrorEvent {
             message: message.to_owned(),
             kind: kind as i32,
@@ -1443,9 +1456,9 @@ impl RunService {
     }
 
     /// CancelRun: a running run (on any replica) stops at its next step and ends cancelled; a
-    /// run paused for approval ends now and its approval can no longer be used.
-    /// CancelRun: `reason`, when given, goes to the audit trail and, for a paused run, into
-    /// its terminal error.
+    /// run paused for approval ends now and its approval can no longer be used. `reason`, when
+    /// given, goes to the audit trail and into the run's terminal event and error, whichever
+    /// replica (or, if that one died, the health monitor) ends it.
     pub async fn cancel(
         &self,
         owner: &str,

@@ -450,8 +450,9 @@ impl RunWriter {
     /// The database refused the pending commit for good: none of its rows can be written, so
     /// its events, turns, actions, messages, audit and approval are set aside (never shown as
     /// durable; what watchers were already shown stays numbered, and what comes next is
-    /// numbered after it) and only its patch of the run row is kept, with its usage. Returns
-    /// what was set aside, for the log.
+    /// numbered after it). Of its patch of the run row only the accounting is kept (usage,
+    /// iterations, model, start): a summary or prompt may hold what was refused, and the run's
+    /// summary is cleared. Returns what was set aside, for the log.
     pub(super) fn set_aside_refused(&mut self) -> String {
         let c = &mut self.pending;
         let said = format!(
@@ -467,8 +468,16 @@ impl RunWriter {
                 ""
             }
         );
+        let patch = std::mem::take(&mut c.patch);
         *c = RunCommit {
-            patch: std::mem::take(&mut c.patch),
+            patch: crate::store::RunPatch {
+                usage: patch.usage,
+                iterations: patch.iterations,
+                model: patch.model,
+                started_at: patch.started_at,
+                summary: Some(String::new()),
+                ..Default::default()
+            },
             read_external: c.read_external,
             ..RunCommit::default()
         };
