@@ -3264,3 +3264,48 @@ async fn every_run_that_commits_events_is_announced_to_other_replicas_after_its_
     let expected: BTreeSet<String> = (0..20).map(|i| format!("r{i}")).collect();
     assert_eq!(announced, expected);
 }
+
+/// B-5, E-12: migration V17's backfill. A task already queued or ended has recorded every
+/// attempt it made; one running has not recorded its current attempt, whose run is followed by
+/// whatever takes it up next (never a second run beside it).
+#[tokio::test]
+async fn v17_settles_the_attempts_tasks_made_before_it_except_a_running_ones_current() {
+    let db = TestDb::create().await.unwrap();
+    PgStore::migrate_to(db.url(), 16).await.unwrap();
+    let side = side_connection(db.url()).await;
+    side.batch_execute(
+        "INSERT INTO agent.threads (id, owner, title) VALUES ('parent', 'alice', 'p'); \
+         INSERT INTO agent.task_agents (id, owner, parent_thread_id, instructions, goal, state, attempts) VALUES \
+           ('never-tried', 'alice', 'parent', 'i', 'g', 'queued', 0), \
+           ('retrying', 'alice', 'parent', 'i', 'g', 'queued', 1), \
+           ('on-its-second', 'alice', 'parent', 'i', 'g', 'running', 2), \
+           ('done', 'alice', 'parent', 'i', 'g', 'completed', 1), \
+           ('gave-up', 'alice', 'parent', 'i', 'g', 'failed', 2)",
+    )
+    .await
+    .unwrap();
+
+    PgStore::migrate(db.url()).await.unwrap();
+    let settled: Vec<(String, i32)> = side
+        .query(
+            "SELECT id, settled_attempt FROM agent.task_agents ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let expected = [
+        ("done", 1),
+        ("gave-up", 2),
+        ("never-tried", 0),
+        ("on-its-second", 1),
+        ("retrying", 1),
+    ];
+    assert_eq!(
+        settled,
+        expected.map(|(id, n)| (id.to_owned(), n)),
+        "each task's recorded attempts"
+    );
+}

@@ -53,10 +53,23 @@ impl PgStore {
     /// Applies pending migrations of the `agent` schema and returns (the `migrate` subcommand,
     /// for a Kubernetes Job; start-up does the same first).
     pub async fn migrate(url: &str) -> Result<(), StoreError> {
-        let mut runner = embedded::migrations::runner();
-        runner.set_migration_table_name("agent_schema_history");
+        pg::migrate(url, Self::migrations(), MIGRATION_LOCK_KEY).await?;
+        Ok(())
+    }
+
+    /// Applies the migrations up to `version` only: a test of a data migration starts from
+    /// the schema and rows before it.
+    #[doc(hidden)]
+    pub async fn migrate_to(url: &str, version: i32) -> Result<(), StoreError> {
+        let runner = Self::migrations().set_target(refinery::Target::Version(version));
         pg::migrate(url, runner, MIGRATION_LOCK_KEY).await?;
         Ok(())
+    }
+
+    fn migrations() -> refinery::Runner {
+        let mut runner = embedded::migrations::runner();
+        runner.set_migration_table_name("agent_schema_history");
+        runner
     }
 
     /// Applies pending migrations, then opens the pool.
