@@ -254,15 +254,24 @@ impl RunWriter {
         self.pending()
             .events
             .push((event.seq, event.encode_to_vec()));
-        // A terminal event is shown once durable. So is any event past the first
-        // MAX_VOLATILE_EVENTS not yet durable (and every one after it, to keep their order): the
-        // monitor numbers a dead writer's terminal event just past that many, and a
-        // watcher shown further would take it for one it had seen and wait forever.
-        let terminal = matches!(
+        // A terminal event is shown once durable, and so is an approval request: a watcher
+        // acts on its id, which a commit that never lands (a crash, a refusal) would leave
+        // unknown to DecideApproval. So is any event past the first MAX_VOLATILE_EVENTS not yet
+        // durable (and every one after it, to keep their order): the monitor numbers a dead
+        // writer's terminal event just past that many, and a watcher shown further would
+        // take it for one it had seen and wait forever.
+        let held_until_durable = matches!(
             event.kind,
-            Some(pb::run_event::Kind::Result(_) | pb::run_event::Kind::Error(_))
+            Some(
+                pb::run_event::Kind::Result(_)
+                    | pb::run_event::Kind::Error(_)
+                    | pb::run_event::Kind::ApprovalRequired(_)
+            )
         );
-        if terminal || !self.held.is_empty() || self.pending.events.len() > MAX_VOLATILE_EVENTS {
+        if held_until_durable
+            || !self.held.is_empty()
+            || self.pending.events.len() > MAX_VOLATILE_EVENTS
+        {
             self.held.push(event);
         } else {
             self.live.publish(event);
@@ -745,6 +754,66 @@ mod tests {
             (2..2 + (MAX_VOLATILE_EVENTS + extra) as u64).collect::<Vec<_>>(),
             "the rest are shown once durable, in order"
         );
+    }
+
+    fn shown(writer: &RunWriter) -> Vec<u64> {
+        let (shown, _, _) = writer.live.since(1, false);
+        shown.iter().map(|e| e.seq).collect()
+    }
+
+    #[tokio::test]
+    async fn an_approval_request_is_shown_to_watchers_only_once_durable() {
+        let (mut writer, _store) = writer().await;
+        writer.emit(pb::run_event::Kind::Delta(pb::DeltaEvent {
+            text: "I will send it.".into(),
+            reset: false,
+        }));
+        writer.emit(pb::run_event::Kind::ApprovalRequired(Box::default()));
+        assert_eq!(
+            shown(&writer),
+            [2],
+            "a watcher never acts on an approval that may not exist"
+        );
+        writer.flush().await.expect("committed");
+        assert_eq!(shown(&writer), [2, 3]);
+    }
+
+    #[tokio::test]
+    async fn a_refused_commit_is_set_aside_keeping_only_the_runs_accounting() {
+        let (mut writer, _store) = writer().await;
+        writer.emit(pb::run_event::Kind::Delta(pb::DeltaEvent {
+            text: "shown".into(),
+            reset: false,
+        }));
+        writer.emit(pb::run_event::Kind::Error(pb::ErrorEvent::default()));
+        let pending = writer.pending();
+        pending.history.push("{}".into());
+        pending
+            .messages
+            .push(NewMessage::text(MessageSource::Agent, "refused"));
+        pending.patch = crate::store::RunPatch {
+            usage: Some(crate::store::RunUsage::default()),
+            iterations: Some(2),
+            summary: Some("refused".into()),
+            ..Default::default()
+        };
+        let said = writer.set_aside_refused();
+        assert_eq!(
+            said,
+            "2 events, 1 turns, 0 actions, 1 messages, 0 audit records"
+        );
+        let kept = &writer.pending;
+        assert!(kept.events.is_empty() && kept.history.is_empty() && kept.messages.is_empty());
+        assert_eq!(kept.patch.iterations, Some(2));
+        assert!(kept.patch.usage.is_some());
+        assert_eq!(kept.patch.summary.as_deref(), Some(""));
+        writer.emit(pb::run_event::Kind::Error(pb::ErrorEvent::default()));
+        assert_eq!(
+            writer.pending.events[0].0, 4,
+            "what comes next is numbered after what watchers were shown"
+        );
+        writer.flush().await.expect("committed");
+        assert_eq!(shown(&writer), [2, 4], "the refused end is never shown");
     }
 
     #[tokio::test]
