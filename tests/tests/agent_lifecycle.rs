@@ -7,7 +7,10 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
-    Backend, Options, TestApp, agent_as, agent_calls::get_run, fakes::openai::Answer, spawn::spawn,
+    Backend, Options, TestApp, agent_as,
+    agent_calls::{get_run, messages},
+    fakes::openai::Answer,
+    spawn::spawn,
     worlds::gmail_world,
 };
 use tonic::Code;
@@ -645,7 +648,11 @@ async fn a10_a_run_whose_answer_the_database_refuses_for_good_fails_at_once_nami
 /// message but the user's), the run still ends at once, its row and terminal event saying why.
 #[tokio::test]
 async fn a10_a_run_whose_failure_note_is_refused_too_still_ends_saying_why() {
-    let (app, _model, _gmail) = gmail_world(vec![Answer::text("Hello.")], &[]).await;
+    let (app, _model, _gmail) = gmail_world(
+        vec![Answer::text("Hello."), Answer::text("Hello again.")],
+        &[],
+    )
+    .await;
     app.sql()
         .await
         .batch_execute(
@@ -664,13 +671,32 @@ async fn a10_a_run_whose_failure_note_is_refused_too_still_ends_saying_why() {
         refused.error
     );
     assert!(refused.error.contains("users_only"), "{}", refused.error);
+    app.sql()
+        .await
+        .batch_execute("ALTER TABLE agent.messages DROP CONSTRAINT users_only")
+        .await
+        .unwrap();
+    let next = run_on(
+        app.agent_addr,
+        pb::RunInput {
+            thread_id: refused.thread_id.clone(),
+            ..input("hi again")
+        },
+    )
+    .await;
+    assert_eq!(
+        next.status,
+        pb::RunState::Completed as i32,
+        "the thread was freed: {}",
+        next.error
+    );
 }
 
 /// the same when the refusal comes mid-run — a tool call's note in the thread, here
 /// — the run stops at that commit and fails at once in the database's words.
 #[tokio::test]
 async fn a10_a_run_whose_progress_the_database_refuses_mid_run_stops_and_fails_at_once() {
-    let (app, model, _gmail) = gmail_world(
+    let (app, _model, _gmail) = gmail_world(
         vec![
             Answer::tool_calls(&[("c1", "list_tasks", "{}")]),
             Answer::text("You have no tasks."),
@@ -703,10 +729,32 @@ async fn a10_a_run_whose_progress_the_database_refuses_mid_run_stops_and_fails_a
         "{}",
         refused.error
     );
-    // The commit goes beside the next model call, which the stop then cuts short: the
-    // model is asked at most once more, never for the answer it would have given.
-    assert!(model.requests().len() <= 2);
-    assert!(!refused.summary.contains("no tasks"), "{}", refused.summary);
+    let mut alice = agent_as(app.agent_addr, "alice").await;
+    let run = get_run(&mut alice, &refused.run_id)
+        .await
+        .unwrap()
+        .run
+        .unwrap();
+    assert_eq!(
+        run.summary, "",
+        "no answer is recorded for a run that failed"
+    );
+    let notes: Vec<String> = messages(&mut alice, &refused.thread_id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.content)
+        .collect();
+    assert!(
+        !notes.iter().any(|n| n.starts_with("Ran list_tasks")),
+        "{notes:?}"
+    );
+    assert!(
+        notes
+            .last()
+            .is_some_and(|n| n.contains("could not record its progress")),
+        "the failure is told in the thread: {notes:?}"
+    );
 }
 
 #[tokio::test]

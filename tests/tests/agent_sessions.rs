@@ -276,8 +276,9 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
 #[tokio::test]
 async fn a_cancelled_run_whose_replica_died_is_ended_cancelled_with_its_reason() {
     use agent_svc::store::AgentStore;
-    let (app, _model, _gmail) = world(vec![]).await;
-    a_run_whose_replica_died(&app, "r-gone").await;
+    use tokio_stream::StreamExt;
+    let (app, _model, _gmail) = world(vec![Answer::text("fresh start")]).await;
+    let thread_id = a_run_whose_replica_died(&app, "r-gone").await;
     let store = app.agent_store().await;
     assert!(
         store
@@ -306,6 +307,46 @@ async fn a_cancelled_run_whose_replica_died_is_ended_cancelled_with_its_reason()
     assert_eq!(got.state, pb::RunState::Cancelled as i32);
     assert_eq!(got.failure_kind, pb::FailureKind::Cancelled as i32);
     assert_eq!(got.error, "The run was cancelled: not needed any more");
+    let mut alice = app.agent_as("alice").await;
+    let events: Vec<pb::RunEvent> = alice
+        .watch_run(pb::WatchRunRequest {
+            run_id: "r-gone".into(),
+            after_seq: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .filter_map(|r| r.ok().and_then(|r| r.event))
+        .collect()
+        .await;
+    match events.last().and_then(|e| e.kind.clone()) {
+        Some(pb::run_event::Kind::Result(r)) => {
+            assert_eq!(r.status, pb::RunState::Cancelled as i32);
+            assert_eq!(r.error, got.error);
+        }
+        other => panic!("not ended cancelled: {other:?}"),
+    }
+    let notes: Vec<String> = steward_tests::agent_calls::messages(&mut alice, &thread_id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.content)
+        .collect();
+    assert_eq!(notes, ["do the thing"], "no failure told in the thread");
+    let next = alice
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: "hello again".into(),
+                thread_id,
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    assert_eq!(next.summary, "fresh start", "the thread was freed");
 }
 
 #[tokio::test]

@@ -113,8 +113,9 @@ impl RunService {
 
     /// The health monitor's sweep (E-12): a run still live whose thread lease lapsed (plus
     /// `grace`) lost its writer — its replica died or stalled. It is failed with a message and
-    /// a terminal event, and its thread freed, by one conditional transaction (one sweeper
-    /// wins; a writer whose lease is live again is left alone). A run whose approval was
+    /// a terminal event — or, when its cancel was requested, ended cancelled with the reason
+    /// given —, and its thread freed, by one conditional transaction (one sweeper wins; a
+    /// writer whose lease is live again is left alone). A run whose approval was
     /// decided but never continued is continued instead (see `take_up_decided`). Returns how
     /// many runs it ended or continued.
     pub async fn sweep_stale_runs(self: &Arc<Self>, grace: Duration) -> Result<usize, ApiError> {
@@ -175,6 +176,7 @@ impl RunService {
             match self.store.end_abandoned(&run.id, &ending).await {
                 Ok(true) => {
                     tracing::warn!(run_id = %run.id, thread_id = %run.thread_id, "health monitor ended a run whose lease lapsed");
+                    crate::metrics::run_ended(ending.state.key());
                     ended += 1;
                 }
                 Ok(false) => {}

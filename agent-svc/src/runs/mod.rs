@@ -1153,15 +1153,7 @@ impl RunService {
                         None
                     }
                 };
-                let message = cancelled_message(reason.as_deref());
-                writer.pending().patch.merge(RunPatch {
-                    state: Some(RunState::Cancelled),
-                    error: Some(message.clone()),
-                    failure_kind: Some("cancelled".into()),
-                    finished_at: Some(SystemTime::now()),
-                    ..RunPatch::default()
-                });
-                writer.emit(cancelled_result(&message));
+                Self::cancelled_ending(writer, &cancelled_message(reason.as_deref()));
             }
             Ok(Driven::Stopped(StopReason::Shutdown)) => {
                 tracing::warn!(run_id = %seg.run_id, "shutting down: releasing the run's lease for another replica's monitor to end it");
@@ -1188,6 +1180,10 @@ impl RunService {
         }
         writer.pending().release = true;
         let state = writer.pending().patch.state;
+        // What a cancelled run's end says, should its commit be refused and redone.
+        let cancelled = (state == Some(RunState::Cancelled))
+            .then(|| writer.pending().patch.error.clone())
+            .flatten();
         match writer.flush().await {
             Ok(()) => {
                 if let Some(state) = state {
@@ -1199,7 +1195,9 @@ impl RunService {
             Err(StoreError::LeaseLost) => {
                 tracing::error!(run_id = %seg.run_id, "the run lost its lease before its end was recorded; the health monitor will end it");
             }
-            Err(StoreError::Rejected(why)) => self.end_refused(seg, writer, &why).await,
+            Err(StoreError::Rejected(why)) => {
+                self.end_refused(seg, writer, &why, cancelled).await;
+            }
             Err(e) => {
                 tracing::error!(run_id = %seg.run_id, error = %e, "could not record the run's end; the health monitor will end it when its lease lapses");
                 let _ = self.store.release_lease(&writer.lease).await;
@@ -1211,31 +1209,63 @@ impl RunService {
     /// way, and the health monitor would end the run minutes later as if its server had
     /// stopped responding. What it refused is set aside (logged by count, not content) and the
     /// failure, naming the database's reason, is recorded alone.
-    async fn end_refused(&self, seg: &Segment, writer: &mut RunWriter, why: &str) {
+    ///
+    /// A run its canceller stopped ends cancelled all the same (`cancelled`: what its end
+    /// says), not failed — a task agent or a schedule would retry a failure.
+    async fn end_refused(
+        &self,
+        seg: &Segment,
+        writer: &mut RunWriter,
+        why: &str,
+        cancelled: Option<String>,
+    ) {
         let set_aside = writer.set_aside_refused();
-        tracing::error!(run_id = %seg.run_id, error = %why, %set_aside, "the database refused the run's progress for good; recording its failure without it");
+        tracing::error!(run_id = %seg.run_id, error = %why, %set_aside, "the database refused the run's progress for good; recording its end without it");
         let message = format!(
             "the run could not record its progress (the database refused it for good: {why})"
         );
-        Self::fail(writer, &message);
+        let end = |writer: &mut RunWriter, note: bool| match &cancelled {
+            Some(said) => Self::cancelled_ending(writer, said),
+            None if note => Self::fail(writer, &message),
+            None => Self::failed_ending(writer, &message, pb::FailureKind::Internal),
+        };
+        end(writer, true);
         writer.pending().release = true;
         let mut flushed = writer.flush().await;
         if let Err(StoreError::Rejected(again)) = &flushed {
-            // Even the failure's message in the thread is refused (a rule on every message, a
-            // revoked grant): the run's row and terminal event still say why it ended.
-            tracing::error!(run_id = %seg.run_id, error = %again, "the database refused the run's failure message too; recording its end without it");
+            // Even that is refused (a rule on every message or on the run's row, a revoked
+            // grant): the end is recorded bare — state, error and terminal event, without the
+            // thread note or the run's accounting.
+            tracing::error!(run_id = %seg.run_id, error = %again, "the database refused the run's end too; recording it bare");
             writer.set_aside_refused();
-            Self::failed_ending(writer, &message, pb::FailureKind::Internal);
+            writer.pending().patch = RunPatch::default();
+            end(writer, false);
             writer.pending().release = true;
             flushed = writer.flush().await;
         }
+        let state = match cancelled {
+            Some(_) => RunState::Cancelled,
+            None => RunState::Failed,
+        };
         match flushed {
-            Ok(()) => crate::metrics::run_ended(RunState::Failed.key()),
+            Ok(()) => crate::metrics::run_ended(state.key()),
             Err(e) => {
                 tracing::error!(run_id = %seg.run_id, error = %e, "could not record the run's failure either; the health monitor will end it when its lease lapses");
                 let _ = self.store.release_lease(&writer.lease).await;
             }
         }
+    }
+
+    /// The run's row and terminal event say it was cancelled, with `message`.
+    fn cancelled_ending(writer: &mut RunWriter, message: &str) {
+        writer.pending().patch.merge(RunPatch {
+            state: Some(RunState::Cancelled),
+            error: Some(message.to_owned()),
+            failure_kind: Some("cancelled".into()),
+            finished_at: Some(SystemTime::now()),
+            ..RunPatch::default()
+        });
+        writer.emit(cancelled_result(message));
     }
 
     /// An internal failure: the run fails with the message, shown in the thread.

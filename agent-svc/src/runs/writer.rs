@@ -187,7 +187,8 @@ pub(super) struct RunWriter {
     delta: Option<(bool, String, Instant)>,
     /// The current delta window (grows while one answer streams, resets after it).
     delta_window: Duration,
-    /// Terminal events wait for their commit: a client that sees the end can read it.
+    /// Terminal events and approval requests wait for their commit: a client that sees the
+    /// end can read it, and one that sees an approval can decide it.
     held: Vec<pb::RunEvent>,
     /// The run's actions by call id, as they are now.
     pub(super) actions: HashMap<String, Action>,
@@ -791,10 +792,16 @@ mod tests {
         pending
             .messages
             .push(NewMessage::text(MessageSource::Agent, "refused"));
+        let started = SystemTime::now();
         pending.patch = crate::store::RunPatch {
+            state: Some(crate::store::RunState::Completed),
             usage: Some(crate::store::RunUsage::default()),
             iterations: Some(2),
+            model: Some("gpt-4o".into()),
+            started_at: Some(started),
             summary: Some("refused".into()),
+            error: Some("refused".into()),
+            system_prompt: Some("refused".into()),
             ..Default::default()
         };
         let said = writer.set_aside_refused();
@@ -804,9 +811,18 @@ mod tests {
         );
         let kept = &writer.pending;
         assert!(kept.events.is_empty() && kept.history.is_empty() && kept.messages.is_empty());
-        assert_eq!(kept.patch.iterations, Some(2));
-        assert!(kept.patch.usage.is_some());
-        assert_eq!(kept.patch.summary.as_deref(), Some(""));
+        assert_eq!(
+            kept.patch,
+            crate::store::RunPatch {
+                usage: Some(crate::store::RunUsage::default()),
+                iterations: Some(2),
+                model: Some("gpt-4o".into()),
+                started_at: Some(started),
+                summary: Some(String::new()),
+                ..Default::default()
+            },
+            "only the run's accounting, and no summary"
+        );
         writer.emit(pb::run_event::Kind::Error(pb::ErrorEvent::default()));
         assert_eq!(
             writer.pending.events[0].0, 4,

@@ -698,7 +698,11 @@ impl AgentStore for MemoryStore {
                 .get(&thread_id)
                 .and_then(ThreadRow::live_lease)
                 .is_some_and(|h| h.run_id == run_id);
-            if live {
+            let chosen_for = s
+                .runs
+                .get(run_id)
+                .is_some_and(|r| r.cancel_requested == (ending.state == RunState::Cancelled));
+            if live || !chosen_for {
                 return false;
             }
             let ended = s.end_run(

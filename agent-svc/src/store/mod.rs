@@ -503,7 +503,9 @@ pub trait AgentStore: Send + Sync + 'static {
     /// `grace`: their writer is gone (E-12). What the monitor ends.
     async fn abandoned_runs(&self, grace: Duration, limit: usize) -> Result<Vec<Run>, StoreError>;
     /// Ends an abandoned run unless its lease is live again or it already ended; frees the
-    /// thread. False when someone else got there first.
+    /// thread. False when someone else got there first. Only a run whose cancel request
+    /// matches the ending (cancelled or not) is ended: a cancel that lands after the monitor
+    /// chose the ending leaves the run for the next sweep.
     async fn end_abandoned(&self, run_id: &str, ending: &Ending) -> Result<bool, StoreError>;
 
     async fn add_message(

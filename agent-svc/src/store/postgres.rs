@@ -475,9 +475,11 @@ impl AgentStore for PgStore {
         if live.get::<_, Option<bool>>(0).unwrap_or(false) {
             return Ok(false);
         }
+        // Only as the ending was chosen: a cancel that landed since the monitor read the run
+        // leaves it for the next sweep, which ends it cancelled.
         let ended = end_runs(
             &*tx,
-            "id = $1 AND state IN ('queued', 'planning', 'executing')",
+            "id = $1 AND state IN ('queued', 'planning', 'executing') AND cancel_requested = ($2 = 'cancelled')",
             ", freed AS (UPDATE agent.threads SET lock_run_id = NULL, lock_token = NULL, lock_expires_at = NULL \
                WHERE id IN (SELECT thread_id FROM ended) AND lock_run_id = $1)",
             run_id,
