@@ -15,6 +15,23 @@ pub async fn get_run(client: &mut UserAgent, run_id: &str) -> Result<pb::GetRunR
         .map_err(|e| format!("GetRun {run_id}: {:?} {}", e.code(), e.message()))
 }
 
+/// Every event of an ended run, from the first (WatchRun from seq 0, to its terminal event).
+pub async fn watched(client: &mut UserAgent, run_id: &str) -> Result<Vec<pb::RunEvent>, String> {
+    use tokio_stream::StreamExt;
+    let stream = client
+        .watch_run(pb::WatchRunRequest {
+            run_id: run_id.to_owned(),
+            after_seq: 0,
+        })
+        .await
+        .map_err(|e| format!("WatchRun {run_id}: {:?} {}", e.code(), e.message()))?
+        .into_inner();
+    Ok(stream
+        .filter_map(|r| r.ok().and_then(|r| r.event))
+        .collect()
+        .await)
+}
+
 /// Every message of a thread, all pages.
 pub async fn messages(client: &mut UserAgent, thread_id: &str) -> Result<Vec<pb::Message>, String> {
     let mut all = Vec::new();

@@ -574,31 +574,20 @@ async fn a10_a_run_the_database_refuses_for_good_fails_internal_not_unavailable(
     assert_eq!(after.status, pb::RunState::Completed as i32);
 }
 
-/// A-10, R-2: a run whose progress the database refuses for good mid-run (here its answer,
-/// under a constraint an operator added) fails at once in the database's words, with its usage
-/// kept, instead of being left for the health monitor to end minutes later as if its server
-/// had stopped responding. Its thread is free for the next run.
-#[tokio::test]
-async fn a10_a_run_whose_answer_the_database_refuses_for_good_fails_at_once_naming_why() {
-    let (app, _model, _gmail) = gmail_world(
-        vec![
-            Answer::text("The password is hunter2."),
-            Answer::text("I can't repeat it."),
-        ],
-        &[],
-    )
-    .await;
+/// A run of alice's with `prompt`, after `constraint` was added to `agent.messages` (as an
+/// operator might): it must fail, naming the constraint, without waiting for the health
+/// monitor.
+async fn run_under_message_rule(app: &TestApp, constraint: &str, prompt: &str) -> pb::RunResult {
     app.sql()
         .await
-        .batch_execute(
-            "ALTER TABLE agent.messages ADD CONSTRAINT no_passwords \
-               CHECK (content NOT LIKE '%password is%')",
-        )
+        .batch_execute(&format!(
+            "ALTER TABLE agent.messages ADD CONSTRAINT {constraint}"
+        ))
         .await
         .unwrap();
     let refused = tokio::time::timeout(
         Duration::from_secs(30),
-        run_on(app.agent_addr, input("what is the wifi password?")),
+        run_on(app.agent_addr, input(prompt)),
     )
     .await
     .expect("the run ends without waiting for the health monitor");
@@ -608,31 +597,22 @@ async fn a10_a_run_whose_answer_the_database_refuses_for_good_fails_at_once_nami
         "{}",
         refused.error
     );
+    let name = constraint.split_whitespace().next().unwrap();
     assert!(
-        refused.error.contains("refused it for good") && refused.error.contains("no_passwords"),
+        refused.error.contains("refused it for good") && refused.error.contains(name),
         "{}",
         refused.error
     );
-    let mut alice = agent_as(app.agent_addr, "alice").await;
-    let run = get_run(&mut alice, &refused.run_id)
-        .await
-        .unwrap()
-        .run
-        .unwrap();
-    assert!(
-        run.usage.is_some_and(|u| u.input_tokens > 0),
-        "the model call's usage is kept"
-    );
-    assert!(
-        !run.summary.contains("hunter2"),
-        "what was refused is not kept elsewhere: {}",
-        run.summary
-    );
+    refused
+}
+
+/// The next run on `thread_id` completes: the refused run freed its thread.
+async fn the_thread_takes_runs_again(app: &TestApp, thread_id: &str) {
     let next = run_on(
         app.agent_addr,
         pb::RunInput {
-            thread_id: refused.thread_id.clone(),
-            ..input("then don't say it")
+            thread_id: thread_id.to_owned(),
+            ..input("and now?")
         },
     )
     .await;
@@ -644,6 +624,40 @@ async fn a10_a_run_whose_answer_the_database_refuses_for_good_fails_at_once_nami
     );
 }
 
+/// A-10, R-2: a run whose progress the database refuses for good (here its answer, under a
+/// constraint an operator added) fails at once in the database's words, with its usage kept,
+/// instead of being left for the health monitor to end minutes later as if its server had
+/// stopped responding. Its thread is free for the next run.
+#[tokio::test]
+async fn a10_a_run_whose_answer_the_database_refuses_for_good_fails_at_once_naming_why() {
+    let (app, _model, _gmail) = gmail_world(
+        vec![
+            Answer::text("The password is hunter2."),
+            Answer::text("I can't repeat it."),
+        ],
+        &[],
+    )
+    .await;
+    let refused = run_under_message_rule(
+        &app,
+        "no_passwords CHECK (content NOT LIKE '%password is%')",
+        "what is the wifi password?",
+    )
+    .await;
+    let mut alice = agent_as(app.agent_addr, "alice").await;
+    let run = get_run(&mut alice, &refused.run_id)
+        .await
+        .unwrap()
+        .run
+        .unwrap();
+    assert!(
+        run.usage.is_some_and(|u| u.input_tokens > 0),
+        "the model call's usage is kept"
+    );
+    assert_eq!(run.summary, "", "what was refused is not kept elsewhere");
+    the_thread_takes_runs_again(&app, &refused.thread_id).await;
+}
+
 /// A-10, R-2: when the database refuses even the failure's note in the thread (here every
 /// message but the user's), the run still ends at once, its row and terminal event saying why.
 #[tokio::test]
@@ -653,43 +667,14 @@ async fn a10_a_run_whose_failure_note_is_refused_too_still_ends_saying_why() {
         &[],
     )
     .await;
-    app.sql()
-        .await
-        .batch_execute(
-            "ALTER TABLE agent.messages ADD CONSTRAINT users_only CHECK (source = 'user') NOT VALID",
-        )
-        .await
-        .unwrap();
     let refused =
-        tokio::time::timeout(Duration::from_secs(30), run_on(app.agent_addr, input("hi")))
-            .await
-            .expect("the run ends without waiting for the health monitor");
-    assert_eq!(
-        refused.status,
-        pb::RunState::Failed as i32,
-        "{}",
-        refused.error
-    );
-    assert!(refused.error.contains("users_only"), "{}", refused.error);
+        run_under_message_rule(&app, "users_only CHECK (source = 'user') NOT VALID", "hi").await;
     app.sql()
         .await
         .batch_execute("ALTER TABLE agent.messages DROP CONSTRAINT users_only")
         .await
         .unwrap();
-    let next = run_on(
-        app.agent_addr,
-        pb::RunInput {
-            thread_id: refused.thread_id.clone(),
-            ..input("hi again")
-        },
-    )
-    .await;
-    assert_eq!(
-        next.status,
-        pb::RunState::Completed as i32,
-        "the thread was freed: {}",
-        next.error
-    );
+    the_thread_takes_runs_again(&app, &refused.thread_id).await;
 }
 
 /// A-10, R-2: the same when the refusal comes mid-run — a tool call's note in the thread, here
@@ -704,31 +689,12 @@ async fn a10_a_run_whose_progress_the_database_refuses_mid_run_stops_and_fails_a
         &[],
     )
     .await;
-    app.sql()
-        .await
-        .batch_execute(
-            "ALTER TABLE agent.messages ADD CONSTRAINT no_tool_notes \
-               CHECK (content NOT LIKE 'Ran list_tasks%')",
-        )
-        .await
-        .unwrap();
-    let refused = tokio::time::timeout(
-        Duration::from_secs(30),
-        run_on(app.agent_addr, input("what are my tasks?")),
+    let refused = run_under_message_rule(
+        &app,
+        "no_tool_notes CHECK (content NOT LIKE 'Ran list_tasks%')",
+        "what are my tasks?",
     )
-    .await
-    .expect("the run ends without waiting for the health monitor");
-    assert_eq!(
-        refused.status,
-        pb::RunState::Failed as i32,
-        "{}",
-        refused.error
-    );
-    assert!(
-        refused.error.contains("refused it for good") && refused.error.contains("no_tool_notes"),
-        "{}",
-        refused.error
-    );
+    .await;
     let mut alice = agent_as(app.agent_addr, "alice").await;
     let run = get_run(&mut alice, &refused.run_id)
         .await

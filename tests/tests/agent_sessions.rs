@@ -5,6 +5,7 @@ use agent_svc::executor::budget::TokenCounter;
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
     Backend, Options, TestApp,
+    agent_calls::{messages, watched},
     calls::call_tool,
     fakes::{
         gmail::FakeGmail,
@@ -239,18 +240,7 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
     assert_eq!(got.failure_kind, pb::FailureKind::TimedOut as i32);
     assert!(got.error.contains("stopped responding"));
     // Its stream has its terminal event, and the thread takes new runs.
-    use tokio_stream::StreamExt;
-    let events: Vec<pb::RunEvent> = alice
-        .watch_run(pb::WatchRunRequest {
-            run_id: "r-dead".into(),
-            after_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .filter_map(|r| r.ok().and_then(|r| r.event))
-        .collect()
-        .await;
+    let events = watched(&mut alice, "r-dead").await.unwrap();
     assert!(matches!(
         events.last().unwrap().kind,
         Some(pb::run_event::Kind::Error(_))
@@ -276,7 +266,6 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
 #[tokio::test]
 async fn a_cancelled_run_whose_replica_died_is_ended_cancelled_with_its_reason() {
     use agent_svc::store::AgentStore;
-    use tokio_stream::StreamExt;
     let (app, _model, _gmail) = world(vec![Answer::text("fresh start")]).await;
     let thread_id = a_run_whose_replica_died(&app, "r-gone").await;
     let store = app.agent_store().await;
@@ -308,17 +297,7 @@ async fn a_cancelled_run_whose_replica_died_is_ended_cancelled_with_its_reason()
     assert_eq!(got.failure_kind, pb::FailureKind::Cancelled as i32);
     assert_eq!(got.error, "The run was cancelled: not needed any more");
     let mut alice = app.agent_as("alice").await;
-    let events: Vec<pb::RunEvent> = alice
-        .watch_run(pb::WatchRunRequest {
-            run_id: "r-gone".into(),
-            after_seq: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .filter_map(|r| r.ok().and_then(|r| r.event))
-        .collect()
-        .await;
+    let events = watched(&mut alice, "r-gone").await.unwrap();
     match events.last().and_then(|e| e.kind.clone()) {
         Some(pb::run_event::Kind::Result(r)) => {
             assert_eq!(r.status, pb::RunState::Cancelled as i32);
@@ -326,7 +305,7 @@ async fn a_cancelled_run_whose_replica_died_is_ended_cancelled_with_its_reason()
         }
         other => panic!("not ended cancelled: {other:?}"),
     }
-    let notes: Vec<String> = steward_tests::agent_calls::messages(&mut alice, &thread_id)
+    let notes: Vec<String> = messages(&mut alice, &thread_id)
         .await
         .unwrap()
         .into_iter()
