@@ -5,7 +5,7 @@ use agent_svc::executor::budget::TokenCounter;
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
     Backend, Options, TestApp,
-    agent_calls::{messages, watched},
+    agent_calls::{get_run, messages, watched},
     calls::call_tool,
     fakes::{
         gmail::FakeGmail,
@@ -227,15 +227,7 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
     );
 
     let mut alice = app.agent_as("alice").await;
-    let got = alice
-        .get_run(pb::GetRunRequest {
-            run_id: "r-dead".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .run
-        .unwrap();
+    let got = get_run(&mut alice, "r-dead").await.unwrap().run.unwrap();
     assert_eq!(got.state, pb::RunState::Failed as i32);
     assert_eq!(got.failure_kind, pb::FailureKind::TimedOut as i32);
     assert!(got.error.contains("stopped responding"));
@@ -282,21 +274,11 @@ async fn a_cancelled_run_whose_replica_died_is_ended_cancelled_with_its_reason()
             .unwrap(),
         1
     );
-    let got = app
-        .agent_as("alice")
-        .await
-        .get_run(pb::GetRunRequest {
-            run_id: "r-gone".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .run
-        .unwrap();
+    let mut alice = app.agent_as("alice").await;
+    let got = get_run(&mut alice, "r-gone").await.unwrap().run.unwrap();
     assert_eq!(got.state, pb::RunState::Cancelled as i32);
     assert_eq!(got.failure_kind, pb::FailureKind::Cancelled as i32);
     assert_eq!(got.error, "The run was cancelled: not needed any more");
-    let mut alice = app.agent_as("alice").await;
     let events = watched(&mut alice, "r-gone").await.unwrap();
     match events.last().and_then(|e| e.kind.clone()) {
         Some(pb::run_event::Kind::Result(r)) => {
