@@ -1188,6 +1188,10 @@ impl RunService {
             Ok(()) => {
                 if let Some(state) = state {
                     crate::metrics::run_ended(state.key());
+                    // Counted once its approval is stored (a refused pause stores none).
+                    if state == RunState::AwaitingConfirmation {
+                        crate::metrics::approval_requested();
+                    }
                     // One line per run segment; the run span adds run_id, thread_id, trace_id.
                     tracing::info!(state = state.key(), "run segment ended");
                 }
@@ -1391,7 +1395,6 @@ impl RunService {
                 ..RunPatch::default()
             });
             pending.approval = Some(approval);
-            crate::metrics::approval_requested();
             writer.emit(pb::run_event::Kind::ApprovalRequired(Box::new(
                 pb::ApprovalRequiredEvent {
                     approval: Some(approval_pb.clone()),
