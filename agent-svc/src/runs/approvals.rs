@@ -347,6 +347,13 @@ impl RunService {
                 "side_effect".into(),
                 serde_json::json!({"approval_id": approval.id, "tool": approval.tool, "approval": "approved"}),
             ));
+            // Shown to watchers, and this commit's own mark: a commit whose answer was lost is
+            // found in the store by its last event (`RunWriter::landed`), so it is not written
+            // a second time — nor its side_effect record.
+            writer.emit(pb::run_event::Kind::Status(pb::StatusEvent {
+                state: pb::RunState::Executing as i32,
+                detail: format!("running the approved {}", approval.tool),
+            }));
             // Durable before the effect: a crash from here on shows the action as executing.
             if let Err(e) = writer.flush().await {
                 // Not sent: the run's end must not write the record of an effect.
