@@ -15,21 +15,30 @@ pub async fn get_run(client: &mut UserAgent, run_id: &str) -> Result<pb::GetRunR
         .map_err(|e| format!("GetRun {run_id}: {:?} {}", e.code(), e.message()))
 }
 
-/// Every event of an ended run, from the first (WatchRun from seq 0, to its terminal event).
-pub async fn watched(client: &mut UserAgent, run_id: &str) -> Result<Vec<pb::RunEvent>, String> {
+/// A run's events after `after_seq`, to the next terminal one (a pause's, or its end).
+pub async fn watched(
+    client: &mut UserAgent,
+    run_id: &str,
+    after_seq: u64,
+) -> Result<Vec<pb::RunEvent>, String> {
     use tokio_stream::StreamExt;
     let stream = client
         .watch_run(pb::WatchRunRequest {
             run_id: run_id.to_owned(),
-            after_seq: 0,
+            after_seq,
         })
         .await
         .map_err(|e| format!("WatchRun {run_id}: {:?} {}", e.code(), e.message()))?
         .into_inner();
-    Ok(stream
-        .filter_map(|r| r.ok().and_then(|r| r.event))
+    let answers: Vec<Result<pb::WatchRunResponse, tonic::Status>> = stream.collect().await;
+    answers
+        .into_iter()
+        .filter_map(|r| {
+            r.map(|r| r.event)
+                .map_err(|e| format!("WatchRun {run_id}: {:?} {}", e.code(), e.message()))
+                .transpose()
+        })
         .collect()
-        .await)
 }
 
 /// Every message of a thread, all pages.

@@ -7,6 +7,7 @@ use agent_svc::store::AgentStore;
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
     TestApp, UserAgent, agent_as,
+    agent_calls::watched,
     fakes::{gmail::FakeGmail, openai::Answer},
     worlds::gmail_world,
 };
@@ -88,6 +89,23 @@ async fn a_supervised_send_waits_with_a_preview_and_approval_on_another_instance
     assert_eq!(result.run_id, paused.run_id);
     assert_eq!(gmail.sent().len(), 1, "sent exactly once");
     assert!(gmail.sent()[0].0.contains("Subject: Budget"));
+    // The commit made durable before the send carries its own mark, so a commit whose answer
+    // was lost is recognised and never written twice.
+    let to_the_pause = watched(&mut b, &paused.run_id, 0).await.unwrap();
+    let events = watched(&mut b, &paused.run_id, to_the_pause.last().unwrap().seq)
+        .await
+        .unwrap();
+    let running = events.iter().position(|e| {
+        matches!(&e.kind, Some(pb::run_event::Kind::Status(s))
+            if s.detail == "running the approved gmail_send")
+    });
+    let result_at = events
+        .iter()
+        .position(|e| matches!(e.kind, Some(pb::run_event::Kind::ToolResult(_))));
+    assert!(
+        running.is_some() && running < result_at,
+        "stored before the send's result: {events:?}"
+    );
 
     // Approving again is idempotent; rejecting now conflicts; another user cannot see it.
     let mut a = app.agent_as("alice").await;

@@ -669,6 +669,14 @@ async fn a10_a_run_whose_failure_note_is_refused_too_still_ends_saying_why() {
     .await;
     let refused =
         run_under_message_rule(&app, "users_only CHECK (source = 'user') NOT VALID", "hi").await;
+    let mut alice = agent_as(app.agent_addr, "alice").await;
+    let run = get_run(&mut alice, &refused.run_id)
+        .await
+        .unwrap()
+        .run
+        .unwrap();
+    assert_eq!(run.state, pb::RunState::Failed as i32);
+    assert_eq!(run.error, refused.error, "the run's row says why too");
     app.sql()
         .await
         .batch_execute("ALTER TABLE agent.messages DROP CONSTRAINT users_only")

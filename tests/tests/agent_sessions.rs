@@ -232,7 +232,7 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
     assert_eq!(got.failure_kind, pb::FailureKind::TimedOut as i32);
     assert!(got.error.contains("stopped responding"));
     // Its stream has its terminal event, and the thread takes new runs.
-    let events = watched(&mut alice, "r-dead").await.unwrap();
+    let events = watched(&mut alice, "r-dead", 0).await.unwrap();
     assert!(matches!(
         events.last().unwrap().kind,
         Some(pb::run_event::Kind::Error(_))
@@ -250,6 +250,32 @@ async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed(
         .result
         .unwrap();
     assert_eq!(result.summary, "fresh start");
+}
+
+/// A dead run whose thread note the database refuses for good (a rule on messages) is still
+/// ended by the monitor, without the note, rather than left live and counted on every sweep.
+#[tokio::test]
+async fn an_abandoned_run_whose_note_is_refused_is_ended_without_it() {
+    let (app, _model, _gmail) = world(vec![]).await;
+    a_run_whose_replica_died(&app, "r-noted").await;
+    app.sql()
+        .await
+        .batch_execute(
+            "ALTER TABLE agent.messages ADD CONSTRAINT users_only CHECK (source = 'user') NOT VALID",
+        )
+        .await
+        .unwrap();
+    let runs = app.monitor().await;
+    assert_eq!(
+        runs.sweep_stale_runs(std::time::Duration::ZERO)
+            .await
+            .unwrap(),
+        1
+    );
+    let mut alice = app.agent_as("alice").await;
+    let got = get_run(&mut alice, "r-noted").await.unwrap().run.unwrap();
+    assert_eq!(got.state, pb::RunState::Failed as i32);
+    assert!(got.error.contains("stopped responding"), "{}", got.error);
 }
 
 /// A run cancelled as its replica died (the cancel recorded, nobody left to act on it) is ended
@@ -279,7 +305,7 @@ async fn a_cancelled_run_whose_replica_died_is_ended_cancelled_with_its_reason()
     assert_eq!(got.state, pb::RunState::Cancelled as i32);
     assert_eq!(got.failure_kind, pb::FailureKind::Cancelled as i32);
     assert_eq!(got.error, "The run was cancelled: not needed any more");
-    let events = watched(&mut alice, "r-gone").await.unwrap();
+    let events = watched(&mut alice, "r-gone", 0).await.unwrap();
     match events.last().and_then(|e| e.kind.clone()) {
         Some(pb::run_event::Kind::Result(r)) => {
             assert_eq!(r.status, pb::RunState::Cancelled as i32);

@@ -818,6 +818,12 @@ async fn a_run_whose_lease_lapsed_is_ended_once_after_a_gap(b: Backend) {
             .unwrap(),
         "a live lease protects its run"
     );
+    assert!(
+        !s.end_abandoned("r-dead", &ending(RunState::Cancelled, 10))
+            .await
+            .unwrap(),
+        "not cancelled when nobody asked"
+    );
     // A cancel that lands after the monitor chose "failed" keeps the run for the next sweep,
     // which ends it cancelled as its canceller asked.
     assert!(s.request_cancel("r-dead", Some("late")).await.unwrap());

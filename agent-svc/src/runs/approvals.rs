@@ -356,8 +356,16 @@ impl RunService {
             }));
             // Durable before the effect: a crash from here on shows the action as executing.
             if let Err(e) = writer.flush().await {
-                // Not sent: the run's end must not write the record of an effect.
+                // Not sent: the run's end must write neither the record of an effect nor the
+                // mark of one running, and the action says it was not done.
                 writer.pending().audit.pop();
+                writer.withdraw_last_event();
+                if let Some(a) = writer.actions.get_mut(&call_id) {
+                    a.to(ActionState::Failed);
+                    a.result_text =
+                        Some("Not executed: the run could not record its progress.".into());
+                }
+                writer.stage_action(&call_id);
                 return Err(e.into());
             }
             // A stop that came during that commit (a local cancel) still comes before the effect.

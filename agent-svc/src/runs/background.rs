@@ -146,7 +146,7 @@ impl RunService {
                     tracing::warn!(run_id = %run.id, error = %e, "could not check whether a decided approval awaits this run");
                 }
             }
-            let ending = if run.cancel_requested {
+            let mut ending = if run.cancel_requested {
                 // Its cancel came first: it ends as its canceller asked, with their reason —
                 // not as a failure, which a task agent or a schedule would retry.
                 let message = super::cancelled_message(run.cancel_reason.as_deref());
@@ -173,7 +173,15 @@ impl RunService {
                     message: Some(message.into()),
                 }
             };
-            match self.store.end_abandoned(&run.id, &ending).await {
+            let mut outcome = self.store.end_abandoned(&run.id, &ending).await;
+            if matches!(outcome, Err(StoreError::Rejected(_))) && ending.message.is_some() {
+                // The note in its thread is refused for good (a rule on messages): the run
+                // ends without it rather than staying live, and counted, on every sweep.
+                tracing::warn!(run_id = %run.id, "the database refused the abandoned run's note; ending it without one");
+                ending.message = None;
+                outcome = self.store.end_abandoned(&run.id, &ending).await;
+            }
+            match outcome {
                 Ok(true) => {
                     tracing::warn!(run_id = %run.id, thread_id = %run.thread_id, "health monitor ended a run whose lease lapsed");
                     crate::metrics::run_ended(ending.state.key());

@@ -496,6 +496,16 @@ impl RunWriter {
         said
     }
 
+    /// Takes back the last event emitted, which its commit did not make durable: the run's
+    /// end will not write it (its number stays unused; watchers that were shown it skip past).
+    pub(super) fn withdraw_last_event(&mut self) {
+        if let Some((seq, _)) = self.pending.events.pop()
+            && self.held.last().is_some_and(|e| e.seq == seq)
+        {
+            self.held.pop();
+        }
+    }
+
     /// The pending commit is durable: clear it and show the events it held back.
     fn committed(&mut self) {
         self.commits += 1;
