@@ -7,7 +7,6 @@ use agent_svc::store::AgentStore;
 use steward_proto::agent::v1 as pb;
 use steward_tests::{
     TestApp, UserAgent, agent_as,
-    agent_calls::watched,
     fakes::{gmail::FakeGmail, openai::Answer},
     worlds::gmail_world,
 };
@@ -91,10 +90,15 @@ async fn a_supervised_send_waits_with_a_preview_and_approval_on_another_instance
     assert!(gmail.sent()[0].0.contains("Subject: Budget"));
     // The commit made durable before the send carries its own mark, so a commit whose answer
     // was lost is recognised and never written twice.
-    let to_the_pause = watched(&mut b, &paused.run_id, 0).await.unwrap();
-    let events = watched(&mut b, &paused.run_id, to_the_pause.last().unwrap().seq)
+    let events: Vec<pb::RunEvent> = app
+        .agent_store()
         .await
-        .unwrap();
+        .events_after(&paused.run_id, 0, 1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(_, payload)| prost::Message::decode(payload.as_slice()).unwrap())
+        .collect();
     let running = events.iter().position(|e| {
         matches!(&e.kind, Some(pb::run_event::Kind::Status(s))
             if s.detail == "running the approved gmail_send")
@@ -688,6 +692,58 @@ async fn a_cancel_between_a_decision_and_its_continuation_stops_the_send() {
         send.result_text.starts_with("Not executed"),
         "{}",
         send.result_text
+    );
+}
+
+/// P-5: an approved send whose audit record cannot be written before the effect is not sent;
+/// the action says "Not executed", and no mark of it running is stored.
+#[tokio::test]
+async fn p5_an_approved_send_whose_audit_record_is_refused_is_not_sent() {
+    let (app, gmail) = world(send_then("Sent it to your boss."), &[]).await;
+    let paused = run(&app, "email my boss the budget").await;
+    app.sql()
+        .await
+        .batch_execute(
+            "ALTER TABLE agent.audit ADD CONSTRAINT no_side_effects CHECK (kind <> 'side_effect')",
+        )
+        .await
+        .unwrap();
+    let mut alice = app.agent_as("alice").await;
+    let done = alice
+        .decide_approval(decide(&paused.approval.unwrap().id, pb::Decision::Approve))
+        .await
+        .unwrap()
+        .into_inner();
+    let result = done.result.unwrap();
+    assert_eq!(
+        result.status,
+        pb::RunState::Failed as i32,
+        "{}",
+        result.error
+    );
+    assert!(gmail.sent().is_empty(), "nothing is sent");
+    let got = steward_tests::agent_calls::get_run(&mut alice, &paused.run_id)
+        .await
+        .unwrap();
+    let send = got.actions.iter().find(|a| a.tool == "gmail_send").unwrap();
+    assert_eq!(send.state, pb::ActionState::Failed as i32);
+    assert!(
+        send.result_text.starts_with("Not executed"),
+        "{}",
+        send.result_text
+    );
+    let stored = app
+        .agent_store()
+        .await
+        .events_after(&paused.run_id, 0, 1000)
+        .await
+        .unwrap();
+    assert!(
+        !stored.iter().any(|(_, payload)| {
+            let e: pb::RunEvent = prost::Message::decode(payload.as_slice()).unwrap();
+            matches!(e.kind, Some(pb::run_event::Kind::Status(s)) if s.detail.starts_with("running the approved"))
+        }),
+        "no mark of a send that never ran"
     );
 }
 

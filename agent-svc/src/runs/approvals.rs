@@ -364,6 +364,7 @@ impl RunService {
                     a.to(ActionState::Failed);
                     a.result_text =
                         Some("Not executed: the run could not record its progress.".into());
+                    a.error_kind = Some("INTERNAL".into());
                 }
                 writer.stage_action(&call_id);
                 return Err(e.into());

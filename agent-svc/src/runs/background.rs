@@ -174,10 +174,12 @@ impl RunService {
                 }
             };
             let mut outcome = self.store.end_abandoned(&run.id, &ending).await;
-            if matches!(outcome, Err(StoreError::Rejected(_))) && ending.message.is_some() {
-                // The note in its thread is refused for good (a rule on messages): the run
+            if let Err(e @ StoreError::Rejected(_)) = &outcome
+                && ending.message.is_some()
+            {
+                // The note in its thread may be what is refused (a rule on messages): the run
                 // ends without it rather than staying live, and counted, on every sweep.
-                tracing::warn!(run_id = %run.id, "the database refused the abandoned run's note; ending it without one");
+                tracing::warn!(run_id = %run.id, error = %e, "the database refused the abandoned run's end; trying once without its note");
                 ending.message = None;
                 outcome = self.store.end_abandoned(&run.id, &ending).await;
             }

@@ -496,8 +496,9 @@ impl RunWriter {
         said
     }
 
-    /// Takes back the last event emitted, which its commit did not make durable: the run's
-    /// end will not write it (its number stays unused; watchers that were shown it skip past).
+    /// Takes back the last event emitted, whose commit failed: the run's end will not write it
+    /// (its number stays unused; watchers that were shown it skip past). A commit whose answer
+    /// was lost may still hold it.
     pub(super) fn withdraw_last_event(&mut self) {
         if let Some((seq, _)) = self.pending.events.pop()
             && self.held.last().is_some_and(|e| e.seq == seq)
