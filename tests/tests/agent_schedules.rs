@@ -202,16 +202,9 @@ async fn e12_occurrences_missed_while_every_replica_was_down_run_once_on_recover
 
 #[tokio::test]
 async fn a_busy_thread_postpones_the_occurrence_and_it_runs_once_when_free() {
-    let (app, _model, gmail) =
-        gmail_world(vec![Answer::text("Nothing urgent.")], &[NO_WORKERS]).await;
+    let (app, (_model, gmail), mut alice, schedule) =
+        a_heartbeat(vec![Answer::text("Nothing urgent.")], &[]).await;
     let replicas = app.agent_replicas();
-    let mut alice = app.agent_as("alice").await;
-    let schedule = create(
-        &mut alice,
-        every_minute_in_berlin(pb::ScheduleKind::Heartbeat),
-    )
-    .await
-    .unwrap();
     let due = time(&schedule.next_due_at);
     let store = app.agent_store().await;
     let LockOutcome::Acquired(lease) = store
@@ -758,7 +751,18 @@ async fn a_heartbeat_whose_model_refuses()
         status: 400,
         body: r#"{"error": {"message": "this request is malformed"}}"#.into(),
     };
-    let (app, model, gmail) = gmail_world(vec![refused(), refused()], &[NO_WORKERS]).await;
+    a_heartbeat(vec![refused(), refused()], &[]).await
+}
+
+/// Alice's heartbeat every minute in Berlin, its model answering `answers`, on replicas
+/// whose own schedule workers are off (the test fires them), with `env` besides.
+async fn a_heartbeat(
+    answers: Vec<Answer>,
+    env: &[(&str, &str)],
+) -> (TestApp, (FakeOpenAi, FakeGmail), UserAgent, pb::Schedule) {
+    let mut all = vec![NO_WORKERS];
+    all.extend_from_slice(env);
+    let (app, model, gmail) = gmail_world(answers, &all).await;
     let mut alice = app.agent_as("alice").await;
     let schedule = create(
         &mut alice,
@@ -854,19 +858,12 @@ async fn e12_a_schedule_switched_off_while_its_run_was_going_is_not_retried() {
 #[tokio::test]
 async fn e12_an_occurrence_the_database_cannot_start_for_now_waits_and_one_it_refuses_for_good_fails()
  {
-    let (app, _model, _gmail) = gmail_world(
+    let (app, _fakes, mut alice, schedule) = a_heartbeat(
         vec![Answer::text("Nothing urgent.")],
-        &[NO_WORKERS, ("DATABASE_LOCK_TIMEOUT", "200ms")],
+        &[("DATABASE_LOCK_TIMEOUT", "200ms")],
     )
     .await;
     let replicas = app.agent_replicas();
-    let mut alice = app.agent_as("alice").await;
-    let schedule = create(
-        &mut alice,
-        every_minute_in_berlin(pb::ScheduleKind::Heartbeat),
-    )
-    .await
-    .unwrap();
     let due = time(&schedule.next_due_at);
 
     // Another session holds the runs table: the start's first read waits past the lock timeout.
