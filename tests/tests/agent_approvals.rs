@@ -681,8 +681,13 @@ async fn a_cancel_between_a_decision_and_its_continuation_stops_the_send() {
         .unwrap()
         .into_inner();
     assert_eq!(done.result.unwrap().status, pb::RunState::Cancelled as i32);
+    the_send_was_not_executed(&mut alice, &paused.run_id, &gmail).await;
+}
+
+/// Nothing reached Gmail, and the run's send action says it was not executed.
+async fn the_send_was_not_executed(alice: &mut UserAgent, run_id: &str, gmail: &FakeGmail) {
     assert!(gmail.sent().is_empty(), "nothing is sent");
-    let actions = steward_tests::agent_calls::get_run(&mut alice, &paused.run_id)
+    let actions = steward_tests::agent_calls::get_run(alice, run_id)
         .await
         .unwrap()
         .actions;
@@ -721,17 +726,7 @@ async fn p5_an_approved_send_whose_audit_record_is_refused_is_not_sent() {
         "{}",
         result.error
     );
-    assert!(gmail.sent().is_empty(), "nothing is sent");
-    let got = steward_tests::agent_calls::get_run(&mut alice, &paused.run_id)
-        .await
-        .unwrap();
-    let send = got.actions.iter().find(|a| a.tool == "gmail_send").unwrap();
-    assert_eq!(send.state, pb::ActionState::Failed as i32);
-    assert!(
-        send.result_text.starts_with("Not executed"),
-        "{}",
-        send.result_text
-    );
+    the_send_was_not_executed(&mut alice, &paused.run_id, &gmail).await;
     let stored = app
         .agent_store()
         .await
