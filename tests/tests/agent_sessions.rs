@@ -210,21 +210,21 @@ async fn a_run_whose_replica_died(app: &TestApp, run_id: &str) -> String {
     thread.id
 }
 
+/// Any replica's monitor (a service built on the same database) sweeps: it ends the one dead
+/// run, and a second sweep finds nothing more to end.
+async fn the_monitor_ends_it_once(app: &TestApp) {
+    let runs = app.monitor().await;
+    let sweep = || runs.sweep_stale_runs(std::time::Duration::ZERO);
+    assert_eq!(sweep().await.unwrap(), 1);
+    assert_eq!(sweep().await.unwrap(), 0, "only once");
+}
+
 #[tokio::test]
 async fn a_run_whose_lease_lapsed_is_failed_by_the_monitor_and_its_thread_freed() {
-    use std::time::Duration;
-
     let (app, _model, _gmail) = world(vec![Answer::text("fresh start")]).await;
     let thread_id = a_run_whose_replica_died(&app, "r-dead").await;
 
-    // Any replica's monitor: a service built on the same database sweeps once.
-    let runs = app.monitor().await;
-    assert_eq!(runs.sweep_stale_runs(Duration::ZERO).await.unwrap(), 1);
-    assert_eq!(
-        runs.sweep_stale_runs(Duration::ZERO).await.unwrap(),
-        0,
-        "only once"
-    );
+    the_monitor_ends_it_once(&app).await;
 
     let mut alice = app.agent_as("alice").await;
     let got = get_run(&mut alice, "r-dead").await.unwrap().run.unwrap();
@@ -265,13 +265,7 @@ async fn an_abandoned_run_whose_note_is_refused_is_ended_without_it() {
         )
         .await
         .unwrap();
-    let runs = app.monitor().await;
-    assert_eq!(
-        runs.sweep_stale_runs(std::time::Duration::ZERO)
-            .await
-            .unwrap(),
-        1
-    );
+    the_monitor_ends_it_once(&app).await;
     let mut alice = app.agent_as("alice").await;
     let got = get_run(&mut alice, "r-noted").await.unwrap().run.unwrap();
     assert_eq!(got.state, pb::RunState::Failed as i32);
@@ -293,13 +287,7 @@ async fn a_cancelled_run_whose_replica_died_is_ended_cancelled_with_its_reason()
             .await
             .unwrap()
     );
-    let runs = app.monitor().await;
-    assert_eq!(
-        runs.sweep_stale_runs(std::time::Duration::ZERO)
-            .await
-            .unwrap(),
-        1
-    );
+    the_monitor_ends_it_once(&app).await;
     let mut alice = app.agent_as("alice").await;
     let got = get_run(&mut alice, "r-gone").await.unwrap().run.unwrap();
     assert_eq!(got.state, pb::RunState::Cancelled as i32);
