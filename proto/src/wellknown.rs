@@ -20,6 +20,18 @@ pub fn system_time(t: &Timestamp) -> Option<SystemTime> {
     UNIX_EPOCH.checked_add(Duration::new(secs, nanos))
 }
 
+/// A caller's `field` as a time the stores can keep: after 1970 and before the year 9999.
+pub fn storable_time(field: &str, t: &Timestamp) -> Result<SystemTime, String> {
+    const YEAR_9999: i64 = 253_402_300_799;
+    if t.seconds < 0 || t.seconds > YEAR_9999 || !(0..1_000_000_000).contains(&t.nanos) {
+        return Err(format!(
+            "{field} {}s {}ns is not a time between 1970 and 9999",
+            t.seconds, t.nanos
+        ));
+    }
+    system_time(t).ok_or_else(|| format!("{field} is out of range"))
+}
+
 pub fn struct_to_json(s: &Struct) -> Value {
     Value::Object(
         s.fields

@@ -523,3 +523,54 @@ async fn calls_without_an_identity_are_unauthenticated() {
     assert_eq!(err.code(), Code::Unauthenticated);
     assert!(err.message().contains("x-user-id"), "{}", err.message());
 }
+
+/// E-10, A-10: GetUsage sums the last 30 days unless told otherwise, and a window it cannot sum
+/// is refused naming what to fix.
+#[tokio::test]
+async fn e10_get_usage_defaults_to_the_last_30_days_and_refuses_a_window_it_cannot_sum() {
+    let app = spawn(Options {
+        backend: Some(Backend::Memory),
+        ..Options::default()
+    })
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    run(&mut alice, input("hi")).await.unwrap();
+    let summed = alice
+        .get_usage(pb::GetUsageRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(summed.runs, 1);
+    let (since, until) = (summed.since.unwrap(), summed.until.unwrap());
+    assert_eq!(until.seconds - since.seconds, 30 * 24 * 3600);
+
+    let at = |seconds| Some(prost_types::Timestamp { seconds, nanos: 0 });
+    let now = until.seconds;
+    for (since, until, says) in [
+        (at(now), at(now - 60), "until must be after since"),
+        (at(now), at(now), "until must be after since"),
+        (
+            at(now - 400 * 24 * 3600),
+            at(now),
+            "is 400 days; at most 366",
+        ),
+        (
+            at(-5),
+            None,
+            "since -5s 0ns is not a time between 1970 and 9999",
+        ),
+        (None, at(i64::MAX), "until"),
+    ] {
+        let refused = alice
+            .get_usage(pb::GetUsageRequest { since, until })
+            .await
+            .unwrap_err();
+        assert_eq!(
+            refused.code(),
+            Code::InvalidArgument,
+            "{}",
+            refused.message()
+        );
+        assert!(refused.message().contains(says), "{}", refused.message());
+    }
+}

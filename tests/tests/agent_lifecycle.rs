@@ -780,6 +780,90 @@ async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
 }
 
 #[tokio::test]
+async fn e10_a_cancelled_run_keeps_what_its_answered_model_calls_cost_and_get_usage_sums_it() {
+    let (app, _model, _gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_1", "list_tasks", "{}")]),
+            Answer::Slow(Box::new(Answer::text("too late")), Duration::from_secs(20)),
+        ],
+        &[("MODEL_PRICES", "gpt-4o=2.5/10/1.25")],
+    )
+    .await;
+    let (mut stream, first) = start_streaming(&app, "what are my tasks?").await;
+    // The first model call has answered once its tool has run; the second never will.
+    while let Some(Ok(r)) = stream.next().await {
+        if matches!(
+            r.event.and_then(|e| e.kind),
+            Some(pb::run_event::Kind::ToolResult(_))
+        ) {
+            break;
+        }
+    }
+    let mut alice = app.agent_as("alice").await;
+    alice
+        .cancel_run(pb::CancelRunRequest {
+            run_id: first.run_id.clone(),
+            reason: String::new(),
+        })
+        .await
+        .unwrap();
+    while stream.next().await.is_some() {}
+
+    let run = get_run(&mut alice, &first.run_id)
+        .await
+        .unwrap()
+        .run
+        .unwrap();
+    assert_eq!(run.state, pb::RunState::Cancelled as i32);
+    let usage = run.usage.unwrap();
+    // The tool-call answer reports 100 tokens in and 20 out: $2.5 and $10 per million.
+    assert_eq!(
+        (usage.model_calls, usage.input_tokens, usage.output_tokens),
+        (1, 100, 20),
+        "the answered call is the run's, cancelled or not"
+    );
+    assert!(
+        (usage.cost_usd - 0.00045).abs() < 1e-12,
+        "{}",
+        usage.cost_usd
+    );
+    assert_eq!(run.model, "gpt-4o");
+    assert_eq!(run.iterations, 1);
+
+    let summed = alice
+        .get_usage(pb::GetUsageRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(summed.runs, 1);
+    assert_eq!(summed.total, Some(usage));
+    let models: Vec<_> = summed
+        .models
+        .iter()
+        .map(|m| {
+            (
+                m.provider.as_str(),
+                m.model.as_str(),
+                m.usage.unwrap().model_calls,
+            )
+        })
+        .collect();
+    assert_eq!(models, [("openai", "gpt-4o", 1)]);
+    let nobody = app
+        .agent_as("bob")
+        .await
+        .get_usage(pb::GetUsageRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (nobody.runs, nobody.models.len()),
+        (0, 0),
+        "alice's runs are hers"
+    );
+}
+
+#[tokio::test]
 async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_monitor() {
     let (mut app, _model, _gmail) = gmail_world(
         vec![

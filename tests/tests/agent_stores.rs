@@ -9,9 +9,10 @@ use std::{
 
 use agent_svc::store::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Decided, Ending,
-    Lease, LockOutcome, MessageKind, MessageSource, NewMessage, Occurrence, Run, RunCommit,
-    RunPatch, RunState, Schedule, ScheduleKind, ScheduleOutcome, Settle, StoreError, TaskAgent,
-    TaskSettle, TurnJson, action_id, memory::MemoryStore, postgres::PgStore,
+    Lease, LockOutcome, MessageKind, MessageSource, ModelCallUsage, ModelUsage, NewMessage,
+    Occurrence, Run, RunCommit, RunPatch, RunState, RunUsage, Schedule, ScheduleKind,
+    ScheduleOutcome, Settle, StoreError, TaskAgent, TaskSettle, TurnJson, UsageSummary, action_id,
+    memory::MemoryStore, postgres::PgStore,
 };
 use steward_tests::TestDb;
 use svc_kit::{pg::PoolOptions, server_config::DatabaseConfig};
@@ -1400,6 +1401,97 @@ async fn threads_belong_to_their_owner(b: Backend) {
     assert_eq!(s.list_threads("alice", 1, 10).await.unwrap().len(), 1);
 }
 
+/// A commit ending a run in `state`, its usage these calls: (provider, model, input tokens,
+/// output tokens, cost).
+fn ended_having_spent(state: RunState, calls: &[(&str, &str, u64, u64, f64)]) -> RunCommit {
+    let calls: Vec<ModelCallUsage> = calls
+        .iter()
+        .map(|&(provider, model, input, output, cost)| ModelCallUsage {
+            provider: provider.into(),
+            model: model.into(),
+            input_tokens: input,
+            output_tokens: output,
+            cost_usd: cost,
+            ..ModelCallUsage::default()
+        })
+        .collect();
+    RunCommit {
+        events: vec![(2, b"end".to_vec())],
+        patch: RunPatch {
+            state: Some(state),
+            usage: Some(RunUsage {
+                input_tokens: calls.iter().map(|c| c.input_tokens).sum(),
+                output_tokens: calls.iter().map(|c| c.output_tokens).sum(),
+                cost_usd: calls.iter().map(|c| c.cost_usd).sum(),
+                calls,
+                ..RunUsage::default()
+            }),
+            ..RunPatch::default()
+        },
+        release: true,
+        ..RunCommit::default()
+    }
+}
+
+async fn e10_usage_sums_an_owners_runs_in_a_window_by_model_whatever_their_end(b: Backend) {
+    let s = &b.store;
+    let before = SystemTime::now() - Duration::from_secs(1);
+    let completed = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    let spent = [
+        ("openai", "gpt-4o", 100, 20, 0.25),
+        ("anthropic", "claude", 50, 5, 0.5),
+        ("openai", "gpt-4o", 10, 2, 0.125),
+    ];
+    s.commit(&completed, ended_having_spent(RunState::Completed, &spent))
+        .await
+        .unwrap();
+    let cancelled = started(s, "r2", "t2", Duration::from_secs(60)).await;
+    s.commit(&cancelled, ended_having_spent(RunState::Cancelled, &[]))
+        .await
+        .unwrap();
+    let Admitted::Started { lease: bobs, .. } =
+        s.admit(&admit_new("r3", "t3", "bob", None)).await.unwrap()
+    else {
+        panic!("bob's run not admitted");
+    };
+    let bobs_spend = [("openai", "gpt-4o", 999, 9, 1.0)];
+    s.commit(&bobs, ended_having_spent(RunState::Completed, &bobs_spend))
+        .await
+        .unwrap();
+    let after = SystemTime::now() + Duration::from_secs(1);
+
+    let summed = s.usage("alice", before, after).await.unwrap();
+    assert_eq!(summed.runs, 2, "a run with no call counts as a run");
+    let model = |provider: &str, model: &str, calls, input, output, cost_usd| ModelUsage {
+        provider: provider.into(),
+        model: model.into(),
+        calls,
+        input_tokens: input,
+        output_tokens: output,
+        cached_tokens: 0,
+        cost_usd,
+    };
+    assert_eq!(
+        summed.models,
+        [
+            model("anthropic", "claude", 1, 50, 5, 0.5),
+            model("openai", "gpt-4o", 2, 110, 22, 0.375),
+        ],
+        "one line per model, the costliest first, bob's run left out"
+    );
+    assert_eq!(summed.total(), model("", "", 3, 160, 27, 0.875));
+
+    let later = s
+        .usage("alice", after, after + Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert_eq!(
+        later,
+        UsageSummary::default(),
+        "runs started before the window"
+    );
+}
+
 async fn a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found(b: Backend) {
     let s = &b.store;
     s.ping().await.unwrap();
@@ -1976,6 +2068,7 @@ both_backends!(
     task_claims_are_kept_handed_back_or_ended_by_their_rules,
     a_stopping_workers_occurrences_are_handed_back,
     a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found,
+    e10_usage_sums_an_owners_runs_in_a_window_by_model_whatever_their_end,
     schedules_belong_to_their_owner_and_the_per_user_cap_holds,
     a_due_occurrence_is_claimed_once_and_missed_slots_collapse_into_it,
     of_concurrent_claimers_exactly_one_gets_an_occurrence,

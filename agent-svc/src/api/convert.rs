@@ -5,11 +5,16 @@ use steward_proto::agent::v1 as pb;
 
 pub use steward_proto::wellknown::{json_to_struct, non_finite_number, struct_to_json, timestamp};
 
+use std::time::{Duration, SystemTime};
+
 use super::ApiError;
 use crate::{
     executor::limits::Channel,
     runs::{Attached, RunInput},
-    store::{Message, MessageKind, MessageSource, Run, RunState, Thread},
+    store::{
+        Message, MessageKind, MessageSource, ModelUsage, Run, RunState, RunUsage, Thread,
+        UsageSummary,
+    },
 };
 
 pub const MAX_PROMPT_BYTES: usize = 32 * 1024;
@@ -336,13 +341,7 @@ pub fn run(r: &Run) -> pb::Run {
             _ => pb::Channel::Web,
         } as i32,
         model: r.model.clone(),
-        usage: Some(pb::Usage {
-            input_tokens: u.input_tokens,
-            output_tokens: u.output_tokens,
-            cached_tokens: u.cached_tokens,
-            cost_usd: u.cost_usd,
-            model_calls: u.calls.len() as u32,
-        }),
+        usage: Some(run_usage(u)),
         model_calls: u
             .calls
             .iter()
@@ -380,6 +379,81 @@ pub fn run(r: &Run) -> pb::Run {
             })
             .collect(),
         last_event_seq: r.last_event_seq,
+    }
+}
+
+/// GetUsage's window when unset: the last 30 days.
+const USAGE_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
+/// The longest window GetUsage sums, so that one call reads at most a year of runs.
+const MAX_USAGE_WINDOW: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// GetUsage's `[since, until)`: each a storable time, `until` after `since`, at most 366 days
+/// apart; `until` defaults to `now` and `since` to 30 days before `until`.
+pub fn usage_window(
+    r: &pb::GetUsageRequest,
+    now: SystemTime,
+) -> Result<(SystemTime, SystemTime), ApiError> {
+    let time = |field: &str, t: &Option<prost_types::Timestamp>| {
+        t.as_ref()
+            .map(|t| steward_proto::wellknown::storable_time(field, t))
+            .transpose()
+            .map_err(ApiError::InvalidArgument)
+    };
+    let until = time("until", &r.until)?.unwrap_or(now);
+    let since = match time("since", &r.since)? {
+        Some(since) => since,
+        None => until
+            .checked_sub(USAGE_WINDOW)
+            .unwrap_or(SystemTime::UNIX_EPOCH),
+    };
+    match until.duration_since(since) {
+        Err(_) | Ok(Duration::ZERO) => Err(ApiError::InvalidArgument(
+            "until must be after since (runs started in [since, until) are summed)".into(),
+        )),
+        Ok(d) if d > MAX_USAGE_WINDOW => Err(ApiError::InvalidArgument(format!(
+            "the window from since to until is {} days; at most 366 are summed at once: ask for it in parts",
+            d.as_secs().div_ceil(24 * 3600)
+        ))),
+        Ok(_) => Ok((since, until)),
+    }
+}
+
+/// A run's totals.
+pub fn run_usage(u: &RunUsage) -> pb::Usage {
+    pb::Usage {
+        input_tokens: u.input_tokens,
+        output_tokens: u.output_tokens,
+        cached_tokens: u.cached_tokens,
+        cost_usd: u.cost_usd,
+        model_calls: u.calls.len() as u32,
+    }
+}
+
+fn model_usage(m: &ModelUsage) -> pb::Usage {
+    pb::Usage {
+        input_tokens: m.input_tokens,
+        output_tokens: m.output_tokens,
+        cached_tokens: m.cached_tokens,
+        cost_usd: m.cost_usd,
+        model_calls: u32::try_from(m.calls).unwrap_or(u32::MAX),
+    }
+}
+
+pub fn usage(u: &UsageSummary, since: SystemTime, until: SystemTime) -> pb::GetUsageResponse {
+    pb::GetUsageResponse {
+        total: Some(model_usage(&u.total())),
+        runs: u.runs,
+        models: u
+            .models
+            .iter()
+            .map(|m| pb::ModelUsage {
+                provider: m.provider.clone(),
+                model: m.model.clone(),
+                usage: Some(model_usage(m)),
+            })
+            .collect(),
+        since: Some(timestamp(since)),
+        until: Some(timestamp(until)),
     }
 }
 

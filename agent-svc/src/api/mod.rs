@@ -8,7 +8,7 @@ mod jwks;
 mod schedules;
 mod status;
 
-use std::{pin::Pin, sync::Arc};
+use std::{pin::Pin, sync::Arc, time::SystemTime};
 
 use steward_proto::agent::v1::{self as pb, agent_service_server::AgentService};
 use tokio_stream::{Stream, StreamExt};
@@ -340,6 +340,20 @@ impl AgentService for AgentApi {
             run: Some(convert::run(&run)),
             actions: actions.iter().map(convert::action).collect(),
         }))
+    }
+
+    async fn get_usage(
+        &self,
+        request: Request<pb::GetUsageRequest>,
+    ) -> Result<Response<pb::GetUsageResponse>, Status> {
+        let user = self.user(&request).await?;
+        let (since, until) = convert::usage_window(request.get_ref(), SystemTime::now())?;
+        let summed = self
+            .store
+            .usage(&user, since, until)
+            .await
+            .map_err(ApiError::from)?;
+        Ok(Response::new(convert::usage(&summed, since, until)))
     }
 
     async fn list_threads(

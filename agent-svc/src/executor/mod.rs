@@ -95,6 +95,8 @@ pub enum RunEvent {
     DeltaReset,
     /// A turn added to the transcript (persisted as LLM history as the run goes, S-4).
     Turn(Turn),
+    /// A model call answered: what it cost is the run's from now on, whatever its end (E-10).
+    ModelCall(CallRecord),
     ToolCall {
         call_id: String,
         name: String,
@@ -715,14 +717,16 @@ impl Run<'_> {
                     price.cost(&done.response.usage),
                     done.latency,
                 );
-                self.calls.push(CallRecord {
+                let record = CallRecord {
                     provider: done.provider.clone(),
                     model: done.model.clone(),
                     usage: done.response.usage,
                     cost_usd: price.cost(&done.response.usage),
                     latency: done.latency,
                     retries: done.retries,
-                });
+                };
+                self.sink.emit(RunEvent::ModelCall(record.clone()));
+                self.calls.push(record);
                 Ok(Some(done.response))
             }
         }

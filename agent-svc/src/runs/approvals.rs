@@ -286,7 +286,8 @@ impl RunService {
             .get_run(&seg.owner, &seg.run_id)
             .await?
             .ok_or_else(|| ApiError::NotFound(format!("run {}", seg.run_id)))?;
-        writer.usage_before = (run.usage.clone(), run.iterations);
+        writer.spent = run.usage.clone();
+        writer.iterations_before = run.iterations;
         // What the run had read when it asked still counts: the stored prompt may hold it
         // (attached items, memories), and the transcript alone does not say so (U-2).
         for source in &approval.tainted_by {

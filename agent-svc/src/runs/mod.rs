@@ -42,8 +42,7 @@ use crate::{
     policy::Policy,
     store::{
         ActionState, Admission, Admitted, Approval, ApprovalState, Ending, Lease, MessageSource,
-        ModelCallUsage, NewMessage, Run, RunPatch, RunState, RunUsage, SharedStore, StoreError,
-        TaskAgent, action_id,
+        NewMessage, Run, RunPatch, RunState, SharedStore, StoreError, TaskAgent, action_id,
     },
 };
 
@@ -1320,22 +1319,16 @@ impl RunService {
             );
             outcome.text = String::new();
         }
-        // A continuation adds to what the run's earlier segments used.
-        let before = std::mem::take(&mut writer.usage_before);
-        let usage = usage_of(&before.0, &outcome);
-        let iterations = before.1 + outcome.iterations;
+        // Every call's cost reached the writer as it answered (a continuation's on top of the
+        // run's earlier segments'), and the pump has taken in all the executor sent.
+        let usage = writer.spent.clone();
+        let iterations = writer.iterations_before + outcome.iterations;
         let model = outcome
             .calls
             .last()
             .map(|c| c.model.clone())
             .unwrap_or_default();
-        let usage_pb = pb::Usage {
-            input_tokens: usage.input_tokens,
-            output_tokens: usage.output_tokens,
-            cached_tokens: usage.cached_tokens,
-            cost_usd: usage.cost_usd,
-            model_calls: usage.calls.len() as u32,
-        };
+        let usage_pb = convert::run_usage(&usage);
 
         if let Stop::AwaitingApproval {
             call_id,
@@ -1742,7 +1735,7 @@ fn event_kind(run_id: &str, e: RunEvent) -> Option<pb::run_event::Kind> {
         }),
         RunEvent::TextDelta(text) => Kind::Delta(pb::DeltaEvent { text, reset: false }),
         RunEvent::ThinkingDelta(text) => Kind::ThoughtDelta(pb::ThoughtDeltaEvent { text }),
-        RunEvent::DeltaReset | RunEvent::Turn(_) => return None,
+        RunEvent::DeltaReset | RunEvent::Turn(_) | RunEvent::ModelCall(_) => return None,
         RunEvent::ToolCall {
             call_id,
             name,
@@ -1772,29 +1765,6 @@ fn event_kind(run_id: &str, e: RunEvent) -> Option<pb::run_event::Kind> {
             truncated,
         }),
     })
-}
-
-/// The run's usage so far (`before`, from earlier segments) plus this segment's calls.
-fn usage_of(before: &RunUsage, outcome: &executor::Outcome) -> RunUsage {
-    let total = outcome.total_usage();
-    let mut calls = before.calls.clone();
-    calls.extend(outcome.calls.iter().map(|c| ModelCallUsage {
-        provider: c.provider.clone(),
-        model: c.model.clone(),
-        input_tokens: c.usage.input_tokens,
-        output_tokens: c.usage.output_tokens,
-        cached_tokens: c.usage.cached_tokens,
-        cost_usd: c.cost_usd,
-        latency_ms: c.latency.as_millis() as u64,
-        retries: c.retries,
-    }));
-    RunUsage {
-        input_tokens: before.input_tokens + total.input_tokens,
-        output_tokens: before.output_tokens + total.output_tokens,
-        cached_tokens: before.cached_tokens + total.cached_tokens,
-        cost_usd: before.cost_usd + outcome.cost_usd(),
-        calls,
-    }
 }
 
 fn gateway_channel(c: limits::Channel) -> gw::Channel {

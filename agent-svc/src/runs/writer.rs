@@ -22,10 +22,10 @@ use tokio_util::sync::CancellationToken;
 use super::{event_kind, live::LiveRun};
 use crate::{
     api::convert,
-    executor::{EventSink, RunEvent},
+    executor::{CallRecord, EventSink, RunEvent},
     store::{
-        Action, ActionState, Lease, MessageKind, MessageSource, NewMessage, RunCommit, SharedStore,
-        StoreError, action_id,
+        Action, ActionState, Lease, MessageKind, MessageSource, ModelCallUsage, NewMessage,
+        RunCommit, SharedStore, StoreError, action_id,
     },
 };
 
@@ -197,8 +197,14 @@ pub(super) struct RunWriter {
     pub(super) allowed_tools: Option<Vec<String>>,
     /// What the segment has read and the previews of its paused calls (issue 14).
     pub(super) guard: Arc<super::guard::CallGuard>,
-    /// What the run's earlier segments used (usage, iterations): a continuation adds to it.
-    pub(super) usage_before: (crate::store::RunUsage, u32),
+    /// What the run's model calls have cost so far, its earlier segments' included: each
+    /// call's cost goes with the next commit, so a run cancelled, failed or lost mid-way still
+    /// accounts for every call that answered (E-10).
+    pub(super) spent: crate::store::RunUsage,
+    /// Iterations of the run's earlier segments (a continuation adds to them).
+    pub(super) iterations_before: u32,
+    /// This segment's iteration, as the executor last announced it.
+    iteration: u32,
     /// Commits made by this segment.
     pub(super) commits: u32,
     /// The run's row says it read external content (its session's archive will say so).
@@ -223,7 +229,9 @@ impl RunWriter {
             side_effects: HashSet::new(),
             allowed_tools: None,
             guard: Arc::default(),
-            usage_before: Default::default(),
+            spent: Default::default(),
+            iterations_before: 0,
+            iteration: 0,
             commits: 0,
             marked_external: false,
         }
@@ -344,6 +352,11 @@ impl RunWriter {
                 }));
                 return false;
             }
+            RunEvent::ModelCall(call) => {
+                self.spend(call);
+                return false;
+            }
+            RunEvent::Planning { iteration } => self.iteration = *iteration,
             RunEvent::Turn(turn) => {
                 match super::to_json(turn) {
                     Ok(text) => self.pending().history.push(text),
@@ -414,6 +427,32 @@ impl RunWriter {
             self.emit(kind);
         }
         next_iteration
+    }
+
+    /// Adds a model call's cost to the run's and stages it for the next commit.
+    fn spend(&mut self, call: &CallRecord) {
+        let spent = &mut self.spent;
+        spent.input_tokens += call.usage.input_tokens;
+        spent.output_tokens += call.usage.output_tokens;
+        spent.cached_tokens += call.usage.cached_tokens;
+        spent.cost_usd += call.cost_usd;
+        spent.calls.push(ModelCallUsage {
+            provider: call.provider.clone(),
+            model: call.model.clone(),
+            input_tokens: call.usage.input_tokens,
+            output_tokens: call.usage.output_tokens,
+            cached_tokens: call.usage.cached_tokens,
+            cost_usd: call.cost_usd,
+            latency_ms: call.latency.as_millis() as u64,
+            retries: call.retries,
+        });
+        let patch = crate::store::RunPatch {
+            usage: Some(self.spent.clone()),
+            iterations: Some(self.iterations_before + self.iteration),
+            model: Some(call.model.clone()),
+            ..Default::default()
+        };
+        self.pending().patch.merge(patch);
     }
 
     /// Commits what is pending, retrying a store that is briefly unavailable.

@@ -12,9 +12,9 @@ use serde_json::Value;
 
 use super::{
     Action, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive, Decided, Ending,
-    Lease, LockOutcome, Message, MessageKind, MessageSource, Occurrence, Run, RunCommit, RunPatch,
-    RunState, Schedule, ScheduleOutcome, Settle, StoreError, TaskAgent, TaskSettle, Thread,
-    TurnJson, carries_external, transcript_text,
+    Lease, LockOutcome, Message, MessageKind, MessageSource, ModelUsage, Occurrence, Run,
+    RunCommit, RunPatch, RunState, Schedule, ScheduleOutcome, Settle, StoreError, TaskAgent,
+    TaskSettle, Thread, TurnJson, UsageSummary, carries_external, transcript_text,
 };
 
 /// A thread's lease: holder run, fencing token, expiry on the monotonic clock.
@@ -1331,6 +1331,34 @@ impl AgentStore for MemoryStore {
             }
             touch(&mut sch.updated_at);
             true
+        })
+    }
+
+    async fn usage(
+        &self,
+        owner: &str,
+        since: SystemTime,
+        until: SystemTime,
+    ) -> Result<UsageSummary, StoreError> {
+        self.with(|s| {
+            let runs: Vec<&Run> = s
+                .runs
+                .values()
+                .filter(|r| r.owner == owner && r.created_at >= since && r.created_at < until)
+                .collect();
+            let calls = runs
+                .iter()
+                .flat_map(|r| &r.usage.calls)
+                .map(|c| ModelUsage {
+                    provider: c.provider.clone(),
+                    model: c.model.clone(),
+                    calls: 1,
+                    input_tokens: c.input_tokens,
+                    output_tokens: c.output_tokens,
+                    cached_tokens: c.cached_tokens,
+                    cost_usd: c.cost_usd,
+                });
+            UsageSummary::of(runs.len() as u64, calls)
         })
     }
 

@@ -174,6 +174,70 @@ pub struct ModelCallUsage {
     pub retries: u32,
 }
 
+/// What one owner's runs in a window spent, summed (E-10: usage summed per user).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UsageSummary {
+    /// Runs started in the window, whatever their end.
+    pub runs: u64,
+    /// By provider and model, the costliest first.
+    pub models: Vec<ModelUsage>,
+}
+
+/// The calls to one model, summed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ModelUsage {
+    pub provider: String,
+    pub model: String,
+    pub calls: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub cached_tokens: u64,
+    pub cost_usd: f64,
+}
+
+impl ModelUsage {
+    fn add(&mut self, other: &ModelUsage) {
+        self.calls += other.calls;
+        self.input_tokens += other.input_tokens;
+        self.output_tokens += other.output_tokens;
+        self.cached_tokens += other.cached_tokens;
+        self.cost_usd += other.cost_usd;
+    }
+}
+
+impl UsageSummary {
+    /// Every model's calls together (provider and model left empty).
+    pub fn total(&self) -> ModelUsage {
+        let mut total = ModelUsage::default();
+        for m in &self.models {
+            total.add(m);
+        }
+        total
+    }
+
+    /// Sums `calls` into one line per model, the costliest first (ties: the most calls, then
+    /// by name), as both stores report them.
+    pub fn of(runs: u64, calls: impl IntoIterator<Item = ModelUsage>) -> Self {
+        let mut models: Vec<ModelUsage> = Vec::new();
+        for c in calls {
+            match models
+                .iter_mut()
+                .find(|m| m.provider == c.provider && m.model == c.model)
+            {
+                Some(m) => m.add(&c),
+                None => models.push(c),
+            }
+        }
+        models.sort_by(|a, b| {
+            b.cost_usd
+                .total_cmp(&a.cost_usd)
+                .then(b.calls.cmp(&a.calls))
+                .then_with(|| (&a.provider, &a.model).cmp(&(&b.provider, &b.model)))
+        });
+        Self { runs, models }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Run {
     pub id: String,
@@ -672,6 +736,14 @@ pub trait AgentStore: Send + Sync + 'static {
         worker: &str,
         settle: &Settle,
     ) -> Result<bool, StoreError>;
+
+    /// What `owner`'s runs started in `[since, until)` spent, whatever their end (E-10).
+    async fn usage(
+        &self,
+        owner: &str,
+        since: SystemTime,
+        until: SystemTime,
+    ) -> Result<UsageSummary, StoreError>;
 
     /// A run's actions, oldest first.
     async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError>;

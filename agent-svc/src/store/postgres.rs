@@ -9,9 +9,10 @@ use tokio_postgres::Row;
 
 use super::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive,
-    Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, Occurrence, Run,
-    RunCommit, RunNotice, RunState, RunUsage, Schedule, ScheduleKind, ScheduleOutcome, Settle,
-    StoreError, TaskAgent, TaskSettle, Thread, TurnJson, carries_external, transcript_text,
+    Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, ModelUsage,
+    Occurrence, Run, RunCommit, RunNotice, RunState, RunUsage, Schedule, ScheduleKind,
+    ScheduleOutcome, Settle, StoreError, TaskAgent, TaskSettle, Thread, TurnJson, UsageSummary,
+    carries_external, transcript_text,
 };
 
 mod embedded {
@@ -1254,6 +1255,59 @@ impl AgentStore for PgStore {
             .await
             .map_err(db)?;
         Ok(row.as_ref().map(task_agent))
+    }
+
+    async fn usage(
+        &self,
+        owner: &str,
+        since: SystemTime,
+        until: SystemTime,
+    ) -> Result<UsageSummary, StoreError> {
+        // One statement, so the run count and the sums see the same runs: the empty grouping
+        // set counts every run of the window, calls or none; the others sum each model's calls.
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "SELECT GROUPING(c->>'provider') = 1, c->>'provider', c->>'model', \
+                   count(DISTINCT r.id), count(c), \
+                   COALESCE(sum((c->>'input_tokens')::bigint), 0)::bigint, \
+                   COALESCE(sum((c->>'output_tokens')::bigint), 0)::bigint, \
+                   COALESCE(sum((c->>'cached_tokens')::bigint), 0)::bigint, \
+                   COALESCE(sum((c->>'cost_usd')::float8), 0) \
+                 FROM agent.runs r \
+                   LEFT JOIN LATERAL jsonb_array_elements(COALESCE(r.usage->'calls', '[]')) c ON true \
+                 WHERE r.owner = $1 AND r.created_at >= $2 AND r.created_at < $3 \
+                 GROUP BY GROUPING SETS ((c->>'provider', c->>'model'), ())",
+                &[&owner, &since, &until],
+            )
+            .await
+            .map_err(db)?;
+        let mut runs = 0;
+        let mut calls = Vec::new();
+        for row in &rows {
+            if row.get::<_, bool>(0) {
+                runs = row.get::<_, i64>(3) as u64;
+                continue;
+            }
+            // Runs with no call at all group under no model.
+            let (Some(provider), Some(model)) = (
+                row.get::<_, Option<String>>(1),
+                row.get::<_, Option<String>>(2),
+            ) else {
+                continue;
+            };
+            calls.push(ModelUsage {
+                provider,
+                model,
+                calls: row.get::<_, i64>(4) as u64,
+                input_tokens: row.get::<_, i64>(5) as u64,
+                output_tokens: row.get::<_, i64>(6) as u64,
+                cached_tokens: row.get::<_, i64>(7) as u64,
+                cost_usd: row.get(8),
+            });
+        }
+        Ok(UsageSummary::of(runs, calls))
     }
 
     async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError> {

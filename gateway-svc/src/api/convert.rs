@@ -36,14 +36,7 @@ const MAX_TOOL_NAME_BYTES: usize = 128;
 
 /// A credential's expiry as the store can keep it: after 1970 and before year 9999.
 pub fn expiry(t: &prost_types::Timestamp) -> Result<std::time::SystemTime, String> {
-    const YEAR_9999: i64 = 253_402_300_799;
-    if t.seconds < 0 || t.seconds > YEAR_9999 || !(0..1_000_000_000).contains(&t.nanos) {
-        return Err(format!(
-            "expires_at {}s {}ns is not a time between 1970 and 9999",
-            t.seconds, t.nanos
-        ));
-    }
-    steward_proto::wellknown::system_time(t).ok_or_else(|| "expires_at is out of range".into())
+    steward_proto::wellknown::storable_time("expires_at", t)
 }
 
 pub fn integration_from_pb(i: i32) -> Option<Integration> {
