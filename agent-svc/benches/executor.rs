@@ -118,6 +118,7 @@ async fn measure(tools: &[ToolDecl], model_name: &str, counter: &str) {
             limits: limits::profile(limits::Channel::Web, None),
             stop_after: None,
             resume: false,
+            gathered: Vec::new(),
         };
         let started = Instant::now();
         let outcome = executor.run(&request, &InstantTools, &Discard).await;

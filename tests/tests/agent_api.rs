@@ -552,7 +552,12 @@ async fn e10_get_usage_defaults_to_the_last_30_days_and_refuses_a_window_it_cann
         (
             at(now - 400 * 24 * 3600),
             at(now),
-            "is 400 days; at most 366",
+            "is longer than 366 days (400.0 days)",
+        ),
+        (
+            at(now - 366 * 24 * 3600 - 1),
+            at(now),
+            "is longer than 366 days (366.0 days)",
         ),
         (
             at(-5),

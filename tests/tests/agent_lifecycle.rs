@@ -864,6 +864,77 @@ async fn e10_a_cancelled_run_keeps_what_its_answered_model_calls_cost_and_get_us
 }
 
 #[tokio::test]
+async fn a_runs_budget_covers_its_model_calls_after_an_approval_pause_too() {
+    let (app, model, gmail) = gmail_world(
+        vec![
+            // Each tool-call answer reports 100 tokens in and 20 out.
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::tool_calls(&[("call_list", "list_tasks", "{}")]),
+            Answer::text("Sent it, and here are your tasks."),
+        ],
+        &[],
+    )
+    .await;
+    let mut budgeted = input("email my boss the budget, then list my tasks");
+    budgeted.budget = Some(pb::RunBudget {
+        max_total_tokens: 150,
+        max_cost_usd: 0.0,
+    });
+    let paused = run_on(app.agent_addr, budgeted).await;
+    assert_eq!(paused.status, pb::RunState::AwaitingConfirmation as i32);
+    let decided = app
+        .agent_as("alice")
+        .await
+        .decide_approval(approve(&paused.approval.unwrap().id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(gmail.sent().len(), 1, "the approved send is made");
+    // 120 tokens before the pause and 120 after it pass 150: no third model call.
+    assert_eq!(model.requests().len(), 2);
+    let result = decided.result.unwrap();
+    assert_eq!(result.status, pb::RunState::Completed as i32);
+    let usage = result.usage.unwrap();
+    assert_eq!(
+        (usage.model_calls, usage.input_tokens + usage.output_tokens),
+        (2, 240)
+    );
+}
+
+#[tokio::test]
+async fn a_budget_spent_before_an_approval_pause_ends_the_continuation_quoting_the_approved_call() {
+    let (app, model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::text("never asked"),
+        ],
+        &[],
+    )
+    .await;
+    let mut budgeted = input("email my boss the budget");
+    // The first answer's 100 + 20 tokens use it all.
+    budgeted.budget = Some(pb::RunBudget {
+        max_total_tokens: 120,
+        max_cost_usd: 0.0,
+    });
+    let paused = run_on(app.agent_addr, budgeted).await;
+    let decided = app
+        .agent_as("alice")
+        .await
+        .decide_approval(approve(&paused.approval.unwrap().id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(gmail.sent().len(), 1);
+    assert_eq!(model.requests().len(), 1, "no model call past the budget");
+    let said = decided.result.unwrap().summary;
+    assert!(
+        said.starts_with("I stopped because of the token or cost budget for this run. Here's what I was able to gather:\ngmail_send: "),
+        "the send that was made is not denied: {said}"
+    );
+}
+
+#[tokio::test]
 async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_monitor() {
     let (mut app, _model, _gmail) = gmail_world(
         vec![

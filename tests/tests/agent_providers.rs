@@ -103,6 +103,7 @@ fn request(tools: &[&str]) -> RunRequest {
         limits: profile(Channel::Web, None),
         stop_after: None,
         resume: false,
+        gathered: Vec::new(),
     }
 }
 

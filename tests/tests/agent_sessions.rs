@@ -422,6 +422,17 @@ async fn an_archived_session_is_summarised_into_the_next_prompt_and_found_by_a_w
         tool_result.contains("Alice planned a trip."),
         "{tool_result}"
     );
+    // E-10: the two summaries' calls are alice's cost beside her three runs' four.
+    let usage = alice
+        .get_usage(pb::GetUsageRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((usage.runs, usage.summary_calls), (3, 2));
+    let total = usage.total.unwrap();
+    assert_eq!(total.model_calls, 6);
+    // Each text answer reports 120 tokens in, the tool call 100.
+    assert_eq!(total.input_tokens, 5 * 120 + 100);
 }
 
 /// An app whose first replica takes no background work, and a run on it whose model queued a

@@ -1401,9 +1401,8 @@ async fn threads_belong_to_their_owner(b: Backend) {
     assert_eq!(s.list_threads("alice", 1, 10).await.unwrap().len(), 1);
 }
 
-/// A commit ending a run in `state`, its usage these calls: (provider, model, input tokens,
-/// output tokens, cost).
-fn ended_having_spent(state: RunState, calls: &[(&str, &str, u64, u64, f64)]) -> RunCommit {
+/// The usage of these calls: (provider, model, input tokens, output tokens, cost).
+fn spent(calls: &[(&str, &str, u64, u64, f64)]) -> RunUsage {
     let calls: Vec<ModelCallUsage> = calls
         .iter()
         .map(|&(provider, model, input, output, cost)| ModelCallUsage {
@@ -1415,17 +1414,22 @@ fn ended_having_spent(state: RunState, calls: &[(&str, &str, u64, u64, f64)]) ->
             ..ModelCallUsage::default()
         })
         .collect();
+    RunUsage {
+        input_tokens: calls.iter().map(|c| c.input_tokens).sum(),
+        output_tokens: calls.iter().map(|c| c.output_tokens).sum(),
+        cost_usd: calls.iter().map(|c| c.cost_usd).sum(),
+        calls,
+        ..RunUsage::default()
+    }
+}
+
+/// A commit ending a run in `state`, having spent what `calls` did (see `spent`).
+fn ended_having_spent(state: RunState, calls: &[(&str, &str, u64, u64, f64)]) -> RunCommit {
     RunCommit {
         events: vec![(2, b"end".to_vec())],
         patch: RunPatch {
             state: Some(state),
-            usage: Some(RunUsage {
-                input_tokens: calls.iter().map(|c| c.input_tokens).sum(),
-                output_tokens: calls.iter().map(|c| c.output_tokens).sum(),
-                cost_usd: calls.iter().map(|c| c.cost_usd).sum(),
-                calls,
-                ..RunUsage::default()
-            }),
+            usage: Some(spent(calls)),
             ..RunPatch::default()
         },
         release: true,
@@ -1437,12 +1441,12 @@ async fn e10_usage_sums_an_owners_runs_in_a_window_by_model_whatever_their_end(b
     let s = &b.store;
     let before = SystemTime::now() - Duration::from_secs(1);
     let completed = started(s, "r1", "t1", Duration::from_secs(60)).await;
-    let spent = [
+    let calls = [
         ("openai", "gpt-4o", 100, 20, 0.25),
         ("anthropic", "claude", 50, 5, 0.5),
         ("openai", "gpt-4o", 10, 2, 0.125),
     ];
-    s.commit(&completed, ended_having_spent(RunState::Completed, &spent))
+    s.commit(&completed, ended_having_spent(RunState::Completed, &calls))
         .await
         .unwrap();
     let cancelled = started(s, "r2", "t2", Duration::from_secs(60)).await;
@@ -1458,10 +1462,14 @@ async fn e10_usage_sums_an_owners_runs_in_a_window_by_model_whatever_their_end(b
     s.commit(&bobs, ended_having_spent(RunState::Completed, &bobs_spend))
         .await
         .unwrap();
+    // A session summary the summary model wrote: alice's cost too.
+    let summarised = spent(&[("openai", "gpt-4o-mini", 30, 3, 0.0625)]);
+    s.record_summary_spend("alice", &summarised).await.unwrap();
     let after = SystemTime::now() + Duration::from_secs(1);
 
     let summed = s.usage("alice", before, after).await.unwrap();
     assert_eq!(summed.runs, 2, "a run with no call counts as a run");
+    assert_eq!(summed.summaries, 1);
     let model = |provider: &str, model: &str, calls, input, output, cost_usd| ModelUsage {
         provider: provider.into(),
         model: model.into(),
@@ -1476,10 +1484,11 @@ async fn e10_usage_sums_an_owners_runs_in_a_window_by_model_whatever_their_end(b
         [
             model("anthropic", "claude", 1, 50, 5, 0.5),
             model("openai", "gpt-4o", 2, 110, 22, 0.375),
+            model("openai", "gpt-4o-mini", 1, 30, 3, 0.0625),
         ],
         "one line per model, the costliest first, bob's run left out"
     );
-    assert_eq!(summed.total(), model("", "", 3, 160, 27, 0.875));
+    assert_eq!(summed.total(), model("", "", 4, 190, 30, 0.9375));
 
     let later = s
         .usage("alice", after, after + Duration::from_secs(3600))
@@ -3416,4 +3425,41 @@ async fn v17_settles_the_attempts_tasks_made_before_it_except_a_running_ones_cur
         expected.map(|(id, n)| (id.to_owned(), n)),
         "each task's recorded attempts"
     );
+}
+
+/// A pre-built index V19 finds in place is kept; one whose CONCURRENTLY build was interrupted
+/// (invalid) is built again, so GetUsage never reads every run through a broken index.
+#[tokio::test]
+async fn v19_replaces_an_interrupted_prebuild_of_its_index_and_keeps_a_valid_one() {
+    let index = "SELECT i.indisvalid, i.indisunique FROM pg_index i \
+                 JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = 'runs_owner_created'";
+    for interrupted in [true, false] {
+        let db = TestDb::create().await.unwrap();
+        PgStore::migrate_to(db.url(), 18).await.unwrap();
+        let side = side_connection(db.url()).await;
+        side.batch_execute(
+            "INSERT INTO agent.threads (id, owner, title) VALUES ('t', 'alice', 't'); \
+             INSERT INTO agent.runs (id, thread_id, owner, state, channel) VALUES \
+               ('r1', 't', 'alice', 'completed', 'web'), ('r2', 't', 'alice', 'completed', 'web')",
+        )
+        .await
+        .unwrap();
+        // A unique build over alice's two runs fails part-way, leaving an invalid index.
+        let prebuild = if interrupted {
+            "CREATE UNIQUE INDEX CONCURRENTLY runs_owner_created ON agent.runs (owner)"
+        } else {
+            "CREATE INDEX CONCURRENTLY runs_owner_created ON agent.runs (owner, created_at)"
+        };
+        assert_eq!(side.batch_execute(prebuild).await.is_err(), interrupted);
+        let before: bool = side.query_one(index, &[]).await.unwrap().get(0);
+        assert_eq!(before, !interrupted);
+
+        PgStore::migrate(db.url()).await.unwrap();
+        let after = side.query_one(index, &[]).await.unwrap();
+        assert_eq!(
+            (after.get::<_, bool>(0), after.get::<_, bool>(1)),
+            (true, false),
+            "valid and not unique (interrupted: {interrupted})"
+        );
+    }
 }

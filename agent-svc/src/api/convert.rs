@@ -388,7 +388,8 @@ const USAGE_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
 const MAX_USAGE_WINDOW: Duration = Duration::from_secs(366 * 24 * 3600);
 
 /// GetUsage's `[since, until)`: each a storable time, `until` after `since`, at most 366 days
-/// apart; `until` defaults to `now` and `since` to 30 days before `until`.
+/// apart; `until` defaults to `now` and `since` to 30 days before `until` (not before 1970).
+/// Both are cut to whole microseconds, as PostgreSQL keeps times, so both stores see one window.
 pub fn usage_window(
     r: &pb::GetUsageRequest,
     now: SystemTime,
@@ -399,23 +400,30 @@ pub fn usage_window(
             .transpose()
             .map_err(ApiError::InvalidArgument)
     };
-    let until = time("until", &r.until)?.unwrap_or(now);
+    let until = micros(time("until", &r.until)?.unwrap_or(now));
     let since = match time("since", &r.since)? {
-        Some(since) => since,
+        Some(since) => micros(since),
         None => until
             .checked_sub(USAGE_WINDOW)
-            .unwrap_or(SystemTime::UNIX_EPOCH),
+            .map_or(SystemTime::UNIX_EPOCH, |t| t.max(SystemTime::UNIX_EPOCH)),
     };
     match until.duration_since(since) {
         Err(_) | Ok(Duration::ZERO) => Err(ApiError::InvalidArgument(
-            "until must be after since (runs started in [since, until) are summed)".into(),
+            "until must be after since (runs created in [since, until) are summed)".into(),
         )),
         Ok(d) if d > MAX_USAGE_WINDOW => Err(ApiError::InvalidArgument(format!(
-            "the window from since to until is {} days; at most 366 are summed at once: ask for it in parts",
-            d.as_secs().div_ceil(24 * 3600)
+            "the window from since to until is longer than 366 days ({:.1} days): ask for it in parts",
+            d.as_secs_f64() / (24.0 * 3600.0)
         ))),
         Ok(_) => Ok((since, until)),
     }
+}
+
+/// `t` without its part below a microsecond.
+fn micros(t: SystemTime) -> SystemTime {
+    let since_epoch = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    SystemTime::UNIX_EPOCH
+        + Duration::new(since_epoch.as_secs(), since_epoch.subsec_micros() * 1000)
 }
 
 /// A run's totals.
@@ -454,6 +462,7 @@ pub fn usage(u: &UsageSummary, since: SystemTime, until: SystemTime) -> pb::GetU
             .collect(),
         since: Some(timestamp(since)),
         until: Some(timestamp(until)),
+        summary_calls: u.summaries,
     }
 }
 

@@ -171,6 +171,15 @@ pub struct RunRequest {
     /// Continue `history` (which ends with tool results, e.g. after an approval) instead of
     /// starting a new user turn; `prompt` is then ignored.
     pub resume: bool,
+    /// What the run had gathered before this call (see [`gathered`]): a continuation's
+    /// approved call, which a limit's last words must not deny.
+    pub gathered: Vec<String>,
+}
+
+/// A successful tool result as the run's last words quote it when a limit or a failure
+/// leaves the model no turn to answer.
+pub fn gathered(tool: &str, text: &str) -> String {
+    format!("{tool}: {}", preview(text, GATHERED_CHARS))
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -211,6 +220,29 @@ pub struct CallRecord {
     pub cost_usd: f64,
     pub latency: Duration,
     pub retries: u32,
+}
+
+impl CallRecord {
+    /// A call that answered, priced from `prices` and counted in the model metrics.
+    pub fn answered(done: &resilient::Completed, prices: &HashMap<String, Price>) -> Self {
+        let price = prices.get(&done.model).copied().unwrap_or_default();
+        let cost_usd = price.cost(&done.response.usage);
+        crate::metrics::model_call(
+            &done.provider,
+            &done.model,
+            &done.response.usage,
+            cost_usd,
+            done.latency,
+        );
+        Self {
+            provider: done.provider.clone(),
+            model: done.model.clone(),
+            usage: done.response.usage,
+            cost_usd,
+            latency: done.latency,
+            retries: done.retries,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -327,7 +359,7 @@ impl Executor {
                 .system_tokens
                 .unwrap_or_else(|| counter.text(&req.system)),
             history_len,
-            gathered: Vec::new(),
+            gathered: req.gathered.clone(),
             calls: Vec::new(),
             iterations: 0,
             last_tool: None,
@@ -469,11 +501,7 @@ impl Run<'_> {
         }
         for (call, outcome) in calls.iter().zip(&outcomes) {
             if outcome.ok {
-                self.gathered.push(format!(
-                    "{}: {}",
-                    call.name,
-                    preview(&outcome.text, GATHERED_CHARS)
-                ));
+                self.gathered.push(gathered(&call.name, &outcome.text));
             }
             if same_tool.0 == call.name {
                 same_tool.1 += 1;
@@ -709,22 +737,7 @@ impl Run<'_> {
             Err(_) => Ok(None),
             Ok(Err(failed)) => Err(failed.to_string()),
             Ok(Ok(done)) => {
-                let price = models.prices.get(&done.model).copied().unwrap_or_default();
-                crate::metrics::model_call(
-                    &done.provider,
-                    &done.model,
-                    &done.response.usage,
-                    price.cost(&done.response.usage),
-                    done.latency,
-                );
-                let record = CallRecord {
-                    provider: done.provider.clone(),
-                    model: done.model.clone(),
-                    usage: done.response.usage,
-                    cost_usd: price.cost(&done.response.usage),
-                    latency: done.latency,
-                    retries: done.retries,
-                };
+                let record = CallRecord::answered(&done, &models.prices);
                 self.sink.emit(RunEvent::ModelCall(record.clone()));
                 self.calls.push(record);
                 Ok(Some(done.response))

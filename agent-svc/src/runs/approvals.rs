@@ -415,6 +415,7 @@ impl RunService {
             a.error_kind = Some(error_kind.clone()).filter(|k| !k.is_empty());
         }
         writer.stage_action(&call_id);
+        let gathered = (approved && ok).then(|| executor::gathered(&approval.tool, &content));
         let preview: String = content.chars().take(200).collect();
         writer.emit(pb::run_event::Kind::ToolResult(pb::ToolResultEvent {
             call_id: call_id.clone(),
@@ -476,9 +477,13 @@ impl RunService {
             history,
             prompt: String::new(),
             tools: crate::llm::ToolSet::none(),
-            limits: limits::profile(seg.channel, self.max_loop_steps),
+            limits: continued_limits(
+                limits::profile(seg.channel, self.max_loop_steps),
+                &writer.spent,
+            ),
             stop_after: None,
             resume: true,
+            gathered: gathered.into_iter().collect(),
         };
         self.drive(
             seg,
@@ -492,4 +497,13 @@ impl RunService {
         )
         .await
     }
+}
+
+/// A continuation's limits: its channel's, under what is left of the run's budget after what
+/// its earlier segments spent (RunBudget covers every model call of the run).
+fn continued_limits(mut limits: limits::Limits, spent: &crate::store::RunUsage) -> limits::Limits {
+    if let Some(ceiling) = spent.ceiling {
+        (limits.max_total_tokens, limits.max_cost_usd) = ceiling.left(spent);
+    }
+    limits
 }

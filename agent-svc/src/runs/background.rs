@@ -2,7 +2,10 @@
 //! background task agents (B-5).
 
 use super::*;
-use crate::store::LockOutcome;
+use crate::{
+    executor::CallRecord,
+    store::{LockOutcome, RunUsage},
+};
 
 impl RunService {
     /// Archives the thread's LLM history with a 2–3 sentence summary (B-4). Race-safe: the store
@@ -17,7 +20,13 @@ impl RunService {
                 return;
             }
         };
-        let summary = self.summarize(&history).await;
+        let (summary, spent) = self.summarize(&history).await;
+        if !spent.calls.is_empty()
+            && let Err(e) = self.store.record_summary_spend(owner, &spent).await
+        {
+            tracing::warn!(thread_id, owner, cost_usd = spent.cost_usd, input_tokens = spent.input_tokens,
+                output_tokens = spent.output_tokens, error = %e, "could not record what a session summary cost");
+        }
         let message = "The session was archived before this approval was decided.";
         let ending = Ending {
             state: RunState::Cancelled,
@@ -38,8 +47,10 @@ impl RunService {
         }
     }
 
-    /// The summary model's 2–3 sentences, or the user's own messages when it is unavailable.
-    async fn summarize(&self, history: &[Turn]) -> String {
+    /// The summary model's 2–3 sentences, or the user's own messages when it is unavailable;
+    /// with what the summary model's call cost, its owner's (E-10).
+    async fn summarize(&self, history: &[Turn]) -> (String, RunUsage) {
+        let mut spent = RunUsage::default();
         let transcript: Vec<String> = history
             .iter()
             .filter_map(|t| match t {
@@ -70,10 +81,12 @@ impl RunService {
                 ..RetryPolicy::default()
             };
             match resilient::complete(std::slice::from_ref(entry), &policy, &request, &tx).await {
-                Ok(done) if !done.response.text.trim().is_empty() => {
-                    return done.response.text.trim().to_owned();
-                }
-                Ok(_) => {
+                Ok(done) => {
+                    spent.add(&CallRecord::answered(&done, &self.models.prices));
+                    let text = done.response.text.trim();
+                    if !text.is_empty() {
+                        return (text.to_owned(), spent);
+                    }
                     tracing::warn!("the summary model returned nothing; using the user's messages")
                 }
                 Err(e) => {
@@ -95,7 +108,7 @@ impl RunService {
         if fallback.chars().count() > 500 {
             fallback = fallback.chars().take(500).collect::<String>() + "…";
         }
-        fallback
+        (fallback, spent)
     }
 
     /// The monitor's second job: archive threads that have been quiet for the session timeout.

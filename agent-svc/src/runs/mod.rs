@@ -42,7 +42,8 @@ use crate::{
     policy::Policy,
     store::{
         ActionState, Admission, Admitted, Approval, ApprovalState, Ending, Lease, MessageSource,
-        NewMessage, Run, RunPatch, RunState, SharedStore, StoreError, TaskAgent, action_id,
+        NewMessage, Run, RunCeiling, RunPatch, RunState, SharedStore, StoreError, TaskAgent,
+        action_id,
     },
 };
 
@@ -767,6 +768,8 @@ impl RunService {
         let mut limits = limits::profile(input.channel, self.max_loop_steps);
         limits.max_total_tokens = input.max_total_tokens;
         limits.max_cost_usd = input.max_cost_usd;
+        // Kept with the run's usage: a continuation after an approval goes on under what is left.
+        writer.spent.ceiling = RunCeiling::of(input.max_total_tokens, input.max_cost_usd);
         if !input.attached.is_empty() {
             writer.guard.read(guard::ATTACHED);
         }
@@ -815,6 +818,7 @@ impl RunService {
             limits,
             stop_after: None,
             resume: false,
+            gathered: Vec::new(),
         };
         let allowed = input.session.as_ref().and_then(|s| s.allowed_tools.clone());
         self.drive(
@@ -1323,7 +1327,8 @@ impl RunService {
         // run's earlier segments'), and the pump has taken in all the executor sent.
         let usage = writer.spent.clone();
         let iterations = writer.iterations_before + outcome.iterations;
-        let model = outcome
+        // A continuation whose segment made no call keeps the model its run last used.
+        let model = usage
             .calls
             .last()
             .map(|c| c.model.clone())

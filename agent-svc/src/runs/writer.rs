@@ -24,8 +24,8 @@ use crate::{
     api::convert,
     executor::{CallRecord, EventSink, RunEvent},
     store::{
-        Action, ActionState, Lease, MessageKind, MessageSource, ModelCallUsage, NewMessage,
-        RunCommit, SharedStore, StoreError, action_id,
+        Action, ActionState, Lease, MessageKind, MessageSource, NewMessage, RunCommit, SharedStore,
+        StoreError, action_id,
     },
 };
 
@@ -431,21 +431,7 @@ impl RunWriter {
 
     /// Adds a model call's cost to the run's and stages it for the next commit.
     fn spend(&mut self, call: &CallRecord) {
-        let spent = &mut self.spent;
-        spent.input_tokens += call.usage.input_tokens;
-        spent.output_tokens += call.usage.output_tokens;
-        spent.cached_tokens += call.usage.cached_tokens;
-        spent.cost_usd += call.cost_usd;
-        spent.calls.push(ModelCallUsage {
-            provider: call.provider.clone(),
-            model: call.model.clone(),
-            input_tokens: call.usage.input_tokens,
-            output_tokens: call.usage.output_tokens,
-            cached_tokens: call.usage.cached_tokens,
-            cost_usd: call.cost_usd,
-            latency_ms: call.latency.as_millis() as u64,
-            retries: call.retries,
-        });
+        self.spent.add(call);
         let patch = crate::store::RunPatch {
             usage: Some(self.spent.clone()),
             iterations: Some(self.iterations_before + self.iteration),
@@ -590,6 +576,27 @@ impl RunWriter {
         mut rx: mpsc::UnboundedReceiver<WriterMsg>,
         stopper: &Stopper,
     ) -> Result<(), StoreError> {
+        let pumped = self.take_in(&mut rx, stopper).await;
+        if pumped.is_err() {
+            // The run is stopping (the stopper fired) without its progress; what its calls
+            // cost still goes with its end. Everything else the executor sends until it stops
+            // is dropped, and a checkpoint waiting for an answer is told the writer stopped.
+            while let Some(msg) = rx.recv().await {
+                if let WriterMsg::Event(event) = msg
+                    && let RunEvent::ModelCall(call) = *event
+                {
+                    self.spend(&call);
+                }
+            }
+        }
+        pumped
+    }
+
+    async fn take_in(
+        &mut self,
+        rx: &mut mpsc::UnboundedReceiver<WriterMsg>,
+        stopper: &Stopper,
+    ) -> Result<(), StoreError> {
         loop {
             let due = self.due();
             let msg = tokio::select! {
@@ -600,7 +607,7 @@ impl RunWriter {
                     }
                     if (self.pending_since.is_some_and(|s| s.elapsed() >= FLUSH_AFTER)
                         || self.pending.events.len() >= MAX_VOLATILE_EVENTS)
-                        && self.commit_ready(&mut rx, stopper, Vec::new()).await?
+                        && self.commit_ready(rx, stopper, Vec::new()).await?
                     {
                         return Ok(());
                     }
@@ -612,13 +619,13 @@ impl RunWriter {
                 Some(WriterMsg::Checkpoint(executing, done)) => {
                     self.executing(executing);
                     match done {
-                        Some(done) => self.commit_ready(&mut rx, stopper, vec![done]).await?,
+                        Some(done) => self.commit_ready(rx, stopper, vec![done]).await?,
                         None => false,
                     }
                 }
                 Some(WriterMsg::Event(event)) => {
                     if self.record(*event) || self.pending.events.len() >= MAX_VOLATILE_EVENTS {
-                        self.commit_ready(&mut rx, stopper, Vec::new()).await?
+                        self.commit_ready(rx, stopper, Vec::new()).await?
                     } else {
                         false
                     }
@@ -910,6 +917,58 @@ mod tests {
             1,
             "the terminal event it held back is shown to watchers"
         );
+    }
+
+    #[tokio::test]
+    async fn e10_a_call_that_answers_after_a_failed_commit_still_counts_in_the_runs_usage() {
+        let (mut writer, store) = writer().await;
+        // The lease is given up under the writer: its next commit is fenced out.
+        store
+            .commit(
+                &writer.lease,
+                RunCommit {
+                    release: true,
+                    ..RunCommit::default()
+                },
+            )
+            .await
+            .expect("released");
+        let (tx, rx) = mpsc::unbounded_channel();
+        let stopper = Stopper::default();
+        let executor = async {
+            iteration(&tx, 1);
+            iteration(&tx, 2);
+            // The failed commit stops the run; the call in flight answers as it stops.
+            stopper.token.cancelled().await;
+            let call = CallRecord {
+                provider: "openai".into(),
+                model: "gpt-4o".into(),
+                usage: crate::llm::TokenUsage {
+                    input_tokens: 100,
+                    output_tokens: 20,
+                    cached_tokens: 0,
+                },
+                cost_usd: 0.5,
+                latency: Duration::from_millis(3),
+                retries: 0,
+            };
+            tx.send(WriterMsg::Event(Box::new(RunEvent::ModelCall(call))))
+                .expect("the writer still listens");
+            drop(tx);
+        };
+        let (pumped, ()) = tokio::join!(writer.pump(rx, &stopper), executor);
+        assert!(matches!(pumped, Err(StoreError::LeaseLost)));
+        assert_eq!(
+            writer
+                .pending
+                .patch
+                .usage
+                .as_ref()
+                .map(|u| (u.input_tokens, u.calls.len())),
+            Some((100, 1)),
+            "staged for the run's end"
+        );
+        assert_eq!(writer.pending.patch.iterations, Some(2));
     }
 
     #[tokio::test]

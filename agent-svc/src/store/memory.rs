@@ -13,8 +13,8 @@ use serde_json::Value;
 use super::{
     Action, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive, Decided, Ending,
     Lease, LockOutcome, Message, MessageKind, MessageSource, ModelUsage, Occurrence, Run,
-    RunCommit, RunPatch, RunState, Schedule, ScheduleOutcome, Settle, StoreError, TaskAgent,
-    TaskSettle, Thread, TurnJson, UsageSummary, carries_external, transcript_text,
+    RunCommit, RunPatch, RunState, RunUsage, Schedule, ScheduleOutcome, Settle, StoreError,
+    TaskAgent, TaskSettle, Thread, TurnJson, UsageSummary, carries_external, transcript_text,
 };
 
 /// A thread's lease: holder run, fencing token, expiry on the monotonic clock.
@@ -114,6 +114,8 @@ struct State {
     approvals: HashMap<String, Approval>,
     actions: Vec<Action>,
     archives: Vec<(String, Archive, String)>,
+    /// (owner, when, cost) of each summary model call (E-10).
+    summaries_spent: Vec<(String, SystemTime, RunUsage)>,
     /// A task, when it is next due, and its claim.
     tasks: Vec<(TaskAgent, SystemTime, Option<TaskClaim>)>,
     schedules: Vec<ScheduleRow>,
@@ -1334,6 +1336,13 @@ impl AgentStore for MemoryStore {
         })
     }
 
+    async fn record_summary_spend(&self, owner: &str, spent: &RunUsage) -> Result<(), StoreError> {
+        self.with(|s| {
+            s.summaries_spent
+                .push((owner.to_owned(), SystemTime::now(), spent.clone()));
+        })
+    }
+
     async fn usage(
         &self,
         owner: &str,
@@ -1341,14 +1350,24 @@ impl AgentStore for MemoryStore {
         until: SystemTime,
     ) -> Result<UsageSummary, StoreError> {
         self.with(|s| {
-            let runs: Vec<&Run> = s
+            let window = since..until;
+            let runs: Vec<&RunUsage> = s
                 .runs
                 .values()
-                .filter(|r| r.owner == owner && r.created_at >= since && r.created_at < until)
+                .filter(|r| r.owner == owner && window.contains(&r.created_at))
+                .map(|r| &r.usage)
                 .collect();
+            let summaries: Vec<&RunUsage> = s
+                .summaries_spent
+                .iter()
+                .filter(|(o, at, _)| o == owner && window.contains(at))
+                .map(|(_, _, spent)| spent)
+                .collect();
+            let summary_calls = summaries.iter().map(|u| u.calls.len() as u64).sum();
             let calls = runs
                 .iter()
-                .flat_map(|r| &r.usage.calls)
+                .chain(&summaries)
+                .flat_map(|u| &u.calls)
                 .map(|c| ModelUsage {
                     provider: c.provider.clone(),
                     model: c.model.clone(),
@@ -1358,7 +1377,7 @@ impl AgentStore for MemoryStore {
                     cached_tokens: c.cached_tokens,
                     cost_usd: c.cost_usd,
                 });
-            UsageSummary::of(runs.len() as u64, calls)
+            UsageSummary::of(runs.len() as u64, summary_calls, calls)
         })
     }
 

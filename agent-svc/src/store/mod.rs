@@ -160,6 +160,58 @@ pub struct RunUsage {
     pub cached_tokens: u64,
     pub cost_usd: f64,
     pub calls: Vec<ModelCallUsage>,
+    /// The caller's budget for the whole run, kept with what it is measured against: a run
+    /// that pauses for approval goes on under what is left of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceiling: Option<RunCeiling>,
+}
+
+/// A run's budget (RunBudget): input plus output tokens and cost over all its model calls.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunCeiling {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_total_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost_usd: Option<f64>,
+}
+
+impl RunCeiling {
+    /// The ceiling a run given `max_total_tokens` and `max_cost_usd` runs under, if any.
+    pub fn of(max_total_tokens: Option<u64>, max_cost_usd: Option<f64>) -> Option<Self> {
+        (max_total_tokens.is_some() || max_cost_usd.is_some()).then_some(Self {
+            max_total_tokens,
+            max_cost_usd,
+        })
+    }
+
+    /// What is left of it once `spent` is: (tokens, cost), none below zero.
+    pub fn left(&self, spent: &RunUsage) -> (Option<u64>, Option<f64>) {
+        (
+            self.max_total_tokens
+                .map(|max| max.saturating_sub(spent.input_tokens + spent.output_tokens)),
+            self.max_cost_usd.map(|max| (max - spent.cost_usd).max(0.0)),
+        )
+    }
+}
+
+impl RunUsage {
+    /// Adds one call to the list and the totals.
+    pub fn add(&mut self, call: &crate::executor::CallRecord) {
+        self.input_tokens += call.usage.input_tokens;
+        self.output_tokens += call.usage.output_tokens;
+        self.cached_tokens += call.usage.cached_tokens;
+        self.cost_usd += call.cost_usd;
+        self.calls.push(ModelCallUsage {
+            provider: call.provider.clone(),
+            model: call.model.clone(),
+            input_tokens: call.usage.input_tokens,
+            output_tokens: call.usage.output_tokens,
+            cached_tokens: call.usage.cached_tokens,
+            cost_usd: call.cost_usd,
+            latency_ms: call.latency.as_millis() as u64,
+            retries: call.retries,
+        });
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -177,8 +229,11 @@ pub struct ModelCallUsage {
 /// What one owner's runs in a window spent, summed (E-10: usage summed per user).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct UsageSummary {
-    /// Runs started in the window, whatever their end.
+    /// Runs created in the window, whatever their end.
     pub runs: u64,
+    /// Calls of the summary model made in the window, summarising idle sessions (B-4); they
+    /// are in `models` too.
+    pub summaries: u64,
     /// By provider and model, the costliest first.
     pub models: Vec<ModelUsage>,
 }
@@ -217,7 +272,7 @@ impl UsageSummary {
 
     /// Sums `calls` into one line per model, the costliest first (ties: the most calls, then
     /// by name), as both stores report them.
-    pub fn of(runs: u64, calls: impl IntoIterator<Item = ModelUsage>) -> Self {
+    pub fn of(runs: u64, summaries: u64, calls: impl IntoIterator<Item = ModelUsage>) -> Self {
         let mut models: Vec<ModelUsage> = Vec::new();
         for c in calls {
             match models
@@ -234,7 +289,11 @@ impl UsageSummary {
                 .then(b.calls.cmp(&a.calls))
                 .then_with(|| (&a.provider, &a.model).cmp(&(&b.provider, &b.model)))
         });
-        Self { runs, models }
+        Self {
+            runs,
+            summaries,
+            models,
+        }
     }
 }
 
@@ -737,7 +796,12 @@ pub trait AgentStore: Send + Sync + 'static {
         settle: &Settle,
     ) -> Result<bool, StoreError>;
 
-    /// What `owner`'s runs started in `[since, until)` spent, whatever their end (E-10).
+    /// Records what a summary model call for `owner` cost (E-10), whether or not its archive
+    /// is then made: the call was paid for.
+    async fn record_summary_spend(&self, owner: &str, spent: &RunUsage) -> Result<(), StoreError>;
+
+    /// What `owner`'s runs created in `[since, until)` spent, whatever their end, and the
+    /// summary calls recorded in it (E-10).
     async fn usage(
         &self,
         owner: &str,

@@ -1257,37 +1257,57 @@ impl AgentStore for PgStore {
         Ok(row.as_ref().map(task_agent))
     }
 
+    async fn record_summary_spend(&self, owner: &str, spent: &RunUsage) -> Result<(), StoreError> {
+        let usage = serde_json::to_value(spent).unwrap_or_default();
+        self.client()
+            .await?
+            .execute(
+                "INSERT INTO agent.summary_spend (owner, usage) VALUES ($1, $2)",
+                &[&owner, &usage],
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
     async fn usage(
         &self,
         owner: &str,
         since: SystemTime,
         until: SystemTime,
     ) -> Result<UsageSummary, StoreError> {
-        // One statement, so the run count and the sums see the same runs: the empty grouping
-        // set counts every run of the window, calls or none; the others sum each model's calls.
+        // One statement, so the counts and the sums see the same rows: the empty grouping set
+        // counts every run of the window, calls or none, and the session summaries; the others
+        // sum each model's calls, the runs' and the summaries'.
         let rows = self
             .client()
             .await?
             .query(
-                "SELECT GROUPING(c->>'provider') = 1, c->>'provider', c->>'model', \
-                   count(DISTINCT r.id), count(c), \
+                "WITH calls AS ( \
+                   SELECT r.id AS run, c FROM agent.runs r \
+                     LEFT JOIN LATERAL jsonb_array_elements(COALESCE(r.usage->'calls', '[]')) c ON true \
+                   WHERE r.owner = $1 AND r.created_at >= $2 AND r.created_at < $3 \
+                   UNION ALL \
+                   SELECT NULL, c FROM agent.summary_spend s \
+                     CROSS JOIN LATERAL jsonb_array_elements(COALESCE(s.usage->'calls', '[]')) c \
+                   WHERE s.owner = $1 AND s.at >= $2 AND s.at < $3) \
+                 SELECT GROUPING(c->>'provider') = 1, c->>'provider', c->>'model', \
+                   count(DISTINCT run), count(c) FILTER (WHERE run IS NULL), count(c), \
                    COALESCE(sum((c->>'input_tokens')::bigint), 0)::bigint, \
                    COALESCE(sum((c->>'output_tokens')::bigint), 0)::bigint, \
                    COALESCE(sum((c->>'cached_tokens')::bigint), 0)::bigint, \
                    COALESCE(sum((c->>'cost_usd')::float8), 0) \
-                 FROM agent.runs r \
-                   LEFT JOIN LATERAL jsonb_array_elements(COALESCE(r.usage->'calls', '[]')) c ON true \
-                 WHERE r.owner = $1 AND r.created_at >= $2 AND r.created_at < $3 \
-                 GROUP BY GROUPING SETS ((c->>'provider', c->>'model'), ())",
+                 FROM calls GROUP BY GROUPING SETS ((c->>'provider', c->>'model'), ())",
                 &[&owner, &since, &until],
             )
             .await
             .map_err(db)?;
-        let mut runs = 0;
+        let (mut runs, mut summaries) = (0, 0);
         let mut calls = Vec::new();
         for row in &rows {
             if row.get::<_, bool>(0) {
                 runs = row.get::<_, i64>(3) as u64;
+                summaries = row.get::<_, i64>(4) as u64;
                 continue;
             }
             // Runs with no call at all group under no model.
@@ -1300,14 +1320,14 @@ impl AgentStore for PgStore {
             calls.push(ModelUsage {
                 provider,
                 model,
-                calls: row.get::<_, i64>(4) as u64,
-                input_tokens: row.get::<_, i64>(5) as u64,
-                output_tokens: row.get::<_, i64>(6) as u64,
-                cached_tokens: row.get::<_, i64>(7) as u64,
-                cost_usd: row.get(8),
+                calls: row.get::<_, i64>(5) as u64,
+                input_tokens: row.get::<_, i64>(6) as u64,
+                output_tokens: row.get::<_, i64>(7) as u64,
+                cached_tokens: row.get::<_, i64>(8) as u64,
+                cost_usd: row.get(9),
             });
         }
-        Ok(UsageSummary::of(runs, calls))
+        Ok(UsageSummary::of(runs, summaries, calls))
     }
 
     async fn list_actions(&self, run_id: &str) -> Result<Vec<Action>, StoreError> {
