@@ -58,6 +58,8 @@ pub struct PromptInput {
     pub recent_sessions: Vec<String>,
     /// One line per task agent this thread started (B-5): its goal, and its result or state.
     pub task_agents: Vec<String>,
+    /// The user's time zone: the current time is given in it (`None`: UTC).
+    pub time_zone: Option<jiff::tz::TimeZone>,
 }
 
 /// The assembled prompt and each section's name and estimated tokens.
@@ -136,9 +138,21 @@ pub fn build(input: &PromptInput, counter: TokenCounter, now: SystemTime) -> Pro
             fence::block("attached by the client", &lines.join("\n")).into(),
         ));
     }
-    let now = jiff::Timestamp::try_from(now)
-        .map(|t| t.to_string())
-        .unwrap_or_default();
+    let now = jiff::Timestamp::try_from(now).map_or_else(
+        |_| String::new(),
+        |t| match &input.time_zone {
+            Some(zone) => {
+                // Every zone a user can give has its name (schedule::user_zone).
+                let name = zone.iana_name().unwrap_or("UTC");
+                format!(
+                    "{}\nThe user's time zone is {name}: give dates and times in it, and pass it \
+                     to tools that take a time_zone.",
+                    t.to_zoned(zone.clone())
+                )
+            }
+            None => t.to_string(),
+        },
+    );
     sections.push(("CURRENT TIME", now.into()));
     let size = sections
         .iter()
@@ -277,5 +291,32 @@ mod tests {
                 .contains("[ABOUT THE USER]\n<data source=\"memory\">\nPrefers mornings.\n</data>")
         );
         assert!(p.sections.iter().all(|(_, t)| *t > 0));
+    }
+
+    #[test]
+    fn the_current_time_is_given_in_the_users_time_zone_when_known() {
+        // 2026-11-27 17:20 UTC is 18:20 in Berlin (CET, +01:00).
+        let at = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_795_800_000);
+        let in_zone = |zone: Option<&str>| {
+            build(
+                &PromptInput {
+                    channel: Some(Channel::Web),
+                    time_zone: zone.map(|z| jiff::tz::TimeZone::get(z).unwrap()),
+                    ..PromptInput::default()
+                },
+                TokenCounter::Ratio,
+                at,
+            )
+            .text
+        };
+        assert!(
+            in_zone(Some("Europe/Berlin")).ends_with(
+                "[CURRENT TIME]\n2026-11-27T18:20:00+01:00[Europe/Berlin]\nThe user's time zone is \
+                 Europe/Berlin: give dates and times in it, and pass it to tools that take a time_zone."
+            ),
+            "{}",
+            in_zone(Some("Europe/Berlin"))
+        );
+        assert!(in_zone(None).ends_with("[CURRENT TIME]\n2026-11-27T17:20:00Z"));
     }
 }

@@ -15,6 +15,25 @@ use std::{str::FromStr, time::Duration, time::SystemTime};
 
 use jiff::{Timestamp, Zoned, tz::TimeZone};
 
+/// An IANA time zone by name, as a user gives it: a run's, a session's, a schedule's. Refused
+/// (saying what to give instead): a name the zone database does not hold, and the names it
+/// holds that are not a place — the server's own zone (`localtime`), `Factory`, `posixrules`,
+/// `Etc/Unknown` — which would tell the model nothing it can use.
+pub fn user_zone(field: &str, name: &str) -> Result<TimeZone, String> {
+    const NOT_A_PLACE: [&str; 4] = ["localtime", "factory", "posixrules", "etc/unknown"];
+    let name = name.trim();
+    TimeZone::get(name)
+        .ok()
+        .filter(|z| {
+            z.iana_name()
+                .is_some_and(|n| !NOT_A_PLACE.contains(&n.to_ascii_lowercase().as_str()))
+                && !NOT_A_PLACE.contains(&name.to_ascii_lowercase().as_str())
+        })
+        .ok_or_else(|| {
+            format!("{field} {name:?} is not an IANA time zone name (e.g. \"Europe/Berlin\")")
+        })
+}
+
 /// What the schedule's next occurrence is computed from.
 #[derive(Debug, Clone)]
 pub enum Recurrence {
@@ -44,11 +63,7 @@ impl Recurrence {
                 "time_zone is required with cron: an IANA name such as \"Europe/Berlin\"".into(),
             );
         }
-        let tz = TimeZone::get(zone_name).map_err(|_| {
-            format!(
-                "time_zone {zone_name:?} is not an IANA time zone name (e.g. \"Europe/Berlin\")"
-            )
-        })?;
+        let tz = user_zone("time_zone", zone_name)?;
         let fields: Vec<&str> = expr.split_whitespace().collect();
         if fields.len() != 5 {
             return Err(format!(
@@ -236,6 +251,34 @@ fn weekdays(field: &str) -> Result<String, String> {
 mod tests {
     use super::*;
     use jiff::civil::date;
+
+    #[test]
+    fn a_users_zone_is_a_place_in_the_zone_database() {
+        for given in [
+            " Europe/Berlin ",
+            "Etc/GMT+3",
+            "UTC",
+            "America/Argentina/Buenos_Aires",
+        ] {
+            let zone = user_zone("time_zone", given).unwrap();
+            assert!(zone.iana_name().is_some(), "{given}");
+        }
+        for refused in [
+            "localtime",
+            "Factory",
+            "posixrules",
+            "Etc/Unknown",
+            "Mars/Olympus_Mons",
+            "UTC+3",
+            "",
+        ] {
+            let said = user_zone("time_zone", refused).unwrap_err();
+            assert!(
+                said.contains("is not an IANA time zone name"),
+                "{refused}: {said}"
+            );
+        }
+    }
 
     fn at(s: &str) -> SystemTime {
         let z: Zoned = s.parse().unwrap();

@@ -364,6 +364,11 @@ async fn b4_a_briefing_over_two_inboxes_reads_metadata_only_stays_under_3000_tok
         let tokens = counter.text(&sent);
         assert!(tokens < 3000, "a briefing request is {tokens} tokens");
     }
+    let system = requests[0].1["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        system.contains("[Europe/Berlin]\nThe user's time zone is Europe/Berlin"),
+        "a briefing speaks of its owner's day, in the schedule's zone: {system}"
+    );
     let answered = serde_json::to_string(&requests[1].1).unwrap();
     assert!(
         answered.contains("Acme weekly #9") && answered.contains("alice@work.example"),

@@ -891,3 +891,82 @@ async fn b1_a_run_prompt_holds_what_memory_knows_about_the_user() {
         "{about}"
     );
 }
+
+/// B-1: the current time is given in the user's time zone — a run's, and a session opening's
+/// (its OpenSession time zone) — and a zone that is not one is refused by name.
+#[tokio::test]
+async fn the_users_time_zone_reaches_the_current_time_of_a_run_and_of_a_session_opening() {
+    let (app, model, _gmail) = world(vec![
+        Answer::text("Welcome! What's eating your time right now?"),
+        Answer::text("Morning."),
+    ])
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    alice
+        .open_session(pb::OpenSessionRequest {
+            // Padded as a form might send it: the gateway is given the name itself.
+            time_zone: " Asia/Tokyo ".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    alice
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: "what day is it?".into(),
+                time_zone: "America/New_York".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap();
+    let requests = model.requests();
+    let current_time = |i: usize| {
+        let system = requests[i].1["messages"][0]["content"].as_str().unwrap();
+        system[system.find("[CURRENT TIME]").expect("a current time")..].to_owned()
+    };
+    for (i, zone) in [(0, "Asia/Tokyo"), (1, "America/New_York")] {
+        let said = current_time(i);
+        assert!(
+            said.contains(&format!(
+                "[{zone}]\nThe user's time zone is {zone}: give dates"
+            )),
+            "{said}"
+        );
+    }
+
+    for (time_zone, refused) in [
+        (
+            "Mars/Olympus_Mons",
+            alice
+                .run(pb::RunRequest {
+                    input: Some(pb::RunInput {
+                        prompt: "hi".into(),
+                        time_zone: "Mars/Olympus_Mons".into(),
+                        ..Default::default()
+                    }),
+                })
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "CET+99",
+            alice
+                .open_session(pb::OpenSessionRequest {
+                    time_zone: "CET+99".into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err(),
+        ),
+    ] {
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+        assert!(
+            refused.message().contains(&format!(
+                "time_zone \"{time_zone}\" is not an IANA time zone"
+            )),
+            "{}",
+            refused.message()
+        );
+    }
+}

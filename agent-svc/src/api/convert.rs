@@ -113,6 +113,18 @@ pub fn channel(c: i32) -> Result<Channel, ApiError> {
     }
 }
 
+/// A caller's IANA time zone (`field`): `None` when empty.
+pub fn time_zone(field: &str, name: &str) -> Result<Option<jiff::tz::TimeZone>, ApiError> {
+    text(field, name, 64)?;
+    let name = name.trim();
+    if name.is_empty() {
+        return Ok(None);
+    }
+    crate::schedule::user_zone(field, name)
+        .map(Some)
+        .map_err(ApiError::InvalidArgument)
+}
+
 pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
     let input = input.ok_or_else(|| {
         ApiError::InvalidArgument("input is required (with at least input.prompt)".into())
@@ -220,6 +232,7 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
         max_total_tokens: Some(budget.max_total_tokens).filter(|t| *t > 0),
         max_cost_usd: Some(budget.max_cost_usd).filter(|c| *c > 0.0),
         model_override: Some(input.model_override).filter(|m| !m.is_empty()),
+        time_zone: time_zone("input.time_zone", &input.time_zone)?,
         session: None,
     })
 }

@@ -124,7 +124,7 @@ impl AgentService for AgentApi {
         let user = self.user(&request).await?;
         let r = request.into_inner();
         convert::optional_id("thread_id", &r.thread_id)?;
-        convert::text("time_zone", &r.time_zone, 64)?;
+        let time_zone = convert::time_zone("time_zone", &r.time_zone)?;
         let request_id = convert::request_id("request_id", &r.request_id)?;
         let gateway = self
             .runs
@@ -132,7 +132,12 @@ impl AgentService for AgentApi {
             .as_ref()
             .ok_or_else(|| ApiError::Unavailable("no gateway is configured".into()))?;
         let context = gateway
-            .bootstrap(&user, &r.time_zone, gw::Channel::SessionOpen)
+            // The name as the zone database spells it: one cache entry per zone.
+            .bootstrap(
+                &user,
+                time_zone.as_ref().and_then(|z| z.iana_name()).unwrap_or(""),
+                gw::Channel::SessionOpen,
+            )
             .await
             .map_err(|e| match e {
                 // The gateway checks what the caller sent (the time zone); anything else it
@@ -207,6 +212,7 @@ impl AgentService for AgentApi {
             max_total_tokens: None,
             max_cost_usd: None,
             model_override: None,
+            time_zone,
             session: Some(session),
         };
         let (run_id, thread_id) = self.runs.start(&user, input).await?;

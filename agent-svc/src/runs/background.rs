@@ -514,6 +514,7 @@ impl RunService {
             max_total_tokens: None,
             max_cost_usd: None,
             model_override: None,
+            time_zone: None,
             session: Some(SessionSetup {
                 guidance: format!(
                     "You are a background task agent working for the user, without them present. \

@@ -82,6 +82,8 @@ pub struct RunInput {
     pub max_total_tokens: Option<u64>,
     pub max_cost_usd: Option<f64>,
     pub model_override: Option<String>,
+    /// The user's time zone: the prompt's current time is in it (`None`: UTC).
+    pub time_zone: Option<jiff::tz::TimeZone>,
     /// Set for a run Steward starts itself (a session opening, a task agent): its guidance,
     /// context and tools; the synthetic prompt is not stored as a user message.
     pub session: Option<SessionSetup>,
@@ -892,6 +894,7 @@ impl RunService {
                 bootstrap: input.session.as_ref().and_then(|s| s.bootstrap.clone()),
                 recent_sessions,
                 task_agents,
+                time_zone: input.time_zone.clone(),
             },
             executor::budget::TokenCounter::for_model(
                 models.chain.first().map_or("", |e| e.model.as_str()),

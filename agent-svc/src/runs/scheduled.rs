@@ -165,10 +165,9 @@ impl RunService {
                         MAX_INTERVAL.as_secs()
                     )));
                 }
-                if !time_zone.is_empty() && jiff::tz::TimeZone::get(time_zone).is_err() {
-                    return Err(ApiError::InvalidArgument(format!(
-                        "time_zone {time_zone:?} is not an IANA time zone name (e.g. \"Europe/Berlin\")"
-                    )));
+                if !time_zone.trim().is_empty() {
+                    crate::schedule::user_zone("time_zone", time_zone)
+                        .map_err(ApiError::InvalidArgument)?;
                 }
                 Recurrence::every(period)
             }
@@ -585,6 +584,8 @@ impl RunService {
             max_total_tokens: None,
             max_cost_usd: None,
             model_override: None,
+            // The schedule's zone is its owner's: a briefing speaks of their day.
+            time_zone: crate::schedule::user_zone("time_zone", &s.time_zone).ok(),
             session: Some(SessionSetup {
                 guidance: s.kind.guidance().into(),
                 bootstrap,
