@@ -829,6 +829,14 @@ async fn e10_a_cancelled_run_keeps_what_its_answered_model_calls_cost_and_get_us
     );
     assert_eq!(run.model, "gpt-4o");
     assert_eq!(run.iterations, 1);
+    let sent = run.model_calls[0]
+        .started_at
+        .expect("when the call was sent");
+    let created = run.created_at.unwrap();
+    assert!(
+        (sent.seconds, sent.nanos / 1_000_000) >= (created.seconds, created.nanos / 1_000_000),
+        "sent {sent:?}, after the run was created {created:?}"
+    );
 
     let summed = alice
         .get_usage(pb::GetUsageRequest::default())

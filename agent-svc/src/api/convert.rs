@@ -373,7 +373,9 @@ pub fn run(r: &Run) -> pb::Run {
                     nanos: ((c.latency_ms % 1000) * 1_000_000) as i32,
                 }),
                 retries: c.retries,
-                started_at: None,
+                started_at: c
+                    .started_at_ms
+                    .map(|ms| timestamp(SystemTime::UNIX_EPOCH + Duration::from_millis(ms))),
             })
             .collect(),
         iterations: r.iterations,

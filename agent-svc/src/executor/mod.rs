@@ -15,7 +15,7 @@ pub mod transcript;
 use std::{
     collections::HashMap,
     sync::Arc,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use serde_json::Value;
@@ -220,11 +220,18 @@ pub struct CallRecord {
     pub cost_usd: f64,
     pub latency: Duration,
     pub retries: u32,
+    /// When it was sent (its first attempt).
+    pub started_at: SystemTime,
 }
 
 impl CallRecord {
-    /// A call that answered, priced from `prices` and counted in the model metrics.
-    pub fn answered(done: &resilient::Completed, prices: &HashMap<String, Price>) -> Self {
+    /// A call sent at `started_at` that answered, priced from `prices` and counted in the
+    /// model metrics.
+    pub fn answered(
+        done: &resilient::Completed,
+        prices: &HashMap<String, Price>,
+        started_at: SystemTime,
+    ) -> Self {
         let price = prices.get(&done.model).copied().unwrap_or_default();
         let cost_usd = price.cost(&done.response.usage);
         crate::metrics::model_call(
@@ -241,6 +248,7 @@ impl CallRecord {
             cost_usd,
             latency: done.latency,
             retries: done.retries,
+            started_at,
         }
     }
 }
@@ -710,6 +718,7 @@ impl Run<'_> {
             max_output_tokens: models.max_output_tokens,
         };
         let (tx, mut rx) = mpsc::unbounded_channel();
+        let started_at = SystemTime::now();
         let call = async move {
             let result = resilient::complete(&models.chain, &models.retry, &request, &tx).await;
             drop(tx);
@@ -737,7 +746,7 @@ impl Run<'_> {
             Err(_) => Ok(None),
             Ok(Err(failed)) => Err(failed.to_string()),
             Ok(Ok(done)) => {
-                let record = CallRecord::answered(&done, &models.prices);
+                let record = CallRecord::answered(&done, &models.prices, started_at);
                 self.sink.emit(RunEvent::ModelCall(record.clone()));
                 self.calls.push(record);
                 Ok(Some(done.response))

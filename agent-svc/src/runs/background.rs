@@ -80,9 +80,14 @@ impl RunService {
                 call_timeout: Duration::from_secs(30),
                 ..RetryPolicy::default()
             };
+            let started_at = SystemTime::now();
             match resilient::complete(std::slice::from_ref(entry), &policy, &request, &tx).await {
                 Ok(done) => {
-                    spent.add(&CallRecord::answered(&done, &self.models.prices));
+                    spent.add(&CallRecord::answered(
+                        &done,
+                        &self.models.prices,
+                        started_at,
+                    ));
                     let text = done.response.text.trim();
                     if !text.is_empty() {
                         return (text.to_owned(), spent);

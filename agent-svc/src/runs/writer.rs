@@ -951,6 +951,7 @@ mod tests {
                 cost_usd: 0.5,
                 latency: Duration::from_millis(3),
                 retries: 0,
+                started_at: SystemTime::now(),
             };
             tx.send(WriterMsg::Event(Box::new(RunEvent::ModelCall(call))))
                 .expect("the writer still listens");

@@ -210,6 +210,11 @@ impl RunUsage {
             cost_usd: call.cost_usd,
             latency_ms: call.latency.as_millis() as u64,
             retries: call.retries,
+            started_at_ms: call
+                .started_at
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .ok()
+                .map(|d| d.as_millis() as u64),
         });
     }
 }
@@ -224,6 +229,9 @@ pub struct ModelCallUsage {
     pub cost_usd: f64,
     pub latency_ms: u64,
     pub retries: u32,
+    /// When it was sent, in milliseconds since 1970 (absent in calls recorded before it was).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
 }
 
 /// What one owner's runs in a window spent, summed (E-10: usage summed per user).
