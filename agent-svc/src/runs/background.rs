@@ -331,6 +331,20 @@ impl RunService {
                 if let Err(e) = this.sweep_idle_sessions().await {
                     tracing::warn!(error = %e, "session archiving sweep failed");
                 }
+                // Here rather than on every task worker's poll: a claim lapses after minutes,
+                // and one UPDATE per sweep per replica is enough to notice it.
+                match this
+                    .store
+                    .fail_lapsed_task_agents(MAX_TASK_ATTEMPTS, TASK_KEPT_STOPPING)
+                    .await
+                {
+                    Ok(0) => {}
+                    Ok(n) => tracing::error!(
+                        tasks = n,
+                        "task agents whose last attempt lost its worker with no tries left were failed"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "could not sweep lapsed task agents"),
+                }
                 match this.store.count_pending_approvals().await {
                     Ok(n) => crate::metrics::approvals_pending(n),
                     Err(e) => tracing::warn!(error = %e, "could not count pending approvals"),
@@ -352,20 +366,6 @@ impl RunService {
             let mut tick = tokio::time::interval(interval);
             loop {
                 tick.tick().await;
-                match this
-                    .store
-                    .fail_lapsed_task_agents(MAX_TASK_ATTEMPTS, TASK_KEPT_STOPPING)
-                    .await
-                {
-                    Ok(0) => {}
-                    Ok(n) => {
-                        tracing::error!(
-                            tasks = n,
-                            "task agents whose last attempt lost its worker with no tries left were failed"
-                        )
-                    }
-                    Err(e) => tracing::warn!(error = %e, "task queue unavailable"),
-                }
                 loop {
                     match this
                         .store
