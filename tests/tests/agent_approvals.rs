@@ -150,7 +150,12 @@ async fn a_supervised_send_waits_with_a_preview_and_approval_on_another_instance
         .collect();
     assert_eq!(
         kinds,
-        ["approval_requested", "approval_approved", "side_effect"]
+        [
+            "approval_requested",
+            "approval_approved",
+            "side_effect",
+            "side_effect_result"
+        ]
     );
 }
 
@@ -262,16 +267,16 @@ async fn a_delegated_user_sends_to_an_allowlisted_recipient_without_approval() {
         (pb::RunState::Completed as i32, "Sent.")
     );
     assert_eq!(gmail.sent().len(), 1);
-    let kinds: Vec<String> = app
-        .agent_store()
-        .await
-        .audit("alice")
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(k, _)| k)
-        .collect();
-    assert_eq!(kinds, ["side_effect"]);
+    let trail = app.agent_store().await.audit("alice").await.unwrap();
+    let kinds: Vec<&str> = trail.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(kinds, ["side_effect", "side_effect_result"]);
+    let (intent, outcome) = (&trail[0].1, &trail[1].1);
+    assert!(intent["call_id"].is_string(), "{intent}");
+    assert_eq!(
+        outcome["call_id"], intent["call_id"],
+        "the same call: {outcome}"
+    );
+    assert_eq!(outcome["ok"], true, "{outcome}");
 }
 
 #[tokio::test]
@@ -787,6 +792,29 @@ async fn p5_an_approved_sends_audit_record_is_written_before_the_send_reaches_gm
         1,
         "one record for one effect: {after:?}"
     );
+    // What it came to follows it, for the same call: the trail alone says the send happened.
+    let detail = |kind: &'static str| {
+        let run_id = paused.run_id.clone();
+        let sql = app.sql();
+        async move {
+            sql.await
+                .query_one(
+                    "SELECT detail FROM agent.audit WHERE run_id = $1 AND kind = $2",
+                    &[&run_id, &kind],
+                )
+                .await
+                .unwrap()
+                .get::<_, serde_json::Value>(0)
+        }
+    };
+    let (intent, outcome) = (
+        detail("side_effect").await,
+        detail("side_effect_result").await,
+    );
+    assert_eq!(outcome["tool"], "gmail_send", "{outcome}");
+    assert_eq!(outcome["ok"], true, "{outcome}");
+    assert!(outcome["call_id"].is_string(), "{outcome}");
+    assert_eq!(outcome["call_id"], intent["call_id"], "{intent} {outcome}");
 }
 
 /// Approves `approval_id`: its run completes, and the mail is sent exactly once.

@@ -1196,3 +1196,80 @@ async fn a8_a_watcher_that_leaves_a_run_on_another_replica_lets_go_of_its_regist
     };
     assert_eq!(result.status(), pb::RunState::Completed, "{}", result.error);
 }
+
+/// P-5, R-2: a send whose run ended while it was executing (its result never recorded) is
+/// closed by the thread's next run with what the gateway knows of it — in the transcript, and
+/// in the audit trail as the `side_effect_result` its `side_effect` record was waiting for.
+#[tokio::test]
+async fn a_send_its_run_left_executing_is_closed_by_the_next_run_with_what_the_gateway_knows() {
+    let (app, model, gmail) = gmail_world(
+        vec![Answer::text("Hello."), Answer::text("Noted, it went out.")],
+        &[],
+    )
+    .await;
+    let first = run_on(app.agent_addr, input("hi")).await;
+    // The first run's model called gmail_send, the action was committed executing, and the
+    // send went out at the gateway; then the run's replica died before it recorded the result.
+    let action_id = format!("{}/call_lost", first.run_id);
+    let sql = app.sql().await;
+    let turn = serde_json::json!({"role": "assistant", "content": {"text": "", "tool_calls": [
+        {"id": "call_lost", "name": "gmail_send", "arguments": SEND_ARGS}]}});
+    sql.execute(
+        "INSERT INTO agent.llm_history (thread_id, seq, turn) \
+         SELECT $1, COALESCE(max(seq), 0) + 1, $2 FROM agent.llm_history WHERE thread_id = $1",
+        &[&first.thread_id, &turn],
+    )
+    .await
+    .unwrap();
+    let args: serde_json::Value = serde_json::from_str(SEND_ARGS).unwrap();
+    sql.execute(
+        "INSERT INTO agent.actions (id, run_id, call_id, tool, arguments, side_effect, state) \
+         VALUES ($1, $2, 'call_lost', 'gmail_send', $3, true, 'executing')",
+        &[&action_id, &first.run_id, &args],
+    )
+    .await
+    .unwrap();
+    let sent = steward_tests::calls::call_tool_keyed(
+        &mut app.gateway_as("alice").await,
+        "gmail_send",
+        args,
+        &action_id,
+    )
+    .await;
+    assert!(sent.ok, "{sent:?}");
+
+    let mut next = input("did my email go out?");
+    next.thread_id = first.thread_id.clone();
+    assert_eq!(
+        run_on(app.agent_addr, next).await.summary,
+        "Noted, it went out."
+    );
+    assert_eq!(
+        gmail.sent().len(),
+        1,
+        "closed from what is known, not sent again"
+    );
+    let requests = model.requests();
+    let told = serde_json::to_string(&requests[1].1["messages"]).unwrap();
+    assert!(
+        told.contains("This call completed, but its run ended before it recorded the result."),
+        "{told}"
+    );
+    let outcome: serde_json::Value = sql
+        .query_one(
+            "SELECT detail FROM agent.audit WHERE kind = 'side_effect_result'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        (&outcome["call_id"], &outcome["tool"], &outcome["ok"]),
+        (
+            &serde_json::json!("call_lost"),
+            &serde_json::json!("gmail_send"),
+            &serde_json::json!(true)
+        ),
+        "{outcome}"
+    );
+}

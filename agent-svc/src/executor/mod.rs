@@ -220,18 +220,13 @@ pub struct CallRecord {
     pub cost_usd: f64,
     pub latency: Duration,
     pub retries: u32,
-    /// When it was sent (its first attempt).
+    /// When its successful attempt was sent (`latency` is that attempt's too).
     pub started_at: SystemTime,
 }
 
 impl CallRecord {
-    /// A call sent at `started_at` that answered, priced from `prices` and counted in the
-    /// model metrics.
-    pub fn answered(
-        done: &resilient::Completed,
-        prices: &HashMap<String, Price>,
-        started_at: SystemTime,
-    ) -> Self {
+    /// A call that answered, priced from `prices` and counted in the model metrics.
+    pub fn answered(done: &resilient::Completed, prices: &HashMap<String, Price>) -> Self {
         let price = prices.get(&done.model).copied().unwrap_or_default();
         let cost_usd = price.cost(&done.response.usage);
         crate::metrics::model_call(
@@ -248,7 +243,7 @@ impl CallRecord {
             cost_usd,
             latency: done.latency,
             retries: done.retries,
-            started_at,
+            started_at: done.started_at,
         }
     }
 }
@@ -718,7 +713,6 @@ impl Run<'_> {
             max_output_tokens: models.max_output_tokens,
         };
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let started_at = SystemTime::now();
         let call = async move {
             let result = resilient::complete(&models.chain, &models.retry, &request, &tx).await;
             drop(tx);
@@ -746,7 +740,7 @@ impl Run<'_> {
             Err(_) => Ok(None),
             Ok(Err(failed)) => Err(failed.to_string()),
             Ok(Ok(done)) => {
-                let record = CallRecord::answered(&done, &models.prices, started_at);
+                let record = CallRecord::answered(&done, &models.prices);
                 self.sink.emit(RunEvent::ModelCall(record.clone()));
                 self.calls.push(record);
                 Ok(Some(done.response))

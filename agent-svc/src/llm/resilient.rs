@@ -47,7 +47,10 @@ pub struct Completed {
     pub model: String,
     /// Retries spent on the entry that succeeded.
     pub retries: u32,
+    /// The successful attempt's, like `started_at`.
     pub latency: Duration,
+    /// When the successful attempt was sent.
+    pub started_at: std::time::SystemTime,
 }
 
 /// Every entry failed; `attempts` says how, in order.
@@ -79,6 +82,7 @@ pub async fn complete(
                 let _ = deltas.send(Delta::Reset);
             }
             let started = Instant::now();
+            let started_at = std::time::SystemTime::now();
             let span = tracing::info_span!(
                 "model_call",
                 otel.name = "model_call",
@@ -106,6 +110,7 @@ pub async fn complete(
                         model: entry.model.clone(),
                         retries: retry,
                         latency: started.elapsed(),
+                        started_at,
                     });
                 }
                 Err(e) => {

@@ -320,6 +320,8 @@ impl RunService {
                     .is_some_and(|r| r.cancel_requested)))
         .then_some(StopReason::Cancelled);
         let side_effect = writer.actions.get(&call_id).is_none_or(|a| a.side_effect);
+        // Set once the action's `side_effect` record is durable (the effect may follow).
+        let mut intent_recorded = false;
         let (content, ok, error_kind) = if stopped.is_some() {
             (
                 "Not executed: the run was cancelled before the approved action ran.".to_owned(),
@@ -346,7 +348,7 @@ impl RunService {
             // effect; if it cannot be written, nothing is sent.
             writer.pending().audit.push((
                 "side_effect".into(),
-                serde_json::json!({"approval_id": approval.id, "tool": approval.tool, "approval": "approved"}),
+                serde_json::json!({"approval_id": approval.id, "tool": approval.tool, "call_id": call_id, "approval": "approved"}),
             ));
             // Shown to watchers, and this commit's own mark: a commit whose answer was lost is
             // found in the store by its last event (`RunWriter::landed`), so it is not written
@@ -370,6 +372,7 @@ impl RunService {
                 writer.stage_action(&call_id);
                 return Err(e.into());
             }
+            intent_recorded = true;
             // A stop that came during that commit (a local cancel) still comes before the effect.
             stopped = stopper.reason();
             let outcome = match (&self.gateway, &stopped) {
@@ -415,6 +418,12 @@ impl RunService {
             a.error_kind = Some(error_kind.clone()).filter(|k| !k.is_empty());
         }
         writer.stage_action(&call_id);
+        if intent_recorded {
+            // Its `side_effect` record was committed before the effect: this one closes it.
+            let record =
+                super::writer::side_effect_result(&approval.tool, &call_id, ok, &error_kind);
+            writer.pending().audit.push(record);
+        }
         let gathered = (approved && ok).then(|| executor::gathered(&approval.tool, &content));
         let preview: String = content.chars().take(200).collect();
         writer.emit(pb::run_event::Kind::ToolResult(pb::ToolResultEvent {

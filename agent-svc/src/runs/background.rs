@@ -80,14 +80,9 @@ impl RunService {
                 call_timeout: Duration::from_secs(30),
                 ..RetryPolicy::default()
             };
-            let started_at = SystemTime::now();
             match resilient::complete(std::slice::from_ref(entry), &policy, &request, &tx).await {
                 Ok(done) => {
-                    spent.add(&CallRecord::answered(
-                        &done,
-                        &self.models.prices,
-                        started_at,
-                    ));
+                    spent.add(&CallRecord::answered(&done, &self.models.prices));
                     let text = done.response.text.trim();
                     if !text.is_empty() {
                         return (text.to_owned(), spent);
@@ -328,11 +323,9 @@ impl RunService {
                 if let Err(e) = this.sweep_stale_runs(grace).await {
                     tracing::warn!(error = %e, "health monitor sweep failed");
                 }
-                if let Err(e) = this.sweep_idle_sessions().await {
-                    tracing::warn!(error = %e, "session archiving sweep failed");
-                }
                 // Here rather than on every task worker's poll: a claim lapses after minutes,
-                // and one UPDATE per sweep per replica is enough to notice it.
+                // and one UPDATE per sweep per replica is enough to notice it. Before archiving,
+                // which may wait on the summary model.
                 match this
                     .store
                     .fail_lapsed_task_agents(MAX_TASK_ATTEMPTS, TASK_KEPT_STOPPING)
@@ -344,6 +337,9 @@ impl RunService {
                         "task agents whose last attempt lost its worker with no tries left were failed"
                     ),
                     Err(e) => tracing::warn!(error = %e, "could not sweep lapsed task agents"),
+                }
+                if let Err(e) = this.sweep_idle_sessions().await {
+                    tracing::warn!(error = %e, "session archiving sweep failed");
                 }
                 match this.store.count_pending_approvals().await {
                     Ok(n) => crate::metrics::approvals_pending(n),

@@ -69,6 +69,14 @@ pub struct Attached {
     pub meta: serde_json::Value,
 }
 
+/// What a run found of the calls an earlier run of its thread left open: a result turn for
+/// each, and for a side effect whose outcome the gateway knows, its `side_effect_result`.
+#[derive(Default)]
+struct ClosedCalls {
+    turns: Vec<Turn>,
+    audit: Vec<(String, serde_json::Value)>,
+}
+
 /// A validated run request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunInput {
@@ -632,7 +640,7 @@ impl RunService {
     /// mid-call) get a result now, so the transcript stays valid for every provider. What the
     /// result says comes from the record: a side effect that was executing is looked up at
     /// the gateway (its idempotency record says whether it happened), never assumed.
-    async fn close_open_calls(&self, owner: &str, history: &[Turn]) -> Vec<Turn> {
+    async fn close_open_calls(&self, owner: &str, history: &[Turn]) -> ClosedCalls {
         let answered: std::collections::HashSet<&str> = history
             .iter()
             .filter_map(|t| match t {
@@ -648,8 +656,9 @@ impl RunService {
             })
             .filter(|c| !answered.contains(c.id.as_str()))
             .collect();
+        let mut closed = ClosedCalls::default();
         if open.is_empty() {
-            return Vec::new();
+            return closed;
         }
         let ids: Vec<String> = open.iter().map(|c| c.id.clone()).collect();
         let actions = self
@@ -660,24 +669,41 @@ impl RunService {
                 tracing::warn!(error = %e, "could not read the actions of open calls");
                 Vec::new()
             });
-        let mut closing = Vec::with_capacity(open.len());
         for call in open {
             let action = actions.iter().find(|a| a.call_id == call.id);
             let (content, is_error) = match action {
                 Some(a) if a.side_effect && a.state == ActionState::Executing => {
                     match &self.gateway {
+                        // What the gateway knows closes the call's `side_effect` record too
+                        // (written by this later run; the call id joins them).
                         Some(g) => match g.lookup(owner, &a.id).await {
-                            Ok(Some(done)) => (
-                                format!(
-                                    "This call completed, but its run ended before it recorded the result. Result:\n{}",
-                                    executor::result_content(&call.name, &done)
-                                ),
-                                !done.ok,
-                            ),
-                            Ok(None) => (
-                                "Not executed: the run that made this call ended before it ran.".to_owned(),
-                                true,
-                            ),
+                            Ok(Some(done)) => {
+                                closed.audit.push(writer::side_effect_result(
+                                    &call.name,
+                                    &call.id,
+                                    done.ok,
+                                    &done.error_kind,
+                                ));
+                                (
+                                    format!(
+                                        "This call completed, but its run ended before it recorded the result. Result:\n{}",
+                                        executor::result_content(&call.name, &done)
+                                    ),
+                                    !done.ok,
+                                )
+                            }
+                            Ok(None) => {
+                                closed.audit.push(writer::side_effect_result(
+                                    &call.name,
+                                    &call.id,
+                                    false,
+                                    "NOT_EXECUTED",
+                                ));
+                                (
+                                    "Not executed: the run that made this call ended before it ran.".to_owned(),
+                                    true,
+                                )
+                            }
                             Err(e) => {
                                 tracing::warn!(call_id = %call.id, error = %e, "could not look up an open side-effect call");
                                 (
@@ -705,14 +731,14 @@ impl RunService {
                     true,
                 ),
             };
-            closing.push(Turn::ToolResult {
+            closed.turns.push(Turn::ToolResult {
                 call_id: call.id.clone(),
                 name: call.name.clone(),
                 content,
                 is_error,
             });
         }
-        closing
+        closed
     }
 
     /// The first segment of a run: prompt assembly, then the loop.
@@ -737,11 +763,12 @@ impl RunService {
         } else {
             self.load_history(&seg.thread_id).await?
         };
-        let closing = self.close_open_calls(&seg.owner, &history).await;
-        for turn in &closing {
+        let closed = self.close_open_calls(&seg.owner, &history).await;
+        for turn in &closed.turns {
             writer.pending().history.push(to_json(turn)?);
         }
-        history.extend(closing);
+        writer.pending().audit.extend(closed.audit);
+        history.extend(closed.turns);
         if new_thread && history.is_empty() {
             let skip = input
                 .conversation
@@ -1245,10 +1272,11 @@ impl RunService {
         if let Err(StoreError::Rejected(again)) = &flushed {
             // Even that is refused (a rule on every message or on the run's row, a revoked
             // grant): the end is recorded bare — state, error and terminal event, without the
-            // thread note or the run's accounting.
+            // thread note, the run's accounting or any audit record.
             tracing::error!(run_id = %seg.run_id, error = %again, "the database refused the run's end too; recording it bare");
             writer.set_aside_refused();
             writer.pending().patch = RunPatch::default();
+            writer.pending().audit.clear();
             end(writer, false);
             writer.pending().release = true;
             flushed = writer.flush().await;

@@ -108,7 +108,7 @@ impl ToolRunner for PolicyRunner<'_> {
                                 self.user,
                                 "side_effect",
                                 Some(self.run_id),
-                                serde_json::json!({"tool": call.name, "approval": "not required"}),
+                                serde_json::json!({"tool": call.name, "call_id": call.call_id, "approval": "not required"}),
                             )
                             .await
                     {

@@ -402,7 +402,10 @@ impl RunWriter {
                 error_kind,
                 ..
             } => {
+                let mut executed_side_effect = false;
                 if let Some(a) = self.action(call_id) {
+                    executed_side_effect =
+                        a.side_effect && a.transitions.contains(&ActionState::Executing);
                     a.to(if *ok {
                         ActionState::Completed
                     } else {
@@ -412,6 +415,11 @@ impl RunWriter {
                     a.error_kind = Some(error_kind.clone()).filter(|k| !k.is_empty());
                 }
                 self.stage_action(call_id);
+                if executed_side_effect {
+                    self.pending()
+                        .audit
+                        .push(side_effect_result(name, call_id, *ok, error_kind));
+                }
                 let content = format!("{} {name}: {preview}", if *ok { "Ran" } else { "Tried" });
                 self.pending().messages.push(NewMessage {
                     source: MessageSource::Agent,
@@ -487,9 +495,18 @@ impl RunWriter {
     /// durable; what watchers were already shown stays numbered, and what comes next is
     /// numbered after it). Of its patch of the run row only the accounting is kept (usage,
     /// iterations, model, start): a summary or prompt may hold what was refused, and the run's
-    /// summary is cleared. Returns what was set aside, for the log.
+    /// summary is cleared. What a side effect that ran came to is kept too (its
+    /// `side_effect_result`, built here, never from content): its intent record is already
+    /// durable. Returns what was set aside, for the log.
     pub(super) fn set_aside_refused(&mut self) -> String {
         let c = &mut self.pending;
+        let outcomes: Vec<(String, serde_json::Value)> = c
+            .audit
+            .iter()
+            .filter(|(kind, _)| kind == SIDE_EFFECT_RESULT)
+            .cloned()
+            .collect();
+        c.audit.retain(|(kind, _)| kind != SIDE_EFFECT_RESULT);
         let said = format!(
             "{} events, {} turns, {} actions, {} messages, {} audit records{}",
             c.events.len(),
@@ -514,6 +531,7 @@ impl RunWriter {
                 ..Default::default()
             },
             read_external: c.read_external,
+            audit: outcomes,
             ..RunCommit::default()
         };
         self.held.clear();
@@ -690,6 +708,22 @@ impl RunWriter {
         flushed
     }
 }
+
+/// The audit record of what a side effect that ran came to, beside the `side_effect` record
+/// written before it (P-5): an audit trail read alone says whether the effect happened.
+pub(super) fn side_effect_result(
+    tool: &str,
+    call_id: &str,
+    ok: bool,
+    error_kind: &str,
+) -> (String, serde_json::Value) {
+    (
+        SIDE_EFFECT_RESULT.into(),
+        serde_json::json!({"tool": tool, "call_id": call_id, "ok": ok, "error_kind": error_kind}),
+    )
+}
+
+const SIDE_EFFECT_RESULT: &str = "side_effect_result";
 
 async fn sleep_until(at: Option<Instant>) {
     match at {
