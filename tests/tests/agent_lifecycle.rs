@@ -9,7 +9,10 @@ use steward_proto::agent::v1 as pb;
 use steward_tests::{
     Backend, Options, TestApp, agent_as,
     agent_calls::{get_run, messages},
-    fakes::openai::Answer,
+    fakes::{
+        gmail::FakeGmail,
+        openai::{Answer, FakeOpenAi},
+    },
     spawn::spawn,
     worlds::gmail_world,
 };
@@ -871,21 +874,22 @@ async fn e10_a_cancelled_run_keeps_what_its_answered_model_calls_cost_and_get_us
     );
 }
 
-#[tokio::test]
-async fn a_runs_budget_covers_its_model_calls_after_an_approval_pause_too() {
-    let (app, model, gmail) = gmail_world(
-        vec![
-            // Each tool-call answer reports 100 tokens in and 20 out.
-            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
-            Answer::tool_calls(&[("call_list", "list_tasks", "{}")]),
-            Answer::text("Sent it, and here are your tasks."),
-        ],
-        &[],
-    )
-    .await;
+/// A supervised send asked for under a RunBudget of `max_total_tokens`, paused, then approved:
+/// the continuation's result, with the world it ran in. The model answers `then` after the send.
+async fn an_approved_send_under_a_budget(
+    max_total_tokens: u64,
+    then: Vec<Answer>,
+) -> (TestApp, FakeOpenAi, FakeGmail, pb::RunResult) {
+    let mut answers = vec![Answer::tool_calls(&[(
+        "call_send",
+        "gmail_send",
+        SEND_ARGS,
+    )])];
+    answers.extend(then);
+    let (app, model, gmail) = gmail_world(answers, &[]).await;
     let mut budgeted = input("email my boss the budget, then list my tasks");
     budgeted.budget = Some(pb::RunBudget {
-        max_total_tokens: 150,
+        max_total_tokens,
         max_cost_usd: 0.0,
     });
     let paused = run_on(app.agent_addr, budgeted).await;
@@ -898,9 +902,22 @@ async fn a_runs_budget_covers_its_model_calls_after_an_approval_pause_too() {
         .unwrap()
         .into_inner();
     assert_eq!(gmail.sent().len(), 1, "the approved send is made");
+    (app, model, gmail, decided.result.unwrap())
+}
+
+#[tokio::test]
+async fn a_runs_budget_covers_its_model_calls_after_an_approval_pause_too() {
+    // Each tool-call answer reports 100 tokens in and 20 out.
+    let (_app, model, _gmail, result) = an_approved_send_under_a_budget(
+        150,
+        vec![
+            Answer::tool_calls(&[("call_list", "list_tasks", "{}")]),
+            Answer::text("Sent it, and here are your tasks."),
+        ],
+    )
+    .await;
     // 120 tokens before the pause and 120 after it pass 150: no third model call.
     assert_eq!(model.requests().len(), 2);
-    let result = decided.result.unwrap();
     assert_eq!(result.status, pb::RunState::Completed as i32);
     let usage = result.usage.unwrap();
     assert_eq!(
@@ -911,34 +928,14 @@ async fn a_runs_budget_covers_its_model_calls_after_an_approval_pause_too() {
 
 #[tokio::test]
 async fn a_budget_spent_before_an_approval_pause_ends_the_continuation_quoting_the_approved_call() {
-    let (app, model, gmail) = gmail_world(
-        vec![
-            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
-            Answer::text("never asked"),
-        ],
-        &[],
-    )
-    .await;
-    let mut budgeted = input("email my boss the budget");
     // The first answer's 100 + 20 tokens use it all.
-    budgeted.budget = Some(pb::RunBudget {
-        max_total_tokens: 120,
-        max_cost_usd: 0.0,
-    });
-    let paused = run_on(app.agent_addr, budgeted).await;
-    let decided = app
-        .agent_as("alice")
-        .await
-        .decide_approval(approve(&paused.approval.unwrap().id))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(gmail.sent().len(), 1);
+    let (_app, model, _gmail, result) =
+        an_approved_send_under_a_budget(120, vec![Answer::text("never asked")]).await;
     assert_eq!(model.requests().len(), 1, "no model call past the budget");
-    let said = decided.result.unwrap().summary;
     assert!(
-        said.starts_with("I stopped because of the token or cost budget for this run. Here's what I was able to gather:\ngmail_send: "),
-        "the send that was made is not denied: {said}"
+        result.summary.starts_with("I stopped because of the token or cost budget for this run. Here's what I was able to gather:\ngmail_send: "),
+        "the send that was made is not denied: {}",
+        result.summary
     );
 }
 
