@@ -470,6 +470,8 @@ async fn a_task_queued_by_the_model(
         .run(pb::RunRequest {
             input: Some(pb::RunInput {
                 prompt: format!("{goal}, in the background"),
+                // The task's runs are told the time where the user is, as the parent was.
+                time_zone: "Asia/Tokyo".into(),
                 ..Default::default()
             }),
         })
@@ -572,6 +574,10 @@ async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the
         system.contains("background task agent")
             && system.contains("<data source=\"task goal\">\ntask summary\n</data>"),
         "{system}"
+    );
+    assert!(
+        system.contains("[Asia/Tokyo]\nThe user's time zone is Asia/Tokyo"),
+        "the parent run's zone: {system}"
     );
     let tools: Vec<&str> = task_request["tools"]
         .as_array()

@@ -1174,6 +1174,8 @@ fn queued_task(id: &str, owner: &str, thread: &str) -> TaskAgent {
         result: None,
         created_at: SystemTime::now(),
         settled_attempt: 0,
+        // Kept as given: the task's runs read it.
+        time_zone: Some("Europe/Berlin".into()),
     }
 }
 
@@ -1190,6 +1192,7 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
         .unwrap()
         .unwrap();
     assert_eq!(claimed.attempts, 1);
+    assert_eq!(claimed.time_zone.as_deref(), Some("Europe/Berlin"));
     let completed = TaskSettle {
         state: "completed",
         result: Some("ok"),

@@ -194,6 +194,7 @@ impl RunService {
             thread_id: approval.thread_id.clone(),
             run_id: approval.run_id.clone(),
             channel: convert::channel_from_key(channel),
+            time_zone: None,
         };
         self.spawn_segment(
             segment,

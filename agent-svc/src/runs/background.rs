@@ -515,7 +515,13 @@ impl RunService {
             max_total_tokens: None,
             max_cost_usd: None,
             model_override: None,
-            time_zone: None,
+            // The zone of the run that started it (a name stored then; one this replica's zone
+            // database does not know reads as UTC).
+            time_zone: task.time_zone.as_deref().and_then(|z| {
+                crate::schedule::user_zone("time_zone", z)
+                    .inspect_err(|e| tracing::warn!(task_id = %task.id, error = %e, "the task's time zone is unknown here; its run uses UTC"))
+                    .ok()
+            }),
             session: Some(SessionSetup {
                 guidance: format!(
                     "You are a background task agent working for the user, without them present. \

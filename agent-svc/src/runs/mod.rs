@@ -249,6 +249,8 @@ struct Segment {
     thread_id: String,
     run_id: String,
     channel: limits::Channel,
+    /// The user's zone, when the run was given one (a continuation is not: UTC).
+    time_zone: Option<jiff::tz::TimeZone>,
 }
 
 /// Where a segment starts numbering.
@@ -485,6 +487,7 @@ impl RunService {
             thread_id: thread_id.clone(),
             run_id: run_id.clone(),
             channel: input.channel,
+            time_zone: input.time_zone.clone(),
         };
         self.spawn_segment(
             segment,
@@ -1149,6 +1152,7 @@ impl RunService {
                 run_id: &seg.run_id,
                 writer: tx.clone(),
                 max_queued_task_agents: self.fair_use.max_queued_task_agents,
+                time_zone: seg.time_zone.as_ref().and_then(|z| z.iana_name()),
             };
             let sink = WriterSink(tx);
             tokio::select! {

@@ -31,6 +31,8 @@ pub(super) struct PolicyRunner<'a> {
     /// The run's writer: calls are recorded as executing, durably, before they run.
     pub(super) writer: mpsc::UnboundedSender<WriterMsg>,
     pub(super) max_queued_task_agents: u32,
+    /// The run's time zone, handed on to the task agents it starts.
+    pub(super) time_zone: Option<&'a str>,
 }
 
 #[async_trait::async_trait]
@@ -57,6 +59,7 @@ impl ToolRunner for PolicyRunner<'_> {
                         self.thread_id,
                         &call.args,
                         self.max_queued_task_agents,
+                        self.time_zone,
                     )
                     .await,
                 );
@@ -284,6 +287,7 @@ async fn enqueue_task_agent(
     thread_id: &str,
     args: &serde_json::Value,
     max_queued: u32,
+    time_zone: Option<&str>,
 ) -> ToolOutcome {
     let field = |k: &str| {
         args.get(k)
@@ -303,6 +307,7 @@ async fn enqueue_task_agent(
         result: None,
         created_at: std::time::SystemTime::now(),
         settled_attempt: 0,
+        time_zone: time_zone.map(str::to_owned),
     };
     match store.enqueue_task_agent(&task, max_queued).await {
         Ok(false) => ToolOutcome {

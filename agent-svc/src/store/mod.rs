@@ -995,6 +995,8 @@ pub struct TaskAgent {
     /// The last attempt whose outcome was recorded: a run of a later attempt on the task's
     /// thread was never accounted for.
     pub settled_attempt: u32,
+    /// The IANA time zone of the run that started it (its runs' current time is in it).
+    pub time_zone: Option<String>,
 }
 
 /// How a task agent's attempt ends.

@@ -580,8 +580,8 @@ impl AgentStore for PgStore {
             .map_err(db)?;
         let insert = client
             .prepare_cached(
-                "INSERT INTO agent.task_agents (id, owner, parent_thread_id, instructions, goal, state) \
-                 SELECT $1, $2, $3, $4, $5, 'queued' WHERE (SELECT count(*) FROM agent.task_agents \
+                "INSERT INTO agent.task_agents (id, owner, parent_thread_id, instructions, goal, state, time_zone) \
+                 SELECT $1, $2, $3, $4, $5, 'queued', $7 WHERE (SELECT count(*) FROM agent.task_agents \
                    WHERE owner = $2 AND state IN ('queued', 'running')) < $6",
             )
             .await
@@ -604,6 +604,7 @@ impl AgentStore for PgStore {
                     &storable::str_cow(&t.instructions),
                     &storable::str_cow(&t.goal),
                     &i64::from(max_queued),
+                    &t.time_zone,
                 ],
             ),
             t_client.batch_execute("COMMIT"),
@@ -1581,7 +1582,7 @@ fn archive(r: &Row) -> Archive {
 }
 
 const TASK_COLUMNS: &str = "id, owner, parent_thread_id, instructions, goal, state, attempts, last_error, result, \
-    created_at, settled_attempt";
+    created_at, settled_attempt, time_zone";
 
 const SCHEDULE_COLUMNS: &str = "id, owner, kind, prompt, cron, every_secs, time_zone, enabled, thread_id, \
     next_due_at, last_outcome, last_run_id, last_error, last_fired_at, occurrence_at, attempts, created_at, updated_at";
@@ -1652,6 +1653,7 @@ fn task_agent(r: &Row) -> TaskAgent {
         result: r.get(8),
         created_at: r.get(9),
         settled_attempt: r.get::<_, i32>(10) as u32,
+        time_zone: r.get(11),
     }
 }
 
