@@ -361,13 +361,7 @@ pub fn run(r: &Run) -> pb::Run {
             .map(|c| pb::ModelCall {
                 provider: c.provider.clone(),
                 model: c.model.clone(),
-                usage: Some(pb::Usage {
-                    input_tokens: c.input_tokens,
-                    output_tokens: c.output_tokens,
-                    cached_tokens: c.cached_tokens,
-                    cost_usd: c.cost_usd,
-                    model_calls: 1,
-                }),
+                usage: Some(model_usage(&ModelUsage::from(c))),
                 latency: Some(prost_types::Duration {
                     seconds: (c.latency_ms / 1000) as i64,
                     nanos: ((c.latency_ms % 1000) * 1_000_000) as i32,

@@ -266,16 +266,6 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    pub fn total_usage(&self) -> TokenUsage {
-        self.calls
-            .iter()
-            .fold(TokenUsage::default(), |acc, c| TokenUsage {
-                input_tokens: acc.input_tokens + c.usage.input_tokens,
-                output_tokens: acc.output_tokens + c.usage.output_tokens,
-                cached_tokens: acc.cached_tokens + c.usage.cached_tokens,
-            })
-    }
-
     pub fn cost_usd(&self) -> f64 {
         self.calls.iter().map(|c| c.cost_usd).sum()
     }

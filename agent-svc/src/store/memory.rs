@@ -1368,15 +1368,7 @@ impl AgentStore for MemoryStore {
                 .iter()
                 .chain(&summaries)
                 .flat_map(|u| &u.calls)
-                .map(|c| ModelUsage {
-                    provider: c.provider.clone(),
-                    model: c.model.clone(),
-                    calls: 1,
-                    input_tokens: c.input_tokens,
-                    output_tokens: c.output_tokens,
-                    cached_tokens: c.cached_tokens,
-                    cost_usd: c.cost_usd,
-                });
+                .map(ModelUsage::from);
             UsageSummary::of(runs.len() as u64, summary_calls, calls)
         })
     }

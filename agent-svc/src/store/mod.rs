@@ -258,6 +258,21 @@ pub struct ModelUsage {
     pub cost_usd: f64,
 }
 
+impl From<&ModelCallUsage> for ModelUsage {
+    /// One call, as a sum of one.
+    fn from(c: &ModelCallUsage) -> Self {
+        Self {
+            provider: c.provider.clone(),
+            model: c.model.clone(),
+            calls: 1,
+            input_tokens: c.input_tokens,
+            output_tokens: c.output_tokens,
+            cached_tokens: c.cached_tokens,
+            cost_usd: c.cost_usd,
+        }
+    }
+}
+
 impl ModelUsage {
     fn add(&mut self, other: &ModelUsage) {
         self.calls += other.calls;
