@@ -109,8 +109,9 @@ pub struct Preview {
     pub binding: String,
 }
 
-/// Longest preview text: enough to decide, never a body dump.
-pub const MAX_PREVIEW_CHARS: usize = 4000;
+/// Longest preview text: enough to decide, never a body dump, with room for every recipient
+/// of a message (`gmail`'s recipient budget) besides its sender, subject and first lines.
+pub const MAX_PREVIEW_CHARS: usize = 8000;
 
 #[async_trait::async_trait]
 pub trait Tool: Send + Sync + 'static {

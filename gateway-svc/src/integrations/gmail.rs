@@ -844,20 +844,250 @@ struct Compose {
     kind: ComposeKind,
 }
 
-fn recipients(args: &Value, field: &str) -> Vec<String> {
-    match args.get(field) {
-        Some(Value::String(s)) => s
-            .split(',')
-            .map(|a| a.trim().to_owned())
-            .filter(|a| !a.is_empty())
-            .collect(),
-        Some(Value::Array(items)) => items
-            .iter()
-            .filter_map(Value::as_str)
-            .map(|a| a.trim().to_owned())
-            .collect(),
-        _ => Vec::new(),
+/// One recipient as it will be written into the message: an optional display name (quoted
+/// and encoded by mail-builder) and an address, written between angle brackets verbatim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Mailbox {
+    name: Option<String>,
+    addr: String,
+}
+
+/// Longest display name a recipient may carry: a name, never a paragraph.
+const MAX_NAME_CHARS: usize = 200;
+
+impl Mailbox {
+    /// One mailbox, `addr@domain` or `Name <addr@domain>` (the name may be quoted), or why it
+    /// is not one. mail-builder writes the address verbatim between `<` and `>`, so anything
+    /// that could close it or start another header or mailbox (a line break, a control
+    /// character, `<`, `>`, `,`, a second `@`) is refused here rather than sent.
+    fn parse(entry: &str) -> Result<Self, &'static str> {
+        let entry = entry.trim();
+        if entry.chars().any(char::is_control) {
+            return Err("it holds a line break or another control character");
+        }
+        let (name, addr) = match entry.strip_suffix('>') {
+            Some(rest) => {
+                let open = rest.rfind('<').ok_or("it has a > without its <")?;
+                (display_name(rest[..open].trim())?, &rest[open + 1..])
+            }
+            None => (None, entry),
+        };
+        addr_spec(addr)?;
+        Ok(Mailbox {
+            name,
+            addr: addr.to_owned(),
+        })
     }
+
+    /// As a person approving the message reads it.
+    fn shown(&self) -> String {
+        match &self.name {
+            Some(name) => format!("\"{name}\" <{}>", self.addr),
+            None => self.addr.clone(),
+        }
+    }
+}
+
+/// The display name before `<addr>`: quoted (`"Doe, Jane"`, with `\"` and `\\` escapes) or
+/// plain; `None` when empty.
+fn display_name(raw: &str) -> Result<Option<String>, &'static str> {
+    let name = match raw.strip_prefix('"') {
+        Some(rest) => {
+            let inner = rest
+                .strip_suffix('"')
+                .ok_or("its quoted name is not closed")?;
+            let mut name = String::with_capacity(inner.len());
+            let mut chars = inner.chars();
+            while let Some(c) = chars.next() {
+                match c {
+                    '\\' => name.push(chars.next().ok_or("its quoted name ends in \\")?),
+                    '"' => return Err("its quoted name holds an unescaped quote"),
+                    c => name.push(c),
+                }
+            }
+            name
+        }
+        None if raw.contains('"') => return Err("its name holds a quote but is not quoted"),
+        None => raw.to_owned(),
+    };
+    if name.contains(['<', '>']) {
+        return Err("its name holds < or >");
+    }
+    if name.chars().count() > MAX_NAME_CHARS {
+        return Err("its name is longer than 200 characters");
+    }
+    Ok(Some(name.trim().to_owned()).filter(|n| !n.is_empty()))
+}
+
+/// A bare address: one `@` between a non-empty local part and a domain, nothing that ends or
+/// splits a mailbox, at most 254 bytes (RFC 5321).
+fn addr_spec(addr: &str) -> Result<(), &'static str> {
+    if addr.len() > 254 {
+        return Err("the address is longer than 254 bytes");
+    }
+    if addr.chars().any(|c| {
+        c.is_whitespace()
+            || matches!(
+                c,
+                '<' | '>' | '(' | ')' | '[' | ']' | ',' | ';' | ':' | '"' | '\\'
+            )
+    }) {
+        return Err("the address holds a space or one of < > ( ) [ ] , ; : \" \\");
+    }
+    let Some((local, domain)) = addr.split_once('@') else {
+        return Err("the address has no @");
+    };
+    if domain.contains('@') {
+        return Err("the address has more than one @");
+    }
+    if local.is_empty() || domain.is_empty() {
+        return Err("the address has nothing before or after its @");
+    }
+    if domain.starts_with('.') || domain.ends_with('.') || domain.contains("..") {
+        return Err("the address's domain is not a domain name");
+    }
+    Ok(())
+}
+
+/// The entries of a recipient list given as one string: split on the commas between
+/// mailboxes, never on one inside a quoted name or angle brackets.
+fn split_list(list: &str) -> Vec<&str> {
+    let mut parts = Vec::new();
+    let (mut start, mut quoted, mut escaped, mut angle) = (0, false, false, false);
+    for (i, c) in list.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            '<' if !quoted => angle = true,
+            '>' if !quoted => angle = false,
+            ',' if !quoted && !angle => {
+                parts.push(&list[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&list[start..]);
+    parts
+}
+
+/// Most characters all of a message's recipients may take in its preview, together: every
+/// one of them is shown to the person approving it, with room left in the preview
+/// ([`crate::registry::MAX_PREVIEW_CHARS`]) for the sender, subject and first lines.
+const MAX_RECIPIENT_CHARS: usize = 6000;
+
+/// The recipients in `field` (a comma-separated string or a list), each one mailbox; the first
+/// entry that is not one is refused, naming the field and the entry.
+fn recipients(args: &Value, field: &str, tool: &str) -> Result<Vec<Mailbox>, ToolError> {
+    let entries: Vec<&str> = match args.get(field) {
+        Some(Value::String(s)) => split_list(s),
+        Some(Value::Array(items)) => items.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    entries
+        .into_iter()
+        .filter(|e| !e.trim().is_empty())
+        .map(|entry| {
+            Mailbox::parse(entry).map_err(|why| ToolError::InvalidArguments {
+                tool: tool.into(),
+                detail: format!("{field}: {entry:?} is not one email address ({why})"),
+            })
+        })
+        .collect()
+}
+
+/// The recipients of a message in its fields, refused when there are too many to show to a
+/// person approving it.
+fn shown_recipients(
+    lists: &[(&str, &[Mailbox])],
+    tool: &str,
+) -> Result<Vec<(String, Vec<String>)>, ToolError> {
+    let shown: Vec<(String, Vec<String>)> = lists
+        .iter()
+        .map(|(name, list)| {
+            (
+                (*name).to_owned(),
+                list.iter().map(Mailbox::shown).collect(),
+            )
+        })
+        .collect();
+    let chars: usize = shown
+        .iter()
+        .flat_map(|(_, l)| l)
+        .map(|a| a.chars().count() + 2)
+        .sum();
+    if chars > MAX_RECIPIENT_CHARS {
+        return Err(ToolError::InvalidArguments {
+            tool: tool.into(),
+            detail: format!(
+                "the recipients take {chars} characters, more than the {MAX_RECIPIENT_CHARS} an \
+                 approval can show in full; send to fewer at once"
+            ),
+        });
+    }
+    Ok(shown)
+}
+
+/// A new message's recipients, as `call` sends them and `preview` shows them.
+struct Addressed {
+    to: Vec<Mailbox>,
+    cc: Vec<Mailbox>,
+    bcc: Vec<Mailbox>,
+    shown: Vec<(String, Vec<String>)>,
+}
+
+/// The one place a new message's recipients are decided: every entry one mailbox, at least
+/// one in `to`, all of them few enough for an approval to show.
+fn addressed(args: &Value, tool: &str) -> Result<Addressed, ToolError> {
+    let to = recipients(args, "to", tool)?;
+    if to.is_empty() {
+        return Err(ToolError::InvalidArguments {
+            tool: tool.into(),
+            detail: "to names no recipient".into(),
+        });
+    }
+    let (cc, bcc) = (
+        recipients(args, "cc", tool)?,
+        recipients(args, "bcc", tool)?,
+    );
+    let shown = shown_recipients(&[("To", &to), ("Cc", &cc), ("Bcc", &bcc)], tool)?;
+    Ok(Addressed { to, cc, bcc, shown })
+}
+
+/// A new message as `gmail_send` and `gmail_draft_create` write it.
+fn new_message<'a>(
+    from: &'a str,
+    addressed: &'a Addressed,
+    subject: &'a str,
+    body: &'a str,
+) -> MessageBuilder<'a> {
+    let mut message = MessageBuilder::new()
+        .from(from)
+        .to(address_list(&addressed.to))
+        .subject(subject)
+        .text_body(body);
+    if !addressed.cc.is_empty() {
+        message = message.cc(address_list(&addressed.cc));
+    }
+    if !addressed.bcc.is_empty() {
+        message = message.bcc(address_list(&addressed.bcc));
+    }
+    message
+}
+
+/// mail-builder's form of a recipient list.
+fn address_list(list: &[Mailbox]) -> mail_builder::headers::address::Address<'_> {
+    mail_builder::headers::address::Address::new_list(
+        list.iter()
+            .map(|m| {
+                mail_builder::headers::address::Address::new_address(
+                    m.name.as_deref(),
+                    m.addr.as_str(),
+                )
+            })
+            .collect(),
+    )
 }
 
 fn compose_schema() -> Value {
@@ -904,11 +1134,7 @@ impl Tool for Compose {
             text_arg(args, "account").as_deref(),
             &name,
         )?;
-        let (to, cc, bcc) = (
-            recipients(args, "to"),
-            recipients(args, "cc"),
-            recipients(args, "bcc"),
-        );
+        let Addressed { to, cc, bcc, shown } = addressed(args, &name)?;
         let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
         let verb = match self.kind {
             ComposeKind::Send => "Send",
@@ -917,7 +1143,7 @@ impl Tool for Compose {
         let text = message_preview(
             verb,
             &from,
-            &[("To", &to), ("Cc", &cc), ("Bcc", &bcc)],
+            &shown,
             args.get("subject")
                 .and_then(Value::as_str)
                 .unwrap_or_default(),
@@ -925,7 +1151,7 @@ impl Tool for Compose {
         );
         Ok(Preview {
             text,
-            recipients: [to, cc, bcc].concat(),
+            recipients: [to, cc, bcc].concat().into_iter().map(|m| m.addr).collect(),
             binding: String::new(),
         })
     }
@@ -937,31 +1163,14 @@ impl Tool for Compose {
             text_arg(&args, "account").as_deref(),
             &name,
         )?;
-        let to = recipients(&args, "to");
-        if to.is_empty() {
-            return Err(ToolError::InvalidArguments {
-                tool: name,
-                detail: "to names no recipient".into(),
-            });
-        }
-        let (cc, bcc) = (recipients(&args, "cc"), recipients(&args, "bcc"));
+        let addressed = addressed(&args, &name)?;
         let subject = args
             .get("subject")
             .and_then(Value::as_str)
             .unwrap_or_default();
         let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
-        let mut message = MessageBuilder::new()
-            .from(from.as_str())
-            .to(to.iter().map(String::as_str).collect::<Vec<_>>())
-            .subject(subject)
-            .text_body(body);
-        if !cc.is_empty() {
-            message = message.cc(cc.iter().map(String::as_str).collect::<Vec<_>>());
-        }
-        if !bcc.is_empty() {
-            message = message.bcc(bcc.iter().map(String::as_str).collect::<Vec<_>>());
-        }
-        let raw = raw(message)?;
+        let raw = raw(new_message(&from, &addressed, subject, body))?;
+        let to: Vec<&str> = addressed.to.iter().map(|m| m.addr.as_str()).collect();
         match self.kind {
             ComposeKind::Send => {
                 let sent = self
@@ -1020,6 +1229,7 @@ impl Tool for Reply {
     async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
         let r = self.resolve(ctx, args).await?;
         let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
+        let shown = shown_recipients(&[("To", &r.mailboxes())], "gmail_reply")?;
         let text = message_preview(
             &format!(
                 "Reply in thread {} (to the email from {})",
@@ -1027,7 +1237,7 @@ impl Tool for Reply {
                 line(r.original_from.as_str(), 120)
             ),
             &r.from,
-            &[("To", &r.to)],
+            &shown,
             &r.subject,
             body,
         );
@@ -1050,9 +1260,11 @@ impl Tool for Reply {
             ..
         } = self.resolve(ctx, &args).await?;
         let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
+        let mailboxes = bare_mailboxes(&to);
+        shown_recipients(&[("To", &mailboxes)], "gmail_reply")?;
         let mut message = MessageBuilder::new()
             .from(from.as_str())
-            .to(to.iter().map(String::as_str).collect::<Vec<_>>())
+            .to(address_list(&mailboxes))
             .subject(subject.as_str())
             .text_body(body);
         if !message_id.is_empty() {
@@ -1094,7 +1306,22 @@ struct ResolvedReply {
     original_from: String,
 }
 
+/// Addresses already checked with [`addr_spec`], as mailboxes without names.
+fn bare_mailboxes(addrs: &[String]) -> Vec<Mailbox> {
+    addrs
+        .iter()
+        .map(|a| Mailbox {
+            name: None,
+            addr: a.clone(),
+        })
+        .collect()
+}
+
 impl ResolvedReply {
+    fn mailboxes(&self) -> Vec<Mailbox> {
+        bare_mailboxes(&self.to)
+    }
+
     /// Digest of who the reply reaches and where it goes.
     fn binding(&self) -> String {
         let mut to: Vec<String> = self.to.iter().map(|a| a.to_ascii_lowercase()).collect();
@@ -1118,9 +1345,9 @@ impl Reply {
                 ToolError::NotFound(format!("I couldn't find email {id} in {from}."))
             })?;
         let reply_to = if original.header("Reply-To").is_empty() {
-            original.header("From")
+            ("From", original.header("From"))
         } else {
-            original.header("Reply-To")
+            ("Reply-To", original.header("Reply-To"))
         };
         let mut to: Vec<String> = Vec::new();
         let mut add = |a: &str| {
@@ -1131,18 +1358,25 @@ impl Reply {
                 to.push(a.to_owned());
             }
         };
-        for a in addresses(reply_to) {
-            add(a);
-        }
-        if args
+        let reply_all = args
             .get("reply_all")
             .and_then(Value::as_bool)
-            .unwrap_or(false)
-        {
-            for field in ["To", "Cc"] {
-                for a in addresses(original.header(field)) {
-                    add(a);
-                }
+            .unwrap_or(false);
+        let mut fields = vec![reply_to];
+        if reply_all {
+            fields.extend(["To", "Cc"].map(|f| (f, original.header(f))));
+        }
+        for (field, value) in fields {
+            for a in addresses(value) {
+                // Someone else wrote these headers: an address that could end its mailbox or
+                // start a header of its own is refused, never written into the reply.
+                addr_spec(a).map_err(|why| ToolError::InvalidArguments {
+                    tool: "gmail_reply".into(),
+                    detail: format!(
+                        "the {field} of email {id} holds {a:?}, which is not one email address ({why}); it cannot be replied to as it is"
+                    ),
+                })?;
+                add(a);
             }
         }
         if to.is_empty() {
@@ -1184,14 +1418,16 @@ impl Reply {
 fn message_preview(
     verb: &str,
     from: &str,
-    lists: &[(&str, &Vec<String>)],
+    lists: &[(String, Vec<String>)],
     subject: &str,
     body: &str,
 ) -> String {
     let mut out = format!("{verb}\nFrom: {}\n", line(from, 200));
+    // Every recipient, never clipped: an approver must see everyone the message reaches
+    // (`shown_recipients` bounds how many characters they take). Still one line per field.
     for (name, list) in lists {
         if !list.is_empty() {
-            out.push_str(&format!("{name}: {}\n", line(&list.join(", "), 500)));
+            out.push_str(&format!("{name}: {}\n", line(&list.join(", "), usize::MAX)));
         }
     }
     out.push_str(&format!(
@@ -1250,24 +1486,141 @@ mod tests {
         }
     }
 
+    /// The message's header block as gmail_send would send it, or why it is refused.
+    fn headers_sent(args: Value) -> Result<String, ToolError> {
+        let addressed = addressed(&args, "gmail_send")?;
+        let bytes = new_message("me@example.com", &addressed, "Hi", "Hello")
+            .write_to_vec()
+            .unwrap();
+        let text = String::from_utf8(bytes).unwrap();
+        Ok(text.split("\r\n\r\n").next().unwrap().to_owned())
+    }
+
+    fn refusal(args: Value) -> String {
+        match headers_sent(args) {
+            Err(ToolError::InvalidArguments { tool, detail }) => {
+                assert_eq!(tool, "gmail_send");
+                detail
+            }
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn i3_a_recipient_that_could_inject_a_header_or_a_mailbox_is_refused_by_field_and_entry() {
+        let injected = refusal(json!({"to": "bob@x.com>\r\nBcc: <eve@evil.com"}));
+        assert!(
+            injected.starts_with("to: \"bob@x.com>\\r\\nBcc: <eve@evil.com\""),
+            "{injected}"
+        );
+        let smuggled = refusal(json!({"to": ["a@x.com>, <b@y.com"]}));
+        assert!(
+            smuggled.starts_with("to: \"a@x.com>, <b@y.com\""),
+            "{smuggled}"
+        );
+        assert!(refusal(json!({"to": "a@x.com>, <b@y.com"})).starts_with("to: \"a@x.com>\""));
+        // An unquoted name with a comma, in one string, is two entries; the first is no address.
+        let split = refusal(json!({"to": "Doe, Jane <jane@x.com>"}));
+        assert!(
+            split.starts_with("to: \"Doe\" is not one email address"),
+            "{split}"
+        );
+        for bad in [
+            "a@b@c.com",
+            "@x.com",
+            "a@",
+            "a\u{0}@x.com",
+            "Eve <eve@x.com> <a@x.com>",
+            "\"Eve\" <e<ve@x.com>",
+            "a@x..com",
+            "plain words",
+        ] {
+            let detail = refusal(json!({"to": "ok@x.com", "cc": [bad]}));
+            assert!(
+                detail.starts_with(&format!("cc: {bad:?}")),
+                "{bad:?}: {detail}"
+            );
+        }
+    }
+
+    #[test]
+    fn i3_each_recipient_is_written_as_exactly_one_mailbox() {
+        let head = headers_sent(json!({
+            "to": "\"Doe, Jane\" <jane@x.com>, bob@x.com",
+            "cc": ["Doe, John <john@x.com>"],
+        }))
+        .unwrap();
+        assert!(
+            head.contains("To: \"Doe, Jane\" <jane@x.com>, <bob@x.com>"),
+            "{head}"
+        );
+        assert!(head.contains("Cc: \"Doe, John\" <john@x.com>"), "{head}");
+        assert!(!head.contains("Bcc"), "{head}");
+    }
+
+    #[test]
+    fn p4_an_approver_sees_every_recipient_or_the_message_is_refused() {
+        // As many as the schema allows (50 a field), of a common length: all shown, and the
+        // preview with its longest sender, subject and first lines is never clipped after.
+        let to: Vec<String> = (0..50)
+            .map(|i| format!("first.last{i:02}@example.com"))
+            .collect();
+        let a = addressed(&json!({"to": to, "cc": to, "bcc": to}), "gmail_send").unwrap();
+        let verb = format!(
+            "Reply in thread {} (to the email from {})",
+            "t".repeat(100),
+            "f".repeat(120)
+        );
+        let lines = "b".repeat(300) + "\n";
+        let text = message_preview(
+            &verb,
+            &"f".repeat(300),
+            &a.shown,
+            &"s".repeat(998),
+            &lines.repeat(9),
+        );
+        assert!(
+            text.chars().count() <= crate::registry::MAX_PREVIEW_CHARS,
+            "{}",
+            text.len()
+        );
+        for address in &to {
+            assert_eq!(
+                text.matches(&format!("{address},")).count()
+                    + text.matches(&format!("{address}\n")).count(),
+                3,
+                "{address}"
+            );
+        }
+        // Past what a preview can show in full: refused, never shown in part.
+        let long: Vec<String> = (0..50)
+            .map(|i| format!("{}{i:02}@example.com", "x".repeat(120)))
+            .collect();
+        let detail = refusal(json!({"to": long}));
+        assert!(
+            detail.contains("more than the 6000 an approval can show"),
+            "{detail}"
+        );
+    }
+
     proptest! {
         // Q-3: whatever the model or an email puts in the fields, a message preview is built
         // without panicking, keeps its structure and stays short enough to read.
         #[test]
         fn message_previews_never_panic_and_stay_bounded(
             from in "(?s).{0,80}",
-            to in proptest::collection::vec("(?s).{0,60}", 0..60),
+            to in proptest::collection::vec("(?s).{0,30}", 0..60),
             subject in "(?s).{0,2000}",
             body in "(?s).{0,20000}",
         ) {
-            let p = message_preview("Send", &from, &[("To", &to)], &subject, &body);
+            let p = message_preview("Send", &from, &[("To".into(), to)], &subject, &body);
             let head: Vec<&str> = p.split("\n\n").next().unwrap_or_default().lines().collect();
             prop_assert_eq!(head[0], "Send");
             prop_assert!(head[1].starts_with("From: "));
             // One line per field whatever the fields hold: nothing can forge a "To:".
             prop_assert!(head.len() <= 4, "{:?}", head);
             prop_assert!(head.last().unwrap().starts_with("Subject: "));
-            prop_assert!(p.chars().count() <= 80 + 520 + 210 + 6 * 201 + 64);
+            prop_assert!(p.chars().count() <= 80 + 60 * 32 + 210 + 6 * 201 + 64);
         }
     }
 
