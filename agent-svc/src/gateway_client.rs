@@ -479,7 +479,19 @@ impl GatewayClient {
             },
             user,
         )?;
-        Ok(client.get_bootstrap_context(request).await?.into_inner())
+        // Bounded like every other gateway call: a stalled gateway must not hold a session
+        // opening (or a schedule's start) until the caller's own deadline, if it has one.
+        Ok(
+            tokio::time::timeout(self.call_timeout, client.get_bootstrap_context(request))
+                .await
+                .map_err(|_| {
+                    GatewayError::Unavailable(format!(
+                        "no bootstrap context within {:?}",
+                        self.call_timeout
+                    ))
+                })??
+                .into_inner(),
+        )
     }
 
     /// Opens the Execute stream for one run.

@@ -345,7 +345,12 @@ async fn cancelling_a_run_that_waits_for_approval_ends_it_and_approving_is_refus
     let all = all_events(&app, &paused.run_id).await;
     match &all.last().unwrap().kind {
         Some(pb::run_event::Kind::Result(r)) => {
-            assert_eq!(r.status, pb::RunState::Cancelled as i32)
+            assert_eq!(r.status, pb::RunState::Cancelled as i32);
+            assert_eq!(
+                (&r.run_id, &r.thread_id),
+                (&paused.run_id, &paused.thread_id),
+                "A-3: a cancelled result names its run"
+            );
         }
         other => panic!("not a cancelled result: {other:?}"),
     }
@@ -363,6 +368,86 @@ async fn cancelling_a_run_that_waits_for_approval_ends_it_and_approving_is_refus
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "already ended");
+}
+
+/// B-3, A-6: opening the app while the user's last conversation waits for their approval
+/// greets them on a thread of its own; the approval still waits, and approving it sends.
+#[tokio::test]
+async fn b3_opening_the_app_leaves_a_pending_approval_waiting_and_greets_on_a_new_thread() {
+    let (app, model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::text("Welcome back: 2 unread."),
+            Answer::text("Sent."),
+        ],
+        &[],
+    )
+    .await;
+    let (paused, approval) = paused_send(&app).await;
+    gmail.set_unread("tok-alice", 2);
+    let mut alice = app.agent_as("alice").await;
+    let opened = alice
+        .open_session(pb::OpenSessionRequest {
+            time_zone: "UTC".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!opened.silent, "{opened:?}");
+    assert_eq!(opened.greeting, "Welcome back: 2 unread.");
+    assert_ne!(
+        opened.thread_id, paused.thread_id,
+        "not on the paused thread"
+    );
+    let decided = alice
+        .decide_approval(approve(&approval.id))
+        .await
+        .expect("the approval still waits")
+        .into_inner();
+    assert_eq!(
+        decided.result.unwrap().status,
+        pb::RunState::Completed as i32
+    );
+    assert_eq!(gmail.sent().len(), 1);
+    assert_eq!(model.requests().len(), 3);
+}
+
+/// a RunStream refused at the open-watcher cap starts no run; the caller could not see
+/// one, and its retry would start it twice or find the thread busy.
+#[tokio::test]
+async fn r4_a_stream_refused_at_the_watcher_cap_starts_no_run() {
+    let (app, model, _gmail) = gmail_world(
+        vec![
+            Answer::Slow(Box::new(Answer::text("done")), Duration::from_secs(20)),
+            Answer::text("never asked"),
+        ],
+        &[("AGENT_MAX_WATCHERS_PER_USER", "1")],
+    )
+    .await;
+    let (_open, first) = start_streaming(&app, "take your time").await;
+    let refused = app
+        .agent_as("alice")
+        .await
+        .run_stream(pb::RunStreamRequest {
+            input: Some(input("and this too")),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert!(
+        refused.message().contains("AGENT_MAX_WATCHERS_PER_USER"),
+        "{}",
+        refused.message()
+    );
+    let runs = sql_count(
+        &app,
+        "SELECT count(*) FROM agent.runs WHERE owner = (SELECT owner FROM agent.runs WHERE id = $1)",
+        &first.run_id,
+    )
+    .await;
+    assert_eq!(runs, 1, "only the watched run exists");
+    assert!(model.requests().len() <= 1);
 }
 
 #[tokio::test]
@@ -766,6 +851,10 @@ async fn a_cancel_on_one_replica_stops_a_run_executing_on_another() {
         Some(pb::run_event::Kind::Result(r)) => {
             assert_eq!(r.status, pb::RunState::Cancelled as i32);
             assert_eq!(r.error, told);
+            assert_eq!(
+                r.run_id, first.run_id,
+                "A-3: a cancelled result names its run"
+            );
         }
         other => panic!("not cancelled: {other:?}"),
     }

@@ -22,7 +22,7 @@ use crate::{
     executor::limits::Channel,
     gateway_client::GatewayError,
     prompt,
-    runs::{Deliver, RunInput, RunService, SessionSetup},
+    runs::{self, Deliver, RunInput, RunService, SessionSetup},
     store::SharedStore,
 };
 
@@ -57,6 +57,9 @@ impl AgentApi {
         self.identity.user(request.metadata()).await
     }
 }
+
+/// How many of a user's latest threads a session opening looks through for a conversation.
+const SESSION_THREADS_LOOKED_AT: usize = 20;
 
 pub(crate) fn terminal_result(event: &pb::RunEvent) -> Option<pb::RunResult> {
     match &event.kind {
@@ -110,8 +113,7 @@ impl AgentService for AgentApi {
     ) -> Result<Response<Self::RunStreamStream>, Status> {
         let user = self.user(&request).await?;
         let input = convert::run_input(request.into_inner().input)?;
-        let (run_id, thread_id) = self.runs.start(&user, input).await?;
-        let events = self.runs.watch_started(&user, &run_id, &thread_id)?;
+        let events = self.runs.start_watched(&user, input).await?;
         Ok(Response::new(Box::pin(events.map(|e| {
             e.map(|event| pb::RunStreamResponse { event: Some(event) })
         }))))
@@ -151,13 +153,17 @@ impl AgentService for AgentApi {
                 }
                 GatewayError::Unavailable(m) => ApiError::Unavailable(m),
             })?;
-        let thread_id = if r.thread_id.is_empty() {
+        let picked = r.thread_id.is_empty();
+        let thread_id = if picked {
+            // The conversation the user was last in: not a thread whose runs Steward starts
+            // itself (a task agent's report, a schedule's briefings).
             self.store
-                .list_threads(&user, 0, 1)
+                .list_threads(&user, 0, SESSION_THREADS_LOOKED_AT)
                 .await
                 .map_err(ApiError::from)?
-                .first()
-                .map(|t| t.id.clone())
+                .into_iter()
+                .find(|t| !runs::started_by_steward(&t.id))
+                .map(|t| t.id)
         } else {
             self.store
                 .get_thread(&user, &r.thread_id)
@@ -192,14 +198,15 @@ impl AgentService for AgentApi {
                 guidance: prompt::NEW_USER_GUIDANCE.into(),
                 bootstrap: None,
                 allowed_tools: Some(vec!["create_memories".into()]),
-                yield_to_approvals: false,
+                // Opening the app says nothing to a run waiting for the user's decision.
+                yield_to_approvals: true,
             }
         } else {
             SessionSetup {
                 guidance: prompt::RETURNING_GUIDANCE.into(),
                 bootstrap: Some(context.rendered.clone()),
                 allowed_tools: Some(Vec::new()),
-                yield_to_approvals: false,
+                yield_to_approvals: true,
             }
         };
         let input = RunInput {
@@ -215,7 +222,24 @@ impl AgentService for AgentApi {
             time_zone,
             session: Some(session),
         };
-        let (run_id, thread_id) = self.runs.start(&user, input).await?;
+        let (run_id, thread_id) = match self.runs.start(&user, input.clone()).await {
+            // The thread picked is busy or waits for the user's approval, which a greeting must
+            // not supersede: the greeting opens a thread of its own. A thread the caller named
+            // is refused, saying why.
+            Err(ApiError::Aborted(why)) if picked && input.thread_id.is_some() => {
+                tracing::info!(reason = %why, "session opening on a new thread");
+                self.runs
+                    .start(
+                        &user,
+                        RunInput {
+                            thread_id: None,
+                            ..input
+                        },
+                    )
+                    .await?
+            }
+            started => started?,
+        };
         let mut events = self.runs.follow_started(&run_id, &thread_id, Deliver::End);
         let mut result = None;
         while let Some(event) = events.next().await {

@@ -495,7 +495,7 @@ impl RunService {
 
     /// Starts (or, by its request id, finds) the attempt's run and follows it to its end.
     async fn attempt_task_agent(self: &Arc<Self>, task: &TaskAgent) -> TaskAttempt {
-        let thread_id = format!("task-{}", task.id);
+        let thread_id = format!("{TASK_THREAD_PREFIX}{}", task.id);
         let earlier = match self.unaccounted_run(task, &thread_id).await {
             Ok(run) => run,
             Err(e) => return not_yet(task, ApiError::Store(e)),
@@ -661,6 +661,9 @@ enum TaskAttempt {
     /// again shortly, and its request id finds the run if one started.
     NotYet(String),
 }
+
+/// A task agent's thread: this and the task's id.
+pub(super) const TASK_THREAD_PREFIX: &str = "task-";
 
 /// How soon an attempt that did not happen ([`TaskAttempt::NotYet`]) is taken up again.
 const TASK_NOT_YET: Duration = Duration::from_secs(30);

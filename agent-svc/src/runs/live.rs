@@ -369,6 +369,16 @@ impl Follow {
         }
         event.run_id.clone_from(&self.run_id);
         event.thread_id.clone_from(&self.thread_id);
+        if let Some(pb::run_event::Kind::Result(r)) = &mut event.kind {
+            // Ends written without the run at hand (a cancel, a supersede, the monitor's) are
+            // encoded once for any run; the caller is owed which run and thread it was.
+            if r.run_id.is_empty() {
+                r.run_id.clone_from(&self.run_id);
+            }
+            if r.thread_id.is_empty() {
+                r.thread_id.clone_from(&self.thread_id);
+            }
+        }
         out.push(Ok(event));
         terminal
     }

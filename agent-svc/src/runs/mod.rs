@@ -1610,20 +1610,22 @@ impl RunService {
         }))
     }
 
-    /// WatchRun from the first event of a run this caller has just started: as [`watch`],
+    /// RunStream: starts a run and watches it from its first event, as [`watch`] does,
     /// without reading the run first (see [`follow_started`]).
     ///
     /// [`watch`]: RunService::watch
     /// [`follow_started`]: RunService::follow_started
-    pub fn watch_started(
+    pub async fn start_watched(
         self: &Arc<Self>,
         owner: &str,
-        run_id: &str,
-        thread_id: &str,
+        input: RunInput,
     ) -> Result<impl Stream<Item = Result<pb::RunEvent, tonic::Status>> + Send + 'static, ApiError>
     {
+        // The slot first: a caller refused its stream must not leave behind a run it
+        // cannot see, whose retry would start it again or find its thread busy.
         let slot = WatchSlot::take(&self.watchers, owner, self.fair_use.max_watchers)?;
-        let events = self.follow_started(run_id, thread_id, Deliver::Every);
+        let (run_id, thread_id) = self.start(owner, input).await?;
+        let events = self.follow_started(&run_id, &thread_id, Deliver::Every);
         Ok(tokio_stream::StreamExt::map(events, move |e| {
             let _held = &slot;
             e
@@ -1854,6 +1856,13 @@ fn started_task_agents(history: &[Turn]) -> Vec<&str> {
 /// How many of a thread's task agents its prompt shows, and how much of each report.
 const PROMPT_TASK_AGENTS: usize = 3;
 const TASK_REPORT_CHARS: usize = 2000;
+
+/// Whether Steward itself starts the runs of `thread_id` (a task agent's, a schedule's own),
+/// rather than its user holding a conversation there.
+pub fn started_by_steward(thread_id: &str) -> bool {
+    thread_id.starts_with(background::TASK_THREAD_PREFIX)
+        || thread_id.starts_with(scheduled::SCHEDULE_THREAD_PREFIX)
+}
 
 /// A run refused because `thread_id` has a run going (`active`).
 fn thread_busy(thread_id: &str, active: &str) -> ApiError {

@@ -32,6 +32,9 @@ impl Default for ScheduleRules {
     }
 }
 
+/// The thread of a schedule created without one: this and the schedule's id.
+pub(super) const SCHEDULE_THREAD_PREFIX: &str = "schedule-";
+
 /// How long a worker holds an occurrence: the longest scheduled run (600 s) and a margin. A
 /// worker that dies lets another take the occurrence over after this.
 const HOLD: Duration = Duration::from_secs(660);
@@ -225,7 +228,7 @@ impl RunService {
             (None, true) => None,
             (None, false) => {
                 new_thread = Some(format!("{} ({id})", new.kind.title()));
-                Some(format!("schedule-{id}"))
+                Some(format!("{SCHEDULE_THREAD_PREFIX}{id}"))
             }
         };
         let schedule = Schedule {
@@ -548,15 +551,11 @@ impl RunService {
         }
         let bootstrap = match &self.gateway {
             Some(gateway) => {
-                // Bounded like every other gateway call: a start holds one of the replica's
-                // permits while it waits.
-                let fetched = tokio::time::timeout(
-                    gateway.call_timeout,
-                    gateway.bootstrap(&s.owner, &s.time_zone, gateway_channel(channel)),
-                )
-                .await
-                .map_err(|_| "it did not answer in time".to_owned())
-                .and_then(|r| r.map_err(|e| e.to_string()));
+                // Bounded (a start holds one of the replica's permits while it waits).
+                let fetched = gateway
+                    .bootstrap(&s.owner, &s.time_zone, gateway_channel(channel))
+                    .await
+                    .map_err(|e| e.to_string());
                 Some(
                     fetched
                         .map_err(|e| {
