@@ -413,6 +413,42 @@ async fn b3_opening_the_app_leaves_a_pending_approval_waiting_and_greets_on_a_ne
     assert_eq!(model.requests().len(), 3);
 }
 
+/// a Run repeated with its request id after its run paused, was approved and completed
+/// answers with how the run ended, not with the pause first in its log.
+#[tokio::test]
+async fn a_repeated_run_request_answers_how_its_run_stands_now_not_its_first_pause() {
+    let (app, model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::text("Sent."),
+        ],
+        &[],
+    )
+    .await;
+    let request = pb::RunInput {
+        request_id: "budget-mail-1".into(),
+        ..input("email my boss the budget")
+    };
+    let paused = run_on(app.agent_addr, request.clone()).await;
+    assert_eq!(paused.status, pb::RunState::AwaitingConfirmation as i32);
+    app.agent_as("alice")
+        .await
+        .decide_approval(approve(&paused.approval.unwrap().id))
+        .await
+        .unwrap();
+    let again = run_on(app.agent_addr, request).await;
+    assert_eq!(
+        (again.status, again.run_id.as_str(), again.summary.as_str()),
+        (
+            pb::RunState::Completed as i32,
+            paused.run_id.as_str(),
+            "Sent."
+        )
+    );
+    assert_eq!(gmail.sent().len(), 1);
+    assert_eq!(model.requests().len(), 2, "the repeat started nothing");
+}
+
 /// a RunStream refused at the open-watcher cap starts no run; the caller could not see
 /// one, and its retry would start it twice or find the thread busy.
 #[tokio::test]

@@ -61,6 +61,12 @@ impl AgentApi {
 /// How many of a user's latest threads a session opening looks through for a conversation.
 const SESSION_THREADS_LOOKED_AT: usize = 20;
 
+fn ended_without_result(run_id: &str) -> ApiError {
+    ApiError::Unavailable(format!(
+        "run {run_id} ended without a result; follow it with WatchRun"
+    ))
+}
+
 pub(crate) fn terminal_result(event: &pb::RunEvent) -> Option<pb::RunResult> {
     match &event.kind {
         Some(pb::run_event::Kind::Result(r)) => Some((**r).clone()),
@@ -92,7 +98,18 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::RunResponse>, Status> {
         let user = self.user(&request).await?;
         let input = convert::run_input(request.into_inner().input)?;
+        let repeatable = input.request_id.is_some();
         let (run_id, thread_id) = self.runs.start(&user, input).await?;
+        if repeatable {
+            // This may repeat a request whose run has gone on since: how it stands now.
+            let result = self.runs.latest_result(&user, &run_id).await?;
+            return match result {
+                Some(result) => Ok(Response::new(pb::RunResponse {
+                    result: Some(result),
+                })),
+                None => Err(ended_without_result(&run_id).into()),
+            };
+        }
         let mut events = self.runs.follow_started(&run_id, &thread_id, Deliver::End);
         while let Some(event) = events.next().await {
             if let Some(result) = terminal_result(&event?) {
@@ -101,10 +118,7 @@ impl AgentService for AgentApi {
                 }));
             }
         }
-        Err(ApiError::Unavailable(format!(
-            "run {run_id} ended without a result; follow it with WatchRun"
-        ))
-        .into())
+        Err(ended_without_result(&run_id).into())
     }
 
     async fn run_stream(

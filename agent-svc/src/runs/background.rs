@@ -28,14 +28,7 @@ impl RunService {
                 output_tokens = spent.output_tokens, error = %e, "could not record what a session summary cost");
         }
         let message = "The session was archived before this approval was decided.";
-        let ending = Ending {
-            state: RunState::Cancelled,
-            error: message.into(),
-            failure_kind: "cancelled".into(),
-            event: encode(cancelled_result(message)),
-            seq_gap: 1,
-            message: None,
-        };
+        let ending = cancel_ending(message, 1);
         match self
             .store
             .archive_history(thread_id, owner, &summary, &ending, holder)
@@ -163,14 +156,7 @@ impl RunService {
                 // Its cancel came first: it ends as its canceller asked, with their reason —
                 // not as a failure, which a task agent or a schedule would retry.
                 let message = super::cancelled_message(run.cancel_reason.as_deref());
-                Ending {
-                    state: RunState::Cancelled,
-                    error: message.clone(),
-                    failure_kind: "cancelled".into(),
-                    event: encode(super::cancelled_result(&message)),
-                    seq_gap: ABANDONED_SEQ_GAP,
-                    message: None,
-                }
+                cancel_ending(&message, ABANDONED_SEQ_GAP)
             } else {
                 let message =
                     "This run stopped: the server running it stopped responding. Please try again.";

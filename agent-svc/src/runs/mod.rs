@@ -1228,6 +1228,7 @@ impl RunService {
                     // Counted once its approval is stored (a refused pause stores none).
                     if state == RunState::AwaitingConfirmation {
                         crate::metrics::approval_requested();
+                        self.cancelled_while_pausing(seg).await;
                     }
                     // One line per run segment; the run span adds run_id, thread_id, trace_id.
                     tracing::info!(state = state.key(), "run segment ended");
@@ -1242,6 +1243,31 @@ impl RunService {
             Err(e) => {
                 tracing::error!(run_id = %seg.run_id, error = %e, "could not record the run's end; the health monitor will end it when its lease lapses");
                 let _ = self.store.release_lease(&writer.lease).await;
+            }
+        }
+    }
+
+    /// A CancelRun that set the run's flag while its pause was being committed found it
+    /// executing, so nothing ended the pause: the run would wait for a decision its user
+    /// cancelled. The flag, read after the pause is durable, ends it as a paused run's cancel.
+    async fn cancelled_while_pausing(&self, seg: &Segment) {
+        let run = match self.store.get_run(&seg.owner, &seg.run_id).await {
+            Ok(Some(run)) if run.cancel_requested => run,
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(run_id = %seg.run_id, error = %e, "could not check for a cancel after pausing");
+                return;
+            }
+        };
+        let ending = cancel_ending(&cancelled_message(run.cancel_reason.as_deref()), 1);
+        match self.store.end_paused(&seg.run_id, &ending).await {
+            Ok(true) => {
+                tracing::info!(run_id = %seg.run_id, "a cancel that came while the run paused ended it");
+                crate::metrics::run_ended(RunState::Cancelled.key());
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(run_id = %seg.run_id, error = %e, "could not end a paused run its caller cancelled");
             }
         }
     }
@@ -1548,15 +1574,7 @@ impl RunService {
                 .record_audit(owner, "cancel_requested", Some(run_id), detail)
                 .await?;
         }
-        let message = cancelled_message(reason);
-        let ending = Ending {
-            state: RunState::Cancelled,
-            error: message.clone(),
-            failure_kind: "cancelled".into(),
-            event: encode(cancelled_result(&message)),
-            seq_gap: 1,
-            message: None,
-        };
+        let ending = cancel_ending(&cancelled_message(reason), 1);
         // A run can move between paused and running while this goes on (a decision resumes
         // it, the resumed segment pauses again): each is tried against the state it is in now,
         // a few times, before the cancel is reported as not taken.
@@ -1651,6 +1669,34 @@ impl RunService {
             deliver,
         )
         .start()
+    }
+
+    /// The run's result as it stands, following it past each result in its log to the last
+    /// (and waiting while it goes on). A caller that repeats a request (a request id, a
+    /// schedule's occurrence taken over) is owed this, not the first result: a run that
+    /// paused, was approved and went on holds its pause's result first.
+    pub async fn latest_result(
+        self: &Arc<Self>,
+        owner: &str,
+        run_id: &str,
+    ) -> Result<Option<pb::RunResult>, tonic::Status> {
+        let (mut latest, mut after) = (None, 0);
+        loop {
+            let mut events = self.follow(owner, run_id, after, Deliver::End).await?;
+            let mut next = None;
+            while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
+                let event = event?;
+                if let Some(result) = crate::api::terminal_result(&event) {
+                    next = Some((event.seq, result));
+                    break;
+                }
+            }
+            // Each follow delivers only what is after `after`, so this ends.
+            match next {
+                Some((seq, result)) => (after, latest) = (seq, Some(result)),
+                None => return Ok(latest),
+            }
+        }
     }
 
     /// Follows a run for this service's own callers (Run, DecideApproval, OpenSession).
@@ -1750,6 +1796,19 @@ fn cancelled_message(reason: Option<&str>) -> String {
     match reason {
         Some(reason) => format!("The run was cancelled: {reason}"),
         None => "The run was cancelled.".to_owned(),
+    }
+}
+
+/// The end of a run nobody will finish, cancelled with `message` (the terminal event
+/// `seq_gap` past the last durable one).
+fn cancel_ending(message: &str, seq_gap: u64) -> Ending {
+    Ending {
+        state: RunState::Cancelled,
+        error: message.to_owned(),
+        failure_kind: "cancelled".into(),
+        event: encode(cancelled_result(message)),
+        seq_gap,
+        message: None,
     }
 }
 

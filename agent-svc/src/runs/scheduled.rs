@@ -606,17 +606,15 @@ impl RunService {
         claimed: SystemTime,
     ) -> Settle {
         let owner = &occurrence.schedule.owner;
+        // The latest result: an occurrence taken over after its run paused and went on is
+        // settled by how the run ended, not by its pause.
         let followed = async {
-            let mut events = self.follow(owner, &run_id, 0, Deliver::End).await?;
-            while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
-                let event = event.map_err(|s| ApiError::Unavailable(s.message().to_owned()))?;
-                if let Some(r) = crate::api::terminal_result(&event) {
-                    return Ok(r);
-                }
-            }
-            Err(ApiError::Unavailable(format!(
-                "run {run_id} ended without a result"
-            )))
+            self.latest_result(owner, &run_id)
+                .await
+                .map_err(|s| ApiError::Unavailable(s.message().to_owned()))?
+                .ok_or_else(|| {
+                    ApiError::Unavailable(format!("run {run_id} ended without a result"))
+                })
         };
         let result = {
             tokio::pin!(followed);
