@@ -51,6 +51,8 @@ pub struct CallContext {
     deferred: Mutex<Vec<AuditEntry>>,
     services: Arc<Services>,
     upstream_calls: AtomicU32,
+    /// Writing requests that left and were not refused outright (see [`Self::write_attempt`]).
+    writes: AtomicU32,
     account: Mutex<Option<String>>,
     /// The access token of each account the call charged or sent as, resolved once per call.
     tokens: Mutex<Vec<(Integration, String, String)>>,
@@ -93,6 +95,7 @@ impl CallContext {
             deferred: Mutex::new(Vec::new()),
             services,
             upstream_calls: AtomicU32::new(0),
+            writes: AtomicU32::new(0),
             account: Mutex::new(None),
             tokens: Mutex::new(Vec::new()),
         }
@@ -100,6 +103,28 @@ impl CallContext {
 
     pub fn upstream_calls(&self) -> u32 {
         self.upstream_calls.load(Ordering::Relaxed)
+    }
+
+    /// Counts a writing request (one that can change something upstream: an HTTP method other
+    /// than GET/HEAD/OPTIONS, an MCP `tools/call`) about to leave. Counted before it is sent,
+    /// never after: a call cut off or failed once it left may still have acted, and a
+    /// side effect with a write counted keeps its idempotency key, so a retry replays instead
+    /// of acting twice. Reads (a reply reading its original first) are not counted: a side
+    /// effect that failed before any write did nothing.
+    pub fn write_attempt(&self) {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A counted write was refused outright (a 4xx answer): that request did nothing.
+    fn write_refused(&self) {
+        let _ = self
+            .writes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    /// Whether a writing request left and was not refused outright: the call may have acted.
+    pub fn may_have_written(&self) -> bool {
+        self.writes.load(Ordering::Relaxed) > 0
     }
 
     /// The account the call used (the last one named to `charge` or `send`).
@@ -262,7 +287,10 @@ impl CallContext {
         check_status(integration.label(), account, second)
     }
 
-    /// Sends one request and reads its body under the cap; any status comes back.
+    /// Sends one request and reads its body under the cap; any status comes back. A request
+    /// of a writing method is counted as a write ([`Self::write_attempt`]) before it leaves,
+    /// and uncounted when the upstream refuses it outright (4xx). A write the upstream
+    /// accepted (2xx) whose body cannot be read comes back with an empty body: it was done.
     async fn send_raw(
         &self,
         integration: Integration,
@@ -270,22 +298,43 @@ impl CallContext {
         request: RequestBuilder,
     ) -> Result<UpstreamResponse, ToolError> {
         let service = integration.label();
+        let (client, request) = request.build_split();
+        // Not sent: a request that cannot be built did nothing.
+        let request = request.map_err(|e| transport_error(service, &e))?;
+        let writes = !request.method().is_safe();
         let started = Instant::now();
         self.upstream_attempt();
+        if writes {
+            self.write_attempt();
+        }
         let result: Result<UpstreamResponse, ToolError> = async {
-            let response = request
-                .send()
+            let response = client
+                .execute(request)
                 .await
                 .map_err(|e| transport_error(service, &e))?;
             let status = response.status();
+            if writes && status.is_client_error() {
+                self.write_refused();
+            }
             let headers = response.headers().clone();
-            let body = read_capped(response, self.services.max_body_bytes)
-                .await
-                .map_err(|e| transport_error(service, &e))?
-                .map_err(|e| ToolError::UpstreamGarbage {
-                    service,
-                    detail: e.to_string(),
-                })?;
+            let body = match read_capped(response, self.services.max_body_bytes).await {
+                Ok(Ok(body)) => body,
+                Err(_) | Ok(Err(_)) if writes && status.is_success() => {
+                    tracing::warn!(
+                        service,
+                        status = status.as_u16(),
+                        "a write was accepted but its answer could not be read"
+                    );
+                    Vec::new()
+                }
+                Err(e) => return Err(transport_error(service, &e)),
+                Ok(Err(e)) => {
+                    return Err(ToolError::UpstreamGarbage {
+                        service,
+                        detail: e.to_string(),
+                    });
+                }
+            };
             Ok(UpstreamResponse {
                 status,
                 headers,
@@ -302,9 +351,9 @@ impl CallContext {
         result
     }
 
-    /// Counts a request about to leave for upstream. Counted before it is sent, never after:
-    /// a call cut off by its deadline may still have acted upstream, and a counted call keeps
-    /// its idempotency key (a retry replays instead of acting twice).
+    /// Counts a request about to leave for upstream (read or write), for the call's outcome and
+    /// audit. Whether a side effect may have acted is counted apart, by
+    /// [`Self::write_attempt`].
     pub fn upstream_attempt(&self) {
         self.upstream_calls.fetch_add(1, Ordering::Relaxed);
     }

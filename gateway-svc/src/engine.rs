@@ -343,30 +343,19 @@ impl Engine {
             };
 
             let result = match result {
-                // Interrupted once its request had left: it may have acted, and must say so.
-                Err(e @ (ToolError::Cancelled | ToolError::UpstreamTimeout { .. }))
-                    if tool.spec.side_effect && ctx.upstream_calls() > 0 =>
-                {
-                    Err(ToolError::MayHaveActed {
-                        service,
-                        what: match &e {
-                            ToolError::UpstreamTimeout { after, .. } => format!(
-                                "{service} did not answer within {} seconds",
-                                after.as_secs().max(1)
-                            ),
-                            _ => "The call was cancelled".to_owned(),
-                        },
-                        kind: e.kind(),
-                    })
+                // Failed once a write had left, with no definite refusal: it may have acted,
+                // and must say so rather than invite a retry that acts twice.
+                Err(e) if tool.spec.side_effect && ctx.may_have_written() => {
+                    Err(may_have_acted(service, e))
                 }
                 r => r,
             };
             if let Some(mut held) = held {
-                // Nothing reached upstream, or the upstream refused it for its rate (429): nothing
-                // was done, so a retry is safe and the key is freed for it. Otherwise the outcome
-                // is stored, and a retry replays it.
-                let refused = matches!(result, Err(ToolError::UpstreamRateLimited { .. }));
-                if ctx.upstream_calls() > 0 && !refused {
+                // A write may have reached upstream, or the call succeeded: the outcome is
+                // stored, and a retry replays it. Otherwise no write left, or each was refused
+                // outright (a 4xx, a 429 for its rate): nothing was done, so the key is freed
+                // for a retry.
+                if result.is_ok() || ctx.may_have_written() {
                     let outcome = self.outcome(
                         request.call_id,
                         name.clone(),
@@ -532,7 +521,7 @@ const STORE_ATTEMPTS: u32 = 4;
 
 /// A side effect's hold on its idempotency key while it runs. It ends by storing the call's
 /// outcome or by freeing the key; dropped without either (the call panicked), it frees the key
-/// only if no request reached upstream, and otherwise leaves it held until its hold lapses, so
+/// only if no write left for upstream, and otherwise leaves it held until its hold lapses, so
 /// that no retry acts again at once.
 struct Held<'a> {
     claim: Option<Box<dyn IdempotencyClaim>>,
@@ -578,10 +567,38 @@ impl Held<'_> {
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         if let Some(claim) = self.claim.take()
-            && self.ctx.upstream_calls() > 0
+            && self.ctx.may_have_written()
         {
             claim.abandon();
         }
+    }
+}
+
+/// A side effect's failure once a write had left: a definite answer (the upstream refused it,
+/// or said why it failed) stays as it is; anything else (cut off, a broken connection, a 5xx,
+/// an answer that could not be read, a failure inside the gateway) may have come after the
+/// upstream acted, so it is reported as such, keeping its kind.
+fn may_have_acted(service: &'static str, e: ToolError) -> ToolError {
+    let what = match &e {
+        ToolError::UpstreamTimeout { after, .. } => format!(
+            "{service} did not answer within {} seconds",
+            after.as_secs().max(1)
+        ),
+        ToolError::Cancelled => "The call was cancelled".to_owned(),
+        ToolError::UpstreamUnavailable { detail, .. } => {
+            format!("The connection to {service} failed ({detail})")
+        }
+        ToolError::Upstream { status, .. } => format!("{service} answered HTTP {status}"),
+        ToolError::UpstreamGarbage { detail, .. } => {
+            format!("{service}'s answer could not be read ({detail})")
+        }
+        ToolError::Internal(_) => "The call failed inside the gateway".to_owned(),
+        _ => return e,
+    };
+    ToolError::MayHaveActed {
+        service,
+        what,
+        kind: e.kind(),
     }
 }
 

@@ -508,8 +508,17 @@ impl Tool for Write {
                 "I couldn't find that event in {account}'s calendar {calendar:?}."
             )));
         }
-        let event: Event = r.json(SERVICE)?;
         let verb = if self.update { "Updated" } else { "Created" };
+        // Calendar accepted the write: an answer that cannot be read does not undo it.
+        let event: Event = match r.json(SERVICE) {
+            Ok(event) => event,
+            Err(e) => {
+                tracing::warn!(error = %e, "Calendar accepted a write but its answer could not be read");
+                return Ok(ToolOutput::text(format!(
+                    "{verb} the event in {account} (Calendar's answer could not be read, so its id is unknown)."
+                )));
+            }
+        };
         Ok(ToolOutput::text(format!(
             "{verb} event {} in {account}.",
             render(&event)

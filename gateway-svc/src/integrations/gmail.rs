@@ -373,7 +373,12 @@ impl GmailApi {
                 "Gmail could not find what that refers to.".into(),
             ));
         }
-        r.json(SERVICE)
+        // Gmail accepted the write: an answer that cannot be read does not undo it. It was
+        // done; only its id is unknown ("message unknown" in the result).
+        Ok(r.json(SERVICE).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "Gmail accepted a write but its answer could not be read");
+            Value::Null
+        }))
     }
 }
 
@@ -1185,7 +1190,7 @@ impl Tool for Compose {
                 Ok(ToolOutput::text(format!(
                     "Sent \"{subject}\" from {from} to {} (message {}).",
                     to.join(", "),
-                    sent["id"].as_str().unwrap_or("?")
+                    sent["id"].as_str().unwrap_or("unknown")
                 )))
             }
             ComposeKind::Draft => {
@@ -1201,7 +1206,7 @@ impl Tool for Compose {
                 Ok(ToolOutput::text(format!(
                     "Saved draft \"{subject}\" to {} in {from} (draft {}).",
                     to.join(", "),
-                    draft["id"].as_str().unwrap_or("?")
+                    draft["id"].as_str().unwrap_or("unknown")
                 )))
             }
         }
@@ -1289,7 +1294,7 @@ impl Tool for Reply {
         Ok(ToolOutput::text(format!(
             "Replied to \"{original_subject}\" from {from} to {} in thread {thread_id} (message {}).",
             to.join(", "),
-            sent["id"].as_str().unwrap_or("?")
+            sent["id"].as_str().unwrap_or("unknown")
         )))
     }
 }

@@ -1,0 +1,326 @@
+//! A side effect that fails (P-4, R-3): once its write may have reached the upstream it says so
+//! and keeps its idempotency key, so a retry replays instead of sending twice; when no write
+//! left, or the upstream refused it outright, it says what went wrong and frees the key.
+//! The engine runs the real Gmail tools against a scripted upstream on a local socket.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime},
+};
+
+use gateway_svc::{
+    audit::AuditTrail,
+    config::AuditQueueConfig,
+    context::{CallContext, Services},
+    credentials::{Credentials, NewAccount, cipher::TokenCipher},
+    domain::{CallOutcome, CallRequest, Channel, ErrorKind, Integration, UserId},
+    enforce::ToolError,
+    engine::{Engine, EngineConfig},
+    integrations::gmail::{self, GmailApi},
+    ratelimit::{RateLimiter, memory::MemoryRateLimits},
+    registry::{Registry, Tool, ToolOutput, ToolSpec},
+    store::memory::MemoryStore,
+};
+use serde_json::{Value, json};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpListener,
+};
+use tokio_util::sync::CancellationToken;
+
+/// What the scripted upstream does with one request.
+#[derive(Clone, Copy)]
+enum Answer {
+    /// Answers with this status and body.
+    Status(u16, &'static str),
+    /// Reads the request whole, then closes the connection without a word.
+    Hangup,
+}
+
+/// The upstream: answers each request by its method and path, and remembers them.
+struct Upstream {
+    base_url: String,
+    seen: Arc<Mutex<Vec<String>>>,
+}
+
+impl Upstream {
+    async fn start(script: fn(&str, &str) -> Answer) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base_url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let Some((method, path)) = read_request(&mut socket).await else {
+                        return;
+                    };
+                    log.lock().unwrap().push(format!("{method} {path}"));
+                    if let Answer::Status(status, body) = script(&method, &path) {
+                        let response = format!(
+                            "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                            body.len()
+                        );
+                        let _ = socket.write_all(response.as_bytes()).await;
+                    }
+                });
+            }
+        });
+        Self { base_url, seen }
+    }
+
+    fn seen(&self, request: &str) -> usize {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| r.starts_with(request))
+            .count()
+    }
+}
+
+/// The method and path of one HTTP/1.1 request, read with its body.
+async fn read_request(socket: &mut tokio::net::TcpStream) -> Option<(String, String)> {
+    let mut data = Vec::new();
+    let mut buf = [0u8; 4096];
+    let head_end = loop {
+        let n = socket.read(&mut buf).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        data.extend_from_slice(&buf[..n]);
+        if let Some(at) = data.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&data[..head_end]).to_string();
+    let length: usize = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse().ok())?
+        })
+        .unwrap_or(0);
+    while data.len() < head_end + length {
+        let n = socket.read(&mut buf).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        data.extend_from_slice(&buf[..n]);
+    }
+    let mut words = head.split_whitespace();
+    let method = words.next()?.to_owned();
+    let path = words.next()?.to_owned();
+    Some((method, path))
+}
+
+/// A side effect standing in for a remote (MCP) tool: its call leaves, then the connection
+/// breaks before an answer.
+struct BrokenRemote;
+
+#[async_trait::async_trait]
+impl Tool for BrokenRemote {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new(
+            "remote_act",
+            Integration::Mcp,
+            "acts remotely",
+            json!({"type": "object"}),
+        )
+        .with_side_effect()
+    }
+
+    async fn call(&self, ctx: &CallContext, _args: Value) -> Result<ToolOutput, ToolError> {
+        ctx.upstream_attempt();
+        ctx.write_attempt();
+        Err(ToolError::UpstreamUnavailable {
+            service: "MCP server",
+            detail: "the connection failed mid-call".into(),
+        })
+    }
+}
+
+fn user() -> UserId {
+    UserId::parse("u1").unwrap()
+}
+
+async fn engine(upstream: &Upstream) -> Engine {
+    let stores = MemoryStore::stores();
+    let http = reqwest::Client::new();
+    let credentials = Credentials::new(
+        stores.accounts.clone(),
+        Some(TokenCipher::ephemeral()),
+        None,
+        http.clone(),
+    );
+    credentials
+        .connect(
+            &user(),
+            NewAccount {
+                integration: Integration::Gmail,
+                account: "alice@example.com".into(),
+                access_token: "tok-alice".into(),
+                refresh_token: Some("refresh-alice".into()),
+                expires_at: Some(SystemTime::now() + Duration::from_secs(3600)),
+                scopes: Vec::new(),
+            },
+        )
+        .await
+        .unwrap();
+    let services = Arc::new(Services {
+        credentials,
+        limiter: RateLimiter::new(Arc::new(MemoryRateLimits::default()), |_| None),
+        http,
+        audit: AuditTrail::start(stores.audit.clone(), &AuditQueueConfig::default()),
+        max_body_bytes: 1 << 20,
+    });
+    let mut tools = gmail::tools(GmailApi {
+        base_url: upstream.base_url.clone(),
+    });
+    tools.push(Arc::new(BrokenRemote));
+    Engine {
+        registry: Arc::new(Registry::new(tools).unwrap()),
+        services,
+        idempotency: stores.idempotency.clone(),
+        config: EngineConfig {
+            max_result_chars: 6000,
+            default_timeout: Duration::from_secs(10),
+            max_timeout: Duration::from_secs(10),
+        },
+        in_flight: Arc::default(),
+    }
+}
+
+async fn call(engine: &Engine, call_id: &str, tool: &str, args: Value) -> CallOutcome {
+    let request = CallRequest {
+        call_id: call_id.into(),
+        tool: tool.into(),
+        args,
+        idempotency_key: Some("run-1/call-1".into()),
+        channel: Channel::Web,
+        timeout: None,
+        run_id: None,
+        read_external_from: Vec::new(),
+        expected_binding: None,
+    };
+    engine
+        .execute(&user(), request, CancellationToken::new())
+        .await
+}
+
+fn send_args() -> Value {
+    json!({"to": "bob@example.com", "subject": "Hi", "body": "Hello"})
+}
+
+const SEND: &str = "POST /gmail/v1/users/me/messages/send";
+
+/// Sends with the same idempotency key twice, the upstream answering the send as scripted:
+/// the first outcome, the second, and how many sends reached the upstream.
+async fn send_twice(script: fn(&str, &str) -> Answer) -> (CallOutcome, CallOutcome, usize) {
+    let upstream = Upstream::start(script).await;
+    let engine = engine(&upstream).await;
+    let first = call(&engine, "c1", "gmail_send", send_args()).await;
+    let second = call(&engine, "c2", "gmail_send", send_args()).await;
+    (first, second, upstream.seen(SEND))
+}
+
+fn says_it_may_have_acted(outcome: &CallOutcome) -> bool {
+    outcome
+        .text
+        .contains("so it may have taken effect. Do not repeat it")
+}
+
+#[tokio::test]
+async fn p4_a_send_whose_connection_breaks_after_it_left_may_have_acted_and_is_never_sent_again() {
+    let (first, second, sends) = send_twice(|_, _| Answer::Hangup).await;
+    assert!(says_it_may_have_acted(&first), "{}", first.text);
+    assert_eq!(first.error_kind, Some(ErrorKind::UpstreamUnavailable));
+    assert!(!first.text.contains("Try again later"), "{}", first.text);
+    assert!(second.replayed, "the retry replays: {}", second.text);
+    assert_eq!(sends, 1);
+}
+
+#[tokio::test]
+async fn p4_a_send_answered_by_a_bad_gateway_may_have_acted_and_is_never_sent_again() {
+    for status in [500, 502, 504] {
+        let script: fn(&str, &str) -> Answer = match status {
+            500 => |_, _| Answer::Status(500, "{}"),
+            502 => |_, _| Answer::Status(502, "{}"),
+            _ => |_, _| Answer::Status(504, "{}"),
+        };
+        let (first, second, sends) = send_twice(script).await;
+        assert!(says_it_may_have_acted(&first), "{status}: {}", first.text);
+        assert!(
+            first.text.contains(&format!("HTTP {status}")),
+            "{}",
+            first.text
+        );
+        assert_eq!(first.error_kind, Some(ErrorKind::UpstreamError));
+        assert!(second.replayed, "{status}");
+        assert_eq!(sends, 1, "{status}");
+    }
+}
+
+#[tokio::test]
+async fn p4_a_send_accepted_with_an_unreadable_answer_is_done_with_an_unknown_id() {
+    let (first, second, sends) = send_twice(|_, _| Answer::Status(200, "<html>ok")).await;
+    assert!(first.ok(), "{}", first.text);
+    assert_eq!(
+        first.text,
+        "Sent \"Hi\" from alice@example.com to bob@example.com (message unknown)."
+    );
+    assert!(second.replayed);
+    assert_eq!(sends, 1);
+}
+
+#[tokio::test]
+async fn p4_a_send_refused_outright_did_nothing_and_frees_its_key_for_a_retry() {
+    // A 400: the request as it is will fail again; a 401 with no way to refresh: the token.
+    for script in [
+        (|_, _| {
+            Answer::Status(
+                400,
+                r#"{"error":{"errors":[{"reason":"invalidArgument"}]}}"#,
+            )
+        }) as fn(&str, &str) -> Answer,
+        |_, _| Answer::Status(401, "{}"),
+    ] {
+        let (first, second, sends) = send_twice(script).await;
+        assert!(!first.ok());
+        assert!(!says_it_may_have_acted(&first), "{}", first.text);
+        assert!(!second.replayed, "nothing was done, so nothing is replayed");
+        assert_eq!(sends, 2);
+    }
+}
+
+#[tokio::test]
+async fn p4_a_reply_whose_read_of_the_original_fails_did_nothing_and_frees_its_key() {
+    let upstream = Upstream::start(|method, _| match method {
+        "GET" => Answer::Status(502, "{}"),
+        _ => Answer::Status(200, r#"{"id":"m2"}"#),
+    })
+    .await;
+    let engine = engine(&upstream).await;
+    let args = json!({"message_id": "m1", "body": "Thanks"});
+    let first = call(&engine, "c1", "gmail_reply", args.clone()).await;
+    assert_eq!(first.error_kind, Some(ErrorKind::UpstreamError));
+    assert!(!says_it_may_have_acted(&first), "{}", first.text);
+    assert!(first.text.contains("It may work if tried again later"));
+    let second = call(&engine, "c2", "gmail_reply", args).await;
+    assert!(!second.replayed, "the key was freed: {}", second.text);
+    assert_eq!(upstream.seen("GET /gmail/v1/users/me/messages/m1"), 2);
+    assert_eq!(upstream.seen(SEND), 0);
+}
+
+#[tokio::test]
+async fn p4_a_remote_side_effect_whose_connection_breaks_mid_call_may_have_acted() {
+    let upstream = Upstream::start(|_, _| Answer::Hangup).await;
+    let engine = engine(&upstream).await;
+    let first = call(&engine, "c1", "remote_act", json!({})).await;
+    assert!(says_it_may_have_acted(&first), "{}", first.text);
+    assert_eq!(first.error_kind, Some(ErrorKind::UpstreamUnavailable));
+    let second = call(&engine, "c2", "remote_act", json!({})).await;
+    assert!(second.replayed);
+}
