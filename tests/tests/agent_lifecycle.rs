@@ -563,7 +563,11 @@ async fn a_retried_model_stream_tells_the_client_to_discard_its_partial_text() {
 async fn callers_cannot_pick_the_long_running_channels() {
     let (app, _model, _gmail) = gmail_world(vec![], &[]).await;
     let mut alice = app.agent_as("alice").await;
-    for channel in [pb::Channel::Scheduled, pb::Channel::Heartbeat] {
+    for channel in [
+        pb::Channel::Scheduled,
+        pb::Channel::Heartbeat,
+        pb::Channel::TaskAgent,
+    ] {
         let mut i = input("work for ten minutes");
         i.channel = channel as i32;
         let err = alice

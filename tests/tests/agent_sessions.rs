@@ -568,6 +568,26 @@ async fn a_task_agent_spawned_on_one_instance_runs_on_another_and_reports_to_the
         task_report(&app, &started.thread_id).await,
         "Task agent finished (task summary):\nYou have no pending tasks."
     );
+    let task_run: String = app
+        .sql()
+        .await
+        .query_one(
+            "SELECT id FROM agent.runs WHERE thread_id = 'task-' || $1",
+            &[&task],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let shown = get_run(&mut app.agent_as("alice").await, &task_run)
+        .await
+        .unwrap()
+        .run
+        .unwrap();
+    assert_eq!(
+        shown.channel,
+        pb::Channel::TaskAgent as i32,
+        "GetRun tells a task agent's run from a caller's"
+    );
     let task_request = &model.requests()[2].1;
     let system = task_request["messages"][0]["content"].as_str().unwrap();
     assert!(

@@ -102,7 +102,10 @@ pub fn channel(c: i32) -> Result<Channel, ApiError> {
         Ok(pb::Channel::Unspecified | pb::Channel::Web) => Ok(Channel::Web),
         Ok(pb::Channel::Telegram) => Ok(Channel::Telegram),
         Ok(
-            reserved @ (pb::Channel::SessionOpen | pb::Channel::Scheduled | pb::Channel::Heartbeat),
+            reserved @ (pb::Channel::SessionOpen
+            | pb::Channel::Scheduled
+            | pb::Channel::Heartbeat
+            | pb::Channel::TaskAgent),
         ) => Err(ApiError::InvalidArgument(format!(
             "input.channel {} is reserved for runs Steward starts itself; use CHANNEL_WEB or CHANNEL_TELEGRAM",
             reserved.as_str_name()
@@ -346,12 +349,13 @@ pub fn run(r: &Run) -> pb::Run {
         id: r.id.clone(),
         thread_id: r.thread_id.clone(),
         state: run_state(r.state) as i32,
-        channel: match r.channel.as_str() {
-            "telegram" => pb::Channel::Telegram,
-            "session_open" => pb::Channel::SessionOpen,
-            "scheduled" => pb::Channel::Scheduled,
-            "heartbeat" => pb::Channel::Heartbeat,
-            _ => pb::Channel::Web,
+        channel: match channel_from_key(&r.channel) {
+            Channel::Web => pb::Channel::Web,
+            Channel::Telegram => pb::Channel::Telegram,
+            Channel::SessionOpen => pb::Channel::SessionOpen,
+            Channel::Scheduled => pb::Channel::Scheduled,
+            Channel::Heartbeat => pb::Channel::Heartbeat,
+            Channel::TaskAgent => pb::Channel::TaskAgent,
         } as i32,
         model: r.model.clone(),
         usage: Some(run_usage(u)),
