@@ -512,7 +512,7 @@ impl IdempotencyClaim for PgClaim {
             .execute(
                 "UPDATE gateway.idempotency SET state = 'done', tool = $4, args_sha256 = $5, outcome = $6, \
                  holder = NULL, lease_until = NULL WHERE user_id = $1 AND key = $2 AND holder = $3",
-                &[&self.user.as_str(), &self.key, holder, &result.tool, &result.args_sha256, &result.outcome],
+                &[&self.user.as_str(), &self.key, holder, &result.tool, &result.args_sha256, &pg_json(&result.outcome)],
             )
             .await
             .map_err(db)?;
@@ -568,6 +568,21 @@ impl Drop for PgClaim {
 /// batch on every retry, stalling the queue behind it.
 fn pg_text(s: &str) -> String {
     s.replace('\0', "\u{fffd}")
+}
+
+/// A JSON value as `jsonb` takes it: NUL (`\u0000`), which `jsonb` refuses in any string,
+/// replaced in every string and key as [`pg_text`] does. Refused, a side effect's result would
+/// not be stored and its key, once its hold lapsed, would let a retry act again.
+fn pg_json(value: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::String(s) if s.contains('\0') => Value::String(pg_text(s)),
+        Value::Array(items) => Value::Array(items.iter().map(pg_json).collect()),
+        Value::Object(map) => {
+            Value::Object(map.iter().map(|(k, v)| (pg_text(k), pg_json(v))).collect())
+        }
+        other => other.clone(),
+    }
 }
 
 /// A count as PostgreSQL `int4`: saturated at its maximum, never wrapped to a negative.
