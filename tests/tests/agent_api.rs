@@ -579,3 +579,34 @@ async fn e10_get_usage_defaults_to_the_last_30_days_and_refuses_a_window_it_cann
         assert!(refused.message().contains(says), "{}", refused.message());
     }
 }
+
+/// ListThreads pages through every thread once, most recently updated first, each page
+/// starting after the last thread the one before showed.
+#[tokio::test]
+async fn list_threads_pages_through_every_thread_once() {
+    let app = spawn(Options::default()).await;
+    let mut alice = agent_as(app.agent_addr, "alice").await;
+    let mut started = Vec::new();
+    for prompt in ["one", "two", "three"] {
+        started.push(run(&mut alice, input(prompt)).await.unwrap().thread_id);
+    }
+    let (mut shown, mut token) = (Vec::new(), String::new());
+    for _ in 0..3 {
+        let page = alice
+            .list_threads(pb::ListThreadsRequest {
+                page_size: 2,
+                page_token: token,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        shown.extend(page.threads.into_iter().map(|t| t.id));
+        token = page.next_page_token;
+        if token.is_empty() {
+            break;
+        }
+    }
+    started.reverse();
+    assert_eq!(shown, started, "newest first, each once");
+    assert!(token.is_empty(), "the last page says it is the last");
+}

@@ -11,8 +11,8 @@ use agent_svc::store::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Decided, Ending,
     Lease, LockOutcome, MessageKind, MessageSource, ModelCallUsage, ModelUsage, NewMessage,
     Occurrence, Run, RunCommit, RunPatch, RunState, RunUsage, Schedule, ScheduleKind,
-    ScheduleOutcome, Settle, StoreError, TaskAgent, TaskSettle, TurnJson, UsageSummary, action_id,
-    memory::MemoryStore, postgres::PgStore,
+    ScheduleOutcome, Settle, StoreError, TaskAgent, TaskSettle, ThreadCursor, TurnJson,
+    UsageSummary, action_id, memory::MemoryStore, postgres::PgStore,
 };
 use steward_tests::TestDb;
 use svc_kit::{pg::PoolOptions, server_config::DatabaseConfig};
@@ -1393,15 +1393,60 @@ async fn threads_belong_to_their_owner(b: Backend) {
     )
     .await
     .unwrap();
-    let mine: Vec<_> = s
-        .list_threads("alice", 0, 10)
+    let mine = s.list_threads("alice", None, 10).await.unwrap();
+    let ids: Vec<_> = mine.iter().map(|t| t.id.as_str()).collect();
+    assert_eq!(ids, ["t1", "t2"], "most recently updated first");
+    let after_t1 = ThreadCursor {
+        updated_at: mine[0].updated_at,
+        id: mine[0].id.clone(),
+    };
+    let rest = s.list_threads("alice", Some(&after_t1), 10).await.unwrap();
+    assert_eq!(rest.len(), 1);
+    assert_eq!(rest[0].id, "t2");
+}
+
+/// ListThreads' pages are keyed by the last thread shown: a message on a thread further down
+/// moves it to the top between pages, and the next page still starts after the last one
+/// shown — never showing it again, as an offset would.
+async fn a_page_of_threads_starts_after_the_last_one_shown(b: Backend) {
+    let s = &b.store;
+    for id in ["oldest", "middle", "newest"] {
+        s.create_thread(id, "alice", id).await.unwrap();
+        s.add_message(
+            id,
+            None,
+            MessageSource::User,
+            MessageKind::Text,
+            "hi",
+            serde_json::json!({}),
+        )
+        .await
+        .unwrap();
+    }
+    let first = s.list_threads("alice", None, 1).await.unwrap();
+    assert_eq!(first[0].id, "newest");
+    s.add_message(
+        "oldest",
+        None,
+        MessageSource::User,
+        MessageKind::Text,
+        "again",
+        serde_json::json!({}),
+    )
+    .await
+    .unwrap();
+    let cursor = ThreadCursor {
+        updated_at: first[0].updated_at,
+        id: first[0].id.clone(),
+    };
+    let next: Vec<String> = s
+        .list_threads("alice", Some(&cursor), 10)
         .await
         .unwrap()
         .into_iter()
         .map(|t| t.id)
         .collect();
-    assert_eq!(mine, ["t1", "t2"], "most recently updated first");
-    assert_eq!(s.list_threads("alice", 1, 10).await.unwrap().len(), 1);
+    assert_eq!(next, ["middle"], "newest is not shown twice");
 }
 
 /// The usage of these calls: (provider, model, input tokens, output tokens, cost).
@@ -2057,6 +2102,7 @@ macro_rules! both_backends {
 
 both_backends!(
     threads_belong_to_their_owner,
+    a_page_of_threads_starts_after_the_last_one_shown,
     a_thread_is_never_created_twice,
     the_thread_lease_has_one_holder_until_released_or_expired,
     concurrent_lockers_get_exactly_one_winner,

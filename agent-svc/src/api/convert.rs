@@ -491,7 +491,11 @@ pub fn failure_kind(k: Option<&str>) -> pb::FailureKind {
     }
 }
 
-/// Pagination: tokens are offsets, opaque to callers.
+fn foreign_token() -> ApiError {
+    ApiError::InvalidArgument("page_token is not one this service issued".into())
+}
+
+/// Pagination of an append-only list: tokens are offsets, opaque to callers.
 pub fn page(
     token: &str,
     size: i32,
@@ -502,11 +506,46 @@ pub fn page(
     let offset = if token.is_empty() {
         0
     } else {
-        token.parse::<u32>().map_err(|_| {
-            ApiError::InvalidArgument("page_token is not one this service issued".into())
-        })? as usize
+        token.parse::<u32>().map_err(|_| foreign_token())? as usize
     };
-    let size = match size {
+    Ok((offset, page_size(size, default, max)?))
+}
+
+/// Pagination of a user's threads, most recently updated first. Any message moves a thread to
+/// the top, so an offset would skip or repeat threads between pages: a token names the last
+/// thread shown, and the next page starts after it.
+pub fn thread_page(
+    token: &str,
+    size: i32,
+) -> Result<(Option<crate::store::ThreadCursor>, usize), ApiError> {
+    let after = if token.is_empty() {
+        None
+    } else {
+        let (nanos, id) = token.split_once(':').ok_or_else(foreign_token)?;
+        let nanos = nanos.parse::<u64>().map_err(|_| foreign_token())?;
+        if id.is_empty() {
+            return Err(foreign_token());
+        }
+        Some(crate::store::ThreadCursor {
+            updated_at: SystemTime::UNIX_EPOCH + Duration::from_nanos(nanos),
+            id: id.to_owned(),
+        })
+    };
+    Ok((after, page_size(size, 20, 100)?))
+}
+
+/// The token of the page after `last`.
+pub fn thread_page_token(last: &crate::store::Thread) -> String {
+    let nanos = last
+        .updated_at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    format!("{nanos}:{}", last.id)
+}
+
+fn page_size(size: i32, default: usize, max: usize) -> Result<usize, ApiError> {
+    Ok(match size {
         0 => default,
         n if n < 0 || n as usize > max => {
             return Err(ApiError::InvalidArgument(format!(
@@ -514,6 +553,5 @@ pub fn page(
             )));
         }
         n => n as usize,
-    };
-    Ok((offset, size))
+    })
 }

@@ -172,7 +172,7 @@ impl AgentService for AgentApi {
             // The conversation the user was last in: not a thread whose runs Steward starts
             // itself (a task agent's report, a schedule's briefings).
             self.store
-                .list_threads(&user, 0, SESSION_THREADS_LOOKED_AT)
+                .list_threads(&user, None, SESSION_THREADS_LOOKED_AT)
                 .await
                 .map_err(ApiError::from)?
                 .into_iter()
@@ -406,16 +406,15 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::ListThreadsResponse>, Status> {
         let user = self.user(&request).await?;
         let r = request.into_inner();
-        let (offset, size) = convert::page(&r.page_token, r.page_size, 20, 100)?;
+        let (after, size) = convert::thread_page(&r.page_token, r.page_size)?;
         let threads = self
             .store
-            .list_threads(&user, offset, size + 1)
+            .list_threads(&user, after.as_ref(), size + 1)
             .await
             .map_err(ApiError::from)?;
-        let next = if threads.len() > size {
-            (offset + size).to_string()
-        } else {
-            String::new()
+        let next = match threads.get(size) {
+            Some(_) => convert::thread_page_token(&threads[size - 1]),
+            None => String::new(),
         };
         Ok(Response::new(pb::ListThreadsResponse {
             threads: threads.iter().take(size).map(convert::thread).collect(),

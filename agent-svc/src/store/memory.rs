@@ -14,7 +14,8 @@ use super::{
     Action, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive, Decided, Ending,
     Lease, LockOutcome, Message, MessageKind, MessageSource, ModelUsage, Occurrence, Run,
     RunCommit, RunPatch, RunState, RunUsage, Schedule, ScheduleOutcome, Settle, StoreError,
-    TaskAgent, TaskSettle, Thread, TurnJson, UsageSummary, carries_external, transcript_text,
+    TaskAgent, TaskSettle, Thread, ThreadCursor, TurnJson, UsageSummary, carries_external,
+    transcript_text,
 };
 
 /// A thread's lease: holder run, fencing token, expiry on the monotonic clock.
@@ -359,7 +360,7 @@ impl AgentStore for MemoryStore {
     async fn list_threads(
         &self,
         owner: &str,
-        offset: usize,
+        after: Option<&ThreadCursor>,
         limit: usize,
     ) -> Result<Vec<Thread>, StoreError> {
         self.with(|s| {
@@ -367,6 +368,7 @@ impl AgentStore for MemoryStore {
                 .threads
                 .values()
                 .filter(|row| row.thread.owner == owner)
+                .filter(|row| after.is_none_or(|c| c.precedes(&row.thread)))
                 .map(|row| {
                     let mut t = row.thread.clone();
                     t.active_run_id = row.live_lease().map(|l| l.run_id.clone());
@@ -374,7 +376,7 @@ impl AgentStore for MemoryStore {
                 })
                 .collect();
             mine.sort_by(|a, b| b.updated_at.cmp(&a.updated_at).then(a.id.cmp(&b.id)));
-            mine.into_iter().skip(offset).take(limit).collect()
+            mine.into_iter().take(limit).collect()
         })
     }
 

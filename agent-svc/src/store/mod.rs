@@ -71,6 +71,21 @@ pub struct Thread {
     pub last_run_id: Option<String>,
 }
 
+/// Where a page of a user's threads starts: after this thread, in
+/// [`AgentStore::list_threads`]' order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadCursor {
+    pub updated_at: SystemTime,
+    pub id: String,
+}
+
+impl ThreadCursor {
+    /// Whether `t` comes after the cursor: updated earlier, or as late with a greater id.
+    pub fn precedes(&self, t: &Thread) -> bool {
+        t.updated_at < self.updated_at || (t.updated_at == self.updated_at && t.id > self.id)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MessageSource {
     User,
@@ -599,11 +614,11 @@ pub trait AgentStore: Send + Sync + 'static {
     -> Result<Thread, StoreError>;
     /// The thread if it exists and belongs to `owner`.
     async fn get_thread(&self, owner: &str, id: &str) -> Result<Option<Thread>, StoreError>;
-    /// Most recently updated first.
+    /// Most recently updated first (ties by id), from after `after` when given.
     async fn list_threads(
         &self,
         owner: &str,
-        offset: usize,
+        after: Option<&ThreadCursor>,
         limit: usize,
     ) -> Result<Vec<Thread>, StoreError>;
 

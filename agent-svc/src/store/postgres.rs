@@ -11,8 +11,8 @@ use super::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive,
     Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, ModelUsage,
     Occurrence, Run, RunCommit, RunNotice, RunState, RunUsage, Schedule, ScheduleKind,
-    ScheduleOutcome, Settle, StoreError, TaskAgent, TaskSettle, Thread, TurnJson, UsageSummary,
-    carries_external, transcript_text,
+    ScheduleOutcome, Settle, StoreError, TaskAgent, TaskSettle, Thread, ThreadCursor, TurnJson,
+    UsageSummary, carries_external, transcript_text,
 };
 
 mod embedded {
@@ -264,18 +264,20 @@ impl AgentStore for PgStore {
     async fn list_threads(
         &self,
         owner: &str,
-        offset: usize,
+        after: Option<&ThreadCursor>,
         limit: usize,
     ) -> Result<Vec<Thread>, StoreError> {
+        let (at, id) = (after.map(|c| c.updated_at), after.map(|c| c.id.as_str()));
         let rows = self
             .client()
             .await?
             .query(
                 &format!(
                     "SELECT {THREAD_COLUMNS} FROM agent.threads WHERE owner = $1 \
-                     ORDER BY updated_at DESC, id OFFSET $2 LIMIT $3"
+                       AND ($2::timestamptz IS NULL OR updated_at < $2 OR (updated_at = $2 AND id > $3)) \
+                     ORDER BY updated_at DESC, id LIMIT $4"
                 ),
-                &[&owner, &(offset as i64), &(limit as i64)],
+                &[&owner, &at, &id, &(limit as i64)],
             )
             .await
             .map_err(db)?;
