@@ -16,12 +16,14 @@ use crate::{
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:50052";
 pub const DEFAULT_GOOGLE_TOKEN_URL: &str = "https://oauth2.googleapis.com/token";
 
-/// Where rate-limit counters live.
+/// Where rate-limit counters live (`RATE_LIMIT_BACKEND`). The default follows the store: in
+/// PostgreSQL whenever `DATABASE_URL` is set, so that replicas sharing a database share one
+/// limit (G-6) instead of each allowing the whole of it; in memory without a database.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RateLimitBackendKind {
-    /// In this process (the default): exact per replica.
+    /// In this process (the default without a database): exact per replica.
     Memory,
-    /// In PostgreSQL: exact across every replica.
+    /// In PostgreSQL (the default with a database): exact across every replica.
     Postgres,
 }
 
@@ -299,7 +301,11 @@ impl Config {
             vars.error("TOOL_CALL_MAX_TIMEOUT", "is shorter than TOOL_CALL_TIMEOUT");
         }
 
-        let rate_limit_backend = match vars.string("RATE_LIMIT_BACKEND", "memory").as_str() {
+        let default_backend = match server.database {
+            Some(_) => "postgres",
+            None => "memory",
+        };
+        let rate_limit_backend = match vars.string("RATE_LIMIT_BACKEND", default_backend).as_str() {
             "memory" => RateLimitBackendKind::Memory,
             "postgres" if server.database.is_some() => RateLimitBackendKind::Postgres,
             "postgres" => {
@@ -636,6 +642,24 @@ mod tests {
                 .auth,
             CallerAuth::ServiceToken(_)
         ));
+    }
+
+    #[test]
+    fn g6_rate_limits_are_shared_through_the_database_by_default_and_in_memory_without_one() {
+        let base = DEV_AUTH;
+        let db = ("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/steward");
+        let backend = |pairs: &[(&str, &str)]| load(pairs).unwrap().rate_limit_backend;
+        assert_eq!(
+            backend(&[base[0], base[1], db]),
+            RateLimitBackendKind::Postgres,
+            "replicas sharing a database share one limit"
+        );
+        assert_eq!(backend(&base), RateLimitBackendKind::Memory);
+        assert_eq!(
+            backend(&[base[0], base[1], db, ("RATE_LIMIT_BACKEND", "memory")]),
+            RateLimitBackendKind::Memory,
+            "still chosen explicitly"
+        );
     }
 
     #[test]
