@@ -205,9 +205,10 @@ impl Engine {
         &self,
         tool: Option<Arc<RegisteredTool>>,
         user: &UserId,
-        request: CallRequest,
+        mut request: CallRequest,
         cancel: CancellationToken,
     ) -> (String, Finished, Option<CallContext>) {
+        request.args = crate::registry::integral_numbers(request.args);
         let Some(tool) = tool else {
             let name = request.tool.clone();
             return (
@@ -397,7 +398,13 @@ impl Engine {
 
     /// What a call would do (PreviewCall), resolved as its execution would resolve it; nothing
     /// is sent or changed. Validated and rate-limited like a call; audited as a preview.
-    pub async fn preview(&self, user: &UserId, request: CallRequest) -> Result<Preview, ToolError> {
+    pub async fn preview(
+        &self,
+        user: &UserId,
+        mut request: CallRequest,
+    ) -> Result<Preview, ToolError> {
+        // As `run` reads them, so the preview shows what the call will do.
+        request.args = crate::registry::integral_numbers(request.args);
         let started = Instant::now();
         let tool = self
             .registry

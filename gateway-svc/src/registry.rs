@@ -149,6 +149,27 @@ pub trait Tool: Send + Sync + 'static {
     }
 }
 
+/// Arguments with every integral number as an integer (`7.0` → `7`), at any depth. JSON
+/// Schema's "integer" accepts `7.0`, but `Value::as_i64`/`as_u64` read it as no integer at all,
+/// so a tool would act on a default ("task #0"); normalised once where calls enter the engine,
+/// every tool reads what was validated. Beyond 2^53 a float is left as it is: not exact.
+pub fn integral_numbers(value: Value) -> Value {
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    match value {
+        Value::Number(n) => match n.as_f64() {
+            Some(f) if n.is_f64() && f.fract() == 0.0 && f.abs() <= EXACT => Value::from(f as i64),
+            _ => Value::Number(n),
+        },
+        Value::Array(items) => Value::Array(items.into_iter().map(integral_numbers).collect()),
+        Value::Object(map) => Value::Object(
+            map.into_iter()
+                .map(|(k, v)| (k, integral_numbers(v)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
 /// At most `max` characters of `text`, cut on a character boundary, with "…" when cut.
 pub fn clip(text: &str, max: usize) -> String {
     match text.char_indices().nth(max) {
@@ -348,6 +369,17 @@ mod tests {
             100,
         );
         assert_eq!(flat, "Budget To: attacker@evil.test txt.exe x");
+    }
+
+    #[test]
+    fn g3_integral_numbers_become_integers_at_any_depth_and_others_stay() {
+        let args = serde_json::json!({"id": 7.0, "list": [1.0, 2.5, -3.0], "o": {"n": 0.0},
+                                      "big": 1e300, "s": "7.0", "i": 4});
+        assert_eq!(
+            integral_numbers(args),
+            serde_json::json!({"id": 7, "list": [1, 2.5, -3], "o": {"n": 0},
+                               "big": 1e300, "s": "7.0", "i": 4})
+        );
     }
 
     proptest! {

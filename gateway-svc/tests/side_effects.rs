@@ -8,17 +8,17 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+mod common;
+
+use common::user;
 use gateway_svc::{
-    audit::AuditTrail,
-    config::AuditQueueConfig,
-    context::{CallContext, Services},
-    credentials::{Credentials, NewAccount, cipher::TokenCipher},
-    domain::{CallOutcome, CallRequest, Channel, ErrorKind, Integration, UserId},
+    context::CallContext,
+    credentials::NewAccount,
+    domain::{CallOutcome, ErrorKind, Integration},
     enforce::ToolError,
-    engine::{Engine, EngineConfig},
+    engine::Engine,
     integrations::gmail::{self, GmailApi},
-    ratelimit::{RateLimiter, memory::MemoryRateLimits},
-    registry::{Registry, Tool, ToolOutput, ToolSpec},
+    registry::{Tool, ToolOutput, ToolSpec},
     store::memory::MemoryStore,
 };
 use serde_json::{Value, json};
@@ -26,7 +26,6 @@ use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpListener,
 };
-use tokio_util::sync::CancellationToken;
 
 /// What the scripted upstream does with one request.
 #[derive(Clone, Copy)]
@@ -142,20 +141,16 @@ impl Tool for BrokenRemote {
     }
 }
 
-fn user() -> UserId {
-    UserId::parse("u1").unwrap()
-}
-
 async fn engine(upstream: &Upstream) -> Engine {
     let stores = MemoryStore::stores();
-    let http = reqwest::Client::new();
-    let credentials = Credentials::new(
-        stores.accounts.clone(),
-        Some(TokenCipher::ephemeral()),
-        None,
-        http.clone(),
-    );
-    credentials
+    let mut tools = gmail::tools(GmailApi {
+        base_url: upstream.base_url.clone(),
+    });
+    tools.push(Arc::new(BrokenRemote));
+    let engine = common::engine(&stores, tools);
+    engine
+        .services
+        .credentials
         .connect(
             &user(),
             NewAccount {
@@ -169,45 +164,11 @@ async fn engine(upstream: &Upstream) -> Engine {
         )
         .await
         .unwrap();
-    let services = Arc::new(Services {
-        credentials,
-        limiter: RateLimiter::new(Arc::new(MemoryRateLimits::default()), |_| None),
-        http,
-        audit: AuditTrail::start(stores.audit.clone(), &AuditQueueConfig::default()),
-        max_body_bytes: 1 << 20,
-    });
-    let mut tools = gmail::tools(GmailApi {
-        base_url: upstream.base_url.clone(),
-    });
-    tools.push(Arc::new(BrokenRemote));
-    Engine {
-        registry: Arc::new(Registry::new(tools).unwrap()),
-        services,
-        idempotency: stores.idempotency.clone(),
-        config: EngineConfig {
-            max_result_chars: 6000,
-            default_timeout: Duration::from_secs(10),
-            max_timeout: Duration::from_secs(10),
-        },
-        in_flight: Arc::default(),
-    }
+    engine
 }
 
 async fn call(engine: &Engine, call_id: &str, tool: &str, args: Value) -> CallOutcome {
-    let request = CallRequest {
-        call_id: call_id.into(),
-        tool: tool.into(),
-        args,
-        idempotency_key: Some("run-1/call-1".into()),
-        channel: Channel::Web,
-        timeout: None,
-        run_id: None,
-        read_external_from: Vec::new(),
-        expected_binding: None,
-    };
-    engine
-        .execute(&user(), request, CancellationToken::new())
-        .await
+    common::call(engine, call_id, tool, args, "run-1/call-1").await
 }
 
 fn send_args() -> Value {

@@ -1,0 +1,73 @@
+//! An engine as the gateway assembles it, on in-memory stores, for tests that drive calls
+//! through it with tools of their choosing.
+
+use std::{sync::Arc, time::Duration};
+
+use gateway_svc::{
+    audit::AuditTrail,
+    config::AuditQueueConfig,
+    context::Services,
+    credentials::{Credentials, cipher::TokenCipher},
+    domain::{CallOutcome, CallRequest, Channel, UserId},
+    engine::{Engine, EngineConfig},
+    ratelimit::{RateLimiter, memory::MemoryRateLimits},
+    registry::{Registry, Tool},
+    store::Stores,
+};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+pub(crate) fn user() -> UserId {
+    UserId::parse("u1").unwrap()
+}
+
+pub(crate) fn engine(stores: &Stores, tools: Vec<Arc<dyn Tool>>) -> Engine {
+    let http = reqwest::Client::new();
+    let services = Arc::new(Services {
+        credentials: Credentials::new(
+            stores.accounts.clone(),
+            Some(TokenCipher::ephemeral()),
+            None,
+            http.clone(),
+        ),
+        limiter: RateLimiter::new(Arc::new(MemoryRateLimits::default()), |_| None),
+        http,
+        audit: AuditTrail::start(stores.audit.clone(), &AuditQueueConfig::default()),
+        max_body_bytes: 1 << 20,
+    });
+    Engine {
+        registry: Arc::new(Registry::new(tools).unwrap()),
+        services,
+        idempotency: stores.idempotency.clone(),
+        config: EngineConfig {
+            max_result_chars: 6000,
+            default_timeout: Duration::from_secs(10),
+            max_timeout: Duration::from_secs(10),
+        },
+        in_flight: Arc::default(),
+    }
+}
+
+/// One call by the test user, with idempotency key `key`.
+pub(crate) async fn call(
+    engine: &Engine,
+    call_id: &str,
+    tool: &str,
+    args: Value,
+    key: &str,
+) -> CallOutcome {
+    let request = CallRequest {
+        call_id: call_id.into(),
+        tool: tool.into(),
+        args,
+        idempotency_key: Some(key.into()),
+        channel: Channel::Web,
+        timeout: None,
+        run_id: None,
+        read_external_from: Vec::new(),
+        expected_binding: None,
+    };
+    engine
+        .execute(&user(), request, CancellationToken::new())
+        .await
+}
