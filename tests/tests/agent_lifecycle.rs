@@ -449,10 +449,10 @@ async fn a_repeated_run_request_answers_how_its_run_stands_now_not_its_first_pau
     assert_eq!(model.requests().len(), 2, "the repeat started nothing");
 }
 
-/// a RunStream refused at the open-watcher cap starts no run; the caller could not see
-/// one, and its retry would start it twice or find the thread busy.
+/// a RunStream or Run refused at the cap on followed runs starts no run; the caller could
+/// not see one, and its retry would start it twice or find the thread busy.
 #[tokio::test]
-async fn r4_a_stream_refused_at_the_watcher_cap_starts_no_run() {
+async fn r4_a_stream_or_run_refused_at_the_watcher_cap_starts_no_run() {
     let (app, model, _gmail) = gmail_world(
         vec![
             Answer::Slow(Box::new(Answer::text("done")), Duration::from_secs(20)),
@@ -476,6 +476,16 @@ async fn r4_a_stream_refused_at_the_watcher_cap_starts_no_run() {
         "{}",
         refused.message()
     );
+    // Waiting on a Run is following it too.
+    let refused = app
+        .agent_as("alice")
+        .await
+        .run(pb::RunRequest {
+            input: Some(input("or this")),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
     let runs = sql_count(
         &app,
         "SELECT count(*) FROM agent.runs WHERE owner = (SELECT owner FROM agent.runs WHERE id = $1)",

@@ -98,6 +98,9 @@ impl AgentService for AgentApi {
     ) -> Result<Response<pb::RunResponse>, Status> {
         let user = self.user(&request).await?;
         let input = convert::run_input(request.into_inner().input)?;
+        // Waiting on a run is following it, as a stream does: repeated requests must
+        // not open followers without bound.
+        let _following = self.runs.follower_slot(&user)?;
         let repeatable = input.request_id.is_some();
         let (run_id, thread_id) = self.runs.start(&user, input).await?;
         if repeatable {
@@ -300,6 +303,7 @@ impl AgentService for AgentApi {
         convert::text("comment", &r.comment, 1024)?;
         convert::text("args_sha256", &r.args_sha256, 64)?;
         let sha = Some(r.args_sha256.as_str()).filter(|s| !s.is_empty());
+        let _following = self.runs.follower_slot(&user)?;
         let decision = self
             .runs
             .decide(&user, &r.approval_id, approve, sha)

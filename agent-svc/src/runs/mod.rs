@@ -1628,6 +1628,12 @@ impl RunService {
         }))
     }
 
+    /// One of `owner`'s followed runs on this replica, held by a Run or DecideApproval
+    /// call while it waits for the run's result.
+    pub fn follower_slot(&self, owner: &str) -> Result<WatchSlot, ApiError> {
+        WatchSlot::take(&self.watchers, owner, self.fair_use.max_watchers)
+    }
+
     /// RunStream: starts a run and watches it from its first event, as [`watch`] does,
     /// without reading the run first (see [`follow_started`]).
     ///
@@ -1735,8 +1741,9 @@ impl RunService {
     }
 }
 
-/// One open watch stream of a user on this replica; freed when the stream is dropped.
-struct WatchSlot {
+/// One run a user follows on this replica (an open stream, a waiting Run or DecideApproval);
+/// freed when dropped.
+pub struct WatchSlot {
     watchers: Arc<Mutex<HashMap<String, u32>>>,
     owner: String,
 }
@@ -1751,7 +1758,7 @@ impl WatchSlot {
         let n = open.entry(owner.to_owned()).or_default();
         if *n >= max {
             return Err(ApiError::ResourceExhausted(format!(
-                "you have {n} open run streams on this server, the limit (AGENT_MAX_WATCHERS_PER_USER) is {max}; close one first"
+                "you are following {n} runs on this server (open streams and waiting Run or DecideApproval calls), the limit (AGENT_MAX_WATCHERS_PER_USER) is {max}; close one first"
             )));
         }
         *n += 1;
