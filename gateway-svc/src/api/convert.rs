@@ -17,6 +17,21 @@ use crate::{
 pub const MAX_CALL_ID_BYTES: usize = 128;
 pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 128;
 
+/// Why `key` cannot be an idempotency key, if it cannot: longer than
+/// [`MAX_IDEMPOTENCY_KEY_BYTES`], or holding NUL (which no store keeps) or another control
+/// character. One rule for every way in (gRPC, the MCP endpoint).
+pub fn idempotency_key_problem(key: &str) -> Option<String> {
+    if key.len() > MAX_IDEMPOTENCY_KEY_BYTES {
+        Some(format!(
+            "idempotency_key is longer than {MAX_IDEMPOTENCY_KEY_BYTES} bytes"
+        ))
+    } else if key.chars().any(char::is_control) {
+        Some("idempotency_key must not contain a NUL or another control character".into())
+    } else {
+        None
+    }
+}
+
 /// The channel a call names; `None` for a number this build does not know (a newer caller's
 /// channel is not silently treated as WEB, whose limits may differ).
 pub fn channel(c: i32) -> Option<Channel> {
@@ -108,16 +123,13 @@ pub fn call_request(call: pb::ToolCall) -> Result<CallRequest, Rejected> {
     if call.tool.is_empty() {
         return Err(reject(&call, "tool is empty; name the tool to call".into()));
     }
-    if call.idempotency_key.len() > MAX_IDEMPOTENCY_KEY_BYTES {
-        return Err(reject(
-            &call,
-            format!("idempotency_key is longer than {MAX_IDEMPOTENCY_KEY_BYTES} bytes"),
-        ));
+    if let Some(problem) = idempotency_key_problem(&call.idempotency_key) {
+        return Err(reject(&call, problem));
     }
-    if call.idempotency_key.contains('\0') || call.call_id.contains('\0') {
+    if call.call_id.contains('\0') {
         return Err(reject(
             &call,
-            "call_id and idempotency_key must not contain a NUL character".into(),
+            "call_id must not contain a NUL character".into(),
         ));
     }
     let Some(channel) = channel(call.channel) else {

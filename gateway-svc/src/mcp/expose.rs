@@ -30,6 +30,7 @@ use crate::{
     config::CallerAuth,
     credentials::Credentials,
     domain::{CallRequest, Channel, Integration, UserId},
+    enforce::ToolError,
     engine::Engine,
 };
 
@@ -134,18 +135,14 @@ impl ServerHandler for GatewayTools {
             .into());
         }
         let call_id = format!("mcp-{}", uuid::Uuid::new_v4());
-        // Keys of MCP clients live apart from agent-svc's. Without a client key each request
-        // is its own key: a client's retry acts again — it should set the key.
-        let idempotency_key = match request
+        let client_key = request
             .meta
             .as_ref()
             .and_then(|m| m.get(IDEMPOTENCY_META_KEY))
-            .and_then(Value::as_str)
-        {
-            Some(key) => format!("mcp:{key}"),
-            // Request ids repeat across clients (every client starts at 0 or 1), and a
-            // stateless request has no session to tell them apart: a fresh key per request.
-            None => format!("mcp-request:{}", uuid::Uuid::new_v4()),
+            .and_then(Value::as_str);
+        let idempotency_key = match idempotency_key(client_key, &name) {
+            Ok(key) => key,
+            Err(e) => return Ok(CallToolResult::error(text(e.to_string())).into()),
         };
         let call = CallRequest {
             call_id,
@@ -169,6 +166,24 @@ impl ServerHandler for GatewayTools {
             CallToolResult::error(content)
         }
         .into())
+    }
+}
+
+/// The key a call from an MCP client runs under. Keys of MCP clients live apart from
+/// agent-svc's (`mcp:`), and are checked as gRPC checks its callers' keys. Without a client
+/// key each request is its own key: a client's retry acts again — it should set the key.
+fn idempotency_key(client_key: Option<&str>, tool: &str) -> Result<String, ToolError> {
+    match client_key.filter(|k| !k.is_empty()) {
+        Some(key) => match crate::api::convert::idempotency_key_problem(key) {
+            Some(problem) => Err(ToolError::InvalidArguments {
+                tool: tool.into(),
+                detail: problem.replace("idempotency_key", IDEMPOTENCY_META_KEY),
+            }),
+            None => Ok(format!("mcp:{key}")),
+        },
+        // Request ids repeat across clients (every client starts at 0 or 1), and a stateless
+        // request has no session to tell them apart: a fresh key per request.
+        None => Ok(format!("mcp-request:{}", uuid::Uuid::new_v4())),
     }
 }
 
@@ -289,5 +304,33 @@ impl Serving {
         {
             task.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clients_idempotency_key_is_checked_as_grpc_checks_it() {
+        assert_eq!(
+            idempotency_key(Some("k-1"), "gmail_send").unwrap(),
+            "mcp:k-1"
+        );
+        assert!(
+            idempotency_key(None, "gmail_send")
+                .unwrap()
+                .starts_with("mcp-request:")
+        );
+        for bad in ["a\0b".to_owned(), "a\r\nb".to_owned(), "k".repeat(129)] {
+            let e = idempotency_key(Some(&bad), "gmail_send").unwrap_err();
+            assert_eq!(
+                e.kind(),
+                crate::domain::ErrorKind::InvalidArguments,
+                "{bad:?}"
+            );
+            assert!(e.to_string().contains(IDEMPOTENCY_META_KEY), "{e}");
+        }
+        assert!(idempotency_key(Some(&"k".repeat(128)), "gmail_send").is_ok());
     }
 }
