@@ -268,20 +268,20 @@ impl Bootstrap {
     }
 
     async fn email_summary(&self, user: &UserId) -> EmailSummary {
-        let accounts = match self
+        let (accounts, to_reconnect) = match self
             .services
             .credentials
-            .usable_accounts(user, Integration::Gmail)
+            .accounts(user, Integration::Gmail)
             .await
         {
-            Ok(accounts) => accounts,
-            Err(crate::enforce::ToolError::CredentialsMissing { .. }) => {
+            Ok(all) if all.usable.is_empty() && all.to_reconnect.is_empty() => {
                 return EmailSummary {
                     status: SourceStatus::Empty,
                     line: "No email account connected.".into(),
                     accounts: vec![],
                 };
             }
+            Ok(all) => (all.usable, all.to_reconnect),
             Err(e) => {
                 tracing::warn!(user = %user, error = %e, "bootstrap: email accounts unavailable");
                 return unavailable_email();
@@ -339,13 +339,23 @@ impl Bootstrap {
         }
         ordered.sort_by_key(|(i, _)| *i);
         results.extend(ordered.into_iter().map(|(_, e)| e));
-        let parts: Vec<String> = results
+        let mut parts: Vec<String> = results
             .iter()
             .map(|a| match a.status {
                 SourceStatus::Ok => format!("{} {}", a.account, a.unread),
                 _ => format!("{} {UNAVAILABLE}", a.account),
             })
             .collect();
+        // An account that needs reconnecting is not counted, and says why (G-8): never left
+        // out as if it were not there.
+        for account in to_reconnect {
+            parts.push(format!("{account} (needs to be reconnected)"));
+            results.push(AccountUnread {
+                account,
+                status: SourceStatus::Unavailable,
+                unread: 0,
+            });
+        }
         let status = if results.iter().any(|a| a.status == SourceStatus::Ok) {
             SourceStatus::Ok
         } else {

@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 
 use crate::{
     audit::AuditTrail,
-    credentials::{AccountInfo, Credentials},
+    credentials::{Accounts, Credentials},
     domain::{Channel, Integration, UserId},
     enforce::{ToolError, caps::read_capped},
     ratelimit::{HeldReservation, LimitKey, RateLimiter, Window},
@@ -142,8 +142,8 @@ impl CallContext {
         &self.services.http
     }
 
-    /// The user's connected accounts of `integration`.
-    pub async fn accounts(&self, integration: Integration) -> Result<Vec<AccountInfo>, ToolError> {
+    /// The user's accounts of `integration`, at least one usable (see [`Accounts`]).
+    pub async fn accounts(&self, integration: Integration) -> Result<Accounts, ToolError> {
         self.services
             .credentials
             .usable_accounts(&self.user, integration)

@@ -4,13 +4,16 @@
 //! The engine runs the real Gmail tools against a scripted upstream on a local socket.
 
 use std::{
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::{Duration, SystemTime},
 };
 
 mod common;
 
-use common::user;
+use common::{
+    upstream::{Answer, Upstream},
+    user,
+};
 use gateway_svc::{
     context::CallContext,
     credentials::NewAccount,
@@ -22,98 +25,6 @@ use gateway_svc::{
     store::memory::MemoryStore,
 };
 use serde_json::{Value, json};
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpListener,
-};
-
-/// What the scripted upstream does with one request.
-#[derive(Clone, Copy)]
-enum Answer {
-    /// Answers with this status and body.
-    Status(u16, &'static str),
-    /// Reads the request whole, then closes the connection without a word.
-    Hangup,
-}
-
-/// The upstream: answers each request by its method and path, and remembers them.
-struct Upstream {
-    base_url: String,
-    seen: Arc<Mutex<Vec<String>>>,
-}
-
-impl Upstream {
-    async fn start(script: fn(&str, &str) -> Answer) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base_url = format!("http://{}", listener.local_addr().unwrap());
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let log = seen.clone();
-        tokio::spawn(async move {
-            while let Ok((mut socket, _)) = listener.accept().await {
-                let log = log.clone();
-                tokio::spawn(async move {
-                    let Some((method, path)) = read_request(&mut socket).await else {
-                        return;
-                    };
-                    log.lock().unwrap().push(format!("{method} {path}"));
-                    if let Answer::Status(status, body) = script(&method, &path) {
-                        let response = format!(
-                            "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                            body.len()
-                        );
-                        let _ = socket.write_all(response.as_bytes()).await;
-                    }
-                });
-            }
-        });
-        Self { base_url, seen }
-    }
-
-    fn seen(&self, request: &str) -> usize {
-        self.seen
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|r| r.starts_with(request))
-            .count()
-    }
-}
-
-/// The method and path of one HTTP/1.1 request, read with its body.
-async fn read_request(socket: &mut tokio::net::TcpStream) -> Option<(String, String)> {
-    let mut data = Vec::new();
-    let mut buf = [0u8; 4096];
-    let head_end = loop {
-        let n = socket.read(&mut buf).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        data.extend_from_slice(&buf[..n]);
-        if let Some(at) = data.windows(4).position(|w| w == b"\r\n\r\n") {
-            break at + 4;
-        }
-    };
-    let head = String::from_utf8_lossy(&data[..head_end]).to_string();
-    let length: usize = head
-        .lines()
-        .find_map(|l| {
-            let (name, value) = l.split_once(':')?;
-            name.eq_ignore_ascii_case("content-length")
-                .then(|| value.trim().parse().ok())?
-        })
-        .unwrap_or(0);
-    while data.len() < head_end + length {
-        let n = socket.read(&mut buf).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        data.extend_from_slice(&buf[..n]);
-    }
-    let mut words = head.split_whitespace();
-    let method = words.next()?.to_owned();
-    let path = words.next()?.to_owned();
-    Some((method, path))
-}
 
 /// A side effect standing in for a remote (MCP) tool: its call leaves, then the connection
 /// breaks before an answer.

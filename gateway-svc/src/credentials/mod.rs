@@ -58,6 +58,54 @@ pub enum CredentialError {
     NoKey,
 }
 
+/// A user's accounts of one integration as a call sees them. Those that need reconnecting are
+/// kept by name, never dropped quietly (G-8): a call over every account says which it could
+/// not use, and a call naming one is told it needs reconnecting.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Accounts {
+    pub integration: Integration,
+    /// Connected: usable.
+    pub usable: Vec<AccountInfo>,
+    /// The accounts that need reconnecting before they can be used again.
+    pub to_reconnect: Vec<String>,
+}
+
+impl Accounts {
+    /// The usable account named `named` (case-insensitive); `CredentialsRevoked` when it is
+    /// one that needs reconnecting; `None` when the user has no such account.
+    pub fn named(&self, named: &str) -> Result<Option<&AccountInfo>, ToolError> {
+        if let Some(a) = self
+            .usable
+            .iter()
+            .find(|a| a.account.eq_ignore_ascii_case(named))
+        {
+            return Ok(Some(a));
+        }
+        match self
+            .to_reconnect
+            .iter()
+            .find(|a| a.eq_ignore_ascii_case(named))
+        {
+            Some(account) => Err(revoked(self.integration, account)),
+            None => Ok(None),
+        }
+    }
+
+    /// What a call over every usable account must add: the accounts it did not reach.
+    pub fn left_out(&self, verb: &str) -> Option<String> {
+        match self.to_reconnect.as_slice() {
+            [] => None,
+            [one] => Some(format!(
+                "({one} was not {verb}: it needs to be reconnected.)"
+            )),
+            many => Some(format!(
+                "({} were not {verb}: they need to be reconnected.)",
+                many.join(", ")
+            )),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Credentials {
     store: Arc<dyn AccountStore>,
@@ -156,32 +204,44 @@ impl Credentials {
         self.store.delete_account(user, integration, account).await
     }
 
-    /// The user's accounts of `integration` that can be used; `CredentialsMissing` when none is
-    /// connected, `CredentialsRevoked` when all need reconnecting.
+    /// The user's accounts of `integration`: those that can be used, and those that need
+    /// reconnecting.
+    pub async fn accounts(
+        &self,
+        user: &UserId,
+        integration: Integration,
+    ) -> Result<Accounts, StoreError> {
+        let (usable, to_reconnect): (Vec<_>, Vec<_>) = self
+            .list(user)
+            .await?
+            .into_iter()
+            .filter(|a| a.integration == integration)
+            .partition(|a| a.status == AccountStatus::Connected);
+        Ok(Accounts {
+            integration,
+            usable,
+            to_reconnect: to_reconnect.into_iter().map(|a| a.account).collect(),
+        })
+    }
+
+    /// The user's accounts of `integration`, at least one usable; `CredentialsMissing` when
+    /// none is connected, `CredentialsRevoked` when all need reconnecting.
     pub async fn usable_accounts(
         &self,
         user: &UserId,
         integration: Integration,
-    ) -> Result<Vec<AccountInfo>, ToolError> {
-        let all: Vec<_> = self
-            .list(user)
+    ) -> Result<Accounts, ToolError> {
+        let accounts = self
+            .accounts(user, integration)
             .await
-            .map_err(|e| ToolError::Internal(e.to_string()))?
-            .into_iter()
-            .filter(|a| a.integration == integration)
-            .collect();
-        if all.is_empty() {
-            return Err(ToolError::CredentialsMissing { integration });
+            .map_err(|e| ToolError::Internal(e.to_string()))?;
+        if accounts.usable.is_empty() {
+            return Err(match accounts.to_reconnect.first() {
+                Some(account) => revoked(integration, account),
+                None => ToolError::CredentialsMissing { integration },
+            });
         }
-        let usable: Vec<_> = all
-            .iter()
-            .filter(|a| a.status == AccountStatus::Connected)
-            .cloned()
-            .collect();
-        if usable.is_empty() {
-            return Err(revoked(integration, &all[0].account));
-        }
-        Ok(usable)
+        Ok(accounts)
     }
 
     /// A valid access token, refreshed first if it expires within a minute. With

@@ -140,24 +140,45 @@ fn spec(name: &str, description: &str, schema: Value) -> ToolSpec {
     ToolSpec::new(name, Integration::GoogleCalendar, description, schema)
 }
 
+/// The account a call uses: the named one (refused as needing reconnection when it does), or
+/// the only usable one.
 async fn account(ctx: &CallContext, args: &Value, tool: &str) -> Result<String, ToolError> {
+    Ok(account_and_left_out(ctx, args, tool).await?.0)
+}
+
+/// [`account`], and what a search of it must add when it was picked as the only usable one
+/// of several: the accounts that need reconnecting, which it did not search (G-8).
+async fn account_and_left_out(
+    ctx: &CallContext,
+    args: &Value,
+    tool: &str,
+) -> Result<(String, String), ToolError> {
     let all = ctx.accounts(Integration::GoogleCalendar).await?;
     let named = text_arg(args, "account");
-    let names: Vec<_> = all.iter().map(|a| a.account.clone()).collect();
+    let left_out = match named {
+        Some(_) => String::new(),
+        None => all
+            .left_out("searched")
+            .map(|note| format!("\n{note}"))
+            .unwrap_or_default(),
+    };
+    let names: Vec<_> = all.usable.iter().map(|a| a.account.clone()).collect();
     match named {
-        Some(n) => names
-            .into_iter()
-            .find(|a| a.eq_ignore_ascii_case(&n))
-            .ok_or_else(|| ToolError::InvalidArguments {
-                tool: tool.into(),
-                detail: format!("no connected calendar account {n:?}"),
-            }),
+        Some(n) => {
+            all.named(&n)?
+                .map(|a| a.account.clone())
+                .ok_or_else(|| ToolError::InvalidArguments {
+                    tool: tool.into(),
+                    detail: format!("no connected calendar account {n:?}"),
+                })
+        }
         None if names.len() == 1 => Ok(names[0].clone()),
         None => Err(ToolError::InvalidArguments {
             tool: tool.into(),
             detail: format!("name the account to use: {}", names.join(", ")),
         }),
     }
+    .map(|account| (account, left_out))
 }
 
 /// A time argument as the calendar takes it: an instant, or a whole day (a plain date), which
@@ -330,7 +351,7 @@ impl Tool for Search {
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let account = account(ctx, &args, "calendar_search").await?;
+        let (account, left_out) = account_and_left_out(ctx, &args, "calendar_search").await?;
         let now =
             jiff::Timestamp::try_from(SystemTime::now()).unwrap_or(jiff::Timestamp::UNIX_EPOCH);
         let tool = "calendar_search";
@@ -381,7 +402,7 @@ impl Tool for Search {
         let events: Events = r.json(SERVICE)?;
         if events.items.is_empty() {
             return Ok(ToolOutput::text(format!(
-                "No events in {account} between {time_min} and {time_max}."
+                "No events in {account} between {time_min} and {time_max}.{left_out}"
             )));
         }
         let lines: Vec<String> = events
@@ -400,7 +421,7 @@ impl Tool for Search {
             }
         };
         Ok(ToolOutput::text(format!(
-            "Events in {account} ({}):\n{}{more}",
+            "Events in {account} ({}):\n{}{more}{left_out}",
             events.items.len(),
             lines.join("\n")
         )))

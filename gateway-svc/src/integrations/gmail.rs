@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use super::{batch, text_arg};
 use crate::{
     context::CallContext,
-    credentials::AccountInfo,
+    credentials::{AccountInfo, Accounts},
     domain::{Channel, Integration},
     enforce::ToolError,
     ratelimit::Window,
@@ -437,45 +437,48 @@ fn default_max(channel: Channel) -> u32 {
     if channel.is_interactive() { 5 } else { 10 }
 }
 
-/// The accounts a call applies to: the named one, or all.
+/// The accounts a call applies to: the named one, or every usable one. A named account that
+/// needs reconnecting is refused as such, never reported as unknown.
 fn pick_accounts(
-    all: Vec<AccountInfo>,
+    all: &Accounts,
     named: Option<&str>,
     tool: &str,
 ) -> Result<Vec<AccountInfo>, ToolError> {
-    let Some(named) = named else { return Ok(all) };
-    let names: Vec<_> = all.iter().map(|a| a.account.clone()).collect();
-    let chosen: Vec<_> = all
-        .into_iter()
-        .filter(|a| a.account.eq_ignore_ascii_case(named))
-        .collect();
-    if chosen.is_empty() {
-        return Err(ToolError::InvalidArguments {
+    let Some(named) = named else {
+        return Ok(all.usable.clone());
+    };
+    match all.named(named)? {
+        Some(account) => Ok(vec![account.clone()]),
+        None => Err(ToolError::InvalidArguments {
             tool: tool.into(),
             detail: format!(
                 "no connected Gmail account {named:?}; connected: {}",
-                names.join(", ")
+                names(&all.usable)
             ),
-        });
+        }),
     }
-    Ok(chosen)
 }
 
-/// The one account to act as: the named one, or the only one.
-fn one_account(
-    all: Vec<AccountInfo>,
-    named: Option<&str>,
-    tool: &str,
-) -> Result<String, ToolError> {
+/// The one account to act as: the named one, or the only usable one.
+fn one_account(all: &Accounts, named: Option<&str>, tool: &str) -> Result<String, ToolError> {
     let mut chosen = pick_accounts(all, named, tool)?;
     if chosen.len() > 1 {
-        let names: Vec<_> = chosen.iter().map(|a| a.account.clone()).collect();
         return Err(ToolError::InvalidArguments {
             tool: tool.into(),
-            detail: format!("name the account to use: {}", names.join(", ")),
+            detail: format!("name the account to use: {}", names(&chosen)),
         });
     }
     Ok(chosen.remove(0).account)
+}
+
+/// What a call over every account adds when some could not be used: said, never left out.
+fn left_out(all: &Accounts, named: Option<&str>, verb: &str) -> String {
+    named
+        .is_none()
+        .then(|| all.left_out(verb))
+        .flatten()
+        .map(|note| format!(" {note}"))
+        .unwrap_or_default()
 }
 
 pub fn tools(api: GmailApi) -> Vec<Arc<dyn Tool>> {
@@ -524,11 +527,9 @@ impl Tool for SearchGmail {
             .get("max_results")
             .and_then(Value::as_u64)
             .map_or(default_max(ctx.channel), |m| m as u32);
-        let accounts = pick_accounts(
-            ctx.accounts(Integration::Gmail).await?,
-            text_arg(&args, "account").as_deref(),
-            "search_gmail",
-        )?;
+        let named = text_arg(&args, "account");
+        let all = ctx.accounts(Integration::Gmail).await?;
+        let accounts = pick_accounts(&all, named.as_deref(), "search_gmail")?;
         let searches = accounts
             .iter()
             .map(|a| self.0.search_account(ctx, &a.account, &query, max));
@@ -590,6 +591,10 @@ impl Tool for SearchGmail {
         if failures.len() == accounts.len() {
             // Nothing to show from any account: the first failure is the answer.
             return Err(failures.remove(0));
+        }
+        let not_searched = left_out(&all, named.as_deref(), "searched");
+        if !not_searched.is_empty() {
+            sections.push(not_searched.trim_start().to_owned());
         }
         sections.push(FOOTER.into());
         Ok(ToolOutput {
@@ -746,11 +751,9 @@ impl Tool for GetGmail {
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let id = text_arg(&args, "message_id").unwrap_or_default();
-        let accounts = pick_accounts(
-            ctx.accounts(Integration::Gmail).await?,
-            text_arg(&args, "account").as_deref(),
-            "get_gmail",
-        )?;
+        let named = text_arg(&args, "account");
+        let all = ctx.accounts(Integration::Gmail).await?;
+        let accounts = pick_accounts(&all, named.as_deref(), "get_gmail")?;
         // Ids belong to one mailbox; without an account, try each until one has it.
         for account in &accounts {
             if let Some(m) = self.0.get_message(ctx, &account.account, &id).await? {
@@ -762,8 +765,9 @@ impl Tool for GetGmail {
             }
         }
         Err(ToolError::NotFound(format!(
-            "I couldn't find email {id} in {}.",
-            names(&accounts)
+            "I couldn't find email {id} in {}.{}",
+            names(&accounts),
+            left_out(&all, named.as_deref(), "searched")
         )))
     }
 }
@@ -798,11 +802,9 @@ impl Tool for ThreadRead {
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let id = text_arg(&args, "thread_id").unwrap_or_default();
-        let accounts = pick_accounts(
-            ctx.accounts(Integration::Gmail).await?,
-            text_arg(&args, "account").as_deref(),
-            "gmail_thread_read",
-        )?;
+        let named = text_arg(&args, "account");
+        let all = ctx.accounts(Integration::Gmail).await?;
+        let accounts = pick_accounts(&all, named.as_deref(), "gmail_thread_read")?;
         let segment = super::path_segment(&id, "thread_id", "gmail_thread_read")?;
         let url = self.0.url(&format!("/gmail/v1/users/me/threads/{segment}"));
         for account in &accounts {
@@ -832,8 +834,9 @@ impl Tool for ThreadRead {
             )));
         }
         Err(ToolError::NotFound(format!(
-            "I couldn't find thread {id} in {}.",
-            names(&accounts)
+            "I couldn't find thread {id} in {}.{}",
+            names(&accounts),
+            left_out(&all, named.as_deref(), "searched")
         )))
     }
 }
@@ -1135,7 +1138,7 @@ impl Tool for Compose {
     async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
         let name = self.spec().name;
         let from = one_account(
-            ctx.accounts(Integration::Gmail).await?,
+            &ctx.accounts(Integration::Gmail).await?,
             text_arg(args, "account").as_deref(),
             &name,
         )?;
@@ -1164,7 +1167,7 @@ impl Tool for Compose {
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let name = self.spec().name;
         let from = one_account(
-            ctx.accounts(Integration::Gmail).await?,
+            &ctx.accounts(Integration::Gmail).await?,
             text_arg(&args, "account").as_deref(),
             &name,
         )?;
@@ -1341,7 +1344,7 @@ impl Reply {
     async fn resolve(&self, ctx: &CallContext, args: &Value) -> Result<ResolvedReply, ToolError> {
         let id = text_arg(args, "message_id").unwrap_or_default();
         let from = one_account(
-            ctx.accounts(Integration::Gmail).await?,
+            &ctx.accounts(Integration::Gmail).await?,
             text_arg(args, "account").as_deref(),
             "gmail_reply",
         )?;

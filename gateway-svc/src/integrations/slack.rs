@@ -101,15 +101,15 @@ async fn team(ctx: &CallContext, args: &Value) -> Result<String, ToolError> {
     let all = ctx.accounts(Integration::Slack).await?;
     let named = text_arg(args, "workspace");
     match named {
-        Some(n) => all
-            .into_iter()
-            .map(|a| a.account)
-            .find(|a| a == &n)
-            .ok_or_else(|| ToolError::InvalidArguments {
-                tool: "slack".into(),
-                detail: format!("no connected Slack workspace {n:?}"),
-            }),
-        None => Ok(all[0].account.clone()),
+        Some(n) => {
+            all.named(&n)?
+                .map(|a| a.account.clone())
+                .ok_or_else(|| ToolError::InvalidArguments {
+                    tool: "slack".into(),
+                    detail: format!("no connected Slack workspace {n:?}"),
+                })
+        }
+        None => Ok(all.usable[0].account.clone()),
     }
 }
 

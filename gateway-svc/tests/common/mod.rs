@@ -1,6 +1,11 @@
 //! An engine as the gateway assembles it, on in-memory stores, for tests that drive calls
 //! through it with tools of their choosing.
 
+// Each test file uses a part of this.
+#![allow(dead_code)]
+
+pub(crate) mod upstream;
+
 use std::{sync::Arc, time::Duration};
 
 use gateway_svc::{

@@ -1,0 +1,166 @@
+//! G-8, I-1: an account that needs reconnecting is never left out quietly. A call over every
+//! account says which it could not use; a call naming it is told it needs reconnecting.
+
+mod common;
+
+use std::time::{Duration, SystemTime};
+
+use common::{
+    upstream::{Answer, Upstream},
+    user,
+};
+use gateway_svc::{
+    credentials::NewAccount,
+    domain::{ErrorKind, Integration},
+    engine::Engine,
+    integrations::{
+        calendar::{self, CalendarApi},
+        gmail::{self, GmailApi},
+    },
+    store::{AccountStatus, memory::MemoryStore},
+};
+use serde_json::json;
+
+/// Gmail and Calendar, each with `work@example.com` connected and `home@example.com` needing
+/// reconnecting; every search finds nothing.
+async fn engine_with_one_account_to_reconnect() -> (Engine, Upstream) {
+    let upstream =
+        Upstream::start(|_, _| Answer::Status(200, r#"{"messages": [], "items": []}"#)).await;
+    let stores = MemoryStore::stores();
+    let mut tools = gmail::tools(GmailApi {
+        base_url: upstream.base_url.clone(),
+    });
+    tools.extend(calendar::tools(CalendarApi {
+        base_url: upstream.base_url.clone(),
+    }));
+    let engine = common::engine(&stores, tools);
+    for integration in [Integration::Gmail, Integration::GoogleCalendar] {
+        for account in ["work@example.com", "home@example.com"] {
+            engine
+                .services
+                .credentials
+                .connect(
+                    &user(),
+                    NewAccount {
+                        integration,
+                        account: account.into(),
+                        access_token: "tok".into(),
+                        refresh_token: Some("refresh".into()),
+                        expires_at: Some(SystemTime::now() + Duration::from_secs(3600)),
+                        scopes: Vec::new(),
+                    },
+                )
+                .await
+                .unwrap();
+        }
+        let mut home = stores
+            .accounts
+            .get_account(&user(), integration, "home@example.com")
+            .await
+            .unwrap()
+            .unwrap();
+        home.status = AccountStatus::NeedsReconnect;
+        stores.accounts.upsert_account(home).await.unwrap();
+    }
+    (engine, upstream)
+}
+
+#[tokio::test]
+async fn i1_searching_every_account_says_which_one_was_not_searched_and_why() {
+    let (engine, upstream) = engine_with_one_account_to_reconnect().await;
+    let found = common::call(&engine, "s", "search_gmail", json!({}), "k").await;
+    assert!(found.ok(), "{}", found.text);
+    assert!(
+        found
+            .text
+            .contains("=== work@example.com ===\nNo messages match."),
+        "{}",
+        found.text
+    );
+    assert!(
+        found
+            .text
+            .contains("(home@example.com was not searched: it needs to be reconnected.)"),
+        "{}",
+        found.text
+    );
+    assert_eq!(upstream.seen("GET /gmail/v1/users/me/messages?"), 1);
+
+    let events = common::call(&engine, "c", "calendar_search", json!({}), "k").await;
+    assert!(events.ok(), "{}", events.text);
+    assert!(
+        events
+            .text
+            .ends_with("\n(home@example.com was not searched: it needs to be reconnected.)"),
+        "{}",
+        events.text
+    );
+}
+
+#[tokio::test]
+async fn g8_naming_an_account_that_needs_reconnecting_says_so_not_that_it_is_unknown() {
+    let (engine, _upstream) = engine_with_one_account_to_reconnect().await;
+    for (tool, args) in [
+        ("search_gmail", json!({"account": "Home@example.com"})),
+        (
+            "get_gmail",
+            json!({"message_id": "m1", "account": "home@example.com"}),
+        ),
+        ("calendar_search", json!({"account": "home@example.com"})),
+    ] {
+        let refused = common::call(&engine, "n", tool, args, "k").await;
+        assert_eq!(
+            refused.error_kind,
+            Some(ErrorKind::CredentialsRevoked),
+            "{tool}: {}",
+            refused.text
+        );
+        assert_eq!(
+            refused.text,
+            "Your Google account home@example.com needs to be reconnected."
+        );
+    }
+    let unknown = common::call(
+        &engine,
+        "u",
+        "search_gmail",
+        json!({"account": "x@example.com"}),
+        "k",
+    )
+    .await;
+    assert_eq!(
+        unknown.error_kind,
+        Some(ErrorKind::InvalidArguments),
+        "{}",
+        unknown.text
+    );
+}
+
+#[tokio::test]
+async fn i1_the_session_brief_names_the_account_that_needs_reconnecting() {
+    let (engine, upstream) = engine_with_one_account_to_reconnect().await;
+    let stores = MemoryStore::stores();
+    let bootstrap = gateway_svc::bootstrap::Bootstrap {
+        tasks: stores.tasks.clone(),
+        reminders: stores.reminders.clone(),
+        notes: stores.notes.clone(),
+        services: engine.services.clone(),
+        gmail: GmailApi {
+            base_url: upstream.base_url.clone(),
+        },
+        source_timeout: Duration::from_secs(5),
+        cache: None,
+    };
+    let brief = bootstrap.context(&user(), "UTC").await;
+    assert_eq!(
+        brief.email.line,
+        "Unread: work@example.com 0, home@example.com (needs to be reconnected)"
+    );
+    let accounts: Vec<_> = brief
+        .email
+        .accounts
+        .iter()
+        .map(|a| a.account.as_str())
+        .collect();
+    assert_eq!(accounts, ["work@example.com", "home@example.com"]);
+}
