@@ -100,8 +100,14 @@ enum Item {
     Flush(oneshot::Sender<()>),
 }
 
+/// How often a writing call's record is tried before it is logged as lost: the call waits for
+/// it, so the tries are few and their pauses short (`retry_first`, doubling).
+const WRITE_NOW_ATTEMPTS: u32 = 3;
+
 pub struct AuditTrail {
     store: Arc<dyn AuditLog>,
+    /// The first pause before a writing call's record is tried again.
+    retry_first: Duration,
     queue: mpsc::Sender<Item>,
     capacity: usize,
     warn_every: Duration,
@@ -157,6 +163,7 @@ impl AuditTrail {
         });
         Arc::new(Self {
             store,
+            retry_first: config.retry_first,
             queue,
             capacity,
             warn_every: config.warn_every,
@@ -168,6 +175,46 @@ impl AuditTrail {
             unwarned_waits: AtomicU64::new(0),
             epoch: Instant::now(),
         })
+    }
+
+    /// Writes one record of a call that writes (a side effect, Steward's own data) at once,
+    /// before the call goes on (G-9, P-5). A transient failure is tried again, up to
+    /// [`WRITE_NOW_ATTEMPTS`] times with short pauses; a record still not written is logged
+    /// with every field and counted as lost, so the trail can be rebuilt from the logs.
+    pub async fn record_now(&self, record: AuditRecord) -> Result<(), StoreError> {
+        let entry = AuditEntry::now(record);
+        let written = self.record_retrying(&entry.record).await;
+        if let Err(e) = &written {
+            crate::metrics::audit_records_lost(1);
+            log_unwritten(
+                &entry,
+                e,
+                "AUDIT RECORD LOST: a writing call's record could not be written",
+            );
+        }
+        written
+    }
+
+    /// Writes a side effect's intent, tried as [`Self::record_now`] tries; not logged as lost
+    /// when it fails, as the side effect is then refused and its intent was never carried out.
+    pub async fn record_intent(&self, record: AuditRecord) -> Result<(), StoreError> {
+        self.record_retrying(&record).await
+    }
+
+    async fn record_retrying(&self, record: &AuditRecord) -> Result<(), StoreError> {
+        let mut pause = self.retry_first;
+        let mut attempt = 1;
+        loop {
+            match self.store.record(record.clone()).await {
+                Err(e) if !e.is_permanent() && attempt < WRITE_NOW_ATTEMPTS => {
+                    tracing::warn!(error = %e, attempt, call_id = %record.call_id, kind = %record.kind, "could not write an audit record; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                    attempt += 1;
+                }
+                written => return written,
+            }
+        }
     }
 
     /// Hands one record of a read-only call to the batching writer; see
@@ -565,11 +612,13 @@ mod tests {
 
     /// An audit log whose batch writes can be held (`open`), made to fail transiently
     /// (`down`), made to refuse given call ids for good (`refuse`), made to panic once
-    /// (`panic_once`), and watched starting (`started`). Single-record writes (`record`)
-    /// always go through.
+    /// (`panic_once`), and watched starting (`started`). Single-record writes (`record`) go
+    /// through, unless made to fail transiently (`singles_failing`); each is counted.
     struct FakeLog {
         batches: Mutex<Vec<Vec<AuditRecord>>>,
         singles: Mutex<Vec<AuditRecord>>,
+        singles_failing: std::sync::atomic::AtomicUsize,
+        single_tries: std::sync::atomic::AtomicUsize,
         open: watch::Sender<bool>,
         started: watch::Sender<usize>,
         down: AtomicBool,
@@ -582,6 +631,8 @@ mod tests {
             Arc::new(Self {
                 batches: Mutex::new(Vec::new()),
                 singles: Mutex::new(Vec::new()),
+                singles_failing: Default::default(),
+                single_tries: Default::default(),
                 open: watch::Sender::new(open),
                 started: watch::Sender::new(0),
                 down: AtomicBool::new(false),
@@ -631,6 +682,13 @@ mod tests {
     #[async_trait::async_trait]
     impl AuditLog for FakeLog {
         async fn record(&self, record: AuditRecord) -> Result<(), StoreError> {
+            self.single_tries.fetch_add(1, Ordering::SeqCst);
+            let failing =
+                self.singles_failing
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+            if failing.is_ok() {
+                return Err(StoreError::Unavailable("the database is down".into()));
+            }
             self.singles.lock().unwrap().push(record);
             Ok(())
         }
@@ -1239,5 +1297,46 @@ mod tests {
             Registry::new(vec![Arc::new(Liar)]),
             Err(crate::registry::RegistryError::ReadOnlyWrites(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn g9_a_side_effects_records_are_tried_again_when_the_store_fails_for_a_moment() {
+        let log = FakeLog::new(true);
+        let trail = AuditTrail::start(log.clone(), &config(64, 64));
+        let (engine, _) = engine(&log, trail.clone(), Duration::from_secs(10));
+        // The intent's first two tries fail: the side effect still runs, and is recorded.
+        log.singles_failing.store(2, Ordering::SeqCst);
+        let user = UserId::parse("u1").unwrap();
+        let act = engine
+            .execute(&user, call("act", "a1"), CancellationToken::new())
+            .await;
+        assert!(act.error_kind.is_none(), "{}", act.text);
+        assert_eq!(
+            singles(&log),
+            [pair("side_effect_intent", "a1"), pair("tool_call", "a1")]
+        );
+        log.singles_failing.store(1, Ordering::SeqCst);
+        let write = engine
+            .execute(&user, call("write", "w1"), CancellationToken::new())
+            .await;
+        assert!(write.error_kind.is_none(), "{}", write.text);
+        assert_eq!(singles(&log).last(), Some(&pair("tool_call", "w1")));
+        // The intent 3 tries, the side effect's result 1, the write's result 2.
+        assert_eq!(log.single_tries.load(Ordering::SeqCst), 3 + 1 + 2);
+    }
+
+    #[tokio::test]
+    async fn g9_a_writing_calls_record_the_store_keeps_refusing_is_tried_a_bounded_number_of_times()
+    {
+        let log = FakeLog::new(true);
+        let trail = AuditTrail::start(log.clone(), &config(64, 64));
+        log.singles_failing.store(usize::MAX, Ordering::SeqCst);
+        // Then logged with every field (`log_unwritten`) and counted as lost.
+        assert!(trail.record_now(record("c1")).await.is_err());
+        assert_eq!(
+            log.single_tries.load(Ordering::SeqCst),
+            WRITE_NOW_ATTEMPTS as usize
+        );
+        assert!(log.singles.lock().unwrap().is_empty());
     }
 }

@@ -19,7 +19,7 @@ use crate::{
     domain::{Channel, Integration, UserId},
     enforce::{ToolError, caps::read_capped},
     ratelimit::{HeldReservation, LimitKey, RateLimiter, Window},
-    store::{AuditEntry, AuditLog, AuditRecord},
+    store::{AuditEntry, AuditRecord},
 };
 
 /// Shared by every call.
@@ -396,9 +396,8 @@ impl CallContext {
             deferred.push(AuditEntry::now(record));
             return;
         }
-        if let Err(e) = self.services.audit.record(record).await {
-            tracing::error!(error = %e, "could not write an audit record");
-        }
+        // Tried again, or logged in full, by `record_now`.
+        let _ = self.services.audit.record_now(record).await;
     }
 
     /// The records kept for the batching writer so far, in their order (see `audit_later`).

@@ -22,8 +22,8 @@ use crate::{
     enforce::{ToolError, caps::cap_text},
     registry::{MAX_PREVIEW_CHARS, Preview, RegisteredTool, Registry, ToolOutput},
     store::{
-        AuditEntry, AuditLog, AuditRecord, IdempotencyClaim, IdempotencyStore, KeyState,
-        StoreError, StoredResult,
+        AuditEntry, AuditRecord, IdempotencyClaim, IdempotencyStore, KeyState, StoreError,
+        StoredResult,
     },
 };
 
@@ -193,10 +193,9 @@ impl Engine {
             self.services.audit.enqueue(entries).await;
         } else {
             // Anything that may write (a side effect, Steward's own data, an unknown or
-            // undeclared tool): written before the result is returned.
-            if let Err(e) = self.services.audit.record(record).await {
-                tracing::error!(error = %e, "could not write an audit record");
-            }
+            // undeclared tool): written before the result is returned (tried again, or
+            // logged in full, by `record_now`).
+            let _ = self.services.audit.record_now(record).await;
         }
         outcome
     }
@@ -328,7 +327,7 @@ impl Engine {
                     bytes: 0,
                     upstream_calls: 0,
                 };
-                if let Err(e) = self.services.audit.record(intent).await {
+                if let Err(e) = self.services.audit.record_intent(intent).await {
                     tracing::error!(error = %e, tool = %name, "side effect refused: its audit record could not be written");
                     return fail(ToolError::Internal(format!(
                         "not executed, because its audit record could not be written: {e}"
@@ -438,9 +437,7 @@ impl Engine {
             bytes: 0,
             upstream_calls: ctx.upstream_calls(),
         };
-        if let Err(e) = self.services.audit.record(record).await {
-            tracing::error!(error = %e, "could not write an audit record");
-        }
+        let _ = self.services.audit.record_now(record).await;
         result.map(|mut p| {
             p.text = crate::registry::clip(&p.text, MAX_PREVIEW_CHARS);
             p
