@@ -218,6 +218,9 @@ impl ToolLists {
     }
 }
 
+/// The longest a bootstrap context may take (a session opening has 15 s in all).
+const BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(10);
+
 #[derive(Clone)]
 pub struct GatewayClient {
     channel: Channel,
@@ -479,16 +482,14 @@ impl GatewayClient {
             },
             user,
         )?;
-        // Bounded like every other gateway call: a stalled gateway must not hold a session
+        // Bounded, inside a session opening's 15 s: a stalled gateway must not hold the
         // opening (or a schedule's start) until the caller's own deadline, if it has one.
+        let bound = self.call_timeout.min(BOOTSTRAP_TIMEOUT);
         Ok(
-            tokio::time::timeout(self.call_timeout, client.get_bootstrap_context(request))
+            tokio::time::timeout(bound, client.get_bootstrap_context(request))
                 .await
                 .map_err(|_| {
-                    GatewayError::Unavailable(format!(
-                        "no bootstrap context within {:?}",
-                        self.call_timeout
-                    ))
+                    GatewayError::Unavailable(format!("no bootstrap context within {bound:?}"))
                 })??
                 .into_inner(),
         )

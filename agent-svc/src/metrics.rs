@@ -72,7 +72,8 @@ pub fn approvals_pending(n: u64) {
     metrics::gauge!("steward_approvals_pending").set(n as f64);
 }
 
-/// Open WatchRun/RunStream streams on this replica.
+/// Runs followed on this replica: open WatchRun/RunStream streams and waiting Run or
+/// DecideApproval calls.
 pub fn watchers(delta: f64) {
     metrics::gauge!("steward_stream_watchers").increment(delta);
 }

@@ -190,6 +190,15 @@ impl App {
                 .map_err(|source| StartError::Bind { addr, source })?,
             None => None,
         };
+        if config.rate_limit_backend == crate::config::RateLimitBackendKind::Memory
+            && config.server.database.is_some()
+        {
+            // G-6 keeps counters in process by default; replicas sharing this database would
+            // each allow the whole limit.
+            tracing::warn!(
+                "RATE_LIMIT_BACKEND=memory with DATABASE_URL: each replica counts its own rate limits; set RATE_LIMIT_BACKEND=postgres to share them"
+            );
+        }
         if matches!(config.auth, crate::config::CallerAuth::InsecureDev) {
             tracing::warn!(
                 "GATEWAY_ALLOW_INSECURE_DEV_AUTH: any caller may act as any user; never use this in production"

@@ -16,14 +16,15 @@ use crate::{
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:50052";
 pub const DEFAULT_GOOGLE_TOKEN_URL: &str = "https://oauth2.googleapis.com/token";
 
-/// Where rate-limit counters live (`RATE_LIMIT_BACKEND`). The default follows the store: in
-/// PostgreSQL whenever `DATABASE_URL` is set, so that replicas sharing a database share one
-/// limit (G-6) instead of each allowing the whole of it; in memory without a database.
+/// Where rate-limit counters live (`RATE_LIMIT_BACKEND`): in this process by default, as G-6
+/// says; shared through PostgreSQL when chosen. Replicas sharing a database with counters in
+/// memory each allow the whole limit: start-up warns, and the shipped manifests choose
+/// `postgres`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RateLimitBackendKind {
-    /// In this process (the default without a database): exact per replica.
+    /// In this process (the default): exact per replica.
     Memory,
-    /// In PostgreSQL (the default with a database): exact across every replica.
+    /// In PostgreSQL: exact across every replica.
     Postgres,
 }
 
@@ -301,11 +302,7 @@ impl Config {
             vars.error("TOOL_CALL_MAX_TIMEOUT", "is shorter than TOOL_CALL_TIMEOUT");
         }
 
-        let default_backend = match server.database {
-            Some(_) => "postgres",
-            None => "memory",
-        };
-        let rate_limit_backend = match vars.string("RATE_LIMIT_BACKEND", default_backend).as_str() {
+        let rate_limit_backend = match vars.string("RATE_LIMIT_BACKEND", "memory").as_str() {
             "memory" => RateLimitBackendKind::Memory,
             "postgres" if server.database.is_some() => RateLimitBackendKind::Postgres,
             "postgres" => {
@@ -645,20 +642,19 @@ mod tests {
     }
 
     #[test]
-    fn g6_rate_limits_are_shared_through_the_database_by_default_and_in_memory_without_one() {
+    fn g6_rate_limits_are_in_process_by_default_and_shared_through_the_database_when_chosen() {
         let base = DEV_AUTH;
         let db = ("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/steward");
         let backend = |pairs: &[(&str, &str)]| load(pairs).unwrap().rate_limit_backend;
         assert_eq!(
             backend(&[base[0], base[1], db]),
-            RateLimitBackendKind::Postgres,
-            "replicas sharing a database share one limit"
-        );
-        assert_eq!(backend(&base), RateLimitBackendKind::Memory);
-        assert_eq!(
-            backend(&[base[0], base[1], db, ("RATE_LIMIT_BACKEND", "memory")]),
             RateLimitBackendKind::Memory,
-            "still chosen explicitly"
+            "G-6: in-process state by default"
+        );
+        assert_eq!(
+            backend(&[base[0], base[1], db, ("RATE_LIMIT_BACKEND", "postgres")]),
+            RateLimitBackendKind::Postgres,
+            "shared across replicas when configured"
         );
     }
 

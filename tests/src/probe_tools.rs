@@ -64,7 +64,12 @@ fn spec(
 }
 
 async fn first_account(ctx: &CallContext) -> Result<String, ToolError> {
-    Ok(ctx.accounts(Integration::Gmail).await?.remove(0).account)
+    Ok(ctx
+        .accounts(Integration::Gmail)
+        .await?
+        .usable
+        .remove(0)
+        .account)
 }
 
 #[async_trait::async_trait]

@@ -580,33 +580,47 @@ async fn e10_get_usage_defaults_to_the_last_30_days_and_refuses_a_window_it_cann
     }
 }
 
-/// ListThreads pages through every thread once, most recently updated first, each page
-/// starting after the last thread the one before showed.
+/// ListThreads pages most recently updated first, each page starting after the last
+/// thread the one before showed: a thread that moves to the top meanwhile shifts nothing, and
+/// no thread is shown twice (with offsets, the newest would have been).
 #[tokio::test]
-async fn list_threads_pages_through_every_thread_once() {
+async fn list_threads_pages_after_the_last_thread_shown_and_never_repeats_one() {
     let app = spawn(Options::default()).await;
     let mut alice = agent_as(app.agent_addr, "alice").await;
     let mut started = Vec::new();
     for prompt in ["one", "two", "three"] {
         started.push(run(&mut alice, input(prompt)).await.unwrap().thread_id);
     }
-    let (mut shown, mut token) = (Vec::new(), String::new());
-    for _ in 0..3 {
-        let page = alice
-            .list_threads(pb::ListThreadsRequest {
-                page_size: 2,
-                page_token: token,
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        shown.extend(page.threads.into_iter().map(|t| t.id));
-        token = page.next_page_token;
-        if token.is_empty() {
-            break;
+    let lister = alice.clone();
+    let page = |size: i32, token: String| {
+        let mut lister = lister.clone();
+        async move {
+            lister
+                .list_threads(pb::ListThreadsRequest {
+                    page_size: size,
+                    page_token: token,
+                })
+                .await
+                .unwrap()
+                .into_inner()
         }
-    }
-    started.reverse();
-    assert_eq!(shown, started, "newest first, each once");
-    assert!(token.is_empty(), "the last page says it is the last");
+    };
+    let first = page(1, String::new()).await;
+    let ids = |p: &pb::ListThreadsResponse| -> Vec<String> {
+        p.threads.iter().map(|t| t.id.clone()).collect()
+    };
+    assert_eq!(ids(&first), [started[2].clone()], "the newest first");
+    // A message on "two" moves it ahead of the page already shown.
+    run(
+        &mut alice,
+        pb::RunInput {
+            thread_id: started[1].clone(),
+            ..input("two again")
+        },
+    )
+    .await
+    .unwrap();
+    let rest = page(10, first.next_page_token).await;
+    assert_eq!(ids(&rest), [started[0].clone()]);
+    assert!(rest.next_page_token.is_empty(), "the last page says so");
 }

@@ -413,6 +413,50 @@ async fn b3_opening_the_app_leaves_a_pending_approval_waiting_and_greets_on_a_ne
     assert_eq!(model.requests().len(), 3);
 }
 
+/// B-1: a task agent started after an approval pause keeps the zone the run was started with;
+/// the continuation has no caller to give it again.
+#[tokio::test]
+async fn b1_a_task_agent_started_after_an_approval_keeps_the_runs_time_zone() {
+    let task = r#"{"instructions":"Watch for the reply","goal":"reply watch"}"#;
+    let (app, _model, _gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::tool_calls(&[("call_task", "create_task_agent", task)]),
+            Answer::text("Sent, and I'll watch for the reply."),
+        ],
+        &[("TASK_AGENT_WORKERS", "false")],
+    )
+    .await;
+    let paused = run_on(
+        app.agent_addr,
+        pb::RunInput {
+            time_zone: "Asia/Tokyo".into(),
+            ..input("email my boss the budget and watch for the reply")
+        },
+    )
+    .await;
+    assert_eq!(paused.status, pb::RunState::AwaitingConfirmation as i32);
+    let decided = app
+        .agent_as("alice")
+        .await
+        .decide_approval(approve(&paused.approval.unwrap().id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        decided.result.unwrap().status,
+        pb::RunState::Completed as i32
+    );
+    let zone: Option<String> = app
+        .sql()
+        .await
+        .query_one("SELECT time_zone FROM agent.task_agents", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(zone.as_deref(), Some("Asia/Tokyo"));
+}
+
 /// A-3: a Run repeated with its request id after its run paused, was approved and completed
 /// answers with how the run ended, not with the pause first in its log.
 #[tokio::test]

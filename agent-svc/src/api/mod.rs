@@ -101,10 +101,10 @@ impl AgentService for AgentApi {
         // Waiting on a run is following it, as a stream does: repeated requests must
         // not open followers without bound.
         let _following = self.runs.follower_slot(&user)?;
-        let repeatable = input.request_id.is_some();
-        let (run_id, thread_id) = self.runs.start(&user, input).await?;
-        if repeatable {
-            // This may repeat a request whose run has gone on since: how it stands now.
+        let started = self.runs.start_run(&user, input).await?;
+        let (run_id, thread_id) = (started.run_id, started.thread_id);
+        if started.repeated {
+            // A repeated request whose run may have gone on since: how it stands now.
             let result = self.runs.latest_result(&user, &run_id).await?;
             return match result {
                 Some(result) => Ok(Response::new(pb::RunResponse {
@@ -303,7 +303,6 @@ impl AgentService for AgentApi {
         convert::text("comment", &r.comment, 1024)?;
         convert::text("args_sha256", &r.args_sha256, 64)?;
         let sha = Some(r.args_sha256.as_str()).filter(|s| !s.is_empty());
-        let _following = self.runs.follower_slot(&user)?;
         let decision = self
             .runs
             .decide(&user, &r.approval_id, approve, sha)
@@ -326,7 +325,13 @@ impl AgentService for AgentApi {
         }
         let approval = decision.approval;
         let mut result = None;
-        if let Some((run_id, from)) = &decision.follow {
+        // Waiting on the run is following it. A decision is never refused for it: at the
+        // cap the caller is answered with the run as it stands, below.
+        let following = decision
+            .follow
+            .as_ref()
+            .and_then(|f| Some((f, self.runs.follower_slot(&user).ok()?)));
+        if let Some(((run_id, from), _slot)) = following {
             let mut events = self.runs.follow(&user, run_id, *from, Deliver::End).await?;
             while let Some(event) = events.next().await {
                 if let Some(r) = terminal_result(&event?) {

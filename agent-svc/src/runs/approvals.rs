@@ -194,6 +194,7 @@ impl RunService {
             thread_id: approval.thread_id.clone(),
             run_id: approval.run_id.clone(),
             channel: convert::channel_from_key(channel),
+            // Read with the run when the segment resumes it.
             time_zone: None,
         };
         self.spawn_segment(
@@ -287,6 +288,23 @@ impl RunService {
             .get_run(&seg.owner, &seg.run_id)
             .await?
             .ok_or_else(|| ApiError::NotFound(format!("run {}", seg.run_id)))?;
+        // The zone the run was started with: no caller gives it again, and the task agents
+        // this segment starts tell their time in it (B-1).
+        let zoned;
+        let seg = match run.time_zone.as_deref().and_then(|z| {
+            crate::schedule::user_zone("time_zone", z)
+                .inspect_err(|e| tracing::warn!(run_id = %seg.run_id, error = %e, "the run's time zone is unknown here; its continuation uses UTC"))
+                .ok()
+        }) {
+            Some(zone) => {
+                zoned = Segment {
+                    time_zone: Some(zone),
+                    ..seg.clone()
+                };
+                &zoned
+            }
+            None => seg,
+        };
         writer.spent = run.usage.clone();
         writer.iterations_before = run.iterations;
         // What the run had read when it asked still counts: the stored prompt may hold it

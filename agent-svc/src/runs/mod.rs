@@ -242,6 +242,25 @@ enum Plan {
     },
 }
 
+/// A run [`RunService::start_run`] started or found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Started {
+    pub run_id: String,
+    pub thread_id: String,
+    /// Started by an earlier request with the same request id.
+    pub repeated: bool,
+}
+
+impl Started {
+    fn repeated(run_id: String, thread_id: String) -> Self {
+        Self {
+            run_id,
+            thread_id,
+            repeated: true,
+        }
+    }
+}
+
 /// The run a segment works on.
 #[derive(Clone)]
 struct Segment {
@@ -249,7 +268,7 @@ struct Segment {
     thread_id: String,
     run_id: String,
     channel: limits::Channel,
-    /// The user's zone, when the run was given one (a continuation is not: UTC).
+    /// The user's zone, when the run was given one (a continuation reads it with the run).
     time_zone: Option<jiff::tz::TimeZone>,
 }
 
@@ -367,12 +386,23 @@ impl RunService {
         owner: &str,
         input: RunInput,
     ) -> Result<(String, String), ApiError> {
+        let started = self.start_run(owner, input).await?;
+        Ok((started.run_id, started.thread_id))
+    }
+
+    /// As [`start`](RunService::start), saying whether the run was started by an earlier
+    /// request with the same id.
+    pub async fn start_run(
+        self: &Arc<Self>,
+        owner: &str,
+        input: RunInput,
+    ) -> Result<Started, ApiError> {
         let models = self.models_for(input.model_override.as_deref())?;
         // A retried request finds the first run before anything new is created.
         if let Some(key) = &input.request_id
             && let Some(existing) = self.store.find_run_by_request(owner, key).await?
         {
-            return Ok((existing.id, existing.thread_id));
+            return Ok(Started::repeated(existing.id, existing.thread_id));
         }
         let now = SystemTime::now();
         let (thread_id, new_thread_title, archive_first) = match &input.thread_id {
@@ -394,6 +424,11 @@ impl RunService {
         };
         let run = Run {
             request_id: input.request_id.clone(),
+            time_zone: input
+                .time_zone
+                .as_ref()
+                .and_then(|z| z.iana_name())
+                .map(str::to_owned),
             created_at: now,
             ..Run::queued(
                 &uuid::Uuid::new_v4().to_string(),
@@ -459,7 +494,7 @@ impl RunService {
         input: RunInput,
         models: Arc<ModelSetup>,
         archive_first: bool,
-    ) -> Result<(String, String), ApiError> {
+    ) -> Result<Started, ApiError> {
         let new_thread = admission.new_thread_title.is_some();
         let owner = admission.run.owner.clone();
         let thread_id = admission.run.thread_id.clone();
@@ -474,7 +509,9 @@ impl RunService {
                 },
             ),
             Admitted::Busy { run_id: active } => return Err(thread_busy(&thread_id, &active)),
-            Admitted::Duplicate { run_id, thread_id } => return Ok((run_id, thread_id)),
+            Admitted::Duplicate { run_id, thread_id } => {
+                return Ok(Started::repeated(run_id, thread_id));
+            }
             Admitted::AwaitingApproval { run_id: paused } => {
                 return Err(thread_paused(&thread_id, &paused));
             }
@@ -500,7 +537,11 @@ impl RunService {
                 sessions,
             },
         );
-        Ok((run_id, thread_id))
+        Ok(Started {
+            run_id,
+            thread_id,
+            repeated: false,
+        })
     }
 
     fn models_for(&self, model_override: Option<&str>) -> Result<Arc<ModelSetup>, ApiError> {
@@ -1581,7 +1622,11 @@ impl RunService {
         let mut state = run.state;
         for _ in 0..3 {
             let taken = if state == RunState::AwaitingConfirmation {
-                self.store.end_paused(run_id, &ending).await?
+                let ended = self.store.end_paused(run_id, &ending).await?;
+                if ended {
+                    crate::metrics::run_ended(RunState::Cancelled.key());
+                }
+                ended
             } else {
                 let requested = self.store.request_cancel(run_id, reason).await?;
                 if let Some(token) = self

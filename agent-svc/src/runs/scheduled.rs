@@ -551,7 +551,8 @@ impl RunService {
         }
         let bootstrap = match &self.gateway {
             Some(gateway) => {
-                // Bounded (a start holds one of the replica's permits while it waits).
+                // Bounded by the client (a start holds one of the replica's permits while it
+                // waits).
                 let fetched = gateway
                     .bootstrap(&s.owner, &s.time_zone, gateway_channel(channel))
                     .await

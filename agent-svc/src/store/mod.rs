@@ -358,6 +358,9 @@ pub struct Run {
     /// The system prompt the run was assembled with; a continuation after an approval uses it
     /// again (one assembler for every path).
     pub system_prompt: String,
+    /// The IANA zone the run was started with, if any; a continuation after an approval has
+    /// no caller to give it again.
+    pub time_zone: Option<String>,
     pub created_at: SystemTime,
     pub started_at: Option<SystemTime>,
     pub finished_at: Option<SystemTime>,
@@ -384,6 +387,7 @@ impl Run {
             last_event_seq: 1,
             prompt_sections: Vec::new(),
             system_prompt: String::new(),
+            time_zone: None,
             created_at: SystemTime::now(),
             started_at: None,
             finished_at: None,

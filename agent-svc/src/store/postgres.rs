@@ -183,7 +183,7 @@ fn message(r: &Row) -> Message {
 
 const RUN_COLUMNS: &str = "id, thread_id, owner, request_id, state, channel, model, usage, iterations, error, \
     failure_kind, summary, cancel_requested, last_event_seq, created_at, started_at, finished_at, prompt_sections, \
-    system_prompt, cancel_reason";
+    system_prompt, cancel_reason, time_zone";
 
 fn run(r: &Row) -> Result<Run, StoreError> {
     let usage: Value = r.get(7);
@@ -208,6 +208,7 @@ fn run(r: &Row) -> Result<Run, StoreError> {
         prompt_sections: serde_json::from_value(r.get(17)).unwrap_or_default(),
         system_prompt: r.get(18),
         cancel_reason: r.get(19),
+        time_zone: r.get(20),
     })
 }
 

@@ -123,7 +123,7 @@ async fn admit(client: &pg::Pooled, a: &Admission, lock_owners: &str) -> Result<
         [&run.thread_id, &a.supersede_message, &a.supersede_event];
     // SQL_NOT_PAUSED only looks at the thread ($1).
     let supersede_params = &supersede_params[..if a.supersede_paused { 3 } else { 1 }];
-    let insert_params: [Param<'_>; 7] = [
+    let insert_params: [Param<'_>; 8] = [
         &run.id,
         &run.thread_id,
         &run.owner,
@@ -131,6 +131,7 @@ async fn admit(client: &pg::Pooled, a: &Admission, lock_owners: &str) -> Result<
         &run.channel,
         &a.first_event,
         &a.user_message,
+        &run.time_zone,
     ];
     let mut open = pg::Begun::new(t);
     // join polls in order, and each statement is sent when first polled: BEGIN goes first,
@@ -339,7 +340,7 @@ pub(super) const SQL_RECENT_SUMMARIES: &str = "SELECT thread_id, summary, turn_c
      FROM agent.session_archives WHERE owner = $1 ORDER BY archived_at DESC, id DESC LIMIT $2";
 
 const SQL_ADMIT_RUN: &str = "WITH r AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, \
-      last_event_seq) VALUES ($1, $2, $3, $4, 'queued', $5, 1) \
+      last_event_seq, time_zone) VALUES ($1, $2, $3, $4, 'queued', $5, 1, $8) \
       ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING RETURNING id), \
     e AS (INSERT INTO agent.run_events (run_id, seq, payload) SELECT id, 1, $6 FROM r), \
     m AS (INSERT INTO agent.messages (thread_id, run_id, source, kind, content) \

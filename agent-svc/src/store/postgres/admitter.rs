@@ -37,12 +37,13 @@ const MAX_BATCH: usize = 32;
 /// its thread (with the run's lease), the run, its first event and the user's message. Returns
 /// the runs admitted. The cap is counted before the batch, so a batch holds one run per owner.
 const SQL_ADMIT_MANY: &str = "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], \
-      $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[], $9::bytea[], $10::text[], $11::bigint[]) \
-      AS u(run, thread, owner, request, channel, title, token, ttl, event, message, cap)), \
+      $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[], $9::bytea[], $10::text[], $11::bigint[], \
+      $12::text[]) AS u(run, thread, owner, request, channel, title, token, ttl, event, message, cap, zone)), \
   live AS (SELECT r.owner, count(*) AS n FROM agent.runs r \
       WHERE r.owner = ANY($3::text[]) AND r.state IN ('queued', 'planning', 'executing') GROUP BY r.owner), \
-  runs AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, last_event_seq) \
-      SELECT u.run, u.thread, u.owner, u.request, 'queued', u.channel, 1 \
+  runs AS (INSERT INTO agent.runs (id, thread_id, owner, request_id, state, channel, last_event_seq, \
+      time_zone) \
+      SELECT u.run, u.thread, u.owner, u.request, 'queued', u.channel, 1, u.zone \
       FROM u LEFT JOIN live l ON l.owner = u.owner WHERE COALESCE(l.n, 0) < u.cap \
       ON CONFLICT (owner, request_id) WHERE request_id IS NOT NULL DO NOTHING RETURNING id), \
   threads AS (INSERT INTO agent.threads (id, owner, title, lock_run_id, lock_token, lock_expires_at, \
@@ -251,6 +252,7 @@ struct Columns<'a> {
     event: Vec<&'a [u8]>,
     message: Vec<Option<&'a str>>,
     cap: Vec<i64>,
+    zone: Vec<Option<&'a str>>,
 }
 
 /// Admits, in one statement, every run of `batch` (runs on new threads, one per owner and per
@@ -276,9 +278,10 @@ async fn many(
         cols.event.push(&a.first_event);
         cols.message.push(a.user_message.as_deref());
         cols.cap.push(i64::from(a.max_active_runs));
+        cols.zone.push(run.time_zone.as_deref());
         leases.insert(&run.id, (a, lease));
     }
-    let params: [&(dyn ToSql + Sync); 11] = [
+    let params: [&(dyn ToSql + Sync); 12] = [
         &cols.run,
         &cols.thread,
         &cols.owner,
@@ -290,6 +293,7 @@ async fn many(
         &cols.event,
         &cols.message,
         &cols.cap,
+        &cols.zone,
     ];
     let most_summaries = batch.iter().map(|a| a.summaries).max().unwrap_or(0) as i64;
     let wanting: Vec<&str> = batch
