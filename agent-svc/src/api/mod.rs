@@ -239,21 +239,21 @@ impl AgentService for AgentApi {
             time_zone,
             session: Some(session),
         };
-        let (run_id, thread_id) = match self.runs.start(&user, input.clone()).await {
-            // The thread picked is busy or waits for the user's approval, which a greeting must
-            // not supersede: the greeting opens a thread of its own. A thread the caller named
-            // is refused, saying why.
-            Err(ApiError::Aborted(why)) if picked && input.thread_id.is_some() => {
-                tracing::info!(reason = %why, "session opening on a new thread");
-                self.runs
-                    .start(
-                        &user,
-                        RunInput {
-                            thread_id: None,
-                            ..input
-                        },
-                    )
-                    .await?
+        let picked_thread = input.thread_id.clone().filter(|_| picked);
+        let (run_id, thread_id) = match self.runs.start(&user, input).await {
+            // The thread picked has a run going, or one waiting for the user's approval, which
+            // a greeting must not supersede: that is what the user comes back to, so the
+            // opening is silent and points at it (a greeting elsewhere would make a new thread
+            // the latest). A thread the caller named is refused, saying why.
+            Err(ApiError::Aborted(why)) if picked_thread.is_some() => {
+                tracing::info!(reason = %why, "session opening silent: its thread is busy");
+                return Ok(Response::new(pb::OpenSessionResponse {
+                    silent: true,
+                    greeting: String::new(),
+                    thread_id: picked_thread.unwrap_or_default(),
+                    run_id: String::new(),
+                    new_user: context.new_user,
+                }));
             }
             started => started?,
         };
