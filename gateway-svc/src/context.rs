@@ -115,8 +115,9 @@ impl CallContext {
         self.writes.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A counted write was refused outright (a 4xx answer): that request did nothing.
-    fn write_refused(&self) {
+    /// A counted write was refused outright (a 4xx answer), or never left (no connection
+    /// could be made): that request did nothing.
+    pub(crate) fn write_refused(&self) {
         let _ = self
             .writes
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
@@ -300,7 +301,7 @@ impl CallContext {
         let service = integration.label();
         let (client, request) = request.build_split();
         // Not sent: a request that cannot be built did nothing.
-        let request = request.map_err(|e| transport_error(service, &e))?;
+        let request = request.map_err(|e| transport_error(service, &e, Duration::ZERO))?;
         let writes = !request.method().is_safe();
         let started = Instant::now();
         self.upstream_attempt();
@@ -308,10 +309,14 @@ impl CallContext {
             self.write_attempt();
         }
         let result: Result<UpstreamResponse, ToolError> = async {
-            let response = client
-                .execute(request)
-                .await
-                .map_err(|e| transport_error(service, &e))?;
+            let response = client.execute(request).await.map_err(|e| {
+                // No connection (DNS, refused, connect timeout, TLS handshake): the request
+                // was never written, so it did nothing and the call is free to be tried again.
+                if writes && e.is_connect() {
+                    self.write_refused();
+                }
+                transport_error(service, &e, started.elapsed())
+            })?;
             let status = response.status();
             if writes && status.is_client_error() {
                 self.write_refused();
@@ -327,7 +332,7 @@ impl CallContext {
                     );
                     Vec::new()
                 }
-                Err(e) => return Err(transport_error(service, &e)),
+                Err(e) => return Err(transport_error(service, &e, started.elapsed())),
                 Ok(Err(e)) => {
                     return Err(ToolError::UpstreamGarbage {
                         service,
@@ -434,16 +439,24 @@ pub fn millis(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
 
-fn transport_error(service: &'static str, e: &reqwest::Error) -> ToolError {
-    if e.is_timeout() {
-        ToolError::UpstreamTimeout {
-            service,
-            after: Duration::from_secs(0),
-        }
-    } else if e.is_connect() {
+/// `elapsed`: how long the request had been out when it failed, the honest "within" of a
+/// timeout.
+fn transport_error(service: &'static str, e: &reqwest::Error, elapsed: Duration) -> ToolError {
+    // Before `is_timeout`: a connect timeout is both, and no request was sent — the upstream
+    // was never reached, it did not fail to answer.
+    if e.is_connect() {
         ToolError::UpstreamUnavailable {
             service,
-            detail: "connection refused or failed".into(),
+            detail: if e.is_timeout() {
+                "the connection timed out".into()
+            } else {
+                "connection refused or failed".into()
+            },
+        }
+    } else if e.is_timeout() {
+        ToolError::UpstreamTimeout {
+            service,
+            after: elapsed,
         }
     } else if e.is_body() || e.is_decode() {
         ToolError::UpstreamGarbage {

@@ -53,9 +53,14 @@ impl Tool for BrokenRemote {
 }
 
 async fn engine(upstream: &Upstream) -> Engine {
+    engine_at(&upstream.base_url).await
+}
+
+/// The engine with Gmail at `base_url`.
+async fn engine_at(base_url: &str) -> Engine {
     let stores = MemoryStore::stores();
     let mut tools = gmail::tools(GmailApi {
-        base_url: upstream.base_url.clone(),
+        base_url: base_url.to_owned(),
     });
     tools.push(Arc::new(BrokenRemote));
     let engine = common::engine(&stores, tools);
@@ -195,4 +200,23 @@ async fn p4_a_remote_side_effect_whose_connection_breaks_mid_call_may_have_acted
     assert_eq!(first.error_kind, Some(ErrorKind::UpstreamUnavailable));
     let second = call(&engine, "c2", "remote_act", json!({})).await;
     assert!(second.replayed);
+}
+
+#[tokio::test]
+async fn p4_a_send_that_could_not_connect_never_left_and_frees_its_key_for_a_retry() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let base_url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let engine = engine_at(&base_url).await;
+    let first = call(&engine, "c1", "gmail_send", send_args()).await;
+    assert_eq!(first.error_kind, Some(ErrorKind::UpstreamUnavailable));
+    assert!(!says_it_may_have_acted(&first), "{}", first.text);
+    assert!(
+        first.text.contains("could not be reached"),
+        "{}",
+        first.text
+    );
+    let second = call(&engine, "c2", "gmail_send", send_args()).await;
+    assert!(!second.replayed, "nothing left, so nothing is replayed");
+    assert_eq!(second.error_kind, Some(ErrorKind::UpstreamUnavailable));
 }

@@ -21,8 +21,9 @@ use rmcp::{
     },
     service::{MaybeSendFuture, NotificationContext, RunningService},
     transport::{
-        StreamableHttpClientTransport, common::client_side_sse::NeverRetry,
-        streamable_http_client::StreamableHttpClientTransportConfig,
+        StreamableHttpClientTransport,
+        common::client_side_sse::NeverRetry,
+        streamable_http_client::{StreamableHttpClientTransportConfig, StreamableHttpError},
     },
 };
 use serde_json::Value;
@@ -661,6 +662,9 @@ impl Tool for McpTool {
         let result = peer.call_tool(params).await;
         probe.answered = true;
         drop(probe);
+        if result.as_ref().is_err_and(never_sent) {
+            ctx.write_refused();
+        }
         let (status, bytes) = match &result {
             Ok(r) if r.is_error == Some(true) => ("tool_error", 0),
             Ok(r) => ("ok", render(&r.content, None).len()),
@@ -699,6 +703,29 @@ impl Tool for McpTool {
             binding: self.definition.clone(),
         })
     }
+}
+
+/// Whether a failed `tools/call` provably never reached the server: its HTTP request could not
+/// connect (DNS, refused, connect timeout, TLS handshake), so nothing was written and it did
+/// nothing. Any other transport failure may have come after the server read the call.
+fn never_sent(e: &ServiceError) -> bool {
+    let ServiceError::TransportSend(e) = e else {
+        return false;
+    };
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e.error.as_ref());
+    while let Some(error) = cause {
+        // The transport's own error does not name the client's as its source.
+        if let Some(StreamableHttpError::Client(r)) =
+            error.downcast_ref::<StreamableHttpError<reqwest::Error>>()
+        {
+            return r.is_connect();
+        }
+        if let Some(r) = error.downcast_ref::<reqwest::Error>() {
+            return r.is_connect();
+        }
+        cause = error.source();
+    }
+    false
 }
 
 fn error_status(e: &ServiceError) -> &'static str {
@@ -772,6 +799,38 @@ fn render(content: &[ContentBlock], structured: Option<&Value>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A send error as the streamable HTTP transport reports it, wrapping `error`.
+    fn send_error(error: StreamableHttpError<reqwest::Error>) -> ServiceError {
+        ServiceError::TransportSend(rmcp::transport::DynamicTransportError::from_parts(
+            "streamable-http",
+            std::any::TypeId::of::<()>(),
+            Box::new(error),
+        ))
+    }
+
+    #[tokio::test]
+    async fn p4_a_call_that_could_not_connect_never_reached_the_server() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/mcp", closed.local_addr().unwrap());
+        drop(closed);
+        let refused = reqwest::Client::new().post(&url).send().await.unwrap_err();
+        assert!(refused.is_connect());
+        assert!(never_sent(&send_error(StreamableHttpError::Client(
+            refused
+        ))));
+    }
+
+    #[test]
+    fn p4_a_call_whose_transport_failed_otherwise_may_have_reached_the_server() {
+        assert!(!never_sent(&ServiceError::TransportClosed));
+        assert!(!never_sent(&send_error(
+            StreamableHttpError::UnexpectedEndOfStream
+        )));
+        assert!(!never_sent(&ServiceError::Timeout {
+            timeout: Duration::from_secs(1)
+        }));
+    }
 
     const URL: &str = "https://user:s3cret-pass@mcp.example.com:8443/mcp?api_key=k-0123456789";
 
