@@ -2,7 +2,7 @@
 //! engine, API, server. `build` does everything that can fail before serving (connect, migrate,
 //! key checks, bind), so a bad start exits before it reports ready.
 
-use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
+use std::{future::Future, net::SocketAddr, sync::Arc};
 
 use steward_proto::{
     GATEWAY_SERVICE_NAME, gateway::v1::gateway_service_server::GatewayServiceServer,
@@ -101,11 +101,7 @@ impl App {
                 n => return Err(StartError::MissingCredentialsKey(n)),
             },
         };
-        let http = reqwest::Client::builder()
-            .timeout(config.upstream_timeout)
-            .connect_timeout(Duration::from_secs(5))
-            .user_agent(concat!("steward-gateway/", env!("CARGO_PKG_VERSION")))
-            .build()
+        let http = crate::context::upstream_client(config.upstream_timeout)
             .map_err(|e| StartError::Http(e.to_string()))?;
         let credentials = Credentials::new(
             stores.accounts.clone(),

@@ -33,6 +33,20 @@ pub struct Services {
     pub max_body_bytes: usize,
 }
 
+/// The HTTP client of the integrations and of OAuth token refreshes, each request bounded by
+/// `timeout`. It never follows a redirect: a write answered 3xx may already have acted, and
+/// following it with a GET whose 404 looked like a refusal would free the idempotency key of a
+/// send that happened; a redirect would also carry the bearer token to wherever it points.
+/// None of the APIs called (Google's, Slack's, Google's token endpoint) redirect an API call.
+pub fn upstream_client(timeout: Duration) -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .connect_timeout(Duration::from_secs(5))
+        .redirect(reqwest::redirect::Policy::none())
+        .user_agent(concat!("steward-gateway/", env!("CARGO_PKG_VERSION")))
+        .build()
+}
+
 pub struct CallContext {
     pub user: UserId,
     pub channel: Channel,
@@ -115,7 +129,8 @@ impl CallContext {
         self.writes.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A counted write was refused outright (a 4xx answer), or never left (no connection
+    /// A counted write was refused outright (a 4xx answer; a 3xx is no refusal: the write
+    /// may have acted before the upstream pointed elsewhere), or never left (no connection
     /// could be made): that request did nothing.
     pub(crate) fn write_refused(&self) {
         let _ = self

@@ -220,3 +220,20 @@ async fn p4_a_send_that_could_not_connect_never_left_and_frees_its_key_for_a_ret
     assert!(!second.replayed, "nothing left, so nothing is replayed");
     assert_eq!(second.error_kind, Some(ErrorKind::UpstreamUnavailable));
 }
+
+#[tokio::test]
+async fn p4_a_send_answered_by_a_redirect_may_have_acted_and_the_redirect_is_never_followed() {
+    let upstream = Upstream::start(|method, _| match method {
+        "POST" => Answer::Redirect(303, "/gmail/v1/users/me/messages/elsewhere"),
+        _ => Answer::Status(404, "{}"),
+    })
+    .await;
+    let engine = engine(&upstream).await;
+    let first = call(&engine, "c1", "gmail_send", send_args()).await;
+    assert!(says_it_may_have_acted(&first), "{}", first.text);
+    assert!(first.text.contains("HTTP 303"), "{}", first.text);
+    let second = call(&engine, "c2", "gmail_send", send_args()).await;
+    assert!(second.replayed, "the retry replays: {}", second.text);
+    assert_eq!(upstream.seen(SEND), 1);
+    assert_eq!(upstream.seen("GET "), 0, "the redirect was not followed");
+}

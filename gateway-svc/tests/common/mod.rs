@@ -27,7 +27,7 @@ pub(crate) fn user() -> UserId {
 }
 
 pub(crate) fn engine(stores: &Stores, tools: Vec<Arc<dyn Tool>>) -> Engine {
-    let http = reqwest::Client::new();
+    let http = gateway_svc::context::upstream_client(Duration::from_secs(10)).unwrap();
     let services = Arc::new(Services {
         credentials: Credentials::new(
             stores.accounts.clone(),

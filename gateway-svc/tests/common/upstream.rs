@@ -15,6 +15,8 @@ pub(crate) enum Answer {
     Status(u16, &'static str),
     /// Reads the request whole, then closes the connection without a word.
     Hangup,
+    /// Answers with this redirect status, pointing at this path.
+    Redirect(u16, &'static str),
 }
 
 /// The upstream: answers each request by its method and path, and remembers them.
@@ -37,13 +39,17 @@ impl Upstream {
                         return;
                     };
                     log.lock().unwrap().push(format!("{method} {path}"));
-                    if let Answer::Status(status, body) = script(&method, &path) {
-                        let response = format!(
+                    let response = match script(&method, &path) {
+                        Answer::Status(status, body) => format!(
                             "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                             body.len()
-                        );
-                        let _ = socket.write_all(response.as_bytes()).await;
-                    }
+                        ),
+                        Answer::Redirect(status, to) => format!(
+                            "HTTP/1.1 {status} X\r\nlocation: {to}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                        ),
+                        Answer::Hangup => return,
+                    };
+                    let _ = socket.write_all(response.as_bytes()).await;
                 });
             }
         });
