@@ -138,8 +138,7 @@ impl ServerHandler for GatewayTools {
         let client_key = request
             .meta
             .as_ref()
-            .and_then(|m| m.get(IDEMPOTENCY_META_KEY))
-            .and_then(Value::as_str);
+            .and_then(|m| m.get(IDEMPOTENCY_META_KEY));
         let idempotency_key = match idempotency_key(client_key, &name) {
             Ok(key) => key,
             Err(e) => return Ok(CallToolResult::error(text(e.to_string())).into()),
@@ -171,8 +170,23 @@ impl ServerHandler for GatewayTools {
 
 /// The key a call from an MCP client runs under. Keys of MCP clients live apart from
 /// agent-svc's (`mcp:`), and are checked as gRPC checks its callers' keys. Without a client
-/// key each request is its own key: a client's retry acts again — it should set the key.
-fn idempotency_key(client_key: Option<&str>, tool: &str) -> Result<String, ToolError> {
+/// key each request is its own key: a client's retry acts again — it should set the key. A
+/// key that is there but not a string (`42`, `null`) is refused: read as absent, the client's
+/// retry would act again though it set a key.
+fn idempotency_key(client_key: Option<&Value>, tool: &str) -> Result<String, ToolError> {
+    let client_key = match client_key {
+        None => None,
+        Some(Value::String(key)) => Some(key.as_str()),
+        Some(other) => {
+            return Err(ToolError::InvalidArguments {
+                tool: tool.into(),
+                detail: format!(
+                    "{IDEMPOTENCY_META_KEY} must be a string, not {}",
+                    json_type(other)
+                ),
+            });
+        }
+    };
     match client_key.filter(|k| !k.is_empty()) {
         Some(key) => match crate::api::convert::idempotency_key_problem(key) {
             Some(problem) => Err(ToolError::InvalidArguments {
@@ -184,6 +198,18 @@ fn idempotency_key(client_key: Option<&str>, tool: &str) -> Result<String, ToolE
         // Request ids repeat across clients (every client starts at 0 or 1), and a stateless
         // request has no session to tell them apart: a fresh key per request.
         None => Ok(format!("mcp-request:{}", uuid::Uuid::new_v4())),
+    }
+}
+
+/// The JSON type of `v`, as a client's error names it.
+fn json_type(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }
 
@@ -311,10 +337,14 @@ impl Serving {
 mod tests {
     use super::*;
 
+    fn key(k: &str) -> Value {
+        Value::String(k.to_owned())
+    }
+
     #[test]
     fn a_clients_idempotency_key_is_checked_as_grpc_checks_it() {
         assert_eq!(
-            idempotency_key(Some("k-1"), "gmail_send").unwrap(),
+            idempotency_key(Some(&key("k-1")), "gmail_send").unwrap(),
             "mcp:k-1"
         );
         assert!(
@@ -323,7 +353,7 @@ mod tests {
                 .starts_with("mcp-request:")
         );
         for bad in ["a\0b".to_owned(), "a\r\nb".to_owned(), "k".repeat(129)] {
-            let e = idempotency_key(Some(&bad), "gmail_send").unwrap_err();
+            let e = idempotency_key(Some(&key(&bad)), "gmail_send").unwrap_err();
             assert_eq!(
                 e.kind(),
                 crate::domain::ErrorKind::InvalidArguments,
@@ -331,6 +361,26 @@ mod tests {
             );
             assert!(e.to_string().contains(IDEMPOTENCY_META_KEY), "{e}");
         }
-        assert!(idempotency_key(Some(&"k".repeat(128)), "gmail_send").is_ok());
+        assert!(idempotency_key(Some(&key(&"k".repeat(128))), "gmail_send").is_ok());
+    }
+
+    #[test]
+    fn p4_a_clients_idempotency_key_that_is_not_a_string_is_refused_not_ignored() {
+        for bad in [
+            serde_json::json!(42),
+            Value::Null,
+            serde_json::json!(true),
+            serde_json::json!(["k"]),
+            serde_json::json!({"k": 1}),
+        ] {
+            let e = idempotency_key(Some(&bad), "gmail_send").unwrap_err();
+            assert_eq!(
+                e.kind(),
+                crate::domain::ErrorKind::InvalidArguments,
+                "{bad}"
+            );
+            assert!(e.to_string().contains(IDEMPOTENCY_META_KEY), "{e}");
+            assert!(e.to_string().contains("must be a string"), "{e}");
+        }
     }
 }
