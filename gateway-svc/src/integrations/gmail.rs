@@ -887,10 +887,15 @@ impl Mailbox {
         })
     }
 
-    /// As a person approving the message reads it.
+    /// As a person approving the message reads it. The name is quoted with its `"` and `\`
+    /// escaped, so a name such as `Alice", alice@corp.com, "x` reads as one quoted name, never
+    /// as a mailbox of its own that will not get the message.
     fn shown(&self) -> String {
         match &self.name {
-            Some(name) => format!("\"{name}\" <{}>", self.addr),
+            Some(name) => {
+                let escaped = name.replace('\\', "\\\\").replace('"', "\\\"");
+                format!("\"{escaped}\" <{}>", self.addr)
+            }
             None => self.addr.clone(),
         }
     }
@@ -921,6 +926,11 @@ fn display_name(raw: &str) -> Result<Option<String>, &'static str> {
     if name.contains(['<', '>']) {
         return Err("its name holds < or >");
     }
+    // A bidi override or isolate reorders what follows it on the approver's screen, the
+    // address included.
+    if name.chars().any(is_bidi_control) {
+        return Err("its name holds a bidirectional text control");
+    }
     if name.chars().count() > MAX_NAME_CHARS {
         return Err("its name is longer than 200 characters");
     }
@@ -942,6 +952,11 @@ fn addr_spec(addr: &str) -> Result<(), &'static str> {
     }) {
         return Err("the address holds a space or one of < > ( ) [ ] , ; : \" \\");
     }
+    // Invisible in a preview: `bob\u{200B}@x.com` reads as `bob@x.com` to the approver but is
+    // another address, and a bidi control reorders what is shown.
+    if addr.chars().any(is_format_char) {
+        return Err("the address holds an invisible formatting character (Unicode Cf)");
+    }
     let Some((local, domain)) = addr.split_once('@') else {
         return Err("the address has no @");
     };
@@ -955,6 +970,42 @@ fn addr_spec(addr: &str) -> Result<(), &'static str> {
         return Err("the address's domain is not a domain name");
     }
     Ok(())
+}
+
+/// A Unicode format character (general category Cf, Unicode 15.1): zero-width spaces and
+/// joiners, bidi marks, embeddings, overrides and isolates, the BOM, tags and the like. Listed
+/// here rather than taken from a crate: the set is small and changes rarely.
+fn is_format_char(c: char) -> bool {
+    matches!(
+        c,
+        '\u{00AD}'
+            | '\u{0600}'..='\u{0605}'
+            | '\u{061C}'
+            | '\u{06DD}'
+            | '\u{070F}'
+            | '\u{0890}'..='\u{0891}'
+            | '\u{08E2}'
+            | '\u{180E}'
+            | '\u{200B}'..='\u{200F}'
+            | '\u{202A}'..='\u{202E}'
+            | '\u{2060}'..='\u{2064}'
+            | '\u{2066}'..='\u{206F}'
+            | '\u{FEFF}'
+            | '\u{FFF9}'..='\u{FFFB}'
+            | '\u{110BD}'
+            | '\u{110CD}'
+            | '\u{13430}'..='\u{1343F}'
+            | '\u{1BCA0}'..='\u{1BCA3}'
+            | '\u{1D173}'..='\u{1D17A}'
+            | '\u{E0001}'
+            | '\u{E0020}'..='\u{E007F}'
+    )
+}
+
+/// An explicit bidi embedding, override or isolate (not the marks or joiners a name written
+/// in its own script may need).
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
 }
 
 /// The entries of a recipient list given as one string: split on the commas between
@@ -1564,6 +1615,45 @@ mod tests {
         );
         assert!(head.contains("Cc: \"Doe, John\" <john@x.com>"), "{head}");
         assert!(!head.contains("Bcc"), "{head}");
+    }
+
+    #[test]
+    fn p4_a_recipients_name_is_shown_as_one_quoted_name_never_as_another_mailbox() {
+        let a = addressed(
+            &json!({"to": ["\"Alice\\\", alice@corp.com, \\\"x\" <attacker@evil.com>"]}),
+            "gmail_send",
+        )
+        .unwrap();
+        assert_eq!(a.to.len(), 1);
+        assert_eq!(a.to[0].addr, "attacker@evil.com");
+        assert_eq!(
+            a.shown[0].1,
+            vec![r#""Alice\", alice@corp.com, \"x" <attacker@evil.com>"#.to_owned()]
+        );
+        let backslash = addressed(&json!({"to": [r#""a\\" <b@x.com>"#]}), "gmail_send").unwrap();
+        assert_eq!(backslash.shown[0].1, vec![r#""a\\" <b@x.com>"#.to_owned()]);
+    }
+
+    #[test]
+    fn i3_an_address_with_an_invisible_formatting_character_is_refused_by_field_and_entry() {
+        for bad in [
+            "bob\u{200B}@x.com",
+            "bob@x\u{202E}moc.com",
+            "\u{FEFF}bob@x.com",
+            "Bob <bob\u{2066}@x.com>",
+            "bob@x.com\u{E0041}",
+        ] {
+            let detail = refusal(json!({"to": "ok@x.com", "bcc": [bad]}));
+            assert!(
+                detail.starts_with(&format!("bcc: {bad:?}")),
+                "{bad:?}: {detail}"
+            );
+            assert!(detail.contains("Unicode Cf"), "{detail}");
+        }
+        let bidi_name = refusal(json!({"to": ["\"Bob\u{202E}\" <bob@x.com>"]}));
+        assert!(bidi_name.contains("bidirectional"), "{bidi_name}");
+        // A joiner in a name (emoji, scripts that need it) is no address and is kept.
+        assert!(headers_sent(json!({"to": ["Zoë\u{200D} <zoe@x.com>"]})).is_ok());
     }
 
     #[test]
