@@ -104,6 +104,12 @@ enum Item {
 /// it, so the tries are few and their pauses short (`retry_first`, doubling).
 const WRITE_NOW_ATTEMPTS: u32 = 3;
 
+/// The longest a writing call's record may take, across all its tries: each try can wait for
+/// a pooled connection (5 s), so 3 tries alone could take over 15 s. A side effect's intent
+/// record is written while it holds its idempotency key, so this is part of the key's margin
+/// (`engine::CLAIM_MARGIN`).
+pub const WRITE_NOW_BUDGET: Duration = Duration::from_secs(8);
+
 pub struct AuditTrail {
     store: Arc<dyn AuditLog>,
     /// The first pause before a writing call's record is tried again.
@@ -183,7 +189,9 @@ impl AuditTrail {
     /// with every field and counted as lost, so the trail can be rebuilt from the logs.
     pub async fn record_now(&self, record: AuditRecord) -> Result<(), StoreError> {
         let entry = AuditEntry::now(record);
-        let written = self.record_retrying(&entry.record).await;
+        let written = self
+            .record_retrying(&entry, Instant::now() + WRITE_NOW_BUDGET)
+            .await;
         if let Err(e) = &written {
             crate::metrics::audit_records_lost(1);
             log_unwritten(
@@ -198,15 +206,35 @@ impl AuditTrail {
     /// Writes a side effect's intent, tried as [`Self::record_now`] tries; not logged as lost
     /// when it fails, as the side effect is then refused and its intent was never carried out.
     pub async fn record_intent(&self, record: AuditRecord) -> Result<(), StoreError> {
-        self.record_retrying(&record).await
+        self.record_retrying(&AuditEntry::now(record), Instant::now() + WRITE_NOW_BUDGET)
+            .await
     }
 
-    async fn record_retrying(&self, record: &AuditRecord) -> Result<(), StoreError> {
+    /// Writes `entry` (keeping its time), tried again after a transient failure while tries
+    /// are left and `deadline` has not passed; a try still running at `deadline` is given up.
+    async fn record_retrying(
+        &self,
+        entry: &AuditEntry,
+        deadline: Instant,
+    ) -> Result<(), StoreError> {
+        let record = &entry.record;
+        let deadline = tokio::time::Instant::from_std(deadline);
         let mut pause = self.retry_first;
         let mut attempt = 1;
         loop {
-            match self.store.record(record.clone()).await {
-                Err(e) if !e.is_permanent() && attempt < WRITE_NOW_ATTEMPTS => {
+            let written = tokio::time::timeout_at(deadline, self.store.record_entry(entry))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::Unavailable(format!(
+                        "not written within {WRITE_NOW_BUDGET:?}"
+                    )))
+                });
+            match written {
+                Err(e)
+                    if !e.is_permanent()
+                        && attempt < WRITE_NOW_ATTEMPTS
+                        && tokio::time::Instant::now() + pause < deadline =>
+                {
                     tracing::warn!(error = %e, attempt, call_id = %record.call_id, kind = %record.kind, "could not write an audit record; trying again");
                     tokio::time::sleep(pause).await;
                     pause *= 2;
@@ -410,6 +438,10 @@ impl AuditTrail {
 impl AuditLog for AuditTrail {
     async fn record(&self, record: AuditRecord) -> Result<(), StoreError> {
         self.store.record(record).await
+    }
+
+    async fn record_entry(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        self.store.record_entry(entry).await
     }
 
     async fn record_many(&self, entries: &[AuditEntry]) -> Result<(), StoreError> {
@@ -619,6 +651,10 @@ mod tests {
         singles: Mutex<Vec<AuditRecord>>,
         singles_failing: std::sync::atomic::AtomicUsize,
         single_tries: std::sync::atomic::AtomicUsize,
+        /// The time each single-record try carried.
+        single_times: Mutex<Vec<std::time::SystemTime>>,
+        /// Single-record writes never finish (a pool with no connection to give).
+        singles_hang: AtomicBool,
         open: watch::Sender<bool>,
         started: watch::Sender<usize>,
         down: AtomicBool,
@@ -633,6 +669,8 @@ mod tests {
                 singles: Mutex::new(Vec::new()),
                 singles_failing: Default::default(),
                 single_tries: Default::default(),
+                single_times: Mutex::new(Vec::new()),
+                singles_hang: AtomicBool::new(false),
                 open: watch::Sender::new(open),
                 started: watch::Sender::new(0),
                 down: AtomicBool::new(false),
@@ -682,7 +720,16 @@ mod tests {
     #[async_trait::async_trait]
     impl AuditLog for FakeLog {
         async fn record(&self, record: AuditRecord) -> Result<(), StoreError> {
+            self.record_entry(&AuditEntry::now(record)).await
+        }
+
+        async fn record_entry(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+            let record = entry.record.clone();
             self.single_tries.fetch_add(1, Ordering::SeqCst);
+            self.single_times.lock().unwrap().push(entry.at);
+            if self.singles_hang.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
             let failing =
                 self.singles_failing
                     .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
@@ -1338,5 +1385,43 @@ mod tests {
             WRITE_NOW_ATTEMPTS as usize
         );
         assert!(log.singles.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn p5_a_writing_calls_record_tried_again_keeps_the_time_of_its_call() {
+        let log = FakeLog::new(true);
+        let trail = AuditTrail::start(log.clone(), &config(64, 64));
+        log.singles_failing.store(2, Ordering::SeqCst);
+        trail.record_now(record("c1")).await.unwrap();
+        let times = log.single_times.lock().unwrap().clone();
+        assert_eq!(times.len(), 3);
+        assert!(times.iter().all(|t| *t == times[0]), "{times:?}");
+    }
+
+    #[tokio::test]
+    async fn p4_a_writing_calls_record_gives_up_at_its_deadline_however_long_the_store_waits() {
+        let log = FakeLog::new(true);
+        let trail = AuditTrail::start(log.clone(), &config(64, 64));
+        log.singles_hang.store(true, Ordering::SeqCst);
+        let entry = AuditEntry::now(record("c1"));
+        let written = within(
+            "giving up at the deadline",
+            trail.record_retrying(&entry, Instant::now() + Duration::from_millis(50)),
+        )
+        .await;
+        assert!(matches!(written, Err(StoreError::Unavailable(_))));
+        // A store that keeps failing fast: no try starts past the deadline either.
+        log.singles_hang.store(false, Ordering::SeqCst);
+        log.singles_failing.store(usize::MAX, Ordering::SeqCst);
+        let before = log.single_tries.load(Ordering::SeqCst);
+        assert!(trail.record_retrying(&entry, Instant::now()).await.is_err());
+        assert_eq!(log.single_tries.load(Ordering::SeqCst) - before, 1);
+    }
+
+    #[test]
+    fn p4_the_intent_record_and_the_stored_result_fit_inside_the_keys_margin() {
+        // What a side effect may spend outside its call's deadlines while it holds its key.
+        let outside = WRITE_NOW_BUDGET + crate::engine::STORE_BUDGET;
+        assert!(outside + Duration::from_secs(5) <= crate::engine::CLAIM_MARGIN);
     }
 }

@@ -28,8 +28,16 @@ use crate::{
 };
 
 /// How much longer than the call's deadlines an idempotency key is held: for its audit
-/// records and the store's round trips.
-const CLAIM_MARGIN: Duration = Duration::from_secs(30);
+/// records and the store's round trips. Outside the deadlines a side effect spends at most
+/// the intent record's budget ([`crate::audit::WRITE_NOW_BUDGET`], 8 s) before the call and
+/// [`STORE_BUDGET`] (15 s) storing its result after it: 23 s, leaving 7 s for the claim's
+/// own round trip and scheduling. (Its upstream records are written inside the call's
+/// deadline.) Were the hold to lapse first, a retry could claim the key and act again.
+pub(crate) const CLAIM_MARGIN: Duration = Duration::from_secs(30);
+
+/// The longest storing a side effect's result may take, across its tries (see
+/// [`CLAIM_MARGIN`]).
+pub(crate) const STORE_BUDGET: Duration = Duration::from_secs(15);
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -544,20 +552,32 @@ impl Held<'_> {
             args_sha256: std::mem::take(&mut self.args_sha256),
             outcome: serde_json::to_value(&outcome).unwrap_or(Value::Null),
         };
-        let mut pause = Duration::from_millis(100);
-        for attempt in 1..=STORE_ATTEMPTS {
-            match claim.complete(&stored).await {
-                Ok(()) => return,
-                Err(StoreError::Unavailable(e)) if attempt < STORE_ATTEMPTS => {
-                    tracing::warn!(error = %e, tool, attempt, "could not store a side effect's result; trying again");
-                    tokio::time::sleep(pause).await;
-                    pause *= 4;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, tool, "could not store a side effect's result; its key stays held until its hold lapses");
-                    break;
+        let tries = async {
+            let mut pause = Duration::from_millis(100);
+            for attempt in 1..=STORE_ATTEMPTS {
+                match claim.complete(&stored).await {
+                    Ok(()) => return true,
+                    Err(StoreError::Unavailable(e)) if attempt < STORE_ATTEMPTS => {
+                        tracing::warn!(error = %e, tool, attempt, "could not store a side effect's result; trying again");
+                        tokio::time::sleep(pause).await;
+                        pause *= 4;
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, tool, "could not store a side effect's result; its key stays held until its hold lapses");
+                        return false;
+                    }
                 }
             }
+            false
+        };
+        // Within the key's hold (see `CLAIM_MARGIN`): past it a retry could act again.
+        match tokio::time::timeout(STORE_BUDGET, tries).await {
+            Ok(true) => return,
+            Ok(false) => {}
+            Err(_) => tracing::error!(
+                tool,
+                "could not store a side effect's result within {STORE_BUDGET:?}; its key stays held until its hold lapses"
+            ),
         }
         claim.abandon();
     }

@@ -241,6 +241,11 @@ impl AuditEntry {
 pub trait AuditLog: Send + Sync + 'static {
     /// Writes one record now, stamped with the time of the write.
     async fn record(&self, record: AuditRecord) -> Result<(), StoreError>;
+    /// Writes one record with the time it already has: a record tried again keeps the time of
+    /// its call, not of the try that landed.
+    async fn record_entry(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        self.record_many(std::slice::from_ref(entry)).await
+    }
     /// Writes `entries` in their order, all or none, each with its own time: one statement
     /// for the whole batch. A batch the database refuses for good (one bad record in it, or
     /// any record at all) fails with [`StoreError::Rejected`]; a failure a retry can get past
