@@ -160,9 +160,19 @@ impl CallContext {
 
     /// The user's accounts of `integration`, at least one usable (see [`Accounts`]).
     pub async fn accounts(&self, integration: Integration) -> Result<Accounts, ToolError> {
+        self.accounts_named(integration, None).await
+    }
+
+    /// As [`Self::accounts`], for a call that names the account it means (`named`): when
+    /// none is usable, the refusal names that account if it needs reconnecting.
+    pub async fn accounts_named(
+        &self,
+        integration: Integration,
+        named: Option<&str>,
+    ) -> Result<Accounts, ToolError> {
         self.services
             .credentials
-            .usable_accounts(&self.user, integration)
+            .usable_accounts_named(&self.user, integration, named)
             .await
     }
 

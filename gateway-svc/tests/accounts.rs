@@ -164,3 +164,68 @@ async fn i1_the_session_brief_names_the_account_that_needs_reconnecting() {
         .collect();
     assert_eq!(accounts, ["work@example.com", "home@example.com"]);
 }
+
+#[tokio::test]
+async fn g8_when_every_account_needs_reconnecting_naming_one_names_that_one_and_all_are_listed() {
+    let stores = MemoryStore::stores();
+    let upstream = Upstream::start(|_, _| Answer::Status(200, "{}")).await;
+    let engine = common::engine(
+        &stores,
+        gmail::tools(GmailApi {
+            base_url: upstream.base_url.clone(),
+        }),
+    );
+    for account in ["work@example.com", "home@example.com"] {
+        engine
+            .services
+            .credentials
+            .connect(
+                &user(),
+                NewAccount {
+                    integration: Integration::Gmail,
+                    account: account.into(),
+                    access_token: "tok".into(),
+                    refresh_token: Some("refresh".into()),
+                    expires_at: Some(SystemTime::now() + Duration::from_secs(3600)),
+                    scopes: Vec::new(),
+                },
+            )
+            .await
+            .unwrap();
+        let mut stored = stores
+            .accounts
+            .get_account(&user(), Integration::Gmail, account)
+            .await
+            .unwrap()
+            .unwrap();
+        stored.status = AccountStatus::NeedsReconnect;
+        stores.accounts.upsert_account(stored).await.unwrap();
+    }
+    for named in ["home@example.com", "Work@example.com"] {
+        let refused =
+            common::call(&engine, "n", "search_gmail", json!({"account": named}), "k").await;
+        assert_eq!(refused.error_kind, Some(ErrorKind::CredentialsRevoked));
+        assert_eq!(
+            refused.text,
+            format!(
+                "Your Google account {} needs to be reconnected.",
+                named.to_lowercase()
+            )
+        );
+    }
+    let every = common::call(&engine, "a", "search_gmail", json!({}), "k").await;
+    assert_eq!(every.error_kind, Some(ErrorKind::CredentialsRevoked));
+    assert!(
+        every.text.starts_with("Your Google accounts "),
+        "{}",
+        every.text
+    );
+    assert!(every.text.contains("work@example.com"), "{}", every.text);
+    assert!(every.text.contains("home@example.com"), "{}", every.text);
+    assert!(
+        every.text.ends_with(" need to be reconnected."),
+        "{}",
+        every.text
+    );
+    assert_eq!(upstream.seen("GET "), 0);
+}

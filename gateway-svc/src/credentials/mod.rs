@@ -225,20 +225,37 @@ impl Credentials {
     }
 
     /// The user's accounts of `integration`, at least one usable; `CredentialsMissing` when
-    /// none is connected, `CredentialsRevoked` when all need reconnecting.
+    /// none is connected, `CredentialsRevoked` naming every account when all need
+    /// reconnecting.
     pub async fn usable_accounts(
         &self,
         user: &UserId,
         integration: Integration,
+    ) -> Result<Accounts, ToolError> {
+        self.usable_accounts_named(user, integration, None).await
+    }
+
+    /// As [`Self::usable_accounts`], for a call that names the account it means: when all need
+    /// reconnecting and `named` is one of them, the refusal names it, not another.
+    pub async fn usable_accounts_named(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        named: Option<&str>,
     ) -> Result<Accounts, ToolError> {
         let accounts = self
             .accounts(user, integration)
             .await
             .map_err(|e| ToolError::Internal(e.to_string()))?;
         if accounts.usable.is_empty() {
-            return Err(match accounts.to_reconnect.first() {
-                Some(account) => revoked(integration, account),
-                None => ToolError::CredentialsMissing { integration },
+            // The named account first: `named` refuses one that needs reconnecting by name.
+            if let Some(named) = named {
+                accounts.named(named)?;
+            }
+            return Err(match accounts.to_reconnect.as_slice() {
+                [] => ToolError::CredentialsMissing { integration },
+                [one] => revoked(integration, one),
+                many => revoked(integration, &many.join(", ")),
             });
         }
         Ok(accounts)

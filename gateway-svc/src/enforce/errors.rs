@@ -41,9 +41,10 @@ pub enum ToolError {
         "No {} account is connected. Tell the user to connect one; do not retry.", integration.label()
     )]
     CredentialsMissing { integration: Integration },
-    #[error("Your {provider} account {account} needs to be reconnected.")]
+    #[error("Your {provider} {} to be reconnected.", accounts_need(account))]
     CredentialsRevoked {
         provider: &'static str,
+        /// One account, or several joined by ", " (every one that needs reconnecting).
         account: String,
     },
     #[error("{service} refused the request for {account}: {detail}")]
@@ -131,6 +132,15 @@ pub fn code_word(code: &str) -> Option<&str> {
         && code.len() <= 40
         && code.bytes().all(|b| b.is_ascii_alphabetic() || b == b'_'))
     .then_some(code)
+}
+
+/// "account a needs", or "accounts a, b need" for a list.
+fn accounts_need(account: &str) -> String {
+    if account.contains(", ") {
+        format!("accounts {account} need")
+    } else {
+        format!("account {account} needs")
+    }
 }
 
 fn detail_suffix(detail: &str) -> String {

@@ -153,8 +153,10 @@ async fn account_and_left_out(
     args: &Value,
     tool: &str,
 ) -> Result<(String, String), ToolError> {
-    let all = ctx.accounts(Integration::GoogleCalendar).await?;
     let named = text_arg(args, "account");
+    let all = ctx
+        .accounts_named(Integration::GoogleCalendar, named.as_deref())
+        .await?;
     let left_out = match named {
         Some(_) => String::new(),
         None => all

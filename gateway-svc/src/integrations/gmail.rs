@@ -528,7 +528,9 @@ impl Tool for SearchGmail {
             .and_then(Value::as_u64)
             .map_or(default_max(ctx.channel), |m| m as u32);
         let named = text_arg(&args, "account");
-        let all = ctx.accounts(Integration::Gmail).await?;
+        let all = ctx
+            .accounts_named(Integration::Gmail, named.as_deref())
+            .await?;
         let accounts = pick_accounts(&all, named.as_deref(), "search_gmail")?;
         let searches = accounts
             .iter()
@@ -752,7 +754,9 @@ impl Tool for GetGmail {
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let id = text_arg(&args, "message_id").unwrap_or_default();
         let named = text_arg(&args, "account");
-        let all = ctx.accounts(Integration::Gmail).await?;
+        let all = ctx
+            .accounts_named(Integration::Gmail, named.as_deref())
+            .await?;
         let accounts = pick_accounts(&all, named.as_deref(), "get_gmail")?;
         // Ids belong to one mailbox; without an account, try each until one has it.
         for account in &accounts {
@@ -803,7 +807,9 @@ impl Tool for ThreadRead {
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let id = text_arg(&args, "thread_id").unwrap_or_default();
         let named = text_arg(&args, "account");
-        let all = ctx.accounts(Integration::Gmail).await?;
+        let all = ctx
+            .accounts_named(Integration::Gmail, named.as_deref())
+            .await?;
         let accounts = pick_accounts(&all, named.as_deref(), "gmail_thread_read")?;
         let segment = super::path_segment(&id, "thread_id", "gmail_thread_read")?;
         let url = self.0.url(&format!("/gmail/v1/users/me/threads/{segment}"));
@@ -1189,7 +1195,8 @@ impl Tool for Compose {
     async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
         let name = self.spec().name;
         let from = one_account(
-            &ctx.accounts(Integration::Gmail).await?,
+            &ctx.accounts_named(Integration::Gmail, text_arg(args, "account").as_deref())
+                .await?,
             text_arg(args, "account").as_deref(),
             &name,
         )?;
@@ -1218,7 +1225,8 @@ impl Tool for Compose {
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let name = self.spec().name;
         let from = one_account(
-            &ctx.accounts(Integration::Gmail).await?,
+            &ctx.accounts_named(Integration::Gmail, text_arg(&args, "account").as_deref())
+                .await?,
             text_arg(&args, "account").as_deref(),
             &name,
         )?;
@@ -1395,7 +1403,8 @@ impl Reply {
     async fn resolve(&self, ctx: &CallContext, args: &Value) -> Result<ResolvedReply, ToolError> {
         let id = text_arg(args, "message_id").unwrap_or_default();
         let from = one_account(
-            &ctx.accounts(Integration::Gmail).await?,
+            &ctx.accounts_named(Integration::Gmail, text_arg(args, "account").as_deref())
+                .await?,
             text_arg(args, "account").as_deref(),
             "gmail_reply",
         )?;

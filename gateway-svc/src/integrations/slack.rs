@@ -98,8 +98,10 @@ fn spec(name: &str, description: &str, schema: Value) -> ToolSpec {
 }
 
 async fn team(ctx: &CallContext, args: &Value) -> Result<String, ToolError> {
-    let all = ctx.accounts(Integration::Slack).await?;
     let named = text_arg(args, "workspace");
+    let all = ctx
+        .accounts_named(Integration::Slack, named.as_deref())
+        .await?;
     match named {
         Some(n) => {
             all.named(&n)?
