@@ -39,6 +39,18 @@ async fn run_on(addr: std::net::SocketAddr, input: pb::RunInput) -> pb::RunResul
         .unwrap()
 }
 
+/// Alice approves `approval_id` on `addr` and gets the run's result once it has gone on.
+async fn approved(addr: std::net::SocketAddr, approval_id: &str) -> pb::RunResult {
+    agent_as(addr, "alice")
+        .await
+        .decide_approval(approve(approval_id))
+        .await
+        .expect("the approval waits for a decision")
+        .into_inner()
+        .result
+        .unwrap()
+}
+
 fn approve(id: &str) -> pb::DecideApprovalRequest {
     pb::DecideApprovalRequest {
         approval_id: id.into(),
@@ -304,13 +316,7 @@ async fn an_approval_on_the_other_replica_long_after_the_pause_completes_normall
         )
         .await
         .unwrap();
-    let decided = agent_as(second, "alice")
-        .await
-        .decide_approval(approve(&approval.id))
-        .await
-        .unwrap()
-        .into_inner();
-    let result = decided.result.unwrap();
+    let result = approved(second, &approval.id).await;
     assert_eq!(result.status, pb::RunState::Completed as i32, "{result:?}");
     assert_eq!(result.summary, "Sent it.");
     assert_eq!(gmail.sent().len(), 1);
@@ -400,15 +406,8 @@ async fn b3_opening_the_app_leaves_a_pending_approval_waiting_and_points_at_its_
         opened.thread_id, paused.thread_id,
         "where the approval waits"
     );
-    let decided = alice
-        .decide_approval(approve(&approval.id))
-        .await
-        .expect("the approval still waits")
-        .into_inner();
-    assert_eq!(
-        decided.result.unwrap().status,
-        pb::RunState::Completed as i32
-    );
+    let sent = approved(app.agent_addr, &approval.id).await;
+    assert_eq!(sent.status, pb::RunState::Completed as i32);
     assert_eq!(gmail.sent().len(), 1);
     assert_eq!(model.requests().len(), 2, "no greeting was asked for");
 }
@@ -436,17 +435,8 @@ async fn b1_a_task_agent_started_after_an_approval_keeps_the_runs_time_zone() {
     )
     .await;
     assert_eq!(paused.status, pb::RunState::AwaitingConfirmation as i32);
-    let decided = app
-        .agent_as("alice")
-        .await
-        .decide_approval(approve(&paused.approval.unwrap().id))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(
-        decided.result.unwrap().status,
-        pb::RunState::Completed as i32
-    );
+    let sent = approved(app.agent_addr, &paused.approval.unwrap().id).await;
+    assert_eq!(sent.status, pb::RunState::Completed as i32);
     let zone: Option<String> = app
         .sql()
         .await
@@ -475,11 +465,7 @@ async fn a_repeated_run_request_answers_how_its_run_stands_now_not_its_first_pau
     };
     let paused = run_on(app.agent_addr, request.clone()).await;
     assert_eq!(paused.status, pb::RunState::AwaitingConfirmation as i32);
-    app.agent_as("alice")
-        .await
-        .decide_approval(approve(&paused.approval.unwrap().id))
-        .await
-        .unwrap();
+    approved(app.agent_addr, &paused.approval.unwrap().id).await;
     let again = run_on(app.agent_addr, request).await;
     assert_eq!(
         (again.status, again.run_id.as_str(), again.summary.as_str()),
