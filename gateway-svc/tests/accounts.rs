@@ -3,21 +3,20 @@
 
 mod common;
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use common::{
     upstream::{Answer, Upstream},
     user,
 };
 use gateway_svc::{
-    credentials::NewAccount,
     domain::{ErrorKind, Integration},
     engine::Engine,
     integrations::{
         calendar::{self, CalendarApi},
         gmail::{self, GmailApi},
     },
-    store::{AccountStatus, memory::MemoryStore},
+    store::memory::MemoryStore,
 };
 use serde_json::json;
 
@@ -36,31 +35,9 @@ async fn engine_with_one_account_to_reconnect() -> (Engine, Upstream) {
     let engine = common::engine(&stores, tools);
     for integration in [Integration::Gmail, Integration::GoogleCalendar] {
         for account in ["work@example.com", "home@example.com"] {
-            engine
-                .services
-                .credentials
-                .connect(
-                    &user(),
-                    NewAccount {
-                        integration,
-                        account: account.into(),
-                        access_token: "tok".into(),
-                        refresh_token: Some("refresh".into()),
-                        expires_at: Some(SystemTime::now() + Duration::from_secs(3600)),
-                        scopes: Vec::new(),
-                    },
-                )
-                .await
-                .unwrap();
+            common::connect(&engine, integration, account, "tok").await;
         }
-        let mut home = stores
-            .accounts
-            .get_account(&user(), integration, "home@example.com")
-            .await
-            .unwrap()
-            .unwrap();
-        home.status = AccountStatus::NeedsReconnect;
-        stores.accounts.upsert_account(home).await.unwrap();
+        common::needs_reconnect(&stores, integration, "home@example.com").await;
     }
     (engine, upstream)
 }
@@ -176,30 +153,8 @@ async fn g8_when_every_account_needs_reconnecting_naming_one_names_that_one_and_
         }),
     );
     for account in ["work@example.com", "home@example.com"] {
-        engine
-            .services
-            .credentials
-            .connect(
-                &user(),
-                NewAccount {
-                    integration: Integration::Gmail,
-                    account: account.into(),
-                    access_token: "tok".into(),
-                    refresh_token: Some("refresh".into()),
-                    expires_at: Some(SystemTime::now() + Duration::from_secs(3600)),
-                    scopes: Vec::new(),
-                },
-            )
-            .await
-            .unwrap();
-        let mut stored = stores
-            .accounts
-            .get_account(&user(), Integration::Gmail, account)
-            .await
-            .unwrap()
-            .unwrap();
-        stored.status = AccountStatus::NeedsReconnect;
-        stores.accounts.upsert_account(stored).await.unwrap();
+        common::connect(&engine, Integration::Gmail, account, "tok").await;
+        common::needs_reconnect(&stores, Integration::Gmail, account).await;
     }
     for named in ["home@example.com", "Work@example.com"] {
         let refused =

@@ -3,20 +3,13 @@
 //! left, or the upstream refused it outright, it says what went wrong and frees the key.
 //! The engine runs the real Gmail tools against a scripted upstream on a local socket.
 
-use std::{
-    sync::Arc,
-    time::{Duration, SystemTime},
-};
+use std::sync::Arc;
 
 mod common;
 
-use common::{
-    upstream::{Answer, Upstream},
-    user,
-};
+use common::upstream::{Answer, Upstream};
 use gateway_svc::{
     context::CallContext,
-    credentials::NewAccount,
     domain::{CallOutcome, ErrorKind, Integration},
     enforce::ToolError,
     engine::Engine,
@@ -64,22 +57,13 @@ async fn engine_at(base_url: &str) -> Engine {
     });
     tools.push(Arc::new(BrokenRemote));
     let engine = common::engine(&stores, tools);
-    engine
-        .services
-        .credentials
-        .connect(
-            &user(),
-            NewAccount {
-                integration: Integration::Gmail,
-                account: "alice@example.com".into(),
-                access_token: "tok-alice".into(),
-                refresh_token: Some("refresh-alice".into()),
-                expires_at: Some(SystemTime::now() + Duration::from_secs(3600)),
-                scopes: Vec::new(),
-            },
-        )
-        .await
-        .unwrap();
+    common::connect(
+        &engine,
+        Integration::Gmail,
+        "alice@example.com",
+        "tok-alice",
+    )
+    .await;
     engine
 }
 

@@ -6,24 +6,61 @@
 
 pub(crate) mod upstream;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use gateway_svc::{
     audit::AuditTrail,
     config::AuditQueueConfig,
     context::Services,
-    credentials::{Credentials, cipher::TokenCipher},
-    domain::{CallOutcome, CallRequest, Channel, UserId},
+    credentials::{Credentials, NewAccount, cipher::TokenCipher},
+    domain::{CallOutcome, CallRequest, Channel, Integration, UserId},
     engine::{Engine, EngineConfig},
     ratelimit::{RateLimiter, memory::MemoryRateLimits},
     registry::{Registry, Tool},
-    store::Stores,
+    store::{AccountStatus, Stores},
 };
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 pub(crate) fn user() -> UserId {
     UserId::parse("u1").unwrap()
+}
+
+/// Connects the test user's `account` of `integration`, its access token `token` valid for an
+/// hour.
+pub(crate) async fn connect(engine: &Engine, integration: Integration, account: &str, token: &str) {
+    engine
+        .services
+        .credentials
+        .connect(
+            &user(),
+            NewAccount {
+                integration,
+                account: account.into(),
+                access_token: token.into(),
+                refresh_token: Some(format!("refresh-{token}")),
+                expires_at: Some(SystemTime::now() + Duration::from_secs(3600)),
+                scopes: Vec::new(),
+            },
+        )
+        .await
+        .unwrap();
+}
+
+/// Marks the test user's connected `account` as needing reconnection, as a refused refresh
+/// would.
+pub(crate) async fn needs_reconnect(stores: &Stores, integration: Integration, account: &str) {
+    let mut stored = stores
+        .accounts
+        .get_account(&user(), integration, account)
+        .await
+        .unwrap()
+        .unwrap();
+    stored.status = AccountStatus::NeedsReconnect;
+    stores.accounts.upsert_account(stored).await.unwrap();
 }
 
 pub(crate) fn engine(stores: &Stores, tools: Vec<Arc<dyn Tool>>) -> Engine {
