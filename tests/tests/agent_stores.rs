@@ -1383,26 +1383,30 @@ async fn threads_belong_to_their_owner(b: Backend) {
         s.get_thread("alice", "t1").await.unwrap().unwrap().title,
         "Plan the offsite"
     );
+    user_says(s.as_ref(), "t1", "hi").await;
+    let mine = s.list_threads("alice", None, 10).await.unwrap();
+    let ids: Vec<_> = mine.iter().map(|t| t.id.as_str()).collect();
+    assert_eq!(ids, ["t1", "t2"], "most recently updated first");
+    let rest = s
+        .list_threads("alice", Some(&ThreadCursor::after(&mine[0])), 10)
+        .await
+        .unwrap();
+    assert_eq!(rest.len(), 1);
+    assert_eq!(rest[0].id, "t2");
+}
+
+/// A user's message on `thread`, which makes it the most recently updated.
+async fn user_says(s: &dyn AgentStore, thread: &str, text: &str) {
     s.add_message(
-        "t1",
+        thread,
         None,
         MessageSource::User,
         MessageKind::Text,
-        "hi",
+        text,
         serde_json::json!({}),
     )
     .await
     .unwrap();
-    let mine = s.list_threads("alice", None, 10).await.unwrap();
-    let ids: Vec<_> = mine.iter().map(|t| t.id.as_str()).collect();
-    assert_eq!(ids, ["t1", "t2"], "most recently updated first");
-    let after_t1 = ThreadCursor {
-        updated_at: mine[0].updated_at,
-        id: mine[0].id.clone(),
-    };
-    let rest = s.list_threads("alice", Some(&after_t1), 10).await.unwrap();
-    assert_eq!(rest.len(), 1);
-    assert_eq!(rest[0].id, "t2");
 }
 
 /// ListThreads' pages are keyed by the last thread shown: a message on a thread further down
@@ -1412,33 +1416,12 @@ async fn a_page_of_threads_starts_after_the_last_one_shown(b: Backend) {
     let s = &b.store;
     for id in ["oldest", "middle", "newest"] {
         s.create_thread(id, "alice", id).await.unwrap();
-        s.add_message(
-            id,
-            None,
-            MessageSource::User,
-            MessageKind::Text,
-            "hi",
-            serde_json::json!({}),
-        )
-        .await
-        .unwrap();
+        user_says(s.as_ref(), id, "hi").await;
     }
     let first = s.list_threads("alice", None, 1).await.unwrap();
     assert_eq!(first[0].id, "newest");
-    s.add_message(
-        "oldest",
-        None,
-        MessageSource::User,
-        MessageKind::Text,
-        "again",
-        serde_json::json!({}),
-    )
-    .await
-    .unwrap();
-    let cursor = ThreadCursor {
-        updated_at: first[0].updated_at,
-        id: first[0].id.clone(),
-    };
+    user_says(s.as_ref(), "oldest", "again").await;
+    let cursor = ThreadCursor::after(&first[0]);
     let next: Vec<String> = s
         .list_threads("alice", Some(&cursor), 10)
         .await

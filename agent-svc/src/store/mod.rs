@@ -80,6 +80,14 @@ pub struct ThreadCursor {
 }
 
 impl ThreadCursor {
+    /// The page after `last`, the last thread shown.
+    pub fn after(last: &Thread) -> Self {
+        Self {
+            updated_at: last.updated_at,
+            id: last.id.clone(),
+        }
+    }
+
     /// Whether `t` comes after the cursor: updated earlier, or as late with a greater id.
     pub fn precedes(&self, t: &Thread) -> bool {
         t.updated_at < self.updated_at || (t.updated_at == self.updated_at && t.id > self.id)
