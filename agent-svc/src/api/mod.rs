@@ -61,10 +61,15 @@ impl AgentApi {
 /// How many of a user's latest threads a session opening looks through for a conversation.
 const SESSION_THREADS_LOOKED_AT: usize = 20;
 
-fn ended_without_result(run_id: &str) -> ApiError {
-    ApiError::Unavailable(format!(
-        "run {run_id} ended without a result; follow it with WatchRun"
-    ))
+/// A session opening with nothing said, pointing at `thread_id`.
+fn silent_opening(thread_id: String, new_user: bool) -> Response<pb::OpenSessionResponse> {
+    Response::new(pb::OpenSessionResponse {
+        silent: true,
+        greeting: String::new(),
+        thread_id,
+        run_id: String::new(),
+        new_user,
+    })
 }
 
 pub(crate) fn terminal_result(event: &pb::RunEvent) -> Option<pb::RunResult> {
@@ -102,26 +107,26 @@ impl AgentService for AgentApi {
         // not open followers without bound.
         let _following = self.runs.follower_slot(&user)?;
         let started = self.runs.start_run(&user, input).await?;
-        let (run_id, thread_id) = (started.run_id, started.thread_id);
-        if started.repeated {
+        let result = if started.repeated {
             // A repeated request whose run may have gone on since: how it stands now.
-            let result = self.runs.latest_result(&user, &run_id).await?;
-            return match result {
-                Some(result) => Ok(Response::new(pb::RunResponse {
-                    result: Some(result),
-                })),
-                None => Err(ended_without_result(&run_id).into()),
-            };
+            self.runs.latest_result(&user, &started.run_id).await?
+        } else {
+            self.runs
+                .follow_started(&started.run_id, &started.thread_id, Deliver::End)
+                .result()
+                .await?
+                .map(|(_, result)| result)
+        };
+        match result {
+            Some(result) => Ok(Response::new(pb::RunResponse {
+                result: Some(result),
+            })),
+            None => Err(ApiError::Unavailable(format!(
+                "run {} ended without a result; follow it with WatchRun",
+                started.run_id
+            ))
+            .into()),
         }
-        let mut events = self.runs.follow_started(&run_id, &thread_id, Deliver::End);
-        while let Some(event) = events.next().await {
-            if let Some(result) = terminal_result(&event?) {
-                return Ok(Response::new(pb::RunResponse {
-                    result: Some(result),
-                }));
-            }
-        }
-        Err(ended_without_result(&run_id).into())
     }
 
     async fn run_stream(
@@ -202,13 +207,7 @@ impl AgentService for AgentApi {
             });
         if !context.new_user && !in_flight {
             // B-3: a returning user with nothing in flight hears nothing, and no model is called.
-            return Ok(Response::new(pb::OpenSessionResponse {
-                silent: true,
-                greeting: String::new(),
-                thread_id: thread_id.unwrap_or_default(),
-                run_id: String::new(),
-                new_user: false,
-            }));
+            return Ok(silent_opening(thread_id.unwrap_or_default(), false));
         }
         let session = if context.new_user {
             SessionSetup {
@@ -247,25 +246,20 @@ impl AgentService for AgentApi {
             // the latest). A thread the caller named is refused, saying why.
             Err(ApiError::Aborted(why)) if picked_thread.is_some() => {
                 tracing::info!(reason = %why, "session opening silent: its thread is busy");
-                return Ok(Response::new(pb::OpenSessionResponse {
-                    silent: true,
-                    greeting: String::new(),
-                    thread_id: picked_thread.unwrap_or_default(),
-                    run_id: String::new(),
-                    new_user: context.new_user,
-                }));
+                return Ok(silent_opening(
+                    picked_thread.unwrap_or_default(),
+                    context.new_user,
+                ));
             }
             started => started?,
         };
-        let mut events = self.runs.follow_started(&run_id, &thread_id, Deliver::End);
-        let mut result = None;
-        while let Some(event) = events.next().await {
-            if let Some(r) = terminal_result(&event?) {
-                result = Some(r);
-                break;
-            }
-        }
-        let result = result.unwrap_or_default();
+        let result = self
+            .runs
+            .follow_started(&run_id, &thread_id, Deliver::End)
+            .result()
+            .await?
+            .map(|(_, result)| result)
+            .unwrap_or_default();
         let silent = result.summary.is_empty() || result.status != pb::RunState::Completed as i32;
         if silent && !result.summary.is_empty() {
             tracing::error!(run_id = %run_id, status = result.status, "session opening did not complete; answering silent");
@@ -333,12 +327,7 @@ impl AgentService for AgentApi {
             .and_then(|f| Some((f, self.runs.follower_slot(&user).ok()?)));
         if let Some(((run_id, from), _slot)) = following {
             let mut events = self.runs.follow(&user, run_id, *from, Deliver::End).await?;
-            while let Some(event) = events.next().await {
-                if let Some(r) = terminal_result(&event?) {
-                    result = Some(r);
-                    break;
-                }
-            }
+            result = events.result().await?.map(|(_, r)| r);
         }
         // Not followed (or the run ended before this caller could follow it): the run as
         // it stands.

@@ -528,26 +528,20 @@ impl RunService {
             Err(e) => return not_yet(task, e),
         };
         let mut events = self.follow_started(&run_id, &thread_id, Deliver::End);
-        while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
-            match event {
-                Ok(event) => {
-                    if let Some(result) = crate::api::terminal_result(&event) {
-                        return TaskAttempt::Ended(Box::new(result));
-                    }
-                }
-                // Following failed, not the run: the run goes on, and the next take-up of this
-                // attempt follows it again.
-                // Whatever the task's age: its outcome is readable once it ends, and recording
-                // this attempt as settled would leave a run nobody accounts for.
-                Err(status) => {
-                    return TaskAttempt::NotYet(format!(
-                        "run {run_id} could not be followed: {}",
-                        status.message()
-                    ));
-                }
+        match events.result().await {
+            Ok(Some((_, result))) => TaskAttempt::Ended(Box::new(result)),
+            // Following failed, not the run: the run goes on, and the next take-up of this
+            // attempt follows it again.
+            // Whatever the task's age: its outcome is readable once it ends, and recording
+            // this attempt as settled would leave a run nobody accounts for.
+            Err(status) => TaskAttempt::NotYet(format!(
+                "run {run_id} could not be followed: {}",
+                status.message()
+            )),
+            Ok(None) => {
+                TaskAttempt::NotYet(format!("run {run_id} could not be followed to its end"))
             }
         }
-        TaskAttempt::NotYet(format!("run {run_id} could not be followed to its end"))
     }
 }
 

@@ -253,6 +253,18 @@ impl Watch {
     pub(super) fn over() -> Self {
         Watch(Box::pin(futures_util::stream::empty()))
     }
+
+    /// The next result this watch delivers (a terminal event, as a RunResult) with its seq;
+    /// `None` when the watch ends without one.
+    pub async fn result(&mut self) -> Result<Option<(u64, pb::RunResult)>, tonic::Status> {
+        while let Some(event) = tokio_stream::StreamExt::next(self).await {
+            let event = event?;
+            if let Some(result) = crate::api::terminal_result(&event) {
+                return Ok(Some((event.seq, result)));
+            }
+        }
+        Ok(None)
+    }
 }
 
 impl tokio_stream::Stream for Watch {

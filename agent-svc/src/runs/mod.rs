@@ -1734,16 +1734,8 @@ impl RunService {
         let (mut latest, mut after) = (None, 0);
         loop {
             let mut events = self.follow(owner, run_id, after, Deliver::End).await?;
-            let mut next = None;
-            while let Some(event) = tokio_stream::StreamExt::next(&mut events).await {
-                let event = event?;
-                if let Some(result) = crate::api::terminal_result(&event) {
-                    next = Some((event.seq, result));
-                    break;
-                }
-            }
             // Each follow delivers only what is after `after`, so this ends.
-            match next {
+            match events.result().await? {
                 Some((seq, result)) => (after, latest) = (seq, Some(result)),
                 None => return Ok(latest),
             }
