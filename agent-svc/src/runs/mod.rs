@@ -1288,6 +1288,16 @@ impl RunService {
         }
     }
 
+    /// Ends a run paused for approval as cancelled (`ending`), counted: false when it was not
+    /// paused.
+    async fn end_paused(&self, run_id: &str, ending: &Ending) -> Result<bool, StoreError> {
+        let ended = self.store.end_paused(run_id, ending).await?;
+        if ended {
+            crate::metrics::run_ended(RunState::Cancelled.key());
+        }
+        Ok(ended)
+    }
+
     /// A CancelRun that set the run's flag while its pause was being committed found it
     /// executing, so nothing ended the pause: the run would wait for a decision its user
     /// cancelled. The flag, read after the pause is durable, ends it as a paused run's cancel.
@@ -1301,10 +1311,9 @@ impl RunService {
             }
         };
         let ending = cancel_ending(&cancelled_message(run.cancel_reason.as_deref()), 1);
-        match self.store.end_paused(&seg.run_id, &ending).await {
+        match self.end_paused(&seg.run_id, &ending).await {
             Ok(true) => {
                 tracing::info!(run_id = %seg.run_id, "a cancel that came while the run paused ended it");
-                crate::metrics::run_ended(RunState::Cancelled.key());
             }
             Ok(false) => {}
             Err(e) => {
@@ -1622,11 +1631,7 @@ impl RunService {
         let mut state = run.state;
         for _ in 0..3 {
             let taken = if state == RunState::AwaitingConfirmation {
-                let ended = self.store.end_paused(run_id, &ending).await?;
-                if ended {
-                    crate::metrics::run_ended(RunState::Cancelled.key());
-                }
-                ended
+                self.end_paused(run_id, &ending).await?
             } else {
                 let requested = self.store.request_cancel(run_id, reason).await?;
                 if let Some(token) = self
@@ -1665,7 +1670,7 @@ impl RunService {
         after: u64,
     ) -> Result<impl Stream<Item = Result<pb::RunEvent, tonic::Status>> + Send + 'static, ApiError>
     {
-        let slot = WatchSlot::take(&self.watchers, owner, self.fair_use.max_watchers)?;
+        let slot = self.follower_slot(owner)?;
         let events = self.follow(owner, run_id, after, Deliver::Every).await?;
         Ok(tokio_stream::StreamExt::map(events, move |e| {
             let _held = &slot;
@@ -1692,7 +1697,7 @@ impl RunService {
     {
         // The slot first: a caller refused its stream must not leave behind a run it
         // cannot see, whose retry would start it again or find its thread busy.
-        let slot = WatchSlot::take(&self.watchers, owner, self.fair_use.max_watchers)?;
+        let slot = self.follower_slot(owner)?;
         let (run_id, thread_id) = self.start(owner, input).await?;
         let events = self.follow_started(&run_id, &thread_id, Deliver::Every);
         Ok(tokio_stream::StreamExt::map(events, move |e| {
