@@ -61,6 +61,12 @@ pub struct CallContext {
     /// outside its deadline ([`CallContext::take_deferred`]). Otherwise each is written before
     /// the call goes on.
     pub(crate) audit_later: bool,
+    /// The call is a side effect (`ToolSpec::side_effect`, dispatched through the idempotency
+    /// key), set where the engine runs it. Only then are its writing requests counted
+    /// ([`Self::write_attempt`]), and only then is a 2xx whose body cannot be read taken as
+    /// done: a read-only tool's POST (Gmail's batch fetch) acted on nothing, so its unreadable
+    /// answer is the same failure a GET's is.
+    pub(crate) side_effect: bool,
     /// The records kept while `audit_later`, each with its time.
     deferred: Mutex<Vec<AuditEntry>>,
     services: Arc<Services>,
@@ -106,6 +112,7 @@ impl CallContext {
             tool,
             read_external_from: Vec::new(),
             audit_later: false,
+            side_effect: false,
             deferred: Mutex::new(Vec::new()),
             services,
             upstream_calls: AtomicU32::new(0),
@@ -124,9 +131,13 @@ impl CallContext {
     /// never after: a call cut off or failed once it left may still have acted, and a
     /// side effect with a write counted keeps its idempotency key, so a retry replays instead
     /// of acting twice. Reads (a reply reading its original first) are not counted: a side
-    /// effect that failed before any write did nothing.
+    /// effect that failed before any write did nothing. Counted only for a side effect
+    /// (`side_effect`): the count decides what happens to an idempotency key, which only a
+    /// side effect holds; a read-only call's POST (a batch of reads) is no write.
     pub fn write_attempt(&self) {
-        self.writes.fetch_add(1, Ordering::Relaxed);
+        if self.side_effect {
+            self.writes.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// A counted write was refused outright (a 4xx answer; a 3xx is no refusal: the write
@@ -139,6 +150,7 @@ impl CallContext {
     }
 
     /// Whether a writing request left and was not refused outright: the call may have acted.
+    /// Never, for a call that is no side effect (see [`Self::write_attempt`]).
     pub fn may_have_written(&self) -> bool {
         self.writes.load(Ordering::Relaxed) > 0
     }
@@ -313,10 +325,12 @@ impl CallContext {
         check_status(integration.label(), account, second)
     }
 
-    /// Sends one request and reads its body under the cap; any status comes back. A request
-    /// of a writing method is counted as a write ([`Self::write_attempt`]) before it leaves,
-    /// and uncounted when the upstream refuses it outright (4xx). A write the upstream
-    /// accepted (2xx) whose body cannot be read comes back with an empty body: it was done.
+    /// Sends one request and reads its body under the cap; any status comes back. A side
+    /// effect's request of a writing method is counted as a write ([`Self::write_attempt`])
+    /// before it leaves, and uncounted when the upstream refuses it outright (4xx). Such a
+    /// write the upstream accepted (2xx) whose body cannot be read (cut off, over the cap)
+    /// comes back with an empty body: it was done, and must not be retried. Any other
+    /// request's unreadable body (a read-only tool's POST too) is an error, as a GET's is.
     async fn send_raw(
         &self,
         integration: Integration,
@@ -327,7 +341,8 @@ impl CallContext {
         let (client, request) = request.build_split();
         // Not sent: a request that cannot be built did nothing.
         let request = request.map_err(|e| transport_error(service, &e, Duration::ZERO))?;
-        let writes = !request.method().is_safe();
+        // Only a side effect writes (see `side_effect`): a read-only tool's POST does not.
+        let writes = self.side_effect && !request.method().is_safe();
         let started = Instant::now();
         self.upstream_attempt();
         if writes {

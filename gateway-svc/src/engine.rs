@@ -283,6 +283,9 @@ impl Engine {
         // A read-only call's upstream records are kept for the batching writer (queued in
         // `execute`, after the call); any other call's are written as they happen.
         ctx.audit_later = tool.read_only;
+        // The one place a call learns it is a side effect: its writes are counted, and a write
+        // accepted with an unreadable answer is done (see `CallContext::side_effect`).
+        ctx.side_effect = tool.spec.side_effect;
         // The key's hold borrows the context, so it ends inside this block.
         let result = {
             let held = claim.map(|(claim, args_sha256)| Held {

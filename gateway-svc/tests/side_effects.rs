@@ -1,6 +1,8 @@
 //! A side effect that fails (P-4, R-3): once its write may have reached the upstream it says so
 //! and keeps its idempotency key, so a retry replays instead of sending twice; when no write
 //! left, or the upstream refused it outright, it says what went wrong and frees the key.
+//! Only a side effect is so lenient: a read-only tool's POST (Gmail's batch fetch) whose answer
+//! is cut off fails as a GET would (G-4).
 //! The engine runs the real Gmail tools against a scripted upstream on a local socket.
 
 use std::sync::Arc;
@@ -134,6 +136,50 @@ async fn p4_a_send_accepted_with_an_unreadable_answer_is_done_with_an_unknown_id
     );
     assert!(second.replayed);
     assert_eq!(sends, 1);
+}
+
+#[tokio::test]
+async fn p4_a_send_accepted_with_an_answer_cut_off_mid_stream_is_done_and_never_sent_again() {
+    let (first, second, sends) =
+        send_twice(|_, _| Answer::CutOff("application/json", r#"{"id":"#)).await;
+    assert!(first.ok(), "{}", first.text);
+    assert_eq!(
+        first.text,
+        "Sent \"Hi\" from alice@example.com to bob@example.com (message unknown)."
+    );
+    assert!(second.replayed);
+    assert_eq!(sends, 1);
+}
+
+/// Gmail lists two messages, then cuts off its batch answer with their metadata mid-stream.
+fn batch_cut_off(method: &str, _path: &str) -> Answer {
+    match method {
+        "GET" => Answer::Status(200, r#"{"messages":[{"id":"m1"},{"id":"m2"}]}"#),
+        _ => Answer::CutOff(
+            "multipart/mixed; boundary=batch_cut",
+            "--batch_cut\r\nContent-Type: application/http\r\nContent-ID: <response-item-0>\r\n\r\nHTTP/1.1 200 OK\r\n",
+        ),
+    }
+}
+
+#[tokio::test]
+async fn g4_i1_a_search_whose_batch_answer_is_cut_off_is_a_clear_gmail_error_not_missing_messages()
+{
+    let upstream = Upstream::start(batch_cut_off).await;
+    let engine = engine(&upstream).await;
+    let found = call(&engine, "c1", "search_gmail", json!({"query": "in:inbox"})).await;
+    assert_eq!(
+        found.error_kind,
+        Some(ErrorKind::UpstreamError),
+        "{}",
+        found.text
+    );
+    assert_eq!(
+        found.text,
+        "Gmail sent a response that could not be read (the response body was cut off)."
+    );
+    assert!(!found.text.contains("missing"), "{}", found.text);
+    assert_eq!(upstream.seen("POST /batch/gmail/v1"), 1);
 }
 
 #[tokio::test]

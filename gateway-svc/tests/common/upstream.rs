@@ -17,6 +17,9 @@ pub(crate) enum Answer {
     Hangup,
     /// Answers with this redirect status, pointing at this path.
     Redirect(u16, &'static str),
+    /// Answers 200 with this content type, declaring a body longer than the one it sends,
+    /// then closes the connection: an answer cut off mid-stream.
+    CutOff(&'static str, &'static str),
 }
 
 /// The upstream: answers each request by its method and path, and remembers them.
@@ -46,6 +49,10 @@ impl Upstream {
                         ),
                         Answer::Redirect(status, to) => format!(
                             "HTTP/1.1 {status} X\r\nlocation: {to}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                        ),
+                        Answer::CutOff(content_type, body) => format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                            body.len() + 100
                         ),
                         Answer::Hangup => return,
                     };
