@@ -1432,6 +1432,36 @@ async fn a_page_of_threads_starts_after_the_last_one_shown(b: Backend) {
     assert_eq!(next, ["middle"], "newest is not shown twice");
 }
 
+/// B-3: a session opening finds the user's latest conversation however many threads Steward
+/// started itself (task reports, schedule briefings) were updated after it — not only among
+/// the newest few.
+async fn b3_the_latest_conversation_is_found_behind_any_number_of_stewards_threads(b: Backend) {
+    let s = &b.store;
+    let skip = ["task-", "schedule-"];
+    assert_eq!(s.latest_thread_except("alice", &skip).await.unwrap(), None);
+    for id in ["older-chat", "chat"] {
+        s.create_thread(id, "alice", id).await.unwrap();
+        user_says(s.as_ref(), id, "hi").await;
+    }
+    s.create_thread("bobs-chat", "bob", "bob").await.unwrap();
+    for n in 0..30 {
+        let id = if n % 2 == 0 {
+            format!("task-{n}")
+        } else {
+            format!("schedule-{n}")
+        };
+        s.create_thread(&id, "alice", "report").await.unwrap();
+        user_says(s.as_ref(), &id, "report").await;
+    }
+    let latest = s.latest_thread_except("alice", &skip).await.unwrap();
+    assert_eq!(latest.map(|t| t.id).as_deref(), Some("chat"));
+    user_says(s.as_ref(), "older-chat", "back again").await;
+    let latest = s.latest_thread_except("alice", &skip).await.unwrap();
+    assert_eq!(latest.map(|t| t.id).as_deref(), Some("older-chat"));
+    let unfiltered = s.latest_thread_except("alice", &[]).await.unwrap();
+    assert_eq!(unfiltered.map(|t| t.id).as_deref(), Some("older-chat"));
+}
+
 /// The usage of these calls: (provider, model, input tokens, output tokens, cost).
 fn spent(calls: &[(&str, &str, u64, u64, f64)]) -> RunUsage {
     let calls: Vec<ModelCallUsage> = calls
@@ -2086,6 +2116,7 @@ macro_rules! both_backends {
 both_backends!(
     threads_belong_to_their_owner,
     a_page_of_threads_starts_after_the_last_one_shown,
+    b3_the_latest_conversation_is_found_behind_any_number_of_stewards_threads,
     a_thread_is_never_created_twice,
     the_thread_lease_has_one_holder_until_released_or_expired,
     concurrent_lockers_get_exactly_one_winner,

@@ -58,9 +58,6 @@ impl AgentApi {
     }
 }
 
-/// How many of a user's latest threads a session opening looks through for a conversation.
-const SESSION_THREADS_LOOKED_AT: usize = 20;
-
 /// A session opening with nothing said, pointing at `thread_id`.
 fn silent_opening(thread_id: String, new_user: bool) -> Response<pb::OpenSessionResponse> {
     Response::new(pb::OpenSessionResponse {
@@ -180,11 +177,9 @@ impl AgentService for AgentApi {
             // The conversation the user was last in: not a thread whose runs Steward starts
             // itself (a task agent's report, a schedule's briefings).
             self.store
-                .list_threads(&user, None, SESSION_THREADS_LOOKED_AT)
+                .latest_thread_except(&user, &runs::STEWARD_THREAD_PREFIXES)
                 .await
                 .map_err(ApiError::from)?
-                .into_iter()
-                .find(|t| !runs::started_by_steward(&t.id))
                 .map(|t| t.id)
         } else {
             self.store

@@ -1965,12 +1965,13 @@ fn started_task_agents(history: &[Turn]) -> Vec<&str> {
 const PROMPT_TASK_AGENTS: usize = 3;
 const TASK_REPORT_CHARS: usize = 2000;
 
-/// Whether Steward itself starts the runs of `thread_id` (a task agent's, a schedule's own),
-/// rather than its user holding a conversation there.
-pub fn started_by_steward(thread_id: &str) -> bool {
-    thread_id.starts_with(background::TASK_THREAD_PREFIX)
-        || thread_id.starts_with(scheduled::SCHEDULE_THREAD_PREFIX)
-}
+/// How the ids of threads begin whose runs Steward itself starts (a task agent's, a
+/// schedule's own), rather than its user holding a conversation there. Callers never name
+/// new threads (their ids are UUIDs), so a prefix cannot be claimed by a user's thread.
+pub const STEWARD_THREAD_PREFIXES: [&str; 2] = [
+    background::TASK_THREAD_PREFIX,
+    scheduled::SCHEDULE_THREAD_PREFIX,
+];
 
 /// A run refused because `thread_id` has a run going (`active`).
 fn thread_busy(thread_id: &str, active: &str) -> ApiError {

@@ -380,6 +380,30 @@ impl AgentStore for MemoryStore {
         })
     }
 
+    async fn latest_thread_except(
+        &self,
+        owner: &str,
+        skip_prefixes: &[&str],
+    ) -> Result<Option<Thread>, StoreError> {
+        self.with(|s| {
+            s.threads
+                .values()
+                .filter(|row| row.thread.owner == owner)
+                .filter(|row| !skip_prefixes.iter().any(|p| row.thread.id.starts_with(p)))
+                .min_by(|a, b| {
+                    b.thread
+                        .updated_at
+                        .cmp(&a.thread.updated_at)
+                        .then(a.thread.id.cmp(&b.thread.id))
+                })
+                .map(|row| {
+                    let mut t = row.thread.clone();
+                    t.active_run_id = row.live_lease().map(|l| l.run_id.clone());
+                    t
+                })
+        })
+    }
+
     async fn admit(&self, a: &Admission) -> Result<Admitted, StoreError> {
         self.with(|s| {
             let run = &a.run;

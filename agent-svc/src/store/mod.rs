@@ -634,6 +634,14 @@ pub trait AgentStore: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<Thread>, StoreError>;
 
+    /// The owner's most recently updated thread whose id starts with none of `skip_prefixes`
+    /// (ties by id, as [`Self::list_threads`] orders them).
+    async fn latest_thread_except(
+        &self,
+        owner: &str,
+        skip_prefixes: &[&str],
+    ) -> Result<Option<Thread>, StoreError>;
+
     /// Admits a new run (see [`Admission`]); nothing is written unless it is `Started`.
     async fn admit(&self, admission: &Admission) -> Result<Admitted, StoreError>;
 

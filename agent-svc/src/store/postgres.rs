@@ -285,6 +285,28 @@ impl AgentStore for PgStore {
         Ok(rows.iter().map(thread).collect())
     }
 
+    async fn latest_thread_except(
+        &self,
+        owner: &str,
+        skip_prefixes: &[&str],
+    ) -> Result<Option<Thread>, StoreError> {
+        // Walks `threads_owner_updated` newest first and stops at the first match.
+        let row = self
+            .client()
+            .await?
+            .query_opt(
+                &format!(
+                    "SELECT {THREAD_COLUMNS} FROM agent.threads WHERE owner = $1 \
+                       AND NOT EXISTS (SELECT 1 FROM unnest($2::text[]) p WHERE starts_with(id, p)) \
+                     ORDER BY updated_at DESC, id LIMIT 1"
+                ),
+                &[&owner, &skip_prefixes],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.as_ref().map(thread))
+    }
+
     async fn admit(&self, a: &Admission) -> Result<Admitted, StoreError> {
         let a = &*storable::admission(a);
         if a.new_thread_title.is_some() {
