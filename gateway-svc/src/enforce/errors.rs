@@ -119,6 +119,11 @@ pub enum ToolError {
         what: String,
         kind: ErrorKind,
     },
+    /// What another party wrote (a header of the email replied to) keeps the tool from doing
+    /// what was asked: the arguments are fine, so the same call fails the same way. The
+    /// sentence says what to do instead.
+    #[error("Not done: {0}")]
+    NotDoable(String),
     /// Another call with the same idempotency key is still running.
     #[error("{0}")]
     KeyInUse(String),
@@ -154,7 +159,9 @@ fn detail_suffix(detail: &str) -> String {
 impl ToolError {
     pub fn kind(&self) -> ErrorKind {
         match self {
-            ToolError::InvalidArguments { .. } => ErrorKind::InvalidArguments,
+            ToolError::InvalidArguments { .. } | ToolError::NotDoable(_) => {
+                ErrorKind::InvalidArguments
+            }
             ToolError::UnknownTool(_) => ErrorKind::UnknownTool,
             ToolError::NotFound(_) => ErrorKind::NotFound,
             ToolError::RateLimited { .. }

@@ -1437,13 +1437,10 @@ impl Reply {
         for (field, value) in fields {
             for a in addresses(value) {
                 // Someone else wrote these headers: an address that could end its mailbox or
-                // start a header of its own is refused, never written into the reply.
-                addr_spec(a).map_err(|why| ToolError::InvalidArguments {
-                    tool: "gmail_reply".into(),
-                    detail: format!(
-                        "the {field} of email {id} holds {a:?}, which is not one email address ({why}); it cannot be replied to as it is"
-                    ),
-                })?;
+                // start a header of its own, or that holds a character an approver cannot see
+                // (Unicode Cf), is refused, never written into the reply. (Display names are
+                // not: the reply goes to bare addresses, and previews flatten names.)
+                addr_spec(a).map_err(|why| unrepliable(&id, field, a, why))?;
                 add(a);
             }
         }
@@ -1479,6 +1476,24 @@ impl Reply {
             original_subject,
         })
     }
+}
+
+/// Why a reply cannot go to the address `entry` found in the original's `field` header, and
+/// what the model can do instead: the call's arguments are not at fault, so the same call would
+/// fail the same way. The entry is shown escaped and clipped: someone else wrote it.
+fn unrepliable(id: &str, field: &str, entry: &str, why: &str) -> ToolError {
+    let entry = crate::registry::clip(&format!("{entry:?}"), 120);
+    let instead = if matches!(field, "To" | "Cc") {
+        "gmail_reply cannot reply to all. Reply without reply_all to answer the sender only, or \
+         send with gmail_send, giving the recipients explicitly"
+    } else {
+        "gmail_reply cannot reply to it. To answer anyway, ask the user who should receive it \
+         and send with gmail_send, giving the recipients explicitly"
+    };
+    ToolError::NotDoable(format!(
+        "the {field} header of email {id} holds {entry}, which is not one email address ({why}), \
+         so {instead}."
+    ))
 }
 
 /// A message as a person approving it should see it: what happens, from whom, to whom, the

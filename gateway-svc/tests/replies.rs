@@ -1,0 +1,146 @@
+//! I-3, P-4: a reply's recipients come from someone else's headers (Reply-To or From, and To
+//! and Cc with reply_all). An address there holding a character an approver cannot see
+//! (Unicode Cf: a zero-width space, a bidi override) is refused as a model-given recipient is,
+//! naming the header and the entry and saying what to do instead; nothing is sent.
+//! The engine runs the real Gmail tools against a scripted upstream on a local socket.
+
+mod common;
+
+use common::{
+    upstream::{Answer, Upstream},
+    user,
+};
+use gateway_svc::{
+    domain::{CallRequest, Channel, ErrorKind, Integration},
+    engine::Engine,
+    integrations::gmail::{self, GmailApi},
+    store::memory::MemoryStore,
+};
+use serde_json::{Value, json};
+
+const SEND: &str = "POST /gmail/v1/users/me/messages/send";
+
+/// Gmail with three originals: `zw` from an address holding a zero-width space, `cc` from a
+/// plain sender but copied to an address holding a right-to-left override, and `name` from a
+/// plain address whose display name holds that override. A send is accepted.
+fn gmail(method: &str, path: &str) -> Answer {
+    let message = |id| path.starts_with(&format!("/gmail/v1/users/me/messages/{id}?"));
+    match method {
+        "GET" if message("zw") => Answer::Status(
+            200,
+            r#"{"id":"zw","threadId":"t1","payload":{"headers":[
+                {"name":"From","value":"Bob <bob\u200b@example.com>"},
+                {"name":"Subject","value":"Lunch"}]}}"#,
+        ),
+        "GET" if message("cc") => Answer::Status(
+            200,
+            r#"{"id":"cc","threadId":"t2","payload":{"headers":[
+                {"name":"From","value":"Bob <bob@example.com>"},
+                {"name":"Cc","value":"carol@exam\u202eelpmaxe.com"},
+                {"name":"Subject","value":"Lunch"}]}}"#,
+        ),
+        "GET" if message("name") => Answer::Status(
+            200,
+            r#"{"id":"name","threadId":"t3","payload":{"headers":[
+                {"name":"From","value":"\"\u202eBob\" <bob@example.com>"},
+                {"name":"Subject","value":"Lunch"}]}}"#,
+        ),
+        "POST" => Answer::Status(200, r#"{"id":"s1"}"#),
+        _ => Answer::Status(404, "{}"),
+    }
+}
+
+async fn engine(upstream: &Upstream) -> Engine {
+    let engine = common::engine(
+        &MemoryStore::stores(),
+        gmail::tools(GmailApi {
+            base_url: upstream.base_url.clone(),
+        }),
+    );
+    common::connect(
+        &engine,
+        Integration::Gmail,
+        "alice@example.com",
+        "tok-alice",
+    )
+    .await;
+    engine
+}
+
+fn reply(message_id: &str, reply_all: bool) -> Value {
+    json!({"message_id": message_id, "body": "Sounds good", "reply_all": reply_all})
+}
+
+#[tokio::test]
+async fn i3_a_reply_to_a_sender_whose_address_holds_an_invisible_character_is_refused_naming_the_header_and_what_to_do()
+ {
+    let upstream = Upstream::start(gmail).await;
+    let engine = engine(&upstream).await;
+    let refused = common::call(&engine, "c1", "gmail_reply", reply("zw", false), "k1").await;
+    assert_eq!(refused.error_kind, Some(ErrorKind::InvalidArguments));
+    assert_eq!(
+        refused.text,
+        "Not done: the From header of email zw holds \"bob\\u{200b}@example.com\", which is not \
+         one email address (the address holds an invisible formatting character (Unicode Cf)), \
+         so gmail_reply cannot reply to it. To answer anyway, ask the user who should receive \
+         it and send with gmail_send, giving the recipients explicitly."
+    );
+    assert_eq!(upstream.seen(SEND), 0);
+}
+
+#[tokio::test]
+async fn i3_a_reply_to_all_whose_cc_holds_a_bidi_override_is_refused_and_points_at_replying_to_the_sender()
+ {
+    let upstream = Upstream::start(gmail).await;
+    let engine = engine(&upstream).await;
+    let refused = common::call(&engine, "c1", "gmail_reply", reply("cc", true), "k1").await;
+    assert_eq!(refused.error_kind, Some(ErrorKind::InvalidArguments));
+    assert!(
+        refused.text.starts_with(
+            "Not done: the Cc header of email cc holds \"carol@exam\\u{202e}elpmaxe.com\""
+        ),
+        "{}",
+        refused.text
+    );
+    assert!(refused.text.contains("Unicode Cf"), "{}", refused.text);
+    assert!(
+        refused
+            .text
+            .contains("Reply without reply_all to answer the sender only"),
+        "{}",
+        refused.text
+    );
+    assert_eq!(upstream.seen(SEND), 0);
+
+    let to_sender = common::call(&engine, "c2", "gmail_reply", reply("cc", false), "k2").await;
+    assert!(to_sender.ok(), "{}", to_sender.text);
+    assert_eq!(upstream.seen(SEND), 1);
+}
+
+#[tokio::test]
+async fn p4_a_bidi_override_in_the_senders_name_never_reaches_the_approver_or_the_reply() {
+    let upstream = Upstream::start(gmail).await;
+    let engine = engine(&upstream).await;
+    let request = CallRequest {
+        call_id: "p1".into(),
+        tool: "gmail_reply".into(),
+        args: reply("name", false),
+        idempotency_key: Some("k1".into()),
+        channel: Channel::Web,
+        timeout: None,
+        run_id: None,
+        read_external_from: Vec::new(),
+        expected_binding: None,
+    };
+    let preview = engine.preview(&user(), request).await.unwrap();
+    assert!(!preview.text.contains('\u{202e}'), "{}", preview.text);
+    assert!(
+        preview.text.contains("\nTo: bob@example.com\n"),
+        "{}",
+        preview.text
+    );
+    let sent = common::call(&engine, "c1", "gmail_reply", reply("name", false), "k1").await;
+    assert!(sent.ok(), "{}", sent.text);
+    assert!(!sent.text.contains('\u{202e}'), "{}", sent.text);
+    assert_eq!(upstream.seen(SEND), 1);
+}
