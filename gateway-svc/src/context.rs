@@ -319,7 +319,7 @@ impl CallContext {
                 provider: integration
                     .provider()
                     .map_or(integration.label(), |p| p.label()),
-                account: account.to_owned(),
+                accounts: vec![account.to_owned()],
             });
         }
         check_status(integration.label(), account, second)

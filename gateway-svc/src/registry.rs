@@ -190,6 +190,21 @@ pub fn line(text: &str, max: usize) -> String {
     clip(&flat, max)
 }
 
+/// `text` as one quoted name, its `"` and `\` escaped: a name such as `Alice", bob` reads as
+/// one name, never as two, nor as a name and something else.
+pub fn quoted(text: &str) -> String {
+    format!("\"{}\"", text.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+/// Several names, each [`quoted`], joined by ", ": a name holding ", " stays one name.
+pub fn quoted_list(names: &[String]) -> String {
+    names
+        .iter()
+        .map(|n| quoted(n))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Characters that break a line or change the reading order when displayed.
 fn is_layout_control(c: char) -> bool {
     c.is_control()

@@ -15,6 +15,7 @@ use gateway_svc::{
     integrations::{
         calendar::{self, CalendarApi},
         gmail::{self, GmailApi},
+        slack::{self, SlackApi},
     },
     store::memory::MemoryStore,
 };
@@ -183,4 +184,56 @@ async fn g8_when_every_account_needs_reconnecting_naming_one_names_that_one_and_
         every.text
     );
     assert_eq!(upstream.seen("GET "), 0);
+}
+
+#[tokio::test]
+async fn g8_several_accounts_needing_reconnecting_are_each_named_in_quotes_so_a_comma_in_one_name_splits_nothing()
+ {
+    let stores = MemoryStore::stores();
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"messages": []}"#)).await;
+    let mut tools = gmail::tools(GmailApi {
+        base_url: upstream.base_url.clone(),
+    });
+    tools.extend(slack::tools(SlackApi {
+        base_url: upstream.base_url.clone(),
+    }));
+    let engine = common::engine(&stores, tools);
+    for workspace in ["Acme, Inc", "Globex"] {
+        common::connect(&engine, Integration::Slack, workspace, "tok").await;
+        common::needs_reconnect(&stores, Integration::Slack, workspace).await;
+    }
+    let every = common::call(&engine, "a", "slack_channels", json!({}), "k").await;
+    assert_eq!(every.error_kind, Some(ErrorKind::CredentialsRevoked));
+    assert_eq!(
+        every.text,
+        r#"Your Slack accounts "Acme, Inc", "Globex" need to be reconnected."#
+    );
+    let named = common::call(
+        &engine,
+        "n",
+        "slack_channels",
+        json!({"workspace": "Acme, Inc"}),
+        "k",
+    )
+    .await;
+    assert_eq!(
+        named.text,
+        "Your Slack account Acme, Inc needs to be reconnected."
+    );
+
+    common::connect(&engine, Integration::Gmail, "work@example.com", "tok").await;
+    for account in ["Acme, Inc", "home@example.com"] {
+        common::connect(&engine, Integration::Gmail, account, "tok").await;
+        common::needs_reconnect(&stores, Integration::Gmail, account).await;
+    }
+    let found = common::call(&engine, "s", "search_gmail", json!({}), "k").await;
+    assert!(found.ok(), "{}", found.text);
+    assert!(
+        found.text.contains(
+            "\n(\"Acme, Inc\", \"home@example.com\" were not searched: they need to be reconnected.)\n"
+        ),
+        "{}",
+        found.text
+    );
+    assert_eq!(upstream.seen("POST "), 0);
 }

@@ -100,7 +100,7 @@ impl Accounts {
             )),
             many => Some(format!(
                 "({} were not {verb}: they need to be reconnected.)",
-                many.join(", ")
+                crate::registry::quoted_list(many)
             )),
         }
     }
@@ -255,7 +255,7 @@ impl Credentials {
             return Err(match accounts.to_reconnect.as_slice() {
                 [] => ToolError::CredentialsMissing { integration },
                 [one] => revoked(integration, one),
-                many => revoked(integration, &many.join(", ")),
+                many => revoked_all(integration, many),
             });
         }
         Ok(accounts)
@@ -398,11 +398,16 @@ impl Credentials {
 }
 
 fn revoked(integration: Integration, account: &str) -> ToolError {
+    revoked_all(integration, &[account.to_owned()])
+}
+
+/// Every one of `accounts` needs reconnecting.
+fn revoked_all(integration: Integration, accounts: &[String]) -> ToolError {
     ToolError::CredentialsRevoked {
         provider: integration
             .provider()
             .map_or(integration.label(), Provider::label),
-        account: account.to_owned(),
+        accounts: accounts.to_vec(),
     }
 }
 

@@ -41,11 +41,11 @@ pub enum ToolError {
         "No {} account is connected. Tell the user to connect one; do not retry.", integration.label()
     )]
     CredentialsMissing { integration: Integration },
-    #[error("Your {provider} {} to be reconnected.", accounts_need(account))]
+    #[error("Your {provider} {} to be reconnected.", accounts_need(accounts))]
     CredentialsRevoked {
         provider: &'static str,
-        /// One account, or several joined by ", " (every one that needs reconnecting).
-        account: String,
+        /// One account, or several (every one that needs reconnecting).
+        accounts: Vec<String>,
     },
     #[error("{service} refused the request for {account}: {detail}")]
     PermissionDenied {
@@ -139,12 +139,12 @@ pub fn code_word(code: &str) -> Option<&str> {
     .then_some(code)
 }
 
-/// "account a needs", or "accounts a, b need" for a list.
-fn accounts_need(account: &str) -> String {
-    if account.contains(", ") {
-        format!("accounts {account} need")
-    } else {
-        format!("account {account} needs")
+/// "account a needs", or `accounts "a", "b" need` for several, each name quoted so that one
+/// holding ", " (a Slack workspace "Acme, Inc") reads as one account.
+fn accounts_need(accounts: &[String]) -> String {
+    match accounts {
+        [one] => format!("account {one} needs"),
+        many => format!("accounts {} need", crate::registry::quoted_list(many)),
     }
 }
 
@@ -242,7 +242,7 @@ mod tests {
     fn a_revoked_account_names_the_account() {
         let e = ToolError::CredentialsRevoked {
             provider: "Google",
-            account: "x@y.com".into(),
+            accounts: vec!["x@y.com".into()],
         };
         assert_eq!(
             e.to_string(),

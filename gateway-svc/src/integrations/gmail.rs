@@ -22,7 +22,7 @@ use crate::{
     domain::{Channel, Integration},
     enforce::ToolError,
     ratelimit::Window,
-    registry::{Preview, Tool, ToolOutput, ToolSpec, digest, first_lines, line},
+    registry::{Preview, Tool, ToolOutput, ToolSpec, digest, first_lines, line, quoted},
     time::{short_date, zone},
 };
 
@@ -898,10 +898,7 @@ impl Mailbox {
     /// as a mailbox of its own that will not get the message.
     fn shown(&self) -> String {
         match &self.name {
-            Some(name) => {
-                let escaped = name.replace('\\', "\\\\").replace('"', "\\\"");
-                format!("\"{escaped}\" <{}>", self.addr)
-            }
+            Some(name) => format!("{} <{}>", quoted(name), self.addr),
             None => self.addr.clone(),
         }
     }

@@ -67,7 +67,7 @@ fn slack_body(team: &str, r: UpstreamResponse) -> Result<Value, ToolError> {
         "invalid_auth" | "token_revoked" | "account_inactive" | "not_authed" => {
             ToolError::CredentialsRevoked {
                 provider: SERVICE,
-                account: team.into(),
+                accounts: vec![team.into()],
             }
         }
         "ratelimited" => ToolError::UpstreamRateLimited {
