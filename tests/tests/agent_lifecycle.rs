@@ -376,6 +376,116 @@ async fn cancelling_a_run_that_waits_for_approval_ends_it_and_approving_is_refus
     assert_eq!(err.code(), Code::FailedPrecondition, "already ended");
 }
 
+/// A cancel that lands while a run's pause is being committed finds the run executing: the
+/// cancel only sets its flag, and nothing else would end the pause. The flag, read once the
+/// pause is durable, ends the run cancelled instead of leaving it waiting for a decision its
+/// user cancelled. The pause's commit is held in the window by a lock on the audit table,
+/// which in this run only the pause writes to.
+#[tokio::test]
+async fn a_cancel_that_lands_while_the_pause_commits_ends_the_paused_run() {
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let (app, model, gmail) = gmail_world(
+        vec![Answer::Held(
+            Box::new(Answer::tool_calls(&[(
+                "call_send",
+                "gmail_send",
+                SEND_ARGS,
+            )])),
+            gate.clone(),
+        )],
+        // The held commit waits for the test's lock, however slow the machine, and does not fail.
+        &[("DATABASE_LOCK_TIMEOUT", "60s")],
+    )
+    .await;
+    let (mut stream, first) = start_streaming(&app, "email my boss the budget").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while model.requests().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the model was never called"
+        );
+        tokio::task::yield_now().await;
+    }
+    let mut holder = app.sql().await;
+    let lock = holder.transaction().await.unwrap();
+    lock.execute("LOCK TABLE agent.audit IN SHARE MODE", &[])
+        .await
+        .unwrap();
+    gate.notify_one();
+    let watcher = app.sql().await;
+    loop {
+        let waiting: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE relation = 'agent.audit'::regclass AND NOT granted",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the pause was never committed"
+        );
+        tokio::task::yield_now().await;
+    }
+    let mut alice = app.agent_as("alice").await;
+    let answered = alice
+        .cancel_run(pb::CancelRunRequest {
+            run_id: first.run_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("the cancel is taken")
+        .into_inner()
+        .run
+        .unwrap();
+    assert!(
+        [
+            pb::RunState::Queued as i32,
+            pb::RunState::Planning as i32,
+            pb::RunState::Executing as i32
+        ]
+        .contains(&answered.state),
+        "the cancel landed before the pause was durable: {answered:?}"
+    );
+    lock.rollback().await.unwrap();
+    while let Some(Ok(_)) = stream.next().await {}
+    let run = loop {
+        let run = get_run(&mut alice, &first.run_id)
+            .await
+            .unwrap()
+            .run
+            .unwrap();
+        if run.state != pb::RunState::AwaitingConfirmation as i32
+            && run.state != pb::RunState::Executing as i32
+        {
+            break run;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the cancelled run still waits for a decision: {run:?}"
+        );
+        tokio::task::yield_now().await;
+    };
+    assert_eq!(run.state, pb::RunState::Cancelled as i32, "{run:?}");
+    let approval_state: String = watcher
+        .query_one(
+            "SELECT state FROM agent.approvals WHERE run_id = $1",
+            &[&first.run_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        approval_state, "expired",
+        "the cancelled run's approval cannot be decided"
+    );
+    assert!(gmail.sent().is_empty());
+}
+
 /// B-3, A-6: opening the app while the user's last conversation waits for their approval
 /// leaves the approval waiting: the opening is silent and points at that thread, and
 /// approving it then sends.

@@ -32,6 +32,9 @@ pub enum Prepared {
     },
     /// The inner answer after a pause: a model that takes its time.
     Delayed(Box<Prepared>, std::time::Duration),
+    /// The inner answer once the test lets it go (`notify_one`): a model whose answer the test
+    /// times against something else it does meanwhile.
+    Held(Box<Prepared>, Arc<tokio::sync::Notify>),
 }
 
 /// A recorded request.
@@ -98,12 +101,19 @@ async fn answer(
         body,
     });
     let mut next = s.answers.lock().expect("lock").pop_front();
-    if let Some(Prepared::Delayed(inner, pause)) = next {
-        tokio::time::sleep(pause).await;
-        next = Some(*inner);
+    match next {
+        Some(Prepared::Delayed(inner, pause)) => {
+            tokio::time::sleep(pause).await;
+            next = Some(*inner);
+        }
+        Some(Prepared::Held(inner, gate)) => {
+            gate.notified().await;
+            next = Some(*inner);
+        }
+        _ => {}
     }
     match next {
-        Some(Prepared::Delayed(..)) => (
+        Some(Prepared::Delayed(..) | Prepared::Held(..)) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             "nested delays are not supported",
         )

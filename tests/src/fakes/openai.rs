@@ -23,6 +23,8 @@ pub enum Answer {
     CutOff { events: Vec<Value> },
     /// The inner answer, after a pause.
     Slow(Box<Answer>, std::time::Duration),
+    /// The inner answer, once the test calls `notify_one` on the gate.
+    Held(Box<Answer>, std::sync::Arc<tokio::sync::Notify>),
 }
 
 impl Answer {
@@ -63,6 +65,7 @@ impl Answer {
             Answer::Stream { events, chunk } => Prepared::Sse { body: sse(&events, true), chunk },
             Answer::CutOff { events } => Prepared::Sse { body: sse(&events, false), chunk: 9 },
             Answer::Slow(inner, pause) => Prepared::Delayed(Box::new(inner.prepared()), pause),
+            Answer::Held(inner, gate) => Prepared::Held(Box::new(inner.prepared()), gate),
             Answer::ErrorBody { status, body } => Prepared::Error {
                 status,
                 retry_after: None,
