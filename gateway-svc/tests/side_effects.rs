@@ -2,10 +2,14 @@
 //! and keeps its idempotency key, so a retry replays instead of sending twice; when no write
 //! left, or the upstream refused it outright, it says what went wrong and frees the key.
 //! Only a side effect is so lenient: a read-only tool's POST (Gmail's batch fetch) whose answer
-//! is cut off fails as a GET would (G-4).
+//! is cut off fails as a GET would (G-4). A side effect whose result cannot be stored still
+//! answers, inside its key's hold.
 //! The engine runs the real Gmail tools against a scripted upstream on a local socket.
 
-use std::sync::Arc;
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 mod common;
 
@@ -17,9 +21,12 @@ use gateway_svc::{
     engine::Engine,
     integrations::gmail::{self, GmailApi},
     registry::{Tool, ToolOutput, ToolSpec},
-    store::memory::MemoryStore,
+    store::{
+        IdempotencyClaim, IdempotencyStore, KeyState, StoreError, StoredResult, memory::MemoryStore,
+    },
 };
 use serde_json::{Value, json};
+use tokio::time::Instant;
 
 /// A side effect standing in for a remote (MCP) tool: its call leaves, then the connection
 /// breaks before an answer.
@@ -266,4 +273,134 @@ async fn p4_a_send_answered_by_a_redirect_may_have_acted_and_the_redirect_is_nev
     assert!(second.replayed, "the retry replays: {}", second.text);
     assert_eq!(upstream.seen(SEND), 1);
     assert_eq!(upstream.seen("GET "), 0, "the redirect was not followed");
+}
+
+/// A side effect that acts at once, with no HTTP: its write leaves and it succeeds.
+struct Acts;
+
+#[async_trait::async_trait]
+impl Tool for Acts {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new(
+            "remote_send",
+            Integration::Mcp,
+            "acts remotely",
+            json!({"type": "object"}),
+        )
+        .with_side_effect()
+    }
+
+    async fn call(&self, ctx: &CallContext, _args: Value) -> Result<ToolOutput, ToolError> {
+        ctx.upstream_attempt();
+        ctx.write_attempt();
+        Ok(ToolOutput::text("Sent."))
+    }
+}
+
+/// What happened to the one key claimed from [`HangingResults`], on tokio's clock.
+#[derive(Default, Clone, Copy)]
+struct KeyLog {
+    /// When it was claimed, and for how long.
+    claimed: Option<(Instant, Duration)>,
+    result_write_began: Option<Instant>,
+    /// When the hanging write was given up (its future dropped).
+    result_write_dropped: Option<Instant>,
+    /// When the claim was let go without a result, to lapse at the end of its hold.
+    abandoned: Option<Instant>,
+}
+
+/// An idempotency store whose result writes never finish, as a database that took the write
+/// and then hung would.
+#[derive(Default)]
+struct HangingResults(Arc<Mutex<KeyLog>>);
+
+impl HangingResults {
+    fn log(&self) -> KeyLog {
+        *self.0.lock().unwrap()
+    }
+}
+
+#[async_trait::async_trait]
+impl IdempotencyStore for HangingResults {
+    async fn claim(
+        &self,
+        _user: &gateway_svc::domain::UserId,
+        _key: &str,
+        hold: Duration,
+    ) -> Result<Box<dyn IdempotencyClaim>, StoreError> {
+        self.0.lock().unwrap().claimed = Some((Instant::now(), hold));
+        Ok(Box::new(HangingClaim(self.0.clone())))
+    }
+
+    async fn lookup(
+        &self,
+        _user: &gateway_svc::domain::UserId,
+        _key: &str,
+    ) -> Result<KeyState, StoreError> {
+        Ok(KeyState::Held)
+    }
+}
+
+struct HangingClaim(Arc<Mutex<KeyLog>>);
+
+/// Notes when the write holding it is given up.
+struct WriteInFlight(Arc<Mutex<KeyLog>>);
+
+impl Drop for WriteInFlight {
+    fn drop(&mut self) {
+        self.0.lock().unwrap().result_write_dropped = Some(Instant::now());
+    }
+}
+
+#[async_trait::async_trait]
+impl IdempotencyClaim for HangingClaim {
+    fn existing(&self) -> Option<&StoredResult> {
+        None
+    }
+
+    async fn complete(&mut self, _result: &StoredResult) -> Result<(), StoreError> {
+        self.0.lock().unwrap().result_write_began = Some(Instant::now());
+        let _in_flight = WriteInFlight(self.0.clone());
+        std::future::pending().await
+    }
+
+    fn abandon(self: Box<Self>) {
+        self.0.lock().unwrap().abandoned = Some(Instant::now());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn p4_r3_a_result_write_that_hangs_is_given_up_within_15_seconds_and_the_call_answers_inside_its_keys_hold()
+ {
+    let stores = MemoryStore::stores();
+    let mut engine = common::engine(&stores, vec![Arc::new(Acts)]);
+    let results = Arc::new(HangingResults::default());
+    engine.idempotency = results.clone();
+
+    let sent = call(&engine, "c1", "remote_send", json!({})).await;
+    let answered = Instant::now();
+
+    assert!(sent.ok(), "the send happened: {}", sent.text);
+    assert_eq!(sent.text, "Sent.");
+    let log = results.log();
+    let (claimed, hold) = log.claimed.expect("the key was claimed");
+    let began = log.result_write_began.expect("its result write began");
+    let dropped = log
+        .result_write_dropped
+        .expect("the hanging write was given up");
+    let waited = dropped - began;
+    assert!(
+        waited >= Duration::from_secs(15) && waited < Duration::from_secs(16),
+        "gave up after {waited:?}"
+    );
+    assert_eq!(
+        log.abandoned,
+        Some(dropped),
+        "the key is left to lapse at the end of its hold, not freed for a retry"
+    );
+    assert!(
+        answered < claimed + hold,
+        "answered {:?} after the claim, its hold {hold:?}",
+        answered - claimed
+    );
 }
