@@ -37,7 +37,11 @@ impl std::fmt::Debug for OpenAi {
 /// wrote them in, so the bytes a provider's prefix cache compares are the same as before.
 #[derive(Serialize)]
 struct Body<'a> {
-    max_tokens: u32,
+    /// What OpenAI's reasoning models take instead of `max_tokens`, which they refuse.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_completion_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u32>,
     messages: Messages<'a>,
     model: &'a str,
     stream: bool,
@@ -151,8 +155,14 @@ struct Function<'a> {
 pub fn encode(request: &ModelRequest) -> Vec<u8> {
     let tools =
         (!request.tools.is_empty() && !request.answer_only).then(|| request.tools.openai_wire());
+    let (max_completion_tokens, max_tokens) = if reasons_first(request.model) {
+        (Some(request.max_output_tokens), None)
+    } else {
+        (None, Some(request.max_output_tokens))
+    };
     let body = Body {
-        max_tokens: request.max_output_tokens,
+        max_completion_tokens,
+        max_tokens,
         messages: Messages {
             system: request.system,
             turns: request.turns,
@@ -164,6 +174,16 @@ pub fn encode(request: &ModelRequest) -> Vec<u8> {
         },
     };
     super::tool_set::encode_with_tools(&body, tools)
+}
+
+/// Whether `model` is one of OpenAI's reasoning families (o1, o3, o4-mini, gpt-5...), which
+/// answer `max_tokens` with a 400 and take `max_completion_tokens`. A routed name
+/// (`openai/gpt-5` on OpenRouter) is the router's to translate, and other compatible servers
+/// (Ollama, older vLLM) know only `max_tokens`, so only a bare OpenAI name qualifies.
+fn reasons_first(model: &str) -> bool {
+    let m = model.to_ascii_lowercase();
+    m.starts_with("gpt-5")
+        || m.starts_with('o') && m.chars().nth(1).is_some_and(|c| c.is_ascii_digit())
 }
 
 /// One streamed chunk. Its text borrows from the event's data where it has no escapes: a
@@ -193,6 +213,10 @@ struct ChunkDelta<'a> {
     /// DeepSeek / vLLM reasoning models stream thinking here.
     #[serde(borrow)]
     reasoning_content: Option<Text<'a>>,
+    /// A model that declines says why here, with `content` null: it is the answer the user
+    /// reads, not an empty one.
+    #[serde(borrow)]
+    refusal: Option<Text<'a>>,
     /// Some servers send `"tool_calls": null` in text chunks.
     #[serde(default, borrow)]
     tool_calls: Option<Vec<ToolCallDelta<'a>>>,
@@ -309,7 +333,8 @@ impl Streamed {
             };
         }
         for choice in chunk.choices {
-            if let Some(Text(t)) = choice.delta.content.filter(|t| !t.0.is_empty()) {
+            let said = [choice.delta.content, choice.delta.refusal];
+            for Text(t) in said.into_iter().flatten().filter(|t| !t.0.is_empty()) {
                 self.text.push_str(&t);
                 let _ = deltas.send(Delta::Text(t.into_owned()));
             }
@@ -613,6 +638,45 @@ mod tests {
         ])
         .expect_err("an error");
         assert!(openrouter.is_retriable(), "{openrouter:?}");
+    }
+
+    #[test]
+    fn l1_reasoning_models_are_given_max_completion_tokens_and_others_max_tokens() {
+        let limit = |model: &str| -> (Value, Value) {
+            let request = ModelRequest {
+                model,
+                system: "s",
+                turns: &[],
+                tools: &ToolSet::none(),
+                answer_only: true,
+                stable_turns: 0,
+                max_output_tokens: 700,
+            };
+            let body: Value = serde_json::from_slice(&encode(&request)).unwrap();
+            (
+                body["max_completion_tokens"].clone(),
+                body["max_tokens"].clone(),
+            )
+        };
+        for model in ["gpt-5", "gpt-5-mini", "o1", "o3-mini", "o4-mini", "O3"] {
+            assert_eq!(limit(model), (json!(700), Value::Null), "{model}");
+        }
+        for model in ["gpt-4o", "gpt-4.1-mini", "llama3.1", "openai/gpt-5", "orca"] {
+            assert_eq!(limit(model), (Value::Null, json!(700)), "{model}");
+        }
+    }
+
+    #[test]
+    fn e5_a_models_refusal_is_its_answer_not_an_empty_one() {
+        let got = streamed(&[
+            r#"{"choices":[{"delta":{"role":"assistant","content":null,"refusal":""}}]}"#,
+            r#"{"choices":[{"delta":{"content":null,"refusal":"I can't help "}}]}"#,
+            r#"{"choices":[{"delta":{"content":null,"refusal":"with that."}}]}"#,
+            r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#,
+            "[DONE]",
+        ])
+        .expect("a response");
+        assert_eq!(got.text, "I can't help with that.");
     }
 
     #[test]
