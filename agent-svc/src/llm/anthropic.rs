@@ -45,7 +45,10 @@ pub fn body(request: &ModelRequest, cache: bool) -> Value {
             Turn::User(text) => ("user", json!({"type": "text", "text": text})),
             Turn::Assistant { text, tool_calls } => {
                 let mut blocks = Vec::new();
-                if !text.is_empty() {
+                // Anthropic refuses a text block of only whitespace (400), and the turn stays
+                // in the thread's history: a model that said "\n\n" before its tool call would
+                // break every later call on the thread.
+                if !text.trim().is_empty() {
                     blocks.push(json!({"type": "text", "text": text}));
                 }
                 for c in tool_calls {
@@ -368,5 +371,45 @@ mod tests {
             plain["system"][0]["text"], system,
             "caching off: the text as built"
         );
+    }
+
+    #[test]
+    fn l1_an_assistant_turn_of_only_whitespace_sends_no_text_block() {
+        let turns = [
+            Turn::User("what is due?".into()),
+            Turn::Assistant {
+                text: "\n\n".into(),
+                tool_calls: vec![ToolCall {
+                    id: "call_1".into(),
+                    name: "list_tasks".into(),
+                    arguments: "{}".into(),
+                }],
+            },
+            Turn::ToolResult {
+                call_id: "call_1".into(),
+                name: "list_tasks".into(),
+                content: "[]".into(),
+                is_error: false,
+            },
+            Turn::Assistant {
+                text: " ".into(),
+                tool_calls: vec![],
+            },
+        ];
+        let request = ModelRequest {
+            model: "claude",
+            system: "s",
+            turns: &turns,
+            tools: &ToolSet::default(),
+            answer_only: false,
+            stable_turns: 0,
+            max_output_tokens: 100,
+        };
+        let body = body(&request, false);
+        let messages = body["messages"].as_array().unwrap();
+        let call = messages[1]["content"].as_array().unwrap();
+        assert_eq!(call.len(), 1, "{call:?}");
+        assert_eq!(call[0]["type"], "tool_use");
+        assert_eq!(messages[3]["content"][0]["text"], "(no answer)");
     }
 }
