@@ -269,6 +269,34 @@ async fn a_400_fails_without_retry_and_the_chain_moves_on() {
     assert_eq!(out.calls[0].model, "gpt-4o-mini");
 }
 
+/// L-3, E-6: a model that takes the request and never answers gets its share of the run's
+/// time, not the 120 s a call may take, so the fallback answers before the run's limit.
+#[tokio::test]
+async fn l3_a_model_that_hangs_leaves_the_fallback_time_to_answer_within_the_run() {
+    let primary = FakeOpenAi::start(vec![Answer::Slow(
+        Box::new(Answer::text("far too late")),
+        Duration::from_secs(600),
+    )])
+    .await;
+    let secondary = FakeOpenAi::start(vec![Answer::text("from the second model")]).await;
+    let exec = executor(vec![
+        ChainEntry {
+            provider: openai(&primary.url),
+            model: "gpt-4o".into(),
+        },
+        ChainEntry {
+            provider: openai(&secondary.url),
+            model: "gpt-4o-mini".into(),
+        },
+    ]);
+    let mut req = request(&[]);
+    req.limits.max_wall = Duration::from_secs(4);
+    let out = exec.run(&req, &EchoTools, &Events::default()).await;
+    assert_eq!(out.text, "from the second model");
+    assert_eq!(out.stop, Stop::Completed, "{:?}", out.stop);
+    assert_eq!(out.calls[0].model, "gpt-4o-mini");
+}
+
 #[tokio::test]
 async fn all_failing_gives_the_friendly_partial_results_message() {
     let fake = FakeOpenAi::start(vec![

@@ -704,7 +704,8 @@ impl Run<'_> {
         };
         let (tx, mut rx) = mpsc::unbounded_channel();
         let call = async move {
-            let result = resilient::complete(&models.chain, &models.retry, &request, &tx).await;
+            let result =
+                resilient::complete(&models.chain, &models.retry, &request, &tx, remaining).await;
             drop(tx);
             result
         };
@@ -720,6 +721,7 @@ impl Run<'_> {
                 });
             }
         };
+        let deadline = tokio::time::Instant::now() + remaining;
         let timed = tokio::time::timeout(remaining, async { tokio::join!(call, forward).0 }).await;
         if !matches!(timed, Ok(Ok(_))) && streamed.into_inner() {
             // What streamed of an answer that never finished is void: the client discards it
@@ -728,6 +730,9 @@ impl Run<'_> {
         }
         match timed {
             Err(_) => Ok(None),
+            // The chain shares out the same time, so its last try can end with the time
+            // itself: that is the time limit, not every model failing.
+            Ok(Err(_)) if tokio::time::Instant::now() >= deadline => Ok(None),
             Ok(Err(failed)) => Err(failed.to_string()),
             Ok(Ok(done)) => {
                 let record = CallRecord::answered(&done, &models.prices);

@@ -1,6 +1,8 @@
 //! The retry and fallback chain (E-6, L-3, S0 AC-19): each (provider, model) entry gets the
 //! call plus up to `retries` retries on retriable errors, with exponential backoff and full
 //! jitter that waits at least as long as the provider's Retry-After; then the next entry.
+//! The whole chain runs within the time its caller has left: each entry gets a share of it,
+//! so a model that hangs never takes the fallback's turn.
 
 use std::{
     sync::Arc,
@@ -60,17 +62,34 @@ pub struct ChainFailed {
     pub attempts: Vec<String>,
 }
 
+/// The request through the chain, within `within`: each entry's tries, then the next entry's,
+/// until one answers or the time is spent.
 pub async fn complete(
     chain: &[ChainEntry],
     policy: &RetryPolicy,
     request: &ModelRequest<'_>,
     deltas: &DeltaSink,
+    within: Duration,
 ) -> Result<Completed, ChainFailed> {
+    let deadline = tokio::time::Instant::now() + within;
     let mut attempts = Vec::new();
     for (i, entry) in chain.iter().enumerate() {
         if i > 0 {
             crate::metrics::model_fallback(entry.provider.name(), &entry.model);
         }
+        // The caller's time is shared out: an entry that hangs, or asks to be retried later
+        // than its share allows, leaves the rest of the chain its turn before the run's time
+        // runs out. The last entry has whatever is left.
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            attempts.push(format!(
+                "{}/{}: not tried, no time left",
+                entry.provider.name(),
+                entry.model
+            ));
+            continue;
+        }
+        let entry_deadline = tokio::time::Instant::now() + left / (chain.len() - i) as u32;
         let request = ModelRequest {
             model: &entry.model,
             ..*request
@@ -90,11 +109,11 @@ pub async fn complete(
                 model = %entry.model,
                 retry,
             );
+            let timeout = policy
+                .call_timeout
+                .min(entry_deadline.saturating_duration_since(tokio::time::Instant::now()));
             let result = match tracing::Instrument::instrument(
-                tokio::time::timeout(
-                    policy.call_timeout,
-                    entry.provider.complete(&request, deltas),
-                ),
+                tokio::time::timeout(timeout, entry.provider.complete(&request, deltas)),
                 span,
             )
             .await
@@ -118,7 +137,9 @@ pub async fn complete(
                     attempts.push(format!("{}/{}: {e}", entry.provider.name(), entry.model));
                     crate::metrics::model_failed(entry.provider.name(), &entry.model);
                     let wait = backoff(policy, retry, e.retry_after());
-                    if !e.is_retriable() || retry >= policy.retries || wait.is_none() {
+                    let in_time =
+                        wait.is_some_and(|w| tokio::time::Instant::now() + w < entry_deadline);
+                    if !e.is_retriable() || retry >= policy.retries || !in_time {
                         break;
                     }
                     tokio::time::sleep(wait.unwrap_or_default()).await;
@@ -149,6 +170,116 @@ fn backoff(policy: &RetryPolicy, retry: u32, retry_after: Option<Duration>) -> O
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::llm::{ModelResponse, ToolSet};
+
+    /// A provider that answers `behaviour` to every call.
+    struct Provider {
+        name: &'static str,
+        behaviour: Behaviour,
+        calls: std::sync::atomic::AtomicU32,
+    }
+
+    enum Behaviour {
+        /// Accepts the call and never answers.
+        Hangs,
+        /// Rate-limited, asking to come back in 30 s.
+        RateLimited,
+        Answers,
+    }
+
+    #[async_trait::async_trait]
+    impl ModelProvider for Provider {
+        fn name(&self) -> &str {
+            self.name
+        }
+
+        async fn complete(
+            &self,
+            _request: &ModelRequest,
+            _deltas: &DeltaSink,
+        ) -> Result<ModelResponse, ModelError> {
+            self.calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            match self.behaviour {
+                Behaviour::Hangs => std::future::pending().await,
+                Behaviour::RateLimited => Err(ModelError::Status {
+                    status: 429,
+                    detail: String::new(),
+                    retry_after: Some(Duration::from_secs(30)),
+                }),
+                Behaviour::Answers => Ok(ModelResponse {
+                    text: format!("{} answered", self.name),
+                    thinking: String::new(),
+                    tool_calls: Vec::new(),
+                    usage: Default::default(),
+                    stop_reason: "stop".into(),
+                }),
+            }
+        }
+    }
+
+    fn entry(name: &'static str, behaviour: Behaviour) -> (ChainEntry, Arc<Provider>) {
+        let provider = Arc::new(Provider {
+            name,
+            behaviour,
+            calls: Default::default(),
+        });
+        let entry = ChainEntry {
+            provider: provider.clone(),
+            model: "m".into(),
+        };
+        (entry, provider)
+    }
+
+    /// A chain of `first` then a healthy fallback, called with `within` to spend under the
+    /// default policy (120 s per call, Retry-After up to 60 s waited for): how long it took,
+    /// what answered, and how often the first entry was called.
+    async fn chain_of(first: Behaviour, within: Duration) -> (Duration, String, u32) {
+        let (primary, first_calls) = entry("primary", first);
+        let (fallback, _) = entry("fallback", Behaviour::Answers);
+        let tools = ToolSet::default();
+        let request = ModelRequest {
+            model: "",
+            system: "s",
+            turns: &[],
+            tools: &tools,
+            answer_only: true,
+            stable_turns: 0,
+            max_output_tokens: 10,
+        };
+        let (deltas, _rx) = tokio::sync::mpsc::unbounded_channel();
+        let started = tokio::time::Instant::now();
+        let done = complete(
+            &[primary, fallback],
+            &RetryPolicy::default(),
+            &request,
+            &deltas,
+            within,
+        )
+        .await
+        .expect("the fallback answers");
+        let calls = first_calls.calls.load(std::sync::atomic::Ordering::Relaxed);
+        (started.elapsed(), done.response.text, calls)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn l3_a_model_that_hangs_leaves_the_fallback_its_turn_within_the_runs_time() {
+        let (took, answer, _) = chain_of(Behaviour::Hangs, Duration::from_secs(60)).await;
+        assert_eq!(answer, "fallback answered");
+        assert_eq!(
+            took,
+            Duration::from_secs(30),
+            "half the time, not 120 s per call"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn e6_a_retry_after_past_the_models_share_of_the_time_goes_to_the_fallback_at_once() {
+        let (took, answer, calls) = chain_of(Behaviour::RateLimited, Duration::from_secs(15)).await;
+        assert_eq!(answer, "fallback answered");
+        assert_eq!(calls, 1, "no retry that would wait 30 s of a 15 s run");
+        assert_eq!(took, Duration::ZERO);
+    }
 
     #[test]
     fn backoff_honours_retry_after_and_its_ceiling() {

@@ -73,7 +73,11 @@ impl RunService {
                 call_timeout: Duration::from_secs(30),
                 ..RetryPolicy::default()
             };
-            match resilient::complete(std::slice::from_ref(entry), &policy, &request, &tx).await {
+            // Two tries of 30 s and the backoff between them.
+            let within = Duration::from_secs(70);
+            match resilient::complete(std::slice::from_ref(entry), &policy, &request, &tx, within)
+                .await
+            {
                 Ok(done) => {
                     spent.add(&CallRecord::answered(&done, &self.models.prices));
                     let text = done.response.text.trim();
