@@ -264,6 +264,7 @@ mod tests {
                     id: id.into(),
                     name: "t".into(),
                     arguments: "{}".into(),
+                    signature: None,
                 }],
             },
             Turn::ToolResult {

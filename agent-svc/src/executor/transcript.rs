@@ -60,6 +60,7 @@ mod tests {
             id: id.into(),
             name: "t".into(),
             arguments: "{}".into(),
+            signature: None,
         }
     }
 
@@ -128,6 +129,7 @@ mod serde_tests {
                     id: "c".into(),
                     name: "t".into(),
                     arguments: "{}".into(),
+                    signature: None,
                 }],
             },
             Turn::ToolResult {

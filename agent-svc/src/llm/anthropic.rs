@@ -272,6 +272,7 @@ impl ModelProvider for Anthropic {
                 id,
                 name,
                 arguments: if json.is_empty() { "{}".into() } else { json },
+                signature: None,
             })
             .collect();
         Ok(ModelResponse {
@@ -383,6 +384,7 @@ mod tests {
                     id: "call_1".into(),
                     name: "list_tasks".into(),
                     arguments: "{}".into(),
+                    signature: None,
                 }],
             },
             Turn::ToolResult {

@@ -23,6 +23,10 @@ pub enum ModelError {
     /// The provider sent something this adapter cannot read.
     #[error("unreadable response: {0}")]
     Decode(String),
+    /// The model set out to call a tool and produced nothing usable (Gemini's
+    /// `MALFORMED_FUNCTION_CALL`): asked again, it usually manages.
+    #[error("the model produced a tool call it could not finish ({0})")]
+    MalformedCall(String),
     /// The provider is not configured (no key, no URL).
     #[error("not configured: {0}")]
     NotConfigured(String),
@@ -61,7 +65,10 @@ impl ModelError {
             ModelError::Status { status, .. } => {
                 matches!(status, 408 | 429 | 500 | 502 | 503 | 504 | 529)
             }
-            ModelError::Timeout | ModelError::Connection(_) | ModelError::TruncatedStream => true,
+            ModelError::Timeout
+            | ModelError::Connection(_)
+            | ModelError::TruncatedStream
+            | ModelError::MalformedCall(_) => true,
             ModelError::Decode(_) | ModelError::NotConfigured(_) => false,
         }
     }

@@ -33,7 +33,11 @@ pub fn body(request: &ModelRequest) -> Value {
                         .ok()
                         .filter(Value::is_object)
                         .unwrap_or_else(|| json!({}));
-                    parts.push(json!({"functionCall": {"name": c.name, "args": args}}));
+                    let mut part = json!({"functionCall": {"name": c.name, "args": args}});
+                    if let Some(signature) = &c.signature {
+                        part["thoughtSignature"] = json!(signature);
+                    }
+                    parts.push(part);
                 }
                 if parts.is_empty() {
                     // An empty answer (Gemini gives them itself) is kept in the history, and
@@ -116,66 +120,99 @@ impl ModelProvider for Gemini {
             .map_err(|e| ModelError::from_reqwest(&e))?;
         let mut events = Box::pin(sse::events(response).await?);
 
-        let mut text = String::new();
-        let mut thinking = String::new();
-        let mut tool_calls = Vec::new();
-        let mut usage = TokenUsage::default();
-        let mut finish = String::new();
+        let mut streamed = Streamed::default();
         while let Some(event) = events.next().await {
             let (_, data) = event?;
             let v: Value = serde_json::from_str(&data)
                 .map_err(|e| ModelError::Decode(format!("chunk: {e}")))?;
-            if let Some(u) = v.get("usageMetadata") {
-                usage = TokenUsage {
-                    input_tokens: u["promptTokenCount"].as_u64().unwrap_or(0),
-                    output_tokens: u["candidatesTokenCount"].as_u64().unwrap_or(0)
-                        + u["thoughtsTokenCount"].as_u64().unwrap_or(0),
-                    cached_tokens: u["cachedContentTokenCount"].as_u64().unwrap_or(0),
-                };
-            }
-            let Some(candidate) = v["candidates"].get(0) else {
-                continue;
+            streamed.take(&v, deltas);
+        }
+        streamed.response()
+    }
+}
+
+/// What a stream's chunks add up to.
+#[derive(Default)]
+struct Streamed {
+    text: String,
+    thinking: String,
+    tool_calls: Vec<ToolCall>,
+    usage: TokenUsage,
+    finish: String,
+    /// Why Gemini refused the prompt itself (`promptFeedback.blockReason`): it then sends no
+    /// candidate at all.
+    blocked: Option<String>,
+}
+
+impl Streamed {
+    fn take(&mut self, v: &Value, deltas: &DeltaSink) {
+        if let Some(u) = v.get("usageMetadata") {
+            self.usage = TokenUsage {
+                input_tokens: u["promptTokenCount"].as_u64().unwrap_or(0),
+                output_tokens: u["candidatesTokenCount"].as_u64().unwrap_or(0)
+                    + u["thoughtsTokenCount"].as_u64().unwrap_or(0),
+                cached_tokens: u["cachedContentTokenCount"].as_u64().unwrap_or(0),
             };
-            for part in candidate["content"]["parts"]
-                .as_array()
-                .into_iter()
-                .flatten()
-            {
-                if let Some(call) = part.get("functionCall") {
-                    let id = call["id"].as_str().map_or_else(
-                        || format!("gemini_call_{}", tool_calls.len()),
-                        str::to_owned,
-                    );
-                    tool_calls.push(ToolCall {
-                        id,
-                        name: call["name"].as_str().unwrap_or("").to_owned(),
-                        arguments: call
-                            .get("args")
-                            .map_or_else(|| "{}".to_owned(), Value::to_string),
-                    });
-                } else if let Some(t) = part["text"].as_str() {
-                    if part["thought"].as_bool() == Some(true) {
-                        thinking.push_str(t);
-                        let _ = deltas.send(Delta::Thinking(t.to_owned()));
-                    } else {
-                        text.push_str(t);
-                        let _ = deltas.send(Delta::Text(t.to_owned()));
-                    }
+        }
+        if let Some(reason) = v["promptFeedback"]["blockReason"].as_str() {
+            self.blocked = Some(reason.to_owned());
+        }
+        let Some(candidate) = v["candidates"].get(0) else {
+            return;
+        };
+        for part in candidate["content"]["parts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            if let Some(call) = part.get("functionCall") {
+                let id = call["id"].as_str().map_or_else(
+                    || format!("gemini_call_{}", self.tool_calls.len()),
+                    str::to_owned,
+                );
+                self.tool_calls.push(ToolCall {
+                    id,
+                    name: call["name"].as_str().unwrap_or("").to_owned(),
+                    arguments: call
+                        .get("args")
+                        .map_or_else(|| "{}".to_owned(), Value::to_string),
+                    signature: part["thoughtSignature"].as_str().map(str::to_owned),
+                });
+            } else if let Some(t) = part["text"].as_str() {
+                if part["thought"].as_bool() == Some(true) {
+                    self.thinking.push_str(t);
+                    let _ = deltas.send(Delta::Thinking(t.to_owned()));
+                } else {
+                    self.text.push_str(t);
+                    let _ = deltas.send(Delta::Text(t.to_owned()));
                 }
             }
-            if let Some(reason) = candidate["finishReason"].as_str() {
-                finish = reason.to_owned();
+        }
+        if let Some(reason) = candidate["finishReason"].as_str() {
+            self.finish = reason.to_owned();
+        }
+    }
+
+    fn response(self) -> Result<ModelResponse, ModelError> {
+        let finish = match (self.finish.as_str(), &self.blocked) {
+            // Asking again gets the same refusal, billed again: an empty answer, which the
+            // run replaces with what it gathered (E-5).
+            ("", Some(reason)) => format!("blocked:{reason}"),
+            // Gemini ends the stream without a terminator; a missing finishReason means it was
+            // cut.
+            ("", None) => return Err(ModelError::TruncatedStream),
+            ("MALFORMED_FUNCTION_CALL" | "UNEXPECTED_TOOL_CALL", _)
+                if self.tool_calls.is_empty() =>
+            {
+                return Err(ModelError::MalformedCall(self.finish));
             }
-        }
-        // Gemini ends the stream without a terminator; a missing finishReason means it was cut.
-        if finish.is_empty() {
-            return Err(ModelError::TruncatedStream);
-        }
+            _ => self.finish,
+        };
         Ok(ModelResponse {
-            text,
-            thinking,
-            tool_calls,
-            usage,
+            text: self.text,
+            thinking: self.thinking,
+            tool_calls: self.tool_calls,
+            usage: self.usage,
             stop_reason: finish,
         })
     }
@@ -185,6 +222,73 @@ impl ModelProvider for Gemini {
 mod tests {
     use super::*;
     use crate::llm::ToolSet;
+
+    /// The chunks, taken in order: the response, or why there is none.
+    fn streamed(chunks: &[Value]) -> Result<ModelResponse, ModelError> {
+        let (deltas, _) = tokio::sync::mpsc::unbounded_channel();
+        let mut streamed = Streamed::default();
+        for chunk in chunks {
+            streamed.take(chunk, &deltas);
+        }
+        streamed.response()
+    }
+
+    #[test]
+    fn l1_a_calls_thought_signature_goes_back_with_it_as_gemini_3_requires() {
+        let got = streamed(&[json!({"candidates": [{"content": {"role": "model", "parts": [
+            {"functionCall": {"name": "list_tasks", "args": {"status": "pending"}}, "thoughtSignature": "c2lnLTE="},
+            {"functionCall": {"name": "search_memory", "args": {}}}
+        ]}, "finishReason": "STOP"}]})])
+        .expect("a response");
+        assert_eq!(got.tool_calls[0].signature.as_deref(), Some("c2lnLTE="));
+        assert_eq!(got.tool_calls[1].signature, None);
+        let turns = [
+            Turn::User("what is due?".into()),
+            Turn::Assistant {
+                text: String::new(),
+                tool_calls: got.tool_calls.clone(),
+            },
+        ];
+        let tools = ToolSet::new(vec![]);
+        let body = body(&ModelRequest {
+            model: "gemini-3-pro-preview",
+            system: "s",
+            turns: &turns,
+            tools: &tools,
+            answer_only: false,
+            stable_turns: 0,
+            max_output_tokens: 100,
+        });
+        let parts = &body["contents"][1]["parts"];
+        assert_eq!(parts[0]["thoughtSignature"], "c2lnLTE=");
+        assert_eq!(parts[0]["functionCall"]["name"], "list_tasks");
+        assert!(parts[1].get("thoughtSignature").is_none());
+        let history = serde_json::to_string(&turns[1]).unwrap();
+        let again: Turn = serde_json::from_str(&history).unwrap();
+        assert_eq!(again, turns[1], "kept in the thread's history");
+    }
+
+    #[test]
+    fn e5_a_prompt_gemini_blocks_is_an_empty_answer_not_a_cut_stream_retried() {
+        let got = streamed(&[json!({"promptFeedback": {"blockReason": "SAFETY"},
+            "usageMetadata": {"promptTokenCount": 12, "totalTokenCount": 12}})])
+        .expect("an answer, not a retriable error");
+        assert_eq!(got.text, "");
+        assert_eq!(got.stop_reason, "blocked:SAFETY");
+        assert_eq!(got.usage.input_tokens, 12);
+    }
+
+    #[test]
+    fn e9_a_malformed_function_call_is_asked_again() {
+        let err = streamed(&[json!({"candidates": [{"content": {"role": "model"},
+            "finishReason": "MALFORMED_FUNCTION_CALL"}]})])
+        .expect_err("no empty answer");
+        assert!(err.is_retriable(), "{err:?}");
+        assert!(matches!(err, ModelError::MalformedCall(_)), "{err:?}");
+        let cut = streamed(&[json!({"candidates": [{"content": {"parts": [{"text": "Hal"}]}}]})])
+            .expect_err("cut off");
+        assert_eq!(cut, ModelError::TruncatedStream);
+    }
 
     #[test]
     fn an_empty_answer_in_the_history_is_sent_with_a_part_gemini_accepts() {

@@ -35,6 +35,11 @@ pub struct ToolCall {
     pub id: String,
     pub name: String,
     pub arguments: String,
+    /// Gemini's `thoughtSignature` on the call's part: Gemini 3 refuses (400) a history whose
+    /// calls come back without it, so it is kept with the call, in the thread's history too.
+    /// Other providers' calls have none, and other adapters send none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
 }
 
 /// One entry of the model-facing transcript (persisted as the thread's LLM history).

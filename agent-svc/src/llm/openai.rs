@@ -401,6 +401,7 @@ impl Streamed {
                 },
                 name,
                 arguments,
+                signature: None,
             })
             .collect();
         ModelResponse {
@@ -473,6 +474,7 @@ mod tests {
             id: id.into(),
             name: name.into(),
             arguments: arguments.into(),
+            signature: None,
         }
     }
 

@@ -213,6 +213,7 @@ impl ModelProvider for ScriptedModel {
                         id: format!("call_{n}_{i}"),
                         name,
                         arguments,
+                        signature: None,
                     })
                     .collect();
                 (String::new(), calls)
