@@ -613,13 +613,7 @@ pub fn retry_after(headers: &HeaderMap) -> Duration {
     else {
         return Duration::from_secs(30);
     };
-    if let Ok(secs) = value.trim().parse::<u64>() {
-        return Duration::from_secs(secs.min(86_400));
-    }
-    httpdate::parse_http_date(value)
-        .ok()
-        .and_then(|at| at.duration_since(std::time::SystemTime::now()).ok())
-        .unwrap_or(Duration::from_secs(30))
+    svc_kit::retry_after::parse(value).unwrap_or(Duration::from_secs(30))
 }
 
 /// The upstream's error message, if it sent a readable one, cut short: enough for a log line,

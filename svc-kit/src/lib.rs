@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod pg;
 pub mod pg_tls;
 pub mod process;
+pub mod retry_after;
 pub mod secret;
 pub mod server_config;
 pub mod shutdown;

@@ -32,17 +32,16 @@ pub async fn events(
 ) -> Result<impl Stream<Item = Result<Event, ModelError>>, ModelError> {
     let status = response.status();
     if !status.is_success() {
-        let retry_after = response
+        let header = response
             .headers()
             .get(reqwest::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
+            .and_then(svc_kit::retry_after::parse);
         let body = read_capped(response, MAX_ERROR_BODY).await;
         return Err(ModelError::Status {
             status: status.as_u16(),
             detail: error_message(&body),
-            retry_after,
+            retry_after: header.or_else(|| retry_delay(&body)),
         });
     }
     let body = Box::pin(response.bytes_stream());
@@ -208,6 +207,20 @@ async fn read_capped(mut response: reqwest::Response, cap: usize) -> Vec<u8> {
 
 /// The provider's error message (`{"error": {"message": ...}}` for all three) as a redacted
 /// excerpt for logs.
+/// The wait an error body asks for where there is no `Retry-After` header: Gemini puts it in
+/// the error's `google.rpc.RetryInfo` detail as a duration string ("37s", "0.5s").
+fn retry_delay(body: &[u8]) -> Option<Duration> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    v.pointer("/error/details")?
+        .as_array()?
+        .iter()
+        .find_map(|d| d["retryDelay"].as_str())
+        .and_then(|s| s.strip_suffix('s'))
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|secs| secs.is_finite() && *secs >= 0.0)
+        .map(|secs| Duration::from_secs_f64(secs.min(86_400.0)))
+}
+
 pub fn error_message(body: &[u8]) -> String {
     let parsed: Option<serde_json::Value> = serde_json::from_slice(body).ok();
     let message = parsed
@@ -233,6 +246,22 @@ mod tests {
             parser.feed(chunk, |e| events.push(e))?;
         }
         Ok(events)
+    }
+
+    #[test]
+    fn e6_geminis_retry_delay_in_the_error_body_is_the_wait_it_asks_for() {
+        let body = br#"{"error":{"code":429,"message":"Resource exhausted","status":"RESOURCE_EXHAUSTED","details":[{"@type":"type.googleapis.com/google.rpc.QuotaFailure"},{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"37s"}]}}"#;
+        assert_eq!(retry_delay(body), Some(Duration::from_secs(37)));
+        let half = br#"{"error":{"details":[{"retryDelay":"0.5s"}]}}"#;
+        assert_eq!(retry_delay(half), Some(Duration::from_millis(500)));
+        for none in [
+            &br#"{"error":{"message":"x"}}"#[..],
+            br#"{"error":{"details":[{"retryDelay":"-1s"}]}}"#,
+            br#"{"error":{"details":[{"retryDelay":"soon"}]}}"#,
+            b"not json",
+        ] {
+            assert_eq!(retry_delay(none), None);
+        }
     }
 
     fn event(name: &str, data: &str) -> Event {
