@@ -148,26 +148,26 @@ impl ModelsConfig {
         let prices = keyed_list(
             vars,
             "MODEL_PRICES",
-            "model=input/output/cached (USD per million tokens)",
+            "model=input/output[/cached[/cache write]] (USD per million tokens)",
             |v| {
                 let nums: Vec<f64> = v
                     .split('/')
                     .map(|n| n.trim().parse::<f64>())
                     .collect::<Result<_, _>>()
                     .ok()?;
-                match nums.as_slice() {
-                    [i, o] => Some(Price {
-                        input: *i,
-                        output: *o,
-                        cached_input: *i,
-                    }),
-                    [i, o, c] => Some(Price {
-                        input: *i,
-                        output: *o,
-                        cached_input: *c,
-                    }),
-                    _ => None,
-                }
+                // Cache writes cost what Anthropic's 5-minute cache charges unless given.
+                let (input, output, cached_input, cache_write) = match nums.as_slice() {
+                    [i, o] => (*i, *o, *i, *i * 1.25),
+                    [i, o, c] => (*i, *o, *c, *i * 1.25),
+                    [i, o, c, w] => (*i, *o, *c, *w),
+                    _ => return None,
+                };
+                Some(Price {
+                    input,
+                    output,
+                    cached_input,
+                    cache_write,
+                })
             },
         );
         Self {
@@ -335,7 +335,8 @@ mod tests {
             Price {
                 input: 3.0,
                 output: 15.0,
-                cached_input: 0.3
+                cached_input: 0.3,
+                cache_write: 3.75,
             }
         );
         let (setup, summary) = cfg.build(&reqwest::Client::new());
@@ -343,6 +344,28 @@ mod tests {
         assert_eq!(setup.context_window, 100_000);
         assert_eq!(setup.chain[0].provider.name(), "anthropic");
         assert_eq!(summary.model, "gpt-4o-mini");
+    }
+
+    #[test]
+    fn e10_anthropic_cache_writes_cost_more_than_input_and_reads_less() {
+        let cfg = load(&[(
+            "MODEL_PRICES",
+            "claude-sonnet-4-5=3/15/0.3,claude-haiku=1/5/0.1/2",
+        )])
+        .unwrap();
+        let sonnet = cfg.prices["claude-sonnet-4-5"];
+        assert_eq!(sonnet.cache_write, 3.75, "1.25 x input unless given");
+        assert_eq!(cfg.prices["claude-haiku"].cache_write, 2.0);
+        // 1M input tokens: 600K read from the cache, 300K written to it, 100K plain.
+        let usage = crate::llm::TokenUsage {
+            input_tokens: 1_000_000,
+            output_tokens: 0,
+            cached_tokens: 600_000,
+            cache_write_tokens: 300_000,
+        };
+        let cost = sonnet.cost(&usage);
+        let expected = 0.1 * 3.0 + 0.6 * 0.3 + 0.3 * 3.75;
+        assert!((cost - expected).abs() < 1e-9, "{cost} != {expected}");
     }
 
     #[test]

@@ -89,6 +89,7 @@ fn setup(models: Vec<(Arc<ScriptedModel>, &str)>) -> Executor {
                     input: 3.0,
                     output: 15.0,
                     cached_input: 0.3,
+                    cache_write: 3.75,
                 },
             )]),
             final_turn_grace: Duration::from_secs(5),

@@ -125,13 +125,19 @@ pub struct Price {
     pub input: f64,
     pub output: f64,
     pub cached_input: f64,
+    /// Input written to the prompt cache (Anthropic: 1.25 × input for the 5-minute cache).
+    pub cache_write: f64,
 }
 
 impl Price {
     pub fn cost(&self, u: &TokenUsage) -> f64 {
-        let uncached = u.input_tokens.saturating_sub(u.cached_tokens) as f64;
-        (uncached * self.input
+        let plain = u
+            .input_tokens
+            .saturating_sub(u.cached_tokens)
+            .saturating_sub(u.cache_write_tokens) as f64;
+        (plain * self.input
             + u.cached_tokens as f64 * self.cached_input
+            + u.cache_write_tokens as f64 * self.cache_write
             + u.output_tokens as f64 * self.output)
             / 1e6
     }

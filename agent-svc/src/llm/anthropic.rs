@@ -195,6 +195,7 @@ impl ModelProvider for Anthropic {
                     let written = u["cache_creation_input_tokens"].as_u64().unwrap_or(0);
                     usage.input_tokens = u["input_tokens"].as_u64().unwrap_or(0) + read + written;
                     usage.cached_tokens = read;
+                    usage.cache_write_tokens = written;
                     usage.output_tokens = u["output_tokens"].as_u64().unwrap_or(0);
                 }
                 "content_block_start" => {

@@ -152,6 +152,7 @@ impl Streamed {
                 output_tokens: u["candidatesTokenCount"].as_u64().unwrap_or(0)
                     + u["thoughtsTokenCount"].as_u64().unwrap_or(0),
                 cached_tokens: u["cachedContentTokenCount"].as_u64().unwrap_or(0),
+                cache_write_tokens: 0,
             };
         }
         if let Some(reason) = v["promptFeedback"]["blockReason"].as_str() {

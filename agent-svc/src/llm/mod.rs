@@ -87,6 +87,9 @@ pub struct TokenUsage {
     pub output_tokens: u64,
     /// Input tokens served from the provider's prompt cache.
     pub cached_tokens: u64,
+    /// Input tokens written to the provider's prompt cache, which Anthropic bills above the
+    /// input price. Like `cached_tokens`, a part of `input_tokens`.
+    pub cache_write_tokens: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -330,6 +330,7 @@ impl Streamed {
                 input_tokens: u.prompt_tokens,
                 output_tokens: u.completion_tokens,
                 cached_tokens: u.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
+                cache_write_tokens: 0,
             };
         }
         for choice in chunk.choices {

@@ -227,6 +227,7 @@ impl ModelProvider for ScriptedModel {
                 input_tokens,
                 output_tokens: text.len() as u64 / 4 + 1,
                 cached_tokens: 0,
+                cache_write_tokens: 0,
             },
             stop_reason: if tool_calls.is_empty() {
                 "end_turn".into()

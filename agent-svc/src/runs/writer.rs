@@ -981,6 +981,7 @@ mod tests {
                     input_tokens: 100,
                     output_tokens: 20,
                     cached_tokens: 0,
+                    cache_write_tokens: 0,
                 },
                 cost_usd: 0.5,
                 latency: Duration::from_millis(3),
