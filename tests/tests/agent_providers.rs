@@ -297,6 +297,31 @@ async fn l3_a_model_that_hangs_leaves_the_fallback_time_to_answer_within_the_run
     assert_eq!(out.calls[0].model, "gpt-4o-mini");
 }
 
+/// E-10: a compatible server that sends no usage (it ignores stream_options) still billed the
+/// call; the run counts it with the tokenizer, so its budget and cost see the call.
+#[tokio::test]
+async fn e10_a_call_answered_without_usage_is_counted_not_free() {
+    let fake = FakeOpenAi::start(vec![Answer::Stream {
+        events: vec![
+            serde_json::json!({"choices": [{"index": 0, "delta": {"content": "Nothing is due today."}}]}),
+            serde_json::json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+        ],
+        chunk: 64,
+    }])
+    .await;
+    let exec = executor(vec![ChainEntry {
+        provider: openai(&fake.url),
+        model: "gpt-4o".into(),
+    }]);
+    let out = exec
+        .run(&request(&[]), &EchoTools, &Events::default())
+        .await;
+    assert_eq!(out.text, "Nothing is due today.");
+    let usage = out.calls[0].usage;
+    assert!(usage.input_tokens > 10, "{usage:?}");
+    assert!(usage.output_tokens >= 5, "{usage:?}");
+}
+
 #[tokio::test]
 async fn all_failing_gives_the_friendly_partial_results_message() {
     let fake = FakeOpenAi::start(vec![

@@ -740,7 +740,28 @@ impl Run<'_> {
             // itself: that is the time limit, not every model failing.
             Ok(Err(_)) if tokio::time::Instant::now() >= deadline => Ok(None),
             Ok(Err(failed)) => Err(failed.to_string()),
-            Ok(Ok(done)) => {
+            Ok(Ok(mut done)) => {
+                if done.response.usage.input_tokens == 0 {
+                    // No usage reported (a compatible server that ignores stream_options, a
+                    // stream cut after its answer): the call was still billed, and the run's
+                    // budget must still see it. Counted with the tokenizer instead.
+                    let response = &done.response;
+                    let output = counter.text(&response.text)
+                        + response
+                            .tool_calls
+                            .iter()
+                            .map(|c| counter.text(&c.name) + counter.text(&c.arguments))
+                            .sum::<usize>();
+                    tracing::warn!(
+                        provider = %done.provider,
+                        model = %done.model,
+                        input_tokens = fit.estimated_input_tokens,
+                        output_tokens = output,
+                        "the model reported no usage; counted it instead"
+                    );
+                    done.response.usage.input_tokens = fit.estimated_input_tokens as u64;
+                    done.response.usage.output_tokens = output as u64;
+                }
                 let record = CallRecord::answered(&done, &models.prices);
                 self.sink.emit(RunEvent::ModelCall(record.clone()));
                 self.calls.push(record);
