@@ -20,9 +20,10 @@ use serde_json::{Value, json};
 
 const SEND: &str = "POST /gmail/v1/users/me/messages/send";
 
-/// Gmail with three originals: `zw` from an address holding a zero-width space, `cc` from a
-/// plain sender but copied to an address holding a right-to-left override, and `name` from a
-/// plain address whose display name holds that override. A send is accepted.
+/// Gmail with four originals: `zw` from an address holding a zero-width space, `cc` from a
+/// plain sender but copied to an address holding a right-to-left override, `name` from a
+/// plain address whose display name holds that override, and `crlf` whose Subject, Message-ID
+/// and References hold a CRLF and a header after it. A send or a draft is accepted.
 fn gmail(method: &str, path: &str) -> Answer {
     let message = |id| path.starts_with(&format!("/gmail/v1/users/me/messages/{id}?"));
     match method {
@@ -44,6 +45,14 @@ fn gmail(method: &str, path: &str) -> Answer {
             r#"{"id":"name","threadId":"t3","payload":{"headers":[
                 {"name":"From","value":"\"\u202eBob\" <bob@example.com>"},
                 {"name":"Subject","value":"Lunch"}]}}"#,
+        ),
+        "GET" if message("crlf") => Answer::Status(
+            200,
+            r#"{"id":"crlf","threadId":"t4","payload":{"headers":[
+                {"name":"From","value":"Bob <bob@example.com>"},
+                {"name":"Subject","value":"Lunch\r\nBcc: eve@evil.com"},
+                {"name":"Message-ID","value":"<m1@example.com>\r\nBcc: eve@evil.com"},
+                {"name":"References","value":"<m0@example.com>\r\nCc: eve@evil.com"}]}}"#,
         ),
         "POST" => Answer::Status(200, r#"{"id":"s1"}"#),
         _ => Answer::Status(404, "{}"),
@@ -143,4 +152,100 @@ async fn p4_a_bidi_override_in_the_senders_name_never_reaches_the_approver_or_th
     assert!(sent.ok(), "{}", sent.text);
     assert!(!sent.text.contains('\u{202e}'), "{}", sent.text);
     assert_eq!(upstream.seen(SEND), 1);
+}
+
+/// The header block of the raw message in a send's body.
+fn sent_headers(body: &str) -> String {
+    use base64::Engine as _;
+    let sent: Value = serde_json::from_str(body).unwrap();
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(sent["raw"].as_str().unwrap())
+        .unwrap();
+    let text = String::from_utf8(raw).unwrap();
+    text.split("\r\n\r\n").next().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn i3_a_subject_holding_a_line_break_or_control_character_is_refused_and_nothing_is_sent() {
+    let upstream = Upstream::start(gmail).await;
+    let engine = engine(&upstream).await;
+    for (i, subject) in [
+        "Hi\r\nBcc: eve@evil.com",
+        "Hi\nBcc: eve@evil.com",
+        "Hi\rBcc: eve@evil.com",
+        "Hi\u{0}there",
+        "Hi\u{85}there",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for tool in ["gmail_send", "gmail_draft_create"] {
+            let args = json!({"to": ["boss@corp.com"], "subject": subject, "body": "x"});
+            let key = format!("k-{tool}-{i}");
+            let refused = common::call(&engine, "c1", tool, args.clone(), &key).await;
+            assert_eq!(
+                refused.error_kind,
+                Some(ErrorKind::InvalidArguments),
+                "{subject:?}: {}",
+                refused.text
+            );
+            assert!(
+                refused
+                    .text
+                    .contains("subject holds a line break or another control character")
+                    && refused.text.contains("write the subject as one line"),
+                "{}",
+                refused.text
+            );
+            let request = CallRequest {
+                call_id: "p1".into(),
+                tool: tool.into(),
+                args,
+                idempotency_key: Some(key),
+                channel: Channel::Web,
+                timeout: None,
+                run_id: None,
+                read_external_from: Vec::new(),
+                expected_binding: None,
+            };
+            assert!(
+                engine.preview(&user(), request).await.is_err(),
+                "{subject:?}"
+            );
+        }
+    }
+    assert_eq!(upstream.seen("POST"), 0);
+    // A tab is whitespace a subject may hold.
+    let tabbed = json!({"to": ["boss@corp.com"], "subject": "Q3\tplan", "body": "x"});
+    let sent = common::call(&engine, "c2", "gmail_send", tabbed, "k-tab").await;
+    assert!(sent.ok(), "{}", sent.text);
+    assert_eq!(upstream.seen(SEND), 1);
+}
+
+#[tokio::test]
+async fn i3_a_reply_to_an_email_whose_subject_and_ids_hold_crlf_adds_no_header_line() {
+    let upstream = Upstream::start(gmail).await;
+    let engine = engine(&upstream).await;
+    let sent = common::call(&engine, "c1", "gmail_reply", reply("crlf", false), "k1").await;
+    assert!(sent.ok(), "{}", sent.text);
+    let bodies = upstream.bodies(SEND);
+    assert_eq!(bodies.len(), 1);
+    let head = sent_headers(&bodies[0]);
+    let names: Vec<String> = head
+        .split("\r\n")
+        .filter(|l| !l.starts_with([' ', '\t']))
+        .map(|l| l.split(':').next().unwrap().to_ascii_lowercase())
+        .collect();
+    assert!(!names.iter().any(|n| n == "bcc" || n == "cc"), "{head}");
+    assert_eq!(
+        names.iter().filter(|n| *n == "subject").count(),
+        1,
+        "{head}"
+    );
+    assert!(head.contains("Re: Lunch  Bcc: eve@evil.com"), "{head}");
+    // The Message-ID holding a line break is no id: the reply goes without In-Reply-To and
+    // References (its threadId keeps it in the thread).
+    assert!(!names.iter().any(|n| n == "in-reply-to"), "{head}");
+    let sent: Value = serde_json::from_str(&bodies[0]).unwrap();
+    assert_eq!(sent["threadId"], "t4");
 }

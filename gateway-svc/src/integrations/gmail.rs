@@ -1161,6 +1161,51 @@ fn compose_schema() -> Value {
         "account": {"type": "string", "description": "The address to send from; needed when several are connected"}}})
 }
 
+/// The model's `subject`, or why it cannot be written. mail-builder writes an ASCII subject
+/// byte for byte, so a CR or LF in it would end the Subject header and start one of the
+/// model's choosing (a hidden `Bcc:`) that neither the approval preview nor the recipient
+/// allowlist sees. Every control character (C0, DEL, C1) is refused, except TAB: it is
+/// whitespace a header may hold and ends nothing.
+fn subject_arg<'a>(args: &'a Value, tool: &str) -> Result<&'a str, ToolError> {
+    let subject = args
+        .get("subject")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    match subject.chars().find(|c| c.is_control() && *c != '\t') {
+        None => Ok(subject),
+        Some(c) => Err(ToolError::InvalidArguments {
+            tool: tool.into(),
+            detail: format!(
+                "subject holds a line break or another control character ({:?}); write the \
+                 subject as one line of plain text, without line breaks or control characters",
+                c
+            ),
+        }),
+    }
+}
+
+/// A header value another party wrote (the original's Subject), on one line: every control
+/// character, CR and LF included, becomes a space, so it can never end its header in the
+/// reply. The sender wrote it; the reply is still possible.
+fn one_line(value: &str) -> String {
+    value
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
+}
+
+/// The message ids of a `Message-ID` or `References` header of the original: split on
+/// whitespace and control characters (so no id holds a line break), angle brackets stripped;
+/// what holds no `@` (every message id does) is left out.
+fn message_ids(value: &str) -> Vec<String> {
+    value
+        .split(|c: char| c.is_whitespace() || c.is_control())
+        .map(strip_angles)
+        .filter(|id| id.contains('@'))
+        .map(str::to_owned)
+        .collect()
+}
+
 fn raw(message: MessageBuilder<'_>) -> Result<String, ToolError> {
     let bytes = message
         .write_to_vec()
@@ -1198,20 +1243,13 @@ impl Tool for Compose {
             &name,
         )?;
         let Addressed { to, cc, bcc, shown } = addressed(args, &name)?;
+        let subject = subject_arg(args, &name)?;
         let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
         let verb = match self.kind {
             ComposeKind::Send => "Send",
             ComposeKind::Draft => "Save as a draft (not sent)",
         };
-        let text = message_preview(
-            verb,
-            &from,
-            &shown,
-            args.get("subject")
-                .and_then(Value::as_str)
-                .unwrap_or_default(),
-            body,
-        );
+        let text = message_preview(verb, &from, &shown, subject, body);
         Ok(Preview {
             text,
             recipients: [to, cc, bcc].concat().into_iter().map(|m| m.addr).collect(),
@@ -1228,10 +1266,7 @@ impl Tool for Compose {
             &name,
         )?;
         let addressed = addressed(&args, &name)?;
-        let subject = args
-            .get("subject")
-            .and_then(Value::as_str)
-            .unwrap_or_default();
+        let subject = subject_arg(&args, &name)?;
         let body = args.get("body").and_then(Value::as_str).unwrap_or_default();
         let raw = raw(new_message(&from, &addressed, subject, body))?;
         let to: Vec<&str> = addressed.to.iter().map(|m| m.addr.as_str()).collect();
@@ -1447,18 +1482,23 @@ impl Reply {
                 detail: format!("email {id} has no sender to reply to"),
             });
         }
-        let original_subject = original.header("Subject").to_owned();
+        // The sender wrote these headers: on one line each, so none can end its header in the
+        // reply and start another (a hidden Bcc) that the approval never showed.
+        let original_subject = one_line(original.header("Subject"));
         let subject = if original_subject.to_ascii_lowercase().starts_with("re:") {
             original_subject.clone()
         } else {
             format!("Re: {original_subject}")
         };
-        let message_id = strip_angles(original.header("Message-ID")).to_owned();
-        let mut references: Vec<String> = original
-            .header("References")
-            .split_whitespace()
-            .map(|r| strip_angles(r).to_owned())
-            .collect();
+        // A Message-ID is one id: one that holds whitespace or a control character is none,
+        // and the reply goes without In-Reply-To (its threadId still keeps it in the thread).
+        let id_header = original.header("Message-ID").trim();
+        let message_id = if id_header.contains(|c: char| c.is_whitespace() || c.is_control()) {
+            String::new()
+        } else {
+            strip_angles(id_header).to_owned()
+        };
+        let mut references = message_ids(original.header("References"));
         if !message_id.is_empty() {
             references.push(message_id.clone());
         }
@@ -1469,7 +1509,7 @@ impl Reply {
             message_id,
             references,
             thread_id: original.thread_id.clone(),
-            original_from: original.header("From").to_owned(),
+            original_from: one_line(original.header("From")),
             original_subject,
         })
     }
@@ -1794,6 +1834,15 @@ mod tests {
         let (text, attachments) = readable_body(&mixed);
         assert_eq!(text, "plain wins");
         assert_eq!(attachments, ["invoice.pdf (application/pdf, 1 KB)"]);
+    }
+
+    #[test]
+    fn i3_ids_and_subjects_of_an_original_never_carry_a_line_break_into_a_reply() {
+        assert_eq!(
+            message_ids("<a@x.com>\r\nBcc: eve@evil.com <b@x.com>\u{0}<c@x.com>"),
+            ["a@x.com", "eve@evil.com", "b@x.com", "c@x.com"]
+        );
+        assert_eq!(one_line("Lunch\r\nBcc: e@x\u{85}\t!"), "Lunch  Bcc: e@x  !");
     }
 
     #[test]

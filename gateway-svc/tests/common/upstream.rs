@@ -25,7 +25,8 @@ pub(crate) enum Answer {
 /// The upstream: answers each request by its method and path, and remembers them.
 pub(crate) struct Upstream {
     pub(crate) base_url: String,
-    seen: Arc<Mutex<Vec<String>>>,
+    /// Each request as `METHOD path`, with its body.
+    seen: Arc<Mutex<Vec<(String, String)>>>,
 }
 
 impl Upstream {
@@ -38,10 +39,10 @@ impl Upstream {
             while let Ok((mut socket, _)) = listener.accept().await {
                 let log = log.clone();
                 tokio::spawn(async move {
-                    let Some((method, path)) = read_request(&mut socket).await else {
+                    let Some((method, path, body)) = read_request(&mut socket).await else {
                         return;
                     };
-                    log.lock().unwrap().push(format!("{method} {path}"));
+                    log.lock().unwrap().push((format!("{method} {path}"), body));
                     let response = match script(&method, &path) {
                         Answer::Status(status, body) => format!(
                             "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -68,13 +69,24 @@ impl Upstream {
             .lock()
             .unwrap()
             .iter()
-            .filter(|r| r.starts_with(request))
+            .filter(|(r, _)| r.starts_with(request))
             .count()
+    }
+
+    /// The bodies of the requests that start with `request` (`METHOD path`), in order.
+    pub(crate) fn bodies(&self, request: &str) -> Vec<String> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(r, _)| r.starts_with(request))
+            .map(|(_, body)| body.clone())
+            .collect()
     }
 }
 
-/// The method and path of one HTTP/1.1 request, read with its body.
-async fn read_request(socket: &mut tokio::net::TcpStream) -> Option<(String, String)> {
+/// The method, path and body of one HTTP/1.1 request.
+async fn read_request(socket: &mut tokio::net::TcpStream) -> Option<(String, String, String)> {
     let mut data = Vec::new();
     let mut buf = [0u8; 4096];
     let head_end = loop {
@@ -106,5 +118,6 @@ async fn read_request(socket: &mut tokio::net::TcpStream) -> Option<(String, Str
     let mut words = head.split_whitespace();
     let method = words.next()?.to_owned();
     let path = words.next()?.to_owned();
-    Some((method, path))
+    let body = String::from_utf8_lossy(&data[head_end..head_end + length]).into_owned();
+    Some((method, path, body))
 }
