@@ -16,6 +16,8 @@ use crate::{
 
 pub const DEFAULT_BASE_URL: &str = "https://www.googleapis.com";
 const SERVICE: &str = "Google Calendar";
+/// Pages of events.list one search may read (each one upstream call).
+const MAX_SEARCH_PAGES: usize = 3;
 
 #[derive(Debug, Clone)]
 pub struct CalendarApi {
@@ -390,31 +392,62 @@ impl Tool for Search {
         if let Some(q) = text_arg(&args, "query") {
             query.push(("q", q));
         }
-        ctx.charge(Integration::GoogleCalendar, &account, 1).await?;
-        let r = ctx
-            .send(Integration::GoogleCalendar, &account, |t| {
-                ctx.http().get(&url).query(&query).bearer_auth(t)
-            })
-            .await?;
-        if r.status == reqwest::StatusCode::NOT_FOUND {
-            return Err(ToolError::NotFound(format!(
-                "There is no calendar {calendar:?} in {account}."
-            )));
+        // Google may answer a page with fewer events than maxResults, even none, while more
+        // match (its nextPageToken says so): pages are followed, each charged as one call,
+        // until there are enough events, no token, or MAX_SEARCH_PAGES were read.
+        let wanted: usize = max.parse().unwrap_or(10);
+        let mut items = Vec::new();
+        let mut token: Option<String> = None;
+        let mut pages = 0;
+        loop {
+            let mut page_query = query.clone();
+            if let Some(t) = &token {
+                page_query.push(("pageToken", t.clone()));
+            }
+            ctx.charge(Integration::GoogleCalendar, &account, 1).await?;
+            let r = ctx
+                .send(Integration::GoogleCalendar, &account, |t| {
+                    ctx.http().get(&url).query(&page_query).bearer_auth(t)
+                })
+                .await?;
+            if r.status == reqwest::StatusCode::NOT_FOUND {
+                return Err(ToolError::NotFound(format!(
+                    "There is no calendar {calendar:?} in {account}."
+                )));
+            }
+            let page: Events = r.json(SERVICE)?;
+            pages += 1;
+            items.extend(page.items);
+            token = page.next_page_token.filter(|t| !t.is_empty());
+            if token.is_none() || items.len() >= wanted || pages >= MAX_SEARCH_PAGES {
+                break;
+            }
         }
-        let events: Events = r.json(SERVICE)?;
-        if events.items.is_empty() {
-            return Ok(ToolOutput::text(format!(
-                "No events in {account} between {time_min} and {time_max}.{left_out}"
-            )));
+        let cut = items.len() > wanted;
+        items.truncate(wanted);
+        // Never "no events" while Google says more exist: the listing stopped short.
+        let incomplete = token.is_some() && items.len() < wanted;
+        if items.is_empty() {
+            return Ok(ToolOutput::text(if incomplete {
+                format!(
+                    "The events in {account} between {time_min} and {time_max} could not be listed \
+                     completely: Google Calendar returned {pages} pages without events but said more \
+                     exist. Narrow the time range or the query, or try again.{left_out}"
+                )
+            } else {
+                format!("No events in {account} between {time_min} and {time_max}.{left_out}")
+            }));
         }
-        let lines: Vec<String> = events
-            .items
+        let lines: Vec<String> = items
             .iter()
             .enumerate()
             .map(|(i, e)| format!("{}. {}", i + 1, render(e)))
             .collect();
-        let more = match events.next_page_token.is_some_and(|t| !t.is_empty()) {
+        let more = match token.is_some() || cut {
             false => "",
+            true if incomplete => {
+                "\n(The listing is incomplete: Google Calendar has more pages than were read; narrow the time range to see the rest.)"
+            }
             true if max == "50" => {
                 "\n(More events match than the 50 shown; narrow the time range.)"
             }
@@ -424,7 +457,7 @@ impl Tool for Search {
         };
         Ok(ToolOutput::text(format!(
             "Events in {account} ({}):\n{}{more}{left_out}",
-            events.items.len(),
+            items.len(),
             lines.join("\n")
         )))
     }

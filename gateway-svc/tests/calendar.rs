@@ -1,0 +1,80 @@
+//! I-4: calendar_search reads what Google Calendar really has. A page may hold fewer events than
+//! asked for, even none, while its nextPageToken says more exist: the search follows it (each
+//! page one upstream call) and never answers "No events" while a token is left.
+//! The engine runs the real Calendar tools against a scripted upstream on a local socket.
+
+mod common;
+
+use common::upstream::{Answer, Upstream};
+use gateway_svc::{
+    domain::Integration,
+    engine::Engine,
+    integrations::calendar::{self, CalendarApi},
+    store::memory::MemoryStore,
+};
+use serde_json::json;
+
+const EVENTS: &str = "GET /calendar/v3/calendars/primary/events?";
+
+async fn engine(upstream: &Upstream) -> Engine {
+    let engine = common::engine(
+        &MemoryStore::stores(),
+        calendar::tools(CalendarApi {
+            base_url: upstream.base_url.clone(),
+        }),
+    );
+    common::connect(
+        &engine,
+        Integration::GoogleCalendar,
+        "alice@example.com",
+        "tok-alice",
+    )
+    .await;
+    engine
+}
+
+#[tokio::test]
+async fn i4_a_search_whose_first_page_is_empty_but_has_a_next_page_token_reads_the_next_page() {
+    let upstream = Upstream::start(|_, path| {
+        if path.contains("pageToken=p2") {
+            Answer::Status(
+                200,
+                r#"{"items":[{"id":"e1","summary":"Standup",
+                    "start":{"dateTime":"2026-11-25T09:00:00Z"},
+                    "end":{"dateTime":"2026-11-25T09:15:00Z"}}]}"#,
+            )
+        } else {
+            Answer::Status(200, r#"{"items":[],"nextPageToken":"p2"}"#)
+        }
+    })
+    .await;
+    let engine = engine(&upstream).await;
+    let found = common::call(&engine, "c1", "calendar_search", json!({}), "k1").await;
+    assert!(found.ok(), "{}", found.text);
+    assert!(
+        found.text.starts_with("Events in alice@example.com (1):"),
+        "{}",
+        found.text
+    );
+    assert!(found.text.contains("[e1] \"Standup\""), "{}", found.text);
+    assert_eq!(upstream.seen(EVENTS), 2);
+}
+
+#[tokio::test]
+async fn i4_a_search_that_only_gets_empty_pages_with_tokens_says_the_listing_is_incomplete_never_no_events()
+ {
+    let upstream =
+        Upstream::start(|_, _| Answer::Status(200, r#"{"items":[],"nextPageToken":"again"}"#))
+            .await;
+    let engine = engine(&upstream).await;
+    let found = common::call(&engine, "c1", "calendar_search", json!({}), "k1").await;
+    assert!(found.ok(), "{}", found.text);
+    assert!(!found.text.contains("No events"), "{}", found.text);
+    assert!(
+        found.text.contains("could not be listed completely"),
+        "{}",
+        found.text
+    );
+    // Bounded: three pages, each one call.
+    assert_eq!(upstream.seen(EVENTS), 3);
+}
