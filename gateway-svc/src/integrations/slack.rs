@@ -74,6 +74,30 @@ fn slack_body(team: &str, r: UpstreamResponse) -> Result<Value, ToolError> {
             service: SERVICE,
             retry_after: std::time::Duration::from_secs(30),
         },
+        // The token lacks a scope: no retry can help until the app is granted it.
+        "missing_scope" => ToolError::PermissionDenied {
+            service: SERVICE,
+            account: team.into(),
+            detail: match body
+                .get("needed")
+                .and_then(Value::as_str)
+                .filter(|n| is_scope_list(n))
+            {
+                Some(needed) => format!(
+                    "the Steward app lacks the Slack permission (scope) {needed}; ask the user \
+                     to reinstall the app to the workspace granting it"
+                ),
+                None => "the Steward app lacks a Slack permission (scope) this needs; ask the \
+                         user to reinstall the app to the workspace"
+                    .into(),
+            },
+        },
+        // Refusals of the request as it is: sent again unchanged, each fails the same way.
+        code if REJECTED.contains(&code) => ToolError::UpstreamRejected {
+            service: SERVICE,
+            status: 200,
+            reason: format!(", {code}"),
+        },
         // Slack's error codes are machine words; anything else it sent is not repeated.
         _ => ToolError::Upstream {
             service: SERVICE,
@@ -87,6 +111,41 @@ fn slack_body(team: &str, r: UpstreamResponse) -> Result<Value, ToolError> {
             },
         },
     })
+}
+
+/// Slack's `ok: false` codes that no retry fixes: the request, the token's type or the
+/// workspace's policy refuses it. (Revoked or missing credentials are answered as such.)
+const REJECTED: &[&str] = &[
+    "invalid_arguments",
+    "invalid_arg_name",
+    "invalid_array_arg",
+    "invalid_cursor",
+    "invalid_limit",
+    "invalid_types",
+    "invalid_ts_latest",
+    "invalid_ts_oldest",
+    "invalid_charset",
+    "invalid_form_data",
+    "invalid_post_type",
+    "missing_post_type",
+    "not_allowed_token_type",
+    "access_denied",
+    "no_permission",
+    "team_access_not_granted",
+    "ekm_access_denied",
+    "method_deprecated",
+    "deprecated_endpoint",
+    "two_factor_setup_required",
+];
+
+/// `needed` as Slack sends it: scope names (`groups:read`, `channels:history`), comma
+/// separated; anything else is not repeated to the model.
+fn is_scope_list(needed: &str) -> bool {
+    !needed.is_empty()
+        && needed.len() <= 200
+        && needed
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b':' | b'.' | b'_' | b',' | b'-'))
 }
 
 pub fn tools(api: SlackApi) -> Vec<Arc<dyn Tool>> {

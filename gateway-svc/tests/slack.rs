@@ -1,0 +1,77 @@
+//! I-5, G-4: Slack answers most failures with HTTP 200 and `{"ok": false, "error": code}`. A
+//! code no retry can fix is never worded as "may work if tried again later": a missing scope
+//! is a permission error naming the scope, a refused request is rejected with its code.
+//! The engine runs the real Slack tools against a scripted upstream on a local socket.
+
+mod common;
+
+use common::upstream::{Answer, Upstream};
+use gateway_svc::{
+    domain::{ErrorKind, Integration},
+    engine::Engine,
+    integrations::slack::{self, SlackApi},
+    store::memory::MemoryStore,
+};
+use serde_json::json;
+
+async fn engine(upstream: &Upstream) -> Engine {
+    let engine = common::engine(
+        &MemoryStore::stores(),
+        slack::tools(SlackApi {
+            base_url: upstream.base_url.clone(),
+        }),
+    );
+    common::connect(&engine, Integration::Slack, "T123", "tok").await;
+    engine
+}
+
+#[tokio::test]
+async fn i5_a_missing_scope_is_a_permission_error_naming_the_scope_without_retry_advice() {
+    let upstream = Upstream::start(|_, _| {
+        Answer::Status(
+            200,
+            r#"{"ok":false,"error":"missing_scope","needed":"groups:read","provided":"channels:read"}"#,
+        )
+    })
+    .await;
+    let engine = engine(&upstream).await;
+    let refused = common::call(&engine, "c1", "slack_channels", json!({}), "k1").await;
+    assert_eq!(refused.error_kind, Some(ErrorKind::PermissionDenied));
+    assert!(refused.text.contains("groups:read"), "{}", refused.text);
+    assert!(
+        !refused.text.contains("tried again later"),
+        "{}",
+        refused.text
+    );
+}
+
+#[tokio::test]
+async fn i5_a_slack_code_no_retry_can_fix_is_a_rejection_with_its_code_and_no_retry_advice() {
+    let upstream = Upstream::start(|_, _| {
+        Answer::Status(200, r#"{"ok":false,"error":"not_allowed_token_type"}"#)
+    })
+    .await;
+    let engine = engine(&upstream).await;
+    let refused = common::call(
+        &engine,
+        "c1",
+        "slack_read",
+        json!({"channel": "C024BE91L"}),
+        "k1",
+    )
+    .await;
+    assert_eq!(refused.error_kind, Some(ErrorKind::UpstreamError));
+    assert!(
+        refused.text.starts_with(
+            "Slack rejected the request (HTTP 200, not_allowed_token_type). Sending it again \
+             unchanged will fail the same way"
+        ),
+        "{}",
+        refused.text
+    );
+    assert!(
+        !refused.text.contains("tried again later"),
+        "{}",
+        refused.text
+    );
+}
