@@ -281,6 +281,58 @@ pub(super) fn history_tool() -> crate::llm::ToolDecl {
     }
 }
 
+/// A call of one of the agent's own tools whose arguments break its schema (E-9): told to
+/// the model, which can call again. The gateway checks its own tools; these run here.
+fn invalid(tool: &str, why: String) -> ToolOutcome {
+    ToolOutcome {
+        ok: false,
+        text: format!("Your arguments for {tool} {why}. Call {tool} again with them fixed."),
+        error_kind: "INVALID_ARGUMENTS".into(),
+        truncated: false,
+        external: false,
+    }
+}
+
+/// `args` has only the members `known` names.
+fn only_known(tool: &str, args: &serde_json::Value, known: &[&str]) -> Result<(), ToolOutcome> {
+    match args
+        .as_object()
+        .and_then(|o| o.keys().find(|k| !known.contains(&k.as_str())))
+    {
+        Some(k) => Err(invalid(
+            tool,
+            format!("have a member {k:?} it does not take (it takes {known:?})"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The text member `name` of `args`: present, not blank, at most `max` characters.
+fn text_arg<'a>(
+    tool: &str,
+    args: &'a serde_json::Value,
+    name: &str,
+    max: usize,
+) -> Result<&'a str, ToolOutcome> {
+    let text = match args.get(name) {
+        None => return Err(invalid(tool, format!("lack {name:?}, which is required"))),
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| invalid(tool, format!("give {name:?} as something other than text")))?,
+    };
+    if text.trim().is_empty() {
+        return Err(invalid(tool, format!("give {name:?} blank")));
+    }
+    let chars = text.chars().count();
+    if chars > max {
+        return Err(invalid(
+            tool,
+            format!("give {name:?} as {chars} characters; at most {max} are taken"),
+        ));
+    }
+    Ok(text)
+}
+
 async fn enqueue_task_agent(
     store: &SharedStore,
     user: &str,
@@ -289,18 +341,22 @@ async fn enqueue_task_agent(
     max_queued: u32,
     time_zone: Option<&str>,
 ) -> ToolOutcome {
-    let field = |k: &str| {
-        args.get(k)
-            .and_then(serde_json::Value::as_str)
-            .unwrap_or_default()
-            .to_owned()
+    let checked = only_known(TASK_AGENT_TOOL, args, &["instructions", "goal"]).and_then(|()| {
+        Ok((
+            text_arg(TASK_AGENT_TOOL, args, "instructions", 4000)?,
+            text_arg(TASK_AGENT_TOOL, args, "goal", 500)?,
+        ))
+    });
+    let (instructions, goal) = match checked {
+        Ok(fields) => fields,
+        Err(refused) => return refused,
     };
     let task = TaskAgent {
         id: uuid::Uuid::new_v4().to_string(),
         owner: user.to_owned(),
         parent_thread_id: thread_id.to_owned(),
-        instructions: field("instructions"),
-        goal: field("goal"),
+        instructions: instructions.to_owned(),
+        goal: goal.to_owned(),
         state: "queued".into(),
         attempts: 0,
         last_error: None,
@@ -362,14 +418,30 @@ fn store_failed(what: &str, e: &StoreError) -> ToolOutcome {
 pub const HISTORY_TOOL: &str = "search_agent_history";
 
 async fn search_history(store: &SharedStore, user: &str, args: &serde_json::Value) -> ToolOutcome {
-    let query = args
-        .get("query")
-        .and_then(serde_json::Value::as_str)
-        .unwrap_or_default();
-    let since = args
-        .get("timeframe_days")
-        .and_then(serde_json::Value::as_u64)
-        .and_then(|d| SystemTime::now().checked_sub(Duration::from_secs(d * 86_400)));
+    let checked = only_known(HISTORY_TOOL, args, &["query", "timeframe_days"])
+        .and_then(|()| text_arg(HISTORY_TOOL, args, "query", 300));
+    let query = match checked {
+        Ok(query) => query,
+        Err(refused) => return refused,
+    };
+    let days = match args.get("timeframe_days") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => match v
+            .as_f64()
+            .filter(|d| d.fract() == 0.0 && (1.0..=3650.0).contains(d))
+        {
+            Some(d) => Some(d as u64),
+            None => {
+                return invalid(
+                    HISTORY_TOOL,
+                    format!(
+                        "give \"timeframe_days\" as {v}; give a whole number of days from 1 to 3650"
+                    ),
+                );
+            }
+        },
+    };
+    let since = days.and_then(|d| SystemTime::now().checked_sub(Duration::from_secs(d * 86_400)));
     match store.search_archives(user, query, 5).await {
         Ok(hits) => {
             let hits: Vec<_> = hits
@@ -432,5 +504,88 @@ impl ToolRunner for NoTools {
                 external: false,
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::store::memory::MemoryStore;
+
+    fn store() -> SharedStore {
+        Arc::new(MemoryStore::new())
+    }
+
+    #[tokio::test]
+    async fn e9_a_task_agent_without_instructions_or_goal_is_refused_and_none_is_queued() {
+        let store = store();
+        for (args, says) in [
+            (json!({}), "lack \"instructions\""),
+            (
+                json!({"instructions": "  ", "goal": "g"}),
+                "\"instructions\" blank",
+            ),
+            (
+                json!({"instructions": "do it", "goal": 7}),
+                "\"goal\" as something other than text",
+            ),
+            (
+                json!({"instructions": "x".repeat(4001), "goal": "g"}),
+                "4001 characters; at most 4000",
+            ),
+            (
+                json!({"instructions": "i", "goal": "g", "priority": 1}),
+                "member \"priority\"",
+            ),
+        ] {
+            let out = enqueue_task_agent(&store, "alice", "t1", &args, 5, None).await;
+            assert!(!out.ok, "{args}");
+            assert_eq!(out.error_kind, "INVALID_ARGUMENTS");
+            assert!(out.text.contains(says), "{}: {}", args, out.text);
+            assert!(
+                out.text.contains("Call create_task_agent again"),
+                "{}",
+                out.text
+            );
+        }
+        let queued = store
+            .claim_task_agent("w", Duration::from_secs(60), 5)
+            .await
+            .unwrap();
+        assert!(queued.is_none(), "{queued:?}");
+        let out = enqueue_task_agent(
+            &store,
+            "alice",
+            "t1",
+            &json!({"instructions": "read the inbox", "goal": "a digest"}),
+            5,
+            None,
+        )
+        .await;
+        assert!(out.ok, "{}", out.text);
+    }
+
+    #[tokio::test]
+    async fn e9_a_history_search_over_an_impossible_timeframe_is_refused_not_overflowed() {
+        let store = store();
+        for days in [json!(1e15), json!(0), json!(-3), json!(2.5), json!("7")] {
+            let args = json!({"query": "budget", "timeframe_days": days});
+            let out = search_history(&store, "alice", &args).await;
+            assert_eq!(out.error_kind, "INVALID_ARGUMENTS", "{days}: {}", out.text);
+            assert!(out.text.contains("from 1 to 3650"), "{}", out.text);
+        }
+        let out = search_history(&store, "alice", &json!({"query": ""})).await;
+        assert!(out.text.contains("\"query\" blank"), "{}", out.text);
+        let out = search_history(
+            &store,
+            "alice",
+            &json!({"query": "budget", "timeframe_days": 30}),
+        )
+        .await;
+        assert!(out.ok, "{}", out.text);
     }
 }
