@@ -7,6 +7,25 @@ use crate::{
     store::{LockOutcome, RunUsage},
 };
 
+/// How much of a session's transcript its summary model reads: the opening (who, what was
+/// asked) and the end (what was decided, what is still open), which a long session's first
+/// 20,000 characters alone would leave out.
+const SUMMARY_HEAD_CHARS: usize = 4_000;
+const SUMMARY_TAIL_CHARS: usize = 16_000;
+
+fn summarised_part(transcript: &str) -> String {
+    let chars = transcript.chars().count();
+    if chars <= SUMMARY_HEAD_CHARS + SUMMARY_TAIL_CHARS {
+        return transcript.to_owned();
+    }
+    let head: String = transcript.chars().take(SUMMARY_HEAD_CHARS).collect();
+    let tail: String = transcript
+        .chars()
+        .skip(chars - SUMMARY_TAIL_CHARS)
+        .collect();
+    format!("{head}\n[... the middle of the session is left out ...]\n{tail}")
+}
+
 impl RunService {
     /// Archives the thread's LLM history with a 2–3 sentence summary (B-4). Race-safe: the store
     /// moves the history in one transaction, so of two sweeps only one archives. Failures are
@@ -55,9 +74,7 @@ impl RunService {
             })
             .collect();
         if let Some(entry) = &self.summary_model {
-            let turns = [Turn::User(
-                transcript.join("\n").chars().take(20_000).collect(),
-            )];
+            let turns = [Turn::User(summarised_part(&transcript.join("\n")))];
             let request = ModelRequest {
                 model: &entry.model,
                 system: "Summarise this conversation in 2-3 sentences for your future self: who, what was decided, what is still open.",
@@ -698,4 +715,24 @@ pub(super) fn retry_backoff(error: &str, attempts: u32) -> Option<Duration> {
             .saturating_mul(1 << attempts.saturating_sub(1).min(10))
             .mul_f64(1.0 + rand::random::<f64>() * 0.25)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn b4_a_long_sessions_summary_reads_its_opening_and_its_end() {
+        let short = "User: hi\nAssistant: hello";
+        assert_eq!(summarised_part(short), short);
+        let long = format!(
+            "User: I'm Dana from finance.\n{}\nUser: so we settle on Friday, and the venue is still open",
+            "Assistant: noted.\n".repeat(5_000)
+        );
+        let part = summarised_part(&long);
+        assert!(part.starts_with("User: I'm Dana from finance."));
+        assert!(part.ends_with("the venue is still open"));
+        assert!(part.contains("[... the middle of the session is left out ...]"));
+        assert!(part.chars().count() < SUMMARY_HEAD_CHARS + SUMMARY_TAIL_CHARS + 100);
+    }
 }
