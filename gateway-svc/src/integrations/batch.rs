@@ -25,6 +25,8 @@ pub fn encode(paths: &[String], boundary: &str) -> (String, String) {
 pub struct PartResponse {
     pub status: u16,
     pub body: String,
+    /// Its own `Retry-After` (seconds or an HTTP date), when it has a readable one.
+    pub retry_after: Option<std::time::Duration>,
 }
 
 /// Parses a batch response into the embedded responses by request index (from Content-ID
@@ -67,12 +69,19 @@ pub fn decode(content_type: &str, body: &str) -> Result<HashMap<usize, PartRespo
             .next()
             .and_then(|line| line.split_whitespace().nth(1))
             .and_then(|code| code.parse().ok());
+        let retry_after = http_head.lines().skip(1).find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.trim()
+                .eq_ignore_ascii_case("retry-after")
+                .then(|| svc_kit::retry_after::parse(value))?
+        });
         if let Some(status) = status {
             out.insert(
                 index,
                 PartResponse {
                     status,
                     body: http_body.trim_end().to_owned(),
+                    retry_after,
                 },
             );
         }
@@ -104,7 +113,7 @@ mod tests {
     #[test]
     fn responses_are_mapped_back_by_content_id_and_a_failed_part_stands_alone() {
         let body = "--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-1>\r\n\r\n\
-HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\n\r\n{\"error\":{}}\r\n\
+HTTP/1.1 429 Too Many Requests\r\nRetry-After: 17\r\nContent-Type: application/json\r\n\r\n{\"error\":{}}\r\n\
 --batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-0>\r\n\r\n\
 HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{\"id\":\"a\"}\r\n--batch_x--\r\n";
         let parts = decode("multipart/mixed; boundary=batch_x", body).unwrap();
@@ -112,10 +121,15 @@ HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{\"id\":
             parts[&0],
             PartResponse {
                 status: 200,
-                body: "{\"id\":\"a\"}".into()
+                body: "{\"id\":\"a\"}".into(),
+                retry_after: None,
             }
         );
-        assert_eq!(parts[&1].status, 404);
+        assert_eq!(parts[&1].status, 429);
+        assert_eq!(
+            parts[&1].retry_after,
+            Some(std::time::Duration::from_secs(17))
+        );
     }
 
     #[test]

@@ -64,6 +64,9 @@ struct Found {
     cut: Option<Cut>,
     /// Gmail said more messages match than were asked for (and nothing was cut).
     more: bool,
+    /// How many messages Gmail's batch answer rate-limited (429), and the longest wait it
+    /// asked for.
+    limited: Option<(usize, Duration)>,
 }
 
 /// Why a search asked Gmail for fewer messages than wanted.
@@ -274,6 +277,7 @@ impl GmailApi {
                 messages: Vec::new(),
                 cut,
                 more,
+                limited: None,
             });
         }
         let paths = ids
@@ -314,12 +318,29 @@ impl GmailApi {
                 service: SERVICE,
                 detail,
             })?;
+        // A part Gmail rate-limited is a limit to wait out, not a message that failed: said
+        // as such, with when to try again; every part limited is the search's own 429 (G-7).
+        let waits: Vec<Duration> = (0..ids.len())
+            .filter_map(|i| parts.get(&i))
+            .filter(|p| p.status == 429)
+            .map(|p| p.retry_after.unwrap_or(Duration::from_secs(30)))
+            .collect();
+        let wait = waits.iter().max().copied().unwrap_or_default();
+        if waits.len() == ids.len() {
+            return Err(ToolError::UpstreamRateLimited {
+                service: SERVICE,
+                retry_after: wait,
+            });
+        }
         let messages = ids
             .iter()
             .enumerate()
             .map(|(i, id)| match parts.get(&i) {
                 Some(p) if p.status == 200 => serde_json::from_str::<Message>(&p.body)
                     .map_err(|_| format!("[{id}] (unreadable)")),
+                Some(p) if p.status == 429 => {
+                    Err(format!("[{id}] (not fetched: Gmail rate-limited it)"))
+                }
                 Some(p) => Err(format!("[{id}] (could not be fetched: HTTP {})", p.status)),
                 None => Err(format!("[{id}] (missing from Gmail's batch answer)")),
             })
@@ -328,6 +349,7 @@ impl GmailApi {
             messages,
             cut,
             more,
+            limited: (!waits.is_empty()).then_some((waits.len(), wait)),
         })
     }
 
@@ -555,6 +577,7 @@ impl Tool for SearchGmail {
                     messages,
                     cut,
                     more,
+                    limited,
                 }) => {
                     for (i, m) in messages.iter().enumerate() {
                         match m {
@@ -578,6 +601,13 @@ impl Tool for SearchGmail {
                             }
                             Err(note) => section.push_str(&format!("\n{}. {note}", i + 1)),
                         }
+                    }
+                    if let Some((count, wait)) = limited {
+                        section.push_str(&format!(
+                            "\n({count} of these could not be fetched because Gmail rate-limited \
+                             them; try again in {} seconds to see them.)",
+                            wait.as_secs().max(1)
+                        ));
                     }
                     if let Some(cut) = cut {
                         section.push('\n');

@@ -13,6 +13,8 @@ use tokio::{
 pub(crate) enum Answer {
     /// Answers with this status and body.
     Status(u16, &'static str),
+    /// Answers with this status, content type and body.
+    Typed(u16, &'static str, &'static str),
     /// Reads the request whole, then closes the connection without a word.
     Hangup,
     /// Answers with this redirect status, pointing at this path.
@@ -46,6 +48,10 @@ impl Upstream {
                     let response = match script(&method, &path) {
                         Answer::Status(status, body) => format!(
                             "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                            body.len()
+                        ),
+                        Answer::Typed(status, content_type, body) => format!(
+                            "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                             body.len()
                         ),
                         Answer::Redirect(status, to) => format!(

@@ -1,0 +1,101 @@
+//! G-7, I-1: a message Gmail rate-limits inside its batch answer (a part answered 429) is a
+//! limit to wait out, never a message that "could not be fetched" in a successful result:
+//! every part limited is the search's own rate-limit error with when to try again; some
+//! limited are said so in the result, with when to try again.
+//! The engine runs the real Gmail tools against a scripted upstream on a local socket.
+
+mod common;
+
+use common::upstream::{Answer, Upstream};
+use gateway_svc::{
+    domain::{ErrorKind, Integration},
+    engine::Engine,
+    integrations::gmail::{self, GmailApi},
+    store::memory::MemoryStore,
+};
+use serde_json::json;
+
+const BATCH: &str = "multipart/mixed; boundary=batch_x";
+const LIST: &str = r#"{"messages":[{"id":"a"},{"id":"b"}]}"#;
+
+/// Both parts of the batch answered 429, asking for 9 and 17 seconds: the longer is the wait.
+fn all_limited(method: &str, _path: &str) -> Answer {
+    match method {
+        "GET" => Answer::Status(200, LIST),
+        _ => Answer::Typed(
+            200,
+            BATCH,
+            "--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-0>\r\n\r\n\
+HTTP/1.1 429 Too Many Requests\r\nRetry-After: 9\r\nContent-Type: application/json\r\n\r\n{\"error\":{}}\r\n\
+--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-1>\r\n\r\n\
+HTTP/1.1 429 Too Many Requests\r\nRetry-After: 17\r\nContent-Type: application/json\r\n\r\n{\"error\":{}}\r\n\
+--batch_x--\r\n",
+        ),
+    }
+}
+
+/// The first part fetched, the second answered 429 asking for 12 seconds.
+fn one_limited(method: &str, _path: &str) -> Answer {
+    match method {
+        "GET" => Answer::Status(200, LIST),
+        _ => Answer::Typed(
+            200,
+            BATCH,
+            "--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-0>\r\n\r\n\
+HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n\
+{\"id\":\"a\",\"threadId\":\"t\",\"payload\":{\"headers\":[{\"name\":\"Subject\",\"value\":\"Hello\"}]}}\r\n\
+--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-1>\r\n\r\n\
+HTTP/1.1 429 Too Many Requests\r\nRetry-After: 12\r\nContent-Type: application/json\r\n\r\n{\"error\":{}}\r\n\
+--batch_x--\r\n",
+        ),
+    }
+}
+
+async fn engine(upstream: &Upstream) -> Engine {
+    let engine = common::engine(
+        &MemoryStore::stores(),
+        gmail::tools(GmailApi {
+            base_url: upstream.base_url.clone(),
+        }),
+    );
+    common::connect(&engine, Integration::Gmail, "alice@example.com", "tok").await;
+    engine
+}
+
+#[tokio::test]
+async fn g7_a_search_whose_every_batch_part_is_rate_limited_is_a_rate_limit_error_with_when_to_retry()
+ {
+    let upstream = Upstream::start(all_limited).await;
+    let engine = engine(&upstream).await;
+    let found = common::call(&engine, "c1", "search_gmail", json!({}), "k1").await;
+    assert!(!found.ok(), "{}", found.text);
+    assert_eq!(found.error_kind, Some(ErrorKind::RateLimited));
+    assert_eq!(
+        found.text,
+        "Gmail is rate limiting requests. Try again in 17 seconds."
+    );
+}
+
+#[tokio::test]
+async fn g7_a_search_with_some_batch_parts_rate_limited_says_which_could_not_be_fetched_and_when_to_retry()
+ {
+    let upstream = Upstream::start(one_limited).await;
+    let engine = engine(&upstream).await;
+    let found = common::call(&engine, "c1", "search_gmail", json!({}), "k1").await;
+    assert!(found.ok(), "{}", found.text);
+    assert!(found.text.contains("1. [a] \"Hello\""), "{}", found.text);
+    assert!(
+        found
+            .text
+            .contains("2. [b] (not fetched: Gmail rate-limited it)"),
+        "{}",
+        found.text
+    );
+    assert!(
+        found.text.contains(
+            "(1 of these could not be fetched because Gmail rate-limited them; try again in 12 seconds"
+        ),
+        "{}",
+        found.text
+    );
+}
