@@ -657,15 +657,16 @@ pub fn readable_body(payload: &Part) -> (String, Vec<String>) {
     let mut html = Vec::new();
     let mut attachments = Vec::new();
     walk(payload, &mut plain, &mut html, &mut attachments);
+    // A blank text/plain alternative (some senders put only whitespace there) says nothing:
+    // it is skipped, and with no plain text left the HTML is read instead.
+    plain.retain(|p| !p.trim().is_empty());
     let text = if !plain.is_empty() {
         plain.join("\n\n")
-    } else if !html.is_empty() {
+    } else {
         html.iter()
             .map(|h| nanohtml2text::html2text(h))
             .collect::<Vec<_>>()
             .join("\n\n")
-    } else {
-        String::new()
     };
     (text.trim().to_owned(), attachments)
 }
@@ -1873,6 +1874,27 @@ mod tests {
             ["a@x.com", "eve@evil.com", "b@x.com", "c@x.com"]
         );
         assert_eq!(one_line("Lunch\r\nBcc: e@x\u{85}\t!"), "Lunch  Bcc: e@x  !");
+    }
+
+    #[test]
+    fn i2_a_blank_plain_text_alternative_does_not_hide_the_html_body() {
+        let alternative = |plain: &[u8]| Part {
+            mime_type: "multipart/alternative".into(),
+            parts: vec![
+                part("text/plain", "utf-8", plain),
+                part("text/html", "utf-8", b"<p>The real <b>content</b></p>"),
+            ],
+            ..Part::default()
+        };
+        for blank in [&b""[..], b"\r\n", b"  \n\t "] {
+            let (text, _) = readable_body(&alternative(blank));
+            assert!(
+                text.contains("The real") && text.contains("content"),
+                "{text:?}"
+            );
+        }
+        // A plain part with words still wins.
+        assert_eq!(readable_body(&alternative(b"plain words")).0, "plain words");
     }
 
     #[test]
