@@ -20,7 +20,8 @@ use serde_json::{Value, json};
 
 const SEND: &str = "POST /gmail/v1/users/me/messages/send";
 
-/// Gmail with four originals: `zw` from an address holding a zero-width space, `cc` from a
+/// Gmail with five originals (`own`, sent by the account itself to Bob, copied to Carol, is
+/// the fifth): `zw` from an address holding a zero-width space, `cc` from a
 /// plain sender but copied to an address holding a right-to-left override, `name` from a
 /// plain address whose display name holds that override, and `crlf` whose Subject, Message-ID
 /// and References hold a CRLF and a header after it. A send or a draft is accepted.
@@ -53,6 +54,14 @@ fn gmail(method: &str, path: &str) -> Answer {
                 {"name":"Subject","value":"Lunch\r\nBcc: eve@evil.com"},
                 {"name":"Message-ID","value":"<m1@example.com>\r\nBcc: eve@evil.com"},
                 {"name":"References","value":"<m0@example.com>\r\nCc: eve@evil.com"}]}}"#,
+        ),
+        "GET" if message("own") => Answer::Status(
+            200,
+            r#"{"id":"own","threadId":"t5","payload":{"headers":[
+                {"name":"From","value":"Alice <alice@example.com>"},
+                {"name":"To","value":"Bob <bob@example.com>"},
+                {"name":"Cc","value":"carol@example.com, alice@example.com"},
+                {"name":"Subject","value":"Plan"}]}}"#,
         ),
         "POST" => Answer::Status(200, r#"{"id":"s1"}"#),
         _ => Answer::Status(404, "{}"),
@@ -248,4 +257,33 @@ async fn i3_a_reply_to_an_email_whose_subject_and_ids_hold_crlf_adds_no_header_l
     assert!(!names.iter().any(|n| n == "in-reply-to"), "{head}");
     let sent: Value = serde_json::from_str(&bodies[0]).unwrap();
     assert_eq!(sent["threadId"], "t4");
+}
+
+#[tokio::test]
+async fn i3_a_reply_to_an_email_the_account_sent_goes_to_its_recipients_as_gmail_does() {
+    let upstream = Upstream::start(gmail).await;
+    let engine = engine(&upstream).await;
+    let sent = common::call(&engine, "c1", "gmail_reply", reply("own", false), "k1").await;
+    assert!(sent.ok(), "{}", sent.text);
+    assert!(
+        sent.text.contains(" to bob@example.com in thread t5"),
+        "{}",
+        sent.text
+    );
+    let all = common::call(&engine, "c2", "gmail_reply", reply("own", true), "k2").await;
+    assert!(all.ok(), "{}", all.text);
+    assert!(
+        all.text
+            .contains(" to bob@example.com, carol@example.com in thread t5"),
+        "{}",
+        all.text
+    );
+    let bodies = upstream.bodies(SEND);
+    assert_eq!(bodies.len(), 2);
+    assert!(sent_headers(&bodies[0]).contains("\r\nTo: <bob@example.com>\r\n"));
+    let head = sent_headers(&bodies[1]);
+    assert!(
+        head.contains("\r\nTo: <bob@example.com>, <carol@example.com>\r\n"),
+        "{head}"
+    );
 }

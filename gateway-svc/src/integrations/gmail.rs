@@ -1475,10 +1475,17 @@ impl Reply {
             self.0.get_message(ctx, &from, &id).await?.ok_or_else(|| {
                 ToolError::NotFound(format!("I couldn't find email {id} in {from}."))
             })?;
-        let reply_to = if original.header("Reply-To").is_empty() {
-            ("From", original.header("From"))
-        } else {
+        // An email the account sent itself is answered as Gmail does: to its To (and Cc with
+        // reply_all), not back to the account.
+        let sent_by_account = addresses(original.header("From"))
+            .iter()
+            .any(|a| a.eq_ignore_ascii_case(&from));
+        let reply_to = if !original.header("Reply-To").is_empty() {
             ("Reply-To", original.header("Reply-To"))
+        } else if sent_by_account {
+            ("To", original.header("To"))
+        } else {
+            ("From", original.header("From"))
         };
         let mut to: Vec<String> = Vec::new();
         let mut add = |a: &str| {
@@ -1493,24 +1500,32 @@ impl Reply {
             .get("reply_all")
             .and_then(Value::as_bool)
             .unwrap_or(false);
-        let mut fields = vec![reply_to];
+        // Each header with whether only reply_all reads it.
+        let mut fields = vec![(reply_to.0, reply_to.1, false)];
         if reply_all {
-            fields.extend(["To", "Cc"].map(|f| (f, original.header(f))));
+            fields.extend(["To", "Cc"].map(|f| (f, original.header(f), true)));
         }
-        for (field, value) in fields {
+        for (field, value, to_all) in fields {
             for a in addresses(value) {
                 // Someone else wrote these headers: an address that could end its mailbox or
                 // start a header of its own, or that holds a character an approver cannot see
                 // (Unicode Cf), is refused, never written into the reply. (Display names are
                 // not: the reply goes to bare addresses, and previews flatten names.)
-                addr_spec(a).map_err(|why| unrepliable(&id, field, a, why))?;
+                addr_spec(a).map_err(|why| unrepliable(&id, field, to_all, a, why))?;
                 add(a);
             }
         }
         if to.is_empty() {
             return Err(ToolError::InvalidArguments {
                 tool: "gmail_reply".into(),
-                detail: format!("email {id} has no sender to reply to"),
+                detail: if sent_by_account {
+                    format!(
+                        "email {id} was sent by {from} to no one else, so there is no one to \
+                         reply to; send with gmail_send, giving the recipients explicitly"
+                    )
+                } else {
+                    format!("email {id} has no sender to reply to")
+                },
             });
         }
         // The sender wrote these headers: on one line each, so none can end its header in the
@@ -1546,12 +1561,13 @@ impl Reply {
     }
 }
 
-/// Why a reply cannot go to the address `entry` found in the original's `field` header, and
-/// what the model can do instead: the call's arguments are not at fault, so the same call would
-/// fail the same way. The entry is shown escaped and clipped: someone else wrote it.
-fn unrepliable(id: &str, field: &str, entry: &str, why: &str) -> ToolError {
+/// Why a reply cannot go to the address `entry` found in the original's `field` header (read
+/// only because of reply_all when `to_all`), and what the model can do instead: the call's
+/// arguments are not at fault, so the same call would fail the same way. The entry is shown
+/// escaped and clipped: someone else wrote it.
+fn unrepliable(id: &str, field: &str, to_all: bool, entry: &str, why: &str) -> ToolError {
     let entry = crate::registry::clip(&format!("{entry:?}"), 120);
-    let instead = if matches!(field, "To" | "Cc") {
+    let instead = if to_all {
         "gmail_reply cannot reply to all. Reply without reply_all to answer the sender only, or \
          send with gmail_send, giving the recipients explicitly"
     } else {
