@@ -1,13 +1,14 @@
 //! I-4: calendar_search reads what Google Calendar really has. A page may hold fewer events than
 //! asked for, even none, while its nextPageToken says more exist: the search follows it (each
-//! page one upstream call) and never answers "No events" while a token is left.
+//! page one upstream call) and never answers "No events" while a token is left. An update that
+//! would change nothing is refused, never sent as an empty PATCH and reported as done.
 //! The engine runs the real Calendar tools against a scripted upstream on a local socket.
 
 mod common;
 
 use common::upstream::{Answer, Upstream};
 use gateway_svc::{
-    domain::Integration,
+    domain::{ErrorKind, Integration},
     engine::Engine,
     integrations::calendar::{self, CalendarApi},
     store::memory::MemoryStore,
@@ -77,4 +78,32 @@ async fn i4_a_search_that_only_gets_empty_pages_with_tokens_says_the_listing_is_
     );
     // Bounded: three pages, each one call.
     assert_eq!(upstream.seen(EVENTS), 3);
+}
+
+#[tokio::test]
+async fn i4_an_update_giving_only_a_time_zone_or_calendar_is_refused_and_sends_nothing() {
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"id":"e1"}"#)).await;
+    let engine = engine(&upstream).await;
+    for args in [
+        json!({"event_id": "e1", "time_zone": "Europe/Berlin"}),
+        json!({"event_id": "e1", "calendar_id": "primary"}),
+        json!({"event_id": "e1", "time_zone": "UTC", "calendar_id": "primary", "summary": " "}),
+    ] {
+        let refused = common::call(&engine, "c1", "calendar_event_update", args, "k1").await;
+        assert_eq!(refused.error_kind, Some(ErrorKind::InvalidArguments));
+        assert!(
+            refused.text.contains(
+                "nothing to change: give at least one of summary, start and end, description, \
+                 location or attendees"
+            ),
+            "{}",
+            refused.text
+        );
+    }
+    assert_eq!(upstream.seen("PATCH"), 0);
+    assert_eq!(upstream.seen("GET"), 0);
+    let renamed = json!({"event_id": "e1", "summary": "Standup"});
+    let updated = common::call(&engine, "c2", "calendar_event_update", renamed, "k2").await;
+    assert!(updated.ok(), "{}", updated.text);
+    assert_eq!(upstream.seen("PATCH"), 1);
 }

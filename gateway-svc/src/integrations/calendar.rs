@@ -497,6 +497,7 @@ impl Tool for Write {
         if !self.update {
             return Ok(create_preview(args));
         }
+        changes_something(args)?;
         let account = account(ctx, args, "calendar_event_update").await?;
         let current = self.current(ctx, &account, args).await?;
         Ok(update_preview(&account, &current, args))
@@ -508,6 +509,9 @@ impl Tool for Write {
         } else {
             "calendar_event_create"
         };
+        if self.update {
+            changes_something(&args)?;
+        }
         let account = account(ctx, &args, tool).await?;
         let zone = zone_arg(&args, tool)?;
         let tz = zone.as_ref().map(|(_, tz)| tz);
@@ -580,6 +584,36 @@ impl Tool for Write {
             render(&event)
         )))
     }
+}
+
+/// The fields an update can change: with none of them given its PATCH would be empty, so
+/// it would change nothing while reporting "Updated".
+const CHANGEABLE: [&str; 6] = [
+    "summary",
+    "start",
+    "end",
+    "description",
+    "location",
+    "attendees",
+];
+
+/// Refuses an update that gives only where the event is (`calendar_id`, `account`) or how its
+/// times are read (`time_zone`): it would change nothing.
+fn changes_something(args: &Value) -> Result<(), ToolError> {
+    let given = |k: &str| match k {
+        "attendees" => args.get(k).is_some_and(Value::is_array),
+        _ => text_arg(args, k).is_some(),
+    };
+    if CHANGEABLE.iter().any(|k| given(k)) {
+        return Ok(());
+    }
+    Err(ToolError::InvalidArguments {
+        tool: "calendar_event_update".into(),
+        detail: "nothing to change: give at least one of summary, start and end, description, \
+                 location or attendees (time_zone only says how start and end are read; \
+                 calendar_id and account only say where the event is)"
+            .into(),
+    })
 }
 
 /// The event id as it goes into a URL, whole (a recurring event's instance ids hold `_`).
