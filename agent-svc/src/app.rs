@@ -153,6 +153,9 @@ impl App {
         let monitor = self
             .runs
             .spawn_monitor(self.config.monitor_interval, self.config.run_grace);
+        let archiver = self
+            .runs
+            .spawn_session_archiver(self.config.monitor_interval);
         let notices = self.runs.spawn_notice_router();
         // One name for this process's task claims and schedule holds, handed back at shutdown.
         let worker = format!("agent-{}", uuid::Uuid::new_v4());
@@ -190,6 +193,7 @@ impl App {
         )
         .await;
         monitor.abort();
+        archiver.abort();
         for w in [workers, schedules].into_iter().flatten() {
             w.abort();
             // Gone once this resolves: they claim nothing more.

@@ -941,6 +941,7 @@ async fn p1_an_archive_says_whether_its_session_read_external_content(b: Backend
             summary,
             &ending(RunState::Cancelled, 1),
             holder.as_ref(),
+            None,
         )
         .await
         .unwrap()
@@ -1017,6 +1018,7 @@ async fn archiving_moves_history_and_ends_paused_runs(b: Backend) {
             "Flights",
             &ending(RunState::Cancelled, 1),
             None,
+            None,
         )
         .await
         .unwrap()
@@ -1037,6 +1039,7 @@ async fn archiving_moves_history_and_ends_paused_runs(b: Backend) {
             "alice",
             "again",
             &ending(RunState::Cancelled, 1),
+            None,
             None
         )
         .await
@@ -1136,18 +1139,83 @@ async fn a_thread_held_by_another_run_is_not_archived(b: Backend) {
     .unwrap();
     let e = ending(RunState::Cancelled, 1);
     assert!(
-        s.archive_history("t1", "alice", "x", &e, None)
+        s.archive_history("t1", "alice", "x", &e, None, None)
             .await
             .unwrap()
             .is_none()
     );
     assert!(
-        s.archive_history("t1", "alice", "x", &e, Some(&lease))
+        s.archive_history("t1", "alice", "x", &e, Some(&lease), None)
             .await
             .unwrap()
             .is_some(),
         "the holder itself may archive before its run"
     );
+}
+
+/// B-4: the idle-session sweep summarises for a while after it lists a thread; a thread
+/// written to since is not archived under the sweep's old summary.
+async fn b4_a_session_that_came_back_after_the_sweep_listed_it_is_not_archived(b: Backend) {
+    let s = &b.store;
+    let lease = started(s, "r1", "t1", Duration::from_secs(60)).await;
+    let turn = serde_json::json!({"role": "user", "content": "hi"});
+    let commit = RunCommit {
+        history: vec![turn.to_string().into()],
+        release: true,
+        ..RunCommit::default()
+    };
+    s.commit(&lease, commit).await.unwrap();
+    let listed_idle_before = std::time::SystemTime::now();
+    user_says(s.as_ref(), "t1", "I'm back").await;
+    let e = ending(RunState::Cancelled, 1);
+    let swept = s
+        .archive_history("t1", "alice", "x", &e, None, Some(listed_idle_before))
+        .await
+        .unwrap();
+    assert!(swept.is_none(), "{swept:?}");
+    assert_eq!(s.history("t1").await.unwrap().len(), 1, "the history stays");
+    let later = std::time::SystemTime::now() + Duration::from_secs(1);
+    let swept = s
+        .archive_history("t1", "alice", "x", &e, None, Some(later))
+        .await
+        .unwrap();
+    assert!(swept.is_some(), "idle since: archived");
+}
+
+/// B-4: every replica's sweep lists the same idle sessions; one claims each, and only it
+/// calls the summary model. A claim lapses by itself (its sweep may have died).
+async fn b4_one_sweep_claims_an_idle_session_until_its_claim_lapses(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "t").await.unwrap();
+    assert!(
+        s.claim_archive("t1", Duration::from_millis(300))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !s.claim_archive("t1", Duration::from_secs(60))
+            .await
+            .unwrap(),
+        "another replica's sweep skips it"
+    );
+    assert!(
+        !s.claim_archive("t2", Duration::from_secs(60))
+            .await
+            .unwrap(),
+        "no such thread"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !s
+        .claim_archive("t1", Duration::from_secs(60))
+        .await
+        .unwrap()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the claim never lapsed"
+        );
+        tokio::task::yield_now().await;
+    }
 }
 
 /// Task agent `id` of `owner`, queued from thread `thread`, never tried.
@@ -2132,6 +2200,8 @@ both_backends!(
     archiving_moves_history_and_ends_paused_runs,
     p1_an_archive_says_whether_its_session_read_external_content,
     a_thread_held_by_another_run_is_not_archived,
+    b4_a_session_that_came_back_after_the_sweep_listed_it_is_not_archived,
+    b4_one_sweep_claims_an_idle_session_until_its_claim_lapses,
     a_history_turn_that_is_not_json_is_refused_with_its_commit,
     q2_a_commit_with_nul_characters_from_hostile_content_lands,
     every_combination_of_a_commits_parts_lands,
@@ -2445,7 +2515,7 @@ async fn archived_session(s: &dyn AgentStore, owner: &str, run: &str, thread: &s
     };
     s.commit(&lease, commit).await.unwrap();
     let ended = ending(RunState::Cancelled, 1);
-    let archived = s.archive_history(thread, owner, summary, &ended, None);
+    let archived = s.archive_history(thread, owner, summary, &ended, None, None);
     archived.await.unwrap().expect("archived");
 }
 

@@ -11,6 +11,9 @@ use crate::{
 /// asked) and the end (what was decided, what is still open), which a long session's first
 /// 20,000 characters alone would leave out.
 const SUMMARY_HEAD_CHARS: usize = 4_000;
+/// How long one replica's claim on summarising an idle session lasts: past a summary's
+/// longest (two tries of 30 s and the wait between), so the claim outlives the work.
+const ARCHIVE_CLAIM: Duration = Duration::from_secs(300);
 const SUMMARY_TAIL_CHARS: usize = 16_000;
 
 fn summarised_part(transcript: &str) -> String {
@@ -30,7 +33,15 @@ impl RunService {
     /// Archives the thread's LLM history with a 2–3 sentence summary (B-4). Race-safe: the store
     /// moves the history in one transaction, so of two sweeps only one archives. Failures are
     /// logged; the run goes on.
-    pub async fn archive(&self, owner: &str, thread_id: &str, holder: Option<&Lease>) {
+    /// With `idle_before`, only a session still idle since then is archived: the sweep that
+    /// found it idle summarises for a while, and the user may have come back meanwhile.
+    pub async fn archive(
+        &self,
+        owner: &str,
+        thread_id: &str,
+        holder: Option<&Lease>,
+        idle_before: Option<SystemTime>,
+    ) {
         let history = match self.load_history(thread_id).await {
             Ok(h) if !h.is_empty() => h,
             Ok(_) => return,
@@ -50,7 +61,7 @@ impl RunService {
         let ending = cancel_ending(message, 1);
         match self
             .store
-            .archive_history(thread_id, owner, &summary, &ending, holder)
+            .archive_history(thread_id, owner, &summary, &ending, holder, idle_before)
             .await
         {
             Ok(Some(a)) => tracing::info!(thread_id, turns = a.turn_count, "archived a session"),
@@ -131,9 +142,19 @@ impl RunService {
             .checked_sub(self.session_timeout)
             .unwrap_or(SystemTime::UNIX_EPOCH);
         let idle = self.store.idle_threads_with_history(before).await?;
-        let n = idle.len();
+        let mut n = 0;
         for (thread_id, owner) in idle {
-            self.archive(&owner, &thread_id, None).await;
+            // Every replica sweeps; the one that claims the thread pays for its summary.
+            match self.store.claim_archive(&thread_id, ARCHIVE_CLAIM).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    tracing::warn!(thread_id, error = %e, "could not claim an idle session to archive");
+                    continue;
+                }
+            }
+            self.archive(&owner, &thread_id, None, Some(before)).await;
+            n += 1;
         }
         Ok(n)
     }
@@ -345,12 +366,30 @@ impl RunService {
                     ),
                     Err(e) => tracing::warn!(error = %e, "could not sweep lapsed task agents"),
                 }
-                if let Err(e) = this.sweep_idle_sessions().await {
-                    tracing::warn!(error = %e, "session archiving sweep failed");
-                }
                 match this.store.count_pending_approvals().await {
                     Ok(n) => crate::metrics::approvals_pending(n),
                     Err(e) => tracing::warn!(error = %e, "could not count pending approvals"),
+                }
+            }
+        })
+    }
+
+    /// The idle-session sweep (B-4), every `interval`, in a task of its own: it waits on the
+    /// summary model, up to 70 s a session and 200 sessions a sweep, and the health monitor's
+    /// sweep of abandoned runs must not wait behind it.
+    pub fn spawn_session_archiver(
+        self: &Arc<Self>,
+        interval: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            // A sweep longer than the interval is followed by the next one, not by a burst.
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if let Err(e) = this.sweep_idle_sessions().await {
+                    tracing::warn!(error = %e, "session archiving sweep failed");
                 }
             }
         })

@@ -798,7 +798,7 @@ impl RunService {
         stopper: &Stopper,
     ) -> Result<Driven, ApiError> {
         if let Sessions::ArchiveFirst = sessions {
-            self.archive(&seg.owner, &seg.thread_id, Some(&writer.lease))
+            self.archive(&seg.owner, &seg.thread_id, Some(&writer.lease), None)
                 .await;
         }
         // A thread this admission created has no history yet: nothing to read.

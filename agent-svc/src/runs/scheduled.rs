@@ -645,7 +645,7 @@ impl RunService {
             Ok(r) if r.status == pb::RunState::Completed as i32 => {
                 // S2: the session is archived when the briefing completes.
                 if occurrence.schedule.kind == ScheduleKind::Briefing {
-                    self.archive(owner, &thread_id, None).await;
+                    self.archive(owner, &thread_id, None, None).await;
                 }
                 done(ScheduleOutcome::Completed, None)
             }

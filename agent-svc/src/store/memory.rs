@@ -31,6 +31,8 @@ struct ThreadRow {
     lease: Option<Held>,
     /// A run of the current session read external content (cleared by its archive).
     read_external: bool,
+    /// Until when an idle-session sweep is summarising the thread.
+    archive_claimed_until: Option<Instant>,
 }
 
 impl ThreadRow {
@@ -98,6 +100,7 @@ fn new_thread(id: &str, owner: &str, title: &str) -> ThreadRow {
             last_run_id: None,
         },
         lease: None,
+        archive_claimed_until: None,
         read_external: false,
     }
 }
@@ -838,12 +841,14 @@ impl AgentStore for MemoryStore {
         summary: &str,
         ending: &Ending,
         holder: Option<&Lease>,
+        idle_before: Option<SystemTime>,
     ) -> Result<Option<Archive>, StoreError> {
         self.with(|s| {
-            if s.threads
-                .get(thread_id)
+            let row = s.threads.get(thread_id);
+            if row
                 .and_then(ThreadRow::live_lease)
                 .is_some_and(|h| holder.is_none_or(|l| l.token != h.token))
+                || row.is_some_and(|r| idle_before.is_some_and(|b| r.thread.updated_at >= b))
             {
                 return Ok(None);
             }
@@ -928,6 +933,19 @@ impl AgentStore for MemoryStore {
                 .collect();
             hits.sort_by_key(|h| std::cmp::Reverse(h.0));
             hits.into_iter().take(limit).map(|(_, a)| a).collect()
+        })
+    }
+
+    async fn claim_archive(&self, thread_id: &str, hold: Duration) -> Result<bool, StoreError> {
+        self.with(|s| {
+            let now = Instant::now();
+            match s.threads.get_mut(thread_id) {
+                Some(row) if row.archive_claimed_until.is_none_or(|u| u <= now) => {
+                    row.archive_claimed_until = Some(now + hold);
+                    true
+                }
+                _ => false,
+            }
         })
     }
 

@@ -730,7 +730,8 @@ pub trait AgentStore: Send + Sync + 'static {
     /// Moves the thread's LLM history into an archive with `summary` and clears it, atomically,
     /// under the thread's row lock; paused runs of the thread end with `ending` and their
     /// approvals expire. `None` when there was nothing to archive (another sweep got there
-    /// first) or a run other than `holder` holds the thread.
+    /// first), a run other than `holder` holds the thread, or — with `idle_before` — the thread
+    /// was updated since (a session that came back to life after the sweep listed it).
     async fn archive_history(
         &self,
         thread_id: &str,
@@ -738,6 +739,7 @@ pub trait AgentStore: Send + Sync + 'static {
         summary: &str,
         ending: &Ending,
         holder: Option<&Lease>,
+        idle_before: Option<SystemTime>,
     ) -> Result<Option<Archive>, StoreError>;
     /// The owner's most recent archive summaries, newest first.
     async fn recent_summaries(&self, owner: &str, limit: usize)
@@ -749,6 +751,9 @@ pub trait AgentStore: Send + Sync + 'static {
         query: &str,
         limit: usize,
     ) -> Result<Vec<Archive>, StoreError>;
+    /// Claims the thread's archiving for `hold`, unless another sweep's claim is live: one
+    /// replica summarises an idle session, not each of them. The claim lapses by itself.
+    async fn claim_archive(&self, thread_id: &str, hold: Duration) -> Result<bool, StoreError>;
     /// Threads idle since before `before` that still have LLM history: (thread id, owner).
     async fn idle_threads_with_history(
         &self,

@@ -523,15 +523,18 @@ impl AgentStore for PgStore {
         summary: &str,
         e: &Ending,
         holder: Option<&Lease>,
+        idle_before: Option<SystemTime>,
     ) -> Result<Option<Archive>, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(db)?;
         // The thread row lock makes concurrent archivers take turns (the loser finds no
-        // history), and a thread another run holds is not archived under it.
+        // history), and a thread another run holds, or one updated since it was found idle,
+        // is not archived under it.
         let held = tx
             .query_opt(
-                "SELECT lock_expires_at > clock_timestamp() AND lock_token IS DISTINCT FROM $2 FROM agent.threads WHERE id = $1 FOR UPDATE",
-                &[&thread_id, &holder.map(|l| l.token.as_str())],
+                "SELECT (lock_expires_at > clock_timestamp() AND lock_token IS DISTINCT FROM $2) \
+                   OR updated_at >= $3 FROM agent.threads WHERE id = $1 FOR UPDATE",
+                &[&thread_id, &holder.map(|l| l.token.as_str()), &idle_before],
             )
             .await
             .map_err(db)?;
@@ -814,6 +817,22 @@ impl AgentStore for PgStore {
             .await
             .map_err(db)?;
         Ok(rows.iter().map(archive).collect())
+    }
+
+    async fn claim_archive(&self, thread_id: &str, hold: Duration) -> Result<bool, StoreError> {
+        let claimed = self
+            .client()
+            .await?
+            .execute(
+                "UPDATE agent.threads SET archive_claimed_until = \
+                   clock_timestamp() + $2::bigint * interval '1 millisecond' \
+                 WHERE id = $1 AND (archive_claimed_until IS NULL \
+                   OR archive_claimed_until <= clock_timestamp())",
+                &[&thread_id, &(hold.as_millis() as i64)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(claimed == 1)
     }
 
     async fn idle_threads_with_history(
