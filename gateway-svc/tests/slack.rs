@@ -1,6 +1,7 @@
 //! I-5, G-4: Slack answers most failures with HTTP 200 and `{"ok": false, "error": code}`. A
 //! code no retry can fix is never worded as "may work if tried again later": a missing scope
-//! is a permission error naming the scope, a refused request is rejected with its code.
+//! is a permission error naming the scope, a refused request is rejected with its code. Pages
+//! without channels but with a live cursor never read as "No channels".
 //! The engine runs the real Slack tools against a scripted upstream on a local socket.
 
 mod common;
@@ -74,4 +75,27 @@ async fn i5_a_slack_code_no_retry_can_fix_is_a_rejection_with_its_code_and_no_re
         "{}",
         refused.text
     );
+}
+
+#[tokio::test]
+async fn i5_empty_channel_pages_with_a_live_cursor_say_the_list_is_incomplete_never_no_channels() {
+    let upstream = Upstream::start(|_, _| {
+        Answer::Status(
+            200,
+            r#"{"ok":true,"channels":[],"response_metadata":{"next_cursor":"dGVhbTpDMDYx"}}"#,
+        )
+    })
+    .await;
+    let engine = engine(&upstream).await;
+    let listed = common::call(&engine, "c1", "slack_channels", json!({}), "k1").await;
+    assert!(listed.ok(), "{}", listed.text);
+    assert!(!listed.text.contains("No channels"), "{}", listed.text);
+    assert!(
+        listed
+            .text
+            .starts_with("The channel list of Slack workspace T123 could not be completed"),
+        "{}",
+        listed.text
+    );
+    assert_eq!(upstream.seen("GET /api/conversations.list"), 3);
 }

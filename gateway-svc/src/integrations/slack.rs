@@ -224,11 +224,21 @@ impl Tool for Channels {
             }
         }
         let more = !cursor.is_empty() || channels.len() > limit;
+        // Slack may answer a page with fewer channels than asked for, even none, while its
+        // cursor says more exist: with the page bound reached short of the limit, the list is
+        // incomplete, never "No channels".
+        let incomplete = !cursor.is_empty() && channels.len() < limit;
         channels.truncate(limit);
         if channels.is_empty() {
-            return Ok(ToolOutput::text(format!(
-                "No channels in Slack workspace {team}."
-            )));
+            return Ok(ToolOutput::text(if incomplete {
+                format!(
+                    "The channel list of Slack workspace {team} could not be completed: Slack \
+                     returned {MAX_PAGES} pages without channels but said more exist. Try again \
+                     later, or read a channel you know the id of with slack_read."
+                )
+            } else {
+                format!("No channels in Slack workspace {team}.")
+            }));
         }
         let lines: Vec<String> = channels
             .iter()
@@ -246,7 +256,9 @@ impl Tool for Channels {
                 )
             })
             .collect();
-        let tail = if more {
+        let tail = if incomplete {
+            "\n(the list is incomplete: Slack has more pages of channels than were read)"
+        } else if more {
             "\n(more channels exist; ask for a higher limit)"
         } else {
             ""
