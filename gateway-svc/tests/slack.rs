@@ -99,3 +99,29 @@ async fn i5_empty_channel_pages_with_a_live_cursor_say_the_list_is_incomplete_ne
     );
     assert_eq!(upstream.seen("GET /api/conversations.list"), 3);
 }
+
+#[tokio::test]
+async fn i5_message_times_are_labelled_utc() {
+    let upstream = Upstream::start(|_, _| {
+        Answer::Status(
+            200,
+            r#"{"ok":true,"messages":[{"ts":"1795599000.000100","user":"U1","text":"hi"}]}"#,
+        )
+    })
+    .await;
+    let engine = engine(&upstream).await;
+    let read = common::call(
+        &engine,
+        "c1",
+        "slack_read",
+        json!({"channel": "C024BE91L"}),
+        "k1",
+    )
+    .await;
+    assert!(read.ok(), "{}", read.text);
+    assert!(
+        read.text.contains("\n[Nov 25 09:30 UTC] U1: hi"),
+        "{}",
+        read.text
+    );
+}

@@ -76,11 +76,17 @@ impl EventTime {
             (Some(dt), _) => dt.parse::<jiff::Timestamp>().ok().map_or_else(
                 || dt.clone(),
                 |ts| {
-                    let tz = self
-                        .time_zone
-                        .as_deref()
-                        .map(crate::time::zone)
-                        .unwrap_or(jiff::tz::TimeZone::UTC);
+                    // The event's own zone; else the offset Google wrote the time with (the
+                    // calendar's), never UTC in its place.
+                    let tz = match self.time_zone.as_deref() {
+                        Some(zone) => crate::time::zone(zone),
+                        None => jiff::fmt::temporal::Pieces::parse(dt)
+                            .ok()
+                            .and_then(|p| p.offset())
+                            .map_or(jiff::tz::TimeZone::UTC, |o| {
+                                jiff::tz::TimeZone::fixed(o.to_numeric_offset())
+                            }),
+                    };
                     ts.to_zoned(tz).strftime("%b %-d %H:%M %Z").to_string()
                 },
             ),
@@ -826,6 +832,25 @@ mod tests {
             vague.contains("start: \"tomorrow\" is not a time"),
             "{vague}"
         );
+    }
+
+    #[test]
+    fn i4_a_time_with_an_offset_and_no_zone_is_shown_at_that_offset_not_in_utc() {
+        let at = |dt: &str| EventTime {
+            date_time: Some(dt.into()),
+            ..EventTime::default()
+        };
+        assert_eq!(at("2026-11-25T09:00:00+01:00").show(), "Nov 25 09:00 +01");
+        assert_eq!(
+            at("2026-11-25T09:30:00-05:30").show(),
+            "Nov 25 09:30 -05:30"
+        );
+        assert_eq!(at("2026-11-25T09:00:00Z").show(), "Nov 25 09:00 UTC");
+        let berlin = EventTime {
+            time_zone: Some("Europe/Berlin".into()),
+            ..at("2026-11-25T08:00:00Z")
+        };
+        assert_eq!(berlin.show(), "Nov 25 09:00 CET");
     }
 
     #[test]

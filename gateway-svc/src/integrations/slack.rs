@@ -321,7 +321,8 @@ impl Tool for Read {
                     .as_str()
                     .and_then(|ts| ts.split('.').next()?.parse::<i64>().ok())
                     .and_then(|s| jiff::Timestamp::from_second(s).ok())
-                    .map(|t| t.strftime("%b %-d %H:%M").to_string())
+                    // Slack's ts is UTC, and is said to be.
+                    .map(|t| t.strftime("%b %-d %H:%M UTC").to_string())
                     .unwrap_or_default();
                 let who = m["user"]
                     .as_str()
