@@ -764,17 +764,20 @@ async fn b5_a_task_agent_in_progress_at_shutdown_is_handed_back_and_finished_by_
     );
 
     // The replica that takes it over follows the stopped attempt's run (ended by the health
-    // monitor) instead of starting a second beside it, then retries.
+    // monitor) instead of starting a second beside it, then retries. The takeover spent no try
+    // of its own (E-12): the count goes back to the attempt whose run failed.
     app.start_another_agent_with(&[
         TASK_WORKERS[0],
         TASK_WORKERS[1],
         ("HEALTH_MONITOR_INTERVAL", "200ms"),
     ])
     .await;
-    let (_, _, error, _) = task_row_when(&app, &task, |state, attempts, _, _| {
-        state == "queued" && attempts == 2
+    let (_, _, error, _) = task_row_when(&app, &task, |state, _, error, _| {
+        state == "queued" && !error.is_empty()
     })
     .await;
+    let (_, attempts, _, _) = task_row_when(&app, &task, |_, _, _, _| true).await;
+    assert_eq!(attempts, 1, "the takeover counts as no try");
     assert!(error.contains("stopped responding"), "{error}");
     assert_eq!(
         task_runs(&app, &task).await,
@@ -786,12 +789,12 @@ async fn b5_a_task_agent_in_progress_at_shutdown_is_handed_back_and_finished_by_
         "Task agent finished (long research):\nFound it."
     );
     let (state, attempts, _, _) = task_row_when(&app, &task, |_, _, _, _| true).await;
-    assert_eq!((state.as_str(), attempts), ("completed", 3));
+    assert_eq!((state.as_str(), attempts), ("completed", 2));
     assert_eq!(
         task_runs(&app, &task).await,
         [
             format!("task-{task}-attempt-1"),
-            format!("task-{task}-attempt-3")
+            format!("task-{task}-attempt-2")
         ]
     );
 }

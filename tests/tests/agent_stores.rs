@@ -1268,6 +1268,7 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
         retry_at: None,
         report: Some((MessageSource::Agent, "Task agent finished: ok")),
         keep_attempt: false,
+        attempt: claimed.attempts,
     };
     // An attempt whose claim was taken over (here: a later attempt number) settles nothing.
     let stale = TaskAgent {
@@ -1307,6 +1308,40 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
     );
 }
 
+/// E-12: an attempt that takes over an earlier attempt's run (its worker went away) and
+/// settles that run's failure spends no try of its own: the count goes back to the attempt
+/// whose run it was, so a task's "other" error still gets its second try.
+async fn e12_a_takeover_that_settles_an_earlier_attempts_run_spends_no_try(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "x").await.unwrap();
+    let task = queued_task("k1", "alice", "t1");
+    assert!(s.enqueue_task_agent(&task, 5).await.unwrap());
+    // A zero-long claim lapses at once: its worker "died" with its run going.
+    let first = s.claim_task_agent("w1", Duration::ZERO, 5).await.unwrap();
+    let first = first.expect("queued");
+    let hold = Duration::from_secs(60);
+    let takeover = s.claim_task_agent("w2", hold, 5).await.unwrap();
+    let takeover = takeover.expect("lapsed: taken over");
+    assert_eq!(takeover.attempts, 2);
+    let failed = TaskSettle {
+        state: "queued",
+        result: None,
+        error: Some("unknown tool"),
+        retry_at: Some(SystemTime::now()),
+        report: None,
+        keep_attempt: false,
+        attempt: first.attempts,
+    };
+    assert!(s.settle_task_agent(&takeover, "w2", &failed).await.unwrap());
+    let next = s.claim_task_agent("w3", hold, 5).await.unwrap();
+    let next = next.expect("due again");
+    assert_eq!(
+        (next.attempts, next.settled_attempt),
+        (2, 1),
+        "the second try, after the first attempt's run was accounted for"
+    );
+}
+
 /// B-5, E-12: an attempt that did not happen keeps its number; a stopping worker hands back
 /// what it holds; a task whose every attempt lost its worker is failed and its parent told.
 async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
@@ -1327,6 +1362,7 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
         retry_at: Some(SystemTime::now()),
         report: None,
         keep_attempt: true,
+        attempt: first.attempts,
     };
     assert!(s.settle_task_agent(&first, "w1", &not_yet).await.unwrap());
     let again = s.claim_task_agent("w1", hold, 3).await.unwrap().unwrap();
@@ -1357,6 +1393,7 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
     let retry = TaskSettle {
         error: Some("HTTP 503"),
         keep_attempt: false,
+        attempt: second.attempts,
         ..not_yet
     };
     assert!(s.settle_task_agent(&second, "w2", &retry).await.unwrap());
@@ -2208,6 +2245,7 @@ both_backends!(
     an_admission_reads_the_owners_newest_session_summaries,
     the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once,
     task_claims_are_kept_handed_back_or_ended_by_their_rules,
+    e12_a_takeover_that_settles_an_earlier_attempts_run_spends_no_try,
     a_stopping_workers_occurrences_are_handed_back,
     a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found,
     e10_usage_sums_an_owners_runs_in_a_window_by_model_whatever_their_end,

@@ -476,8 +476,10 @@ impl RunService {
                 }
             }
         };
-        let outcome = task_outcome(&task, attempt);
+        let (judged, attempt) = attempt;
+        let outcome = task_outcome(&task, judged, attempt);
         let how = crate::store::TaskSettle {
+            attempt: judged,
             state: outcome.state,
             result: outcome.result.as_deref(),
             error: outcome.error.as_deref(),
@@ -502,12 +504,13 @@ impl RunService {
 
     /// The run of an attempt since the last settled one, if one started — its worker died, was
     /// stopped or could not follow it — to be followed (or its ending used) instead of a second
-    /// run started beside it. Creates the thread on the first attempt.
+    /// run started beside it: (its attempt, run id, thread id). Creates the thread on the first
+    /// attempt.
     async fn unaccounted_run(
         &self,
         task: &TaskAgent,
         thread_id: &str,
-    ) -> Result<Option<(String, String)>, StoreError> {
+    ) -> Result<Option<(u32, String, String)>, StoreError> {
         if self
             .store
             .get_thread(&task.owner, thread_id)
@@ -533,19 +536,30 @@ impl RunService {
                 .find_run_by_request(&task.owner, &request)
                 .await?
             {
-                return Ok(Some((run.id, run.thread_id)));
+                return Ok(Some((n, run.id, run.thread_id)));
             }
         }
         Ok(None)
     }
 
-    /// Starts (or, by its request id, finds) the attempt's run and follows it to its end.
-    async fn attempt_task_agent(self: &Arc<Self>, task: &TaskAgent) -> TaskAttempt {
+    /// Starts (or, by its request id, finds) the attempt's run and follows it to its end; with
+    /// the attempt whose run it was (an earlier one's, taken over).
+    async fn attempt_task_agent(self: &Arc<Self>, task: &TaskAgent) -> (u32, TaskAttempt) {
         let thread_id = format!("{TASK_THREAD_PREFIX}{}", task.id);
         let earlier = match self.unaccounted_run(task, &thread_id).await {
             Ok(run) => run,
-            Err(e) => return not_yet(task, ApiError::Store(e)),
+            Err(e) => return (task.attempts, not_yet(task, ApiError::Store(e))),
         };
+        let judged = earlier.as_ref().map_or(task.attempts, |(n, ..)| *n);
+        (judged, self.follow_attempt(task, thread_id, earlier).await)
+    }
+
+    async fn follow_attempt(
+        self: &Arc<Self>,
+        task: &TaskAgent,
+        thread_id: String,
+        earlier: Option<(u32, String, String)>,
+    ) -> TaskAttempt {
         // The goal and instructions were written by the model, perhaps after reading
         // someone else's words: they enter the task run as data, not as orders.
         let input = RunInput {
@@ -580,7 +594,7 @@ impl RunService {
             }),
         };
         let started = match earlier {
-            Some(ids) => Ok(ids),
+            Some((_, run_id, thread_id)) => Ok((run_id, thread_id)),
             None => self.start(&task.owner, input).await,
         };
         let (run_id, thread_id) = match started {
@@ -641,7 +655,7 @@ struct TaskOutcome {
 
 /// Completed and reported; not yet, and taken up again without counting; failed, and retried on
 /// the E-12 schedule or reported as failed for good. A cancelled run (CancelRun) is final.
-fn task_outcome(task: &TaskAgent, attempt: TaskAttempt) -> TaskOutcome {
+fn task_outcome(task: &TaskAgent, judged: u32, attempt: TaskAttempt) -> TaskOutcome {
     let again = |error: String, at: Duration, keep_attempt| TaskOutcome {
         state: "queued",
         result: None,
@@ -671,7 +685,7 @@ fn task_outcome(task: &TaskAgent, attempt: TaskAttempt) -> TaskOutcome {
         TaskAttempt::Ended(r) => (r.error, r.status == pb::RunState::Cancelled as i32),
         TaskAttempt::Failed(error) => (error, false),
     };
-    match retry_backoff(&error, task.attempts).filter(|_| !cancelled) {
+    match retry_backoff(&error, judged).filter(|_| !cancelled) {
         Some(backoff) => {
             tracing::warn!(task = %task.id, attempt = task.attempts, %error, "task agent failed; retrying later");
             again(error, backoff, false)

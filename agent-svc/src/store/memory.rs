@@ -1102,7 +1102,8 @@ impl AgentStore for MemoryStore {
             if settle.keep_attempt {
                 held.attempts -= 1;
             } else {
-                held.settled_attempt = held.attempts;
+                held.attempts = settle.attempt;
+                held.settled_attempt = settle.attempt;
             }
             held.result = settle.result.map(str::to_owned).or(held.result.take());
             held.last_error = settle.error.map(str::to_owned).or(held.last_error.take());

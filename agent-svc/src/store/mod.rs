@@ -1068,6 +1068,10 @@ pub struct TaskSettle<'a> {
     /// the next claim takes the same attempt number, and its outcome is not recorded as
     /// settled, so the run this one may have started is followed rather than a second started.
     pub keep_attempt: bool,
+    /// The attempt whose run this settle judged, when it counts: the claimed one, or an earlier
+    /// one whose run this attempt took over from a worker that went away. The task's count
+    /// goes back to it, so a takeover spends no try of E-12's.
+    pub attempt: u32,
 }
 
 /// An archived session (B-4).

@@ -1260,8 +1260,8 @@ impl AgentStore for PgStore {
                 "WITH settled AS (UPDATE agent.task_agents SET state = $2, result = COALESCE($3::text, result), \
                    last_error = COALESCE($4::text, last_error), \
                    next_attempt_at = COALESCE($5::timestamptz, next_attempt_at), claimed_by = NULL, claimed_until = NULL, \
-                   attempts = attempts - CASE WHEN $10 THEN 1 ELSE 0 END, \
-                   settled_attempt = CASE WHEN $10 THEN settled_attempt ELSE $7 END, updated_at = now() \
+                   attempts = CASE WHEN $10 THEN attempts - 1 ELSE $11 END, \
+                   settled_attempt = CASE WHEN $10 THEN settled_attempt ELSE $11 END, updated_at = now() \
                    WHERE id = $1 AND state = 'running' AND claimed_by = $6 AND attempts = $7 \
                    RETURNING parent_thread_id), \
                  posted AS (INSERT INTO agent.messages (thread_id, source, kind, content, metadata) \
@@ -1280,6 +1280,7 @@ impl AgentStore for PgStore {
                     &source,
                     &report,
                     &settle.keep_attempt,
+                    &(settle.attempt as i32),
                 ],
             )
             .await
