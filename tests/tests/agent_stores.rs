@@ -2071,6 +2071,49 @@ async fn switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_o
     );
 }
 
+/// C-1: an occurrence whose run is going but which no worker holds for the moment (its
+/// follower handed it back at shutdown, or lost the store) is not dropped when the schedule is
+/// switched off: the worker that takes it up follows the run and records its end.
+async fn switching_a_schedule_off_keeps_an_occurrence_whose_run_is_going_unheld(b: Backend) {
+    let s = &b.store;
+    s.create_schedule(&every_minute("s1", "alice", t0()), 10, None)
+        .await
+        .unwrap();
+    let now = t0() + secs(61);
+    let claimed = s
+        .claim_schedule("w1", now, secs(600))
+        .await
+        .unwrap()
+        .unwrap();
+    let started = Settle::Running {
+        run_id: "r1".into(),
+        until: now + secs(600),
+    };
+    assert!(s.settle_schedule(&claimed, "w1", &started).await.unwrap());
+    let follow_later = Settle::Again {
+        outcome: ScheduleOutcome::Running,
+        run_id: Some("r1".into()),
+        error: Some("could not follow the run".into()),
+        at: now + secs(30),
+    };
+    assert!(
+        s.settle_schedule(&claimed, "w1", &follow_later)
+            .await
+            .unwrap()
+    );
+    let mut off = s.get_schedule("alice", "s1").await.unwrap().unwrap();
+    off.enabled = false;
+    assert!(s.save_schedule(&off, false).await.unwrap());
+    let got = s.get_schedule("alice", "s1").await.unwrap().unwrap();
+    assert_eq!(got.occurrence_at, Some(claimed.due_at), "kept");
+    let again = s
+        .claim_schedule("w2", now + secs(60), secs(600))
+        .await
+        .unwrap();
+    let again = again.expect("taken up again to follow its run");
+    assert_eq!(again.schedule.last_run_id.as_deref(), Some("r1"));
+}
+
 /// Issue 13: history turns travel as JSON text; a store refuses a turn that is not JSON with
 /// the rest of its commit, so every turn it keeps can be read and archived later.
 async fn a_history_turn_that_is_not_json_is_refused_with_its_commit(b: Backend) {
@@ -2254,6 +2297,7 @@ both_backends!(
     of_concurrent_claimers_exactly_one_gets_an_occurrence,
     an_occurrence_is_retried_taken_over_or_run_now_only_by_its_rules,
     switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_one,
+    switching_a_schedule_off_keeps_an_occurrence_whose_run_is_going_unheld,
 );
 
 fn events(seqs: &[u64]) -> RunCommit {

@@ -1209,7 +1209,13 @@ impl AgentStore for MemoryStore {
             if reschedule {
                 r.next_due_at = sch.next_due_at;
             }
-            if !sch.enabled && row.holder.is_none() && r.occurrence_at.is_some() {
+            // Dropped unless held, or its run is going (held by none for a moment: its
+            // follower was handed back, or lost the store).
+            if !sch.enabled
+                && row.holder.is_none()
+                && r.last_outcome != Some(ScheduleOutcome::Running)
+                && r.occurrence_at.is_some()
+            {
                 r.occurrence_at = None;
                 r.attempts = 0;
                 row.held_until = None;

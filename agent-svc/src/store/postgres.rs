@@ -1005,16 +1005,20 @@ impl AgentStore for PgStore {
     }
 
     async fn save_schedule(&self, sch: &Schedule, reschedule: bool) -> Result<bool, StoreError> {
+        // An occurrence is dropped with its schedule unless it is held or its run is going
+        // (held by none for a moment: its follower was handed back, or lost the store).
         let n = self
             .client()
             .await?
             .execute(
-                "UPDATE agent.schedules SET prompt = $3, cron = $4, every_secs = $5, time_zone = $6, enabled = $7, \
+                "WITH waiting AS (SELECT NOT $7 AND holder IS NULL \
+                   AND last_outcome IS DISTINCT FROM 'running' AS drop FROM agent.schedules WHERE id = $1) \
+                 UPDATE agent.schedules SET prompt = $3, cron = $4, every_secs = $5, time_zone = $6, enabled = $7, \
                    next_due_at = CASE WHEN $9 THEN $8 ELSE next_due_at END, \
-                   occurrence_at = CASE WHEN NOT $7 AND holder IS NULL THEN NULL ELSE occurrence_at END, \
-                   attempts = CASE WHEN NOT $7 AND holder IS NULL THEN 0 ELSE attempts END, \
-                   held_until = CASE WHEN NOT $7 AND holder IS NULL THEN NULL ELSE held_until END, \
-                   updated_at = now() WHERE id = $1 AND owner = $2 AND updated_at = $10",
+                   occurrence_at = CASE WHEN waiting.drop THEN NULL ELSE occurrence_at END, \
+                   attempts = CASE WHEN waiting.drop THEN 0 ELSE attempts END, \
+                   held_until = CASE WHEN waiting.drop THEN NULL ELSE held_until END, \
+                   updated_at = now() FROM waiting WHERE id = $1 AND owner = $2 AND updated_at = $10",
                 &[
                     &sch.id,
                     &sch.owner,
