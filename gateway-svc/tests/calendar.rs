@@ -1,7 +1,8 @@
 //! I-4: calendar_search reads what Google Calendar really has. A page may hold fewer events than
 //! asked for, even none, while its nextPageToken says more exist: the search follows it (each
 //! page one upstream call) and never answers "No events" while a token is left. An update that
-//! would change nothing is refused, never sent as an empty PATCH and reported as done.
+//! would change nothing is refused, never sent as an empty PATCH and reported as done. A write
+//! that invites attendees or moves their event asks Google to email them (sendUpdates=all).
 //! The engine runs the real Calendar tools against a scripted upstream on a local socket.
 
 mod common;
@@ -106,4 +107,57 @@ async fn i4_an_update_giving_only_a_time_zone_or_calendar_is_refused_and_sends_n
     let updated = common::call(&engine, "c2", "calendar_event_update", renamed, "k2").await;
     assert!(updated.ok(), "{}", updated.text);
     assert_eq!(upstream.seen("PATCH"), 1);
+}
+
+#[tokio::test]
+async fn i4_a_write_that_invites_attendees_or_moves_their_event_asks_google_to_email_them() {
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"id":"e1"}"#)).await;
+    let engine = engine(&upstream).await;
+    let event = |attendees: &[&str]| {
+        json!({"summary": "Review", "start": "2026-11-25T09:00:00Z",
+               "end": "2026-11-25T10:00:00Z", "attendees": attendees})
+    };
+    let invited = common::call(
+        &engine,
+        "c1",
+        "calendar_event_create",
+        event(&["bob@example.com"]),
+        "k1",
+    )
+    .await;
+    assert!(invited.ok(), "{}", invited.text);
+    assert_eq!(
+        upstream.seen("POST /calendar/v3/calendars/primary/events?sendUpdates=all"),
+        1
+    );
+    let alone = common::call(&engine, "c2", "calendar_event_create", event(&[]), "k2").await;
+    assert!(alone.ok(), "{}", alone.text);
+    assert_eq!(
+        upstream.seen("POST /calendar/v3/calendars/primary/events?sendUpdates=all"),
+        1
+    );
+    assert_eq!(
+        upstream.seen("POST /calendar/v3/calendars/primary/events"),
+        2
+    );
+
+    let moved =
+        json!({"event_id": "e1", "start": "2026-11-25T11:00:00Z", "end": "2026-11-25T12:00:00Z"});
+    let updated = common::call(&engine, "c3", "calendar_event_update", moved, "k3").await;
+    assert!(updated.ok(), "{}", updated.text);
+    assert_eq!(
+        upstream.seen("PATCH /calendar/v3/calendars/primary/events/e1?sendUpdates=all"),
+        1
+    );
+    let renamed = json!({"event_id": "e1", "summary": "Review v2"});
+    let updated = common::call(&engine, "c4", "calendar_event_update", renamed, "k4").await;
+    assert!(updated.ok(), "{}", updated.text);
+    assert_eq!(
+        upstream.seen("PATCH /calendar/v3/calendars/primary/events/e1?sendUpdates=all"),
+        1
+    );
+    assert_eq!(
+        upstream.seen("PATCH /calendar/v3/calendars/primary/events/e1"),
+        2
+    );
 }

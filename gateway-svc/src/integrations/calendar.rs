@@ -556,16 +556,31 @@ impl Tool for Write {
             true => Some(format!("{base}/{}", event_id(&args, tool)?)),
             false => None,
         };
+        // Without sendUpdates Google tells no one: attendees would not be invited, nor told
+        // of a new time, although the preview says they are.
+        let notify: &[(&str, &str)] = if sends_updates(&args, self.update) {
+            &[("sendUpdates", "all")]
+        } else {
+            &[]
+        };
         ctx.charge(Integration::GoogleCalendar, &account, 1).await?;
         let body = Value::Object(body);
         let r = if let Some(url) = &event_url {
             ctx.send(Integration::GoogleCalendar, &account, |t| {
-                ctx.http().patch(url).json(&body).bearer_auth(t)
+                ctx.http()
+                    .patch(url)
+                    .query(notify)
+                    .json(&body)
+                    .bearer_auth(t)
             })
             .await?
         } else {
             ctx.send(Integration::GoogleCalendar, &account, |t| {
-                ctx.http().post(&base).json(&body).bearer_auth(t)
+                ctx.http()
+                    .post(&base)
+                    .query(notify)
+                    .json(&body)
+                    .bearer_auth(t)
             })
             .await?
         };
@@ -629,6 +644,18 @@ fn event_id(args: &Value, tool: &str) -> Result<String, ToolError> {
         "event_id",
         tool,
     )
+}
+
+/// Whether a write emails the event's attendees (`sendUpdates=all`): a create that invites
+/// anyone; an update that sets the attendees (invites or removes some) or moves the time
+/// (Google emails only the event's guests, so an event without any emails no one).
+fn sends_updates(args: &Value, update: bool) -> bool {
+    let attendees = attendees_arg(args);
+    if update {
+        attendees.is_some() || text_arg(args, "start").is_some() || text_arg(args, "end").is_some()
+    } else {
+        attendees.is_some_and(|a| !a.is_empty())
+    }
 }
 
 /// The attendees an event write names, when it names them.
@@ -720,6 +747,9 @@ fn update_preview(account: &str, current: &Event, args: &Value) -> Preview {
         push_attendees(&mut text, "- Invites", &added);
         push_attendees(&mut text, "- Removes", &removed);
         recipients = list;
+    }
+    if sends_updates(args, true) && !(old_attendees.is_empty() && recipients.is_empty()) {
+        text.push_str("The attendees are emailed about this change.\n");
     }
     let mut bound = old_attendees;
     bound.sort();
@@ -851,6 +881,40 @@ mod tests {
             ..at("2026-11-25T08:00:00Z")
         };
         assert_eq!(berlin.show(), "Nov 25 09:00 CET");
+    }
+
+    #[test]
+    fn i4_previews_say_attendees_are_invited_or_emailed_exactly_when_google_is_asked_to() {
+        let create = json!({"summary": "Sync", "start": "2026-11-25T09:00:00Z",
+                            "end": "2026-11-25T10:00:00Z", "attendees": ["bob@example.com"]});
+        assert!(sends_updates(&create, false));
+        assert!(
+            create_preview(&create)
+                .text
+                .contains("Attendees (invited): bob@example.com\n")
+        );
+        assert!(!sends_updates(&json!({"summary": "Solo"}), false));
+        let current = Event {
+            id: "e1".into(),
+            attendees: vec![Attendee {
+                email: "bob@example.com".into(),
+            }],
+            ..Event::default()
+        };
+        let emailed = "The attendees are emailed about this change.";
+        let moved = json!({"event_id": "e1", "start": "2026-11-25T11:00:00Z"});
+        assert!(
+            update_preview("me@example.com", &current, &moved)
+                .text
+                .contains(emailed)
+        );
+        let renamed = json!({"event_id": "e1", "summary": "Sync v2"});
+        assert!(!sends_updates(&renamed, true));
+        assert!(
+            !update_preview("me@example.com", &current, &renamed)
+                .text
+                .contains(emailed)
+        );
     }
 
     #[test]
@@ -990,7 +1054,8 @@ mod tests {
             prop_assert!(p.text.starts_with("Update event ["));
             assert_lines(&p.text, &["Update event [", "Now: ", "Attendees now: ", "Changes:",
                                     "- Title → ", "- Location → ", "- Description → ", "- Time → ",
-                                    "- Invites: ", "- Removes: "])?;
+                                    "- Invites: ", "- Removes: ",
+                                    "The attendees are emailed about this change."])?;
             prop_assert_eq!(p.binding.len(), 64);
             prop_assert_eq!(&p.recipients, attendees.as_ref().unwrap_or(&current_attendees));
             // The binding follows the current event, not what the call asks to change.
