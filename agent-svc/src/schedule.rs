@@ -46,8 +46,8 @@ pub enum Recurrence {
     Every { period: Duration },
 }
 
-/// The most civil times a search passes over before the first after its start (see
-/// `next_due`): three hours of minutes.
+/// Three hours of minutes: the longest gap or fold in the zone database, minute by minute
+/// (see `next_due`).
 const FOLD_MINUTES: usize = 3 * 60 + 1;
 
 /// Day-of-week names in standard cron order (0 = Sunday; 7 is Sunday too).
@@ -124,17 +124,25 @@ impl Recurrence {
                     .datetime()
                     .to_zoned(TimeZone::UTC)
                     .ok()?;
-                schedule
-                    .after(wall)
-                    // Seen from a repeated hour's second pass, its civil times fired in the
-                    // first and are passed over: a fold of up to three hours, minute by minute.
-                    .take(FOLD_MINUTES)
-                    .filter_map(|civil| zone.to_ambiguous_zoned(civil.datetime()).compatible().ok())
-                    .map(|placed| placed.timestamp())
-                    // A gap's time shifted onto one already past, or a repeated hour's first
-                    // pass seen from its second: not after `after`.
-                    .find(|t| *t > at)
-                    .map(SystemTime::from)
+                // Placing is not monotonic where the clock jumps: a civil time in a gap is
+                // shifted forward past later civil times (02:30 fires at 03:30, after 03:00),
+                // and one in a fold lands on its first pass. So the search starts a fold's or
+                // gap's length before `after` on the wall, and the earliest placed time after
+                // `after` wins, once the civil times are past that length after it.
+                let horizon = jiff::SignedDuration::from_hours(3);
+                let start = wall.checked_sub(horizon).ok()?;
+                let end = wall.checked_add(horizon).ok()?;
+                let mut earliest: Option<Timestamp> = None;
+                for civil in schedule.after(start).take(3 * FOLD_MINUTES) {
+                    let placed = zone.to_ambiguous_zoned(civil.datetime()).compatible().ok();
+                    if let Some(t) = placed.map(|p| p.timestamp()).filter(|t| *t > at) {
+                        earliest = Some(earliest.map_or(t, |e| e.min(t)));
+                    }
+                    if earliest.is_some() && civil > end {
+                        break;
+                    }
+                }
+                earliest.map(SystemTime::from)
             }
         }
     }
@@ -412,6 +420,25 @@ mod tests {
                 "2026-11-01"
             ),
             hours(&["01:00 EDT", "02:00 EST", "03:00 EST"])
+        );
+        // Two times inside the spring-forward gap: each fires, shifted forward by the gap.
+        assert_eq!(
+            one_day(
+                "0,30 2 * * *",
+                "Europe/Berlin",
+                "2026-03-28T21:00:00+01:00[Europe/Berlin]",
+                "2026-03-29"
+            ),
+            hours(&["03:00 CEST", "03:30 CEST"])
+        );
+        assert_eq!(
+            one_day(
+                "*/20 2,3 * * *",
+                "Europe/Berlin",
+                "2026-03-28T21:00:00+01:00[Europe/Berlin]",
+                "2026-03-29"
+            ),
+            hours(&["03:00 CEST", "03:20 CEST", "03:40 CEST"])
         );
         // Every minute, seen from inside the repeated hour's second pass: its minutes fired in
         // the first, so the next is the first minute after the fold.
