@@ -644,7 +644,9 @@ async fn e12_a_vanished_deciders_run_whose_session_was_archived_is_ended_not_con
     // This test's sweep comes after the archive.
     let (app, gmail, paused) = a_send_approved_by_a_vanished_decider().await;
     let monitor = app.monitor().await;
-    monitor.archive("alice", &paused.thread_id, None, None).await;
+    monitor
+        .archive("alice", &paused.thread_id, None, None)
+        .await;
     assert!(
         app.agent_store()
             .await
