@@ -727,7 +727,6 @@ impl Run<'_> {
                 });
             }
         };
-        let deadline = tokio::time::Instant::now() + remaining;
         let timed = tokio::time::timeout(remaining, async { tokio::join!(call, forward).0 }).await;
         if !matches!(timed, Ok(Ok(_))) && streamed.into_inner() {
             // What streamed of an answer that never finished is void: the client discards it
@@ -738,29 +737,33 @@ impl Run<'_> {
             Err(_) => Ok(None),
             // The chain shares out the same time, so its last try can end with the time
             // itself: that is the time limit, not every model failing.
-            Ok(Err(_)) if tokio::time::Instant::now() >= deadline => Ok(None),
+            Ok(Err(failed)) if failed.out_of_time => Ok(None),
             Ok(Err(failed)) => Err(failed.to_string()),
             Ok(Ok(mut done)) => {
-                if done.response.usage.input_tokens == 0 {
+                let usage = &mut done.response.usage;
+                if usage.input_tokens == 0 {
                     // No usage reported (a compatible server that ignores stream_options, a
                     // stream cut after its answer): the call was still billed, and the run's
-                    // budget must still see it. Counted with the tokenizer instead.
-                    let response = &done.response;
-                    let output = counter.text(&response.text)
-                        + response
-                            .tool_calls
-                            .iter()
-                            .map(|c| counter.text(&c.name) + counter.text(&c.arguments))
-                            .sum::<usize>();
+                    // budget must still see it. Counted with the tokenizer instead, what the
+                    // provider did not count.
+                    usage.input_tokens = fit.estimated_input_tokens as u64;
+                    if usage.output_tokens == 0 {
+                        let response = &done.response;
+                        let output = counter.text(&response.text)
+                            + response
+                                .tool_calls
+                                .iter()
+                                .map(|c| counter.text(&c.name) + counter.text(&c.arguments))
+                                .sum::<usize>();
+                        done.response.usage.output_tokens = output as u64;
+                    }
                     tracing::warn!(
                         provider = %done.provider,
                         model = %done.model,
-                        input_tokens = fit.estimated_input_tokens,
-                        output_tokens = output,
-                        "the model reported no usage; counted it instead"
+                        input_tokens = done.response.usage.input_tokens,
+                        output_tokens = done.response.usage.output_tokens,
+                        "the model reported no input usage; counted it instead"
                     );
-                    done.response.usage.input_tokens = fit.estimated_input_tokens as u64;
-                    done.response.usage.output_tokens = output as u64;
                 }
                 let record = CallRecord::answered(&done, &models.prices);
                 self.sink.emit(RunEvent::ModelCall(record.clone()));

@@ -60,7 +60,16 @@ pub struct Completed {
 #[error("every model failed: {}", attempts.join("; "))]
 pub struct ChainFailed {
     pub attempts: Vec<String>,
+    /// The time given ran out: the last entry's try was cut by it, or never made. That is the
+    /// caller's time limit, not every model failing.
+    pub out_of_time: bool,
 }
+
+/// What the chain keeps back for each entry after the one trying, at most: enough for a
+/// fallback to answer a short turn. Never more than a third of the time left, so a primary
+/// that is slow but healthy keeps most of the run's time (50 s of a 60 s turn with one
+/// fallback) and is not cut for a weaker model.
+const FALLBACK_TIME: Duration = Duration::from_secs(10);
 
 /// The request through the chain, within `within`: each entry's tries, then the next entry's,
 /// until one answers or the time is spent.
@@ -73,6 +82,7 @@ pub async fn complete(
 ) -> Result<Completed, ChainFailed> {
     let deadline = tokio::time::Instant::now() + within;
     let mut attempts = Vec::new();
+    let mut out_of_time = false;
     for (i, entry) in chain.iter().enumerate() {
         if i > 0 {
             crate::metrics::model_fallback(entry.provider.name(), &entry.model);
@@ -87,9 +97,12 @@ pub async fn complete(
                 entry.provider.name(),
                 entry.model
             ));
+            out_of_time = true;
             continue;
         }
-        let entry_deadline = tokio::time::Instant::now() + left / (chain.len() - i) as u32;
+        let after = (chain.len() - i - 1) as u32;
+        let kept_back = (FALLBACK_TIME * after).min(left / 3);
+        let entry_deadline = tokio::time::Instant::now() + (left - kept_back);
         let request = ModelRequest {
             model: &entry.model,
             ..*request
@@ -134,6 +147,8 @@ pub async fn complete(
                 }
                 Err(e) => {
                     tracing::warn!(provider = entry.provider.name(), model = %entry.model, retry, error = %e, detail = e.detail(), "model call failed");
+                    out_of_time =
+                        e == ModelError::Timeout && tokio::time::Instant::now() >= deadline;
                     attempts.push(format!("{}/{}: {e}", entry.provider.name(), entry.model));
                     crate::metrics::model_failed(entry.provider.name(), &entry.model);
                     let wait = backoff(policy, retry, e.retry_after());
@@ -149,7 +164,10 @@ pub async fn complete(
             }
         }
     }
-    Err(ChainFailed { attempts })
+    Err(ChainFailed {
+        attempts,
+        out_of_time,
+    })
 }
 
 /// How long to wait before retry number `retry + 1`: exponential with full jitter, never less
@@ -184,6 +202,8 @@ mod tests {
         Hangs,
         /// Rate-limited, asking to come back in 30 s.
         RateLimited,
+        /// Refuses the request (400): not worth a retry.
+        Refuses,
         Answers,
     }
 
@@ -206,6 +226,11 @@ mod tests {
                     status: 429,
                     detail: String::new(),
                     retry_after: Some(Duration::from_secs(30)),
+                }),
+                Behaviour::Refuses => Err(ModelError::Status {
+                    status: 400,
+                    detail: String::new(),
+                    retry_after: None,
                 }),
                 Behaviour::Answers => Ok(ModelResponse {
                     text: format!("{} answered", self.name),
@@ -268,9 +293,45 @@ mod tests {
         assert_eq!(answer, "fallback answered");
         assert_eq!(
             took,
-            Duration::from_secs(30),
-            "half the time, not 120 s per call"
+            Duration::from_secs(50),
+            "all but the fallback's 10 s, not 120 s per call"
         );
+        let (took, answer, _) = chain_of(Behaviour::Hangs, Duration::from_secs(15)).await;
+        assert_eq!(answer, "fallback answered");
+        assert_eq!(
+            took,
+            Duration::from_secs(10),
+            "a third kept back of a short turn"
+        );
+    }
+
+    /// The chain of `behaviours` within 15 s: whether its failure says the time ran out.
+    async fn failed_out_of_time(behaviours: Vec<Behaviour>) -> bool {
+        let chain: Vec<ChainEntry> = behaviours.into_iter().map(|b| entry("m", b).0).collect();
+        let tools = ToolSet::default();
+        let request = ModelRequest {
+            model: "",
+            system: "s",
+            turns: &[],
+            tools: &tools,
+            answer_only: true,
+            stable_turns: 0,
+            max_output_tokens: 10,
+        };
+        let (deltas, _rx) = tokio::sync::mpsc::unbounded_channel();
+        let policy = RetryPolicy::default();
+        let within = Duration::from_secs(15);
+        complete(&chain, &policy, &request, &deltas, within)
+            .await
+            .expect_err("no entry answers")
+            .out_of_time
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn e6_a_chain_that_fails_says_whether_the_time_ran_out_or_every_model_failed() {
+        assert!(failed_out_of_time(vec![Behaviour::Refuses, Behaviour::Hangs]).await);
+        assert!(!failed_out_of_time(vec![Behaviour::Hangs, Behaviour::Refuses]).await);
+        assert!(!failed_out_of_time(vec![Behaviour::Refuses, Behaviour::Refuses]).await);
     }
 
     #[tokio::test(start_paused = true)]
