@@ -156,7 +156,8 @@ pub fn encode(request: &ModelRequest) -> Vec<u8> {
     let tools =
         (!request.tools.is_empty() && !request.answer_only).then(|| request.tools.openai_wire());
     let (max_completion_tokens, max_tokens) = if reasons_first(request.model) {
-        (Some(request.max_output_tokens), None)
+        let limit = request.max_output_tokens.saturating_add(REASONING_HEADROOM);
+        (Some(limit), None)
     } else {
         (None, Some(request.max_output_tokens))
     };
@@ -175,6 +176,12 @@ pub fn encode(request: &ModelRequest) -> Vec<u8> {
     };
     super::tool_set::encode_with_tools(&body, tools)
 }
+
+/// What a reasoning model's limit adds to the answer's: its hidden reasoning counts against
+/// `max_completion_tokens`, and a limit of the answer's size alone is often spent on
+/// reasoning, leaving an empty answer. OpenAI advises keeping about 25,000 tokens for
+/// reasoning and output. Billed only as used; the run's token and cost budgets still apply.
+const REASONING_HEADROOM: u32 = 25_000;
 
 /// Whether `model` is one of OpenAI's reasoning families (o1, o3, o4-mini, gpt-5...), which
 /// answer `max_tokens` with a 400 and take `max_completion_tokens`. A routed name
@@ -662,7 +669,8 @@ mod tests {
             )
         };
         for model in ["gpt-5", "gpt-5-mini", "o1", "o3-mini", "o4-mini", "O3"] {
-            assert_eq!(limit(model), (json!(700), Value::Null), "{model}");
+            let with_reasoning = json!(700 + REASONING_HEADROOM);
+            assert_eq!(limit(model), (with_reasoning, Value::Null), "{model}");
         }
         for model in ["gpt-4o", "gpt-4.1-mini", "llama3.1", "openai/gpt-5", "orca"] {
             assert_eq!(limit(model), (Value::Null, json!(700)), "{model}");
