@@ -613,7 +613,11 @@ pub fn retry_after(headers: &HeaderMap) -> Duration {
     else {
         return Duration::from_secs(30);
     };
-    svc_kit::retry_after::parse(value).unwrap_or(Duration::from_secs(30))
+    // A date already past (clock skew) would say "now", and the model would call straight
+    // into the next 429: the default wait, as for an unreadable value.
+    svc_kit::retry_after::parse(value)
+        .filter(|wait| !wait.is_zero())
+        .unwrap_or(Duration::from_secs(30))
 }
 
 /// The upstream's error message, if it sent a readable one, cut short: enough for a log line,
@@ -646,6 +650,11 @@ mod tests {
         assert_eq!(retry_after(&h), Duration::from_secs(42));
         h.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
         assert_eq!(retry_after(&h), Duration::from_secs(30));
+        h.insert(
+            RETRY_AFTER,
+            HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"),
+        );
+        assert_eq!(retry_after(&h), Duration::from_secs(30), "a date past");
     }
 
     #[test]

@@ -82,6 +82,34 @@ async fn i4_a_search_that_only_gets_empty_pages_with_tokens_says_the_listing_is_
 }
 
 #[tokio::test]
+async fn i4_a_search_whose_next_page_fails_shows_the_events_already_read_marked_incomplete() {
+    let upstream = Upstream::start(|_, path| {
+        if path.contains("pageToken=p2") {
+            Answer::Status(503, r#"{"error":{"message":"Backend Error"}}"#)
+        } else {
+            Answer::Status(
+                200,
+                r#"{"items":[{"id":"e1","summary":"Standup",
+                    "start":{"dateTime":"2026-11-25T09:00:00Z"},
+                    "end":{"dateTime":"2026-11-25T09:15:00Z"}}],"nextPageToken":"p2"}"#,
+            )
+        }
+    })
+    .await;
+    let engine = engine(&upstream).await;
+    let found = common::call(&engine, "c1", "calendar_search", json!({}), "k1").await;
+    assert!(found.ok(), "{}", found.text);
+    assert!(found.text.contains("[e1] \"Standup\""), "{}", found.text);
+    assert!(
+        found
+            .text
+            .contains("The listing is incomplete: reading the next page failed"),
+        "{}",
+        found.text
+    );
+}
+
+#[tokio::test]
 async fn i4_an_update_giving_only_a_time_zone_or_calendar_is_refused_and_sends_nothing() {
     let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"id":"e1"}"#)).await;
     let engine = engine(&upstream).await;

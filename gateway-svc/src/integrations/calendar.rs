@@ -405,23 +405,37 @@ impl Tool for Search {
         let mut items = Vec::new();
         let mut token: Option<String> = None;
         let mut pages = 0;
+        // Why a later page could not be read: the events before it are still shown.
+        let mut stopped: Option<ToolError> = None;
         loop {
             let mut page_query = query.clone();
             if let Some(t) = &token {
                 page_query.push(("pageToken", t.clone()));
             }
-            ctx.charge(Integration::GoogleCalendar, &account, 1).await?;
-            let r = ctx
-                .send(Integration::GoogleCalendar, &account, |t| {
-                    ctx.http().get(&url).query(&page_query).bearer_auth(t)
-                })
-                .await?;
-            if r.status == reqwest::StatusCode::NOT_FOUND {
-                return Err(ToolError::NotFound(format!(
-                    "There is no calendar {calendar:?} in {account}."
-                )));
+            let fetched: Result<Events, ToolError> = async {
+                ctx.charge(Integration::GoogleCalendar, &account, 1).await?;
+                let r = ctx
+                    .send(Integration::GoogleCalendar, &account, |t| {
+                        ctx.http().get(&url).query(&page_query).bearer_auth(t)
+                    })
+                    .await?;
+                if r.status == reqwest::StatusCode::NOT_FOUND {
+                    return Err(ToolError::NotFound(format!(
+                        "There is no calendar {calendar:?} in {account}."
+                    )));
+                }
+                r.json(SERVICE)
             }
-            let page: Events = r.json(SERVICE)?;
+            .await;
+            let page = match fetched {
+                Ok(page) => page,
+                Err(e) if !items.is_empty() => {
+                    tracing::warn!(error = %e, pages, "a later page of a calendar search failed; showing the events read");
+                    stopped = Some(e);
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
             pages += 1;
             items.extend(page.items);
             token = page.next_page_token.filter(|t| !t.is_empty());
@@ -449,8 +463,14 @@ impl Tool for Search {
             .enumerate()
             .map(|(i, e)| format!("{}. {}", i + 1, render(e)))
             .collect();
+        let failed_page = stopped.map(|e| {
+            format!(
+                "\n(The listing is incomplete: reading the next page failed: {e} Try again, or narrow the time range.)"
+            )
+        });
         let more = match token.is_some() || cut {
             false => "",
+            _ if failed_page.is_some() => failed_page.as_deref().unwrap_or_default(),
             true if incomplete => {
                 "\n(The listing is incomplete: Google Calendar has more pages than were read; narrow the time range to see the rest.)"
             }
