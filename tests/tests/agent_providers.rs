@@ -243,13 +243,10 @@ async fn a_500_is_retried_and_a_cut_off_stream_too() {
     assert_eq!(fake.requests().len(), 3);
 }
 
-#[tokio::test]
-async fn a_400_fails_without_retry_and_the_chain_moves_on() {
-    let primary = FakeOpenAi::start(vec![Answer::Error {
-        status: 400,
-        retry_after: None,
-    }])
-    .await;
+/// An executor whose chain is a gpt-4o that answers `first`, then a gpt-4o-mini that answers
+/// "from the second model"; with the first's fake.
+async fn with_a_fallback(first: Answer) -> (Executor, FakeOpenAi, FakeOpenAi) {
+    let primary = FakeOpenAi::start(vec![first]).await;
     let secondary = FakeOpenAi::start(vec![Answer::text("from the second model")]).await;
     let exec = executor(vec![
         ChainEntry {
@@ -261,6 +258,16 @@ async fn a_400_fails_without_retry_and_the_chain_moves_on() {
             model: "gpt-4o-mini".into(),
         },
     ]);
+    (exec, primary, secondary)
+}
+
+#[tokio::test]
+async fn a_400_fails_without_retry_and_the_chain_moves_on() {
+    let (exec, primary, _secondary) = with_a_fallback(Answer::Error {
+        status: 400,
+        retry_after: None,
+    })
+    .await;
     let out = exec
         .run(&request(&[]), &EchoTools, &Events::default())
         .await;
@@ -273,22 +280,11 @@ async fn a_400_fails_without_retry_and_the_chain_moves_on() {
 /// time, not the 120 s a call may take, so the fallback answers before the run's limit.
 #[tokio::test]
 async fn l3_a_model_that_hangs_leaves_the_fallback_time_to_answer_within_the_run() {
-    let primary = FakeOpenAi::start(vec![Answer::Slow(
+    let (exec, _primary, _secondary) = with_a_fallback(Answer::Slow(
         Box::new(Answer::text("far too late")),
         Duration::from_secs(600),
-    )])
+    ))
     .await;
-    let secondary = FakeOpenAi::start(vec![Answer::text("from the second model")]).await;
-    let exec = executor(vec![
-        ChainEntry {
-            provider: openai(&primary.url),
-            model: "gpt-4o".into(),
-        },
-        ChainEntry {
-            provider: openai(&secondary.url),
-            model: "gpt-4o-mini".into(),
-        },
-    ]);
     let mut req = request(&[]);
     req.limits.max_wall = Duration::from_secs(4);
     let out = exec.run(&req, &EchoTools, &Events::default()).await;

@@ -256,12 +256,9 @@ mod tests {
         (entry, provider)
     }
 
-    /// A chain of `first` then a healthy fallback, called with `within` to spend under the
-    /// default policy (120 s per call, Retry-After up to 60 s waited for): how long it took,
-    /// what answered, and how often the first entry was called.
-    async fn chain_of(first: Behaviour, within: Duration) -> (Duration, String, u32) {
-        let (primary, first_calls) = entry("primary", first);
-        let (fallback, _) = entry("fallback", Behaviour::Answers);
+    /// A request through `chain` within `within`, under the default policy (120 s per call,
+    /// Retry-After up to 60 s waited for).
+    async fn through(chain: &[ChainEntry], within: Duration) -> Result<Completed, ChainFailed> {
         let tools = ToolSet::default();
         let request = ModelRequest {
             model: "",
@@ -273,16 +270,18 @@ mod tests {
             max_output_tokens: 10,
         };
         let (deltas, _rx) = tokio::sync::mpsc::unbounded_channel();
+        complete(chain, &RetryPolicy::default(), &request, &deltas, within).await
+    }
+
+    /// A chain of `first` then a healthy fallback, given `within`: how long it took, what
+    /// answered, and how often the first entry was called.
+    async fn chain_of(first: Behaviour, within: Duration) -> (Duration, String, u32) {
+        let (primary, first_calls) = entry("primary", first);
+        let (fallback, _) = entry("fallback", Behaviour::Answers);
         let started = tokio::time::Instant::now();
-        let done = complete(
-            &[primary, fallback],
-            &RetryPolicy::default(),
-            &request,
-            &deltas,
-            within,
-        )
-        .await
-        .expect("the fallback answers");
+        let done = through(&[primary, fallback], within)
+            .await
+            .expect("the fallback answers");
         let calls = first_calls.calls.load(std::sync::atomic::Ordering::Relaxed);
         (started.elapsed(), done.response.text, calls)
     }
@@ -308,20 +307,7 @@ mod tests {
     /// The chain of `behaviours` within 15 s: whether its failure says the time ran out.
     async fn failed_out_of_time(behaviours: Vec<Behaviour>) -> bool {
         let chain: Vec<ChainEntry> = behaviours.into_iter().map(|b| entry("m", b).0).collect();
-        let tools = ToolSet::default();
-        let request = ModelRequest {
-            model: "",
-            system: "s",
-            turns: &[],
-            tools: &tools,
-            answer_only: true,
-            stable_turns: 0,
-            max_output_tokens: 10,
-        };
-        let (deltas, _rx) = tokio::sync::mpsc::unbounded_channel();
-        let policy = RetryPolicy::default();
-        let within = Duration::from_secs(15);
-        complete(&chain, &policy, &request, &deltas, within)
+        through(&chain, Duration::from_secs(15))
             .await
             .expect_err("no entry answers")
             .out_of_time
