@@ -110,6 +110,38 @@ async fn i4_a_search_whose_next_page_fails_shows_the_events_already_read_marked_
 }
 
 #[tokio::test]
+async fn i4_an_event_the_user_declined_says_so_and_one_someone_else_declined_does_not() {
+    let upstream = Upstream::start(|_, _| {
+        Answer::Status(
+            200,
+            r#"{"items":[
+                {"id":"e1","summary":"Offsite",
+                 "start":{"dateTime":"2026-11-25T09:00:00Z"},"end":{"dateTime":"2026-11-25T10:00:00Z"},
+                 "attendees":[{"email":"alice@example.com","self":true,"responseStatus":"declined"},
+                              {"email":"bob@example.com","responseStatus":"accepted"}]},
+                {"id":"e2","summary":"Review",
+                 "start":{"dateTime":"2026-11-25T11:00:00Z"},"end":{"dateTime":"2026-11-25T12:00:00Z"},
+                 "attendees":[{"email":"alice@example.com","self":true,"responseStatus":"accepted"},
+                              {"email":"bob@example.com","responseStatus":"declined"}]}]}"#,
+        )
+    })
+    .await;
+    let engine = engine(&upstream).await;
+    let found = common::call(&engine, "c1", "calendar_search", json!({}), "k1").await;
+    assert!(found.ok(), "{}", found.text);
+    let line = |id: &str| {
+        found
+            .text
+            .lines()
+            .find(|l| l.contains(id))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert!(line("[e1]").ends_with("(you declined)"), "{}", found.text);
+    assert!(!line("[e2]").contains("declined"), "{}", found.text);
+}
+
+#[tokio::test]
 async fn i4_an_update_giving_only_a_time_zone_or_calendar_is_refused_and_sends_nothing() {
     let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"id":"e1"}"#)).await;
     let engine = engine(&upstream).await;

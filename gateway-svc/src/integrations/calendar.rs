@@ -51,14 +51,29 @@ struct Event {
 }
 
 #[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
 struct Attendee {
     #[serde(default)]
     email: String,
+    /// This attendee is the calendar's own user.
+    #[serde(default, rename = "self")]
+    is_self: bool,
+    /// "needsAction", "declined", "tentative" or "accepted".
+    #[serde(default)]
+    response_status: String,
 }
 
 impl Event {
     fn attendee_list(&self) -> Vec<String> {
         self.attendees.iter().map(|a| a.email.clone()).collect()
+    }
+
+    /// The user is invited and said no: Google still lists the event, and a model that is
+    /// not told would speak of a meeting the user will not attend.
+    fn declined_by_user(&self) -> bool {
+        self.attendees
+            .iter()
+            .any(|a| a.is_self && a.response_status == "declined")
     }
 }
 
@@ -116,6 +131,9 @@ fn render(e: &Event) -> String {
     let mut line = format!("[{}] \"{}\" — {}", e.id, e.summary, span(&e.start, &e.end));
     if !e.location.is_empty() {
         line.push_str(&format!(" — {}", e.location));
+    }
+    if e.declined_by_user() {
+        line.push_str(" (you declined)");
     }
     line
 }
@@ -918,6 +936,7 @@ mod tests {
             id: "e1".into(),
             attendees: vec![Attendee {
                 email: "bob@example.com".into(),
+                ..Attendee::default()
             }],
             ..Event::default()
         };
@@ -1061,7 +1080,7 @@ mod tests {
                 location: String::new(),
                 start: current_start,
                 end: current_end,
-                attendees: current_attendees.iter().map(|e| Attendee { email: e.clone() }).collect(),
+                attendees: current_attendees.iter().map(|e| Attendee { email: e.clone(), ..Attendee::default() }).collect(),
             };
             let mut args = json!({"event_id": "e"});
             let (summary, start, end, zone, location, description) = changes;
