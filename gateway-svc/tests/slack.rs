@@ -125,3 +125,33 @@ async fn i5_message_times_are_labelled_utc() {
         read.text
     );
 }
+
+#[tokio::test]
+async fn i5_a_message_reads_as_slack_shows_it_with_mentions_links_and_entities_decoded() {
+    let upstream = Upstream::start(|_, _| {
+        Answer::Status(
+            200,
+            r#"{"ok":true,"messages":[{"ts":"1795599000.000100","user":"U1",
+                "text":"<@U2> see <https://x.test/q?a=1&amp;b=2|the plan> in <#C9|ops>: a &lt; b &amp;&amp; c &gt; d"}]}"#,
+        )
+    })
+    .await;
+    let engine = engine(&upstream).await;
+    let read = common::call(
+        &engine,
+        "c1",
+        "slack_read",
+        json!({"channel": "C024BE91L"}),
+        "k1",
+    )
+    .await;
+    assert!(read.ok(), "{}", read.text);
+    assert!(
+        read.text
+            .ends_with("U1: @U2 see the plan (https://x.test/q?a=1&b=2) in #ops: a < b && c > d"),
+        "{}",
+        read.text
+    );
+    // Others' words, however decoded, are marked so the agent fences them as data.
+    assert!(read.external);
+}
