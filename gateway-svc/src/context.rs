@@ -596,7 +596,7 @@ fn limit_wait(reason: &str, headers: &HeaderMap) -> Option<Duration> {
 
 /// Google's machine reason for an error (`error.errors[0].reason`, or `error.status`), when it
 /// is a plain word: never free text.
-fn google_reason(body: &[u8]) -> Option<String> {
+pub(crate) fn google_reason(body: &[u8]) -> Option<String> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     let reason = v
         .pointer("/error/errors/0/reason")

@@ -1,4 +1,5 @@
-//! G-7, I-1: a message Gmail rate-limits inside its batch answer (a part answered 429) is a
+//! G-7, I-1: a message Gmail rate-limits inside its batch answer (a part answered 429, or 403
+//! with Google's rate-limit reason) is a
 //! limit to wait out, never a message that "could not be fetched" in a successful result:
 //! every part limited is the search's own rate-limit error with when to try again; some
 //! limited are said so in the result, with when to try again.
@@ -51,6 +52,46 @@ HTTP/1.1 429 Too Many Requests\r\nRetry-After: 12\r\nContent-Type: application/j
     }
 }
 
+/// The first part fetched, the second answered 403 with Google's per-user rate-limit reason,
+/// the third 403 for a reason that is no limit.
+fn one_limited_by_403(method: &str, _path: &str) -> Answer {
+    match method {
+        "GET" => Answer::Status(200, r#"{"messages":[{"id":"a"},{"id":"b"},{"id":"c"}]}"#),
+        _ => Answer::Typed(
+            200,
+            BATCH,
+            "--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-0>\r\n\r\n\
+HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n\
+{\"id\":\"a\",\"threadId\":\"t\",\"payload\":{\"headers\":[{\"name\":\"Subject\",\"value\":\"Hello\"}]}}\r\n\
+--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-1>\r\n\r\n\
+HTTP/1.1 403 Forbidden\r\nRetry-After: 21\r\nContent-Type: application/json\r\n\r\n\
+{\"error\":{\"code\":403,\"message\":\"User Rate Limit Exceeded\",\"errors\":[{\"domain\":\"usageLimits\",\"reason\":\"userRateLimitExceeded\"}]}}\r\n\
+--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-2>\r\n\r\n\
+HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\n\r\n\
+{\"error\":{\"code\":403,\"errors\":[{\"reason\":\"forbidden\"}]}}\r\n\
+--batch_x--\r\n",
+        ),
+    }
+}
+
+/// Both parts answered 403 with Google's rate-limit reason, one asking for 25 seconds.
+fn all_limited_by_403(method: &str, _path: &str) -> Answer {
+    match method {
+        "GET" => Answer::Status(200, LIST),
+        _ => Answer::Typed(
+            200,
+            BATCH,
+            "--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-0>\r\n\r\n\
+HTTP/1.1 403 Forbidden\r\nRetry-After: 25\r\nContent-Type: application/json\r\n\r\n\
+{\"error\":{\"code\":403,\"errors\":[{\"reason\":\"rateLimitExceeded\"}]}}\r\n\
+--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-1>\r\n\r\n\
+HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\n\r\n\
+{\"error\":{\"code\":403,\"errors\":[{\"reason\":\"userRateLimitExceeded\"}]}}\r\n\
+--batch_x--\r\n",
+        ),
+    }
+}
+
 async fn engine(upstream: &Upstream) -> Engine {
     let engine = common::engine(
         &MemoryStore::stores(),
@@ -97,5 +138,51 @@ async fn g7_a_search_with_some_batch_parts_rate_limited_says_which_could_not_be_
         ),
         "{}",
         found.text
+    );
+}
+
+#[tokio::test]
+async fn g7_a_batch_part_answered_403_for_a_rate_limit_is_a_rate_limit_and_other_403s_are_not() {
+    let upstream = Upstream::start(one_limited_by_403).await;
+    let engine = engine(&upstream).await;
+    let found = common::call(&engine, "c1", "search_gmail", json!({}), "k1").await;
+    assert!(found.ok(), "{}", found.text);
+    assert!(
+        found
+            .text
+            .contains("2. [b] (not fetched: Gmail rate-limited it)"),
+        "{}",
+        found.text
+    );
+    assert!(
+        found
+            .text
+            .contains("3. [c] (could not be fetched: HTTP 403)"),
+        "{}",
+        found.text
+    );
+    assert!(
+        found.text.contains(
+            "(1 of these could not be fetched because Gmail rate-limited them; try again in 21 seconds"
+        ),
+        "{}",
+        found.text
+    );
+}
+
+#[tokio::test]
+async fn g7_a_search_whose_every_batch_part_is_403_rate_limited_is_a_rate_limit_error() {
+    let upstream = Upstream::start(all_limited_by_403).await;
+    let engine = engine(&upstream).await;
+    let found = common::call(&engine, "c1", "search_gmail", json!({}), "k1").await;
+    assert_eq!(
+        found.error_kind,
+        Some(ErrorKind::RateLimited),
+        "{}",
+        found.text
+    );
+    assert_eq!(
+        found.text,
+        "Gmail is rate limiting requests. Try again in 30 seconds."
     );
 }

@@ -64,7 +64,8 @@ struct Found {
     cut: Option<Cut>,
     /// Gmail said more messages match than were asked for (and nothing was cut).
     more: bool,
-    /// How many messages Gmail's batch answer rate-limited (429), and the longest wait it
+    /// How many messages Gmail's batch answer rate-limited (429, or 403 naming a rate limit),
+    /// and the longest wait it
     /// asked for.
     limited: Option<(usize, Duration)>,
 }
@@ -322,7 +323,7 @@ impl GmailApi {
         // as such, with when to try again; every part limited is the search's own 429 (G-7).
         let waits: Vec<Duration> = (0..ids.len())
             .filter_map(|i| parts.get(&i))
-            .filter(|p| p.status == 429)
+            .filter(|p| rate_limited(p))
             .map(|p| p.retry_after.unwrap_or(Duration::from_secs(30)))
             .collect();
         let wait = waits.iter().max().copied().unwrap_or_default();
@@ -338,7 +339,7 @@ impl GmailApi {
             .map(|(i, id)| match parts.get(&i) {
                 Some(p) if p.status == 200 => serde_json::from_str::<Message>(&p.body)
                     .map_err(|_| format!("[{id}] (unreadable)")),
-                Some(p) if p.status == 429 => {
+                Some(p) if rate_limited(p) => {
                     Err(format!("[{id}] (not fetched: Gmail rate-limited it)"))
                 }
                 Some(p) => Err(format!("[{id}] (could not be fetched: HTTP {})", p.status)),
@@ -402,6 +403,17 @@ impl GmailApi {
             Value::Null
         }))
     }
+}
+
+/// A batch part Gmail rate-limited: answered 429, or 403 with a rate-limit reason, as Google
+/// answers a per-user limit (the same reasons a whole request's 403 is a limit for).
+fn rate_limited(part: &batch::PartResponse) -> bool {
+    part.status == 429
+        || (part.status == 403
+            && matches!(
+                crate::context::google_reason(part.body.as_bytes()).as_deref(),
+                Some("rateLimitExceeded" | "userRateLimitExceeded")
+            ))
 }
 
 /// The addresses of an address-list header (`To`, `Cc`, `Reply-To`): split on the commas
