@@ -339,17 +339,20 @@ impl Bootstrap {
         }
         ordered.sort_by_key(|(i, _)| *i);
         results.extend(ordered.into_iter().map(|(_, e)| e));
+        // Each account name quoted (and on one line): one holding ", " or a count of its own
+        // (a Slack workspace "Acme, Inc", a name someone else chose) reads as one account.
+        let name = |account: &str| crate::registry::quoted(&crate::registry::line(account, 200));
         let mut parts: Vec<String> = results
             .iter()
             .map(|a| match a.status {
-                SourceStatus::Ok => format!("{} {}", a.account, a.unread),
-                _ => format!("{} {UNAVAILABLE}", a.account),
+                SourceStatus::Ok => format!("{} {}", name(&a.account), a.unread),
+                _ => format!("{} {UNAVAILABLE}", name(&a.account)),
             })
             .collect();
         // An account that needs reconnecting is not counted, and says why (G-8): never left
         // out as if it were not there.
         for account in to_reconnect {
-            parts.push(format!("{account} (needs to be reconnected)"));
+            parts.push(format!("{} (needs to be reconnected)", name(&account)));
             results.push(AccountUnread {
                 account,
                 status: SourceStatus::Unavailable,

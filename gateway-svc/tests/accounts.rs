@@ -132,7 +132,7 @@ async fn i1_the_session_brief_names_the_account_that_needs_reconnecting() {
     let brief = bootstrap.context(&user(), "UTC").await;
     assert_eq!(
         brief.email.line,
-        "Unread: work@example.com 0, home@example.com (needs to be reconnected)"
+        r#"Unread: "work@example.com" 0, "home@example.com" (needs to be reconnected)"#
     );
     let accounts: Vec<_> = brief
         .email
@@ -141,6 +141,40 @@ async fn i1_the_session_brief_names_the_account_that_needs_reconnecting() {
         .map(|a| a.account.as_str())
         .collect();
     assert_eq!(accounts, ["work@example.com", "home@example.com"]);
+}
+
+#[tokio::test]
+async fn i1_the_session_brief_quotes_each_account_so_a_name_holding_a_comma_or_quote_reads_as_one()
+{
+    let stores = MemoryStore::stores();
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"messagesUnread": 3}"#)).await;
+    let engine = common::engine(
+        &stores,
+        gmail::tools(GmailApi {
+            base_url: upstream.base_url.clone(),
+        }),
+    );
+    let odd = r#"Acme, Inc" 9, "b"#;
+    for account in ["a@example.com", odd] {
+        common::connect(&engine, Integration::Gmail, account, "tok").await;
+    }
+    common::needs_reconnect(&stores, Integration::Gmail, odd).await;
+    let bootstrap = gateway_svc::bootstrap::Bootstrap {
+        tasks: stores.tasks.clone(),
+        reminders: stores.reminders.clone(),
+        notes: stores.notes.clone(),
+        services: engine.services.clone(),
+        gmail: GmailApi {
+            base_url: upstream.base_url.clone(),
+        },
+        source_timeout: Duration::from_secs(5),
+        cache: None,
+    };
+    let brief = bootstrap.context(&user(), "UTC").await;
+    assert_eq!(
+        brief.email.line,
+        r#"Unread: "a@example.com" 3, "Acme, Inc\" 9, \"b" (needs to be reconnected)"#
+    );
 }
 
 #[tokio::test]
