@@ -12,6 +12,7 @@ use gateway_svc::{
     domain::{ErrorKind, Integration},
     engine::Engine,
     integrations::calendar::{self, CalendarApi},
+    ratelimit::{Limits, Window},
     store::memory::MemoryStore,
 };
 use serde_json::json;
@@ -220,4 +221,48 @@ async fn i4_a_write_that_invites_attendees_or_moves_their_event_asks_google_to_e
         upstream.seen("PATCH /calendar/v3/calendars/primary/events/e1"),
         2
     );
+}
+
+#[tokio::test]
+async fn g6_a_search_declares_its_three_pages_and_gives_back_the_pages_it_did_not_read() {
+    let upstream = Upstream::start(|_, _| {
+        Answer::Status(
+            200,
+            r#"{"items":[{"id":"e1","summary":"Standup",
+                "start":{"dateTime":"2026-11-25T09:00:00Z"},
+                "end":{"dateTime":"2026-11-25T09:15:00Z"}}]}"#,
+        )
+    })
+    .await;
+    // A day's window: the budget cannot roll over between the searches.
+    let engine = common::engine_with_limits(
+        &MemoryStore::stores(),
+        calendar::tools(CalendarApi {
+            base_url: upstream.base_url.clone(),
+        }),
+        Some(Limits(vec![(Window::Day, 3)])),
+    );
+    common::connect(
+        &engine,
+        Integration::GoogleCalendar,
+        "alice@example.com",
+        "tok-alice",
+    )
+    .await;
+    let declared = engine.registry.get("calendar_search").unwrap();
+    assert_eq!(declared.spec.upstream_cost, 3);
+    // Each search reserves three pages and reads one: three fit in a budget of three.
+    for i in 0..3 {
+        let found =
+            common::call(&engine, "c", "calendar_search", json!({}), &format!("k{i}")).await;
+        assert!(found.ok(), "search {i}: {}", found.text);
+    }
+    let refused = common::call(&engine, "c", "calendar_search", json!({}), "k3").await;
+    assert_eq!(
+        refused.error_kind,
+        Some(ErrorKind::RateLimited),
+        "{}",
+        refused.text
+    );
+    assert_eq!(upstream.seen(EVENTS), 3);
 }

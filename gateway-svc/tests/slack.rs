@@ -11,6 +11,7 @@ use gateway_svc::{
     domain::{ErrorKind, Integration},
     engine::Engine,
     integrations::slack::{self, SlackApi},
+    ratelimit::{Limits, Window},
     store::memory::MemoryStore,
 };
 use serde_json::json;
@@ -154,4 +155,40 @@ async fn i5_a_message_reads_as_slack_shows_it_with_mentions_links_and_entities_d
     );
     // Others' words, however decoded, are marked so the agent fences them as data.
     assert!(read.external);
+}
+
+#[tokio::test]
+async fn g6_a_channel_listing_declares_its_three_pages_and_gives_back_the_pages_it_did_not_read() {
+    let upstream = Upstream::start(|_, _| {
+        Answer::Status(
+            200,
+            r#"{"ok":true,"channels":[{"id":"C1","name":"general","num_members":3}]}"#,
+        )
+    })
+    .await;
+    // A day's window: the budget cannot roll over between the listings.
+    let engine = common::engine_with_limits(
+        &MemoryStore::stores(),
+        slack::tools(SlackApi {
+            base_url: upstream.base_url.clone(),
+        }),
+        Some(Limits(vec![(Window::Day, 3)])),
+    );
+    common::connect(&engine, Integration::Slack, "T123", "tok").await;
+    let declared = engine.registry.get("slack_channels").unwrap();
+    assert_eq!(declared.spec.upstream_cost, 3);
+    // Each listing reserves three pages and reads one: three fit in a budget of three.
+    for i in 0..3 {
+        let listed =
+            common::call(&engine, "c", "slack_channels", json!({}), &format!("k{i}")).await;
+        assert!(listed.ok(), "listing {i}: {}", listed.text);
+    }
+    let refused = common::call(&engine, "c", "slack_channels", json!({}), "k3").await;
+    assert_eq!(
+        refused.error_kind,
+        Some(ErrorKind::RateLimited),
+        "{}",
+        refused.text
+    );
+    assert_eq!(upstream.seen("GET /api/conversations.list"), 3);
 }

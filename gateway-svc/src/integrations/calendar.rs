@@ -376,6 +376,7 @@ impl Tool for Search {
                 "account": {"type": "string"}}}),
         )
         .reading_external_content()
+        .with_cost(MAX_SEARCH_PAGES as u32)
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -417,21 +418,37 @@ impl Tool for Search {
             query.push(("q", q));
         }
         // Google may answer a page with fewer events than maxResults, even none, while more
-        // match (its nextPageToken says so): pages are followed, each charged as one call,
-        // until there are enough events, no token, or MAX_SEARCH_PAGES were read.
+        // match (its nextPageToken says so): pages are followed, each one call, until there
+        // are enough events, no token, or MAX_SEARCH_PAGES were read. Every page the search
+        // may read is reserved before the first is asked for, so a user out of budget is
+        // refused before any request, never part-way through; fewer left than that reads
+        // fewer pages. The pages not read are given back.
+        let mut reservation = ctx
+            .reserve_up_to(
+                Integration::GoogleCalendar,
+                &account,
+                1,
+                MAX_SEARCH_PAGES as u32,
+            )
+            .await?;
+        let page_budget = reservation.cost() as usize;
         let wanted: usize = max.parse().unwrap_or(10);
         let mut items = Vec::new();
         let mut token: Option<String> = None;
         let mut pages = 0;
         // Why a later page could not be read: the events before it are still shown.
         let mut stopped: Option<ToolError> = None;
+        // Pages asked for, read or not: each was a call made.
+        let mut asked = 0;
         loop {
             let mut page_query = query.clone();
             if let Some(t) = &token {
                 page_query.push(("pageToken", t.clone()));
             }
+            asked += 1;
+            // Cancelled from here on: only the pages after this one surely were not asked for.
+            reservation.unused_if_dropped((page_budget - asked) as u32);
             let fetched: Result<Events, ToolError> = async {
-                ctx.charge(Integration::GoogleCalendar, &account, 1).await?;
                 let r = ctx
                     .send(Integration::GoogleCalendar, &account, |t| {
                         ctx.http().get(&url).query(&page_query).bearer_auth(t)
@@ -452,15 +469,19 @@ impl Tool for Search {
                     stopped = Some(e);
                     break;
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    reservation.refund((page_budget - asked) as u32).await;
+                    return Err(e);
+                }
             };
             pages += 1;
             items.extend(page.items);
             token = page.next_page_token.filter(|t| !t.is_empty());
-            if token.is_none() || items.len() >= wanted || pages >= MAX_SEARCH_PAGES {
+            if token.is_none() || items.len() >= wanted || pages >= page_budget {
                 break;
             }
         }
+        reservation.refund((page_budget - asked) as u32).await;
         let cut = items.len() > wanted;
         items.truncate(wanted);
         // Never "no events" while Google says more exist: the listing stopped short.

@@ -26,6 +26,7 @@ pub struct SlackApi {
 }
 
 impl SlackApi {
+    /// One Web API call, charged as one.
     async fn call(
         &self,
         ctx: &CallContext,
@@ -34,6 +35,17 @@ impl SlackApi {
         query: &[(&str, String)],
     ) -> Result<Value, ToolError> {
         ctx.charge(Integration::Slack, team, 1).await?;
+        self.call_charged(ctx, team, method, query).await
+    }
+
+    /// One Web API call the caller has already charged for.
+    async fn call_charged(
+        &self,
+        ctx: &CallContext,
+        team: &str,
+        method: &str,
+        query: &[(&str, String)],
+    ) -> Result<Value, ToolError> {
         let url = format!("{}/api/{method}", self.base_url.trim_end_matches('/'));
         let r = ctx
             .send(Integration::Slack, team, |t| {
@@ -193,14 +205,23 @@ impl Tool for Channels {
         )
         // Channel names and messages are written by other people.
         .reading_external_content()
+        .with_cost(MAX_PAGES as u32)
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
         let team = team(ctx, &args).await?;
         let limit = args.get("limit").and_then(Value::as_u64).unwrap_or(100) as usize;
+        // Every page the listing may read is reserved before the first is asked for (a user
+        // out of budget is refused before any request, never part-way through); fewer left
+        // reads fewer pages, and the pages not read are given back.
+        let mut reservation = ctx
+            .reserve_up_to(Integration::Slack, &team, 1, MAX_PAGES as u32)
+            .await?;
+        let page_budget = reservation.cost() as usize;
+        let mut asked = 0;
         let mut channels = Vec::new();
         let mut cursor = String::new();
-        for _ in 0..MAX_PAGES {
+        while asked < page_budget {
             let mut query = vec![
                 ("limit", "200".to_owned()),
                 ("exclude_archived", "true".to_owned()),
@@ -209,10 +230,20 @@ impl Tool for Channels {
             if !cursor.is_empty() {
                 query.push(("cursor", cursor.clone()));
             }
-            let page = self
+            asked += 1;
+            // Cancelled from here on: only the pages after this one surely were not asked for.
+            reservation.unused_if_dropped((page_budget - asked) as u32);
+            let page = match self
                 .0
-                .call(ctx, &team, "conversations.list", &query)
-                .await?;
+                .call_charged(ctx, &team, "conversations.list", &query)
+                .await
+            {
+                Ok(page) => page,
+                Err(e) => {
+                    reservation.refund((page_budget - asked) as u32).await;
+                    return Err(e);
+                }
+            };
             channels.extend(page["channels"].as_array().cloned().unwrap_or_default());
             cursor = page
                 .pointer("/response_metadata/next_cursor")
@@ -223,6 +254,7 @@ impl Tool for Channels {
                 break;
             }
         }
+        reservation.refund((page_budget - asked) as u32).await;
         let more = !cursor.is_empty() || channels.len() > limit;
         // Slack may answer a page with fewer channels than asked for, even none, while its
         // cursor says more exist: with the page bound reached short of the limit, the list is
@@ -233,7 +265,7 @@ impl Tool for Channels {
             return Ok(ToolOutput::text(if incomplete {
                 format!(
                     "The channel list of Slack workspace {team} could not be completed: Slack \
-                     returned {MAX_PAGES} pages without channels but said more exist. Try again \
+                     returned {asked} pages without channels but said more exist. Try again \
                      later, or read a channel you know the id of with slack_read."
                 )
             } else {

@@ -18,7 +18,7 @@ use gateway_svc::{
     credentials::{Credentials, NewAccount, cipher::TokenCipher},
     domain::{CallOutcome, CallRequest, Channel, Integration, UserId},
     engine::{Engine, EngineConfig},
-    ratelimit::{RateLimiter, memory::MemoryRateLimits},
+    ratelimit::{Limits, RateLimiter, memory::MemoryRateLimits},
     registry::{Registry, Tool},
     store::{AccountStatus, Stores},
 };
@@ -64,6 +64,15 @@ pub(crate) async fn needs_reconnect(stores: &Stores, integration: Integration, a
 }
 
 pub(crate) fn engine(stores: &Stores, tools: Vec<Arc<dyn Tool>>) -> Engine {
+    engine_with_limits(stores, tools, None)
+}
+
+/// [`engine`], every integration's calls limited by `limits` per user and account.
+pub(crate) fn engine_with_limits(
+    stores: &Stores,
+    tools: Vec<Arc<dyn Tool>>,
+    limits: Option<Limits>,
+) -> Engine {
     let http = gateway_svc::context::upstream_client(Duration::from_secs(10)).unwrap();
     let services = Arc::new(Services {
         credentials: Credentials::new(
@@ -72,7 +81,9 @@ pub(crate) fn engine(stores: &Stores, tools: Vec<Arc<dyn Tool>>) -> Engine {
             None,
             http.clone(),
         ),
-        limiter: RateLimiter::new(Arc::new(MemoryRateLimits::default()), |_| None),
+        limiter: RateLimiter::new(Arc::new(MemoryRateLimits::default()), move |_| {
+            limits.clone()
+        }),
         http,
         audit: AuditTrail::start(stores.audit.clone(), &AuditQueueConfig::default()),
         max_body_bytes: 1 << 20,
