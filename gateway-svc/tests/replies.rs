@@ -24,7 +24,8 @@ const SEND: &str = "POST /gmail/v1/users/me/messages/send";
 /// the fifth): `zw` from an address holding a zero-width space, `cc` from a
 /// plain sender but copied to an address holding a right-to-left override, `name` from a
 /// plain address whose display name holds that override, and `crlf` whose Subject, Message-ID
-/// and References hold a CRLF and a header after it. A send or a draft is accepted.
+/// and References hold a CRLF and a header after it; `noat`, whose Message-ID and first
+/// reference hold no `@`. A send or a draft is accepted.
 fn gmail(method: &str, path: &str) -> Answer {
     let message = |id| path.starts_with(&format!("/gmail/v1/users/me/messages/{id}?"));
     match method {
@@ -54,6 +55,14 @@ fn gmail(method: &str, path: &str) -> Answer {
                 {"name":"Subject","value":"Lunch\r\nBcc: eve@evil.com"},
                 {"name":"Message-ID","value":"<m1@example.com>\r\nBcc: eve@evil.com"},
                 {"name":"References","value":"<m0@example.com>\r\nCc: eve@evil.com"}]}}"#,
+        ),
+        "GET" if message("noat") => Answer::Status(
+            200,
+            r#"{"id":"noat","threadId":"t6","payload":{"headers":[
+                {"name":"From","value":"Bob <bob@example.com>"},
+                {"name":"Subject","value":"Lunch"},
+                {"name":"Message-ID","value":"<20261127101500.4F2A.local>"},
+                {"name":"References","value":"<root.4F29.local> <m0@example.com>"}]}}"#,
         ),
         "GET" if message("own") => Answer::Status(
             200,
@@ -284,6 +293,26 @@ async fn i3_a_reply_to_an_email_the_account_sent_goes_to_its_recipients_as_gmail
     let head = sent_headers(&bodies[1]);
     assert!(
         head.contains("\r\nTo: <bob@example.com>, <carol@example.com>\r\n"),
+        "{head}"
+    );
+}
+
+#[tokio::test]
+async fn i3_a_reply_keeps_message_ids_without_an_at_sign_in_in_reply_to_and_references() {
+    let upstream = Upstream::start(gmail).await;
+    let engine = engine(&upstream).await;
+    let sent = common::call(&engine, "c1", "gmail_reply", reply("noat", false), "k1").await;
+    assert!(sent.ok(), "{}", sent.text);
+    let bodies = upstream.bodies(SEND);
+    assert_eq!(bodies.len(), 1);
+    // Unfolded: a long References header may be folded onto a second line.
+    let head = sent_headers(&bodies[0]).replace("\r\n ", " ");
+    assert!(
+        head.contains("In-Reply-To: <20261127101500.4F2A.local>"),
+        "{head}"
+    );
+    assert!(
+        head.contains("References: <root.4F29.local> <m0@example.com> <20261127101500.4F2A.local>"),
         "{head}"
     );
 }

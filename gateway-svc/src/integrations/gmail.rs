@@ -1239,14 +1239,28 @@ fn one_line(value: &str) -> String {
 
 /// The message ids of a `Message-ID` or `References` header of the original: split on
 /// whitespace and control characters (so no id holds a line break), angle brackets stripped;
-/// what holds no `@` (every message id does) is left out.
+/// only what [`safe_id`] accepts is kept.
 fn message_ids(value: &str) -> Vec<String> {
     value
         .split(|c: char| c.is_whitespace() || c.is_control())
         .map(strip_angles)
-        .filter(|id| id.contains('@'))
+        .filter(|id| safe_id(id))
         .map(str::to_owned)
         .collect()
+}
+
+/// Longest message id kept: the longest real ones are well under this, and the reply's
+/// References must stay within a header line's limits.
+const MAX_MESSAGE_ID: usize = 250;
+
+/// An id that can be written between `<` and `>` in the reply's headers without ending its
+/// header or its brackets: no whitespace (CR and LF included), no control character, no angle
+/// bracket, not empty and not too long. An `@` is not required: some mailers write ids
+/// without one, and dropping them breaks threading in other clients.
+fn safe_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_MESSAGE_ID
+        && !id.contains(|c: char| c.is_whitespace() || c.is_control() || matches!(c, '<' | '>'))
 }
 
 fn raw(message: MessageBuilder<'_>) -> Result<String, ToolError> {
@@ -1550,11 +1564,11 @@ impl Reply {
         };
         // A Message-ID is one id: one that holds whitespace or a control character is none,
         // and the reply goes without In-Reply-To (its threadId still keeps it in the thread).
-        let id_header = original.header("Message-ID").trim();
-        let message_id = if id_header.contains(|c: char| c.is_whitespace() || c.is_control()) {
-            String::new()
+        let id_header = strip_angles(original.header("Message-ID"));
+        let message_id = if safe_id(id_header) {
+            id_header.to_owned()
         } else {
-            strip_angles(id_header).to_owned()
+            String::new()
         };
         let mut references = message_ids(original.header("References"));
         if !message_id.is_empty() {
@@ -1899,9 +1913,25 @@ mod tests {
     fn i3_ids_and_subjects_of_an_original_never_carry_a_line_break_into_a_reply() {
         assert_eq!(
             message_ids("<a@x.com>\r\nBcc: eve@evil.com <b@x.com>\u{0}<c@x.com>"),
-            ["a@x.com", "eve@evil.com", "b@x.com", "c@x.com"]
+            ["a@x.com", "Bcc:", "eve@evil.com", "b@x.com", "c@x.com"]
         );
         assert_eq!(one_line("Lunch\r\nBcc: e@x\u{85}\t!"), "Lunch  Bcc: e@x  !");
+    }
+
+    #[test]
+    fn i3_a_reference_without_an_at_sign_is_kept_and_only_unsafe_ids_are_dropped() {
+        let long = format!("<{}>", "a".repeat(MAX_MESSAGE_ID + 1));
+        assert_eq!(
+            message_ids(&format!(
+                "<20261127.abc.local> <a@x.com> <> <x<y> {long} <{}>",
+                "b".repeat(MAX_MESSAGE_ID)
+            )),
+            [
+                "20261127.abc.local".to_owned(),
+                "a@x.com".to_owned(),
+                "b".repeat(MAX_MESSAGE_ID)
+            ]
+        );
     }
 
     #[test]
