@@ -116,6 +116,25 @@ async fn i3_a_reply_to_a_sender_whose_address_holds_an_invisible_character_is_re
 }
 
 #[tokio::test]
+async fn u1_a_reply_refusal_quoting_the_originals_address_is_marked_as_others_words_to_fence() {
+    let upstream = Upstream::start(gmail).await;
+    let engine = engine(&upstream).await;
+    for (message, reply_all) in [("zw", false), ("cc", true)] {
+        let refused = common::call(
+            &engine,
+            "c1",
+            "gmail_reply",
+            reply(message, reply_all),
+            message,
+        )
+        .await;
+        assert!(!refused.ok(), "{}", refused.text);
+        // Someone else wrote the address it repeats: the agent fences the refusal as data.
+        assert!(refused.external, "{message}: {}", refused.text);
+    }
+}
+
+#[tokio::test]
 async fn i3_a_reply_to_all_whose_cc_holds_a_bidi_override_is_refused_and_points_at_replying_to_the_sender()
  {
     let upstream = Upstream::start(gmail).await;

@@ -121,7 +121,8 @@ pub enum ToolError {
     },
     /// What another party wrote (a header of the email replied to) keeps the tool from doing
     /// what was asked: the arguments are fine, so the same call fails the same way. The
-    /// sentence says what to do instead.
+    /// sentence says what to do instead, and quotes what the other party wrote (escaped and
+    /// clipped), so it carries external words and is fenced as data.
     #[error("Not done: {0}")]
     NotDoable(String),
     /// Another call with the same idempotency key is still running.
@@ -197,9 +198,10 @@ impl ToolError {
     }
 
     /// The sentence carries words another party wrote (an MCP server's own account of its
-    /// failure), so the agent must treat it as data, not as Steward's instruction (P-1).
+    /// failure, an entry of an email's header), so the agent must treat it as data, not as
+    /// Steward's instruction (P-1).
     pub fn carries_external_words(&self) -> bool {
-        matches!(self, ToolError::RemoteTool { .. })
+        matches!(self, ToolError::RemoteTool { .. } | ToolError::NotDoable(_))
     }
 }
 
@@ -236,6 +238,20 @@ mod tests {
              Do not repeat it; tell the user it is unconfirmed."
         );
         assert_eq!(e.kind(), ErrorKind::Cancelled);
+    }
+
+    #[test]
+    fn u1_a_refusal_quoting_another_partys_header_carries_external_words_and_ours_do_not() {
+        assert!(
+            ToolError::NotDoable("the From header holds \"x\"".into()).carries_external_words()
+        );
+        assert!(
+            !ToolError::InvalidArguments {
+                tool: "gmail_reply".into(),
+                detail: "no body".into()
+            }
+            .carries_external_words()
+        );
     }
 
     #[test]

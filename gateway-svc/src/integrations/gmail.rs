@@ -1590,7 +1590,8 @@ impl Reply {
 /// Why a reply cannot go to the address `entry` found in the original's `field` header (read
 /// only because of reply_all when `to_all`), and what the model can do instead: the call's
 /// arguments are not at fault, so the same call would fail the same way. The entry is shown
-/// escaped and clipped: someone else wrote it.
+/// escaped and clipped, and the refusal, a [`ToolError::NotDoable`], goes to the agent as
+/// external words it fences as data: someone else wrote the entry.
 fn unrepliable(id: &str, field: &str, to_all: bool, entry: &str, why: &str) -> ToolError {
     let entry = crate::registry::clip(&format!("{entry:?}"), 120);
     let instead = if to_all {
