@@ -19,7 +19,7 @@ use crate::{
     domain::{Channel, Integration, UserId},
     enforce::{ToolError, caps::read_capped},
     ratelimit::{HeldReservation, LimitKey, RateLimiter, Window},
-    store::{AuditEntry, AuditRecord},
+    store::{ActingMark, AuditEntry, AuditRecord},
 };
 
 /// Shared by every call.
@@ -73,6 +73,10 @@ pub struct CallContext {
     upstream_calls: AtomicU32,
     /// Writing requests that left and were not refused outright (see [`Self::write_attempt`]).
     writes: AtomicU32,
+    /// Marks the call's idempotency key before its first write leaves (set by the engine for
+    /// a side effect), and whether it has been marked.
+    pub(crate) acting: Option<Arc<dyn ActingMark>>,
+    marked: tokio::sync::Mutex<bool>,
     account: Mutex<Option<String>>,
     /// The access token of each account the call charged or sent as, resolved once per call.
     tokens: Mutex<Vec<(Integration, String, String)>>,
@@ -117,6 +121,8 @@ impl CallContext {
             services,
             upstream_calls: AtomicU32::new(0),
             writes: AtomicU32::new(0),
+            acting: None,
+            marked: tokio::sync::Mutex::new(false),
             account: Mutex::new(None),
             tokens: Mutex::new(Vec::new()),
         }
@@ -134,10 +140,29 @@ impl CallContext {
     /// effect that failed before any write did nothing. Counted only for a side effect
     /// (`side_effect`): the count decides what happens to an idempotency key, which only a
     /// side effect holds; a read-only call's POST (a batch of reads) is no write.
-    pub fn write_attempt(&self) {
-        if self.side_effect {
-            self.writes.fetch_add(1, Ordering::Relaxed);
+    ///
+    /// Before a side effect's first write its idempotency key is marked as acting: a holder
+    /// that dies after this point (its replica killed before the result is stored) leaves a key
+    /// no retry takes over. When the mark cannot be made the write must not leave: the
+    /// error says nothing was done.
+    pub async fn write_attempt(&self) -> Result<(), ToolError> {
+        if !self.side_effect {
+            return Ok(());
         }
+        if let Some(acting) = &self.acting {
+            let mut marked = self.marked.lock().await;
+            if !*marked {
+                acting.mark().await.map_err(|e| {
+                    tracing::error!(error = %e, tool = %self.tool, "a side effect's write was not sent: its idempotency key could not be marked");
+                    ToolError::Internal(format!(
+                        "not executed, because its idempotency key could not be marked: {e}"
+                    ))
+                })?;
+                *marked = true;
+            }
+        }
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// A counted write was refused outright (a 4xx answer; a 3xx is no refusal: the write
@@ -343,11 +368,11 @@ impl CallContext {
         let request = request.map_err(|e| transport_error(service, &e, Duration::ZERO))?;
         // Only a side effect writes (see `side_effect`): a read-only tool's POST does not.
         let writes = self.side_effect && !request.method().is_safe();
+        if writes {
+            self.write_attempt().await?;
+        }
         let started = Instant::now();
         self.upstream_attempt();
-        if writes {
-            self.write_attempt();
-        }
         let result: Result<UpstreamResponse, ToolError> = async {
             let response = client.execute(request).await.map_err(|e| {
                 // No connection (DNS, refused, connect timeout, TLS handshake): the request

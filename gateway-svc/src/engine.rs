@@ -251,6 +251,13 @@ impl Engine {
                 Err(StoreError::InProgress(why)) => {
                     return fail(ToolError::KeyInUse(why));
                 }
+                Err(StoreError::MayHaveActed(why)) => {
+                    return fail(ToolError::MayHaveActed {
+                        service: tool.service,
+                        what: capitalised(&why),
+                        kind: ErrorKind::Internal,
+                    });
+                }
                 Err(e) => {
                     return fail(ToolError::Internal(format!(
                         "idempotency store unavailable: {e}"
@@ -286,6 +293,7 @@ impl Engine {
         // The one place a call learns it is a side effect: its writes are counted, and a write
         // accepted with an unreadable answer is done (see `CallContext::side_effect`).
         ctx.side_effect = tool.spec.side_effect;
+        ctx.acting = claim.as_ref().and_then(|(claim, _)| claim.acting());
         // The key's hold borrows the context, so it ends inside this block.
         let result = {
             let held = claim.map(|(claim, args_sha256)| Held {
@@ -627,6 +635,15 @@ fn may_have_acted(service: &'static str, e: ToolError) -> ToolError {
         what,
         kind: e.kind(),
     }
+}
+
+/// `s` with its first letter upper-case: a store's clause as the start of a sentence.
+fn capitalised(s: &str) -> String {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .map(|c| c.to_uppercase().chain(chars).collect())
+        .unwrap_or_default()
 }
 
 /// SHA-256 of the arguments' canonical JSON (serde_json sorts object keys), binding a stored

@@ -46,7 +46,7 @@ impl Tool for BrokenRemote {
 
     async fn call(&self, ctx: &CallContext, _args: Value) -> Result<ToolOutput, ToolError> {
         ctx.upstream_attempt();
-        ctx.write_attempt();
+        ctx.write_attempt().await?;
         Err(ToolError::UpstreamUnavailable {
             service: "MCP server",
             detail: "the connection failed mid-call".into(),
@@ -292,7 +292,7 @@ impl Tool for Acts {
 
     async fn call(&self, ctx: &CallContext, _args: Value) -> Result<ToolOutput, ToolError> {
         ctx.upstream_attempt();
-        ctx.write_attempt();
+        ctx.write_attempt().await?;
         Ok(ToolOutput::text("Sent."))
     }
 }
@@ -366,6 +366,10 @@ impl IdempotencyClaim for HangingClaim {
 
     fn abandon(self: Box<Self>) {
         self.0.lock().unwrap().abandoned = Some(Instant::now());
+    }
+
+    fn acting(&self) -> Option<Arc<dyn gateway_svc::store::ActingMark>> {
+        None
     }
 }
 

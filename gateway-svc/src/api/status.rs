@@ -38,7 +38,9 @@ impl From<ApiError> for Status {
             ApiError::NotFound(_) => Status::not_found(message),
             ApiError::FailedPrecondition(_) => Status::failed_precondition(message),
             ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
-            ApiError::Store(StoreError::InProgress(_)) => Status::aborted(message),
+            ApiError::Store(StoreError::InProgress(_) | StoreError::MayHaveActed(_)) => {
+                Status::aborted(message)
+            }
             ApiError::Store(StoreError::Rejected { .. }) => Status::internal(message),
         }
     }

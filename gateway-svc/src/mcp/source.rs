@@ -650,11 +650,11 @@ impl Tool for McpTool {
             _ => serde_json::Map::new(),
         };
         let params = CallToolRequestParams::new(self.remote.clone()).with_arguments(arguments);
-        let started = Instant::now();
-        ctx.upstream_attempt();
         // A remote tool may change anything: once the call leaves, a side effect's failure
         // short of the server's own answer may come after it acted (the engine decides).
-        ctx.write_attempt();
+        ctx.write_attempt().await?;
+        let started = Instant::now();
+        ctx.upstream_attempt();
         let mut probe = ProbeIfUnanswered {
             server: &server,
             answered: false,

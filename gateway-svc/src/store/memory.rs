@@ -9,7 +9,7 @@ use std::{
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::{
-    AccountLock, AccountStore, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
+    AccountLock, AccountStore, ActingMark, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
     IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore, Ping, Reminder, ReminderStore,
     StoreError, StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
 };
@@ -63,6 +63,8 @@ pub struct MemoryStore {
     account_locks: KeyLocks<AccountKey>,
     results: Arc<SyncMutex<HashMap<(UserId, String), StoredResult>>>,
     result_locks: KeyLocks<(UserId, String)>,
+    /// Keys whose claim was abandoned: held until their hold lapses, as PostgreSQL holds them.
+    abandoned: Arc<SyncMutex<HashMap<(UserId, String), Abandoned>>>,
     audit: SyncMutex<VecDeque<AuditRecord>>,
     tasks: SyncMutex<Vec<(UserId, Task)>>,
     notes: SyncMutex<Vec<(UserId, Note)>>,
@@ -210,6 +212,14 @@ impl AccountLock for MemoryAccountLock {
     }
 }
 
+/// A key let go without its result (see [`IdempotencyClaim::abandon`]).
+#[derive(Debug, Clone, Copy)]
+struct Abandoned {
+    until: tokio::time::Instant,
+    /// Its call had marked a write ([`ActingMark`]).
+    acting: bool,
+}
+
 #[async_trait::async_trait]
 impl IdempotencyStore for MemoryStore {
     async fn claim(
@@ -219,22 +229,54 @@ impl IdempotencyStore for MemoryStore {
         hold: std::time::Duration,
     ) -> Result<Box<dyn IdempotencyClaim>, StoreError> {
         let k = (user.clone(), key.to_owned());
-        // In one process a holder cannot die without its guard; the wait is still bounded.
-        let guard = tokio::time::timeout(hold, self.result_locks.lock(&k))
-            .await
-            .map_err(|_| StoreError::InProgress(super::in_progress(hold)))??;
-        let existing = self
-            .results
-            .lock()
-            .map_err(|_| poisoned())?
-            .get(&k)
-            .cloned();
-        Ok(Box::new(MemoryClaim {
-            guard: Some(guard),
-            key: k,
-            existing,
-            results: self.results.clone(),
-        }))
+        let deadline = tokio::time::Instant::now() + hold;
+        let busy = || StoreError::InProgress(super::in_progress(hold));
+        loop {
+            // In one process a holder cannot die without its guard; the wait is still bounded.
+            let guard = tokio::time::timeout_at(deadline, self.result_locks.lock(&k))
+                .await
+                .map_err(|_| busy())??;
+            let existing = self
+                .results
+                .lock()
+                .map_err(|_| poisoned())?
+                .get(&k)
+                .cloned();
+            let left = self
+                .abandoned
+                .lock()
+                .map_err(|_| poisoned())?
+                .get(&k)
+                .copied();
+            match left {
+                Some(left) if existing.is_none() && left.until > tokio::time::Instant::now() => {
+                    // Held until its hold lapses, as on PostgreSQL, never past this call's.
+                    drop(guard);
+                    if left.until > deadline {
+                        tokio::time::sleep_until(deadline).await;
+                        return Err(busy());
+                    }
+                    tokio::time::sleep_until(left.until).await;
+                    continue;
+                }
+                Some(left) if existing.is_none() && left.acting => {
+                    return Err(StoreError::MayHaveActed(super::may_have_acted()));
+                }
+                Some(_) => {
+                    self.abandoned.lock().map_err(|_| poisoned())?.remove(&k);
+                }
+                None => {}
+            }
+            return Ok(Box::new(MemoryClaim {
+                guard: Some(guard),
+                key: k,
+                existing,
+                lapses: tokio::time::Instant::now() + hold,
+                acting: Arc::default(),
+                results: self.results.clone(),
+                abandoned: self.abandoned.clone(),
+            }));
+        }
     }
 
     async fn lookup(&self, user: &UserId, key: &str) -> Result<KeyState, StoreError> {
@@ -242,7 +284,12 @@ impl IdempotencyStore for MemoryStore {
         if let Some(done) = self.results.lock().map_err(|_| poisoned())?.get(&k) {
             return Ok(KeyState::Done(done.clone()));
         }
-        Ok(if self.result_locks.held(&k)? {
+        let abandoned = self
+            .abandoned
+            .lock()
+            .map_err(|_| poisoned())?
+            .contains_key(&k);
+        Ok(if abandoned || self.result_locks.held(&k)? {
             KeyState::Held
         } else {
             KeyState::Free
@@ -255,7 +302,12 @@ struct MemoryClaim {
     guard: Option<OwnedMutexGuard<()>>,
     key: (UserId, String),
     existing: Option<StoredResult>,
+    /// When its hold lapses.
+    lapses: tokio::time::Instant,
+    /// Set once its call marked a write.
+    acting: Arc<std::sync::atomic::AtomicBool>,
     results: Arc<SyncMutex<HashMap<(UserId, String), StoredResult>>>,
+    abandoned: Arc<SyncMutex<HashMap<(UserId, String), Abandoned>>>,
 }
 
 #[async_trait::async_trait]
@@ -273,8 +325,35 @@ impl IdempotencyClaim for MemoryClaim {
         Ok(())
     }
 
-    /// In one process there is no hold to lapse: the key is free once this claim is gone.
-    fn abandon(self: Box<Self>) {}
+    /// Held until its hold lapses, as PostgreSQL holds it (S-5): a store that freed it at
+    /// once would let a retry act again at once.
+    fn abandon(self: Box<Self>) {
+        let left = Abandoned {
+            until: self.lapses,
+            acting: self.acting.load(std::sync::atomic::Ordering::Relaxed),
+        };
+        match self.abandoned.lock() {
+            Ok(mut abandoned) => {
+                abandoned.insert(self.key.clone(), left);
+            }
+            Err(_) => tracing::error!("an abandoned idempotency key could not be kept held"),
+        }
+    }
+
+    fn acting(&self) -> Option<Arc<dyn ActingMark>> {
+        self.guard.as_ref()?;
+        Some(Arc::new(MemoryActing(self.acting.clone())))
+    }
+}
+
+struct MemoryActing(Arc<std::sync::atomic::AtomicBool>);
+
+#[async_trait::async_trait]
+impl ActingMark for MemoryActing {
+    async fn mark(&self) -> Result<(), StoreError> {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 #[async_trait::async_trait]

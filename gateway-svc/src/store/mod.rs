@@ -23,6 +23,11 @@ pub enum StoreError {
     /// Another call holds this idempotency key and is still running.
     #[error("{0}")]
     InProgress(String),
+    /// An earlier call with this idempotency key let a write leave for upstream and ended
+    /// without storing its result (its replica died, or storing kept failing): it may have
+    /// acted, so the key is never taken over.
+    #[error("{0}")]
+    MayHaveActed(String),
     /// The database refused this for good: the same statement with the same data fails again
     /// (see [`svc_kit::pg::refused_for_good`]), so it is never retried — an audit record is
     /// isolated and logged (`crate::audit`), a call's storage failure is not "try again".
@@ -151,6 +156,12 @@ pub fn in_progress(waited: std::time::Duration) -> String {
     )
 }
 
+/// What a call is told when the call that held its idempotency key let a write leave and
+/// ended without storing its result.
+pub fn may_have_acted() -> String {
+    "an earlier call with this idempotency key ended without recording its result".into()
+}
+
 /// The stored result of a side-effect call, replayed for a repeated idempotency key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StoredResult {
@@ -171,7 +182,22 @@ pub trait IdempotencyClaim: Send {
     /// Lets go without a result and without freeing the key: its call may have acted, so the
     /// key answers "in progress" until its hold lapses, rather than letting a retry act again
     /// at once. (Dropping a claim frees the key: for a call that never reached upstream.)
+    /// Once the hold lapsed, a claim never marked ([`IdempotencyClaim::acting`]) is taken
+    /// over; a marked one answers [`StoreError::MayHaveActed`] for good.
     fn abandon(self: Box<Self>);
+    /// What marks this claim as acting, for its call to use before its first write leaves;
+    /// `None` for a claim that holds nothing (it replays a stored result).
+    fn acting(&self) -> Option<Arc<dyn ActingMark>>;
+}
+
+/// Marks a held idempotency key as one whose call let a write leave for upstream. Without the
+/// mark, a holder that died after its write (a replica killed before storing the result)
+/// would leave a key a retry could take over once its hold lapsed, and act again.
+#[async_trait::async_trait]
+pub trait ActingMark: Send + Sync {
+    /// Marked, or an error: the key is no longer this call's, or the store cannot be reached,
+    /// and the write must not leave.
+    async fn mark(&self) -> Result<(), StoreError>;
 }
 
 /// What is known of an idempotency key without claiming it.
@@ -189,7 +215,8 @@ pub enum KeyState {
 pub trait IdempotencyStore: Send + Sync + 'static {
     /// Claims `key` for one call that may take up to `hold`: a key another call holds is
     /// waited for (its stored result then replayed), for at most `hold`; a holder that died is
-    /// taken over once its hold lapsed.
+    /// taken over once its hold lapsed, unless it had marked a write
+    /// ([`StoreError::MayHaveActed`]).
     async fn claim(
         &self,
         user: &UserId,

@@ -15,9 +15,10 @@ use svc_kit::{pg, server_config::DatabaseConfig};
 use tokio_postgres::Row;
 
 use super::{
-    AccountLock, AccountStatus, AccountStore, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
-    IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore, Ping, Reminder, ReminderStore,
-    StoreError, StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore,
+    AccountLock, AccountStatus, AccountStore, ActingMark, AuditEntry, AuditLog, AuditRecord,
+    IdempotencyClaim, IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore, Ping, Reminder,
+    ReminderStore, StoreError, StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch,
+    TaskStore,
 };
 use crate::{
     domain::{Integration, McpSwitch, UserId},
@@ -452,7 +453,7 @@ impl IdempotencyStore for PgStore {
                     "INSERT INTO gateway.idempotency AS i (user_id, key, tool, args_sha256, state, holder, lease_until) \
                      VALUES ($1, $2, '', '', 'pending', $3, clock_timestamp() + $4 * interval '1 millisecond') \
                      ON CONFLICT (user_id, key) DO UPDATE SET holder = EXCLUDED.holder, lease_until = EXCLUDED.lease_until \
-                     WHERE i.state = 'pending' AND i.lease_until < clock_timestamp() \
+                     WHERE i.state = 'pending' AND i.lease_until < clock_timestamp() AND NOT i.acting \
                      RETURNING 1",
                     &[&user.as_str(), &key, &holder, &(hold_ms as f64)],
                 )
@@ -468,14 +469,39 @@ impl IdempotencyStore for PgStore {
                     existing: None,
                 }));
             }
-            if let KeyState::Done(done) = self.lookup(user, key).await? {
-                return Ok(Box::new(PgClaim {
-                    pool: self.pool.clone(),
-                    user: user.clone(),
-                    key: key.to_owned(),
-                    holder: None,
-                    existing: Some(done),
-                }));
+            let row = self
+                .client()
+                .await?
+                .query_opt(
+                    "SELECT state, tool, args_sha256, outcome, \
+                       acting AND lease_until < clock_timestamp() FROM gateway.idempotency \
+                     WHERE user_id = $1 AND key = $2",
+                    &[&user.as_str(), &key],
+                )
+                .await
+                .map_err(db)?;
+            match row {
+                // Freed meanwhile: claimed on the next try.
+                None => continue,
+                Some(r) if r.get::<_, &str>(0) == "done" => {
+                    return Ok(Box::new(PgClaim {
+                        pool: self.pool.clone(),
+                        user: user.clone(),
+                        key: key.to_owned(),
+                        holder: None,
+                        existing: Some(StoredResult {
+                            tool: r.get(1),
+                            args_sha256: r.get(2),
+                            outcome: r.get(3),
+                        }),
+                    }));
+                }
+                // Left as it is, for good: its holder let a write leave and never stored
+                // what came of it.
+                Some(r) if r.get::<_, Option<bool>>(4) == Some(true) => {
+                    return Err(StoreError::MayHaveActed(super::may_have_acted()));
+                }
+                Some(_) => {}
             }
             // Another call holds the key: wait for its result (or for its hold to lapse, or
             // for it to let go without acting), never longer than this call may take.
@@ -531,6 +557,47 @@ impl IdempotencyClaim for PgClaim {
     fn abandon(mut self: Box<Self>) {
         // Forgotten, not deleted: the row stays pending until its hold lapses.
         self.holder = None;
+    }
+
+    fn acting(&self) -> Option<Arc<dyn ActingMark>> {
+        let holder = self.holder.clone()?;
+        Some(Arc::new(PgActing {
+            pool: self.pool.clone(),
+            user: self.user.clone(),
+            key: self.key.clone(),
+            holder,
+        }))
+    }
+}
+
+struct PgActing {
+    pool: pg::PgPool,
+    user: UserId,
+    key: String,
+    holder: String,
+}
+
+#[async_trait::async_trait]
+impl ActingMark for PgActing {
+    async fn mark(&self) -> Result<(), StoreError> {
+        let marked = pg::checkout(&self.pool, "gateway")
+            .await
+            .map_err(StoreError::unavailable)?
+            .execute(
+                "UPDATE gateway.idempotency SET acting = true \
+                 WHERE user_id = $1 AND key = $2 AND state = 'pending' AND holder = $3",
+                &[&self.user.as_str(), &self.key, &self.holder],
+            )
+            .await
+            .map_err(db)?;
+        if marked == 0 {
+            return Err(StoreError::InProgress(
+                "this call's hold on its idempotency key lapsed and another call took the key \
+                 over"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 }
 
