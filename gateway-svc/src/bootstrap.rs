@@ -292,7 +292,7 @@ impl Bootstrap {
         let per_account = self.source_timeout.mul_f32(0.9);
         let mut fetches = tokio::task::JoinSet::new();
         for (index, account) in accounts.iter().enumerate() {
-            let ctx = CallContext::new(
+            let mut ctx = CallContext::new(
                 self.services.clone(),
                 user.clone(),
                 Channel::SessionOpen,
@@ -300,6 +300,9 @@ impl Bootstrap {
                 None,
                 "bootstrap_context".into(),
             );
+            // Kept, and handed to the batching writer when the context is dropped, after the
+            // account's deadline: written inside it, a slow audit store would time the read out.
+            ctx.audit_later = true;
             let (gmail, name) = (self.gmail.clone(), account.account.clone());
             fetches.spawn(async move {
                 let unread =

@@ -56,10 +56,10 @@ pub struct CallContext {
     /// Where the run had read others' words before this call: the provenance of anything the
     /// call stores (memories). Empty: the user's own words only.
     pub read_external_from: Vec<String>,
-    /// A read-only call (`Tool::read_only`): its audit records (upstream calls) are kept here
-    /// and handed to the batching writer with its tool_call record once the call is over,
-    /// outside its deadline ([`CallContext::take_deferred`]). Otherwise each is written before
-    /// the call goes on.
+    /// Its audit records (upstream calls) are kept here and written once the call is over,
+    /// outside its deadline ([`CallContext::take_deferred`]): a read-only call's by the
+    /// batching writer, any other's at once, before its outcome is stored. Otherwise (a
+    /// context made outside the engine) each is written before the call goes on.
     pub(crate) audit_later: bool,
     /// The call is a side effect (`ToolSpec::side_effect`, dispatched through the idempotency
     /// key), set where the engine runs it. Only then are its writing requests counted
@@ -73,6 +73,8 @@ pub struct CallContext {
     upstream_calls: AtomicU32,
     /// Writing requests that left and were not refused outright (see [`Self::write_attempt`]).
     writes: AtomicU32,
+    /// A write was answered 2xx: the call has acted, whatever happens after.
+    accepted: std::sync::atomic::AtomicBool,
     /// Marks the call's idempotency key before its first write leaves (set by the engine for
     /// a side effect), and whether it has been marked.
     pub(crate) acting: Option<Arc<dyn ActingMark>>,
@@ -121,6 +123,7 @@ impl CallContext {
             services,
             upstream_calls: AtomicU32::new(0),
             writes: AtomicU32::new(0),
+            accepted: std::sync::atomic::AtomicBool::new(false),
             acting: None,
             marked: tokio::sync::Mutex::new(false),
             account: Mutex::new(None),
@@ -178,6 +181,11 @@ impl CallContext {
     /// Never, for a call that is no side effect (see [`Self::write_attempt`]).
     pub fn may_have_written(&self) -> bool {
         self.writes.load(Ordering::Relaxed) > 0
+    }
+
+    /// Whether a side effect's write was answered 2xx: it was done.
+    pub fn write_accepted(&self) -> bool {
+        self.accepted.load(Ordering::Relaxed)
     }
 
     /// The account the call used (the last one named to `charge` or `send`).
@@ -386,6 +394,9 @@ impl CallContext {
             if writes && status.is_client_error() {
                 self.write_refused();
             }
+            if writes && status.is_success() {
+                self.accepted.store(true, Ordering::Relaxed);
+            }
             let headers = response.headers().clone();
             let body = match read_capped(response, self.services.max_body_bytes).await {
                 Ok(Ok(body)) => body,
@@ -455,9 +466,8 @@ impl CallContext {
         .await;
     }
 
-    /// Audits one record of this call: kept for the batching writer when the call is
-    /// read-only (never waiting here, inside the call's deadline, for room in the queue),
-    /// written at once otherwise.
+    /// Audits one record of this call: kept until the call is over (see `audit_later`), never
+    /// written here, inside the call's deadline, where a slow store could cut it off.
     pub async fn audit(&self, record: AuditRecord) {
         // (A poisoned lock: written at once rather than lost.)
         if self.audit_later

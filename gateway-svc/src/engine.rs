@@ -29,11 +29,11 @@ use crate::{
 
 /// How much longer than the call's deadlines an idempotency key is held: for its audit
 /// records and the store's round trips. Outside the deadlines a side effect spends at most
-/// the intent record's budget ([`crate::audit::WRITE_NOW_BUDGET`], 8 s) before the call and
-/// [`STORE_BUDGET`] (15 s) storing its result after it: 23 s, leaving 7 s for the claim's
-/// own round trip and scheduling. (Its upstream records are written inside the call's
-/// deadline.) Were the hold to lapse first, a retry could claim the key and act again.
-pub(crate) const CLAIM_MARGIN: Duration = Duration::from_secs(30);
+/// the intent record's budget ([`crate::audit::WRITE_NOW_BUDGET`], 8 s) before the call, as
+/// much writing its upstream records after it, and [`STORE_BUDGET`] (15 s) storing its
+/// result: 31 s, leaving 9 s for the claim's own round trips and scheduling. Were the hold to
+/// lapse first, a retry could claim the key and act again (unless a write had marked it).
+pub(crate) const CLAIM_MARGIN: Duration = Duration::from_secs(40);
 
 /// The longest storing a side effect's result may take, across its tries (see
 /// [`CLAIM_MARGIN`]).
@@ -287,9 +287,6 @@ impl Engine {
         };
 
         let mut ctx = self.context(user, &request, &name);
-        // A read-only call's upstream records are kept for the batching writer (queued in
-        // `execute`, after the call); any other call's are written as they happen.
-        ctx.audit_later = tool.read_only;
         // The one place a call learns it is a side effect: its writes are counted, and a write
         // accepted with an unreadable answer is done (see `CallContext::side_effect`).
         ctx.side_effect = tool.spec.side_effect;
@@ -362,6 +359,13 @@ impl Engine {
             };
 
             let result = match result {
+                // The upstream answered the write 2xx and the call ran out of time after:
+                // done, and not "did not answer".
+                Err(ToolError::UpstreamTimeout { service, after })
+                    if tool.spec.side_effect && ctx.write_accepted() =>
+                {
+                    Err(ToolError::AcceptedUnfinished { service, after })
+                }
                 // Failed once a write had left, with no definite refusal: it may have acted,
                 // and must say so rather than invite a retry that acts twice.
                 Err(e) if tool.spec.side_effect && ctx.may_have_written() => {
@@ -369,6 +373,16 @@ impl Engine {
                 }
                 r => r,
             };
+            if !tool.read_only {
+                // Outside the deadline, so that a slow audit store can neither lose a record
+                // nor turn a done write into a timeout; before the outcome is stored, inside
+                // the key's hold (see `CLAIM_MARGIN`). A read-only call's go to the batching
+                // writer in `execute`.
+                self.services
+                    .audit
+                    .record_kept_now(ctx.take_deferred())
+                    .await;
+            }
             if let Some(mut held) = held {
                 // A write may have reached upstream, or the call succeeded: the outcome is
                 // stored, and a retry replays it. Otherwise no write left, or each was refused
@@ -403,6 +417,8 @@ impl Engine {
             tool.to_owned(),
         );
         ctx.read_external_from = request.read_external_from.clone();
+        // Written after the call's deadline, never inside it (see `run` and `execute`).
+        ctx.audit_later = true;
         ctx
     }
 

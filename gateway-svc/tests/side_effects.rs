@@ -16,17 +16,19 @@ mod common;
 use common::upstream::{Answer, Upstream};
 use gateway_svc::{
     context::CallContext,
-    domain::{CallOutcome, ErrorKind, Integration},
+    domain::{CallOutcome, CallRequest, Channel, ErrorKind, Integration, UserId},
     enforce::ToolError,
     engine::Engine,
     integrations::gmail::{self, GmailApi},
     registry::{Tool, ToolOutput, ToolSpec},
     store::{
-        IdempotencyClaim, IdempotencyStore, KeyState, StoreError, StoredResult, memory::MemoryStore,
+        AuditEntry, AuditLog, AuditRecord, IdempotencyClaim, IdempotencyStore, KeyState,
+        StoreError, StoredResult, memory::MemoryStore,
     },
 };
 use serde_json::{Value, json};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 /// A side effect standing in for a remote (MCP) tool: its call leaves, then the connection
 /// breaks before an answer.
@@ -407,4 +409,140 @@ async fn p4_r3_a_result_write_that_hangs_is_given_up_within_15_seconds_and_the_c
         "answered {:?} after the claim, its hold {hold:?}",
         answered - claimed
     );
+}
+
+/// An audit log whose writes of upstream records take `delay` (a database that is slow just
+/// then); every other record is written at once.
+struct SlowUpstreamRecords {
+    log: Arc<dyn AuditLog>,
+    delay: Duration,
+}
+
+#[async_trait::async_trait]
+impl AuditLog for SlowUpstreamRecords {
+    async fn record(&self, record: AuditRecord) -> Result<(), StoreError> {
+        self.record_many(&[AuditEntry::now(record)]).await
+    }
+
+    async fn record_many(&self, entries: &[AuditEntry]) -> Result<(), StoreError> {
+        if entries.iter().any(|e| e.record.kind == "upstream_call") {
+            tokio::time::sleep(self.delay).await;
+        }
+        self.log.record_many(entries).await
+    }
+
+    async fn recent(&self, user: &UserId, limit: usize) -> Result<Vec<AuditRecord>, StoreError> {
+        self.log.recent(user, limit).await
+    }
+}
+
+/// G-9, P-5: a send Gmail answered 200 is done even when its upstream record takes longer to
+/// write than the call's deadline: the record is written after the deadline, not cut off by
+/// it, and the send is not reported as unanswered.
+#[tokio::test]
+async fn g9_p5_a_send_whose_upstream_record_is_slow_to_write_is_done_and_its_record_kept() {
+    let upstream =
+        Upstream::start(|_, _| Answer::Status(200, r#"{"id": "m1", "threadId": "t1"}"#)).await;
+    let mut stores = MemoryStore::stores();
+    let log = stores.audit.clone();
+    let deadline = Duration::from_secs(1);
+    stores.audit = Arc::new(SlowUpstreamRecords {
+        log: log.clone(),
+        delay: deadline + Duration::from_millis(500),
+    });
+    let tools = gmail::tools(GmailApi {
+        base_url: upstream.base_url.clone(),
+    });
+    let engine = common::engine(&stores, tools);
+    common::connect(&engine, Integration::Gmail, "alice@example.com", "tok").await;
+    let request = CallRequest {
+        call_id: "c1".into(),
+        tool: "gmail_send".into(),
+        args: send_args(),
+        idempotency_key: Some("run-1/call-1".into()),
+        channel: Channel::Web,
+        timeout: Some(deadline),
+        run_id: None,
+        read_external_from: Vec::new(),
+        expected_binding: None,
+    };
+
+    let sent = engine
+        .execute(&common::user(), request, CancellationToken::new())
+        .await;
+
+    assert!(sent.ok(), "{}", sent.text);
+    assert!(!sent.text.contains("did not answer"), "{}", sent.text);
+    let records = log.recent(&common::user(), 10).await.unwrap();
+    assert!(
+        records
+            .iter()
+            .any(|r| r.kind == "upstream_call" && r.call_id == "c1" && r.status == "200"),
+        "{records:?}"
+    );
+    assert_eq!(upstream.seen(SEND), 1);
+}
+
+/// A side effect whose write Gmail accepts, and which then never finishes (a later step that
+/// hangs).
+struct SendsThenHangs(String);
+
+#[async_trait::async_trait]
+impl Tool for SendsThenHangs {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new(
+            "send_then_hang",
+            Integration::Gmail,
+            "sends, then hangs",
+            json!({"type": "object"}),
+        )
+        .with_side_effect()
+    }
+
+    async fn call(&self, ctx: &CallContext, _args: Value) -> Result<ToolOutput, ToolError> {
+        let url = format!("{}/gmail/v1/users/me/messages/send", self.0);
+        ctx.send(Integration::Gmail, "alice@example.com", |token| {
+            ctx.http().post(&url).bearer_auth(token).body("{}")
+        })
+        .await?;
+        std::future::pending().await
+    }
+}
+
+/// P-4: a side effect whose write was answered 2xx and which then ran out of time is told it
+/// was done, never that the upstream "did not answer".
+#[tokio::test]
+async fn p4_a_side_effect_that_runs_out_of_time_after_its_write_was_accepted_is_told_it_was_done() {
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"id": "m1"}"#)).await;
+    let stores = MemoryStore::stores();
+    let engine = common::engine(
+        &stores,
+        vec![Arc::new(SendsThenHangs(upstream.base_url.clone()))],
+    );
+    common::connect(&engine, Integration::Gmail, "alice@example.com", "tok").await;
+    let request = CallRequest {
+        call_id: "c1".into(),
+        tool: "send_then_hang".into(),
+        args: json!({}),
+        idempotency_key: Some("run-1/call-1".into()),
+        channel: Channel::Web,
+        timeout: Some(Duration::from_secs(1)),
+        run_id: None,
+        read_external_from: Vec::new(),
+        expected_binding: None,
+    };
+
+    let sent = engine
+        .execute(&common::user(), request, CancellationToken::new())
+        .await;
+
+    assert!(!sent.text.contains("did not answer"), "{}", sent.text);
+    assert_eq!(
+        sent.text,
+        "Gmail accepted the request, but the call did not finish within 1 seconds. It has taken \
+         effect: do not repeat it; tell the user it was done and its details are unconfirmed."
+    );
+    let again = common::call(&engine, "c2", "send_then_hang", json!({}), "run-1/call-1").await;
+    assert!(again.replayed, "{}", again.text);
+    assert_eq!(upstream.seen(SEND), 1);
 }

@@ -119,6 +119,16 @@ pub enum ToolError {
         what: String,
         kind: ErrorKind,
     },
+    /// A side effect whose write the upstream accepted (2xx) ran out of time before it could
+    /// finish: it was done, though what came back is unknown.
+    #[error(
+        "{service} accepted the request, but the call did not finish within {} seconds. It has taken effect: do not repeat it; tell the user it was done and its details are unconfirmed.",
+        after.as_secs().max(1)
+    )]
+    AcceptedUnfinished {
+        service: &'static str,
+        after: Duration,
+    },
     /// What another party wrote (a header of the email replied to) keeps the tool from doing
     /// what was asked: the arguments are fine, so the same call fails the same way. The
     /// sentence says what to do instead, and quotes what the other party wrote (escaped and
@@ -175,7 +185,9 @@ impl ToolError {
             | ToolError::UpstreamRejected { .. }
             | ToolError::UpstreamGarbage { .. }
             | ToolError::RemoteTool { .. } => ErrorKind::UpstreamError,
-            ToolError::UpstreamTimeout { .. } => ErrorKind::UpstreamTimeout,
+            ToolError::UpstreamTimeout { .. } | ToolError::AcceptedUnfinished { .. } => {
+                ErrorKind::UpstreamTimeout
+            }
             ToolError::UpstreamUnavailable { .. } => ErrorKind::UpstreamUnavailable,
             ToolError::Cancelled => ErrorKind::Cancelled,
             ToolError::ChangedSinceApproval(_) => ErrorKind::ChangedSinceApproval,
