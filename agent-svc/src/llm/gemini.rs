@@ -17,9 +17,22 @@ pub struct Gemini {
     pub http: reqwest::Client,
 }
 
+/// The signature Google documents for a call Gemini did not make itself (a fallback after
+/// another provider's calls): Gemini 3 refuses a model turn whose first call has none.
+const FOREIGN_CALL_SIGNATURE: &str = "skip_thought_signature_validator";
+
+/// Whether the model checks thought signatures. Gemini 1.x and 2.x do not, and are sent only
+/// the signatures they gave; every later generation gets the placeholder where one is missing.
+fn validates_signatures(model: &str) -> bool {
+    !["gemini-1", "gemini-2"]
+        .iter()
+        .any(|older| model.starts_with(older))
+}
+
 /// The request body without its tools (see [`encode`]).
 pub fn body(request: &ModelRequest) -> Value {
     let mut contents: Vec<Value> = Vec::new();
+    let placeholder = validates_signatures(request.model).then_some(FOREIGN_CALL_SIGNATURE);
     for turn in request.turns {
         let (role, part) = match turn {
             Turn::User(text) => ("user", json!({"text": text})),
@@ -28,13 +41,15 @@ pub fn body(request: &ModelRequest) -> Value {
                 if !text.is_empty() {
                     parts.push(json!({"text": text}));
                 }
-                for c in tool_calls {
+                for (i, c) in tool_calls.iter().enumerate() {
                     let args = serde_json::from_str::<Value>(&c.arguments)
                         .ok()
                         .filter(Value::is_object)
                         .unwrap_or_else(|| json!({}));
                     let mut part = json!({"functionCall": {"name": c.name, "args": args}});
-                    if let Some(signature) = &c.signature {
+                    // Gemini signs only the first of parallel calls, and checks only that one.
+                    let signature = c.signature.as_deref().or(placeholder.filter(|_| i == 0));
+                    if let Some(signature) = signature {
                         part["thoughtSignature"] = json!(signature);
                     }
                     parts.push(part);
@@ -267,6 +282,45 @@ mod tests {
         let history = serde_json::to_string(&turns[1]).unwrap();
         let again: Turn = serde_json::from_str(&history).unwrap();
         assert_eq!(again, turns[1], "kept in the thread's history");
+    }
+
+    /// The history of a thread whose calls another provider made, sent to `model`.
+    fn foreign_calls_sent_to(model: &str) -> Value {
+        let call = |id: &str| ToolCall {
+            id: id.into(),
+            name: "list_tasks".into(),
+            arguments: "{}".into(),
+            signature: None,
+        };
+        let turns = [
+            Turn::User("what is due?".into()),
+            Turn::Assistant {
+                text: String::new(),
+                tool_calls: vec![call("toolu_1"), call("toolu_2")],
+            },
+        ];
+        let tools = ToolSet::new(vec![]);
+        body(&ModelRequest {
+            model,
+            system: "s",
+            turns: &turns,
+            tools: &tools,
+            answer_only: false,
+            stable_turns: 0,
+            max_output_tokens: 100,
+        })
+    }
+
+    #[test]
+    fn l1_a_gemini_3_fallback_after_another_providers_calls_sends_the_documented_placeholder() {
+        let parts = &foreign_calls_sent_to("gemini-3-pro-preview")["contents"][1]["parts"];
+        assert_eq!(parts[0]["thoughtSignature"], FOREIGN_CALL_SIGNATURE);
+        assert!(
+            parts[1].get("thoughtSignature").is_none(),
+            "only the first call of a turn is checked"
+        );
+        let older = &foreign_calls_sent_to("gemini-2.5-flash")["contents"][1]["parts"];
+        assert!(older[0].get("thoughtSignature").is_none(), "{older}");
     }
 
     #[test]
