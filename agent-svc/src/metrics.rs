@@ -14,8 +14,16 @@ pub fn model_call(
     cost_usd: f64,
     latency: Duration,
 ) {
+    metrics::counter!("steward_model_calls_total", "provider" => provider.to_owned(), "model" => model.to_owned(), "outcome" => "ok").increment(1);
+    model_spend(provider, model, usage, cost_usd);
+    metrics::histogram!("steward_model_call_seconds", "provider" => provider.to_owned(), "model" => model.to_owned())
+        .record(latency.as_secs_f64());
+}
+
+/// Tokens and cost a model call spent: one that answered, or one cut before it could, whose
+/// spend is estimated (its attempt counts as failed in `steward_model_calls_total`).
+pub fn model_spend(provider: &str, model: &str, usage: &TokenUsage, cost_usd: f64) {
     let (p, m) = (provider.to_owned(), model.to_owned());
-    metrics::counter!("steward_model_calls_total", "provider" => p.clone(), "model" => m.clone(), "outcome" => "ok").increment(1);
     for (kind, n) in [
         ("input", usage.input_tokens),
         ("output", usage.output_tokens),
@@ -24,10 +32,8 @@ pub fn model_call(
         metrics::counter!("steward_model_tokens_total", "provider" => p.clone(), "model" => m.clone(), "kind" => kind)
             .increment(n);
     }
-    metrics::counter!("steward_model_cost_microusd_total", "provider" => p.clone(), "model" => m.clone())
+    metrics::counter!("steward_model_cost_microusd_total", "provider" => p, "model" => m)
         .increment((cost_usd * 1e6).round().max(0.0) as u64);
-    metrics::histogram!("steward_model_call_seconds", "provider" => p, "model" => m)
-        .record(latency.as_secs_f64());
 }
 
 /// A model attempt that failed (it may be retried or fall back).

@@ -246,7 +246,12 @@ async fn a_500_is_retried_and_a_cut_off_stream_too() {
 /// An executor whose chain is a gpt-4o that answers `first`, then a gpt-4o-mini that answers
 /// "from the second model"; with the first's fake.
 async fn with_a_fallback(first: Answer) -> (Executor, FakeOpenAi, FakeOpenAi) {
-    let primary = FakeOpenAi::start(vec![first]).await;
+    with_a_fallback_after(vec![first]).await
+}
+
+/// [`with_a_fallback`], its gpt-4o answering `firsts` in turn.
+async fn with_a_fallback_after(firsts: Vec<Answer>) -> (Executor, FakeOpenAi, FakeOpenAi) {
+    let primary = FakeOpenAi::start(firsts).await;
     let secondary = FakeOpenAi::start(vec![Answer::text("from the second model")]).await;
     let exec = executor(vec![
         ChainEntry {
@@ -290,7 +295,12 @@ async fn l3_a_model_that_hangs_leaves_the_fallback_time_to_answer_within_the_run
     let out = exec.run(&req, &EchoTools, &Events::default()).await;
     assert_eq!(out.text, "from the second model");
     assert_eq!(out.stop, Stop::Completed, "{:?}", out.stop);
-    assert_eq!(out.calls[0].model, "gpt-4o-mini");
+    let models: Vec<&str> = out.calls.iter().map(|c| c.model.as_str()).collect();
+    assert_eq!(
+        models,
+        ["gpt-4o", "gpt-4o-mini"],
+        "the hung try may be billed, so it is counted"
+    );
 }
 
 /// E-10: a compatible server that sends no usage (it ignores stream_options) still billed the
@@ -316,6 +326,62 @@ async fn e10_a_call_answered_without_usage_is_counted_not_free() {
     let usage = out.calls[0].usage;
     assert!(usage.input_tokens > 10, "{usage:?}");
     assert!(usage.output_tokens >= 5, "{usage:?}");
+}
+
+/// E-5, L-3: a reasoning model that spent its whole output on thinking said nothing; the next
+/// model answers, and the empty answer is still counted, as it was billed.
+#[tokio::test]
+async fn e5_an_answer_cut_for_length_before_any_text_goes_to_the_next_model() {
+    let (exec, _primary, _secondary) = with_a_fallback(Answer::Stream {
+        events: vec![
+            serde_json::json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}),
+            serde_json::json!({"choices": [], "usage": {"prompt_tokens": 90, "completion_tokens": 2048}}),
+        ],
+        chunk: 64,
+    })
+    .await;
+    let out = exec
+        .run(&request(&[]), &EchoTools, &Events::default())
+        .await;
+    assert_eq!(out.text, "from the second model");
+    assert!(!out.model_text_empty);
+    let spent: Vec<(&str, u64)> = out
+        .calls
+        .iter()
+        .map(|c| (c.model.as_str(), c.usage.output_tokens))
+        .collect();
+    assert_eq!(spent, [("gpt-4o", 2048), ("gpt-4o-mini", 12)]);
+}
+
+/// E-10: a try whose stream was cut was billed all the same; the run's budget sees it, its
+/// input estimated, beside the call that answered.
+#[tokio::test]
+async fn e10_a_try_cut_mid_stream_is_counted_with_its_input_estimated() {
+    let cut = Answer::CutOff {
+        events: vec![
+            serde_json::json!({"choices": [{"index": 0, "delta": {"content": "Let me"}}]}),
+        ],
+    };
+    let (exec, _primary, _secondary) =
+        with_a_fallback_after(vec![cut.clone(), cut.clone(), cut]).await;
+    let out = exec
+        .run(&request(&[]), &EchoTools, &Events::default())
+        .await;
+    assert_eq!(out.text, "from the second model");
+    let models: Vec<&str> = out.calls.iter().map(|c| c.model.as_str()).collect();
+    assert_eq!(
+        models,
+        ["gpt-4o", "gpt-4o", "gpt-4o", "gpt-4o-mini"],
+        "three cut tries, then the answer"
+    );
+    for cut in &out.calls[..3] {
+        assert!(cut.usage.input_tokens > 10, "{:?}", cut.usage);
+        assert_eq!(cut.usage.output_tokens, 0);
+    }
+    assert_eq!(
+        out.calls[3].usage.input_tokens, 120,
+        "the answer's own usage"
+    );
 }
 
 #[tokio::test]

@@ -252,6 +252,27 @@ impl CallRecord {
             started_at: done.started_at,
         }
     }
+
+    /// A try cut before it answered, which the provider may still bill: its input estimated
+    /// as `input_tokens` (what was sent), its output as none (what it wrote never arrived).
+    pub fn cut(cut: &resilient::Cut, input_tokens: u64, prices: &HashMap<String, Price>) -> Self {
+        let usage = TokenUsage {
+            input_tokens,
+            ..TokenUsage::default()
+        };
+        let price = prices.get(&cut.model).copied().unwrap_or_default();
+        let cost_usd = price.cost(&usage);
+        crate::metrics::model_spend(&cut.provider, &cut.model, &usage, cost_usd);
+        Self {
+            provider: cut.provider.clone(),
+            model: cut.model.clone(),
+            usage,
+            cost_usd,
+            latency: cut.latency,
+            retries: 0,
+            started_at: cut.started_at,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -733,6 +754,16 @@ impl Run<'_> {
             // before the run's last words (a final turn or the fallback) arrive.
             self.sink.emit(RunEvent::DeltaReset);
         }
+        let cut = match &timed {
+            Ok(Ok(done)) => done.cut.as_slice(),
+            Ok(Err(failed)) => failed.cut.as_slice(),
+            Err(_) => &[],
+        };
+        for cut in cut {
+            let record = CallRecord::cut(cut, fit.estimated_input_tokens as u64, &models.prices);
+            self.sink.emit(RunEvent::ModelCall(record.clone()));
+            self.calls.push(record);
+        }
         match timed {
             Err(_) => Ok(None),
             // The chain shares out the same time, so its last try can end with the time
@@ -764,6 +795,12 @@ impl Run<'_> {
                         output_tokens = done.response.usage.output_tokens,
                         "the model reported no input usage; counted it instead"
                     );
+                }
+                // Answers passed over for the next model were billed all the same.
+                for passed in std::mem::take(&mut done.passed_over) {
+                    let record = CallRecord::answered(&passed, &models.prices);
+                    self.sink.emit(RunEvent::ModelCall(record.clone()));
+                    self.calls.push(record);
                 }
                 let record = CallRecord::answered(&done, &models.prices);
                 self.sink.emit(RunEvent::ModelCall(record.clone()));

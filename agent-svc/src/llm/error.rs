@@ -73,6 +73,16 @@ impl ModelError {
         }
     }
 
+    /// Whether the provider may have billed the try: it took the request and started on it
+    /// (a timeout, a cut stream, a call it could not finish). An error status or a failed
+    /// connection was not billed.
+    pub fn may_be_billed(&self) -> bool {
+        matches!(
+            self,
+            ModelError::Timeout | ModelError::TruncatedStream | ModelError::MalformedCall(_)
+        )
+    }
+
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             ModelError::Status { retry_after, .. } => *retry_after,

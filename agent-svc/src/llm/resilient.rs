@@ -53,6 +53,37 @@ pub struct Completed {
     pub latency: Duration,
     /// When the successful attempt was sent.
     pub started_at: std::time::SystemTime,
+    /// Earlier entries' answers that said nothing (see [`said_nothing`]): billed, so counted,
+    /// but passed over for the next entry.
+    pub passed_over: Vec<Completed>,
+    /// Tries cut before they answered (see [`Cut`]).
+    pub cut: Vec<Cut>,
+}
+
+/// A try the provider may have billed though it never answered: one that timed out, or whose
+/// stream was cut or ended in a call the model could not finish. The provider read the whole
+/// prompt, and its usage never arrived, so the caller estimates it.
+#[derive(Debug, Clone)]
+pub struct Cut {
+    pub provider: String,
+    pub model: String,
+    pub started_at: std::time::SystemTime,
+    pub latency: Duration,
+}
+
+/// Why an answer with no text and no calls is worth another entry's try: the provider blocked
+/// the prompt (Gemini's `blocked:` reason, OpenAI's `content_filter`, Anthropic's `refusal`)
+/// or a reasoning model spent its whole output on thinking (`length`, `max_tokens`). Another
+/// model may well answer; the same one, asked again, would not. Any other empty answer stands
+/// (the run answers with what it gathered, E-5).
+fn said_nothing(response: &ModelResponse) -> Option<&str> {
+    let why = response.stop_reason.as_str();
+    let unusable = why.starts_with("blocked:")
+        || matches!(
+            why,
+            "content_filter" | "refusal" | "length" | "max_tokens" | "MAX_TOKENS"
+        );
+    (unusable && response.text.trim().is_empty() && response.tool_calls.is_empty()).then_some(why)
 }
 
 /// Every entry failed; `attempts` says how, in order.
@@ -60,6 +91,8 @@ pub struct Completed {
 #[error("every model failed: {}", attempts.join("; "))]
 pub struct ChainFailed {
     pub attempts: Vec<String>,
+    /// Tries cut before they answered (see [`Cut`]).
+    pub cut: Vec<Cut>,
     /// The time given ran out: the last entry's try was cut by it, or never made. That is the
     /// caller's time limit, not every model failing.
     pub out_of_time: bool,
@@ -83,6 +116,8 @@ pub async fn complete(
     let deadline = tokio::time::Instant::now() + within;
     let mut attempts = Vec::new();
     let mut out_of_time = false;
+    let mut passed_over = Vec::new();
+    let mut cut = Vec::new();
     for (i, entry) in chain.iter().enumerate() {
         if i > 0 {
             crate::metrics::model_fallback(entry.provider.name(), &entry.model);
@@ -136,13 +171,34 @@ pub async fn complete(
             };
             match result {
                 Ok(response) => {
-                    return Ok(Completed {
+                    let done = Completed {
                         response,
                         provider: entry.provider.name().to_owned(),
                         model: entry.model.clone(),
                         retries: retry,
                         latency: started.elapsed(),
                         started_at,
+                        passed_over: Vec::new(),
+                        cut: Vec::new(),
+                    };
+                    // The last entry's answer stands, whatever it is: an answer, even an
+                    // empty one, is the run's to handle, not a failure to connect.
+                    if i + 1 < chain.len()
+                        && let Some(why) = said_nothing(&done.response)
+                    {
+                        tracing::warn!(provider = entry.provider.name(), model = %entry.model, stop_reason = why, "the model answered nothing; asking the next");
+                        attempts.push(format!(
+                            "{}/{}: answered nothing ({why})",
+                            entry.provider.name(),
+                            entry.model
+                        ));
+                        passed_over.push(done);
+                        break;
+                    }
+                    return Ok(Completed {
+                        passed_over,
+                        cut,
+                        ..done
                     });
                 }
                 Err(e) => {
@@ -150,6 +206,14 @@ pub async fn complete(
                     out_of_time =
                         e == ModelError::Timeout && tokio::time::Instant::now() >= deadline;
                     attempts.push(format!("{}/{}: {e}", entry.provider.name(), entry.model));
+                    if e.may_be_billed() {
+                        cut.push(Cut {
+                            provider: entry.provider.name().to_owned(),
+                            model: entry.model.clone(),
+                            started_at,
+                            latency: started.elapsed(),
+                        });
+                    }
                     crate::metrics::model_failed(entry.provider.name(), &entry.model);
                     let wait = backoff(policy, retry, e.retry_after());
                     let in_time =
@@ -166,6 +230,7 @@ pub async fn complete(
     }
     Err(ChainFailed {
         attempts,
+        cut,
         out_of_time,
     })
 }
@@ -205,6 +270,8 @@ mod tests {
         /// Refuses the request (400): not worth a retry.
         Refuses,
         Answers,
+        /// Answers nothing, for this reason.
+        SaysNothing(&'static str),
     }
 
     #[async_trait::async_trait]
@@ -238,6 +305,17 @@ mod tests {
                     tool_calls: Vec::new(),
                     usage: Default::default(),
                     stop_reason: "stop".into(),
+                }),
+                Behaviour::SaysNothing(why) => Ok(ModelResponse {
+                    text: String::new(),
+                    thinking: "so much to think about".into(),
+                    tool_calls: Vec::new(),
+                    usage: crate::llm::TokenUsage {
+                        input_tokens: 120,
+                        output_tokens: 4000,
+                        ..Default::default()
+                    },
+                    stop_reason: why.into(),
                 }),
             }
         }
@@ -321,11 +399,76 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn e10_a_try_cut_by_its_time_is_reported_for_billing_and_a_refusal_is_not() {
+        let (hangs, _) = entry("primary", Behaviour::Hangs);
+        let (fallback, _) = entry("fallback", Behaviour::Answers);
+        let done = through(&[hangs, fallback], Duration::from_secs(60))
+            .await
+            .expect("the fallback answers");
+        let cut: Vec<&str> = done.cut.iter().map(|c| c.provider.as_str()).collect();
+        assert_eq!(
+            cut,
+            ["primary"],
+            "its one try, cut by its share of the time"
+        );
+        let (refuses, _) = entry("primary", Behaviour::Refuses);
+        let (hangs, _) = entry("fallback", Behaviour::Hangs);
+        let failed = through(&[refuses, hangs], Duration::from_secs(60))
+            .await
+            .expect_err("nothing answers");
+        let cut: Vec<&str> = failed.cut.iter().map(|c| c.provider.as_str()).collect();
+        assert_eq!(cut, ["fallback"], "a 400 is not billed; a hung call may be");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn e6_a_retry_after_past_the_models_share_of_the_time_goes_to_the_fallback_at_once() {
         let (took, answer, calls) = chain_of(Behaviour::RateLimited, Duration::from_secs(15)).await;
         assert_eq!(answer, "fallback answered");
         assert_eq!(calls, 1, "no retry that would wait 30 s of a 15 s run");
         assert_eq!(took, Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn e5_a_blocked_prompt_or_an_answer_all_thinking_goes_to_the_next_model_billed() {
+        for why in ["blocked:SAFETY", "length", "refusal"] {
+            let (primary, calls) = entry("primary", Behaviour::SaysNothing(why));
+            let (fallback, _) = entry("fallback", Behaviour::Answers);
+            let done = through(&[primary, fallback], Duration::from_secs(60))
+                .await
+                .expect("the fallback answers");
+            assert_eq!(done.response.text, "fallback answered", "{why}");
+            assert_eq!(calls.calls.load(std::sync::atomic::Ordering::Relaxed), 1);
+            assert_eq!(
+                done.passed_over.len(),
+                1,
+                "{why}: the empty answer was billed"
+            );
+            assert_eq!(done.passed_over[0].response.usage.output_tokens, 4000);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn e5_the_last_models_empty_answer_stands_for_the_run_to_answer_from_what_it_gathered() {
+        let (only, _) = entry("only", Behaviour::SaysNothing("blocked:SAFETY"));
+        let done = through(&[only], Duration::from_secs(60))
+            .await
+            .expect("an answer, not 'trouble connecting'");
+        assert_eq!(done.response.stop_reason, "blocked:SAFETY");
+        let (primary, _) = entry("primary", Behaviour::SaysNothing("stop"));
+        let (fallback, fallback_calls) = entry("fallback", Behaviour::Answers);
+        let done = through(&[primary, fallback], Duration::from_secs(60))
+            .await
+            .expect("an answer");
+        assert_eq!(
+            done.response.text, "",
+            "an ordinary empty answer is not passed on"
+        );
+        assert_eq!(
+            fallback_calls
+                .calls
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
     }
 
     #[test]
