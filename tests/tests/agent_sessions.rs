@@ -752,7 +752,7 @@ async fn b5_a_task_agent_in_progress_at_shutdown_is_handed_back_and_finished_by_
         .sql()
         .await
         .query_one(
-            "SELECT state = 'running' AND attempts = 1 AND claimed_until <= now() FROM agent.task_agents WHERE id = $1",
+            "SELECT state = 'running' AND attempts = 0 AND claimed_until <= now() FROM agent.task_agents WHERE id = $1",
             &[&task],
         )
         .await
@@ -760,7 +760,8 @@ async fn b5_a_task_agent_in_progress_at_shutdown_is_handed_back_and_finished_by_
         .get(0);
     assert!(
         lapsed,
-        "handed back as the replica stopped, not held until its claim lapses"
+        "handed back as the replica stopped, not held until its claim lapses, and the stop \
+         not counted as a try"
     );
 
     // The replica that takes it over follows the stopped attempt's run (ended by the health

@@ -1382,8 +1382,8 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
         .expect("handed back: ready at once");
     assert_eq!(
         (second.attempts, second.settled_attempt),
-        (2, 0),
-        "taken over from an attempt that never settled"
+        (1, 0),
+        "the same attempt, taken over: a stop is not the task's failure"
     );
     assert!(
         !s.settle_task_agent(&again, "w1", &not_yet).await.unwrap(),
@@ -1402,9 +1402,15 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
         .await
         .unwrap()
         .expect("due again");
-    assert_eq!((third.attempts, third.settled_attempt), (3, 2));
+    assert_eq!((third.attempts, third.settled_attempt), (2, 1));
+    let last = s
+        .claim_task_agent("w4", Duration::ZERO, 3)
+        .await
+        .unwrap()
+        .expect("its claim lapsed: taken over");
+    assert_eq!((last.attempts, last.settled_attempt), (3, 1));
     assert!(
-        s.claim_task_agent("w4", hold, 3).await.unwrap().is_none(),
+        s.claim_task_agent("w5", hold, 3).await.unwrap().is_none(),
         "a claim that lapsed on the last attempt is not taken again"
     );
     assert_eq!(
@@ -1430,6 +1436,53 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
         posted,
         ["Task agent could not finish (done): it kept stopping"]
     );
+}
+
+/// B-5: a task handed back by a stopping worker on its last attempt is taken up again by
+/// another, not failed as if its worker had died.
+async fn b5_a_task_handed_back_on_its_last_attempt_is_taken_up_not_failed(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "x").await.unwrap();
+    assert!(
+        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5)
+            .await
+            .unwrap()
+    );
+    let hold = Duration::from_secs(60);
+    let first = s
+        .claim_task_agent("w1", Duration::ZERO, 2)
+        .await
+        .unwrap()
+        .unwrap();
+    let last = s.claim_task_agent("w2", hold, 2).await.unwrap().unwrap();
+    assert_eq!(
+        (first.attempts, last.attempts),
+        (1, 2),
+        "w1 died; w2 has the last try"
+    );
+    assert_eq!(
+        s.release_task_claims("w2").await.unwrap(),
+        1,
+        "w2 is stopping"
+    );
+    assert_eq!(
+        s.fail_lapsed_task_agents(2, "it kept stopping")
+            .await
+            .unwrap(),
+        0,
+        "a hand-back is not a lapse"
+    );
+    let taken = s
+        .claim_task_agent("w3", hold, 2)
+        .await
+        .unwrap()
+        .expect("handed back: taken up at once");
+    assert_eq!(
+        (taken.attempts, taken.settled_attempt),
+        (2, 0),
+        "the same last attempt, so its run is followed rather than a third started"
+    );
+    assert!(posted_on(s, "t1").await.is_empty(), "no failure posted");
 }
 
 /// A stopping worker hands back the occurrences its holders (`worker/claim`) hold, and only
@@ -2288,6 +2341,7 @@ both_backends!(
     an_admission_reads_the_owners_newest_session_summaries,
     the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once,
     task_claims_are_kept_handed_back_or_ended_by_their_rules,
+    b5_a_task_handed_back_on_its_last_attempt_is_taken_up_not_failed,
     e12_a_takeover_that_settles_an_earlier_attempts_run_spends_no_try,
     a_stopping_workers_occurrences_are_handed_back,
     a_cancel_request_reaches_the_lease_holder_and_idle_threads_are_found,

@@ -1055,6 +1055,7 @@ impl AgentStore for MemoryStore {
                     && w == worker
                 {
                     *until = now - Duration::from_millis(1);
+                    task.attempts -= 1;
                     n += 1;
                 }
             }

@@ -786,7 +786,10 @@ pub trait AgentStore: Send + Sync + 'static {
     ) -> Result<usize, StoreError>;
     /// Hands back every task `worker` holds (its process is stopping): each claim lapses now,
     /// so another worker takes the task over at once rather than when the claim would have
-    /// lapsed. A settle of the attempt that lands first still counts. Returns how many.
+    /// lapsed. The attempt does not count: a stop is not the task's failure, so a task handed
+    /// back on its last attempt is taken up again, not failed as lapsed; the worker that takes
+    /// it up makes the same attempt and follows the run it started, if any. A settle of the
+    /// attempt that lands first still counts. Returns how many.
     async fn release_task_claims(&self, worker: &str) -> Result<usize, StoreError>;
     /// Extends the claim of the attempt `task` is (fenced as `settle_task_agent` is) to `hold`
     /// from now; false when that attempt no longer holds the task.

@@ -908,7 +908,8 @@ impl AgentStore for PgStore {
             .client()
             .await?
             .execute(
-                "UPDATE agent.task_agents SET claimed_until = now() - interval '1 millisecond', updated_at = now() \
+                "UPDATE agent.task_agents SET claimed_until = now() - interval '1 millisecond', \
+                   attempts = attempts - 1, updated_at = now() \
                  WHERE state = 'running' AND claimed_by = $1",
                 &[&worker],
             )
