@@ -484,6 +484,43 @@ async fn a2_input_no_store_can_keep_is_refused_by_name_not_reported_as_an_outage
     );
     invalid(
         alice
+            .list_threads(pb::ListThreadsRequest {
+                page_token: "1:\0".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err(),
+        "page_token",
+    );
+    let mut empty_entry = input("hi");
+    empty_entry.conversation = vec![pb::ConversationEntry {
+        role: pb::Role::User as i32,
+        text: "  ".into(),
+    }];
+    invalid(
+        run(&mut alice, empty_entry).await.unwrap_err(),
+        "input.conversation[0].text is required",
+    );
+    let mut newer_policy = input("hi");
+    newer_policy.on_busy_thread = 7;
+    invalid(
+        run(&mut alice, newer_policy).await.unwrap_err(),
+        "input.on_busy_thread",
+    );
+    invalid(
+        alice
+            .decide_approval(pb::DecideApprovalRequest {
+                approval_id: "ap_1".into(),
+                decision: pb::Decision::Approve as i32,
+                args_sha256: "abc".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err(),
+        "args_sha256 must be the 64 hex digits",
+    );
+    invalid(
+        alice
             .open_session(pb::OpenSessionRequest {
                 request_id: "k".repeat(10_000),
                 ..Default::default()

@@ -60,6 +60,13 @@ async fn a_supervised_send_waits_with_a_preview_and_approval_on_another_instance
     );
     assert!(approval.reason.contains("supervised"));
     assert_eq!(approval.args_sha256.len(), 64);
+    assert!(
+        approval
+            .action_id
+            .starts_with(&format!("{}/", paused.run_id)),
+        "the action it would run: {}",
+        approval.action_id
+    );
     assert!(gmail.sent().is_empty(), "nothing is sent before approval");
 
     // Another replica receives the decision and continues the run from persisted state.
@@ -71,11 +78,10 @@ async fn a_supervised_send_waits_with_a_preview_and_approval_on_another_instance
         b.decide_approval(wrong_args).await.unwrap_err().code(),
         Code::FailedPrecondition
     );
-    let done = b
-        .decide_approval(decide(&approval.id, pb::Decision::Approve))
-        .await
-        .unwrap()
-        .into_inner();
+    // The hash the decider saw, copied in upper case, is the same hash.
+    let mut seen_args = decide(&approval.id, pb::Decision::Approve);
+    seen_args.args_sha256 = approval.args_sha256.to_ascii_uppercase();
+    let done = b.decide_approval(seen_args).await.unwrap().into_inner();
     assert_eq!(
         done.approval.unwrap().state,
         pb::ApprovalState::Approved as i32

@@ -69,6 +69,21 @@ pub fn optional_id(field: &str, value: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The hash of the arguments a decider saw (optional): 64 hex digits, compared in lower case
+/// as the server writes it, so a hash copied in upper case still matches.
+pub fn args_sha256(value: &str) -> Result<Option<String>, ApiError> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    if value.len() != 64 || !value.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(ApiError::InvalidArgument(format!(
+            "args_sha256 must be the 64 hex digits of the approval's args_sha256 (got {} characters)",
+            value.chars().count()
+        )));
+    }
+    Ok(Some(value.to_ascii_lowercase()))
+}
+
 /// A request id (idempotency key): optional, at most 128 bytes, no NUL.
 pub fn request_id(field: &str, value: &str) -> Result<Option<String>, ApiError> {
     text(field, value, MAX_REQUEST_ID_BYTES)?;
@@ -145,11 +160,13 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
         .saturating_sub(MAX_CONVERSATION_ENTRIES);
     let mut conversation = Vec::new();
     for (i, entry) in input.conversation.into_iter().enumerate().skip(skip) {
-        text(
-            &format!("input.conversation[{i}].text"),
-            &entry.text,
-            MAX_CONVERSATION_TEXT_BYTES,
-        )?;
+        let field = format!("input.conversation[{i}].text");
+        text(&field, &entry.text, MAX_CONVERSATION_TEXT_BYTES)?;
+        // Providers refuse an empty message (Anthropic with a 400): the run would fail on
+        // the caller's mistake as if the model were down.
+        if entry.text.trim().is_empty() {
+            return Err(ApiError::InvalidArgument(format!("{field} is required")));
+        }
         let user = match pb::Role::try_from(entry.role) {
             Ok(pb::Role::User) => true,
             Ok(pb::Role::Assistant) => false,
@@ -160,6 +177,16 @@ pub fn run_input(input: Option<pb::RunInput>) -> Result<RunInput, ApiError> {
             }
         };
         conversation.push((user, entry.text));
+    }
+    // REJECT is the only policy; a value from a newer client must not pass as it.
+    if !matches!(
+        pb::BusyThreadPolicy::try_from(input.on_busy_thread),
+        Ok(pb::BusyThreadPolicy::Unspecified | pb::BusyThreadPolicy::Reject)
+    ) {
+        return Err(ApiError::InvalidArgument(format!(
+            "input.on_busy_thread {} is not a policy this server knows; use BUSY_THREAD_POLICY_REJECT",
+            input.on_busy_thread
+        )));
     }
     if input.attached_context.len() > MAX_ATTACHED {
         return Err(ApiError::InvalidArgument(format!(
@@ -256,7 +283,7 @@ pub fn approval(a: &crate::store::Approval) -> pb::Approval {
     pb::Approval {
         id: a.id.clone(),
         run_id: a.run_id.clone(),
-        action_id: String::new(),
+        action_id: crate::store::action_id(&a.run_id, &a.call_id),
         tool: a.tool.clone(),
         arguments: json_to_struct(&a.arguments),
         args_sha256: a.args_sha256.clone(),
@@ -523,7 +550,9 @@ pub fn thread_page(
     } else {
         let (nanos, id) = token.split_once(':').ok_or_else(foreign_token)?;
         let nanos = nanos.parse::<u64>().map_err(|_| foreign_token())?;
-        if id.is_empty() {
+        // The id goes to the database: one we never issued (a NUL, megabytes) is the
+        // caller's mistake, not a database fault.
+        if id.is_empty() || optional_id("page_token", id).is_err() {
             return Err(foreign_token());
         }
         Some(crate::store::ThreadCursor {

@@ -157,7 +157,13 @@ fn bearer(metadata: &MetadataMap) -> Result<&str, ApiError> {
     metadata
         .get("authorization")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        // The scheme is case-insensitive (RFC 7235): `bearer` is as good as `Bearer`.
+        .and_then(|v| {
+            let (scheme, token) = v.split_once(' ')?;
+            scheme
+                .eq_ignore_ascii_case("bearer")
+                .then(|| token.trim_start())
+        })
         .ok_or_else(|| {
             ApiError::Unauthenticated("missing `authorization: Bearer <JWT>` metadata".into())
         })
@@ -208,6 +214,13 @@ mod tests {
             serde_json::json!({"sub": "alice", "exp": now() + 600, "iss": "steward-auth", "aud": "steward"}),
         );
         assert_eq!(id.user(&md(&token)).await.unwrap(), "alice");
+        let mut lower = MetadataMap::new();
+        lower.insert("authorization", format!("bearer {token}").parse().unwrap());
+        assert_eq!(
+            id.user(&lower).await.unwrap(),
+            "alice",
+            "the scheme in any case"
+        );
     }
 
     #[tokio::test]

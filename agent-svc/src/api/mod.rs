@@ -147,6 +147,27 @@ impl AgentService for AgentApi {
         convert::optional_id("thread_id", &r.thread_id)?;
         let time_zone = convert::time_zone("time_zone", &r.time_zone)?;
         let request_id = convert::request_id("request_id", &r.request_id)?;
+        // Waiting on the opening's run is following it, as Run does.
+        let _following = self.runs.follower_slot(&user)?;
+        // The thread first: a missing one is NOT_FOUND whatever the gateway's state, and
+        // costs no bootstrap.
+        let picked = r.thread_id.is_empty();
+        let thread_id = if picked {
+            // The conversation the user was last in: not a thread whose runs Steward starts
+            // itself (a task agent's report, a schedule's briefings).
+            self.store
+                .latest_thread_except(&user, &runs::STEWARD_THREAD_PREFIXES)
+                .await
+                .map_err(ApiError::from)?
+                .map(|t| t.id)
+        } else {
+            self.store
+                .get_thread(&user, &r.thread_id)
+                .await
+                .map_err(ApiError::from)?
+                .ok_or_else(|| ApiError::NotFound(format!("thread {}", r.thread_id)))?;
+            Some(r.thread_id.clone())
+        };
         let gateway = self
             .runs
             .gateway
@@ -172,23 +193,6 @@ impl AgentService for AgentApi {
                 }
                 GatewayError::Unavailable(m) => ApiError::Unavailable(m),
             })?;
-        let picked = r.thread_id.is_empty();
-        let thread_id = if picked {
-            // The conversation the user was last in: not a thread whose runs Steward starts
-            // itself (a task agent's report, a schedule's briefings).
-            self.store
-                .latest_thread_except(&user, &runs::STEWARD_THREAD_PREFIXES)
-                .await
-                .map_err(ApiError::from)?
-                .map(|t| t.id)
-        } else {
-            self.store
-                .get_thread(&user, &r.thread_id)
-                .await
-                .map_err(ApiError::from)?
-                .ok_or_else(|| ApiError::NotFound(format!("thread {}", r.thread_id)))?;
-            Some(r.thread_id.clone())
-        };
         let in_flight = context
             .tasks
             .as_ref()
@@ -290,11 +294,10 @@ impl AgentService for AgentApi {
         };
         convert::id("approval_id", &r.approval_id)?;
         convert::text("comment", &r.comment, 1024)?;
-        convert::text("args_sha256", &r.args_sha256, 64)?;
-        let sha = Some(r.args_sha256.as_str()).filter(|s| !s.is_empty());
+        let sha = convert::args_sha256(&r.args_sha256)?;
         let decision = self
             .runs
-            .decide(&user, &r.approval_id, approve, sha)
+            .decide(&user, &r.approval_id, approve, sha.as_deref())
             .await?;
         if !r.comment.is_empty() {
             // The decider's note goes to the audit trail beside the decision it explains.
