@@ -844,3 +844,48 @@ async fn world(answers: Vec<Answer>, env: &[(&str, &str)]) -> (TestApp, FakeGmai
     let (app, _model, gmail) = gmail_world(answers, env).await;
     (app, gmail)
 }
+
+/// A-1, P-2: the model a caller chose over the chain's first is the one that goes on after an
+/// approval pause, not the chain's default.
+#[tokio::test]
+async fn a1_a_run_with_a_chosen_model_continues_with_it_after_approval() {
+    let (app, model, gmail) = gmail_world(
+        send_then("Sent it to your boss."),
+        &[("MODEL_CHAIN", "openai/gpt-4o,openai/gpt-4o-mini")],
+    )
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    let paused = alice
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: "email my boss the budget".into(),
+                model_override: "openai/gpt-4o-mini".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    let approval = paused.approval.expect("paused for approval");
+    let done = alice
+        .decide_approval(decide(&approval.id, pb::Decision::Approve))
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    assert_eq!(done.summary, "Sent it to your boss.");
+    assert_eq!(gmail.sent().len(), 1);
+    let asked: Vec<String> = model
+        .requests()
+        .iter()
+        .map(|(_, body)| body["model"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(
+        asked,
+        ["gpt-4o-mini", "gpt-4o-mini"],
+        "before and after the pause"
+    );
+}

@@ -1000,3 +1000,63 @@ async fn the_users_time_zone_reaches_the_current_time_of_a_run_and_of_a_session_
         );
     }
 }
+
+/// the conversation a caller starts a thread with becomes the thread's history, so
+/// its later runs (and a continuation after an approval) still see it.
+#[tokio::test]
+async fn a1_the_conversation_a_thread_starts_with_stays_in_its_history() {
+    let (app, model, _gmail) = world(vec![
+        Answer::text("The one about Q3."),
+        Answer::text("Done."),
+    ])
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    let entry = |role: pb::Role, text: &str| pb::ConversationEntry {
+        role: role as i32,
+        text: text.into(),
+    };
+    let first = alice
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: "which one did she mean?".into(),
+                conversation: vec![
+                    entry(pb::Role::User, "Alice asked about Q3"),
+                    entry(pb::Role::Assistant, "She wants the numbers by Friday."),
+                ],
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .result
+        .unwrap();
+    alice
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: "thanks".into(),
+                thread_id: first.thread_id.clone(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap();
+    let requests = model.requests();
+    let said: Vec<&str> = requests[1].1["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .skip(1)
+        .map(|m| m["content"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(
+        said,
+        [
+            "Alice asked about Q3",
+            "She wants the numbers by Friday.",
+            "which one did she mean?",
+            "The one about Q3.",
+            "thanks"
+        ]
+    );
+}

@@ -513,11 +513,19 @@ impl RunService {
             resume: true,
             gathered: gathered.into_iter().collect(),
         };
+        // The model the run started with, if the caller chose one; a chain that no longer
+        // holds it (a deploy in between) goes on with its own first model.
+        let models = self
+            .models_for(writer.spent.model_override.as_deref())
+            .unwrap_or_else(|e| {
+                tracing::warn!(run_id = %seg.run_id, error = %e, "the run's chosen model is no longer configured; going on with the chain's first");
+                self.models.clone()
+            });
         self.drive(
             seg,
             writer,
             request,
-            self.models.clone(),
+            models,
             // A scheduled briefing that paused on a send goes on with its own short list.
             approval.allowed_tools.as_deref(),
             stopper,

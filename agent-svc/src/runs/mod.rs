@@ -544,7 +544,10 @@ impl RunService {
         })
     }
 
-    fn models_for(&self, model_override: Option<&str>) -> Result<Arc<ModelSetup>, ApiError> {
+    pub(super) fn models_for(
+        &self,
+        model_override: Option<&str>,
+    ) -> Result<Arc<ModelSetup>, ApiError> {
         let Some(wanted) = model_override else {
             return Ok(self.models.clone());
         };
@@ -833,6 +836,11 @@ impl RunService {
                     }
                 })
                 .collect();
+            // Kept as the thread's own history: a continuation after an approval, and the
+            // thread's later runs, read it from there.
+            for turn in &history {
+                writer.pending().history.push(to_json(turn)?);
+            }
         }
         writer
             .pending()
@@ -843,6 +851,7 @@ impl RunService {
         limits.max_cost_usd = input.max_cost_usd;
         // Kept with the run's usage: a continuation after an approval goes on under what is left.
         writer.spent.ceiling = RunCeiling::of(input.max_total_tokens, input.max_cost_usd);
+        writer.spent.model_override = input.model_override.clone();
         if !input.attached.is_empty() {
             writer.guard.read(guard::ATTACHED);
         }

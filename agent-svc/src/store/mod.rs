@@ -187,6 +187,10 @@ pub struct RunUsage {
     /// that pauses for approval goes on under what is left of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ceiling: Option<RunCeiling>,
+    /// The model the caller chose over the chain's first (`model_override`), kept beside the
+    /// calls it paid for: a run that pauses for approval goes on with the same model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_override: Option<String>,
 }
 
 /// A run's budget (RunBudget): input plus output tokens and cost over all its model calls.
