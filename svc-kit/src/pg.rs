@@ -116,7 +116,7 @@ pub fn pool(url: &str, options: &PoolOptions) -> Result<Pool, PgError> {
 /// The most specific words of a connection error: tokio-postgres's own Display says only "db
 /// error" or "error performing TLS handshake" and keeps the server's message or the TLS reason in
 /// its source.
-pub(crate) fn cause(e: &tokio_postgres::Error) -> String {
+pub fn cause(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("{}: {}", db.severity(), db.message()),
         None => match std::error::Error::source(e) {
@@ -415,8 +415,20 @@ pub fn report(pool: &Pool, schema: &'static str) {
     }
 }
 
+/// How long one migration statement waits for a table's lock. An `ALTER TABLE` waiting behind
+/// a long reader (a backup, an operator's query) queues every later statement on that table
+/// behind it — every replica's commits, leases and admissions — so it gives way soon and is
+/// tried again after a pause instead of stalling the fleet.
+const MIGRATION_LOCK_TIMEOUT: &str = "3s";
+const MIGRATION_LOCK_PAUSE: Duration = Duration::from_secs(2);
+/// Tries of a migration that keeps meeting a held lock: about two minutes in all.
+const MIGRATION_LOCK_TRIES: u32 = 25;
+
 /// Applies `runner`'s migrations while holding advisory lock `lock_key` (one key per service,
-/// so the two services never wait on each other).
+/// so the two services never wait on each other). A database a newer build has already
+/// migrated further is run as it is: its migrations add to the schema and never take from
+/// what an older build uses (deploy/README.md), so a rollback or an old replica restarting
+/// mid-deploy still starts.
 pub async fn migrate(url: &str, runner: refinery::Runner, lock_key: i64) -> Result<(), PgError> {
     use futures_util::StreamExt;
     let (mut client, mut messages) = Target::parse(url)?.connect().await?;
@@ -431,7 +443,7 @@ pub async fn migrate(url: &str, runner: refinery::Runner, lock_key: i64) -> Resu
     client
         .execute("SELECT pg_advisory_lock($1)", &[&lock_key])
         .await?;
-    let result = runner.run_async(&mut client).await;
+    let result = migrate_locked(&mut client, runner).await;
     // Unlock explicitly; closing the session would release it too, but this frees waiters now.
     let unlock = client
         .execute("SELECT pg_advisory_unlock($1)", &[&lock_key])
@@ -444,6 +456,71 @@ pub async fn migrate(url: &str, runner: refinery::Runner, lock_key: i64) -> Resu
         tracing::info!(version = m.version(), name = m.name(), "applied migration");
     }
     Ok(())
+}
+
+/// [`migrate`]'s work once the advisory lock is held.
+async fn migrate_locked(
+    client: &mut tokio_postgres::Client,
+    runner: refinery::Runner,
+) -> Result<refinery::Report, PgError> {
+    let known = runner
+        .get_migrations()
+        .iter()
+        .map(|m| m.version())
+        .max()
+        .unwrap_or_default();
+    // No history table yet (a new database) reads as nothing applied.
+    let ahead: Vec<i32> = runner
+        .get_applied_migrations_async(client)
+        .await
+        .map(|applied| {
+            applied
+                .iter()
+                .map(|m| m.version())
+                .filter(|v| *v > known)
+                .collect()
+        })
+        .unwrap_or_default();
+    let runner = if ahead.is_empty() {
+        runner
+    } else {
+        tracing::warn!(
+            ?ahead,
+            this_build = known,
+            "the database has migrations from a newer build; running on its schema as it is"
+        );
+        runner.set_abort_missing(false)
+    };
+    client
+        .batch_execute(&format!("SET lock_timeout = '{MIGRATION_LOCK_TIMEOUT}'"))
+        .await?;
+    let mut tries = 1;
+    loop {
+        match runner.run_async(client).await {
+            Err(e) if waited_too_long_for_a_lock(&e) && tries < MIGRATION_LOCK_TRIES => {
+                tracing::warn!(
+                    tries,
+                    error = %e,
+                    "a migration met a lock held by another session; trying again shortly"
+                );
+                tries += 1;
+                tokio::time::sleep(MIGRATION_LOCK_PAUSE).await;
+            }
+            result => return Ok(result?),
+        }
+    }
+}
+
+/// Whether a migration failed because its statement's lock wait ran out (55P03).
+fn waited_too_long_for_a_lock(e: &refinery::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(pg) = err.downcast_ref::<tokio_postgres::Error>() {
+            return pg.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE);
+        }
+        source = err.source();
+    }
+    false
 }
 
 #[cfg(test)]

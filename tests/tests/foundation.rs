@@ -267,3 +267,205 @@ async fn a_statement_made_stale_by_a_migration_fails_once_then_is_prepared_again
     let size: i64 = pooled.query_one(read, &[]).await.unwrap().get(0);
     assert_eq!(size, 3, "prepared again on the same connection");
 }
+
+/// A database whose history table says `version` of `table` is applied.
+async fn record_a_newer_migration(client: &tokio_postgres::Client, table: &str, version: i32) {
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {table} (version, name, applied_on, checksum) \
+                 VALUES ($1, 'from_a_newer_build', '2026-11-28T00:00:00Z', '1')"
+            ),
+            &[&version],
+        )
+        .await
+        .unwrap();
+}
+
+/// A rollback, or a replica of the build before restarting mid-deploy, meets a database a
+/// newer build migrated further: it runs on that schema rather than refusing to start.
+#[tokio::test]
+async fn an_older_build_starts_on_a_database_a_newer_build_migrated_further() {
+    let db = TestDb::create().await.unwrap();
+    agent_svc::store::postgres::PgStore::migrate(db.url())
+        .await
+        .unwrap();
+    gateway_svc::store::postgres::PgStore::migrate(db.url())
+        .await
+        .unwrap();
+    let (client, conn) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    record_a_newer_migration(&client, "agent_schema_history", 900).await;
+    record_a_newer_migration(&client, "gateway_schema_history", 900).await;
+
+    let env: HashMap<String, String> = HashMap::from([
+        ("DATABASE_URL".into(), db.url().to_owned()),
+        ("AGENT_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
+        ("GATEWAY_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
+    ]);
+    let mut gateway = start_gateway(&env).await.expect("the gateway starts");
+    let mut agent = start_agent(&env).await.expect("agent-svc starts");
+    wait_for_status(
+        channel(agent.addr).await,
+        AGENT_SERVICE_NAME,
+        ServingStatus::Serving,
+    )
+    .await;
+    agent.stop().await.unwrap();
+    gateway.stop().await.unwrap();
+    drop(client);
+    let _ = conn.await;
+}
+
+/// An `ALTER TABLE` that waits for a lock queues every later statement on its table behind it.
+/// A migration that meets a long reader gives way to the replicas' statements and tries again,
+/// and lands once the reader is done.
+#[tokio::test]
+async fn a_migration_waiting_for_a_lock_gives_way_to_the_replicas_statements() {
+    use agent_svc::store::postgres::PgStore;
+    let db = TestDb::create().await.unwrap();
+    PgStore::migrate_to(db.url(), 21).await.unwrap();
+    let connect = || async {
+        let (client, conn) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        client
+    };
+    // A backup, say: a transaction that has read agent.threads and goes on.
+    let reader = connect().await;
+    reader
+        .batch_execute("BEGIN; SELECT count(*) FROM agent.threads")
+        .await
+        .unwrap();
+    let migration = tokio::spawn({
+        let url = db.url().to_owned();
+        async move { PgStore::migrate(&url).await }
+    });
+    let replica = connect().await;
+    // V22's ALTER TABLE agent.threads is waiting for its lock.
+    tokio::time::timeout(std::time::Duration::from_secs(20), async {
+        loop {
+            let waiting: bool = replica
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+                     WHERE c.relname = 'threads' AND NOT l.granted)",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the migration reached agent.threads");
+    // A replica's statement on the table is not held until the reader ends.
+    tokio::time::timeout(
+        std::time::Duration::from_secs(15),
+        replica.execute(
+            "INSERT INTO agent.threads (id, owner, title) VALUES ('t1', 'alice', 'x')",
+            &[],
+        ),
+    )
+    .await
+    .expect("the replica's write is not stuck behind the migration")
+    .unwrap();
+    reader.batch_execute("COMMIT").await.unwrap();
+    migration
+        .await
+        .unwrap()
+        .expect("the migration lands once the reader is done");
+    let applied: i32 = replica
+        .query_one("SELECT max(version) FROM agent_schema_history", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(applied, 22);
+}
+
+/// Each shipped migration's checksum as refinery records it. A database that applied a
+/// migration refuses to start a build whose text of it differs (DivergentVersion), so an
+/// applied migration is never edited: a change goes in a new one. Adding one adds its line.
+const MIGRATION_CHECKSUMS: &[(&str, &[&str])] = &[
+    (
+        "agent_schema_history",
+        &[
+            "17510433710214866874", // V1
+            "13374846272930868597", // V2
+            "8523000306498136507",  // V3
+            "17779650141851169313", // V4
+            "2000864238174956167",  // V5
+            "5827688699469369833",  // V6
+            "7601377415597141041",  // V7
+            "6353644777639963583",  // V8
+            "3917228144175751815",  // V9
+            "3410887479837327753",  // V10
+            "6241649354685496050",  // V11
+            "3794134900803999739",  // V12
+            "2454378065499636988",  // V13
+            "14277346539845596141", // V14
+            "6865567933891173406",  // V15
+            "5537883393104475580",  // V16
+            "14090533175569331123", // V17
+            "2414024052866243525",  // V18
+            "7769397423420512243",  // V19
+            "15488915999327955532", // V20
+            "12731774979488163909", // V21
+            "14619383028808738936", // V22
+        ],
+    ),
+    (
+        "gateway_schema_history",
+        &[
+            "1693573921431933422",  // V1
+            "11439032536882111629", // V2
+            "12465095445599243572", // V3
+            "14351319189822355212", // V4
+            "13082823721360454074", // V5
+            "7069324342974547702",  // V6
+            "1731754192360862032",  // V7
+            "10357449365668025505", // V8
+            "9234735666995074740",  // V9
+            "15737436639101030455", // V10
+        ],
+    ),
+];
+
+#[tokio::test]
+async fn applied_migrations_are_never_edited() {
+    let db = TestDb::create().await.unwrap();
+    agent_svc::store::postgres::PgStore::migrate(db.url())
+        .await
+        .unwrap();
+    gateway_svc::store::postgres::PgStore::migrate(db.url())
+        .await
+        .unwrap();
+    let (client, conn) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    for (table, pinned) in MIGRATION_CHECKSUMS {
+        let recorded: Vec<String> = client
+            .query(
+                &format!("SELECT checksum FROM {table} ORDER BY version"),
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(
+            recorded, *pinned,
+            "{table}: an applied migration's text changed (or a new one is not pinned yet)"
+        );
+    }
+    drop(client);
+    let _ = conn.await;
+}
