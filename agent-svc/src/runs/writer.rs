@@ -562,14 +562,38 @@ impl RunWriter {
 
     /// Whether the pending commit is in the store already: its last event is there, byte for
     /// byte (its time included), so no other writer's event at that seq is taken for it.
+    /// A commit without events (a model call's usage and its turn, flushed by the timer before
+    /// the calls' events came) is known by its turns: the thread's history ends with them.
+    /// Such turns are tool calls and results, whose call ids are the run's own, so no earlier
+    /// turn passes for them; written twice, they would break every later call on the thread.
     async fn landed(&self) -> bool {
         let Some((last, payload)) = self.pending.events.last() else {
-            return false;
+            return !self.pending.history.is_empty() && self.history_ends_with_pending().await;
         };
         matches!(
             self.store.events_after(&self.run_id, last - 1, 1).await,
             Ok(found) if found.first().is_some_and(|(seq, p)| seq == last && p == payload)
         )
+    }
+
+    /// Whether the thread's stored history ends with the pending commit's turns (compared as
+    /// JSON: the database keeps its own spelling of them).
+    async fn history_ends_with_pending(&self) -> bool {
+        let Ok(stored) = self.store.history(&self.thread_id).await else {
+            return false;
+        };
+        let pending = &self.pending.history;
+        let Some(tail) = stored
+            .len()
+            .checked_sub(pending.len())
+            .map(|at| &stored[at..])
+        else {
+            return false;
+        };
+        let json = |t: &str| serde_json::from_str::<serde_json::Value>(t).ok();
+        tail.iter()
+            .zip(pending)
+            .all(|(a, b)| json(a).is_some_and(|a| Some(a) == json(b)))
     }
 
     fn due(&self) -> Option<Instant> {
@@ -795,6 +819,19 @@ mod tests {
             (2..=9).collect::<Vec<u64>>(),
             "all eight events, in order"
         );
+    }
+
+    #[tokio::test]
+    async fn r2_a_commit_of_turns_alone_whose_answer_was_lost_is_known_by_its_turns() {
+        let (mut writer, store) = writer().await;
+        let call = serde_json::json!({"Assistant": {"text": "", "tool_calls": [
+            {"id": "call_r1_1", "name": "list_tasks", "arguments": "{}"}]}});
+        writer.pending().history.push(call.to_string().into());
+        assert!(!writer.landed().await, "not written yet");
+        let commit = writer.pending.clone();
+        store.commit(&writer.lease, commit).await.expect("written");
+        // Its answer lost: the retry finds it in place rather than writing the turn again.
+        assert!(writer.landed().await);
     }
 
     #[tokio::test]

@@ -124,7 +124,8 @@ pub(super) fn db(e: tokio_postgres::Error) -> StoreError {
         }
         Some(d) if pg::refused_for_good(d.code()) => StoreError::Rejected(pg::server_message(d)),
         Some(d) => StoreError::Unavailable(pg::server_message(d)),
-        None => StoreError::Unavailable(e.to_string()),
+        // Not the server's words: the I/O cause says what broke ("connection reset").
+        None => StoreError::Unavailable(pg::cause(&e)),
     }
 }
 

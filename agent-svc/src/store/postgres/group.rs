@@ -66,8 +66,10 @@ async fn usable<I, O>(
     client: pg::Pooled,
     alone: &mut Vec<Waiting<I, O>>,
 ) -> Option<pg::Pooled> {
-    match client.is_closed() {
-        false => Some(client),
-        true => connection(pool, alone).await,
+    if !client.is_closed() {
+        return Some(client);
     }
+    // A dead connection's pool slot is freed before waiting for another.
+    drop(client);
+    connection(pool, alone).await
 }
