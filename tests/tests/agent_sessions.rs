@@ -100,7 +100,7 @@ async fn the_incident_replayed_one_call_no_tools_a_small_prompt_and_the_unread_c
     );
     let system = body["messages"][0]["content"].as_str().unwrap();
     assert!(
-        system.contains("Unread: home@example.com 10, work@example.com 10"),
+        system.contains(r#"Unread: "home@example.com" 10, "work@example.com" 10"#),
         "{system}"
     );
     assert!(

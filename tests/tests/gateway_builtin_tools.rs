@@ -413,7 +413,7 @@ async fn a_hanging_gmail_leaves_bootstrap_inside_two_seconds_with_email_unavaila
     assert!(elapsed < Duration::from_secs(2), "took {elapsed:?}");
     let email = ctx.email.unwrap();
     assert_eq!(email.status, pb::SourceStatus::Unavailable as i32);
-    assert_eq!(email.line, "Unread: work@example.com (unavailable)");
+    assert_eq!(email.line, r#"Unread: "work@example.com" (unavailable)"#);
     let tasks = ctx.tasks.unwrap();
     assert_eq!(tasks.status, pb::SourceStatus::Ok as i32);
     assert_eq!((tasks.pending, tasks.overdue), (3, 1));
@@ -439,7 +439,7 @@ async fn a_hanging_gmail_leaves_bootstrap_inside_two_seconds_with_email_unavaila
     assert_eq!(email.status, pb::SourceStatus::Ok as i32);
     assert_eq!(
         email.line,
-        "Unread: home@example.com 3, work@example.com (unavailable)"
+        r#"Unread: "home@example.com" 3, "work@example.com" (unavailable)"#
     );
 }
 
@@ -475,7 +475,7 @@ async fn bootstrap_reports_unread_counts_without_content_and_spots_a_new_user() 
     let ctx = bootstrap(&mut g).await;
     assert!(!ctx.new_user, "a memory makes a returning user");
     let email = ctx.email.unwrap();
-    assert_eq!(email.line, "Unread: work@example.com 12");
+    assert_eq!(email.line, r#"Unread: "work@example.com" 12"#);
     assert_eq!(email.accounts[0].unread, 12);
     assert_eq!(gmail.requests(), 1, "one labels.get per account");
 }
