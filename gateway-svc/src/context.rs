@@ -256,6 +256,25 @@ impl CallContext {
         }
     }
 
+    /// The upstream refused `account`'s credentials for good in its own words (Slack's
+    /// `invalid_auth`, `token_revoked`): the account is marked as needing reconnecting, so
+    /// the next call picks another account and the tool is no longer offered for it, unless a
+    /// different token was put in place meanwhile.
+    pub async fn credentials_refused(&self, integration: Integration, account: &str) {
+        let used = self.tokens.lock().ok().and_then(|t| {
+            t.iter()
+                .find(|(i, a, _)| *i == integration && a == account)
+                .map(|(_, _, token)| token.clone())
+        });
+        self.forget_token(integration, account);
+        if let Some(token) = used {
+            self.services
+                .credentials
+                .refused_fresh(&self.user, integration, account, &token)
+                .await;
+        }
+    }
+
     /// Before a charge: an account that needs credentials must have usable ones, so a missing
     /// or revoked account (or one whose refresh fails) costs no budget for calls it cannot make.
     async fn can_send(&self, integration: Integration, account: &str) -> Result<(), ToolError> {

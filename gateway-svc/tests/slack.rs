@@ -6,13 +6,16 @@
 
 mod common;
 
+use std::time::{Duration, SystemTime};
+
 use common::upstream::{Answer, Upstream};
 use gateway_svc::{
+    credentials::NewAccount,
     domain::{ErrorKind, Integration},
     engine::Engine,
     integrations::slack::{self, SlackApi},
     ratelimit::{Limits, Window},
-    store::memory::MemoryStore,
+    store::{AccountStatus, memory::MemoryStore},
 };
 use serde_json::json;
 
@@ -191,4 +194,89 @@ async fn g6_a_channel_listing_declares_its_three_pages_and_gives_back_the_pages_
         refused.text
     );
     assert_eq!(upstream.seen("GET /api/conversations.list"), 3);
+}
+
+/// Slack refuses the first request's token (`invalid_auth`), then answers every one.
+fn refuses_the_first_token(_: &str, _: &str) -> Answer {
+    static ASKED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    if ASKED.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+        Answer::Status(200, r#"{"ok":false,"error":"invalid_auth"}"#)
+    } else {
+        Answer::Status(200, r#"{"ok":true,"messages":[]}"#)
+    }
+}
+
+#[tokio::test]
+async fn g8_a_slack_workspace_answering_invalid_auth_is_marked_needs_reconnect_and_the_next_default_read_uses_the_other_workspace()
+ {
+    let upstream = Upstream::start(refuses_the_first_token).await;
+    let stores = MemoryStore::stores();
+    let engine = common::engine(
+        &stores,
+        slack::tools(SlackApi {
+            base_url: upstream.base_url.clone(),
+        }),
+    );
+    common::connect(&engine, Integration::Slack, "T1", "tok-1").await;
+    common::connect(&engine, Integration::Slack, "T2", "tok-2").await;
+    let read = json!({"channel": "C024BE91L"});
+
+    let refused = common::call(&engine, "c1", "slack_read", read.clone(), "k1").await;
+    let next = common::call(&engine, "c2", "slack_read", read, "k2").await;
+
+    assert_eq!(refused.error_kind, Some(ErrorKind::CredentialsRevoked));
+    assert_eq!(refused.account.as_deref(), Some("T1"));
+    let t1 = stores
+        .accounts
+        .get_account(&common::user(), Integration::Slack, "T1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(t1.status, AccountStatus::NeedsReconnect);
+    assert!(next.ok(), "{}", next.text);
+    assert_eq!(next.account.as_deref(), Some("T2"));
+}
+
+#[tokio::test]
+async fn g8_an_expired_slack_token_marks_its_workspace_needs_reconnect() {
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"ok":true}"#)).await;
+    let stores = MemoryStore::stores();
+    let engine = common::engine(
+        &stores,
+        slack::tools(SlackApi {
+            base_url: upstream.base_url.clone(),
+        }),
+    );
+    engine
+        .services
+        .credentials
+        .connect(
+            &common::user(),
+            NewAccount {
+                integration: Integration::Slack,
+                account: "T1".into(),
+                access_token: "tok-1".into(),
+                refresh_token: None,
+                expires_at: Some(SystemTime::now() - Duration::from_secs(60)),
+                scopes: Vec::new(),
+            },
+        )
+        .await
+        .unwrap();
+
+    let refused = common::call(&engine, "c1", "slack_channels", json!({}), "k1").await;
+
+    assert_eq!(refused.error_kind, Some(ErrorKind::CredentialsRevoked));
+    let t1 = stores
+        .accounts
+        .get_account(&common::user(), Integration::Slack, "T1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(t1.status, AccountStatus::NeedsReconnect);
+    assert_eq!(
+        upstream.seen(""),
+        0,
+        "nothing was sent with an expired token"
+    );
 }

@@ -18,7 +18,7 @@ use oauth::{OAuthClient, RefreshError};
 use crate::{
     domain::{Integration, Provider, UserId},
     enforce::ToolError,
-    store::{AccountStatus, AccountStore, StoreError, StoredAccount},
+    store::{AccountLock, AccountStatus, AccountStore, StoreError, StoredAccount},
 };
 
 /// Refresh this long before expiry, so a token does not die in flight.
@@ -314,13 +314,13 @@ impl Credentials {
         }
         let refresh_token = match &current.refresh_token {
             Some(t) => cipher.decrypt(t, &row).map_err(|e| internal(&e))?,
-            None => return Err(revoked(integration, account)),
+            None => return Err(cannot_renew(lock, current).await),
         };
         let oauth = match integration.provider() {
             Some(Provider::Google) => self.google.as_ref().ok_or_else(|| {
                 internal(&"GOOGLE_CLIENT_ID and GOOGLE_CLIENT_SECRET are not configured, so Google tokens cannot be refreshed")
             })?,
-            _ => return Err(revoked(integration, account)),
+            _ => return Err(cannot_renew(lock, current).await),
         };
         tracing::info!(user = %user, integration = integration.key(), account, "refreshing access token");
         match oauth.refresh(&self.http, &refresh_token).await {
@@ -355,9 +355,10 @@ impl Credentials {
 }
 
 impl Credentials {
-    /// The upstream refused `token` although it had just been refreshed or replaced: the grant
-    /// no longer gives access (scopes withdrawn, the account disabled), and only reconnecting
-    /// helps. The account is marked so — as the model is told — unless another call has put a
+    /// The upstream refused `token` for good (although it had just been refreshed or
+    /// replaced, or in words such as Slack's `token_revoked`): the grant no longer gives
+    /// access (scopes withdrawn, the account disabled, the app uninstalled), and only
+    /// reconnecting helps. The account is marked so — as the model is told — unless another call has put a
     /// different token in place since, which may still work. A failure to record it is logged:
     /// the call's answer is the same.
     pub async fn refused_fresh(
@@ -387,7 +388,7 @@ impl Credentials {
         };
         match marked.await {
             Ok(true) => {
-                tracing::warn!(user = %user, integration = integration.key(), account, "a freshly refreshed token was refused; account needs reconnecting");
+                tracing::warn!(user = %user, integration = integration.key(), account, "a token was refused for good; account needs reconnecting");
             }
             Ok(false) => {}
             Err(e) => {
@@ -395,6 +396,30 @@ impl Credentials {
             }
         }
     }
+}
+
+/// `current`'s token expired or was refused and nothing can renew it (no refresh token, a
+/// provider such as Slack that has none): marked as needing reconnecting, so the next call
+/// picks another account instead of failing on this one forever (G-8). A failure to record it
+/// is logged: the call's answer is the same.
+async fn cannot_renew(lock: Box<dyn AccountLock>, current: StoredAccount) -> ToolError {
+    let error = revoked(current.integration, &current.account);
+    let (user, integration, account) = (
+        current.user.clone(),
+        current.integration,
+        current.account.clone(),
+    );
+    let mut updated = current;
+    updated.status = AccountStatus::NeedsReconnect;
+    match lock.save(updated).await {
+        Ok(()) => {
+            tracing::warn!(user = %user, integration = integration.key(), account, "a token that cannot be renewed expired or was refused; account needs reconnecting");
+        }
+        Err(e) => {
+            tracing::error!(user = %user, integration = integration.key(), account, error = %e, "could not mark the account as needing reconnection");
+        }
+    }
+    error
 }
 
 fn revoked(integration: Integration, account: &str) -> ToolError {

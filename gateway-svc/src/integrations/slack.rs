@@ -52,7 +52,11 @@ impl SlackApi {
                 ctx.http().get(&url).query(query).bearer_auth(t)
             })
             .await?;
-        slack_body(team, r)
+        let body = slack_body(team, r);
+        if let Err(ToolError::CredentialsRevoked { .. }) = &body {
+            ctx.credentials_refused(Integration::Slack, team).await;
+        }
+        body
     }
 }
 
