@@ -275,6 +275,38 @@ impl CallRecord {
     }
 }
 
+/// A call that answered without reporting its usage (a compatible server that ignores
+/// stream_options, a stream cut after its answer) was billed all the same, and the run's
+/// budget must still see it: counted with the tokenizer instead, what the provider did not
+/// count — `input_tokens` as sent, the output from what came back.
+pub fn estimate_unreported(
+    done: &mut resilient::Completed,
+    input_tokens: usize,
+    counter: TokenCounter,
+) {
+    let response = &mut done.response;
+    if response.usage.input_tokens != 0 {
+        return;
+    }
+    response.usage.input_tokens = input_tokens as u64;
+    if response.usage.output_tokens == 0 {
+        let output = counter.text(&response.text)
+            + response
+                .tool_calls
+                .iter()
+                .map(|c| counter.text(&c.name) + counter.text(&c.arguments))
+                .sum::<usize>();
+        response.usage.output_tokens = output as u64;
+    }
+    tracing::warn!(
+        provider = %done.provider,
+        model = %done.model,
+        input_tokens = response.usage.input_tokens,
+        output_tokens = response.usage.output_tokens,
+        "the model reported no input usage; counted it instead"
+    );
+}
+
 #[derive(Debug, Clone)]
 pub struct Outcome {
     /// What the user reads. Never empty.
@@ -771,31 +803,7 @@ impl Run<'_> {
             Ok(Err(failed)) if failed.out_of_time => Ok(None),
             Ok(Err(failed)) => Err(failed.to_string()),
             Ok(Ok(mut done)) => {
-                let usage = &mut done.response.usage;
-                if usage.input_tokens == 0 {
-                    // No usage reported (a compatible server that ignores stream_options, a
-                    // stream cut after its answer): the call was still billed, and the run's
-                    // budget must still see it. Counted with the tokenizer instead, what the
-                    // provider did not count.
-                    usage.input_tokens = fit.estimated_input_tokens as u64;
-                    if usage.output_tokens == 0 {
-                        let response = &done.response;
-                        let output = counter.text(&response.text)
-                            + response
-                                .tool_calls
-                                .iter()
-                                .map(|c| counter.text(&c.name) + counter.text(&c.arguments))
-                                .sum::<usize>();
-                        done.response.usage.output_tokens = output as u64;
-                    }
-                    tracing::warn!(
-                        provider = %done.provider,
-                        model = %done.model,
-                        input_tokens = done.response.usage.input_tokens,
-                        output_tokens = done.response.usage.output_tokens,
-                        "the model reported no input usage; counted it instead"
-                    );
-                }
+                estimate_unreported(&mut done, fit.estimated_input_tokens, counter);
                 // Answers passed over for the next model were billed all the same.
                 for passed in std::mem::take(&mut done.passed_over) {
                     let record = CallRecord::answered(&passed, &models.prices);

@@ -106,7 +106,11 @@ impl RunService {
             match resilient::complete(std::slice::from_ref(entry), &policy, &request, &tx, within)
                 .await
             {
-                Ok(done) => {
+                Ok(mut done) => {
+                    let counter = crate::executor::budget::TokenCounter::for_model(&entry.model);
+                    let sent = counter.text(request.system)
+                        + turns.iter().map(|t| counter.turn(t)).sum::<usize>();
+                    crate::executor::estimate_unreported(&mut done, sent, counter);
                     spent.add(&CallRecord::answered(&done, &self.models.prices));
                     let text = done.response.text.trim();
                     if !text.is_empty() {
