@@ -3,21 +3,25 @@
 
 mod common;
 
-use std::time::Duration;
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use common::{
     upstream::{Answer, Upstream},
     user,
 };
 use gateway_svc::{
-    domain::{ErrorKind, Integration},
+    credentials::NewAccount,
+    domain::{ErrorKind, Integration, UserId},
     engine::Engine,
     integrations::{
         calendar::{self, CalendarApi},
         gmail::{self, GmailApi},
         slack::{self, SlackApi},
     },
-    store::memory::MemoryStore,
+    store::{AccountLock, AccountStore, StoreError, StoredAccount, memory::MemoryStore},
 };
 use serde_json::json;
 
@@ -270,4 +274,85 @@ async fn g8_several_accounts_needing_reconnecting_are_each_named_in_quotes_so_a_
         found.text
     );
     assert_eq!(upstream.seen("POST "), 0);
+}
+
+/// An account store in which another replica holds every account's refresh lease past any
+/// wait (it died mid-refresh, and its lease has not lapsed yet).
+struct RefreshingElsewhere(Arc<dyn AccountStore>);
+
+#[async_trait::async_trait]
+impl AccountStore for RefreshingElsewhere {
+    async fn upsert_account(&self, account: StoredAccount) -> Result<(), StoreError> {
+        self.0.upsert_account(account).await
+    }
+    async fn list_accounts(&self, user: &UserId) -> Result<Vec<StoredAccount>, StoreError> {
+        self.0.list_accounts(user).await
+    }
+    async fn get_account(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+    ) -> Result<Option<StoredAccount>, StoreError> {
+        self.0.get_account(user, integration, account).await
+    }
+    async fn delete_account(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+    ) -> Result<bool, StoreError> {
+        self.0.delete_account(user, integration, account).await
+    }
+    async fn count_accounts(&self) -> Result<u64, StoreError> {
+        self.0.count_accounts().await
+    }
+    async fn lock_account(
+        &self,
+        _user: &UserId,
+        _integration: Integration,
+        account: &str,
+    ) -> Result<Box<dyn AccountLock>, StoreError> {
+        Err(StoreError::InProgress(format!(
+            "the account {account} is still being refreshed by another replica"
+        )))
+    }
+}
+
+#[tokio::test]
+async fn g8_a_call_that_outwaits_another_replicas_token_refresh_is_told_sign_in_is_being_renewed() {
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"messages": []}"#)).await;
+    let mut stores = MemoryStore::stores();
+    stores.accounts = Arc::new(RefreshingElsewhere(stores.accounts.clone()));
+    let engine = common::engine(
+        &stores,
+        gmail::tools(GmailApi {
+            base_url: upstream.base_url.clone(),
+        }),
+    );
+    engine
+        .services
+        .credentials
+        .connect(
+            &user(),
+            NewAccount {
+                integration: Integration::Gmail,
+                account: "work@example.com".into(),
+                access_token: "expired".into(),
+                refresh_token: Some("refresh".into()),
+                expires_at: Some(SystemTime::now() - Duration::from_secs(60)),
+                scopes: Vec::new(),
+            },
+        )
+        .await
+        .unwrap();
+
+    let found = common::call(&engine, "c1", "search_gmail", json!({"query": "x"}), "k1").await;
+
+    assert_eq!(
+        found.text,
+        "Google sign-in is being renewed; try again in a few seconds."
+    );
+    assert_eq!(found.error_kind, Some(ErrorKind::UpstreamUnavailable));
+    assert_eq!(upstream.seen(""), 0);
 }

@@ -304,7 +304,19 @@ impl Credentials {
             .store
             .lock_account(user, integration, account)
             .await
-            .map_err(|e| internal(&e))?;
+            .map_err(|e| match e {
+                // Another replica's refresh outlasted the wait (it died mid-refresh, or the
+                // token endpoint is slow): its lease lapses within seconds.
+                StoreError::InProgress(why) => {
+                    tracing::warn!(user = %user, integration = integration.key(), account, why, "gave up waiting for another replica's token refresh");
+                    ToolError::SignInRenewing {
+                        provider: integration
+                            .provider()
+                            .map_or(integration.label(), Provider::label),
+                    }
+                }
+                e => internal(&e),
+            })?;
         let current = lock
             .current()
             .cloned()

@@ -9,6 +9,11 @@ use serde::Deserialize;
 
 use crate::enforce::caps::read_capped;
 
+/// The longest one token request may take. A refresh holds its account for a little longer
+/// (`store::postgres::REFRESH_HOLD`), so that a holder dying mid-refresh keeps others waiting
+/// no longer than a live one could.
+pub(crate) const TOKEN_REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
+
 #[derive(Debug, Clone)]
 pub struct OAuthClient {
     pub token_url: String,
@@ -69,7 +74,7 @@ impl OAuthClient {
                 ("client_id", &self.client_id),
                 ("client_secret", self.client_secret.expose()),
             ])
-            .timeout(Duration::from_secs(15))
+            .timeout(TOKEN_REQUEST_TIMEOUT)
             .send()
             .await
             .map_err(|e| {

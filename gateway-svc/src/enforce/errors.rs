@@ -94,6 +94,9 @@ pub enum ToolError {
         service: &'static str,
         detail: String,
     },
+    /// The account's access is being renewed by another replica and was not ready in time.
+    #[error("{provider} sign-in is being renewed; try again in a few seconds.")]
+    SignInRenewing { provider: &'static str },
     #[error("The call was cancelled before it finished.")]
     Cancelled,
     /// The call carried the binding of an approved preview and what it would do now differs
@@ -188,7 +191,9 @@ impl ToolError {
             ToolError::UpstreamTimeout { .. } | ToolError::AcceptedUnfinished { .. } => {
                 ErrorKind::UpstreamTimeout
             }
-            ToolError::UpstreamUnavailable { .. } => ErrorKind::UpstreamUnavailable,
+            ToolError::UpstreamUnavailable { .. } | ToolError::SignInRenewing { .. } => {
+                ErrorKind::UpstreamUnavailable
+            }
             ToolError::Cancelled => ErrorKind::Cancelled,
             ToolError::ChangedSinceApproval(_) => ErrorKind::ChangedSinceApproval,
             ToolError::Internal(_) | ToolError::StorageRefused(_) | ToolError::KeyInUse(_) => {

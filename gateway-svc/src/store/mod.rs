@@ -20,7 +20,8 @@ use crate::{
 pub enum StoreError {
     #[error("the database is unavailable: {0}")]
     Unavailable(String),
-    /// Another call holds this idempotency key and is still running.
+    /// Another call holds this idempotency key and is still running; or (from
+    /// [`AccountStore::lock_account`]) another replica is still refreshing the account.
     #[error("{0}")]
     InProgress(String),
     /// An earlier call with this idempotency key let a write leave for upstream and ended

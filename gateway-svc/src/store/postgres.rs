@@ -288,7 +288,7 @@ impl AccountStore for PgStore {
             // Another replica is refreshing this account: wait for it to finish (its token is
             // then usable) or for its lease to lapse.
             if !wait.pause().await {
-                return Err(StoreError::Unavailable(format!(
+                return Err(StoreError::InProgress(format!(
                     "the account {account} is still being refreshed by another replica after {REFRESH_HOLD:?}"
                 )));
             }
@@ -323,8 +323,12 @@ impl Patience {
     }
 }
 
-/// How long a token refresh may hold its account: longer than the token endpoint's timeout.
-const REFRESH_HOLD: Duration = Duration::from_secs(60);
+/// How long a token refresh may hold its account: the token request's timeout and a margin
+/// for saving what it got. Kept short because every call of the account waits it out when a
+/// replica dies mid-refresh, and a waiter must take over well inside a tool call's deadline
+/// (30 s by default).
+pub(crate) const REFRESH_HOLD: Duration =
+    Duration::from_secs(crate::credentials::oauth::TOKEN_REQUEST_TIMEOUT.as_secs() + 5);
 
 struct PgAccountLock {
     pool: pg::PgPool,
@@ -1024,5 +1028,19 @@ impl McpSwitchStore for PgStore {
                 }
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn g8_a_refresh_hold_outlasts_its_token_request_and_a_waiter_takes_over_inside_a_calls_deadline()
+     {
+        let token_request = crate::credentials::oauth::TOKEN_REQUEST_TIMEOUT;
+        assert!(REFRESH_HOLD > token_request);
+        // A waiter gives up 2 s after the hold; the default tool call deadline is 30 s.
+        assert!(REFRESH_HOLD + Duration::from_secs(2) < Duration::from_secs(30));
     }
 }
