@@ -356,3 +356,34 @@ async fn g8_a_call_that_outwaits_another_replicas_token_refresh_is_told_sign_in_
     assert_eq!(found.error_kind, Some(ErrorKind::UpstreamUnavailable));
     assert_eq!(upstream.seen(""), 0);
 }
+
+#[tokio::test]
+async fn g8_a_token_that_cannot_be_decrypted_asks_for_the_account_to_be_reconnected() {
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"messages": []}"#)).await;
+    let stores = MemoryStore::stores();
+    let tools = || {
+        gmail::tools(GmailApi {
+            base_url: upstream.base_url.clone(),
+        })
+    };
+    // Each engine has a key of its own: the other's tokens are unreadable to it, as after
+    // CREDENTIALS_KEY changed.
+    let connected_under_another_key = common::engine(&stores, tools());
+    common::connect(
+        &connected_under_another_key,
+        Integration::Gmail,
+        "work@example.com",
+        "tok",
+    )
+    .await;
+    let engine = common::engine(&stores, tools());
+
+    let found = common::call(&engine, "c1", "search_gmail", json!({"query": "x"}), "k1").await;
+
+    assert_eq!(found.error_kind, Some(ErrorKind::CredentialsRevoked));
+    assert_eq!(
+        found.text,
+        "Your Google account work@example.com needs to be reconnected."
+    );
+    assert_eq!(upstream.seen(""), 0);
+}

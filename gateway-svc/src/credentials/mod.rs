@@ -325,7 +325,9 @@ impl Credentials {
             return Ok(token);
         }
         let refresh_token = match &current.refresh_token {
-            Some(t) => cipher.decrypt(t, &row).map_err(|e| internal(&e))?,
+            Some(t) => cipher
+                .decrypt(t, &row)
+                .map_err(|e| undecryptable(&current, &e))?,
             None => return Err(cannot_renew(lock, current).await),
         };
         let oauth = match integration.provider() {
@@ -448,6 +450,20 @@ fn revoked_all(integration: Integration, accounts: &[String]) -> ToolError {
     }
 }
 
+/// A stored token that cannot be decrypted (written under another key, or damaged): no retry
+/// can read it, so the user is told to reconnect the account, which stores a fresh one. Not
+/// marked as needing reconnecting: a replica given the wrong key would mark every account.
+fn undecryptable(stored: &StoredAccount, e: &dyn std::fmt::Display) -> ToolError {
+    tracing::error!(
+        user = %stored.user,
+        integration = stored.integration.key(),
+        account = %stored.account,
+        error = %e,
+        "a stored token cannot be decrypted (CREDENTIALS_KEY changed, or the row is damaged); the account must be reconnected"
+    );
+    revoked(stored.integration, &stored.account)
+}
+
 /// The stored access token if it can be used as is.
 fn usable_token(
     cipher: &TokenCipher,
@@ -460,7 +476,7 @@ fn usable_token(
     }
     let token = cipher
         .decrypt(&stored.access_token, row)
-        .map_err(|e| ToolError::Internal(e.to_string()))?;
+        .map_err(|e| undecryptable(stored, &e))?;
     let fresh = stored
         .expires_at
         .is_none_or(|at| at > SystemTime::now() + EXPIRY_SKEW);
