@@ -338,6 +338,18 @@ impl CallContext {
         account: &str,
         build: impl Fn(&str) -> RequestBuilder,
     ) -> Result<UpstreamResponse, ToolError> {
+        self.send_costing(integration, account, 1, build).await
+    }
+
+    /// As [`Self::send`], for a request that costs `cost` upstream calls (a batch of that
+    /// many): sent again after a 401, it is charged `cost` again, as the upstream counts it.
+    pub async fn send_costing(
+        &self,
+        integration: Integration,
+        account: &str,
+        cost: u32,
+        build: impl Fn(&str) -> RequestBuilder,
+    ) -> Result<UpstreamResponse, ToolError> {
         self.use_account(account);
         let credentials = &self.services.credentials;
         let token = self.token(integration, account).await?;
@@ -358,7 +370,7 @@ impl CallContext {
             }
         };
         self.remember_token(integration, account, &token);
-        self.charge(integration, account, 1).await?;
+        self.charge(integration, account, cost).await?;
         let second = self
             .send_raw(integration, Some(account), build(&token))
             .await?;

@@ -8,13 +8,19 @@
 mod common;
 
 use common::upstream::{Answer, Upstream};
+use std::sync::Arc;
+
 use gateway_svc::{
+    context::Services,
+    credentials::{Credentials, cipher::TokenCipher, oauth::OAuthClient},
     domain::{ErrorKind, Integration},
     engine::Engine,
     integrations::gmail::{self, GmailApi},
+    ratelimit::{LimitKey, Limits, Window},
     store::memory::MemoryStore,
 };
 use serde_json::json;
+use svc_kit::secret::Secret;
 
 const BATCH: &str = "multipart/mixed; boundary=batch_x";
 const LIST: &str = r#"{"messages":[{"id":"a"},{"id":"b"}]}"#;
@@ -185,4 +191,87 @@ async fn g7_a_search_whose_every_batch_part_is_403_rate_limited_is_a_rate_limit_
         found.text,
         "Gmail is rate limiting requests. Try again in 30 seconds."
     );
+}
+
+/// Gmail's token endpoint renews the token; the batch is answered 401 the first time, then as
+/// [`one_limited`] but with both parts fetched.
+fn batch_refused_once(method: &str, path: &str) -> Answer {
+    static BATCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    if path.starts_with("/token") {
+        return Answer::Status(200, r#"{"access_token": "renewed", "expires_in": 3600}"#);
+    }
+    if method == "POST" && BATCHES.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+        return Answer::Status(401, "{}");
+    }
+    both_fetched(method, path)
+}
+
+/// The list, and both parts of the batch fetched.
+fn both_fetched(method: &str, _path: &str) -> Answer {
+    match method {
+        "GET" => Answer::Status(200, LIST),
+        _ => Answer::Typed(
+            200,
+            BATCH,
+            "--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-0>\r\n\r\n\
+HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"id\":\"a\",\"threadId\":\"t\"}\r\n\
+--batch_x\r\nContent-Type: application/http\r\nContent-ID: <response-item-1>\r\n\r\n\
+HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"id\":\"b\",\"threadId\":\"t\"}\r\n\
+--batch_x--\r\n",
+        ),
+    }
+}
+
+/// What one search_gmail answered as `script` costs the user's Gmail budget: the calls the
+/// day's limit has left after it, taken from the limit.
+async fn search_cost(script: fn(&str, &str) -> Answer) -> u32 {
+    const LIMIT: u32 = 50;
+    let upstream = Upstream::start(script).await;
+    let stores = MemoryStore::stores();
+    let mut engine = common::engine_with_limits(
+        &stores,
+        gmail::tools(GmailApi {
+            base_url: upstream.base_url.clone(),
+        }),
+        Some(Limits(vec![(Window::Day, LIMIT)])),
+    );
+    let services = &engine.services;
+    let cipher = TokenCipher::ephemeral();
+    let google = OAuthClient {
+        token_url: format!("{}/token", upstream.base_url),
+        client_id: "client".into(),
+        client_secret: Secret::new("secret"),
+    };
+    engine.services = Arc::new(Services {
+        credentials: Credentials::new(
+            stores.accounts.clone(),
+            Some(cipher),
+            Some(google),
+            services.http.clone(),
+        ),
+        limiter: services.limiter.clone(),
+        http: services.http.clone(),
+        audit: services.audit.clone(),
+        max_body_bytes: services.max_body_bytes,
+    });
+    common::connect(&engine, Integration::Gmail, "alice@example.com", "tok").await;
+    let found = common::call(&engine, "c1", "search_gmail", json!({"query": "x"}), "k1").await;
+    assert!(found.ok(), "{}", found.text);
+    let key = LimitKey {
+        user: common::user(),
+        integration: Integration::Gmail,
+        account: "alice@example.com".into(),
+    };
+    let mut left = 0;
+    while engine.services.limiter.charge(&key, 1).await.is_ok() {
+        left += 1;
+    }
+    LIMIT - left
+}
+
+#[tokio::test]
+async fn g6_a_metadata_batch_sent_again_after_a_401_is_charged_for_every_message_again() {
+    let first_time = search_cost(both_fetched).await;
+    let refused_once = search_cost(batch_refused_once).await;
+    assert_eq!(refused_once, first_time + 2, "two messages fetched again");
 }

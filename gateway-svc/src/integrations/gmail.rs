@@ -299,8 +299,10 @@ impl GmailApi {
         );
         let (body, content_type) = batch::encode(&paths, &boundary);
         let batch_url = self.url("/batch/gmail/v1");
+        // Gmail counts each part of a batch: a batch sent again after a 401 costs as many again.
+        let parts = u32::try_from(ids.len()).unwrap_or(u32::MAX);
         let response = ctx
-            .send(Integration::Gmail, account, |token| {
+            .send_costing(Integration::Gmail, account, parts, |token| {
                 ctx.http()
                     .post(&batch_url)
                     .header(reqwest::header::CONTENT_TYPE, content_type.as_str())
