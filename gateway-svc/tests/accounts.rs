@@ -387,3 +387,30 @@ async fn g8_a_token_that_cannot_be_decrypted_asks_for_the_account_to_be_reconnec
     );
     assert_eq!(upstream.seen(""), 0);
 }
+
+#[tokio::test]
+async fn i1_get_gmail_not_finding_an_email_names_each_account_searched_in_quotes() {
+    let upstream = Upstream::start(|_, _| Answer::Status(404, "{}")).await;
+    let engine = common::engine(
+        &MemoryStore::stores(),
+        gmail::tools(GmailApi {
+            base_url: upstream.base_url.clone(),
+        }),
+    );
+    for account in ["home@example.com", "work@example.com"] {
+        common::connect(&engine, Integration::Gmail, account, "tok").await;
+    }
+    let missing = common::call(
+        &engine,
+        "c1",
+        "get_gmail",
+        json!({"message_id": "m1"}),
+        "k1",
+    )
+    .await;
+    assert_eq!(missing.error_kind, Some(ErrorKind::NotFound));
+    assert_eq!(
+        missing.text,
+        r#"I couldn't find email m1 in "home@example.com", "work@example.com"."#
+    );
+}

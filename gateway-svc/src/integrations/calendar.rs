@@ -127,15 +127,23 @@ fn span(start: &EventTime, end: &EventTime) -> String {
     }
 }
 
+/// One event as one line: its title and location are written by whoever made the event, so
+/// each is flattened (a line break cannot fake a line of the result) and the title quoted
+/// with its quotes escaped (it cannot close its quotes early and say more).
 fn render(e: &Event) -> String {
-    let mut line = format!("[{}] \"{}\" — {}", e.id, e.summary, span(&e.start, &e.end));
+    let mut text = format!(
+        "[{}] {} — {}",
+        line(&e.id, 100),
+        crate::registry::quoted(&line(&e.summary, 200)),
+        span(&e.start, &e.end)
+    );
     if !e.location.is_empty() {
-        line.push_str(&format!(" — {}", e.location));
+        text.push_str(&format!(" — {}", line(&e.location, 200)));
     }
     if e.declined_by_user() {
-        line.push_str(" (you declined)");
+        text.push_str(" (you declined)");
     }
-    line
+    text
 }
 
 impl CalendarApi {

@@ -821,12 +821,10 @@ impl Tool for GetGmail {
     }
 }
 
+/// The accounts, each quoted: a name holding ", " or a line break stays one name.
 fn names(accounts: &[AccountInfo]) -> String {
-    accounts
-        .iter()
-        .map(|a| a.account.as_str())
-        .collect::<Vec<_>>()
-        .join(", ")
+    let names: Vec<String> = accounts.iter().map(|a| line(&a.account, 200)).collect();
+    crate::registry::quoted_list(&names)
 }
 
 struct ThreadRead(GmailApi);
@@ -1445,7 +1443,10 @@ impl Tool for Reply {
             )
             .await?;
         Ok(ToolOutput::text(format!(
-            "Replied to \"{original_subject}\" from {from} to {} in thread {thread_id} (message {}).",
+            "Replied to {} from {from} to {} in thread {thread_id} (message {}).",
+            // The original's sender wrote it: quoted with its quotes escaped, so it cannot
+            // close its quotes and say more.
+            crate::registry::quoted(&line(&original_subject, 200)),
             to.join(", "),
             sent["id"].as_str().unwrap_or("unknown")
         )))

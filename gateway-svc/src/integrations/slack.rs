@@ -11,7 +11,7 @@ use crate::{
     context::{CallContext, UpstreamResponse},
     domain::Integration,
     enforce::ToolError,
-    registry::{Tool, ToolOutput, ToolSpec},
+    registry::{Tool, ToolOutput, ToolSpec, line},
 };
 
 pub const DEFAULT_BASE_URL: &str = "https://slack.com";
@@ -279,10 +279,11 @@ impl Tool for Channels {
         let lines: Vec<String> = channels
             .iter()
             .map(|c| {
+                // Names are chosen by members of the workspace: one line each.
                 format!(
                     "#{} ({}){} — {} members",
-                    c["name"].as_str().unwrap_or("?"),
-                    c["id"].as_str().unwrap_or("?"),
+                    line(c["name"].as_str().unwrap_or("?"), 80),
+                    line(c["id"].as_str().unwrap_or("?"), 40),
                     if c["is_private"].as_bool() == Some(true) {
                         " private"
                     } else {
@@ -360,10 +361,15 @@ impl Tool for Read {
                     // Slack's ts is UTC, and is said to be.
                     .map(|t| t.strftime("%b %-d %H:%M UTC").to_string())
                     .unwrap_or_default();
-                let who = m["user"]
-                    .as_str()
-                    .or_else(|| m["username"].as_str())
-                    .unwrap_or("someone");
+                // A bot's or webhook's username is whatever its sender set: one line, so it
+                // cannot end this message and forge another.
+                let who = line(
+                    m["user"]
+                        .as_str()
+                        .or_else(|| m["username"].as_str())
+                        .unwrap_or("someone"),
+                    80,
+                );
                 format!(
                     "[{when}] {who}: {}",
                     readable(m["text"].as_str().unwrap_or(""))
