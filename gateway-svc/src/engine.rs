@@ -35,12 +35,6 @@ use crate::{
 /// lapse first, a retry could claim the key and act again (unless a write had marked it).
 pub(crate) const CLAIM_MARGIN: Duration = Duration::from_secs(40);
 
-/// The longest a finished read-only call waits for room in a full audit queue before it
-/// answers anyway (never past its deadline): a stalled database must not hold results back.
-/// Its records stay with the trail, queued once there is room (`AuditTrail::enqueue` goes on
-/// in a task of its own).
-const QUEUE_PATIENCE: Duration = Duration::from_secs(1);
-
 /// The longest storing a side effect's result may take, across its tries (see
 /// [`CLAIM_MARGIN`]).
 pub(crate) const STORE_BUDGET: Duration = Duration::from_secs(15);
@@ -141,7 +135,6 @@ impl Engine {
     ) -> CallOutcome {
         let _running = self.in_flight.start();
         let started = Instant::now();
-        let deadline = started + self.timeout(&request);
         let call_id = request.call_id.clone();
         let run_id = request.run_id.clone();
         let span = tracing::info_span!(
@@ -199,23 +192,13 @@ impl Engine {
         if tool.as_ref().is_some_and(|t| t.read_only) {
             // A read-only call: its upstream records (kept in its context while it ran) and
             // this one go to the batching writer, off the call's path and outside its deadline;
-            // never dropped. A full queue is waited for a little (backpressure), then the
-            // result is returned while the trail keeps the records until there is room.
+            // never dropped, waiting here for space when the queue is full.
             let mut entries = ctx
                 .as_ref()
                 .map(CallContext::take_deferred)
                 .unwrap_or_default();
             entries.push(AuditEntry::now(record));
-            let patience = deadline
-                .saturating_duration_since(Instant::now())
-                .min(QUEUE_PATIENCE);
-            if tokio::time::timeout(patience, self.services.audit.enqueue(entries))
-                .await
-                .is_err()
-            {
-                crate::metrics::audit_queue_outwaited();
-                tracing::warn!(tool = %outcome.tool, call_id = %outcome.call_id, "the audit queue is full: answered without waiting longer; its records are queued once there is room");
-            }
+            self.services.audit.enqueue(entries).await;
         } else {
             // Anything that may write (a side effect, Steward's own data, an unknown or
             // undeclared tool): written before the result is returned (tried again, or

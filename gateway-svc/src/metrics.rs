@@ -41,12 +41,6 @@ pub fn audit_queue_waited() {
     metrics::counter!("steward_gateway_audit_queue_waits_total").increment(1);
 }
 
-/// A finished read-only call stopped waiting for room in the full audit queue and answered;
-/// its records stay held by the trail and are queued once there is room.
-pub fn audit_queue_outwaited() {
-    metrics::counter!("steward_gateway_audit_queue_outwaited_total").increment(1);
-}
-
 /// The batching writer wrote one batch of `records` in one INSERT.
 pub fn audit_batch_written(records: usize) {
     metrics::histogram!("steward_gateway_audit_batch_records").record(records as f64);
