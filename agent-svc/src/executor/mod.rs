@@ -805,7 +805,8 @@ impl Run<'_> {
             Ok(Ok(mut done)) => {
                 estimate_unreported(&mut done, fit.estimated_input_tokens, counter);
                 // Answers passed over for the next model were billed all the same.
-                for passed in std::mem::take(&mut done.passed_over) {
+                for mut passed in std::mem::take(&mut done.passed_over) {
+                    estimate_unreported(&mut passed, fit.estimated_input_tokens, counter);
                     let record = CallRecord::answered(&passed, &models.prices);
                     self.sink.emit(RunEvent::ModelCall(record.clone()));
                     self.calls.push(record);

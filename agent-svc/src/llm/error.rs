@@ -91,16 +91,15 @@ impl ModelError {
     }
 
     pub fn from_reqwest(e: &reqwest::Error) -> Self {
-        if e.is_timeout() {
+        // A connect timeout is both: it never reached the provider, so it was not billed.
+        if e.is_connect() {
+            ModelError::Connection("connect failed".into())
+        } else if e.is_timeout() {
             ModelError::Timeout
         } else if e.is_decode() || e.is_body() {
             ModelError::TruncatedStream
         } else {
-            ModelError::Connection(if e.is_connect() {
-                "connect failed".into()
-            } else {
-                "request failed".into()
-            })
+            ModelError::Connection("request failed".into())
         }
     }
 }

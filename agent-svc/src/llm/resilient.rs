@@ -228,6 +228,15 @@ pub async fn complete(
             }
         }
     }
+    // Every later entry failed: an answer passed over still stands, as it would have alone
+    // (the run answers from what it gathered, E-5), and keeps its bill.
+    if let Some(said_nothing) = passed_over.pop() {
+        return Ok(Completed {
+            passed_over,
+            cut,
+            ..said_nothing
+        });
+    }
     Err(ChainFailed {
         attempts,
         cut,
@@ -445,6 +454,23 @@ mod tests {
             );
             assert_eq!(done.passed_over[0].response.usage.output_tokens, 4000);
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn e5_an_answer_passed_over_stands_when_every_later_model_fails() {
+        let (primary, _) = entry("primary", Behaviour::SaysNothing("length"));
+        let (fallback, _) = entry("fallback", Behaviour::Refuses);
+        let done = through(&[primary, fallback], Duration::from_secs(60))
+            .await
+            .expect("the empty answer, not 'trouble connecting'");
+        assert_eq!(
+            (done.provider.as_str(), done.response.stop_reason.as_str()),
+            ("primary", "length")
+        );
+        assert_eq!(
+            done.response.usage.output_tokens, 4000,
+            "billed, so counted"
+        );
     }
 
     #[tokio::test(start_paused = true)]

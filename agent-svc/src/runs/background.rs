@@ -103,13 +103,22 @@ impl RunService {
             };
             // Two tries of 30 s and the backoff between them.
             let within = Duration::from_secs(70);
-            match resilient::complete(std::slice::from_ref(entry), &policy, &request, &tx, within)
-                .await
-            {
+            let answered =
+                resilient::complete(std::slice::from_ref(entry), &policy, &request, &tx, within)
+                    .await;
+            // What the provider read, for a try that billed without saying so.
+            let counter = crate::executor::budget::TokenCounter::for_model(&entry.model);
+            let sent =
+                counter.text(request.system) + turns.iter().map(|t| counter.turn(t)).sum::<usize>();
+            let cut = match &answered {
+                Ok(done) => done.cut.as_slice(),
+                Err(failed) => failed.cut.as_slice(),
+            };
+            for cut in cut {
+                spent.add(&CallRecord::cut(cut, sent as u64, &self.models.prices));
+            }
+            match answered {
                 Ok(mut done) => {
-                    let counter = crate::executor::budget::TokenCounter::for_model(&entry.model);
-                    let sent = counter.text(request.system)
-                        + turns.iter().map(|t| counter.turn(t)).sum::<usize>();
                     crate::executor::estimate_unreported(&mut done, sent, counter);
                     spent.add(&CallRecord::answered(&done, &self.models.prices));
                     let text = done.response.text.trim();
