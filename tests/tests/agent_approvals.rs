@@ -889,3 +889,38 @@ async fn a1_a_run_with_a_chosen_model_continues_with_it_after_approval() {
         "before and after the pause"
     );
 }
+
+/// a decider whose call goes away while the decision waits (here on its owner's
+/// admission lock, held by a stalled transaction) still has the run continued at once, not
+/// left with its lease held by nobody until the monitor's sweep.
+#[tokio::test]
+async fn a6_a_decision_whose_caller_goes_away_still_continues_the_run() {
+    let (app, model, gmail) = gmail_world(send_then("Sent it to your boss."), &[]).await;
+    let paused = run(&app, "email my boss the budget").await;
+    let approval = paused.approval.expect("paused for approval");
+    let side = app.sql().await;
+    steward_tests::db::hold_admission_lock(&side, "alice").await;
+    let mut alice = app.agent_as("alice").await;
+    let mut impatient = tonic::Request::new(decide(&approval.id, pb::Decision::Approve));
+    impatient.set_timeout(Duration::from_millis(300));
+    let gone = alice.decide_approval(impatient).await.unwrap_err();
+    assert!(
+        matches!(gone.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "the caller gave up: {gone:?}"
+    );
+    side.batch_execute("ROLLBACK").await.unwrap();
+    // The same decision again follows the run the first one continued, to its end.
+    let ended = tokio::time::timeout(
+        Duration::from_secs(10),
+        alice.decide_approval(decide(&approval.id, pb::Decision::Approve)),
+    )
+    .await
+    .expect("the run went on within seconds, not after its lease lapsed")
+    .expect("the repeated decision is answered")
+    .into_inner()
+    .result
+    .expect("the run's result");
+    assert_eq!(ended.status, pb::RunState::Completed as i32);
+    assert_eq!(gmail.sent().len(), 1);
+    assert_eq!(model.requests().len(), 2);
+}

@@ -1012,7 +1012,7 @@ async fn the_users_time_zone_reaches_the_current_time_of_a_run_and_of_a_session_
 }
 
 /// the conversation a caller starts a thread with becomes the thread's history, so
-/// its later runs (and a continuation after an approval) still see it.
+/// its later runs still see it (a continuation after an approval reads the same history).
 #[tokio::test]
 async fn a1_the_conversation_a_thread_starts_with_stays_in_its_history() {
     let (app, model, _gmail) = world(vec![

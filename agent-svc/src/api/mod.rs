@@ -147,8 +147,6 @@ impl AgentService for AgentApi {
         convert::optional_id("thread_id", &r.thread_id)?;
         let time_zone = convert::time_zone("time_zone", &r.time_zone)?;
         let request_id = convert::request_id("request_id", &r.request_id)?;
-        // Waiting on the opening's run is following it, as Run does.
-        let _following = self.runs.follower_slot(&user)?;
         // The thread first: a missing one is NOT_FOUND whatever the gateway's state, and
         // costs no bootstrap.
         let picked = r.thread_id.is_empty();
@@ -238,6 +236,9 @@ impl AgentService for AgentApi {
             session: Some(session),
         };
         let picked_thread = input.thread_id.clone().filter(|_| picked);
+        // Waiting on the opening's run is following it, as Run does; a silent opening
+        // starts none and takes no slot.
+        let _following = self.runs.follower_slot(&user)?;
         let (run_id, thread_id) = match self.runs.start(&user, input).await {
             // The thread picked has a run going, or one waiting for the user's approval, which
             // a greeting must not supersede: that is what the user comes back to, so the

@@ -17,7 +17,38 @@ impl RunService {
     /// state (following it if it is still running); a conflicting one, an expired approval,
     /// changed arguments, or a run that is no longer paused are FAILED_PRECONDITION. Of many
     /// concurrent decisions exactly one wins and continues the run; the others follow it.
+    ///
+    /// Like an admission, a decision is a task of its own: once its thread is locked, a caller
+    /// that goes away (a deadline, a reset stream) must not leave the lease held by nobody, or a
+    /// decided run that nothing continues until the monitor's next sweep.
     pub async fn decide(
+        self: &Arc<Self>,
+        owner: &str,
+        approval_id: &str,
+        approve: bool,
+        args_sha256: Option<&str>,
+    ) -> Result<Decision, ApiError> {
+        let this = self.clone();
+        let (owner, approval_id) = (owner.to_owned(), approval_id.to_owned());
+        let args_sha256 = args_sha256.map(str::to_owned);
+        let decided = tokio::spawn(tracing::Instrument::in_current_span(async move {
+            this.decide_here(&owner, &approval_id, approve, args_sha256.as_deref())
+                .await
+        }));
+        match decided.await {
+            Ok(decision) => decision,
+            // Nothing aborts the task: it ended with the runtime (the service is stopping) or
+            // panicked, and the panic goes on here as if it had happened in this call.
+            Err(e) => match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(_) => Err(ApiError::Unavailable(
+                    "agent-svc is shutting down; decide again".into(),
+                )),
+            },
+        }
+    }
+
+    async fn decide_here(
         self: &Arc<Self>,
         owner: &str,
         approval_id: &str,

@@ -12,7 +12,6 @@ use std::{
 use prost::Message as _;
 use steward_proto::agent::v1 as pb;
 use tokio::sync::{Notify, futures::OwnedNotified, watch};
-use tokio_util::sync::CancellationToken;
 
 use crate::{
     api::ApiError,
@@ -84,8 +83,9 @@ pub(super) struct Live {
     runs: Mutex<HashMap<String, Arc<LiveRun>>>,
     /// Watchers of remote runs: a wake-up per run, with how many wait on it.
     remote: Mutex<HashMap<String, (Arc<Notify>, usize)>>,
-    /// Cancels of runs executing here, for CancelRun from any replica.
-    pub(super) cancels: Mutex<HashMap<String, CancellationToken>>,
+    /// Stoppers of runs executing here, for CancelRun from any replica: a cancel is recorded as
+    /// the run's stop reason, so a commit failing after it cannot end the run FAILED instead.
+    pub(super) cancels: Mutex<HashMap<String, super::writer::Stopper>>,
 }
 
 impl Live {
@@ -164,13 +164,13 @@ impl Live {
                 }
             }
             RunNotice::Cancel(run_id) => {
-                if let Some(token) = self
+                if let Some(stopper) = self
                     .cancels
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .get(run_id)
                 {
-                    token.cancel();
+                    stopper.stop(super::writer::StopReason::Cancelled);
                 }
             }
             RunNotice::Resync => {

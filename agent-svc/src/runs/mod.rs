@@ -594,7 +594,7 @@ impl RunService {
             .cancels
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(seg.run_id.clone(), stopper.token.clone());
+            .insert(seg.run_id.clone(), stopper.clone());
         self.stoppers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -1643,14 +1643,14 @@ impl RunService {
                 self.end_paused(run_id, &ending).await?
             } else {
                 let requested = self.store.request_cancel(run_id, reason).await?;
-                if let Some(token) = self
+                if let Some(stopper) = self
                     .live
                     .cancels
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .get(run_id)
                 {
-                    token.cancel();
+                    stopper.stop(StopReason::Cancelled);
                 }
                 requested
             };
@@ -2010,7 +2010,7 @@ mod tests {
         live.cancels
             .lock()
             .unwrap()
-            .insert(run_id.to_owned(), stopper.token.clone());
+            .insert(run_id.to_owned(), stopper.clone());
         stoppers
             .lock()
             .unwrap()
@@ -2041,6 +2041,18 @@ mod tests {
         assert!(done.is_cancelled(), "the lease keeper stops");
         assert_eq!(live.registrations(), 0);
         assert!(stoppers.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_cancel_from_any_replica_stays_the_runs_stop_reason_whatever_fails_after_it() {
+        let (live, stoppers) = (Arc::new(live::Live::default()), Arc::default());
+        let running = register(&live, &stoppers, "r1");
+        live.route(&crate::store::RunNotice::Cancel("r1".into()));
+        // Its commit then fails: the run still ends CANCELLED, not FAILED.
+        running
+            .stopper
+            .stop(StopReason::WriteFailed("database gone".into()));
+        assert_eq!(running.stopper.reason(), Some(StopReason::Cancelled));
     }
 
     #[test]

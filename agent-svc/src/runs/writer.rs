@@ -109,7 +109,18 @@ pub(super) fn keep_lease(
                 () = done.cancelled() => return,
                 () = tokio::time::sleep(every) => {}
             }
-            match store.renew_lease(&lease, ttl).await {
+            // A renewal that hangs (a connection black-holed) must not outlast the lease: the
+            // run would go on after another run took its thread. It gives up half a renewal
+            // period before the lease lapses, and the run stops.
+            let left = ttl.saturating_sub(last_ok.elapsed() + every / 2);
+            let renewed = tokio::time::timeout(left, store.renew_lease(&lease, ttl))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::Unavailable(
+                        "the lease renewal did not answer in time".into(),
+                    ))
+                });
+            match renewed {
                 Ok(Some(cancel_requested)) => {
                     last_ok = Instant::now();
                     if cancel_requested {

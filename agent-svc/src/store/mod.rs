@@ -792,8 +792,9 @@ pub trait AgentStore: Send + Sync + 'static {
     /// so another worker takes the task over at once rather than when the claim would have
     /// lapsed. The attempt does not count: a stop is not the task's failure, so a task handed
     /// back on its last attempt is taken up again, not failed as lapsed; the worker that takes
-    /// it up makes the same attempt and follows the run it started, if any. A settle of the
-    /// attempt that lands first still counts. Returns how many.
+    /// it up makes the same attempt and follows the run it started, if any (a run the monitor
+    /// ended for the stop is judged as that attempt's). A settle of the attempt that landed
+    /// before the hand-back counts; one after it is fenced out. Returns how many.
     async fn release_task_claims(&self, worker: &str) -> Result<usize, StoreError>;
     /// Extends the claim of the attempt `task` is (fenced as `settle_task_agent` is) to `hold`
     /// from now; false when that attempt no longer holds the task.
