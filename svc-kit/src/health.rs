@@ -8,6 +8,12 @@ use std::{future::Future, sync::Arc, time::Duration};
 use tokio::sync::watch;
 use tonic_health::{ServingStatus, server::HealthReporter};
 
+/// The health name liveness probes ask for: SERVING for as long as the process answers, whatever
+/// its store says and through its drain. A liveness probe that read readiness would restart every
+/// pod while the database is down; one that only opened a TCP connection would pass a process
+/// whose runtime is wedged (the kernel accepts connections for it).
+pub const LIVENESS: &str = "liveness";
+
 /// The health state of one process, shared by the probe loop and the shutdown path.
 #[derive(Clone)]
 pub struct Readiness {
@@ -32,6 +38,10 @@ impl Readiness {
             stopping,
         };
         readiness.set(false).await;
+        readiness
+            .reporter
+            .set_service_status(LIVENESS, ServingStatus::Serving)
+            .await;
         (readiness, service)
     }
 

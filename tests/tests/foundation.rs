@@ -123,6 +123,15 @@ async fn readiness_drops_to_not_serving_when_the_database_goes_away() {
         ServingStatus::NotServing,
     )
     .await;
+    // Alive all the same: a database outage must not have the pods restarted.
+    for addr in [app.agent_addr, app.gateway_addr] {
+        wait_for_status(
+            channel(addr).await,
+            svc_kit::health::LIVENESS,
+            ServingStatus::Serving,
+        )
+        .await;
+    }
 }
 
 #[tokio::test]
