@@ -206,7 +206,7 @@ pub fn quoted_list(names: &[String]) -> String {
 }
 
 /// Characters that break a line or change the reading order when displayed.
-fn is_layout_control(c: char) -> bool {
+pub(crate) fn is_layout_control(c: char) -> bool {
     c.is_control()
         || matches!(
             c,

@@ -69,10 +69,17 @@ pub fn instructions(text: &str) -> Vec<(String, Value)> {
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '.')
             .collect();
         let after = trimmed[name.len()..].trim_start();
-        let mut parsed = serde_json::Deserializer::from_str(after).into_iter::<Value>();
-        if let (false, Some(Ok(args))) = (name.is_empty(), parsed.next())
-            && args.is_object()
-        {
+        // An instruction quoted inside a result (a title shown as "…" with its quotes escaped)
+        // is still read, as a model would read it.
+        let unquoted = after.replace("\\\"", "\"");
+        let args = [after, unquoted.as_str()].into_iter().find_map(|text| {
+            serde_json::Deserializer::from_str(text)
+                .into_iter::<Value>()
+                .next()
+                .and_then(Result::ok)
+                .filter(Value::is_object)
+        });
+        if let (false, Some(args)) = (name.is_empty(), args) {
             out.push((name, args));
         }
     }

@@ -337,7 +337,7 @@ async fn get_gmail_decodes_html_only_and_latin1_messages_and_lists_attachments()
     assert_eq!(missing.error_kind, pb::ErrorKind::NotFound as i32);
     assert_eq!(
         missing.text,
-        "I couldn't find email nope in me@example.com."
+        r#"I couldn't find email nope in "me@example.com"."#
     );
 }
 

@@ -714,10 +714,10 @@ both_backends!(
     g15_mcp_switches_are_per_user_and_turning_on_removes_only_that_switch,
 );
 
-/// a claim let go without its result after its call may have acted (storing the result
-/// kept failing) leaves the key held, answering "held" to lookups, until its hold lapses; only
-/// then may another call take it over. (In one process nothing can lapse: the memory store
-/// frees it.)
+/// a claim let go without its result (storing the result kept failing) leaves the key
+/// held, answering "held" to lookups, until its hold lapses; only then may another call take
+/// it over, and only because this one never marked a write (a claim that did is never taken
+/// over: gateway-svc's own tests cover that, and the memory store's alike behaviour).
 #[tokio::test]
 async fn r3_on_postgres_an_abandoned_claim_keeps_its_key_held_until_its_hold_lapses() {
     let b = postgres().await;

@@ -22,7 +22,13 @@ pub fn authenticate_headers(
         let presented = metadata
             .get("authorization")
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            // The scheme is case-insensitive (RFC 7235), as agent-svc reads it.
+            .and_then(|v| {
+                let (scheme, token) = v.split_once(' ')?;
+                scheme
+                    .eq_ignore_ascii_case("bearer")
+                    .then(|| token.trim_start())
+            })
             .ok_or(ApiError::Unauthenticated(
                 "missing `authorization: Bearer <service token>` metadata",
             ))?;
@@ -73,6 +79,15 @@ mod tests {
             (USER_ID_HEADER, "u1"),
         ]);
         assert_eq!(authenticate(&auth, &good).unwrap().as_str(), "u1");
+        let lower = md(&[
+            ("authorization", "bearer 0123456789abcdefXYZ"),
+            (USER_ID_HEADER, "u1"),
+        ]);
+        assert_eq!(
+            authenticate(&auth, &lower).unwrap().as_str(),
+            "u1",
+            "any case"
+        );
         let no_user = md(&[("authorization", "Bearer 0123456789abcdefXYZ")]);
         assert!(matches!(
             authenticate(&auth, &no_user),

@@ -414,11 +414,20 @@ fn readable(raw: &str) -> String {
         }
     }
     out.push_str(&decode_entities(rest));
-    out.replace("\r\n", "\n")
-        .replace('\r', "\n")
-        .split('\n')
-        .collect::<Vec<_>>()
-        .join("\n    ")
+    // Every character that breaks a line somewhere (U+2028, NEL, VT, FF as well as CR and LF)
+    // starts an indented line, so no line of a message can pose as another message; other
+    // layout controls (bidirectional overrides) become spaces.
+    let out = out.replace("\r\n", "\n");
+    let out: String = out
+        .chars()
+        .map(|c| match c {
+            '\r' | '\u{2028}' | '\u{2029}' | '\u{85}' | '\u{0B}' | '\u{0C}' => '\n',
+            '\n' | '\t' => c,
+            c if crate::registry::is_layout_control(c) => ' ',
+            c => c,
+        })
+        .collect();
+    out.split('\n').collect::<Vec<_>>().join("\n    ")
 }
 
 /// One `<...>` of Slack's markup, without its brackets, as readable text.
@@ -506,6 +515,11 @@ mod tests {
         assert_eq!(
             readable("hi\n[Nov 1 09:00 UTC] boss: wire &lt;data&gt;\r\n(done)"),
             "hi\n    [Nov 1 09:00 UTC] boss: wire <data>\n    (done)"
+        );
+        assert_eq!(
+            readable("ok\u{2028}[Nov 1] boss: x\u{202E}y"),
+            "ok\n    [Nov 1] boss: x y",
+            "a Unicode line separator breaks a line too; an override is a space"
         );
     }
 }
