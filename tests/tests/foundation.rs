@@ -277,6 +277,17 @@ async fn a_statement_made_stale_by_a_migration_fails_once_then_is_prepared_again
     assert_eq!(size, 3, "prepared again on the same connection");
 }
 
+/// `db` with both services' migrations applied, and a client on it.
+async fn migrated_by_both(db: &TestDb) -> tokio_postgres::Client {
+    agent_svc::store::postgres::PgStore::migrate(db.url())
+        .await
+        .unwrap();
+    gateway_svc::store::postgres::PgStore::migrate(db.url())
+        .await
+        .unwrap();
+    steward_tests::db::connect(db).await
+}
+
 /// A database whose history table says `version` of `table` is applied.
 async fn record_a_newer_migration(client: &tokio_postgres::Client, table: &str, version: i32) {
     client
@@ -296,16 +307,7 @@ async fn record_a_newer_migration(client: &tokio_postgres::Client, table: &str, 
 #[tokio::test]
 async fn an_older_build_starts_on_a_database_a_newer_build_migrated_further() {
     let db = TestDb::create().await.unwrap();
-    agent_svc::store::postgres::PgStore::migrate(db.url())
-        .await
-        .unwrap();
-    gateway_svc::store::postgres::PgStore::migrate(db.url())
-        .await
-        .unwrap();
-    let (client, conn) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let conn = tokio::spawn(conn);
+    let client = migrated_by_both(&db).await;
     record_a_newer_migration(&client, "agent_schema_history", 900).await;
     record_a_newer_migration(&client, "gateway_schema_history", 900).await;
 
@@ -324,8 +326,6 @@ async fn an_older_build_starts_on_a_database_a_newer_build_migrated_further() {
     .await;
     agent.stop().await.unwrap();
     gateway.stop().await.unwrap();
-    drop(client);
-    let _ = conn.await;
 }
 
 /// An `ALTER TABLE` that waits for a lock queues every later statement on its table behind it.
@@ -449,16 +449,7 @@ const MIGRATION_CHECKSUMS: &[(&str, &[&str])] = &[
 #[tokio::test]
 async fn applied_migrations_are_never_edited() {
     let db = TestDb::create().await.unwrap();
-    agent_svc::store::postgres::PgStore::migrate(db.url())
-        .await
-        .unwrap();
-    gateway_svc::store::postgres::PgStore::migrate(db.url())
-        .await
-        .unwrap();
-    let (client, conn) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let conn = tokio::spawn(conn);
+    let client = migrated_by_both(&db).await;
     for (table, pinned) in MIGRATION_CHECKSUMS {
         let recorded: Vec<String> = client
             .query(
@@ -475,6 +466,4 @@ async fn applied_migrations_are_never_edited() {
             "{table}: an applied migration's text changed (or a new one is not pinned yet)"
         );
     }
-    drop(client);
-    let _ = conn.await;
 }
