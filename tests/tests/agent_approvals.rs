@@ -23,11 +23,16 @@ fn send_then(answer: &str) -> Vec<Answer> {
 }
 
 async fn run(app: &TestApp, prompt: &str) -> pb::RunResult {
-    let mut alice = app.agent_as("alice").await;
     let input = pb::RunInput {
         prompt: prompt.into(),
         ..Default::default()
     };
+    run_with(app, input).await
+}
+
+/// alice's run of `input`, to its result.
+async fn run_with(app: &TestApp, input: pb::RunInput) -> pb::RunResult {
+    let mut alice = app.agent_as("alice").await;
     alice
         .run(pb::RunRequest { input: Some(input) })
         .await
@@ -854,20 +859,16 @@ async fn a1_a_run_with_a_chosen_model_continues_with_it_after_approval() {
         &[("MODEL_CHAIN", "openai/gpt-4o,openai/gpt-4o-mini")],
     )
     .await;
+    let paused = run_with(
+        &app,
+        pb::RunInput {
+            prompt: "email my boss the budget".into(),
+            model_override: "openai/gpt-4o-mini".into(),
+            ..Default::default()
+        },
+    )
+    .await;
     let mut alice = app.agent_as("alice").await;
-    let paused = alice
-        .run(pb::RunRequest {
-            input: Some(pb::RunInput {
-                prompt: "email my boss the budget".into(),
-                model_override: "openai/gpt-4o-mini".into(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .result
-        .unwrap();
     let approval = paused.approval.expect("paused for approval");
     let done = alice
         .decide_approval(decide(&approval.id, pb::Decision::Approve))
