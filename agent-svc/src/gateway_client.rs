@@ -646,18 +646,20 @@ impl ExecuteSession {
             } else if let Ok(mut p) = self.pending.lock() {
                 p.insert(call.call_id.clone(), done);
             }
+            let call_id = call.call_id.clone();
             let request = pb::ExecuteRequest {
                 kind: Some(pb::execute_request::Kind::Call(call)),
             };
             let sent = self.tx.send(Box::new(request)).await.is_ok();
-            waiters.push((sent, wait));
+            waiters.push((call_id, sent, wait));
         }
         // The calls run at once on the gateway, so they share one deadline: waited for one
         // after another with a timeout each, N hung calls would hold the run N times as long.
         let deadline = tokio::time::Instant::now() + self.call_timeout;
         let mut outcomes = Vec::with_capacity(waiters.len());
-        for (sent, wait) in waiters {
+        for (call_id, sent, wait) in waiters {
             if !sent {
+                self.forget(&call_id);
                 outcomes.push(failed(
                     "UPSTREAM_UNAVAILABLE",
                     "The tool service is unreachable right now.",
@@ -671,11 +673,22 @@ impl ExecuteSession {
                         OUTCOME_UNKNOWN,
                         "The tool service went away before answering.",
                     ),
-                    Err(_) => failed(OUTCOME_UNKNOWN, "The tool did not answer in time."),
+                    Err(_) => {
+                        // A run's stream outlives its calls: an answer that never comes must
+                        // not leave its waiter behind for the rest of the run.
+                        self.forget(&call_id);
+                        failed(OUTCOME_UNKNOWN, "The tool did not answer in time.")
+                    }
                 },
             );
         }
         outcomes
+    }
+
+    fn forget(&self, call_id: &str) {
+        if let Ok(mut p) = self.pending.lock() {
+            p.remove(call_id);
+        }
     }
 }
 
