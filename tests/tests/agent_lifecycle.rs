@@ -1549,3 +1549,230 @@ async fn a_send_its_run_left_executing_is_closed_by_the_next_run_with_what_the_g
         "{outcome}"
     );
 }
+
+/// Everything a streaming run sends until its stream ends.
+async fn rest_of(mut stream: tonic::Streaming<pb::RunStreamResponse>) -> Vec<pb::RunEvent> {
+    let mut all = Vec::new();
+    while let Some(Ok(r)) = stream.next().await {
+        all.extend(r.event);
+    }
+    all
+}
+
+fn tool_results(events: &[pb::RunEvent]) -> Vec<pb::ToolResultEvent> {
+    events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(pb::run_event::Kind::ToolResult(r)) => Some(r.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn ended_cancelled(events: &[pb::RunEvent]) -> bool {
+    matches!(
+        events.last().and_then(|e| e.kind.as_ref()),
+        Some(pb::run_event::Kind::Result(r)) if r.status == pb::RunState::Cancelled as i32
+    )
+}
+
+/// A cancel that lands while a send is at Gmail does not drop it: the run waits for the
+/// send's answer, records what it came to, and then ends cancelled without asking the model
+/// again. Dropped mid-call, the send's action stayed `executing` with its outcome unknown
+/// until the thread's next run asked the gateway.
+#[tokio::test]
+async fn a_cancel_during_a_send_already_at_gmail_records_what_it_came_to_and_ends_cancelled() {
+    let (app, model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::text("Sent."),
+        ],
+        &[("AGENT_DEFAULT_TRUST_LEVEL", "autonomous")],
+    )
+    .await;
+    let gate = gmail.hold_sends();
+    let (stream, first) = start_streaming(&app, "send the budget to my boss").await;
+    gate.arrived().await;
+    let mut alice = app.agent_as("alice").await;
+    alice
+        .cancel_run(pb::CancelRunRequest {
+            run_id: first.run_id.clone(),
+            reason: String::new(),
+        })
+        .await
+        .unwrap();
+    gate.release();
+    let events = rest_of(stream).await;
+    assert!(ended_cancelled(&events), "{:?}", events.last());
+    let results = tool_results(&events);
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert!(
+        results[0].ok && results[0].tool == "gmail_send",
+        "{results:?}"
+    );
+    assert_eq!(gmail.sent().len(), 1);
+    assert_eq!(model.requests().len(), 1, "no model call after the cancel");
+    let actions = get_run(&mut alice, &first.run_id).await.unwrap().actions;
+    assert_eq!(actions.len(), 1);
+    assert_eq!(
+        actions[0].state,
+        pb::ActionState::Completed as i32,
+        "{:?}",
+        actions[0]
+    );
+    let outcome: serde_json::Value = app
+        .sql()
+        .await
+        .query_one(
+            "SELECT detail FROM agent.audit WHERE run_id = $1 AND kind = 'side_effect_result'",
+            &[&first.run_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        outcome["ok"], true,
+        "the audit trail says it happened: {outcome}"
+    );
+}
+
+/// A read does not hold a cancel up: a search Gmail never answers is abandoned, the run ends
+/// cancelled at once, and the call is answered as cut short — in its action, its result event
+/// and the thread's transcript, which the thread's next run sends as it is.
+#[tokio::test]
+async fn a_cancel_during_a_read_ends_the_run_at_once_and_answers_the_read_as_cut_short() {
+    let (app, model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_find", "search_gmail", r#"{"query":"budget"}"#)]),
+            Answer::text("Anything else?"),
+        ],
+        &[],
+    )
+    .await;
+    gmail.hang("tok-alice");
+    let (mut stream, first) = start_streaming(&app, "find the budget mail").await;
+    while let Some(Ok(r)) = stream.next().await {
+        if matches!(
+            r.event.and_then(|e| e.kind),
+            Some(pb::run_event::Kind::ToolCall(_))
+        ) {
+            break;
+        }
+    }
+    let mut alice = app.agent_as("alice").await;
+    alice
+        .cancel_run(pb::CancelRunRequest {
+            run_id: first.run_id.clone(),
+            reason: String::new(),
+        })
+        .await
+        .unwrap();
+    let events = tokio::time::timeout(Duration::from_secs(10), rest_of(stream))
+        .await
+        .expect("the cancel does not wait for the hanging search");
+    assert!(ended_cancelled(&events), "{:?}", events.last());
+    let results = tool_results(&events);
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert!(
+        !results[0].ok && results[0].error_kind == "CANCELLED",
+        "{results:?}"
+    );
+    let actions = get_run(&mut alice, &first.run_id).await.unwrap().actions;
+    assert_eq!(actions[0].state, pb::ActionState::Failed as i32);
+    assert!(
+        actions[0]
+            .result_text
+            .starts_with("Not completed: the run was cancelled while this call ran."),
+        "{:?}",
+        actions[0]
+    );
+    // The thread's next run sends the transcript as it was closed.
+    let next = run_on(
+        app.agent_addr,
+        pb::RunInput {
+            thread_id: first.thread_id.clone(),
+            ..input("never mind")
+        },
+    )
+    .await;
+    assert_eq!(
+        next.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        next.error
+    );
+    let (_, sent) = model.requests().pop().unwrap();
+    let told: Vec<&str> = sent["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["content"].as_str())
+        .collect();
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert!(
+        told[0].contains("the run was cancelled while this call ran"),
+        "{told:?}"
+    );
+}
+
+/// A cancel another replica recorded, whose notice never reached this one, still stops a send:
+/// the run asks just before a side effect leaves, rather than learning of it at its next lease
+/// renewal (a third of the lease, here 20 s) after the mail went out.
+#[tokio::test]
+async fn a_cancel_recorded_without_its_notice_stops_a_send_before_it_leaves() {
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let (app, model, gmail) = gmail_world(
+        vec![
+            Answer::Held(
+                Box::new(Answer::tool_calls(&[(
+                    "call_send",
+                    "gmail_send",
+                    SEND_ARGS,
+                )])),
+                gate.clone(),
+            ),
+            Answer::text("Sent."),
+        ],
+        &[
+            ("AGENT_DEFAULT_TRUST_LEVEL", "autonomous"),
+            ("RUN_LEASE", "60s"),
+        ],
+    )
+    .await;
+    let (stream, first) = start_streaming(&app, "send the budget to my boss").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while model.requests().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the model was never called"
+        );
+        tokio::task::yield_now().await;
+    }
+    // As CancelRun on another replica writes it; no notice is sent.
+    app.sql()
+        .await
+        .execute(
+            "UPDATE agent.runs SET cancel_requested = true WHERE id = $1",
+            &[&first.run_id],
+        )
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    gate.notify_one();
+    let events = rest_of(stream).await;
+    assert!(ended_cancelled(&events), "{:?}", events.last());
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "stopped by the check, not by a lease renewal: {:?}",
+        started.elapsed()
+    );
+    assert!(gmail.sent().is_empty(), "the send left after the cancel");
+    let mut alice = app.agent_as("alice").await;
+    let actions = get_run(&mut alice, &first.run_id).await.unwrap().actions;
+    assert_eq!(actions[0].state, pb::ActionState::Failed as i32);
+    assert_eq!(
+        actions[0].result_text,
+        "Not executed: the run was cancelled before this call ran."
+    );
+}

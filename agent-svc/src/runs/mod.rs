@@ -157,6 +157,9 @@ pub struct RunService {
     live: Arc<live::Live>,
     /// Segments running here, to stop them at shutdown.
     stoppers: Arc<Mutex<HashMap<String, Stopper>>>,
+    /// Set by shutdown: a segment that starts after it (a decision's continuation, a start
+    /// already admitted) is stopped as it starts.
+    shutting_down: Arc<std::sync::atomic::AtomicBool>,
     /// Open watch streams per user on this replica (fair use).
     watchers: Arc<Mutex<HashMap<String, u32>>>,
     /// Scheduled occurrences this replica is starting: a permit each, taken before the claim.
@@ -319,6 +322,7 @@ impl RunService {
             schedule_rules: scheduled::ScheduleRules::default(),
             live: Arc::default(),
             stoppers: Arc::default(),
+            shutting_down: Arc::default(),
             watchers: Arc::default(),
             occurrence_starts: Arc::new(tokio::sync::Semaphore::new(scheduled::STARTS_AT_ONCE)),
         }
@@ -327,31 +331,27 @@ impl RunService {
     /// Stops every segment still running here (shutdown) and waits up to `wait` for them to
     /// commit their progress and release their leases.
     pub async fn release_all(&self, wait: Duration) {
-        let running: Vec<(String, Stopper)> = self
-            .stoppers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(id, s)| (id.clone(), s.clone()))
-            .collect();
-        if running.is_empty() {
+        self.shutting_down
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let stop_running = || {
+            let stoppers = self.stoppers.lock().unwrap_or_else(|e| e.into_inner());
+            for stopper in stoppers.values() {
+                stopper.stop(StopReason::Shutdown);
+            }
+            stoppers.len()
+        };
+        let running = stop_running();
+        if running == 0 {
             return;
         }
         tracing::warn!(
-            runs = running.len(),
+            runs = running,
             "stopping runs still in progress at shutdown"
         );
-        for (_, stopper) in &running {
-            stopper.stop(StopReason::Shutdown);
-        }
         let deadline = tokio::time::Instant::now() + wait;
-        while tokio::time::Instant::now() < deadline
-            && !self
-                .stoppers
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_empty()
-        {
+        // Again on every tick: a segment registered between the flag and its own check of it
+        // is stopped here.
+        while tokio::time::Instant::now() < deadline && stop_running() > 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -599,6 +599,10 @@ impl RunService {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(seg.run_id.clone(), stopper.clone());
+        if self.shutting_down.load(std::sync::atomic::Ordering::SeqCst) {
+            // It commits what it was given and hands its thread back, as the running ones do.
+            stopper.stop(StopReason::Shutdown);
+        }
         let live_run = match first {
             Some(event) => {
                 let live_run = self.live.open(&seg.run_id, last_seq - 1);
@@ -872,18 +876,28 @@ impl RunService {
             }
         };
         let tasks = started_task_agents(&history);
-        let (prompt, tools) = tokio::join!(
-            self.assemble(
-                seg,
-                input,
-                &models,
-                &writer.guard,
-                &mut session,
-                sessions,
-                &tasks
-            ),
-            listing
-        );
+        let prepared = async {
+            tokio::join!(
+                self.assemble(
+                    seg,
+                    input,
+                    &models,
+                    &writer.guard,
+                    &mut session,
+                    sessions,
+                    &tasks
+                ),
+                listing
+            )
+        };
+        // The gateway's bootstrap, memory lookup and tool list can take seconds each: a
+        // cancel or a shutdown does not wait for them (nothing they do needs undoing).
+        let (prompt, tools) = tokio::select! {
+            prepared = prepared => prepared,
+            () = stopper.token.cancelled() => {
+                return Ok(Driven::Stopped(stopper.reason().unwrap_or(StopReason::Cancelled)));
+            }
+        };
         writer.pending().patch.merge(RunPatch {
             state: Some(RunState::Planning),
             started_at: Some(SystemTime::now()),
@@ -1181,6 +1195,12 @@ impl RunService {
             max_tool_result_chars: self.max_tool_result_chars,
         };
         let (tx, rx) = mpsc::unbounded_channel::<WriterMsg>();
+        let in_flight = writer.in_flight.clone();
+        // A cancel waits for a side effect already sent as long as the call itself may take.
+        let cancel_grace = self
+            .gateway
+            .as_ref()
+            .map_or(Duration::ZERO, |g| g.call_timeout + Duration::from_secs(5));
         let work = async {
             let no_tools = NoTools;
             let runner = PolicyRunner {
@@ -1201,13 +1221,20 @@ impl RunService {
                 store: &self.store,
                 run_id: &seg.run_id,
                 writer: tx.clone(),
+                in_flight: &in_flight,
+                stopper,
                 max_queued_task_agents: self.fair_use.max_queued_task_agents,
                 time_zone: seg.time_zone.as_ref().and_then(|z| z.iana_name()),
             };
-            let sink = WriterSink(tx);
+            let sink = WriterSink {
+                tx,
+                in_flight: in_flight.clone(),
+            };
+            // Dropped at its next step: a model call is cut, a read in flight is abandoned
+            // (the run's end answers it), a side effect already sent is waited for.
             tokio::select! {
                 out = executor.run(&request, &runner, &sink) => Some(out),
-                () = stopper.token.cancelled() => None,
+                () = writer::stopped_between_effects(stopper, &in_flight, cancel_grace) => None,
             }
         };
         let (outcome, pumped) = tokio::join!(work, writer.pump(rx, stopper));
@@ -1240,9 +1267,11 @@ impl RunService {
                         None
                     }
                 };
+                writer.answer_stopped_calls("cancelled");
                 Self::cancelled_ending(writer, &cancelled_message(reason.as_deref()));
             }
             Ok(Driven::Stopped(StopReason::Shutdown)) => {
+                writer.answer_stopped_calls("stopped by a restart of the service");
                 tracing::warn!(run_id = %seg.run_id, "shutting down: releasing the run's lease for another replica's monitor to end it");
             }
             Ok(Driven::Stopped(StopReason::LeaseLost)) => {
@@ -1250,6 +1279,7 @@ impl RunService {
                 return;
             }
             Ok(Driven::Stopped(StopReason::WriteFailed(why))) => {
+                writer.answer_stopped_calls("stopped by a failed write");
                 Self::fail(
                     writer,
                     &format!("the run could not record its progress ({why})"),

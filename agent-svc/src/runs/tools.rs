@@ -30,6 +30,10 @@ pub(super) struct PolicyRunner<'a> {
     pub(super) run_id: &'a str,
     /// The run's writer: calls are recorded as executing, durably, before they run.
     pub(super) writer: mpsc::UnboundedSender<WriterMsg>,
+    /// Side effects sent and not yet answered: a stop waits for them.
+    pub(super) in_flight: &'a writer::SideEffectsInFlight,
+    /// The segment's stopper: a cancel found recorded before a side effect leaves stops it.
+    pub(super) stopper: &'a writer::Stopper,
     pub(super) max_queued_task_agents: u32,
     /// The run's time zone, handed on to the task agents it starts.
     pub(super) time_zone: Option<&'a str>,
@@ -175,8 +179,23 @@ impl ToolRunner for PolicyRunner<'_> {
                 .iter()
                 .map(|c| self.side_effects.contains(&c.name))
                 .collect();
-            match writer::checkpoint(&self.writer, ids, side.contains(&true)).await {
+            let checkpointed =
+                match writer::checkpoint(&self.writer, ids, side.contains(&true)).await {
+                    Ok(()) if side.contains(&true) && self.cancel_recorded().await => {
+                        Err("the run was cancelled".to_owned())
+                    }
+                    other => other,
+                };
+            match checkpointed {
                 Ok(()) => {
+                    // Only now: a stop that came during the checkpoint drops the batch unsent.
+                    self.in_flight.sent(
+                        allowed
+                            .iter()
+                            .zip(&side)
+                            .filter(|(_, side_effect)| **side_effect)
+                            .map(|(c, _)| c.call_id.clone()),
+                    );
                     let names: Vec<String> = allowed.iter().map(|c| c.name.clone()).collect();
                     let results = self.inner.run(allowed).await;
                     for (((pos, outcome), side_effect), name) in
@@ -188,6 +207,18 @@ impl ToolRunner for PolicyRunner<'_> {
                             self.guard.read(&name);
                         }
                         outcomes[pos] = Some(ambiguity(outcome, side_effect));
+                    }
+                }
+                Err(_) if self.stopper.reason() == Some(writer::StopReason::Cancelled) => {
+                    for pos in positions {
+                        outcomes[pos] = Some(ToolOutcome {
+                            ok: false,
+                            text: "Not executed: the run was cancelled before this call ran."
+                                .into(),
+                            error_kind: "CANCELLED".into(),
+                            truncated: false,
+                            external: false,
+                        });
                     }
                 }
                 Err(why) => {
@@ -215,6 +246,28 @@ impl ToolRunner for PolicyRunner<'_> {
 }
 
 impl PolicyRunner<'_> {
+    /// Whether a cancel of this run is recorded, asked just before its side effects leave: a
+    /// cancel taken by another replica reaches this one by a notice, or else by the next lease
+    /// renewal up to a third of the lease later — too late to stop a send. A run stopped here
+    /// ends cancelled at its next step. If the store cannot say, the calls go ahead (their
+    /// checkpoint has just been written, so it was answering).
+    async fn cancel_recorded(&self) -> bool {
+        if self.stopper.reason() == Some(writer::StopReason::Cancelled) {
+            return true;
+        }
+        match self.store.get_run(self.user, self.run_id).await {
+            Ok(Some(run)) if run.cancel_requested => {
+                self.stopper.stop(writer::StopReason::Cancelled);
+                true
+            }
+            Ok(_) => false,
+            Err(e) => {
+                tracing::warn!(run_id = %self.run_id, error = %e, "could not check for a cancel before a side effect");
+                false
+            }
+        }
+    }
+
     /// What the call would do, resolved by the gateway. Without a gateway nothing can run
     /// anyway; the arguments' own preview stands in.
     async fn preview(&self, call: &ToolInvocation) -> Result<CallPreview, ToolOutcome> {

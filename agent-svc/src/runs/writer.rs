@@ -156,11 +156,79 @@ pub(super) enum WriterMsg {
 }
 
 /// The executor's event sink: forwards to the writer, in order.
-pub(super) struct WriterSink(pub(super) mpsc::UnboundedSender<WriterMsg>);
+pub(super) struct WriterSink {
+    pub(super) tx: mpsc::UnboundedSender<WriterMsg>,
+    pub(super) in_flight: SideEffectsInFlight,
+}
 
 impl EventSink for WriterSink {
     fn emit(&self, event: RunEvent) {
-        let _ = self.0.send(WriterMsg::Event(Box::new(event)));
+        let answered = match &event {
+            RunEvent::ToolResult { call_id, .. } => Some(call_id.clone()),
+            _ => None,
+        };
+        let _ = self.tx.send(WriterMsg::Event(Box::new(event)));
+        // After the send: once the set is empty, every result is with the writer.
+        if let Some(call_id) = answered {
+            self.in_flight.answered(&call_id);
+        }
+    }
+}
+
+/// Side-effect calls handed to the gateway whose results the executor has not yet emitted. A
+/// stopped run waits for them (within a grace) before it drops the loop: a send that already
+/// left is recorded with what it came to, never left `executing` with its outcome unknown.
+#[derive(Clone)]
+pub(super) struct SideEffectsInFlight(Arc<tokio::sync::watch::Sender<HashSet<String>>>);
+
+impl Default for SideEffectsInFlight {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::watch::Sender::new(HashSet::new())))
+    }
+}
+
+impl SideEffectsInFlight {
+    pub(super) fn sent(&self, call_ids: impl IntoIterator<Item = String>) {
+        self.0.send_modify(|s| s.extend(call_ids));
+    }
+
+    fn answered(&self, call_id: &str) {
+        self.0.send_if_modified(|s| s.remove(call_id));
+    }
+
+    /// Resolves when no side effect is waiting for its result.
+    async fn settled(&self) {
+        let _ = self.0.subscribe().wait_for(HashSet::is_empty).await;
+    }
+}
+
+/// How long a run stopped by a shutdown waits for the side effects it has in flight: inside
+/// the 5 s the service gives its runs to commit and hand their threads back.
+const SHUTDOWN_SIDE_EFFECT_GRACE: Duration = Duration::from_secs(3);
+
+/// Resolves when a stopped segment may drop its loop: at once for a lost lease or a failed
+/// write (nothing more can be recorded), and for a cancel or a shutdown once the side effects
+/// in flight have their results — within `cancel_grace` (the calls' own deadline) or
+/// [`SHUTDOWN_SIDE_EFFECT_GRACE`]. Reads in flight are dropped; the run's end answers them.
+pub(super) async fn stopped_between_effects(
+    stopper: &Stopper,
+    in_flight: &SideEffectsInFlight,
+    cancel_grace: Duration,
+) {
+    stopper.token.cancelled().await;
+    let grace = match stopper.reason() {
+        Some(StopReason::Cancelled) => cancel_grace,
+        Some(StopReason::Shutdown) => SHUTDOWN_SIDE_EFFECT_GRACE,
+        _ => return,
+    };
+    if tokio::time::timeout(grace, in_flight.settled())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            ?grace,
+            "a stopped run's side effects did not answer in time; their outcome is left to the gateway's record"
+        );
     }
 }
 
@@ -220,6 +288,8 @@ pub(super) struct RunWriter {
     pub(super) commits: u32,
     /// The run's row says it read external content (its session's archive will say so).
     marked_external: bool,
+    /// Side effects sent and not yet answered (a stop waits for them).
+    pub(super) in_flight: SideEffectsInFlight,
 }
 
 impl RunWriter {
@@ -245,6 +315,59 @@ impl RunWriter {
             iteration: 0,
             commits: 0,
             marked_external: false,
+            in_flight: SideEffectsInFlight::default(),
+        }
+    }
+
+    /// A segment stopped mid-step (`why`: "cancelled", "stopped") answers the calls its loop
+    /// left open, so their actions and the transcript say what became of them now rather than
+    /// at the thread's next run: a call that never ran did not happen, and a read cut short
+    /// only read. A side effect sent and not answered within the stop's grace stays
+    /// `executing` and unanswered: only the gateway's record can say whether it happened, and
+    /// the thread's next run asks it.
+    pub(super) fn answer_stopped_calls(&mut self, why: &str) {
+        let unknown = self.in_flight.0.borrow().clone();
+        let mut open: Vec<(String, String, ActionState, bool)> = self
+            .actions
+            .values()
+            .filter(|a| matches!(a.state, ActionState::Planned | ActionState::Executing))
+            .filter(|a| !unknown.contains(&a.call_id))
+            .map(|a| (a.call_id.clone(), a.tool.clone(), a.state, a.side_effect))
+            .collect();
+        // In the order the model made them, as every provider wants results.
+        open.sort_by_key(|(call_id, ..)| {
+            self.actions
+                .get(call_id)
+                .map(|a| a.created_at)
+                .unwrap_or(SystemTime::UNIX_EPOCH)
+        });
+        for (call_id, name, state, side_effect) in open {
+            let text = if state == ActionState::Executing && !side_effect {
+                format!(
+                    "Not completed: the run was {why} while this call ran. It only read data; call it again if you still need it."
+                )
+            } else {
+                format!("Not executed: the run was {why} before this call ran.")
+            };
+            for event in [
+                RunEvent::ToolResult {
+                    call_id: call_id.clone(),
+                    name: name.clone(),
+                    ok: false,
+                    preview: text.clone(),
+                    text: text.clone(),
+                    error_kind: "CANCELLED".into(),
+                    truncated: false,
+                },
+                RunEvent::Turn(crate::llm::Turn::ToolResult {
+                    call_id,
+                    name,
+                    content: text,
+                    is_error: true,
+                }),
+            ] {
+                self.record(event);
+            }
         }
     }
 
