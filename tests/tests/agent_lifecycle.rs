@@ -1776,3 +1776,51 @@ async fn a_cancel_recorded_without_its_notice_stops_a_send_before_it_leaves() {
         "Not executed: the run was cancelled before this call ran."
     );
 }
+
+/// A shutdown that stops a run while its send is at Gmail gives the send a moment (3 s) to
+/// answer, so the run hands its thread back with the send recorded as done — not `executing`
+/// with its outcome unknown. The drain here waits for nothing, so the stop comes mid-send.
+#[tokio::test]
+async fn a_shutdown_during_a_send_records_what_it_came_to_before_the_run_is_handed_back() {
+    let never = std::sync::Arc::new(tokio::sync::Notify::new());
+    let (mut app, _model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::Held(Box::new(Answer::text("Sent.")), never),
+        ],
+        &[
+            ("AGENT_DEFAULT_TRUST_LEVEL", "autonomous"),
+            ("SHUTDOWN_DRAIN_TIMEOUT", "0s"),
+        ],
+    )
+    .await;
+    let gate = gmail.hold_sends();
+    let (_stream, first) = start_streaming(&app, "send the budget to my boss").await;
+    gate.arrived().await;
+    gmail.delay_sends(Duration::from_millis(1500));
+    gate.release();
+    let agent = app.agent_addr;
+    app.stop_service(agent)
+        .await
+        .expect("agent-svc stops cleanly");
+    assert_eq!(gmail.sent().len(), 1);
+    let sql = app.sql().await;
+    let state: String = sql
+        .query_one(
+            "SELECT state FROM agent.actions WHERE run_id = $1",
+            &[&first.run_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "completed");
+    let outcome: serde_json::Value = sql
+        .query_one(
+            "SELECT detail FROM agent.audit WHERE run_id = $1 AND kind = 'side_effect_result'",
+            &[&first.run_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(outcome["ok"], true, "{outcome}");
+}
