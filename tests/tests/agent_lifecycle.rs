@@ -1783,7 +1783,7 @@ async fn a_cancel_recorded_without_its_notice_stops_a_send_before_it_leaves() {
 #[tokio::test]
 async fn a_shutdown_during_a_send_records_what_it_came_to_before_the_run_is_handed_back() {
     let never = std::sync::Arc::new(tokio::sync::Notify::new());
-    let (mut app, _model, gmail) = gmail_world(
+    let (mut app, model, gmail) = gmail_world(
         vec![
             Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
             Answer::Held(Box::new(Answer::text("Sent.")), never),
@@ -1797,13 +1797,19 @@ async fn a_shutdown_during_a_send_records_what_it_came_to_before_the_run_is_hand
     let gate = gmail.hold_sends();
     let (_stream, first) = start_streaming(&app, "send the budget to my boss").await;
     gate.arrived().await;
-    gmail.delay_sends(Duration::from_millis(1500));
+    // Answered 2 s after the stop begins: inside the 3 s grace, long after the drain (0 s).
+    gmail.delay_sends(Duration::from_secs(2));
     gate.release();
     let agent = app.agent_addr;
     app.stop_service(agent)
         .await
         .expect("agent-svc stops cleanly");
     assert_eq!(gmail.sent().len(), 1);
+    assert_eq!(
+        model.requests().len(),
+        1,
+        "the stop came while the send was at Gmail: the run asked the model nothing after it"
+    );
     let sql = app.sql().await;
     let state: String = sql
         .query_one(

@@ -117,6 +117,12 @@ pub enum RunEvent {
 
 pub trait EventSink: Send + Sync {
     fn emit(&self, event: RunEvent);
+
+    /// The run is stopping (a cancel, a shutdown): the loop starts nothing more — no model
+    /// call, no iteration — and waits to be dropped once what it has in flight is recorded.
+    fn halted(&self) -> bool {
+        false
+    }
 }
 
 /// Per-million-token prices of one model (E-10).
@@ -466,6 +472,7 @@ impl Run<'_> {
     }
 
     async fn iteration(&mut self, tools: &dyn ToolRunner, same_tool: &mut (String, u32)) -> Step {
+        self.wait_if_halted().await;
         self.iterations += 1;
         self.sink.emit(RunEvent::Planning {
             iteration: self.iterations,
@@ -681,6 +688,14 @@ impl Run<'_> {
         outcomes
     }
 
+    /// A halted run never resolves from here: its owner drops it (a model request begun now
+    /// could be billed and would never be counted).
+    async fn wait_if_halted(&self) {
+        if self.sink.halted() {
+            std::future::pending::<()>().await;
+        }
+    }
+
     /// One model call within `remaining` time: `Ok(None)` when the time ran out, `Err` with the
     /// attempts when every model failed.
     async fn call_model(
@@ -690,6 +705,7 @@ impl Run<'_> {
         system_suffix: &str,
         remaining: Duration,
     ) -> Result<Option<crate::llm::ModelResponse>, String> {
+        self.wait_if_halted().await;
         let models = self.models;
         let counter = self.counter;
         let (system, system_tokens) = if system_suffix.is_empty() {

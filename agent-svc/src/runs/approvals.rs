@@ -423,7 +423,14 @@ impl RunService {
                 return Err(e.into());
             }
             intent_recorded = true;
-            // A stop that came during that commit (a local cancel) still comes before the effect.
+            // A stop that came during that commit still comes before the effect: a local one,
+            // or a cancel another replica recorded whose notice has not arrived.
+            if stopper.reason().is_none()
+                && let Ok(Some(now)) = self.store.get_run(&seg.owner, &seg.run_id).await
+                && now.cancel_requested
+            {
+                stopper.stop(StopReason::Cancelled);
+            }
             stopped = stopper.reason();
             let outcome = match (&self.gateway, &stopped) {
                 (_, Some(_)) => {

@@ -1229,12 +1229,14 @@ impl RunService {
             let sink = WriterSink {
                 tx,
                 in_flight: in_flight.clone(),
+                stop: stopper.token.clone(),
             };
             // Dropped at its next step: a model call is cut, a read in flight is abandoned
             // (the run's end answers it), a side effect already sent is waited for.
             tokio::select! {
-                out = executor.run(&request, &runner, &sink) => Some(out),
+                biased;
                 () = writer::stopped_between_effects(stopper, &in_flight, cancel_grace) => None,
+                out = executor.run(&request, &runner, &sink) => Some(out),
             }
         };
         let (outcome, pumped) = tokio::join!(work, writer.pump(rx, stopper));
@@ -1267,11 +1269,11 @@ impl RunService {
                         None
                     }
                 };
-                writer.answer_stopped_calls("cancelled");
+                writer.answer_stopped_calls("cancelled", "CANCELLED");
                 Self::cancelled_ending(writer, &cancelled_message(reason.as_deref()));
             }
             Ok(Driven::Stopped(StopReason::Shutdown)) => {
-                writer.answer_stopped_calls("stopped by a restart of the service");
+                writer.answer_stopped_calls("stopped by a restart of the service", "INTERRUPTED");
                 tracing::warn!(run_id = %seg.run_id, "shutting down: releasing the run's lease for another replica's monitor to end it");
             }
             Ok(Driven::Stopped(StopReason::LeaseLost)) => {
@@ -1279,7 +1281,7 @@ impl RunService {
                 return;
             }
             Ok(Driven::Stopped(StopReason::WriteFailed(why))) => {
-                writer.answer_stopped_calls("stopped by a failed write");
+                writer.answer_stopped_calls("stopped by a failed write", "INTERRUPTED");
                 Self::fail(
                     writer,
                     &format!("the run could not record its progress ({why})"),

@@ -56,6 +56,12 @@ impl ToolRunner for PolicyRunner<'_> {
                 continue;
             }
             if call.name == TASK_AGENT_TOOL {
+                // Queuing a task is an effect too: not after a stop, and once begun, waited for.
+                if let Some(reason) = self.stopper.reason() {
+                    outcomes[i] = Some(not_run_for(&reason));
+                    continue;
+                }
+                self.in_flight.sent(vec![call.call_id.clone()]);
                 outcomes[i] = Some(
                     enqueue_task_agent(
                         self.store,
@@ -179,13 +185,22 @@ impl ToolRunner for PolicyRunner<'_> {
                 .iter()
                 .map(|c| self.side_effects.contains(&c.name))
                 .collect();
-            let checkpointed =
-                match writer::checkpoint(&self.writer, ids, side.contains(&true)).await {
-                    Ok(()) if side.contains(&true) && self.cancel_recorded().await => {
-                        Err("the run was cancelled".to_owned())
+            let checkpointed = writer::checkpoint(&self.writer, ids, side.contains(&true)).await;
+            if checkpointed.is_ok() && side.contains(&true) {
+                self.look_for_a_cancel().await;
+            }
+            // Any stop known by now, for whatever reason, keeps the batch unsent.
+            let checkpointed = match self.stopper.reason() {
+                Some(reason) => Err(Some(reason)),
+                None => checkpointed.map_err(|why| {
+                    for &pos in &positions {
+                        outcomes[pos] = Some(unavailable(&format!(
+                            "Not executed: the run could not record its progress ({why})."
+                        )));
                     }
-                    other => other,
-                };
+                    None
+                }),
+            };
             match checkpointed {
                 Ok(()) => {
                     // Only now: a stop that came during the checkpoint drops the batch unsent.
@@ -194,7 +209,8 @@ impl ToolRunner for PolicyRunner<'_> {
                             .iter()
                             .zip(&side)
                             .filter(|(_, side_effect)| **side_effect)
-                            .map(|(c, _)| c.call_id.clone()),
+                            .map(|(c, _)| c.call_id.clone())
+                            .collect(),
                     );
                     let names: Vec<String> = allowed.iter().map(|c| c.name.clone()).collect();
                     let results = self.inner.run(allowed).await;
@@ -209,25 +225,12 @@ impl ToolRunner for PolicyRunner<'_> {
                         outcomes[pos] = Some(ambiguity(outcome, side_effect));
                     }
                 }
-                Err(_) if self.stopper.reason() == Some(writer::StopReason::Cancelled) => {
+                Err(Some(reason)) => {
                     for pos in positions {
-                        outcomes[pos] = Some(ToolOutcome {
-                            ok: false,
-                            text: "Not executed: the run was cancelled before this call ran."
-                                .into(),
-                            error_kind: "CANCELLED".into(),
-                            truncated: false,
-                            external: false,
-                        });
+                        outcomes[pos] = Some(not_run_for(&reason));
                     }
                 }
-                Err(why) => {
-                    for pos in positions {
-                        outcomes[pos] = Some(unavailable(&format!(
-                            "Not executed: the run could not record its progress ({why})."
-                        )));
-                    }
-                }
+                Err(None) => {}
             }
         }
         outcomes
@@ -246,24 +249,22 @@ impl ToolRunner for PolicyRunner<'_> {
 }
 
 impl PolicyRunner<'_> {
-    /// Whether a cancel of this run is recorded, asked just before its side effects leave: a
-    /// cancel taken by another replica reaches this one by a notice, or else by the next lease
-    /// renewal up to a third of the lease later — too late to stop a send. A run stopped here
-    /// ends cancelled at its next step. If the store cannot say, the calls go ahead (their
-    /// checkpoint has just been written, so it was answering).
-    async fn cancel_recorded(&self) -> bool {
-        if self.stopper.reason() == Some(writer::StopReason::Cancelled) {
-            return true;
+    /// Reads the run's cancel flag just before its side effects leave, and stops the segment
+    /// if it is set: a cancel taken by another replica reaches this one by a notice, or else by
+    /// the next lease renewal up to a third of the lease later — too late to stop a send. If
+    /// the store cannot say, the calls go ahead (their checkpoint has just been written, so it
+    /// was answering).
+    async fn look_for_a_cancel(&self) {
+        if self.stopper.reason().is_some() {
+            return;
         }
         match self.store.get_run(self.user, self.run_id).await {
             Ok(Some(run)) if run.cancel_requested => {
                 self.stopper.stop(writer::StopReason::Cancelled);
-                true
             }
-            Ok(_) => false,
+            Ok(_) => {}
             Err(e) => {
                 tracing::warn!(run_id = %self.run_id, error = %e, "could not check for a cancel before a side effect");
-                false
             }
         }
     }
@@ -290,6 +291,27 @@ impl PolicyRunner<'_> {
                 expected_binding: "",
             })
             .await
+    }
+}
+
+/// The answer of a call a stopped run did not send.
+fn not_run_for(reason: &writer::StopReason) -> ToolOutcome {
+    let (text, error_kind) = match reason {
+        writer::StopReason::Cancelled => (
+            "Not executed: the run was cancelled before this call ran.",
+            "CANCELLED",
+        ),
+        _ => (
+            "Not executed: the run was stopped before this call ran.",
+            "INTERRUPTED",
+        ),
+    };
+    ToolOutcome {
+        ok: false,
+        text: text.into(),
+        error_kind: error_kind.into(),
+        truncated: false,
+        external: false,
     }
 }
 

@@ -159,6 +159,8 @@ pub(super) enum WriterMsg {
 pub(super) struct WriterSink {
     pub(super) tx: mpsc::UnboundedSender<WriterMsg>,
     pub(super) in_flight: SideEffectsInFlight,
+    /// The segment's stop token: once it fires the loop starts nothing more.
+    pub(super) stop: CancellationToken,
 }
 
 impl EventSink for WriterSink {
@@ -173,32 +175,55 @@ impl EventSink for WriterSink {
             self.in_flight.answered(&call_id);
         }
     }
+
+    fn halted(&self) -> bool {
+        self.stop.is_cancelled()
+    }
 }
 
 /// Side-effect calls handed to the gateway whose results the executor has not yet emitted. A
 /// stopped run waits for them (within a grace) before it drops the loop: a send that already
 /// left is recorded with what it came to, never left `executing` with its outcome unknown.
 #[derive(Clone)]
-pub(super) struct SideEffectsInFlight(Arc<tokio::sync::watch::Sender<HashSet<String>>>);
+pub(super) struct SideEffectsInFlight {
+    waiting: Arc<tokio::sync::watch::Sender<HashSet<String>>>,
+    /// Every side effect this segment sent, answered or not: a result that never reached the
+    /// record (a failed write dropped it) must not be answered "not executed" at the end.
+    ever_sent: Arc<Mutex<HashSet<String>>>,
+}
 
 impl Default for SideEffectsInFlight {
     fn default() -> Self {
-        Self(Arc::new(tokio::sync::watch::Sender::new(HashSet::new())))
+        Self {
+            waiting: Arc::new(tokio::sync::watch::Sender::new(HashSet::new())),
+            ever_sent: Arc::default(),
+        }
     }
 }
 
 impl SideEffectsInFlight {
-    pub(super) fn sent(&self, call_ids: impl IntoIterator<Item = String>) {
-        self.0.send_modify(|s| s.extend(call_ids));
+    pub(super) fn sent(&self, call_ids: Vec<String>) {
+        self.ever_sent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(call_ids.iter().cloned());
+        self.waiting.send_modify(|s| s.extend(call_ids));
+    }
+
+    fn was_sent(&self, call_id: &str) -> bool {
+        self.ever_sent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(call_id)
     }
 
     fn answered(&self, call_id: &str) {
-        self.0.send_if_modified(|s| s.remove(call_id));
+        self.waiting.send_if_modified(|s| s.remove(call_id));
     }
 
     /// Resolves when no side effect is waiting for its result.
     async fn settled(&self) {
-        let _ = self.0.subscribe().wait_for(HashSet::is_empty).await;
+        let _ = self.waiting.subscribe().wait_for(HashSet::is_empty).await;
     }
 }
 
@@ -207,7 +232,7 @@ impl SideEffectsInFlight {
 const SHUTDOWN_SIDE_EFFECT_GRACE: Duration = Duration::from_secs(3);
 
 /// Resolves when a stopped segment may drop its loop: at once for a lost lease or a failed
-/// write (nothing more can be recorded), and for a cancel or a shutdown once the side effects
+/// write (the record cannot be trusted to take more), and for a cancel or a shutdown once the side effects
 /// in flight have their results — within `cancel_grace` (the calls' own deadline) or
 /// [`SHUTDOWN_SIDE_EFFECT_GRACE`]. Reads in flight are dropped; the run's end answers them.
 pub(super) async fn stopped_between_effects(
@@ -319,19 +344,20 @@ impl RunWriter {
         }
     }
 
-    /// A segment stopped mid-step (`why`: "cancelled", "stopped") answers the calls its loop
-    /// left open, so their actions and the transcript say what became of them now rather than
-    /// at the thread's next run: a call that never ran did not happen, and a read cut short
-    /// only read. A side effect sent and not answered within the stop's grace stays
-    /// `executing` and unanswered: only the gateway's record can say whether it happened, and
-    /// the thread's next run asks it.
-    pub(super) fn answer_stopped_calls(&mut self, why: &str) {
-        let unknown = self.in_flight.0.borrow().clone();
+    /// A segment stopped mid-step (`why`: "cancelled", "stopped …") answers the calls its loop
+    /// recorded as actions and left open, so their actions and the transcript say what became
+    /// of them now rather than at the thread's next run: a call that never ran did not happen,
+    /// and a read cut short only read. A side effect that was sent and whose result is not in
+    /// the record (it did not answer within the stop's grace, or a failed write dropped its
+    /// result) stays `executing` and unanswered: only the gateway's record can say whether it
+    /// happened, and the thread's next run asks it.
+    pub(super) fn answer_stopped_calls(&mut self, why: &str, error_kind: &str) {
+        let in_flight = self.in_flight.clone();
         let mut open: Vec<(String, String, ActionState, bool)> = self
             .actions
             .values()
             .filter(|a| matches!(a.state, ActionState::Planned | ActionState::Executing))
-            .filter(|a| !unknown.contains(&a.call_id))
+            .filter(|a| !in_flight.was_sent(&a.call_id))
             .map(|a| (a.call_id.clone(), a.tool.clone(), a.state, a.side_effect))
             .collect();
         // In the order the model made them, as every provider wants results.
@@ -356,7 +382,7 @@ impl RunWriter {
                     ok: false,
                     preview: text.clone(),
                     text: text.clone(),
-                    error_kind: "CANCELLED".into(),
+                    error_kind: error_kind.into(),
                     truncated: false,
                 },
                 RunEvent::Turn(crate::llm::Turn::ToolResult {
@@ -1205,5 +1231,66 @@ mod tests {
         };
         let (writer, ()) = tokio::join!(pump, loop_);
         assert_eq!(writer.commits, 2, "at the starts of iterations 2 and 3");
+    }
+
+    fn call(writer: &mut RunWriter, call_id: &str, name: &str) {
+        writer.record(RunEvent::ToolCall {
+            call_id: call_id.into(),
+            name: name.into(),
+            preview: "{}".into(),
+            args: serde_json::json!({}),
+        });
+    }
+
+    #[tokio::test]
+    async fn a_stopped_run_answers_what_never_left_and_what_it_read_but_not_a_send_whose_result_it_lost()
+     {
+        let (mut writer, _store) = writer().await;
+        writer.side_effects = ["gmail_send".to_owned()].into();
+        for (call_id, name) in [
+            ("sent", "gmail_send"),
+            ("unsent", "gmail_send"),
+            ("read", "list_tasks"),
+        ] {
+            call(&mut writer, call_id, name);
+        }
+        writer.executing(vec!["sent".into(), "unsent".into(), "read".into()]);
+        // The send went out and answered, but a failed write dropped its result on the way.
+        writer.in_flight.sent(vec!["sent".into()]);
+        writer.in_flight.answered("sent");
+
+        writer.answer_stopped_calls("cancelled", "CANCELLED");
+
+        let state = |id: &str| writer.actions[id].state;
+        assert_eq!(
+            state("sent"),
+            ActionState::Executing,
+            "left for the gateway's record"
+        );
+        assert_eq!(state("unsent"), ActionState::Failed);
+        assert_eq!(state("read"), ActionState::Failed);
+        assert_eq!(
+            writer.actions["unsent"].result_text.as_deref(),
+            Some("Not executed: the run was cancelled before this call ran.")
+        );
+        assert!(
+            writer.actions["read"]
+                .result_text
+                .as_deref()
+                .is_some_and(|t| t.starts_with("Not completed: the run was cancelled")),
+            "{:?}",
+            writer.actions["read"].result_text
+        );
+        let answered: Vec<String> = writer
+            .pending
+            .history
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        assert_eq!(answered.len(), 2, "{answered:?}");
+        assert!(
+            !answered.iter().any(|t| t.contains("\"sent\"")),
+            "{answered:?}"
+        );
     }
 }
