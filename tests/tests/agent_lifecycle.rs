@@ -1073,22 +1073,11 @@ async fn e10_a_cancelled_run_keeps_what_its_answered_model_calls_cost_and_get_us
     .await;
     let (mut stream, first) = start_streaming(&app, "what are my tasks?").await;
     // The first model call has answered once its tool has run; the second never will.
-    while let Some(Ok(r)) = stream.next().await {
-        if matches!(
-            r.event.and_then(|e| e.kind),
-            Some(pb::run_event::Kind::ToolResult(_))
-        ) {
-            break;
-        }
-    }
-    let mut alice = app.agent_as("alice").await;
-    alice
-        .cancel_run(pb::CancelRunRequest {
-            run_id: first.run_id.clone(),
-            reason: String::new(),
-        })
-        .await
-        .unwrap();
+    read_until(&mut stream, |k| {
+        matches!(k, pb::run_event::Kind::ToolResult(_))
+    })
+    .await;
+    let mut alice = cancel(&app, &first.run_id).await;
     while stream.next().await.is_some() {}
 
     let run = get_run(&mut alice, &first.run_id)
@@ -1550,6 +1539,31 @@ async fn a_send_its_run_left_executing_is_closed_by_the_next_run_with_what_the_g
     );
 }
 
+/// Reads `stream` up to and including the first event whose kind `is` picks.
+async fn read_until(
+    stream: &mut tonic::Streaming<pb::RunStreamResponse>,
+    is: fn(&pb::run_event::Kind) -> bool,
+) {
+    while let Some(Ok(r)) = stream.next().await {
+        if r.event.and_then(|e| e.kind).is_some_and(|k| is(&k)) {
+            return;
+        }
+    }
+}
+
+/// CancelRun of alice's run, without a reason; her client.
+async fn cancel(app: &TestApp, run_id: &str) -> steward_tests::UserAgent {
+    let mut alice = app.agent_as("alice").await;
+    alice
+        .cancel_run(pb::CancelRunRequest {
+            run_id: run_id.to_owned(),
+            reason: String::new(),
+        })
+        .await
+        .unwrap();
+    alice
+}
+
 /// Everything a streaming run sends until its stream ends.
 async fn rest_of(mut stream: tonic::Streaming<pb::RunStreamResponse>) -> Vec<pb::RunEvent> {
     let mut all = Vec::new();
@@ -1593,14 +1607,7 @@ async fn a_cancel_during_a_send_already_at_gmail_records_what_it_came_to_and_end
     let gate = gmail.hold_sends();
     let (stream, first) = start_streaming(&app, "send the budget to my boss").await;
     gate.arrived().await;
-    let mut alice = app.agent_as("alice").await;
-    alice
-        .cancel_run(pb::CancelRunRequest {
-            run_id: first.run_id.clone(),
-            reason: String::new(),
-        })
-        .await
-        .unwrap();
+    let mut alice = cancel(&app, &first.run_id).await;
     gate.release();
     let events = rest_of(stream).await;
     assert!(ended_cancelled(&events), "{:?}", events.last());
@@ -1651,22 +1658,11 @@ async fn a_cancel_during_a_read_ends_the_run_at_once_and_answers_the_read_as_cut
     .await;
     gmail.hang("tok-alice");
     let (mut stream, first) = start_streaming(&app, "find the budget mail").await;
-    while let Some(Ok(r)) = stream.next().await {
-        if matches!(
-            r.event.and_then(|e| e.kind),
-            Some(pb::run_event::Kind::ToolCall(_))
-        ) {
-            break;
-        }
-    }
-    let mut alice = app.agent_as("alice").await;
-    alice
-        .cancel_run(pb::CancelRunRequest {
-            run_id: first.run_id.clone(),
-            reason: String::new(),
-        })
-        .await
-        .unwrap();
+    read_until(&mut stream, |k| {
+        matches!(k, pb::run_event::Kind::ToolCall(_))
+    })
+    .await;
+    let mut alice = cancel(&app, &first.run_id).await;
     let events = tokio::time::timeout(Duration::from_secs(10), rest_of(stream))
         .await
         .expect("the cancel does not wait for the hanging search");
