@@ -433,9 +433,7 @@ impl RunService {
             }
             stopped = stopper.reason();
             let outcome = match (&self.gateway, &stopped) {
-                (_, Some(_)) => {
-                    unavailable("Not executed: the run was stopped before the approved action ran.")
-                }
+                (_, Some(reason)) => tools::not_run_for(reason),
                 (Some(g), None) => {
                     g.execute_once(crate::gateway_client::OnceCall {
                         user: &seg.owner,

@@ -47,6 +47,12 @@ impl ToolRunner for PolicyRunner<'_> {
         let mut positions = Vec::new();
         let mut paused = false;
         for (i, call) in calls.into_iter().enumerate() {
+            // A stop that came while earlier calls of the batch were prepared (a preview, an
+            // audit record) leaves the rest unprepared and unsent.
+            if let Some(reason) = self.stopper.reason() {
+                outcomes[i] = Some(not_run_for(&reason));
+                continue;
+            }
             if call.name == HISTORY_TOOL {
                 let outcome = search_history(self.store, self.user, &call.args).await;
                 if outcome.external {
@@ -56,11 +62,7 @@ impl ToolRunner for PolicyRunner<'_> {
                 continue;
             }
             if call.name == TASK_AGENT_TOOL {
-                // Queuing a task is an effect too: not after a stop, and once begun, waited for.
-                if let Some(reason) = self.stopper.reason() {
-                    outcomes[i] = Some(not_run_for(&reason));
-                    continue;
-                }
+                // Queuing a task is an effect too: once begun, waited for.
                 self.in_flight.sent(vec![call.call_id.clone()]);
                 outcomes[i] = Some(
                     enqueue_task_agent(
@@ -295,7 +297,7 @@ impl PolicyRunner<'_> {
 }
 
 /// The answer of a call a stopped run did not send.
-fn not_run_for(reason: &writer::StopReason) -> ToolOutcome {
+pub(super) fn not_run_for(reason: &writer::StopReason) -> ToolOutcome {
     let (text, error_kind) = match reason {
         writer::StopReason::Cancelled => (
             "Not executed: the run was cancelled before this call ran.",
