@@ -1826,3 +1826,69 @@ async fn a_shutdown_during_a_send_records_what_it_came_to_before_the_run_is_hand
         .get(0);
     assert_eq!(outcome["ok"], true, "{outcome}");
 }
+
+/// B-5: a `create_task_agent` call whose result never reached the thread's history (its run
+/// was stopped past the shutdown's grace, or a failed write dropped it) is closed by the next
+/// run with what the task queue holds: the task was started, so the model is told so and does
+/// not queue it a second time.
+#[tokio::test]
+async fn b5_a_task_agent_call_whose_result_was_lost_is_answered_from_the_task_queue() {
+    let task = r#"{"instructions":"Watch for the reply","goal":"reply watch"}"#;
+    let (app, model, _gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_task", "create_task_agent", task)]),
+            Answer::text("I'll watch for the reply."),
+            Answer::text("Still watching."),
+        ],
+        &[("TASK_AGENT_WORKERS", "false")],
+    )
+    .await;
+    let first = run_on(app.agent_addr, input("watch for the boss's reply")).await;
+    assert_eq!(
+        first.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        first.error
+    );
+    let sql = app.sql().await;
+    let removed = sql
+        .execute(
+            "DELETE FROM agent.llm_history WHERE thread_id = $1 AND turn->>'role' = 'tool_result'",
+            &[&first.thread_id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(removed, 1, "the task call's result, as if it were lost");
+    let task_id: String = sql
+        .query_one("SELECT id FROM agent.task_agents", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let next = run_on(
+        app.agent_addr,
+        pb::RunInput {
+            thread_id: first.thread_id.clone(),
+            ..input("anything yet?")
+        },
+    )
+    .await;
+    assert_eq!(
+        next.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        next.error
+    );
+    let (_, sent) = model.requests().pop().unwrap();
+    let told: Vec<&str> = sent["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["content"].as_str())
+        .collect();
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert!(
+        told[0].contains(&format!("Started task agent {task_id};")),
+        "{told:?}"
+    );
+}

@@ -723,6 +723,26 @@ impl RunService {
         for call in open {
             let action = actions.iter().find(|a| a.call_id == call.id);
             let (content, is_error) = match action {
+                // A task agent is queued in the agent's own store, not the gateway's: whether
+                // the call queued it is read there (the task carries the call's id).
+                _ if call.name == TASK_AGENT_TOOL => {
+                    let id = tools::task_id_for(&call.id);
+                    match self.store.get_task_agent(owner, &id).await {
+                        Ok(Some(_)) => (tools::task_started(&id), false),
+                        Ok(None) => (
+                            "Not executed: the run that made this call ended before it ran."
+                                .to_owned(),
+                            true,
+                        ),
+                        Err(e) => {
+                            tracing::warn!(call_id = %call.id, error = %e, "could not look up an open task agent call");
+                            (
+                                "The outcome is unknown: the run that made this call ended while it ran. The task agent may have been started; do not start it again without asking the user.".to_owned(),
+                                true,
+                            )
+                        }
+                    }
+                }
                 Some(a) if a.side_effect && a.state == ActionState::Executing => {
                     match &self.gateway {
                         // What the gateway knows closes the call's `side_effect` record too

@@ -69,6 +69,7 @@ impl ToolRunner for PolicyRunner<'_> {
                         self.store,
                         self.user,
                         self.thread_id,
+                        &call.call_id,
                         &call.args,
                         self.max_queued_task_agents,
                         self.time_zone,
@@ -410,10 +411,22 @@ fn text_arg<'a>(
     Ok(text)
 }
 
+/// The id of the task agent a `create_task_agent` call queues: its call's own (each call
+/// has a fresh one), so a later run can find whether a call whose result was lost queued it.
+pub(super) fn task_id_for(call_id: &str) -> String {
+    format!("t-{}", call_id.strip_prefix("call_").unwrap_or(call_id))
+}
+
+/// What a call that queued task `id` answers.
+pub(super) fn task_started(id: &str) -> String {
+    format!("{TASK_STARTED}{id}; its result will be posted to this thread when it finishes.")
+}
+
 async fn enqueue_task_agent(
     store: &SharedStore,
     user: &str,
     thread_id: &str,
+    call_id: &str,
     args: &serde_json::Value,
     max_queued: u32,
     time_zone: Option<&str>,
@@ -429,7 +442,7 @@ async fn enqueue_task_agent(
         Err(refused) => return refused,
     };
     let task = TaskAgent {
-        id: uuid::Uuid::new_v4().to_string(),
+        id: task_id_for(call_id),
         owner: user.to_owned(),
         parent_thread_id: thread_id.to_owned(),
         instructions: instructions.to_owned(),
@@ -454,10 +467,7 @@ async fn enqueue_task_agent(
         },
         Ok(true) => ToolOutcome {
             ok: true,
-            text: format!(
-                "{TASK_STARTED}{}; its result will be posted to this thread when it finishes.",
-                task.id
-            ),
+            text: task_started(&task.id),
             error_kind: String::new(),
             truncated: false,
             external: false,
@@ -619,7 +629,7 @@ mod tests {
                 "member \"priority\"",
             ),
         ] {
-            let out = enqueue_task_agent(&store, "alice", "t1", &args, 5, None).await;
+            let out = enqueue_task_agent(&store, "alice", "t1", "call_1", &args, 5, None).await;
             assert!(!out.ok, "{args}");
             assert_eq!(out.error_kind, "INVALID_ARGUMENTS");
             assert!(out.text.contains(says), "{}: {}", args, out.text);
@@ -638,6 +648,7 @@ mod tests {
             &store,
             "alice",
             "t1",
+            "call_2",
             &json!({"instructions": "read the inbox", "goal": "a digest"}),
             5,
             None,
