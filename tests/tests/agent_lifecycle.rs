@@ -1564,6 +1564,38 @@ async fn cancel(app: &TestApp, run_id: &str) -> steward_tests::UserAgent {
     alice
 }
 
+/// Runs `prompt` on alice's `thread_id` to completion and returns the tool results its last
+/// model request carried: the thread's transcript as the model sees it.
+async fn tool_results_the_next_run_sends(
+    app: &TestApp,
+    model: &FakeOpenAi,
+    thread_id: &str,
+    prompt: &str,
+) -> Vec<String> {
+    let next = run_on(
+        app.agent_addr,
+        pb::RunInput {
+            thread_id: thread_id.to_owned(),
+            ..input(prompt)
+        },
+    )
+    .await;
+    assert_eq!(
+        next.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        next.error
+    );
+    let (_, sent) = model.requests().pop().unwrap();
+    sent["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["content"].as_str().map(str::to_owned))
+        .collect()
+}
+
 /// Everything a streaming run sends until its stream ends.
 async fn rest_of(mut stream: tonic::Streaming<pb::RunStreamResponse>) -> Vec<pb::RunEvent> {
     let mut all = Vec::new();
@@ -1683,28 +1715,7 @@ async fn a_cancel_during_a_read_ends_the_run_at_once_and_answers_the_read_as_cut
         actions[0]
     );
     // The thread's next run sends the transcript as it was closed.
-    let next = run_on(
-        app.agent_addr,
-        pb::RunInput {
-            thread_id: first.thread_id.clone(),
-            ..input("never mind")
-        },
-    )
-    .await;
-    assert_eq!(
-        next.status,
-        pb::RunState::Completed as i32,
-        "{}",
-        next.error
-    );
-    let (_, sent) = model.requests().pop().unwrap();
-    let told: Vec<&str> = sent["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|m| m["role"] == "tool")
-        .filter_map(|m| m["content"].as_str())
-        .collect();
+    let told = tool_results_the_next_run_sends(&app, &model, &first.thread_id, "never mind").await;
     assert_eq!(told.len(), 1, "{told:?}");
     assert!(
         told[0].contains("the run was cancelled while this call ran"),
@@ -1864,28 +1875,8 @@ async fn b5_a_task_agent_call_whose_result_was_lost_is_answered_from_the_task_qu
         .await
         .unwrap()
         .get(0);
-    let next = run_on(
-        app.agent_addr,
-        pb::RunInput {
-            thread_id: first.thread_id.clone(),
-            ..input("anything yet?")
-        },
-    )
-    .await;
-    assert_eq!(
-        next.status,
-        pb::RunState::Completed as i32,
-        "{}",
-        next.error
-    );
-    let (_, sent) = model.requests().pop().unwrap();
-    let told: Vec<&str> = sent["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|m| m["role"] == "tool")
-        .filter_map(|m| m["content"].as_str())
-        .collect();
+    let told =
+        tool_results_the_next_run_sends(&app, &model, &first.thread_id, "anything yet?").await;
     assert_eq!(told.len(), 1, "{told:?}");
     assert!(
         told[0].contains(&format!("Started task agent {task_id};")),
