@@ -31,21 +31,14 @@ impl RunService {
         let this = self.clone();
         let (owner, approval_id) = (owner.to_owned(), approval_id.to_owned());
         let args_sha256 = args_sha256.map(str::to_owned);
-        let decided = tokio::spawn(tracing::Instrument::in_current_span(async move {
-            this.decide_here(&owner, &approval_id, approve, args_sha256.as_deref())
-                .await
-        }));
-        match decided.await {
-            Ok(decision) => decision,
-            // Nothing aborts the task: it ended with the runtime (the service is stopping) or
-            // panicked, and the panic goes on here as if it had happened in this call.
-            Err(e) => match e.try_into_panic() {
-                Ok(panic) => std::panic::resume_unwind(panic),
-                Err(_) => Err(ApiError::Unavailable(
-                    "agent-svc is shutting down; decide again".into(),
-                )),
+        super::in_own_task(
+            async move {
+                this.decide_here(&owner, &approval_id, approve, args_sha256.as_deref())
+                    .await
             },
-        }
+            "agent-svc is shutting down; decide again",
+        )
+        .await
     }
 
     async fn decide_here(

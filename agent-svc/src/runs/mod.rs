@@ -469,21 +469,14 @@ impl RunService {
         // must not leave a committed run that nothing runs.
         let this = self.clone();
         // In the caller's span: the run's trace starts at the caller's RPC (O-2).
-        let admitted = tokio::spawn(tracing::Instrument::in_current_span(async move {
-            this.admit(admission, queued, input, models, archive_first)
-                .await
-        }));
-        match admitted.await {
-            Ok(started) => started,
-            // Nothing aborts the task: it ended with the runtime (the service is stopping) or
-            // panicked, and the panic goes on here as if it had happened in this call.
-            Err(e) => match e.try_into_panic() {
-                Ok(panic) => std::panic::resume_unwind(panic),
-                Err(_) => Err(ApiError::Unavailable(
-                    "agent-svc is shutting down; retry the run".into(),
-                )),
+        in_own_task(
+            async move {
+                this.admit(admission, queued, input, models, archive_first)
+                    .await
             },
-        }
+            "agent-svc is shutting down; retry the run",
+        )
+        .await
     }
 
     /// Admits a run and, once admitted, starts its segment.
@@ -1883,6 +1876,23 @@ impl Drop for WatchSlot {
                 open.remove(&self.owner);
             }
         }
+    }
+}
+
+/// Runs `work` as a task of its own, in the caller's span, so a caller that goes away (a reset
+/// stream, a deadline) cannot drop it half done. Nothing aborts the task: if it did not finish,
+/// it ended with the runtime (the service is stopping: `shutting_down` is the answer) or
+/// panicked, and the panic goes on here as if it had happened in this call.
+async fn in_own_task<T: Send + 'static>(
+    work: impl Future<Output = Result<T, ApiError>> + Send + 'static,
+    shutting_down: &str,
+) -> Result<T, ApiError> {
+    match tokio::spawn(tracing::Instrument::in_current_span(work)).await {
+        Ok(done) => done,
+        Err(e) => match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            Err(_) => Err(ApiError::Unavailable(shutting_down.into())),
+        },
     }
 }
 
