@@ -43,6 +43,15 @@ pub const COMMON_SERVICES: [&str; 3] = [
     "grpc.reflection.v1alpha.ServerReflection",
 ];
 
+/// The token of an `authorization` value in the Bearer scheme, whose name is
+/// case-insensitive (RFC 7235): `bearer` is as good as `Bearer`. None for any other scheme.
+pub fn bearer_token(authorization: &str) -> Option<&str> {
+    let (scheme, token) = authorization.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_start())
+}
+
 /// Health and reflection (v1 and v1alpha, since grpcurl 1.8 speaks v1alpha) for the Steward
 /// contracts and the health protocol, so grpcurl works with no proto files at hand. Only
 /// `service_name` and the common services are advertised: the descriptor set holds both

@@ -157,13 +157,7 @@ fn bearer(metadata: &MetadataMap) -> Result<&str, ApiError> {
     metadata
         .get("authorization")
         .and_then(|v| v.to_str().ok())
-        // The scheme is case-insensitive (RFC 7235): `bearer` is as good as `Bearer`.
-        .and_then(|v| {
-            let (scheme, token) = v.split_once(' ')?;
-            scheme
-                .eq_ignore_ascii_case("bearer")
-                .then(|| token.trim_start())
-        })
+        .and_then(svc_kit::grpc::bearer_token)
         .ok_or_else(|| {
             ApiError::Unauthenticated("missing `authorization: Bearer <JWT>` metadata".into())
         })

@@ -22,13 +22,7 @@ pub fn authenticate_headers(
         let presented = metadata
             .get("authorization")
             .and_then(|v| v.to_str().ok())
-            // The scheme is case-insensitive (RFC 7235), as agent-svc reads it.
-            .and_then(|v| {
-                let (scheme, token) = v.split_once(' ')?;
-                scheme
-                    .eq_ignore_ascii_case("bearer")
-                    .then(|| token.trim_start())
-            })
+            .and_then(svc_kit::grpc::bearer_token)
             .ok_or(ApiError::Unauthenticated(
                 "missing `authorization: Bearer <service token>` metadata",
             ))?;
