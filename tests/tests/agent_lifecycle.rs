@@ -1207,8 +1207,12 @@ async fn a_budget_spent_before_an_approval_pause_ends_the_continuation_quoting_t
     );
 }
 
+/// O-1, E-12: a run still going when its replica's drain ends is ended there, as interrupted,
+/// in the commit that hands its thread back: a follower on another replica sees the end at
+/// once and in words that say what happened (not, a monitor sweep later, "stopped
+/// responding"), and the thread takes the next run.
 #[tokio::test]
-async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_monitor() {
+async fn a_replica_shutting_down_ends_its_unfinished_run_as_interrupted_and_frees_its_thread() {
     let (mut app, _model, _gmail) = gmail_world(
         vec![
             Answer::Slow(Box::new(Answer::text("too late")), Duration::from_secs(30)),
@@ -1218,8 +1222,6 @@ async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_mo
             // A lease that would keep the run's thread for a minute if it were not released.
             ("RUN_LEASE", "60s"),
             ("SHUTDOWN_DRAIN_TIMEOUT", "1s"),
-            ("HEALTH_MONITOR_INTERVAL", "100ms"),
-            ("RUN_GRACE_PERIOD", "0s"),
         ],
     )
     .await;
@@ -1227,8 +1229,8 @@ async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_mo
     let (_stream, first) = start_streaming(&app, "take your time").await;
     let stopping = std::time::Instant::now();
     app.stop_service(app.agent_addr).await.unwrap();
-    let seen: Vec<pb::RunEvent> = agent_as(second, "alice")
-        .await
+    let mut alice = agent_as(second, "alice").await;
+    let seen: Vec<pb::RunEvent> = alice
         .watch_run(pb::WatchRunRequest {
             run_id: first.run_id.clone(),
             after_seq: first.seq,
@@ -1241,14 +1243,35 @@ async fn a_replica_shutting_down_hands_its_unfinished_run_to_another_replicas_mo
         .await;
     match &seen.last().unwrap().kind {
         Some(pb::run_event::Kind::Error(e)) => {
-            assert!(e.message.contains("stopped responding"), "{}", e.message)
+            assert_eq!(e.kind, pb::FailureKind::Interrupted as i32);
+            assert!(
+                e.message.contains("the service running it was restarted"),
+                "{}",
+                e.message
+            );
         }
-        other => panic!("not ended by the monitor: {other:?}"),
+        other => panic!("not ended as interrupted: {other:?}"),
     }
     assert!(
         stopping.elapsed() < Duration::from_secs(30),
-        "released, not left to lapse: {:?}",
+        "ended and released, not left to lapse: {:?}",
         stopping.elapsed()
+    );
+    let run = alice
+        .get_run(pb::GetRunRequest {
+            run_id: first.run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert_eq!(
+        (run.state, run.failure_kind),
+        (
+            pb::RunState::Failed as i32,
+            pb::FailureKind::Interrupted as i32
+        )
     );
     let mut next = input("hello?");
     next.thread_id = first.thread_id;

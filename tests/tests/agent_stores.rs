@@ -11,7 +11,7 @@ use agent_svc::store::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Decided, Ending,
     Lease, LockOutcome, MessageKind, MessageSource, ModelCallUsage, ModelUsage, NewMessage,
     Occurrence, Run, RunCommit, RunPatch, RunState, RunUsage, Schedule, ScheduleKind,
-    ScheduleOutcome, Settle, StoreError, TaskAgent, TaskSettle, ThreadCursor, TurnJson,
+    ScheduleOutcome, Settle, StoreError, Tally, TaskAgent, TaskSettle, ThreadCursor, TurnJson,
     UsageSummary, action_id, memory::MemoryStore, postgres::PgStore,
 };
 use steward_tests::TestDb;
@@ -1242,6 +1242,7 @@ fn queued_task(id: &str, owner: &str, thread: &str) -> TaskAgent {
         result: None,
         created_at: SystemTime::now(),
         settled_attempt: 0,
+        restarts: 0,
         // Kept as given: the task's runs read it.
         time_zone: Some("Europe/Berlin".into()),
     }
@@ -1267,7 +1268,7 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
         error: None,
         retry_at: None,
         report: Some((MessageSource::Agent, "Task agent finished: ok")),
-        keep_attempt: false,
+        tally: Tally::Try,
         attempt: claimed.attempts,
     };
     // An attempt whose claim was taken over (here: a later attempt number) settles nothing.
@@ -1329,7 +1330,7 @@ async fn e12_a_takeover_that_settles_an_earlier_attempts_run_spends_no_try(b: Ba
         error: Some("unknown tool"),
         retry_at: Some(SystemTime::now()),
         report: None,
-        keep_attempt: false,
+        tally: Tally::Try,
         attempt: first.attempts,
     };
     assert!(s.settle_task_agent(&takeover, "w2", &failed).await.unwrap());
@@ -1361,7 +1362,7 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
         error: Some("thread busy"),
         retry_at: Some(SystemTime::now()),
         report: None,
-        keep_attempt: true,
+        tally: Tally::NotAnAttempt,
         attempt: first.attempts,
     };
     assert!(s.settle_task_agent(&first, "w1", &not_yet).await.unwrap());
@@ -1392,7 +1393,7 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
     // An attempt that ran and failed is settled: its run is accounted for.
     let retry = TaskSettle {
         error: Some("HTTP 503"),
-        keep_attempt: false,
+        tally: Tally::Try,
         attempt: second.attempts,
         ..not_yet
     };
@@ -1483,6 +1484,66 @@ async fn b5_a_task_handed_back_on_its_last_attempt_is_taken_up_not_failed(b: Bac
         "the same last attempt, so its run is followed rather than a third started"
     );
     assert!(posted_on(s, "t1").await.is_empty(), "no failure posted");
+}
+
+/// B-5, E-12: an attempt whose run a restart of its service stopped is settled — the next
+/// attempt starts a run of its own — but is no try: a task meets every rolling deploy without
+/// using up its retries, and its last try is still taken over when its worker dies.
+async fn b5_a_restart_settles_an_attempt_without_spending_a_try(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "x").await.unwrap();
+    assert!(
+        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5)
+            .await
+            .unwrap()
+    );
+    let hold = Duration::from_secs(60);
+    let restarted = |attempt| TaskSettle {
+        state: "queued",
+        result: None,
+        error: Some("the service was restarted"),
+        retry_at: Some(SystemTime::now()),
+        report: None,
+        tally: Tally::Restart,
+        attempt,
+    };
+    for n in 1..=3 {
+        let claimed = s.claim_task_agent("w", hold, 2).await.unwrap().unwrap();
+        assert_eq!(
+            (claimed.attempts, claimed.settled_attempt, claimed.restarts),
+            (n, n - 1, n - 1),
+            "attempt {n}: a new number each time (so a run of its own), no try spent"
+        );
+        assert!(
+            s.settle_task_agent(&claimed, "w", &restarted(n))
+                .await
+                .unwrap()
+        );
+    }
+    // Four attempts, three of them restarts: this is the first try, then the second.
+    let first_try = s
+        .claim_task_agent("w1", Duration::ZERO, 2)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((first_try.attempts, first_try.restarts), (4, 3));
+    let last_try = s
+        .claim_task_agent("w2", Duration::ZERO, 2)
+        .await
+        .unwrap()
+        .expect("its worker died on the first try: the second is still due");
+    assert_eq!(last_try.attempts, 5);
+    assert!(
+        s.claim_task_agent("w3", hold, 2).await.unwrap().is_none(),
+        "a claim that lapsed on the last try is not taken again"
+    );
+    assert_eq!(
+        s.fail_lapsed_task_agents(2, "it kept stopping")
+            .await
+            .unwrap(),
+        1,
+        "two tries lapsed, whatever the restarts before them"
+    );
 }
 
 /// A stopping worker hands back the occurrences its holders (`worker/claim`) hold, and only
@@ -2341,6 +2402,7 @@ both_backends!(
     an_admission_reads_the_owners_newest_session_summaries,
     the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once,
     task_claims_are_kept_handed_back_or_ended_by_their_rules,
+    b5_a_restart_settles_an_attempt_without_spending_a_try,
     b5_a_task_handed_back_on_its_last_attempt_is_taken_up_not_failed,
     e12_a_takeover_that_settles_an_earlier_attempts_run_spends_no_try,
     a_stopping_workers_occurrences_are_handed_back,

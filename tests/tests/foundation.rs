@@ -395,7 +395,7 @@ async fn a_migration_waiting_for_a_lock_gives_way_to_the_replicas_statements() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(applied, 22);
+    assert_eq!(applied, 23);
 }
 
 /// Each shipped migration's checksum as refinery records it. A database that applied a
@@ -427,6 +427,7 @@ const MIGRATION_CHECKSUMS: &[(&str, &[&str])] = &[
             "15488915999327955532", // V20
             "12731774979488163909", // V21
             "14619383028808738936", // V22
+            "14650989266149762680", // V23
         ],
     ),
     (

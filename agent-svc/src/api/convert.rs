@@ -513,6 +513,7 @@ pub fn failure_kind(k: Option<&str>) -> pb::FailureKind {
         Some("cancelled") => pb::FailureKind::Cancelled,
         Some("timed_out") => pb::FailureKind::TimedOut,
         Some("gateway_unavailable") => pb::FailureKind::GatewayUnavailable,
+        Some("interrupted") => pb::FailureKind::Interrupted,
         Some(_) => pb::FailureKind::Internal,
         None => pb::FailureKind::Unspecified,
     }

@@ -4,7 +4,7 @@
 use super::*;
 use crate::{
     executor::CallRecord,
-    store::{LockOutcome, RunUsage},
+    store::{LockOutcome, RunUsage, Tally},
 };
 
 /// How much of a session's transcript its summary model reads: the opening (who, what was
@@ -498,7 +498,7 @@ impl RunService {
             error: outcome.error.as_deref(),
             retry_at: outcome.retry_at,
             report: outcome.report.as_ref().map(|(s, text)| (*s, text.as_str())),
-            keep_attempt: outcome.keep_attempt,
+            tally: outcome.tally,
         };
         match self.store.settle_task_agent(&task, worker, &how).await {
             Ok(true) => {}
@@ -663,19 +663,20 @@ struct TaskOutcome {
     error: Option<String>,
     retry_at: Option<SystemTime>,
     report: Option<(MessageSource, String)>,
-    keep_attempt: bool,
+    tally: Tally,
 }
 
-/// Completed and reported; not yet, and taken up again without counting; failed, and retried on
-/// the E-12 schedule or reported as failed for good. A cancelled run (CancelRun) is final.
+/// Completed and reported; not yet, and taken up again without counting; stopped by a restart,
+/// and taken up again at once without counting a try; failed, and retried on the E-12 schedule
+/// or reported as failed for good. A cancelled run (CancelRun) is final.
 fn task_outcome(task: &TaskAgent, judged: u32, attempt: TaskAttempt) -> TaskOutcome {
-    let again = |error: String, at: Duration, keep_attempt| TaskOutcome {
+    let again = |error: String, at: Duration, tally| TaskOutcome {
         state: "queued",
         result: None,
         error: Some(error),
         retry_at: Some(SystemTime::now() + at),
         report: None,
-        keep_attempt,
+        tally,
     };
     let (error, cancelled) = match attempt {
         TaskAttempt::Ended(r) if r.status == pb::RunState::Completed as i32 => {
@@ -688,20 +689,32 @@ fn task_outcome(task: &TaskAgent, judged: u32, attempt: TaskAttempt) -> TaskOutc
                 result: Some(r.summary),
                 error: None,
                 retry_at: None,
-                keep_attempt: false,
+                tally: Tally::Try,
             };
         }
         TaskAttempt::NotYet(why) => {
             tracing::warn!(task = %task.id, attempt = task.attempts, %why, "task agent attempt taken up again later");
-            return again(why, TASK_NOT_YET, true);
+            return again(why, TASK_NOT_YET, Tally::NotAnAttempt);
+        }
+        // Bounded, so a task whose runs somehow always meet a restart still ends: past the
+        // bound a restart is a try like any other stop ("restarted" is retried as network
+        // trouble is).
+        TaskAttempt::Ended(r)
+            if r.failure_kind == pb::FailureKind::Interrupted as i32
+                && task.restarts < MAX_TASK_RESTARTS =>
+        {
+            tracing::warn!(task = %task.id, attempt = task.attempts, "task agent's run was stopped by a restart; taken up again now, no try counted");
+            return again(r.error, Duration::ZERO, Tally::Restart);
         }
         TaskAttempt::Ended(r) => (r.error, r.status == pb::RunState::Cancelled as i32),
         TaskAttempt::Failed(error) => (error, false),
     };
-    match retry_backoff(&error, judged).filter(|_| !cancelled) {
+    // Tries, not attempts: the restarts settled before this attempt do not count.
+    let tries = judged.saturating_sub(task.restarts);
+    match retry_backoff(&error, tries).filter(|_| !cancelled) {
         Some(backoff) => {
             tracing::warn!(task = %task.id, attempt = task.attempts, %error, "task agent failed; retrying later");
-            again(error, backoff, false)
+            again(error, backoff, Tally::Try)
         }
         None => TaskOutcome {
             state: "failed",
@@ -712,7 +725,7 @@ fn task_outcome(task: &TaskAgent, judged: u32, attempt: TaskAttempt) -> TaskOutc
             result: None,
             error: Some(error),
             retry_at: None,
-            keep_attempt: false,
+            tally: Tally::Try,
         },
     }
 }
@@ -738,9 +751,14 @@ const TASK_NOT_YET: Duration = Duration::from_secs(30);
 /// keeps them from it (a store error that is not passing, say) counts against its tries.
 const TASK_NOT_YET_PATIENCE: Duration = Duration::from_secs(6 * 3600);
 
-/// The most attempts a task gets; a claim that lapses on the last one (its worker went away
-/// every time) fails the task. As many as the most retries E-12 allows any error.
+/// The most tries a task gets (attempts a restart of their service stopped are not tries); a
+/// claim that lapses on the last one (its worker went away every time) fails the task. As many
+/// as the most retries E-12 allows any error.
 const MAX_TASK_ATTEMPTS: u32 = 5;
+
+/// The most of a task's attempts that a restart may stop without counting as tries: enough for
+/// any run of rolling deploys, few enough that a task cannot be taken up forever.
+const MAX_TASK_RESTARTS: u32 = 20;
 
 /// Why such a task failed, as its parent thread is told.
 const TASK_KEPT_STOPPING: &str =
@@ -764,6 +782,7 @@ pub(super) fn retry_backoff(error: &str, attempts: u32) -> Option<Duration> {
     } else if [
         "timed out",
         "stopped responding",
+        "restarted",
         "connection",
         "cut off",
         "unreachable",
@@ -800,5 +819,57 @@ mod tests {
         assert!(part.ends_with("the venue is still open"));
         assert!(part.contains("[... the middle of the session is left out ...]"));
         assert!(part.chars().count() < SUMMARY_HEAD_CHARS + SUMMARY_TAIL_CHARS + 100);
+    }
+
+    fn task(attempts: u32, restarts: u32) -> TaskAgent {
+        TaskAgent {
+            id: "t-1".into(),
+            owner: "alice".into(),
+            parent_thread_id: "th".into(),
+            instructions: "do".into(),
+            goal: "done".into(),
+            state: "running".into(),
+            attempts,
+            last_error: None,
+            result: None,
+            created_at: SystemTime::now(),
+            settled_attempt: attempts - 1,
+            restarts,
+            time_zone: None,
+        }
+    }
+
+    fn ended(kind: pb::FailureKind, error: &str) -> TaskAttempt {
+        TaskAttempt::Ended(Box::new(pb::RunResult {
+            status: pb::RunState::Failed as i32,
+            error: error.into(),
+            failure_kind: kind as i32,
+            ..Default::default()
+        }))
+    }
+
+    #[test]
+    fn e12_a_task_run_stopped_by_a_restart_is_taken_up_again_at_once_without_a_try() {
+        let restarted = || ended(pb::FailureKind::Interrupted, INTERRUPTED_MESSAGE);
+        let outcome = task_outcome(&task(3, 2), 3, restarted());
+        assert_eq!((outcome.state, outcome.tally), ("queued", Tally::Restart));
+        assert!(outcome.retry_at.unwrap() <= SystemTime::now(), "due now");
+        assert!(outcome.report.is_none(), "the parent is told nothing yet");
+
+        // Past the bound a restart is a try like any other stop, retried as network trouble.
+        let worn = task(MAX_TASK_RESTARTS + 1, MAX_TASK_RESTARTS);
+        let outcome = task_outcome(&worn, MAX_TASK_RESTARTS + 1, restarted());
+        assert_eq!((outcome.state, outcome.tally), ("queued", Tally::Try));
+        let last = task(MAX_TASK_RESTARTS + 3, MAX_TASK_RESTARTS);
+        let outcome = task_outcome(&last, MAX_TASK_RESTARTS + 3, restarted());
+        assert_eq!(outcome.state, "failed", "its third try was its last");
+    }
+
+    #[test]
+    fn e12_restarts_before_an_attempt_do_not_count_against_its_retries() {
+        // Anything else gets 2 tries: the fourth attempt after two restarts is the second try.
+        let failed = || ended(pb::FailureKind::Internal, "the model said no");
+        assert_eq!(task_outcome(&task(3, 2), 3, failed()).state, "queued");
+        assert_eq!(task_outcome(&task(4, 2), 4, failed()).state, "failed");
     }
 }

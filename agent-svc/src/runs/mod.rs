@@ -132,6 +132,10 @@ impl Default for FairUse {
 
 /// S1: the most recent 30 conversation entries go to the model.
 const PLANNING_CONVERSATION: usize = 30;
+/// How a run stopped by its service's shutdown ends (FAILED, INTERRUPTED): the caller is to
+/// try again, and unattended work takes it up again without counting a try.
+pub(crate) const INTERRUPTED_MESSAGE: &str =
+    "This run stopped: the service running it was restarted before it finished. Please try again.";
 /// The monitor's terminal event skips past what a dead writer may have shown live.
 const ABANDONED_SEQ_GAP: u64 = writer::MAX_VOLATILE_EVENTS as u64 + 1;
 
@@ -1287,7 +1291,22 @@ impl RunService {
             }
             Ok(Driven::Stopped(StopReason::Shutdown)) => {
                 writer.answer_stopped_calls("stopped by a restart of the service", "INTERRUPTED");
-                tracing::warn!(run_id = %seg.run_id, "shutting down: releasing the run's lease for another replica's monitor to end it");
+                let decision_untouched = writer
+                    .actions
+                    .values()
+                    .any(|a| a.state == ActionState::AwaitingConfirmation);
+                if decision_untouched {
+                    // A continuation stopped before it carried out its user's decision: left
+                    // live, so another replica's monitor carries it out (`take_up_decided`).
+                    tracing::warn!(run_id = %seg.run_id, "shutting down before a decided approval was carried out: the run is handed to another replica's monitor");
+                } else {
+                    // Ended here, in the commit that hands the thread back, rather than left
+                    // for another replica's monitor: its followers learn at once, in words that
+                    // say what happened, and a task agent sees a restart, not a failure. Should
+                    // this commit fail, the monitor ends the run when its lease lapses.
+                    tracing::warn!(run_id = %seg.run_id, "shutting down: the run ends interrupted and its thread is handed back");
+                    Self::fail_as(writer, INTERRUPTED_MESSAGE, pb::FailureKind::Interrupted);
+                }
             }
             Ok(Driven::Stopped(StopReason::LeaseLost)) => {
                 tracing::error!(run_id = %seg.run_id, "the run lost its lease; the health monitor will end it");
@@ -1458,6 +1477,7 @@ impl RunService {
     fn failed_ending(writer: &mut RunWriter, message: &str, kind: pb::FailureKind) {
         let key = match kind {
             pb::FailureKind::GatewayUnavailable => "gateway_unavailable",
+            pb::FailureKind::Interrupted => "interrupted",
             _ => "internal",
         };
         writer.pending().patch.merge(RunPatch {

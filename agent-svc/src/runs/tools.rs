@@ -453,6 +453,7 @@ async fn enqueue_task_agent(
         result: None,
         created_at: std::time::SystemTime::now(),
         settled_attempt: 0,
+        restarts: 0,
         time_zone: time_zone.map(str::to_owned),
     };
     match store.enqueue_task_agent(&task, max_queued).await {

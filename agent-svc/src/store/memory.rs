@@ -13,7 +13,7 @@ use serde_json::Value;
 use super::{
     Action, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive, Decided, Ending,
     Lease, LockOutcome, Message, MessageKind, MessageSource, ModelUsage, Occurrence, Run,
-    RunCommit, RunPatch, RunState, RunUsage, Schedule, ScheduleOutcome, Settle, StoreError,
+    RunCommit, RunPatch, RunState, RunUsage, Schedule, ScheduleOutcome, Settle, StoreError, Tally,
     TaskAgent, TaskSettle, Thread, ThreadCursor, TurnJson, UsageSummary, carries_external,
     transcript_text,
 };
@@ -997,7 +997,7 @@ impl AgentStore for MemoryStore {
             let (task, _, claimed) = s.tasks.iter_mut().find(|(t, next, claimed)| {
                 (t.state == "queued" && *next <= now)
                     || (t.state == "running"
-                        && t.attempts < max_attempts
+                        && t.attempts.saturating_sub(t.restarts) < max_attempts
                         && claimed.as_ref().is_some_and(|(c, _)| *c < now))
             })?;
             task.state = "running".into();
@@ -1017,7 +1017,7 @@ impl AgentStore for MemoryStore {
             let mut reports = Vec::new();
             for (task, _, claimed) in &mut s.tasks {
                 if task.state == "running"
-                    && task.attempts >= max_attempts
+                    && task.attempts.saturating_sub(task.restarts) >= max_attempts
                     && claimed.as_ref().is_some_and(|(c, _)| *c < now)
                 {
                     task.state = "failed".into();
@@ -1100,11 +1100,12 @@ impl AgentStore for MemoryStore {
                 return false;
             };
             held.state = settle.state.to_owned();
-            if settle.keep_attempt {
+            if settle.tally == Tally::NotAnAttempt {
                 held.attempts -= 1;
             } else {
                 held.attempts = settle.attempt;
                 held.settled_attempt = settle.attempt;
+                held.restarts += u32::from(settle.tally == Tally::Restart);
             }
             held.result = settle.result.map(str::to_owned).or(held.result.take());
             held.last_error = settle.error.map(str::to_owned).or(held.last_error.take());

@@ -770,16 +770,16 @@ pub trait AgentStore: Send + Sync + 'static {
         task: &TaskAgent,
         max_queued: u32,
     ) -> Result<bool, StoreError>;
-    /// Takes the next ready task (queued and due, or running with an expired claim on an
-    /// attempt before `max_attempts`) for `worker`, exclusively across replicas, counting the
-    /// attempt.
+    /// Takes the next ready task (queued and due, or running with an expired claim on a try
+    /// before `max_attempts` — restarts are not tries) for `worker`, exclusively across
+    /// replicas, counting the attempt.
     async fn claim_task_agent(
         &self,
         worker: &str,
         lease: Duration,
         max_attempts: u32,
     ) -> Result<Option<TaskAgent>, StoreError>;
-    /// Fails every task whose claim lapsed on attempt `max_attempts` or later — its last
+    /// Fails every task whose claim lapsed on try `max_attempts` or later — its last
     /// attempt's worker went away mid-attempt with no tries left, so a task that brings its
     /// process down is not taken again forever — and posts "Task agent could not finish (goal):
     /// `reason`" to its parent thread in the same statement. Returns how many.
@@ -792,8 +792,8 @@ pub trait AgentStore: Send + Sync + 'static {
     /// so another worker takes the task over at once rather than when the claim would have
     /// lapsed. The attempt does not count: a stop is not the task's failure, so a task handed
     /// back on its last attempt is taken up again, not failed as lapsed; the worker that takes
-    /// it up makes the same attempt and follows the run it started, if any (a run the monitor
-    /// ended for the stop is judged as that attempt's). A settle of the attempt that landed
+    /// it up makes the same attempt and follows the run it started, if any (that run ended
+    /// interrupted by the stop, which settles as a [`Tally::Restart`]). A settle of the attempt that landed
     /// before the hand-back counts; one after it is fenced out. Returns how many.
     async fn release_task_claims(&self, worker: &str) -> Result<usize, StoreError>;
     /// Extends the claim of the attempt `task` is (fenced as `settle_task_agent` is) to `hold`
@@ -1058,6 +1058,9 @@ pub struct TaskAgent {
     /// The last attempt whose outcome was recorded: a run of a later attempt on the task's
     /// thread was never accounted for.
     pub settled_attempt: u32,
+    /// How many settled attempts were stopped by a restart of the service running their run:
+    /// attempts, but not tries (E-12 counts `attempts - restarts`).
+    pub restarts: u32,
     /// The IANA time zone of the run that started it (its runs' current time is in it).
     pub time_zone: Option<String>,
 }
@@ -1072,14 +1075,26 @@ pub struct TaskSettle<'a> {
     pub retry_at: Option<SystemTime>,
     /// (source, text) posted to the parent thread with the settle.
     pub report: Option<(MessageSource, &'a str)>,
-    /// The attempt did not count (its run could not start for now, or could not be followed):
-    /// the next claim takes the same attempt number, and its outcome is not recorded as
-    /// settled, so the run this one may have started is followed rather than a second started.
-    pub keep_attempt: bool,
+    /// Whether the attempt counts, as a try or at all.
+    pub tally: Tally,
     /// The attempt whose run this settle judged, when it counts: the claimed one, or an earlier
     /// one whose run this attempt took over from a worker that went away. The task's count
     /// goes back to it, so a takeover spends no try of E-12's.
     pub attempt: u32,
+}
+
+/// How a settled attempt counts against a task's tries (E-12).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tally {
+    /// A try: its run ended (or could not start) for a reason of its own.
+    Try,
+    /// Not an attempt (its run could not start for now, or could not be followed): the next
+    /// claim takes the same attempt number, and its outcome is not recorded as settled, so the
+    /// run this one may have started is followed rather than a second started.
+    NotAnAttempt,
+    /// An attempt but not a try: its run was stopped by a restart of the service running it.
+    /// Settled, so the next attempt starts a run of its own, and counted in `restarts`.
+    Restart,
 }
 
 /// An archived session (B-4).

@@ -11,8 +11,8 @@ use super::{
     Action, ActionState, Admission, Admitted, AgentStore, Approval, ApprovalState, Archive,
     Decided, Ending, Lease, LockOutcome, Message, MessageKind, MessageSource, ModelUsage,
     Occurrence, Run, RunCommit, RunNotice, RunState, RunUsage, Schedule, ScheduleKind,
-    ScheduleOutcome, Settle, StoreError, TaskAgent, TaskSettle, Thread, ThreadCursor, TurnJson,
-    UsageSummary, carries_external, transcript_text,
+    ScheduleOutcome, Settle, StoreError, Tally, TaskAgent, TaskSettle, Thread, ThreadCursor,
+    TurnJson, UsageSummary, carries_external, transcript_text,
 };
 
 mod embedded {
@@ -868,7 +868,7 @@ impl AgentStore for PgStore {
                        updated_at = now() \
                      WHERE id = (SELECT id FROM agent.task_agents \
                                  WHERE (state = 'queued' AND next_attempt_at <= now()) \
-                                    OR (state = 'running' AND claimed_until < now() AND attempts < $3) \
+                                    OR (state = 'running' AND claimed_until < now() AND attempts - restarts < $3) \
                                  ORDER BY next_attempt_at LIMIT 1 FOR UPDATE SKIP LOCKED) \
                      RETURNING {TASK_COLUMNS}"
                 ),
@@ -890,7 +890,7 @@ impl AgentStore for PgStore {
             .query_one(
                 "WITH failed AS (UPDATE agent.task_agents SET state = 'failed', last_error = $2, \
                    claimed_by = NULL, claimed_until = NULL, updated_at = now() \
-                   WHERE state = 'running' AND claimed_until < now() AND attempts >= $1 \
+                   WHERE state = 'running' AND claimed_until < now() AND attempts - restarts >= $1 \
                    RETURNING id, parent_thread_id, goal), \
                  posted AS (INSERT INTO agent.messages (thread_id, source, kind, content, metadata) \
                    SELECT parent_thread_id, 'error', 'text', 'Task agent could not finish (' || goal || '): ' || $2, \
@@ -1266,8 +1266,9 @@ impl AgentStore for PgStore {
                 "WITH settled AS (UPDATE agent.task_agents SET state = $2, result = COALESCE($3::text, result), \
                    last_error = COALESCE($4::text, last_error), \
                    next_attempt_at = COALESCE($5::timestamptz, next_attempt_at), claimed_by = NULL, claimed_until = NULL, \
-                   attempts = CASE WHEN $10 THEN attempts - 1 ELSE $11 END, \
-                   settled_attempt = CASE WHEN $10 THEN settled_attempt ELSE $11 END, updated_at = now() \
+                   attempts = CASE WHEN $10 = 'not_an_attempt' THEN attempts - 1 ELSE $11 END, \
+                   settled_attempt = CASE WHEN $10 = 'not_an_attempt' THEN settled_attempt ELSE $11 END, \
+                   restarts = restarts + CASE WHEN $10 = 'restart' THEN 1 ELSE 0 END, updated_at = now() \
                    WHERE id = $1 AND state = 'running' AND claimed_by = $6 AND attempts = $7 \
                    RETURNING parent_thread_id), \
                  posted AS (INSERT INTO agent.messages (thread_id, source, kind, content, metadata) \
@@ -1285,7 +1286,11 @@ impl AgentStore for PgStore {
                     &(task.attempts as i32),
                     &source,
                     &report,
-                    &settle.keep_attempt,
+                    &match settle.tally {
+                        Tally::Try => "try",
+                        Tally::NotAnAttempt => "not_an_attempt",
+                        Tally::Restart => "restart",
+                    },
                     &(settle.attempt as i32),
                 ],
             )
@@ -1633,7 +1638,7 @@ fn archive(r: &Row) -> Archive {
 }
 
 const TASK_COLUMNS: &str = "id, owner, parent_thread_id, instructions, goal, state, attempts, last_error, result, \
-    created_at, settled_attempt, time_zone";
+    created_at, settled_attempt, time_zone, restarts";
 
 const SCHEDULE_COLUMNS: &str = "id, owner, kind, prompt, cron, every_secs, time_zone, enabled, thread_id, \
     next_due_at, last_outcome, last_run_id, last_error, last_fired_at, occurrence_at, attempts, created_at, updated_at";
@@ -1705,6 +1710,7 @@ fn task_agent(r: &Row) -> TaskAgent {
         created_at: r.get(9),
         settled_attempt: r.get::<_, i32>(10) as u32,
         time_zone: r.get(11),
+        restarts: r.get::<_, i32>(12) as u32,
     }
 }
 
