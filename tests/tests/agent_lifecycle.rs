@@ -1861,6 +1861,81 @@ async fn a_shutdown_during_a_send_records_what_it_came_to_before_the_run_is_hand
     assert_eq!(outcome["ok"], true, "{outcome}");
 }
 
+/// A shutdown while an approved send is at Gmail gives the send the stop's grace (3 s), not
+/// the call's whole deadline: the replica ends the run INTERRUPTED and hands its thread back
+/// inside its 5 s, and the send, which left with no word of what it came to, stays `executing`
+/// with its intent recorded — for the thread's next run to look up, never "not executed".
+#[tokio::test]
+async fn a_shutdown_during_an_approved_send_that_does_not_answer_still_hands_the_run_back() {
+    let (mut app, model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::text("Sent it."),
+        ],
+        &[("SHUTDOWN_DRAIN_TIMEOUT", "0s")],
+    )
+    .await;
+    let (paused, approval) = paused_send(&app).await;
+    let gate = gmail.hold_sends();
+    let agent = app.agent_addr;
+    let deciding = tokio::spawn(async move {
+        let _ = agent_as(agent, "alice")
+            .await
+            .decide_approval(approve(&approval.id))
+            .await;
+    });
+    gate.arrived().await;
+    let stopping = std::time::Instant::now();
+    app.stop_service(agent)
+        .await
+        .expect("agent-svc stops cleanly");
+    assert!(
+        stopping.elapsed() < Duration::from_secs(8),
+        "the send was given its grace, not its deadline: {:?}",
+        stopping.elapsed()
+    );
+    let sql = app.sql().await;
+    let (state, kind): (String, Option<String>) = sql
+        .query_one(
+            "SELECT state, failure_kind FROM agent.runs WHERE id = $1",
+            &[&paused.run_id],
+        )
+        .await
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(
+        (state.as_str(), kind.as_deref()),
+        ("failed", Some("interrupted")),
+        "ended as the replica stopped, not left for a monitor"
+    );
+    let action: String = sql
+        .query_one(
+            "SELECT state FROM agent.actions WHERE run_id = $1",
+            &[&paused.run_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        action, "executing",
+        "sent, outcome unknown: left to look up"
+    );
+    let records: Vec<String> = sql
+        .query(
+            "SELECT kind FROM agent.audit WHERE run_id = $1 AND kind LIKE 'side_effect%' ORDER BY kind",
+            &[&paused.run_id],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(records, ["side_effect"], "its intent, and no result");
+    assert_eq!(model.requests().len(), 1, "the model was not asked again");
+    gate.release();
+    deciding.abort();
+}
+
 /// B-5: a `create_task_agent` call whose result never reached the thread's history (its run
 /// was stopped past the shutdown's grace, or a failed write dropped it) is closed by the next
 /// run with what the task queue holds: the task was started, so the model is told so and does

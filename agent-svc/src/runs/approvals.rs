@@ -428,19 +428,32 @@ impl RunService {
             let outcome = match (&self.gateway, &stopped) {
                 (_, Some(reason)) => tools::not_run_for(reason),
                 (Some(g), None) => {
-                    g.execute_once(crate::gateway_client::OnceCall {
+                    let idempotency_key = action_id(&seg.run_id, &call_id);
+                    let call = g.execute_once(crate::gateway_client::OnceCall {
                         user: &seg.owner,
                         run_id: &seg.run_id,
                         channel: gateway_channel(seg.channel),
                         call_id: &call_id,
                         tool: &approval.tool,
                         args: &approval.arguments,
-                        idempotency_key: &action_id(&seg.run_id, &call_id),
+                        idempotency_key: &idempotency_key,
                         read_external_from: &approval.tainted_by,
                         // What the user saw must still be what happens (issue 14).
                         expected_binding: &approval.binding,
-                    })
-                    .await
+                    });
+                    // A stop mid-send gives the send the same grace as one of the loop's.
+                    match super::writer::unless_stopped(call, stopper, self.cancel_grace()).await {
+                        Some(outcome) => outcome,
+                        None => {
+                            // Sent, and no word of what it came to: left `executing` (its
+                            // `side_effect` record is durable) for the thread's next run to
+                            // look up, never answered "not executed".
+                            writer.in_flight.sent(vec![call_id.clone()]);
+                            return Ok(Driven::Stopped(
+                                stopper.reason().unwrap_or(StopReason::Shutdown),
+                            ));
+                        }
+                    }
                 }
                 (None, None) => unavailable("Tools are unavailable right now."),
             };

@@ -1213,11 +1213,7 @@ impl RunService {
         };
         let (tx, rx) = mpsc::unbounded_channel::<WriterMsg>();
         let in_flight = writer.in_flight.clone();
-        // A cancel waits for a side effect already sent as long as the call itself may take.
-        let cancel_grace = self
-            .gateway
-            .as_ref()
-            .map_or(Duration::ZERO, |g| g.call_timeout + Duration::from_secs(5));
+        let cancel_grace = self.cancel_grace();
         let work = async {
             let no_tools = NoTools;
             let runner = PolicyRunner {
@@ -1359,6 +1355,14 @@ impl RunService {
                 let _ = self.store.release_lease(&writer.lease).await;
             }
         }
+    }
+
+    /// How long a cancel waits for a side effect already sent: as long as the call itself may
+    /// take.
+    fn cancel_grace(&self) -> Duration {
+        self.gateway
+            .as_ref()
+            .map_or(Duration::ZERO, |g| g.call_timeout + Duration::from_secs(5))
     }
 
     /// Ends a run paused for approval as cancelled (`ending`), counted: false when it was not

@@ -257,6 +257,35 @@ pub(super) async fn stopped_between_effects(
     }
 }
 
+/// `work` (a side effect already sent) to its end, unless the run is stopped: then for at most
+/// the stop's grace, as [`stopped_between_effects`] gives one of the loop's. `None`: stopped,
+/// and `work` did not finish in time (it is dropped).
+pub(super) async fn unless_stopped<F: std::future::Future>(
+    work: F,
+    stopper: &Stopper,
+    cancel_grace: Duration,
+) -> Option<F::Output> {
+    tokio::pin!(work);
+    tokio::select! {
+        biased;
+        out = &mut work => return Some(out),
+        () = stopper.token.cancelled() => {}
+    }
+    let grace = match stopper.reason() {
+        Some(StopReason::Cancelled) => cancel_grace,
+        Some(StopReason::Shutdown) => SHUTDOWN_SIDE_EFFECT_GRACE,
+        _ => Duration::ZERO,
+    };
+    let out = tokio::time::timeout(grace, work).await.ok();
+    if out.is_none() {
+        tracing::warn!(
+            ?grace,
+            "a stopped run's side effect did not answer in time; its outcome is left to the gateway's record"
+        );
+    }
+    out
+}
+
 /// Tells the writer that `executing` calls are about to run. With `durable` (a side effect is
 /// among them) it waits until that and everything before it is committed — a crash from then
 /// on still shows what may have happened; Err when it could not be. Reads are recorded with

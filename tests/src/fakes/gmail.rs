@@ -203,7 +203,6 @@ impl FakeGmail {
             .insert(token.to_owned());
     }
 
-    /// Every send is answered only after `delay`.
     /// From now on, every send is held at arrival until the gate releases it.
     pub fn hold_sends(&self) -> Arc<SendGate> {
         let gate = Arc::new(SendGate::default());
@@ -211,6 +210,7 @@ impl FakeGmail {
         gate
     }
 
+    /// Every send is answered only after `delay`.
     pub fn delay_sends(&self, delay: std::time::Duration) {
         *self.state.send_delay.lock().expect("lock") = Some(delay);
     }
