@@ -16,7 +16,7 @@ use crate::{
     bootstrap::Bootstrap,
     config::{Config, RateLimitBackendKind},
     context::Services,
-    credentials::{Credentials, cipher::TokenCipher},
+    credentials::{self, Credentials, cipher::TokenCipher},
     engine::{Engine, EngineConfig},
     integrations::{self, Upstreams, calendar::CalendarApi, gmail::GmailApi, slack::SlackApi},
     mcp::{
@@ -42,6 +42,13 @@ pub enum StartError {
          read; set CREDENTIALS_KEY to the key they were stored with"
     )]
     MissingCredentialsKey(u64),
+    #[error(
+        "{keys} does not decrypt any of the {sampled} stored account tokens sampled: it is not the key \
+         they were stored with. Set CREDENTIALS_KEY to that key (or, to rotate, set \
+         CREDENTIALS_KEY_PREVIOUS to it)",
+        keys = if *.previous_set { "CREDENTIALS_KEY (nor CREDENTIALS_KEY_PREVIOUS)" } else { "CREDENTIALS_KEY" }
+    )]
+    WrongCredentialsKey { sampled: usize, previous_set: bool },
     #[error("the tool registry is inconsistent: {0}")]
     Registry(#[from] RegistryError),
     #[error("cannot build the HTTP client: {0}")]
@@ -50,6 +57,47 @@ pub enum StartError {
     Mcp(String),
     #[error(transparent)]
     Serve(#[from] svc_kit::grpc::ServeError),
+}
+
+/// Refuses a key that reads none of the sampled stored tokens; warns when only some are read
+/// (damaged rows, or accounts stored under a key neither configured key is); says how many
+/// still need CREDENTIALS_KEY_PREVIOUS while it is set.
+async fn check_credentials_key(stores: &Stores, key: &TokenCipher) -> Result<(), StartError> {
+    let check =
+        credentials::check_key(&*stores.accounts, key, credentials::KEY_CHECK_SAMPLE).await?;
+    let readable = check.current + check.previous;
+    if check.sampled > 0 && readable == 0 {
+        return Err(StartError::WrongCredentialsKey {
+            sampled: check.sampled,
+            previous_set: key.has_previous(),
+        });
+    }
+    if check.unreadable() > 0 {
+        tracing::warn!(
+            sampled = check.sampled,
+            unreadable = check.unreadable(),
+            "{} of {} stored account tokens sampled cannot be decrypted with CREDENTIALS_KEY{}: damaged rows, \
+             or accounts stored under another key; their users are asked to reconnect them",
+            check.unreadable(),
+            check.sampled,
+            if key.has_previous() {
+                " or CREDENTIALS_KEY_PREVIOUS"
+            } else {
+                ""
+            },
+        );
+    }
+    if key.has_previous() {
+        tracing::info!(
+            sampled = check.sampled,
+            previous = check.previous,
+            "{} of {} stored account tokens sampled are still under CREDENTIALS_KEY_PREVIOUS; each moves to \
+             CREDENTIALS_KEY when next saved",
+            check.previous,
+            check.sampled,
+        );
+    }
+    Ok(())
 }
 
 pub struct App {
@@ -84,7 +132,10 @@ impl App {
         let audit = AuditTrail::start(stores.audit.clone(), &config.audit_queue);
         stores.audit = audit.clone();
         let cipher = match (&config.credentials_key, stores.backend) {
-            (Some(key), _) => Some(key.clone()),
+            (Some(key), _) => {
+                check_credentials_key(&stores, key).await?;
+                Some(key.clone())
+            }
             (None, "memory") => {
                 tracing::info!(
                     "CREDENTIALS_KEY not set: using a random key; tokens live only as long as this process"

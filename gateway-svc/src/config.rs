@@ -217,7 +217,7 @@ pub struct Config {
     pub rate_limit_backend: RateLimitBackendKind,
     /// `RATE_LIMITS_GMAIL`, `RATE_LIMITS_GOOGLE_CALENDAR`, `RATE_LIMITS_SLACK`.
     pub rate_limits: Vec<(Integration, Limits)>,
-    /// `CREDENTIALS_KEY`
+    /// `CREDENTIALS_KEY`, holding `CREDENTIALS_KEY_PREVIOUS` too when set.
     pub credentials_key: Option<TokenCipher>,
     /// `GOOGLE_OAUTH_TOKEN_URL`, `GOOGLE_CLIENT_ID`, `GOOGLE_CLIENT_SECRET`
     pub google_oauth: Option<OAuthClient>,
@@ -341,11 +341,43 @@ impl Config {
             rate_limits.push((integration, limits));
         }
 
-        let credentials_key = vars.optional_string("CREDENTIALS_KEY").and_then(|k| {
-            TokenCipher::from_base64(&k)
+        let current_key = vars.optional_string("CREDENTIALS_KEY");
+        let credentials_key = current_key.as_deref().and_then(|k| {
+            TokenCipher::from_base64(k)
                 .map_err(|e| vars.error("CREDENTIALS_KEY", e))
                 .ok()
         });
+        // The key being rotated out: read, never written with (see `TokenCipher`).
+        let previous_key = match (
+            vars.optional_string("CREDENTIALS_KEY_PREVIOUS"),
+            &current_key,
+        ) {
+            (None, _) => None,
+            (Some(_), None) => {
+                vars.error(
+                    "CREDENTIALS_KEY_PREVIOUS",
+                    "is set but CREDENTIALS_KEY is not; set CREDENTIALS_KEY to the new key and \
+                     CREDENTIALS_KEY_PREVIOUS to the one it replaces",
+                );
+                None
+            }
+            // Standard base64 decodes one way only, so equal keys are equal strings.
+            (Some(previous), Some(current)) if previous.trim() == current.trim() => {
+                vars.error(
+                    "CREDENTIALS_KEY_PREVIOUS",
+                    "is the same key as CREDENTIALS_KEY; set it to the key being replaced, or \
+                     unset it once rotation is done",
+                );
+                None
+            }
+            (Some(previous), Some(_)) => TokenCipher::from_base64(&previous)
+                .map_err(|e| vars.error("CREDENTIALS_KEY_PREVIOUS", e))
+                .ok(),
+        };
+        let credentials_key = match (credentials_key, previous_key) {
+            (Some(current), Some(previous)) => Some(current.with_previous(previous)),
+            (current, _) => current,
+        };
         let google_oauth = match (
             vars.optional_string("GOOGLE_CLIENT_ID"),
             vars.optional_string("GOOGLE_CLIENT_SECRET"),
@@ -679,5 +711,39 @@ mod tests {
                 "CREDENTIALS_KEY"
             ]
         );
+    }
+
+    #[test]
+    fn the_previous_credentials_key_is_validated_and_needs_a_different_current_key() {
+        const KEY: &str = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
+        const OTHER: &str = "YWJjZGVmMDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODk=";
+        let problem = |extra: &[(&str, &str)]| {
+            let mut pairs = DEV_AUTH.to_vec();
+            pairs.extend_from_slice(extra);
+            let err = load(&pairs).unwrap_err();
+            assert_eq!(err.0.len(), 1, "{err}");
+            assert_eq!(err.0[0].var, "CREDENTIALS_KEY_PREVIOUS", "{err}");
+            err.to_string()
+        };
+        assert!(problem(&[("CREDENTIALS_KEY_PREVIOUS", KEY)]).contains("CREDENTIALS_KEY is not"));
+        assert!(
+            problem(&[("CREDENTIALS_KEY", KEY), ("CREDENTIALS_KEY_PREVIOUS", KEY)])
+                .contains("the same key")
+        );
+        assert!(
+            problem(&[
+                ("CREDENTIALS_KEY", KEY),
+                ("CREDENTIALS_KEY_PREVIOUS", "c2hvcnQ=")
+            ])
+            .contains("exactly 32")
+        );
+        let config = load(&[
+            DEV_AUTH[0],
+            DEV_AUTH[1],
+            ("CREDENTIALS_KEY", OTHER),
+            ("CREDENTIALS_KEY_PREVIOUS", KEY),
+        ])
+        .unwrap();
+        assert!(config.credentials_key.unwrap().has_previous());
     }
 }

@@ -12,7 +12,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use cipher::TokenCipher;
+use cipher::{KeyUsed, TokenCipher};
 use oauth::{OAuthClient, RefreshError};
 
 use crate::{
@@ -462,6 +462,57 @@ fn undecryptable(stored: &StoredAccount, e: &dyn std::fmt::Display) -> ToolError
         "a stored token cannot be decrypted (CREDENTIALS_KEY changed, or the row is damaged); the account must be reconnected"
     );
     revoked(stored.integration, &stored.account)
+}
+
+/// How many stored accounts start-up reads with CREDENTIALS_KEY before serving.
+pub const KEY_CHECK_SAMPLE: usize = 20;
+
+/// What reading the sampled accounts' access tokens found (counts only: no token leaves
+/// [`check_key`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyCheck {
+    pub sampled: usize,
+    /// Read with the current key.
+    pub current: usize,
+    /// Read with the previous key (CREDENTIALS_KEY_PREVIOUS): not yet saved since rotation.
+    pub previous: usize,
+}
+
+impl KeyCheck {
+    /// Read with neither key: stored under another key, or damaged.
+    pub fn unreadable(&self) -> usize {
+        self.sampled - self.current - self.previous
+    }
+}
+
+/// Reads the access tokens of up to `limit` stored accounts, most recently updated first, with
+/// `cipher`, as [`Credentials`] reads them (the row identity as associated data): a replica
+/// given the wrong key finds none readable, and refuses to start instead of telling every
+/// user to reconnect and storing tokens the other replicas cannot read.
+///
+/// An account marked as needing reconnecting is sampled too: the mark leaves its ciphertext
+/// as it was stored, so it shows which key it was stored with as well as any other; leaving
+/// such accounts out would leave nothing to check in a store where most need reconnecting.
+pub async fn check_key(
+    store: &dyn AccountStore,
+    cipher: &TokenCipher,
+    limit: usize,
+) -> Result<KeyCheck, StoreError> {
+    let sample = store.sample_accounts(limit).await?;
+    let mut check = KeyCheck {
+        sampled: sample.len(),
+        current: 0,
+        previous: 0,
+    };
+    for a in &sample {
+        let row = row_id(&a.user, a.integration, &a.account);
+        match cipher.decrypt_which(&a.access_token, &row) {
+            Ok((_, KeyUsed::Current)) => check.current += 1,
+            Ok((_, KeyUsed::Previous)) => check.previous += 1,
+            Err(_) => {}
+        }
+    }
+    Ok(check)
 }
 
 /// The stored access token if it can be used as is.

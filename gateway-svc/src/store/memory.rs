@@ -165,6 +165,20 @@ impl AccountStore for MemoryStore {
         Ok(self.accounts.lock().map_err(|_| poisoned())?.len() as u64)
     }
 
+    /// Most recently connected first: this store keeps no update time.
+    async fn sample_accounts(&self, limit: usize) -> Result<Vec<StoredAccount>, StoreError> {
+        let mut all: Vec<_> = self
+            .accounts
+            .lock()
+            .map_err(|_| poisoned())?
+            .values()
+            .cloned()
+            .collect();
+        all.sort_by_key(|a| std::cmp::Reverse(a.connected_at));
+        all.truncate(limit);
+        Ok(all)
+    }
+
     async fn lock_account(
         &self,
         user: &UserId,

@@ -227,6 +227,24 @@ impl AccountStore for PgStore {
         Ok(row.get::<_, i64>(0) as u64)
     }
 
+    /// Once per start: a scan and a top-N sort, without an index on `updated_at`.
+    async fn sample_accounts(&self, limit: usize) -> Result<Vec<StoredAccount>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self
+            .client()
+            .await?
+            .query(
+                &format!(
+                    "SELECT {ACCOUNT_COLUMNS} FROM gateway.accounts \
+                     ORDER BY updated_at DESC LIMIT $1"
+                ),
+                &[&limit],
+            )
+            .await
+            .map_err(db)?;
+        rows.iter().map(account_from_row).collect()
+    }
+
     async fn lock_account(
         &self,
         user: &UserId,
