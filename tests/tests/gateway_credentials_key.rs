@@ -9,7 +9,7 @@ use steward_proto::gateway::v1 as pb;
 use steward_tests::{
     RunningService, TestDb,
     calls::{call_tool, connect_account},
-    fakes::probe::FakeProbe,
+    fakes::{oauth::FakeOAuth, probe::FakeProbe},
     gateway_as, probe_tools, start_gateway_with,
 };
 
@@ -28,6 +28,7 @@ const TOKEN: &str = "access-under-key-a";
 struct World {
     db: TestDb,
     probe: FakeProbe,
+    oauth: FakeOAuth,
 }
 
 impl World {
@@ -35,6 +36,7 @@ impl World {
         Self {
             db: TestDb::create().await.expect("a test database"),
             probe: FakeProbe::start().await,
+            oauth: FakeOAuth::start().await,
         }
     }
 
@@ -45,6 +47,9 @@ impl World {
             ("DATABASE_URL".into(), self.db.url().to_owned()),
             ("GATEWAY_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
             ("CREDENTIALS_KEY".into(), key.into()),
+            ("GOOGLE_CLIENT_ID".into(), "client-id".into()),
+            ("GOOGLE_CLIENT_SECRET".into(), "client-secret".into()),
+            ("GOOGLE_OAUTH_TOKEN_URL".into(), self.oauth.url.clone()),
         ]);
         if let Some(previous) = previous {
             env.insert("CREDENTIALS_KEY_PREVIOUS".into(), previous.into());
@@ -191,4 +196,55 @@ async fn a_gateway_that_reads_some_of_the_stored_tokens_starts_and_serves_those(
     );
     assert_eq!(w.probe.tokens_seen(), [TOKEN], "u2's call never left");
     gateway.stop().await.expect("the gateway stops cleanly");
+}
+
+/// An account refreshed during a rotation is stored whole under the new key — its refresh
+/// token too, although Google kept it the same —, so once every account was saved again the
+/// previous key can go: the new key alone reads both of its tokens.
+#[tokio::test]
+async fn a_token_refreshed_while_rotating_is_stored_whole_under_the_new_key() {
+    let w = World::new().await;
+    let mut gateway = w.start(KEY_A, None).await.expect("starts with key A");
+    let expiring = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+        + 10;
+    gateway_as(gateway.addr, "u1")
+        .await
+        .connect_account(pb::ConnectAccountRequest {
+            integration: pb::Integration::Gmail as i32,
+            account: ACCOUNT.into(),
+            access_token: TOKEN.into(),
+            refresh_token: "refresh-under-key-a".into(),
+            expires_at: Some(prost_types::Timestamp {
+                seconds: expiring,
+                nanos: 0,
+            }),
+            scopes: vec![],
+        })
+        .await
+        .expect("connect the account");
+    gateway.stop().await.expect("the gateway stops cleanly");
+
+    let mut rotating = w
+        .start(KEY_B, Some(KEY_A))
+        .await
+        .expect("starts while rotating from key A to key B");
+    let result = w.fetch(&rotating, "u1").await;
+    assert!(result.ok, "{}", result.text);
+    assert_eq!(w.oauth.refreshes(), 1, "the expiring token was refreshed");
+    assert_eq!(
+        *w.oauth.state.seen_refresh_tokens.lock().unwrap(),
+        ["refresh-under-key-a"],
+        "read with the previous key"
+    );
+    assert_eq!(w.probe.tokens_seen(), ["fresh-access-1"]);
+    rotating.stop().await.expect("the gateway stops cleanly");
+
+    let mut rotated = w
+        .start(KEY_B, None)
+        .await
+        .expect("key B alone reads the refreshed account, refresh token included");
+    rotated.stop().await.expect("the gateway stops cleanly");
 }

@@ -343,10 +343,10 @@ impl Credentials {
                 updated.access_token = cipher
                     .encrypt(&fresh.access_token, &row)
                     .map_err(|e| internal(&e))?;
-                if let Some(rotated) = &fresh.refresh_token {
-                    updated.refresh_token =
-                        Some(cipher.encrypt(rotated, &row).map_err(|e| internal(&e))?);
-                }
+                // Written again even when the provider kept it: under CREDENTIALS_KEY, so an
+                // account refreshed since a key rotation needs CREDENTIALS_KEY_PREVIOUS no more.
+                let kept = fresh.refresh_token.as_deref().unwrap_or(&refresh_token);
+                updated.refresh_token = Some(cipher.encrypt(kept, &row).map_err(|e| internal(&e))?);
                 updated.expires_at = fresh.expires_in.map(|d| SystemTime::now() + d);
                 lock.save(updated).await.map_err(|e| internal(&e))?;
                 Ok(fresh.access_token)
@@ -485,7 +485,7 @@ impl KeyCheck {
     }
 }
 
-/// Reads the access tokens of up to `limit` stored accounts, most recently updated first, with
+/// Reads the tokens of up to `limit` stored accounts, most recently updated first, with
 /// `cipher`, as [`Credentials`] reads them (the row identity as associated data): a replica
 /// given the wrong key finds none readable, and refuses to start instead of telling every
 /// user to reconnect and storing tokens the other replicas cannot read.
@@ -506,9 +506,15 @@ pub async fn check_key(
     };
     for a in &sample {
         let row = row_id(&a.user, a.integration, &a.account);
-        match cipher.decrypt_which(&a.access_token, &row) {
-            Ok((_, KeyUsed::Current)) => check.current += 1,
-            Ok((_, KeyUsed::Previous)) => check.previous += 1,
+        // Both tokens: an account whose refresh token is still under the previous key needs
+        // it as much as one whose access token is.
+        let keys: Result<Vec<KeyUsed>, _> = std::iter::once(&a.access_token)
+            .chain(a.refresh_token.as_ref())
+            .map(|t| cipher.decrypt_which(t, &row).map(|(_, used)| used))
+            .collect();
+        match keys {
+            Ok(used) if used.contains(&KeyUsed::Previous) => check.previous += 1,
+            Ok(_) => check.current += 1,
             Err(_) => {}
         }
     }
