@@ -223,6 +223,88 @@ async fn i4_a_write_that_invites_attendees_or_moves_their_event_asks_google_to_e
     );
 }
 
+/// G-6, I-4: a search the user's own rate limit cut short says so — with events read, and
+/// without — not that Google had more pages than were read, which would send the model to
+/// narrow a search that was fine.
+#[tokio::test]
+async fn g6_a_search_cut_short_by_the_users_rate_limit_says_so() {
+    let upstream =
+        Upstream::start(|_, _| Answer::Status(200, r#"{"items":[],"nextPageToken":"again"}"#))
+            .await;
+    let engine = common::engine_with_limits(
+        &MemoryStore::stores(),
+        calendar::tools(CalendarApi {
+            base_url: upstream.base_url.clone(),
+        }),
+        Some(Limits(vec![(Window::Day, 1)])),
+    );
+    common::connect(
+        &engine,
+        Integration::GoogleCalendar,
+        "alice@example.com",
+        "tok-alice",
+    )
+    .await;
+    let found = common::call(&engine, "c", "calendar_search", json!({}), "k1").await;
+    assert!(found.ok(), "{}", found.text);
+    assert_eq!(upstream.seen(EVENTS), 1, "the one page the budget held");
+    assert!(
+        found
+            .text
+            .contains("your Google Calendar rate limit left room for only 1 of the 3 pages"),
+        "{}",
+        found.text
+    );
+    assert!(!found.text.contains("No events"), "{}", found.text);
+}
+
+#[tokio::test]
+async fn g6_a_search_with_events_cut_short_by_the_users_rate_limit_says_so() {
+    let upstream = Upstream::start(|_, _| {
+        Answer::Status(
+            200,
+            r#"{"items":[{"id":"e1","summary":"Standup",
+                "start":{"dateTime":"2026-11-25T09:00:00Z"},
+                "end":{"dateTime":"2026-11-25T09:15:00Z"}}],"nextPageToken":"again"}"#,
+        )
+    })
+    .await;
+    let engine = common::engine_with_limits(
+        &MemoryStore::stores(),
+        calendar::tools(CalendarApi {
+            base_url: upstream.base_url.clone(),
+        }),
+        Some(Limits(vec![(Window::Day, 2)])),
+    );
+    common::connect(
+        &engine,
+        Integration::GoogleCalendar,
+        "alice@example.com",
+        "tok-alice",
+    )
+    .await;
+    let found = common::call(&engine, "c", "calendar_search", json!({}), "k1").await;
+    assert!(found.ok(), "{}", found.text);
+    assert_eq!(upstream.seen(EVENTS), 2);
+    assert!(
+        found.text.starts_with("Events in alice@example.com (2):"),
+        "{}",
+        found.text
+    );
+    assert!(
+        found.text.contains(
+            "your Google Calendar rate limit left room for fewer pages than a search reads"
+        ),
+        "{}",
+        found.text
+    );
+    assert!(
+        !found.text.contains("Google Calendar has more pages"),
+        "{}",
+        found.text
+    );
+}
+
 #[tokio::test]
 async fn g6_a_search_declares_its_three_pages_and_gives_back_the_pages_it_did_not_read() {
     let upstream = Upstream::start(|_, _| {

@@ -196,6 +196,46 @@ async fn g6_a_channel_listing_declares_its_three_pages_and_gives_back_the_pages_
     assert_eq!(upstream.seen("GET /api/conversations.list"), 3);
 }
 
+/// G-6, I-5: a listing the user's own rate limit cut short says so, not that Slack had more
+/// pages than were read (which would send the model to narrow a request that was fine).
+#[tokio::test]
+async fn g6_a_channel_listing_cut_short_by_the_users_rate_limit_says_so() {
+    let upstream = Upstream::start(|_, _| {
+        Answer::Status(
+            200,
+            r#"{"ok":true,"channels":[{"id":"C1","name":"general","num_members":3}],"response_metadata":{"next_cursor":"more"}}"#,
+        )
+    })
+    .await;
+    let engine = common::engine_with_limits(
+        &MemoryStore::stores(),
+        slack::tools(SlackApi {
+            base_url: upstream.base_url.clone(),
+        }),
+        Some(Limits(vec![(Window::Day, 2)])),
+    );
+    common::connect(&engine, Integration::Slack, "T123", "tok").await;
+    let listed = common::call(&engine, "c", "slack_channels", json!({}), "k1").await;
+    assert!(listed.ok(), "{}", listed.text);
+    assert_eq!(
+        upstream.seen("GET /api/conversations.list"),
+        2,
+        "two pages fit"
+    );
+    assert!(
+        listed
+            .text
+            .contains("your Slack rate limit left room for fewer pages than a listing reads"),
+        "{}",
+        listed.text
+    );
+    assert!(
+        !listed.text.contains("Slack has more pages"),
+        "{}",
+        listed.text
+    );
+}
+
 /// Slack refuses the first request's token (`invalid_auth`), then answers every one.
 fn refuses_the_first_token(_: &str, _: &str) -> Answer {
     static ASKED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

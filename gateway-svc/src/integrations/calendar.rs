@@ -494,6 +494,17 @@ impl Tool for Search {
         items.truncate(wanted);
         // Never "no events" while Google says more exist: the listing stopped short.
         let incomplete = token.is_some() && items.len() < wanted;
+        // Stopped by the user's own request budget, not by Google: said so, so the model
+        // waits rather than narrowing a search that was fine.
+        let budget_cut = incomplete && stopped.is_none() && page_budget < MAX_SEARCH_PAGES;
+        if items.is_empty() && budget_cut {
+            return Ok(ToolOutput::text(format!(
+                "The events in {account} between {time_min} and {time_max} could not be listed \
+                 completely: your Google Calendar rate limit left room for only {pages} of the \
+                 {MAX_SEARCH_PAGES} pages a search reads, and they held no events while Google \
+                 said more exist. Try again shortly.{left_out}"
+            )));
+        }
         if items.is_empty() {
             return Ok(ToolOutput::text(if incomplete {
                 format!(
@@ -518,6 +529,9 @@ impl Tool for Search {
         let more = match token.is_some() || cut {
             false => "",
             _ if failed_page.is_some() => failed_page.as_deref().unwrap_or_default(),
+            true if budget_cut => {
+                "\n(The listing is incomplete: your Google Calendar rate limit left room for fewer pages than a search reads; try again shortly to see the rest.)"
+            }
             true if incomplete => {
                 "\n(The listing is incomplete: Google Calendar has more pages than were read; narrow the time range to see the rest.)"
             }

@@ -264,9 +264,18 @@ impl Tool for Channels {
         // cursor says more exist: with the page bound reached short of the limit, the list is
         // incomplete, never "No channels".
         let incomplete = !cursor.is_empty() && channels.len() < limit;
+        // Stopped by the user's own request budget, not by Slack: said so.
+        let budget_cut = incomplete && page_budget < MAX_PAGES;
         channels.truncate(limit);
         if channels.is_empty() {
-            return Ok(ToolOutput::text(if incomplete {
+            return Ok(ToolOutput::text(if budget_cut {
+                format!(
+                    "The channel list of Slack workspace {team} could not be completed: your \
+                     Slack rate limit left room for only {asked} of the {MAX_PAGES} pages a \
+                     listing reads, and they held no channels while Slack said more exist. Try \
+                     again shortly."
+                )
+            } else if incomplete {
                 format!(
                     "The channel list of Slack workspace {team} could not be completed: Slack \
                      returned {asked} pages without channels but said more exist. Try again \
@@ -293,7 +302,9 @@ impl Tool for Channels {
                 )
             })
             .collect();
-        let tail = if incomplete {
+        let tail = if budget_cut {
+            "\n(the list is incomplete: your Slack rate limit left room for fewer pages than a listing reads; try again shortly for the rest)"
+        } else if incomplete {
             "\n(the list is incomplete: Slack has more pages of channels than were read)"
         } else if more {
             "\n(more channels exist; ask for a higher limit)"
