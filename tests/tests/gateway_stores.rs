@@ -217,6 +217,72 @@ async fn g8_on_postgres_a_refresh_whose_save_fails_frees_the_account_at_once() {
     assert_eq!(again.current().unwrap().access_token, vec![1, 2, 3]);
 }
 
+/// G-8: a refresh whose lease lapsed mid-call (the token endpoint slow, the process paused)
+/// and was taken over still saves what it got while the taker has saved nothing — a refresh
+/// token the provider rotated is not lost —, and the taker's later save, made from the tokens
+/// as they were, changes nothing but lets go of its lease at once.
+#[tokio::test]
+async fn g8_on_postgres_a_refresh_whose_lease_lapsed_still_saves_and_the_takers_stale_save_does_not()
+ {
+    let b = postgres().await;
+    let s = b.stores.accounts.clone();
+    s.upsert_account(account("u1", "a@x.com")).await.unwrap();
+    let slow = s
+        .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap();
+    let (sql, conn) = tokio_postgres::connect(b._db.as_ref().unwrap().url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    sql.execute(
+        "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second'",
+        &[],
+    )
+    .await
+    .unwrap();
+    let taker = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        s.lock_account(&user("u1"), Integration::Gmail, "a@x.com"),
+    )
+    .await
+    .expect("a lapsed lease is taken over at once")
+    .unwrap();
+
+    let mut rotated = slow.current().unwrap().clone();
+    rotated.access_token = vec![9, 9];
+    rotated.refresh_token = Some(vec![6, 6]);
+    slow.save(rotated).await.unwrap();
+    let stored = || async {
+        s.get_account(&user("u1"), Integration::Gmail, "a@x.com")
+            .await
+            .unwrap()
+            .unwrap()
+    };
+    assert_eq!(
+        (stored().await.access_token, stored().await.refresh_token),
+        (vec![9, 9], Some(vec![6, 6])),
+        "the lapsed refresh's tokens are saved"
+    );
+
+    let mut stale = taker.current().unwrap().clone();
+    stale.access_token = vec![8, 8];
+    taker.save(stale).await.unwrap();
+    assert_eq!(
+        stored().await.access_token,
+        vec![9, 9],
+        "the taker's save, from tokens since replaced, changes nothing"
+    );
+    let next = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        s.lock_account(&user("u1"), Integration::Gmail, "a@x.com"),
+    )
+    .await
+    .expect("the taker let go of its lease")
+    .unwrap();
+    assert_eq!(next.current().unwrap().refresh_token, Some(vec![6, 6]));
+}
+
 async fn account_locks_held_during_refreshes_pin_no_connection(b: Backend) {
     let s = &b.stores.accounts;
     let mut held = Vec::new();

@@ -370,14 +370,34 @@ impl AccountLock for PgAccountLock {
                 a.account
             )));
         };
-        // Only while the lease is this lock's: a reconnect meanwhile (which clears it) wins.
-        pg::checkout(&self.pool, "gateway")
+        let read = self
+            .current
+            .as_ref()
+            .map(|c| (&c.access_token, &c.refresh_token));
+        // Written only over the tokens this lock read — a compare-and-swap, not a test of the
+        // lease: a reconnect meanwhile (new tokens) wins, and a refresh whose lease lapsed
+        // mid-call and was taken over still lands if the taker has saved nothing yet, so a
+        // refresh token Google rotated is not lost. The lease is let go if it is still ours,
+        // saved or not, so nobody waits out its hold.
+        let row = pg::checkout(&self.pool, "gateway")
             .await
             .map_err(StoreError::unavailable)?
-            .execute(
-                "UPDATE gateway.accounts SET access_token = $5, refresh_token = $6, expires_at = $7, \
-                   scopes = $8, status = $9, updated_at = now(), refresh_holder = NULL, refresh_until = NULL \
-                 WHERE user_id = $1 AND integration = $2 AND account = $3 AND refresh_holder = $4",
+            .query_opt(
+                "WITH held AS (SELECT access_token = $10 AND refresh_token IS NOT DISTINCT FROM $11 AS fresh, \
+                   COALESCE(refresh_holder = $4, false) AS ours FROM gateway.accounts \
+                   WHERE user_id = $1 AND integration = $2 AND account = $3 FOR UPDATE) \
+                 UPDATE gateway.accounts a SET \
+                   access_token = CASE WHEN held.fresh THEN $5 ELSE a.access_token END, \
+                   refresh_token = CASE WHEN held.fresh THEN $6 ELSE a.refresh_token END, \
+                   expires_at = CASE WHEN held.fresh THEN $7 ELSE a.expires_at END, \
+                   scopes = CASE WHEN held.fresh THEN $8 ELSE a.scopes END, \
+                   status = CASE WHEN held.fresh THEN $9 ELSE a.status END, \
+                   updated_at = CASE WHEN held.fresh THEN now() ELSE a.updated_at END, \
+                   refresh_holder = CASE WHEN held.ours THEN NULL ELSE a.refresh_holder END, \
+                   refresh_until = CASE WHEN held.ours THEN NULL ELSE a.refresh_until END \
+                 FROM held WHERE a.user_id = $1 AND a.integration = $2 AND a.account = $3 \
+                   AND (held.fresh OR held.ours) \
+                 RETURNING held.fresh",
                 &[
                     &a.user.as_str(),
                     &a.integration.key(),
@@ -388,10 +408,20 @@ impl AccountLock for PgAccountLock {
                     &a.expires_at,
                     &a.scopes,
                     &a.status.key(),
+                    &read.map(|(access, _)| access.as_slice()),
+                    &read.and_then(|(_, refresh)| refresh.as_deref()),
                 ],
             )
             .await
             .map_err(db)?;
+        if !row.is_some_and(|r| r.get::<_, bool>(0)) {
+            tracing::warn!(
+                user = %a.user,
+                integration = a.integration.key(),
+                account = %a.account,
+                "a token refresh was not saved: the account changed while it ran (reconnected, disconnected, or another replica saved newer tokens), and that stays"
+            );
+        }
         self.holder = None;
         Ok(())
     }
