@@ -1807,6 +1807,59 @@ async fn a_cancel_recorded_without_its_notice_stops_a_send_before_it_leaves() {
     );
 }
 
+/// B-5: queuing a task agent is treated as a side effect is — a cancel recorded on another
+/// replica, whose notice never arrived, stops it before the task is queued, and the call is
+/// answered "not executed" rather than a task started behind the user's cancel.
+#[tokio::test]
+async fn b5_a_cancel_recorded_without_its_notice_stops_a_task_agent_before_it_is_queued() {
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let task = r#"{"instructions":"Watch for the reply","goal":"reply watch"}"#;
+    let (app, model, _gmail) = gmail_world(
+        vec![
+            Answer::Held(
+                Box::new(Answer::tool_calls(&[(
+                    "call_task",
+                    "create_task_agent",
+                    task,
+                )])),
+                gate.clone(),
+            ),
+            Answer::text("I'll watch for the reply."),
+        ],
+        &[("TASK_AGENT_WORKERS", "false"), ("RUN_LEASE", "60s")],
+    )
+    .await;
+    let (stream, first) = start_streaming(&app, "watch for the boss's reply").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while model.requests().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the model was never called"
+        );
+        tokio::task::yield_now().await;
+    }
+    let sql = app.sql().await;
+    // As CancelRun on another replica writes it; no notice is sent.
+    sql.execute(
+        "UPDATE agent.runs SET cancel_requested = true WHERE id = $1",
+        &[&first.run_id],
+    )
+    .await
+    .unwrap();
+    gate.notify_one();
+    let events = rest_of(stream).await;
+    assert!(ended_cancelled(&events), "{:?}", events.last());
+    let results = tool_results(&events);
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert_eq!(results[0].error_kind, "CANCELLED", "{results:?}");
+    let queued: i64 = sql
+        .query_one("SELECT count(*) FROM agent.task_agents", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(queued, 0, "no task queued behind the cancel");
+}
+
 /// A shutdown that stops a run while its send is at Gmail gives the send a moment (3 s) to
 /// answer, so the run hands its thread back with the send recorded as done — not `executing`
 /// with its outcome unknown. The drain here waits for nothing, so the stop comes mid-send.

@@ -1252,9 +1252,9 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
     let s = &b.store;
     s.create_thread("t1", "alice", "x").await.unwrap();
     let task = |id: &str| queued_task(id, "alice", "t1");
-    assert!(s.enqueue_task_agent(&task("k1"), 2).await.unwrap());
-    assert!(s.enqueue_task_agent(&task("k2"), 2).await.unwrap());
-    assert!(!s.enqueue_task_agent(&task("k3"), 2).await.unwrap());
+    assert!(s.enqueue_task_agent(&task("k1"), 2, None).await.unwrap());
+    assert!(s.enqueue_task_agent(&task("k2"), 2, None).await.unwrap());
+    assert!(!s.enqueue_task_agent(&task("k3"), 2, None).await.unwrap());
     let claimed = s
         .claim_task_agent("w", Duration::from_secs(60), 5)
         .await
@@ -1297,7 +1297,7 @@ async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b
     );
     let posted = posted_on(s, "t1").await;
     assert_eq!(posted, ["Task agent finished: ok"], "the report, once");
-    assert!(s.enqueue_task_agent(&task("k3"), 2).await.unwrap());
+    assert!(s.enqueue_task_agent(&task("k3"), 2, None).await.unwrap());
     assert_eq!(
         s.get_task_agent("alice", &claimed.id)
             .await
@@ -1316,7 +1316,7 @@ async fn e12_a_takeover_that_settles_an_earlier_attempts_run_spends_no_try(b: Ba
     let s = &b.store;
     s.create_thread("t1", "alice", "x").await.unwrap();
     let task = queued_task("k1", "alice", "t1");
-    assert!(s.enqueue_task_agent(&task, 5).await.unwrap());
+    assert!(s.enqueue_task_agent(&task, 5, None).await.unwrap());
     // A zero-long claim lapses at once: its worker "died" with its run going.
     let first = s.claim_task_agent("w1", Duration::ZERO, 5).await.unwrap();
     let first = first.expect("queued");
@@ -1349,7 +1349,7 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
     let s = &b.store;
     s.create_thread("t1", "alice", "x").await.unwrap();
     assert!(
-        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5)
+        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5, None)
             .await
             .unwrap()
     );
@@ -1445,7 +1445,7 @@ async fn b5_a_task_handed_back_on_its_last_attempt_is_taken_up_not_failed(b: Bac
     let s = &b.store;
     s.create_thread("t1", "alice", "x").await.unwrap();
     assert!(
-        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5)
+        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5, None)
             .await
             .unwrap()
     );
@@ -1486,6 +1486,36 @@ async fn b5_a_task_handed_back_on_its_last_attempt_is_taken_up_not_failed(b: Bac
     assert!(posted_on(s, "t1").await.is_empty(), "no failure posted");
 }
 
+/// B-5: a task agent is queued only under the live lease of the run whose call queues it: a
+/// run that lost its thread to a takeover (whose next run closes the call from the task queue)
+/// queues nothing after it, so that run's "not executed" stays true.
+async fn b5_a_task_agent_is_queued_only_under_its_runs_live_lease(b: Backend) {
+    let s = &b.store;
+    s.create_thread("t1", "alice", "x").await.unwrap();
+    let LockOutcome::Acquired(lapsed) = s.lock_thread("t1", "r1", Duration::ZERO).await.unwrap()
+    else {
+        panic!("the thread was free")
+    };
+    let LockOutcome::Acquired(taker) = s
+        .lock_thread("t1", "r2", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("a lapsed lease is taken over")
+    };
+    let refused = s
+        .enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5, Some(&lapsed))
+        .await;
+    assert!(matches!(refused, Err(StoreError::LeaseLost)), "{refused:?}");
+    assert!(s.get_task_agent("alice", "k1").await.unwrap().is_none());
+    assert!(
+        s.enqueue_task_agent(&queued_task("k2", "alice", "t1"), 5, Some(&taker))
+            .await
+            .unwrap()
+    );
+    assert!(s.get_task_agent("alice", "k2").await.unwrap().is_some());
+}
+
 /// B-5, E-12: an attempt whose run a restart of its service stopped is settled — the next
 /// attempt starts a run of its own — but is no try: a task meets every rolling deploy without
 /// using up its retries, and its last try is still taken over when its worker dies.
@@ -1493,7 +1523,7 @@ async fn b5_a_restart_settles_an_attempt_without_spending_a_try(b: Backend) {
     let s = &b.store;
     s.create_thread("t1", "alice", "x").await.unwrap();
     assert!(
-        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5)
+        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5, None)
             .await
             .unwrap()
     );
@@ -2403,6 +2433,7 @@ both_backends!(
     the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once,
     task_claims_are_kept_handed_back_or_ended_by_their_rules,
     b5_a_restart_settles_an_attempt_without_spending_a_try,
+    b5_a_task_agent_is_queued_only_under_its_runs_live_lease,
     b5_a_task_handed_back_on_its_last_attempt_is_taken_up_not_failed,
     e12_a_takeover_that_settles_an_earlier_attempts_run_spends_no_try,
     a_stopping_workers_occurrences_are_handed_back,
@@ -3532,7 +3563,7 @@ async fn r4_the_task_queue_cap_holds_when_replicas_enqueue_at_once() {
     let queued = futures_util::future::join_all(
         tasks
             .iter()
-            .map(|(k, t)| (&replicas[*k] as &dyn AgentStore).enqueue_task_agent(t, 1)),
+            .map(|(k, t)| (&replicas[*k] as &dyn AgentStore).enqueue_task_agent(t, 1, None)),
     )
     .await;
     for o in 0..owners {

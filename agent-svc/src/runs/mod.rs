@@ -1213,6 +1213,7 @@ impl RunService {
         };
         let (tx, rx) = mpsc::unbounded_channel::<WriterMsg>();
         let in_flight = writer.in_flight.clone();
+        let lease = writer.lease.clone();
         let cancel_grace = self.cancel_grace();
         let work = async {
             let no_tools = NoTools;
@@ -1233,6 +1234,7 @@ impl RunService {
                 channel: gw_channel,
                 store: &self.store,
                 run_id: &seg.run_id,
+                lease: &lease,
                 writer: tx.clone(),
                 in_flight: &in_flight,
                 stopper,

@@ -28,6 +28,8 @@ pub(super) struct PolicyRunner<'a> {
     pub(super) channel: gw::Channel,
     pub(super) store: &'a SharedStore,
     pub(super) run_id: &'a str,
+    /// The run's lease: a task agent is queued only while it holds.
+    pub(super) lease: &'a Lease,
     /// The run's writer: calls are recorded as executing, durably, before they run.
     pub(super) writer: mpsc::UnboundedSender<WriterMsg>,
     /// Side effects sent and not yet answered: a stop waits for them.
@@ -62,20 +64,34 @@ impl ToolRunner for PolicyRunner<'_> {
                 continue;
             }
             if call.name == TASK_AGENT_TOOL {
-                // Queuing a task is an effect too: once begun, waited for.
-                self.in_flight.sent(vec![call.call_id.clone()]);
-                outcomes[i] = Some(
-                    enqueue_task_agent(
-                        self.store,
-                        self.user,
-                        self.thread_id,
-                        &call.call_id,
-                        &call.args,
-                        self.max_queued_task_agents,
-                        self.time_zone,
-                    )
-                    .await,
-                );
+                // Queuing a task is an effect too, treated as a side effect is: the call is
+                // durable in the record first (a crash after the insert leaves a call the next
+                // run closes from the queue, never a task nobody knows of), a cancel recorded
+                // anywhere stops it, and once begun it is waited for.
+                let checkpointed =
+                    writer::checkpoint(&self.writer, vec![call.call_id.clone()], true).await;
+                if checkpointed.is_ok() {
+                    self.look_for_a_cancel().await;
+                }
+                outcomes[i] = Some(match (self.stopper.reason(), checkpointed) {
+                    (Some(reason), _) => not_run_for(&reason),
+                    (None, Err(why)) => unavailable(&format!(
+                        "Not executed: the run could not record its progress ({why})."
+                    )),
+                    (None, Ok(())) => {
+                        self.in_flight.sent(vec![call.call_id.clone()]);
+                        enqueue_task_agent(
+                            self.store,
+                            self.user,
+                            self.lease,
+                            &call.call_id,
+                            &call.args,
+                            self.max_queued_task_agents,
+                            self.time_zone,
+                        )
+                        .await
+                    }
+                });
                 continue;
             }
             let side_effect = self.side_effects.contains(&call.name);
@@ -425,7 +441,7 @@ pub(super) fn task_started(id: &str) -> String {
 async fn enqueue_task_agent(
     store: &SharedStore,
     user: &str,
-    thread_id: &str,
+    lease: &Lease,
     call_id: &str,
     args: &serde_json::Value,
     max_queued: u32,
@@ -444,7 +460,7 @@ async fn enqueue_task_agent(
     let task = TaskAgent {
         id: task_id_for(call_id),
         owner: user.to_owned(),
-        parent_thread_id: thread_id.to_owned(),
+        parent_thread_id: lease.thread_id.clone(),
         instructions: instructions.to_owned(),
         goal: goal.to_owned(),
         state: "queued".into(),
@@ -456,7 +472,10 @@ async fn enqueue_task_agent(
         restarts: 0,
         time_zone: time_zone.map(str::to_owned),
     };
-    match store.enqueue_task_agent(&task, max_queued).await {
+    match store
+        .enqueue_task_agent(&task, max_queued, Some(lease))
+        .await
+    {
         Ok(false) => ToolOutcome {
             ok: false,
             text: format!(
@@ -608,9 +627,23 @@ mod tests {
         Arc::new(MemoryStore::new())
     }
 
+    /// A run's lease on alice's thread t1.
+    async fn lease(store: &SharedStore) -> Lease {
+        store.create_thread("t1", "alice", "x").await.unwrap();
+        match store
+            .lock_thread("t1", "r1", Duration::from_secs(60))
+            .await
+            .unwrap()
+        {
+            crate::store::LockOutcome::Acquired(lease) => lease,
+            busy => panic!("{busy:?}"),
+        }
+    }
+
     #[tokio::test]
     async fn e9_a_task_agent_without_instructions_or_goal_is_refused_and_none_is_queued() {
         let store = store();
+        let lease = lease(&store).await;
         for (args, says) in [
             (json!({}), "lack \"instructions\""),
             (
@@ -630,7 +663,7 @@ mod tests {
                 "member \"priority\"",
             ),
         ] {
-            let out = enqueue_task_agent(&store, "alice", "t1", "call_1", &args, 5, None).await;
+            let out = enqueue_task_agent(&store, "alice", &lease, "call_1", &args, 5, None).await;
             assert!(!out.ok, "{args}");
             assert_eq!(out.error_kind, "INVALID_ARGUMENTS");
             assert!(out.text.contains(says), "{}: {}", args, out.text);
@@ -648,7 +681,7 @@ mod tests {
         let out = enqueue_task_agent(
             &store,
             "alice",
-            "t1",
+            &lease,
             "call_2",
             &json!({"instructions": "read the inbox", "goal": "a digest"}),
             5,

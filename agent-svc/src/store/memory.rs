@@ -969,8 +969,12 @@ impl AgentStore for MemoryStore {
         &self,
         task: &TaskAgent,
         max_queued: u32,
+        fence: Option<&Lease>,
     ) -> Result<bool, StoreError> {
         self.with(|s| {
+            if let Some(lease) = fence {
+                s.fenced(lease)?;
+            }
             let open = s
                 .tasks
                 .iter()
@@ -979,11 +983,11 @@ impl AgentStore for MemoryStore {
                 })
                 .count() as u32;
             if open >= max_queued {
-                return false;
+                return Ok(false);
             }
             s.tasks.push((task.clone(), SystemTime::now(), None));
-            true
-        })
+            Ok(true)
+        })?
     }
 
     async fn claim_task_agent(

@@ -765,10 +765,14 @@ pub trait AgentStore: Send + Sync + 'static {
     ) -> Result<Vec<(String, String)>, StoreError>;
 
     /// Queues a task unless the owner already has `max_queued` queued or running; false then.
+    /// With `fence` (the lease of the run whose call queues it), only while that lease is live
+    /// (else `LeaseLost`, nothing queued), ordered against a takeover of the thread: the run
+    /// that takes the thread over and closes the call sees the task, or it is never queued.
     async fn enqueue_task_agent(
         &self,
         task: &TaskAgent,
         max_queued: u32,
+        fence: Option<&Lease>,
     ) -> Result<bool, StoreError>;
     /// Takes the next ready task (queued and due, or running with an expired claim on a try
     /// before `max_attempts` — restarts are not tries) for `worker`, exclusively across

@@ -601,10 +601,26 @@ impl AgentStore for PgStore {
         }))
     }
 
-    async fn enqueue_task_agent(&self, t: &TaskAgent, max_queued: u32) -> Result<bool, StoreError> {
+    async fn enqueue_task_agent(
+        &self,
+        t: &TaskAgent,
+        max_queued: u32,
+        fence: Option<&Lease>,
+    ) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let lock = client
             .prepare_cached("SELECT pg_advisory_xact_lock(hashtext('task_agents:' || $1))")
+            .await
+            .map_err(db)?;
+        // The thread row held (shared) to the commit: a takeover's lock of the thread waits
+        // for this insert, and one that came first makes it fail. After the owner's lock, as
+        // an admission takes them, so the two never wait on each other in a circle.
+        let fenced = client
+            .prepare_cached(
+                "SELECT CASE WHEN $2::text IS NULL OR EXISTS (SELECT 1 FROM agent.threads \
+                   WHERE id = $1 AND lock_token = $2 AND lock_expires_at > clock_timestamp() FOR SHARE) \
+                 THEN 1 ELSE agent.lease_lost() END",
+            )
             .await
             .map_err(db)?;
         let insert = client
@@ -620,9 +636,13 @@ impl AgentStore for PgStore {
         // taken after the owner's lock, in a snapshot of its own, so it sees the other's task
         // (R-4). One pipeline, as an admission is; a failed statement makes COMMIT roll back.
         let mut open = pg::Begun::new(t_client);
-        let (begun, locked, inserted, committed) = futures_util::future::join4(
+        let (fence_thread, fence_token) = fence.map_or((None, None), |l| {
+            (Some(l.thread_id.as_str()), Some(l.token.as_str()))
+        });
+        let (begun, locked, held, inserted, committed) = futures_util::future::join5(
             t_client.batch_execute(admission::BEGIN),
             t_client.execute(&lock, &[&t.owner]),
+            t_client.execute(&fenced, &[&fence_thread, &fence_token]),
             t_client.execute(
                 &insert,
                 &[
@@ -642,6 +662,12 @@ impl AgentStore for PgStore {
         open.committed();
         begun.map_err(db)?;
         locked.map_err(db)?;
+        match held {
+            Err(e) if e.code().map(|c| c.code()) == Some(LEASE_LOST) => {
+                return Err(StoreError::LeaseLost);
+            }
+            held => held.map_err(db)?,
+        };
         let n = inserted.map_err(db)?;
         committed.map_err(db)?;
         Ok(n == 1)
