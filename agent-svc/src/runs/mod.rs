@@ -1222,7 +1222,6 @@ impl RunService {
                     Some(s) => s as &dyn ToolRunner,
                     None => &no_tools,
                 },
-                thread_id: &seg.thread_id,
                 background: seg.channel == limits::Channel::TaskAgent,
                 policy: &self.policy,
                 user: &seg.owner,

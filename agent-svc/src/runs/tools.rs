@@ -12,7 +12,6 @@ use crate::{
 /// Applies the approval policy to every call before it reaches the gateway.
 pub(super) struct PolicyRunner<'a> {
     pub(super) inner: &'a dyn ToolRunner,
-    pub(super) thread_id: &'a str,
     /// Task agents cannot ask for approval: what would need it is denied instead.
     pub(super) background: bool,
     pub(super) policy: &'a Policy,
