@@ -59,12 +59,12 @@ pub enum StartError {
     Serve(#[from] svc_kit::grpc::ServeError),
 }
 
-/// Refuses a key that reads none of the sampled stored tokens; warns when only some are read
-/// (damaged rows, or accounts stored under a key neither configured key is); says how many
-/// still need CREDENTIALS_KEY_PREVIOUS while it is set.
+/// Refuses a key that reads none of the most recently saved stored tokens; warns when only
+/// some are read (damaged rows, or accounts stored under a key neither configured key is);
+/// while CREDENTIALS_KEY_PREVIOUS is set, says how far the rotation has come.
 async fn check_credentials_key(stores: &Stores, key: &TokenCipher) -> Result<(), StartError> {
-    let check =
-        credentials::check_key(&*stores.accounts, key, credentials::KEY_CHECK_SAMPLE).await?;
+    let sample = credentials::KEY_CHECK_SAMPLE;
+    let check = credentials::check_key(&*stores.accounts, key, sample, true).await?;
     let readable = check.current + check.previous;
     if check.sampled > 0 && readable == 0 {
         return Err(StartError::WrongCredentialsKey {
@@ -88,13 +88,17 @@ async fn check_credentials_key(stores: &Stores, key: &TokenCipher) -> Result<(),
         );
     }
     if key.has_previous() {
+        // Accounts move to the new key as they are saved, so the least recently saved are the
+        // last to move: none of them under the old key means none is (unreadable ones aside,
+        // which only a reconnect mends).
+        let oldest = credentials::check_key(&*stores.accounts, key, sample, false).await?;
         tracing::info!(
-            sampled = check.sampled,
-            previous = check.previous,
-            "{} of {} stored account tokens sampled are still under CREDENTIALS_KEY_PREVIOUS; each moves to \
-             CREDENTIALS_KEY when next saved",
-            check.previous,
-            check.sampled,
+            sampled = oldest.sampled,
+            previous = oldest.previous,
+            "{} of the {} least recently saved accounts still need CREDENTIALS_KEY_PREVIOUS; each moves to \
+             CREDENTIALS_KEY when next saved, and once this reads 0 CREDENTIALS_KEY_PREVIOUS can be unset",
+            oldest.previous,
+            oldest.sampled,
         );
     }
     Ok(())

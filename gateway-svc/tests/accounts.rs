@@ -307,8 +307,12 @@ impl AccountStore for RefreshingElsewhere {
     async fn count_accounts(&self) -> Result<u64, StoreError> {
         self.0.count_accounts().await
     }
-    async fn sample_accounts(&self, limit: usize) -> Result<Vec<StoredAccount>, StoreError> {
-        self.0.sample_accounts(limit).await
+    async fn sample_accounts(
+        &self,
+        limit: usize,
+        newest_first: bool,
+    ) -> Result<Vec<StoredAccount>, StoreError> {
+        self.0.sample_accounts(limit, newest_first).await
     }
     async fn lock_account(
         &self,

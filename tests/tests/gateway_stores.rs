@@ -101,6 +101,26 @@ async fn accounts_are_scoped_to_their_user_and_round_trip(b: Backend) {
     );
 }
 
+/// The start-up key check reads the most recently saved accounts, and a rotation's progress the
+/// least recently saved (on the memory store, which keeps no save time: by connection).
+async fn accounts_are_sampled_by_when_they_were_saved(b: Backend) {
+    let s = &b.stores.accounts;
+    let mut older = account("u1", "old@x.com");
+    older.connected_at -= std::time::Duration::from_secs(60);
+    s.upsert_account(older).await.unwrap();
+    s.upsert_account(account("u1", "new@x.com")).await.unwrap();
+    let names =
+        |sample: Vec<StoredAccount>| sample.into_iter().map(|a| a.account).collect::<Vec<_>>();
+    assert_eq!(
+        names(s.sample_accounts(5, true).await.unwrap()),
+        ["new@x.com", "old@x.com"]
+    );
+    assert_eq!(
+        names(s.sample_accounts(1, false).await.unwrap()),
+        ["old@x.com"]
+    );
+}
+
 async fn an_account_lock_is_exclusive_until_saved(b: Backend) {
     let s = b.stores.accounts.clone();
     s.upsert_account(account("u1", "a@x.com")).await.unwrap();
@@ -765,6 +785,7 @@ macro_rules! both_backends {
 both_backends!(
     accounts_are_scoped_to_their_user_and_round_trip,
     an_account_lock_is_exclusive_until_saved,
+    accounts_are_sampled_by_when_they_were_saved,
     a_dropped_lock_releases_without_writing,
     a_refresh_saved_after_a_reconnect_or_a_disconnect_changes_nothing,
     account_locks_held_during_refreshes_pin_no_connection,

@@ -425,9 +425,13 @@ impl RunService {
                 stopper.stop(StopReason::Cancelled);
             }
             stopped = stopper.reason();
+            // A shutdown that came during the intent commit does not undo the user's decision:
+            // the send goes, within the stop's grace, as one the loop had begun would. A
+            // cancel, a lost lease or a failed write keeps it unsent.
+            let sends = matches!(stopped, None | Some(StopReason::Shutdown));
             let outcome = match (&self.gateway, &stopped) {
-                (_, Some(reason)) => tools::not_run_for(reason),
-                (Some(g), None) => {
+                (_, Some(reason)) if !sends => tools::not_run_for(reason),
+                (Some(g), _) => {
                     let idempotency_key = action_id(&seg.run_id, &call_id);
                     let call = g.execute_once(crate::gateway_client::OnceCall {
                         user: &seg.owner,
@@ -455,11 +459,11 @@ impl RunService {
                         }
                     }
                 }
-                (None, None) => unavailable("Tools are unavailable right now."),
+                (None, _) => unavailable("Tools are unavailable right now."),
             };
-            let outcome = match stopped {
-                Some(_) => outcome,
-                None => tools::ambiguity(outcome, true),
+            let outcome = match sends {
+                true => tools::ambiguity(outcome, true),
+                false => outcome,
             };
             (outcome.text, outcome.ok, outcome.error_kind)
         } else {

@@ -782,7 +782,8 @@ pub(super) fn retry_backoff(error: &str, attempts: u32) -> Option<Duration> {
     } else if [
         "timed out",
         "stopped responding",
-        "restarted",
+        // INTERRUPTED_MESSAGE: a restart past a task's free ones, or a schedule's.
+        "the service running it was restarted",
         "connection",
         "cut off",
         "unreachable",

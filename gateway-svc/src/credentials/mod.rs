@@ -485,8 +485,8 @@ impl KeyCheck {
     }
 }
 
-/// Reads the tokens of up to `limit` stored accounts, most recently updated first, with
-/// `cipher`, as [`Credentials`] reads them (the row identity as associated data): a replica
+/// Reads the tokens of up to `limit` stored accounts, most recently saved first (or least
+/// recently, with `newest_first` false), with `cipher`, as [`Credentials`] reads them (the row identity as associated data): a replica
 /// given the wrong key finds none readable, and refuses to start instead of telling every
 /// user to reconnect and storing tokens the other replicas cannot read.
 ///
@@ -497,8 +497,9 @@ pub async fn check_key(
     store: &dyn AccountStore,
     cipher: &TokenCipher,
     limit: usize,
+    newest_first: bool,
 ) -> Result<KeyCheck, StoreError> {
-    let sample = store.sample_accounts(limit).await?;
+    let sample = store.sample_accounts(limit, newest_first).await?;
     let mut check = KeyCheck {
         sampled: sample.len(),
         current: 0,

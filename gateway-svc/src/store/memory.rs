@@ -165,8 +165,12 @@ impl AccountStore for MemoryStore {
         Ok(self.accounts.lock().map_err(|_| poisoned())?.len() as u64)
     }
 
-    /// Most recently connected first: this store keeps no update time.
-    async fn sample_accounts(&self, limit: usize) -> Result<Vec<StoredAccount>, StoreError> {
+    /// By connection time: this store keeps no update time.
+    async fn sample_accounts(
+        &self,
+        limit: usize,
+        newest_first: bool,
+    ) -> Result<Vec<StoredAccount>, StoreError> {
         let mut all: Vec<_> = self
             .accounts
             .lock()
@@ -174,7 +178,10 @@ impl AccountStore for MemoryStore {
             .values()
             .cloned()
             .collect();
-        all.sort_by_key(|a| std::cmp::Reverse(a.connected_at));
+        all.sort_by_key(|a| a.connected_at);
+        if newest_first {
+            all.reverse();
+        }
         all.truncate(limit);
         Ok(all)
     }

@@ -140,9 +140,14 @@ pub trait AccountStore: Send + Sync + 'static {
     ) -> Result<bool, StoreError>;
     /// How many accounts exist for anyone: start-up refuses to run without a key if any do.
     async fn count_accounts(&self) -> Result<u64, StoreError>;
-    /// Up to `limit` accounts of anyone, most recently updated first: start-up checks that
-    /// CREDENTIALS_KEY reads their tokens.
-    async fn sample_accounts(&self, limit: usize) -> Result<Vec<StoredAccount>, StoreError>;
+    /// Up to `limit` accounts of anyone, most recently saved first (or, with `newest_first`
+    /// false, least recently saved first): start-up checks that CREDENTIALS_KEY reads their
+    /// tokens, and during a rotation how far it has come.
+    async fn sample_accounts(
+        &self,
+        limit: usize,
+        newest_first: bool,
+    ) -> Result<Vec<StoredAccount>, StoreError>;
     async fn lock_account(
         &self,
         user: &UserId,

@@ -228,15 +228,20 @@ impl AccountStore for PgStore {
     }
 
     /// Once per start: a scan and a top-N sort, without an index on `updated_at`.
-    async fn sample_accounts(&self, limit: usize) -> Result<Vec<StoredAccount>, StoreError> {
+    async fn sample_accounts(
+        &self,
+        limit: usize,
+        newest_first: bool,
+    ) -> Result<Vec<StoredAccount>, StoreError> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let order = if newest_first { "DESC" } else { "ASC" };
         let rows = self
             .client()
             .await?
             .query(
                 &format!(
                     "SELECT {ACCOUNT_COLUMNS} FROM gateway.accounts \
-                     ORDER BY updated_at DESC LIMIT $1"
+                     ORDER BY updated_at {order} LIMIT $1"
                 ),
                 &[&limit],
             )
@@ -373,17 +378,17 @@ impl AccountLock for PgAccountLock {
         let read = self
             .current
             .as_ref()
-            .map(|c| (&c.access_token, &c.refresh_token));
-        // Written only over the tokens this lock read — a compare-and-swap, not a test of the
-        // lease: a reconnect meanwhile (new tokens) wins, and a refresh whose lease lapsed
-        // mid-call and was taken over still lands if the taker has saved nothing yet, so a
-        // refresh token Google rotated is not lost. The lease is let go if it is still ours,
-        // saved or not, so nobody waits out its hold.
+            .map(|c| (&c.access_token, &c.refresh_token, c.status.key()));
+        // Written only over the tokens (and status) this lock read — a compare-and-swap, not a
+        // test of the lease: a reconnect or a needs-reconnect mark meanwhile wins, and a
+        // refresh whose lease lapsed mid-call and was taken over still lands if the taker has
+        // saved nothing yet, so a refresh token Google rotated is not lost. The lease is let go
+        // if it is still ours, saved or not, so nobody waits out its hold.
         let row = pg::checkout(&self.pool, "gateway")
             .await
             .map_err(StoreError::unavailable)?
             .query_opt(
-                "WITH held AS (SELECT access_token = $10 AND refresh_token IS NOT DISTINCT FROM $11 AS fresh, \
+                "WITH held AS (SELECT access_token = $10 AND refresh_token IS NOT DISTINCT FROM $11 AND status = $12 AS fresh, \
                    COALESCE(refresh_holder = $4, false) AS ours FROM gateway.accounts \
                    WHERE user_id = $1 AND integration = $2 AND account = $3 FOR UPDATE) \
                  UPDATE gateway.accounts a SET \
@@ -408,8 +413,9 @@ impl AccountLock for PgAccountLock {
                     &a.expires_at,
                     &a.scopes,
                     &a.status.key(),
-                    &read.map(|(access, _)| access.as_slice()),
-                    &read.and_then(|(_, refresh)| refresh.as_deref()),
+                    &read.map(|(access, ..)| access.as_slice()),
+                    &read.and_then(|(_, refresh, _)| refresh.as_deref()),
+                    &read.map(|(.., status)| status),
                 ],
             )
             .await
