@@ -2033,4 +2033,10 @@ async fn b5_a_task_agent_call_whose_result_was_lost_is_answered_from_the_task_qu
         told[0].contains(&format!("Started task agent {task_id};")),
         "{told:?}"
     );
+    let tasks: i64 = sql
+        .query_one("SELECT count(*) FROM agent.task_agents", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(tasks, 1, "the task, once");
 }

@@ -725,7 +725,7 @@ impl RunService {
                 _ if call.name == TASK_AGENT_TOOL => {
                     let id = tools::task_id_for(&call.id);
                     match self.store.get_task_agent(owner, &id).await {
-                        Ok(Some(_)) => (tools::task_started(&id), false),
+                        Ok(Some(task)) => (tools::task_started_as(&task), false),
                         Ok(None) => (
                             "Not executed: the run that made this call ended before it ran."
                                 .to_owned(),

@@ -314,19 +314,16 @@ impl PolicyRunner<'_> {
 
 /// The answer of a call a stopped run did not send.
 pub(super) fn not_run_for(reason: &writer::StopReason) -> ToolOutcome {
-    let (text, error_kind) = match reason {
-        writer::StopReason::Cancelled => (
-            "Not executed: the run was cancelled before this call ran.",
-            "CANCELLED",
-        ),
-        _ => (
-            "Not executed: the run was stopped before this call ran.",
-            "INTERRUPTED",
-        ),
+    // In the words the run's end uses for the calls it answers (`answer_stopped_calls`).
+    let (why, error_kind) = match reason {
+        writer::StopReason::Cancelled => ("cancelled", "CANCELLED"),
+        writer::StopReason::Shutdown => ("stopped by a restart of the service", "INTERRUPTED"),
+        writer::StopReason::WriteFailed(_) => ("stopped by a failed write", "INTERRUPTED"),
+        writer::StopReason::LeaseLost => ("stopped", "INTERRUPTED"),
     };
     ToolOutcome {
         ok: false,
-        text: text.into(),
+        text: format!("Not executed: the run was {why} before this call ran."),
         error_kind: error_kind.into(),
         truncated: false,
         external: false,
@@ -435,6 +432,21 @@ pub(super) fn task_id_for(call_id: &str) -> String {
 /// What a call that queued task `id` answers.
 pub(super) fn task_started(id: &str) -> String {
     format!("{TASK_STARTED}{id}; its result will be posted to this thread when it finishes.")
+}
+
+/// What a call that queued `task` answers when its result is found later (the call's own
+/// was lost): what has become of the task since.
+pub(super) fn task_started_as(task: &TaskAgent) -> String {
+    let id = &task.id;
+    match task.state.as_str() {
+        "completed" => {
+            format!("{TASK_STARTED}{id}; it has finished, and its report is posted in this thread.")
+        }
+        "failed" => {
+            format!("{TASK_STARTED}{id}; it could not finish, and why is posted in this thread.")
+        }
+        _ => task_started(id),
+    }
 }
 
 async fn enqueue_task_agent(
