@@ -36,6 +36,26 @@ async fn engine(upstream: &Upstream) -> Engine {
     engine
 }
 
+/// The engine as [`engine`] makes it, with alice allowed `pages` Calendar requests a day (a
+/// day's window: the budget cannot roll over within a test).
+async fn engine_with_pages_per_day(upstream: &Upstream, pages: u32) -> Engine {
+    let engine = common::engine_with_limits(
+        &MemoryStore::stores(),
+        calendar::tools(CalendarApi {
+            base_url: upstream.base_url.clone(),
+        }),
+        Some(Limits(vec![(Window::Day, pages)])),
+    );
+    common::connect(
+        &engine,
+        Integration::GoogleCalendar,
+        "alice@example.com",
+        "tok-alice",
+    )
+    .await;
+    engine
+}
+
 #[tokio::test]
 async fn i4_a_search_whose_first_page_is_empty_but_has_a_next_page_token_reads_the_next_page() {
     let upstream = Upstream::start(|_, path| {
@@ -231,20 +251,7 @@ async fn g6_a_search_cut_short_by_the_users_rate_limit_says_so() {
     let upstream =
         Upstream::start(|_, _| Answer::Status(200, r#"{"items":[],"nextPageToken":"again"}"#))
             .await;
-    let engine = common::engine_with_limits(
-        &MemoryStore::stores(),
-        calendar::tools(CalendarApi {
-            base_url: upstream.base_url.clone(),
-        }),
-        Some(Limits(vec![(Window::Day, 1)])),
-    );
-    common::connect(
-        &engine,
-        Integration::GoogleCalendar,
-        "alice@example.com",
-        "tok-alice",
-    )
-    .await;
+    let engine = engine_with_pages_per_day(&upstream, 1).await;
     let found = common::call(&engine, "c", "calendar_search", json!({}), "k1").await;
     assert!(found.ok(), "{}", found.text);
     assert_eq!(upstream.seen(EVENTS), 1, "the one page the budget held");
@@ -269,20 +276,7 @@ async fn g6_a_search_with_events_cut_short_by_the_users_rate_limit_says_so() {
         )
     })
     .await;
-    let engine = common::engine_with_limits(
-        &MemoryStore::stores(),
-        calendar::tools(CalendarApi {
-            base_url: upstream.base_url.clone(),
-        }),
-        Some(Limits(vec![(Window::Day, 2)])),
-    );
-    common::connect(
-        &engine,
-        Integration::GoogleCalendar,
-        "alice@example.com",
-        "tok-alice",
-    )
-    .await;
+    let engine = engine_with_pages_per_day(&upstream, 2).await;
     let found = common::call(&engine, "c", "calendar_search", json!({}), "k1").await;
     assert!(found.ok(), "{}", found.text);
     assert_eq!(upstream.seen(EVENTS), 2);
@@ -317,20 +311,7 @@ async fn g6_a_search_declares_its_three_pages_and_gives_back_the_pages_it_did_no
     })
     .await;
     // A day's window: the budget cannot roll over between the searches.
-    let engine = common::engine_with_limits(
-        &MemoryStore::stores(),
-        calendar::tools(CalendarApi {
-            base_url: upstream.base_url.clone(),
-        }),
-        Some(Limits(vec![(Window::Day, 3)])),
-    );
-    common::connect(
-        &engine,
-        Integration::GoogleCalendar,
-        "alice@example.com",
-        "tok-alice",
-    )
-    .await;
+    let engine = engine_with_pages_per_day(&upstream, 3).await;
     let declared = engine.registry.get("calendar_search").unwrap();
     assert_eq!(declared.spec.upstream_cost, 3);
     // Each search reserves three pages and reads one: three fit in a budget of three.

@@ -1746,6 +1746,27 @@ async fn a_cancel_during_a_read_ends_the_run_at_once_and_answers_the_read_as_cut
     );
 }
 
+/// Once the run has asked the model (whose answer is held), records a cancel of `run_id` as
+/// CancelRun on another replica writes it, with no notice sent.
+async fn cancel_without_its_notice_once_asked(app: &TestApp, model: &FakeOpenAi, run_id: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while model.requests().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the model was never called"
+        );
+        tokio::task::yield_now().await;
+    }
+    app.sql()
+        .await
+        .execute(
+            "UPDATE agent.runs SET cancel_requested = true WHERE id = $1",
+            &[&run_id],
+        )
+        .await
+        .unwrap();
+}
+
 /// A cancel another replica recorded, whose notice never reached this one, still stops a send:
 /// the run asks just before a side effect leaves, rather than learning of it at its next lease
 /// renewal (a third of the lease, here 20 s) after the mail went out.
@@ -1771,23 +1792,7 @@ async fn a_cancel_recorded_without_its_notice_stops_a_send_before_it_leaves() {
     )
     .await;
     let (stream, first) = start_streaming(&app, "send the budget to my boss").await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while model.requests().is_empty() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the model was never called"
-        );
-        tokio::task::yield_now().await;
-    }
-    // As CancelRun on another replica writes it; no notice is sent.
-    app.sql()
-        .await
-        .execute(
-            "UPDATE agent.runs SET cancel_requested = true WHERE id = $1",
-            &[&first.run_id],
-        )
-        .await
-        .unwrap();
+    cancel_without_its_notice_once_asked(&app, &model, &first.run_id).await;
     let started = std::time::Instant::now();
     gate.notify_one();
     let events = rest_of(stream).await;
@@ -1830,29 +1835,16 @@ async fn b5_a_cancel_recorded_without_its_notice_stops_a_task_agent_before_it_is
     )
     .await;
     let (stream, first) = start_streaming(&app, "watch for the boss's reply").await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while model.requests().is_empty() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the model was never called"
-        );
-        tokio::task::yield_now().await;
-    }
-    let sql = app.sql().await;
-    // As CancelRun on another replica writes it; no notice is sent.
-    sql.execute(
-        "UPDATE agent.runs SET cancel_requested = true WHERE id = $1",
-        &[&first.run_id],
-    )
-    .await
-    .unwrap();
+    cancel_without_its_notice_once_asked(&app, &model, &first.run_id).await;
     gate.notify_one();
     let events = rest_of(stream).await;
     assert!(ended_cancelled(&events), "{:?}", events.last());
     let results = tool_results(&events);
     assert_eq!(results.len(), 1, "{results:?}");
     assert_eq!(results[0].error_kind, "CANCELLED", "{results:?}");
-    let queued: i64 = sql
+    let queued: i64 = app
+        .sql()
+        .await
         .query_one("SELECT count(*) FROM agent.task_agents", &[])
         .await
         .unwrap()
