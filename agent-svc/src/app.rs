@@ -200,8 +200,9 @@ impl App {
             let _ = w.await;
         }
         runs.settle_starts(std::time::Duration::from_secs(5)).await;
-        // Runs still going after the drain hand their threads back: their progress is
-        // committed and their leases released, so another replica's monitor ends them at once.
+        // Runs still going after the drain end INTERRUPTED as they hand their threads back
+        // (their progress committed, their leases released); a decided approval not yet
+        // carried out is left for another replica's monitor to continue.
         runs.release_all(std::time::Duration::from_secs(5)).await;
         // After the runs, so what takes a task or occurrence over finds them stopped.
         runs.hand_back(&worker).await;

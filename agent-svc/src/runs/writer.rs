@@ -53,7 +53,9 @@ pub(super) enum StopReason {
     LeaseLost,
     /// The run's progress could not be made durable.
     WriteFailed(String),
-    /// This replica is shutting down: commit progress, release the lease, write no end.
+    /// This replica is shutting down: commit progress and end the run INTERRUPTED with the
+    /// release of its lease (a continuation that has not carried out its decision is released
+    /// without an end, for another replica's monitor to continue).
     Shutdown,
 }
 
