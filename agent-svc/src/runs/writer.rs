@@ -233,6 +233,17 @@ impl SideEffectsInFlight {
 /// the 5 s the service gives its runs to commit and hand their threads back.
 const SHUTDOWN_SIDE_EFFECT_GRACE: Duration = Duration::from_secs(3);
 
+/// How long a stopped segment waits for a side effect already sent: the call's own deadline
+/// (`cancel_grace`) for a cancel, [`SHUTDOWN_SIDE_EFFECT_GRACE`] for a shutdown; `None` for a
+/// lost lease or a failed write, whose record cannot be trusted to take more.
+fn effect_grace(stopper: &Stopper, cancel_grace: Duration) -> Option<Duration> {
+    match stopper.reason()? {
+        StopReason::Cancelled => Some(cancel_grace),
+        StopReason::Shutdown => Some(SHUTDOWN_SIDE_EFFECT_GRACE),
+        StopReason::LeaseLost | StopReason::WriteFailed(_) => None,
+    }
+}
+
 /// Resolves when a stopped segment may drop its loop: at once for a lost lease or a failed
 /// write (the record cannot be trusted to take more), and for a cancel or a shutdown once the side effects
 /// in flight have their results — within `cancel_grace` (the calls' own deadline) or
@@ -243,10 +254,8 @@ pub(super) async fn stopped_between_effects(
     cancel_grace: Duration,
 ) {
     stopper.token.cancelled().await;
-    let grace = match stopper.reason() {
-        Some(StopReason::Cancelled) => cancel_grace,
-        Some(StopReason::Shutdown) => SHUTDOWN_SIDE_EFFECT_GRACE,
-        _ => return,
+    let Some(grace) = effect_grace(stopper, cancel_grace) else {
+        return;
     };
     if tokio::time::timeout(grace, in_flight.settled())
         .await
@@ -273,11 +282,7 @@ pub(super) async fn unless_stopped<F: std::future::Future>(
         out = &mut work => return Some(out),
         () = stopper.token.cancelled() => {}
     }
-    let grace = match stopper.reason() {
-        Some(StopReason::Cancelled) => cancel_grace,
-        Some(StopReason::Shutdown) => SHUTDOWN_SIDE_EFFECT_GRACE,
-        _ => Duration::ZERO,
-    };
+    let grace = effect_grace(stopper, cancel_grace).unwrap_or(Duration::ZERO);
     let out = tokio::time::timeout(grace, work).await.ok();
     if out.is_none() {
         tracing::warn!(
