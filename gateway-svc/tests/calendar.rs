@@ -20,31 +20,24 @@ use serde_json::json;
 const EVENTS: &str = "GET /calendar/v3/calendars/primary/events?";
 
 async fn engine(upstream: &Upstream) -> Engine {
-    let engine = common::engine(
-        &MemoryStore::stores(),
-        calendar::tools(CalendarApi {
-            base_url: upstream.base_url.clone(),
-        }),
-    );
-    common::connect(
-        &engine,
-        Integration::GoogleCalendar,
-        "alice@example.com",
-        "tok-alice",
-    )
-    .await;
-    engine
+    engine_limited(upstream, None).await
 }
 
 /// The engine as [`engine`] makes it, with alice allowed `pages` Calendar requests a day (a
 /// day's window: the budget cannot roll over within a test).
 async fn engine_with_pages_per_day(upstream: &Upstream, pages: u32) -> Engine {
+    engine_limited(upstream, Some(Limits(vec![(Window::Day, pages)]))).await
+}
+
+/// The real Calendar tools against `upstream`, alice's account connected, her calls limited by
+/// `limits`.
+async fn engine_limited(upstream: &Upstream, limits: Option<Limits>) -> Engine {
     let engine = common::engine_with_limits(
         &MemoryStore::stores(),
         calendar::tools(CalendarApi {
             base_url: upstream.base_url.clone(),
         }),
-        Some(Limits(vec![(Window::Day, pages)])),
+        limits,
     );
     common::connect(
         &engine,
@@ -310,7 +303,6 @@ async fn g6_a_search_declares_its_three_pages_and_gives_back_the_pages_it_did_no
         )
     })
     .await;
-    // A day's window: the budget cannot roll over between the searches.
     let engine = engine_with_pages_per_day(&upstream, 3).await;
     let declared = engine.registry.get("calendar_search").unwrap();
     assert_eq!(declared.spec.upstream_cost, 3);

@@ -20,11 +20,22 @@ use gateway_svc::{
 use serde_json::json;
 
 async fn engine(upstream: &Upstream) -> Engine {
-    let engine = common::engine(
+    engine_limited(upstream, None).await
+}
+
+/// The real Slack tools against `upstream`, workspace T123 connected, its calls limited to
+/// `pages` a day (a day's window: the budget cannot roll over within a test).
+async fn engine_with_pages_per_day(upstream: &Upstream, pages: u32) -> Engine {
+    engine_limited(upstream, Some(Limits(vec![(Window::Day, pages)]))).await
+}
+
+async fn engine_limited(upstream: &Upstream, limits: Option<Limits>) -> Engine {
+    let engine = common::engine_with_limits(
         &MemoryStore::stores(),
         slack::tools(SlackApi {
             base_url: upstream.base_url.clone(),
         }),
+        limits,
     );
     common::connect(&engine, Integration::Slack, "T123", "tok").await;
     engine
@@ -169,15 +180,7 @@ async fn g6_a_channel_listing_declares_its_three_pages_and_gives_back_the_pages_
         )
     })
     .await;
-    // A day's window: the budget cannot roll over between the listings.
-    let engine = common::engine_with_limits(
-        &MemoryStore::stores(),
-        slack::tools(SlackApi {
-            base_url: upstream.base_url.clone(),
-        }),
-        Some(Limits(vec![(Window::Day, 3)])),
-    );
-    common::connect(&engine, Integration::Slack, "T123", "tok").await;
+    let engine = engine_with_pages_per_day(&upstream, 3).await;
     let declared = engine.registry.get("slack_channels").unwrap();
     assert_eq!(declared.spec.upstream_cost, 3);
     // Each listing reserves three pages and reads one: three fit in a budget of three.
@@ -207,14 +210,7 @@ async fn g6_a_channel_listing_cut_short_by_the_users_rate_limit_says_so() {
         )
     })
     .await;
-    let engine = common::engine_with_limits(
-        &MemoryStore::stores(),
-        slack::tools(SlackApi {
-            base_url: upstream.base_url.clone(),
-        }),
-        Some(Limits(vec![(Window::Day, 2)])),
-    );
-    common::connect(&engine, Integration::Slack, "T123", "tok").await;
+    let engine = engine_with_pages_per_day(&upstream, 2).await;
     let listed = common::call(&engine, "c", "slack_channels", json!({}), "k1").await;
     assert!(listed.ok(), "{}", listed.text);
     assert_eq!(

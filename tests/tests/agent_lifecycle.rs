@@ -1746,6 +1746,46 @@ async fn a_cancel_during_a_read_ends_the_run_at_once_and_answers_the_read_as_cut
     );
 }
 
+/// A world whose model first answers with the tool call `call` (id, tool, arguments), held
+/// until the returned gate opens, then with `then`. Its lease is a minute long, so a cancel
+/// that reaches the run within the test came by its own check, not by a lease renewal.
+async fn a_world_whose_call_waits(
+    (id, tool, args): (&str, &str, &str),
+    then: &str,
+    env: &[(&str, &str)],
+) -> (
+    TestApp,
+    FakeOpenAi,
+    FakeGmail,
+    std::sync::Arc<tokio::sync::Notify>,
+) {
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let mut env = env.to_vec();
+    env.push(("RUN_LEASE", "60s"));
+    let (app, model, gmail) = gmail_world(
+        vec![
+            Answer::Held(
+                Box::new(Answer::tool_calls(&[(id, tool, args)])),
+                gate.clone(),
+            ),
+            Answer::text(then),
+        ],
+        &env,
+    )
+    .await;
+    (app, model, gmail, gate)
+}
+
+/// How many task agents are in the queue, in any state.
+async fn task_agents_queued(app: &TestApp) -> i64 {
+    app.sql()
+        .await
+        .query_one("SELECT count(*) FROM agent.task_agents", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// Once the run has asked the model (whose answer is held), records a cancel of `run_id` as
 /// CancelRun on another replica writes it, with no notice sent.
 async fn cancel_without_its_notice_once_asked(app: &TestApp, model: &FakeOpenAi, run_id: &str) {
@@ -1772,23 +1812,10 @@ async fn cancel_without_its_notice_once_asked(app: &TestApp, model: &FakeOpenAi,
 /// renewal (a third of the lease, here 20 s) after the mail went out.
 #[tokio::test]
 async fn a_cancel_recorded_without_its_notice_stops_a_send_before_it_leaves() {
-    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
-    let (app, model, gmail) = gmail_world(
-        vec![
-            Answer::Held(
-                Box::new(Answer::tool_calls(&[(
-                    "call_send",
-                    "gmail_send",
-                    SEND_ARGS,
-                )])),
-                gate.clone(),
-            ),
-            Answer::text("Sent."),
-        ],
-        &[
-            ("AGENT_DEFAULT_TRUST_LEVEL", "autonomous"),
-            ("RUN_LEASE", "60s"),
-        ],
+    let (app, model, gmail, gate) = a_world_whose_call_waits(
+        ("call_send", "gmail_send", SEND_ARGS),
+        "Sent.",
+        &[("AGENT_DEFAULT_TRUST_LEVEL", "autonomous")],
     )
     .await;
     let (stream, first) = start_streaming(&app, "send the budget to my boss").await;
@@ -1817,21 +1844,11 @@ async fn a_cancel_recorded_without_its_notice_stops_a_send_before_it_leaves() {
 /// answered "not executed" rather than a task started behind the user's cancel.
 #[tokio::test]
 async fn b5_a_cancel_recorded_without_its_notice_stops_a_task_agent_before_it_is_queued() {
-    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
     let task = r#"{"instructions":"Watch for the reply","goal":"reply watch"}"#;
-    let (app, model, _gmail) = gmail_world(
-        vec![
-            Answer::Held(
-                Box::new(Answer::tool_calls(&[(
-                    "call_task",
-                    "create_task_agent",
-                    task,
-                )])),
-                gate.clone(),
-            ),
-            Answer::text("I'll watch for the reply."),
-        ],
-        &[("TASK_AGENT_WORKERS", "false"), ("RUN_LEASE", "60s")],
+    let (app, model, _gmail, gate) = a_world_whose_call_waits(
+        ("call_task", "create_task_agent", task),
+        "I'll watch for the reply.",
+        &[("TASK_AGENT_WORKERS", "false")],
     )
     .await;
     let (stream, first) = start_streaming(&app, "watch for the boss's reply").await;
@@ -1842,14 +1859,11 @@ async fn b5_a_cancel_recorded_without_its_notice_stops_a_task_agent_before_it_is
     let results = tool_results(&events);
     assert_eq!(results.len(), 1, "{results:?}");
     assert_eq!(results[0].error_kind, "CANCELLED", "{results:?}");
-    let queued: i64 = app
-        .sql()
-        .await
-        .query_one("SELECT count(*) FROM agent.task_agents", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(queued, 0, "no task queued behind the cancel");
+    assert_eq!(
+        task_agents_queued(&app).await,
+        0,
+        "no task queued behind the cancel"
+    );
 }
 
 /// A shutdown that stops a run while its send is at Gmail gives the send a moment (3 s) to
@@ -2025,10 +2039,5 @@ async fn b5_a_task_agent_call_whose_result_was_lost_is_answered_from_the_task_qu
         told[0].contains(&format!("Started task agent {task_id};")),
         "{told:?}"
     );
-    let tasks: i64 = sql
-        .query_one("SELECT count(*) FROM agent.task_agents", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(tasks, 1, "the task, once");
+    assert_eq!(task_agents_queued(&app).await, 1, "the task, once");
 }

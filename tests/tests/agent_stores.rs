@@ -1248,6 +1248,16 @@ fn queued_task(id: &str, owner: &str, thread: &str) -> TaskAgent {
     }
 }
 
+/// Alice's thread t1 with her task k1 queued on it.
+async fn queue_alices_task_k1(s: &Arc<dyn AgentStore>) {
+    s.create_thread("t1", "alice", "x").await.unwrap();
+    assert!(
+        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5, None)
+            .await
+            .unwrap()
+    );
+}
+
 async fn the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once(b: Backend) {
     let s = &b.store;
     s.create_thread("t1", "alice", "x").await.unwrap();
@@ -1347,12 +1357,7 @@ async fn e12_a_takeover_that_settles_an_earlier_attempts_run_spends_no_try(b: Ba
 /// what it holds; a task whose every attempt lost its worker is failed and its parent told.
 async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
     let s = &b.store;
-    s.create_thread("t1", "alice", "x").await.unwrap();
-    assert!(
-        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5, None)
-            .await
-            .unwrap()
-    );
+    queue_alices_task_k1(s).await;
     let hold = Duration::from_secs(60);
     let first = s.claim_task_agent("w1", hold, 3).await.unwrap().unwrap();
     assert_eq!((first.attempts, first.settled_attempt), (1, 0));
@@ -1443,12 +1448,7 @@ async fn task_claims_are_kept_handed_back_or_ended_by_their_rules(b: Backend) {
 /// another, not failed as if its worker had died.
 async fn b5_a_task_handed_back_on_its_last_attempt_is_taken_up_not_failed(b: Backend) {
     let s = &b.store;
-    s.create_thread("t1", "alice", "x").await.unwrap();
-    assert!(
-        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5, None)
-            .await
-            .unwrap()
-    );
+    queue_alices_task_k1(s).await;
     let hold = Duration::from_secs(60);
     let first = s
         .claim_task_agent("w1", Duration::ZERO, 2)
@@ -1521,12 +1521,7 @@ async fn b5_a_task_agent_is_queued_only_under_its_runs_live_lease(b: Backend) {
 /// using up its retries, and its last try is still taken over when its worker dies.
 async fn b5_a_restart_settles_an_attempt_without_spending_a_try(b: Backend) {
     let s = &b.store;
-    s.create_thread("t1", "alice", "x").await.unwrap();
-    assert!(
-        s.enqueue_task_agent(&queued_task("k1", "alice", "t1"), 5, None)
-            .await
-            .unwrap()
-    );
+    queue_alices_task_k1(s).await;
     let hold = Duration::from_secs(60);
     let restarted = |attempt| TaskSettle {
         state: "queued",
