@@ -418,12 +418,7 @@ impl RunService {
             intent_recorded = true;
             // A stop that came during that commit still comes before the effect: a local one,
             // or a cancel another replica recorded whose notice has not arrived.
-            if stopper.reason().is_none()
-                && let Ok(Some(now)) = self.store.get_run(&seg.owner, &seg.run_id).await
-                && now.cancel_requested
-            {
-                stopper.stop(StopReason::Cancelled);
-            }
+            tools::look_for_a_cancel(&self.store, &seg.owner, &seg.run_id, stopper).await;
             stopped = stopper.reason();
             // A shutdown that came during the intent commit does not undo the user's decision:
             // the send goes, within the stop's grace, as one the loop had begun would. A

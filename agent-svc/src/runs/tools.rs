@@ -70,7 +70,7 @@ impl ToolRunner for PolicyRunner<'_> {
                 let checkpointed =
                     writer::checkpoint(&self.writer, vec![call.call_id.clone()], true).await;
                 if checkpointed.is_ok() {
-                    self.look_for_a_cancel().await;
+                    look_for_a_cancel(self.store, self.user, self.run_id, self.stopper).await;
                 }
                 outcomes[i] = Some(match (self.stopper.reason(), checkpointed) {
                     (Some(reason), _) => not_run_for(&reason),
@@ -205,7 +205,7 @@ impl ToolRunner for PolicyRunner<'_> {
                 .collect();
             let checkpointed = writer::checkpoint(&self.writer, ids, side.contains(&true)).await;
             if checkpointed.is_ok() && side.contains(&true) {
-                self.look_for_a_cancel().await;
+                look_for_a_cancel(self.store, self.user, self.run_id, self.stopper).await;
             }
             // Any stop known by now, for whatever reason, keeps the batch unsent.
             let checkpointed = match self.stopper.reason() {
@@ -267,26 +267,6 @@ impl ToolRunner for PolicyRunner<'_> {
 }
 
 impl PolicyRunner<'_> {
-    /// Reads the run's cancel flag just before its side effects leave, and stops the segment
-    /// if it is set: a cancel taken by another replica reaches this one by a notice, or else by
-    /// the next lease renewal up to a third of the lease later — too late to stop a send. If
-    /// the store cannot say, the calls go ahead (their checkpoint has just been written, so it
-    /// was answering).
-    async fn look_for_a_cancel(&self) {
-        if self.stopper.reason().is_some() {
-            return;
-        }
-        match self.store.get_run(self.user, self.run_id).await {
-            Ok(Some(run)) if run.cancel_requested => {
-                self.stopper.stop(writer::StopReason::Cancelled);
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(run_id = %self.run_id, error = %e, "could not check for a cancel before a side effect");
-            }
-        }
-    }
-
     /// What the call would do, resolved by the gateway. Without a gateway nothing can run
     /// anyway; the arguments' own preview stands in.
     async fn preview(&self, call: &ToolInvocation) -> Result<CallPreview, ToolOutcome> {
@@ -504,6 +484,29 @@ async fn enqueue_task_agent(
             external: false,
         },
         Err(e) => store_failed("Could not start a task agent", &e),
+    }
+}
+
+/// Reads the run's cancel flag just before a side effect leaves (once its checkpoint is
+/// durable), and stops the segment if it is set: a cancel taken by another replica reaches
+/// this one by a notice, or else by the next lease renewal up to a third of the lease later —
+/// too late to stop a send. If the store cannot say, the call goes ahead (the checkpoint has
+/// just been written, so it was answering).
+pub(super) async fn look_for_a_cancel(
+    store: &SharedStore,
+    owner: &str,
+    run_id: &str,
+    stopper: &writer::Stopper,
+) {
+    if stopper.reason().is_some() {
+        return;
+    }
+    match store.get_run(owner, run_id).await {
+        Ok(Some(run)) if run.cancel_requested => stopper.stop(writer::StopReason::Cancelled),
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(run_id = %run_id, error = %e, "could not check for a cancel before a side effect");
+        }
     }
 }
 
