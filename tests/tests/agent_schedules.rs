@@ -814,6 +814,82 @@ async fn e12_a_failed_scheduled_run_is_retried_on_its_schedule_then_recorded_as_
     assert_eq!(shown[0].last_run_id, runs[1].0);
 }
 
+/// E-12, O-1: an occurrence whose run was stopped by a restart of its replica (a rolling
+/// deploy) is taken up again at once, by a replica still running, under a new attempt and
+/// request id, and spends no try: the two refusals that follow still get E-12's two tries,
+/// as they would have with no restart.
+#[tokio::test]
+async fn e12_an_occurrence_stopped_by_a_restart_is_taken_up_again_at_once_without_a_try() {
+    let refused = || Answer::ErrorBody {
+        status: 400,
+        body: r#"{"error": {"message": "this request is malformed"}}"#.into(),
+    };
+    let never = Arc::new(tokio::sync::Notify::new());
+    let (mut app, (model, _gmail), _alice, schedule) = a_heartbeat(
+        vec![
+            Answer::Held(Box::new(Answer::text("too late")), never),
+            refused(),
+            refused(),
+        ],
+        &[("SHUTDOWN_DRAIN_TIMEOUT", "0s")],
+    )
+    .await;
+    let stopping = app.agent_replicas()[0].clone();
+    // Ahead of the wall clock for the whole test, so every settle counts from this clock.
+    let now = time(&schedule.next_due_at).max(SystemTime::now()) + Duration::from_secs(60);
+    let fired = stopping
+        .fire_due_schedules("replica-0", now)
+        .await
+        .expect("fire due schedules");
+    model.server.requested(1).await;
+    let second = app.start_another_agent().await;
+    // Newest first.
+    let running = app.agent_replicas()[0].clone();
+    let mut alice = steward_tests::agent_as(second, "alice").await;
+    app.stop_service(app.agent_addr)
+        .await
+        .expect("agent-svc stops cleanly");
+    let settled = futures_util::future::join_all(fired).await;
+    assert_eq!(
+        settled[0].as_ref().unwrap().outcome,
+        ScheduleOutcome::Retrying
+    );
+    assert!(
+        listed(&mut alice).await[0]
+            .last_error
+            .contains("the service running it was restarted"),
+        "the owner sees why"
+    );
+
+    let fired = fire_everywhere(std::slice::from_ref(&running), now).await;
+    assert_eq!(fired.len(), 1, "taken up again at once, with no backoff");
+    assert_eq!(
+        fired[0].outcome,
+        ScheduleOutcome::Retrying,
+        "the restart was not a try: the first refusal leaves one"
+    );
+    let fired = fire_everywhere(&[running], now + Duration::from_secs(13)).await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Failed);
+    let runs = runs_on(&app, &schedule.thread_id).await;
+    let attempts: Vec<&str> = runs
+        .iter()
+        .map(|(_, request)| request.rsplit(':').next().unwrap())
+        .collect();
+    assert_eq!(attempts, ["1", "2", "3"], "{runs:?}");
+    let interrupted: String = app
+        .sql()
+        .await
+        .query_one(
+            "SELECT failure_kind FROM agent.runs WHERE id = $1",
+            &[&runs[0].0],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(interrupted, "interrupted");
+}
+
 /// E-12: a schedule switched off while its occurrence was in progress (the switch leaves an
 /// occurrence that is held alone) is not retried once that attempt fails.
 #[tokio::test]

@@ -1891,6 +1891,7 @@ fn every_minute(id: &str, owner: &str, t0: SystemTime) -> Schedule {
         last_fired_at: None,
         occurrence_at: None,
         attempts: 0,
+        restarts: 0,
         created_at: t0,
         updated_at: t0,
     }
@@ -2078,6 +2079,7 @@ async fn an_occurrence_is_retried_taken_over_or_run_now_only_by_its_rules(b: Bac
     let again = Settle::Again {
         outcome: ScheduleOutcome::Retrying,
         run_id: Some("r1".into()),
+        tally: Tally::Try,
         error: Some("HTTP 429".into()),
         at: now + secs(10),
     };
@@ -2146,6 +2148,68 @@ async fn an_occurrence_is_retried_taken_over_or_run_now_only_by_its_rules(b: Bac
     assert_eq!(got.last_outcome, Some(ScheduleOutcome::Running));
 }
 
+/// E-12: an occurrence's attempt that a restart stopped is settled as an attempt (the next one
+/// starts a run of its own, under its own request id) but counted in `restarts`, so its tries
+/// are `attempts - restarts`; a settled occurrence starts the next one at zero.
+async fn e12_a_restart_settles_an_occurrences_attempt_without_spending_a_try(b: Backend) {
+    let s = &b.store;
+    s.create_schedule(&every_minute("s1", "alice", t0()), 10, None)
+        .await
+        .unwrap();
+    let now = t0() + secs(61);
+    let first = s
+        .claim_schedule("w1", now, secs(600))
+        .await
+        .unwrap()
+        .unwrap();
+    let restarted = Settle::Again {
+        outcome: ScheduleOutcome::Retrying,
+        tally: Tally::Restart,
+        run_id: Some("r1".into()),
+        error: Some("the service running it was restarted".into()),
+        at: now,
+    };
+    assert!(s.settle_schedule(&first, "w1", &restarted).await.unwrap());
+    let second = s
+        .claim_schedule("w2", now, secs(600))
+        .await
+        .unwrap()
+        .expect("taken up again at once");
+    assert_eq!(
+        (second.due_at, second.attempt, second.schedule.restarts),
+        (first.due_at, 2, 1),
+        "a new attempt, and the restart counted"
+    );
+    let failed = Settle::Again {
+        outcome: ScheduleOutcome::Retrying,
+        tally: Tally::Try,
+        run_id: Some("r2".into()),
+        error: Some("HTTP 429".into()),
+        at: now + secs(10),
+    };
+    assert!(s.settle_schedule(&second, "w2", &failed).await.unwrap());
+    let third = s
+        .claim_schedule("w3", now + secs(10), secs(600))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((third.attempt, third.schedule.restarts), (3, 1));
+    let done = Settle::Done {
+        outcome: ScheduleOutcome::Completed,
+        run_id: Some("r3".into()),
+        error: None,
+    };
+    assert!(s.settle_schedule(&third, "w3", &done).await.unwrap());
+    let got = s.get_schedule("alice", "s1").await.unwrap().unwrap();
+    assert_eq!((got.attempts, got.restarts), (0, 0));
+    let next = s
+        .claim_schedule("w4", now + secs(600), secs(600))
+        .await
+        .unwrap()
+        .expect("the next occurrence");
+    assert_eq!((next.attempt, next.schedule.restarts), (1, 0));
+}
+
 async fn switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_one(b: Backend) {
     let s = &b.store;
     s.create_schedule(&every_minute("s1", "alice", t0()), 10, None)
@@ -2167,6 +2231,7 @@ async fn switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_o
     let (waiting, running) = (waiting.unwrap(), running.unwrap());
     let postponed = Settle::Again {
         outcome: ScheduleOutcome::Postponed,
+        tally: Tally::NotAnAttempt,
         run_id: None,
         error: Some("busy".into()),
         at: now + secs(30),
@@ -2231,6 +2296,7 @@ async fn switching_a_schedule_off_keeps_an_occurrence_whose_run_is_going_unheld(
     assert!(s.settle_schedule(&claimed, "w1", &started).await.unwrap());
     let follow_later = Settle::Again {
         outcome: ScheduleOutcome::Running,
+        tally: Tally::NotAnAttempt,
         run_id: Some("r1".into()),
         error: Some("could not follow the run".into()),
         at: now + secs(30),
@@ -2438,6 +2504,7 @@ both_backends!(
     a_due_occurrence_is_claimed_once_and_missed_slots_collapse_into_it,
     of_concurrent_claimers_exactly_one_gets_an_occurrence,
     an_occurrence_is_retried_taken_over_or_run_now_only_by_its_rules,
+    e12_a_restart_settles_an_occurrences_attempt_without_spending_a_try,
     switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_one,
     switching_a_schedule_off_keeps_an_occurrence_whose_run_is_going_unheld,
 );

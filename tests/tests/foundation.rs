@@ -395,7 +395,7 @@ async fn a_migration_waiting_for_a_lock_gives_way_to_the_replicas_statements() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(applied, 23);
+    assert_eq!(applied, 24);
 }
 
 /// Each shipped migration's checksum as refinery records it. A database that applied a
@@ -428,6 +428,7 @@ const MIGRATION_CHECKSUMS: &[(&str, &[&str])] = &[
             "12731774979488163909", // V21
             "14619383028808738936", // V22
             "14650989266149762680", // V23
+            "15586975895207243026", // V24
         ],
     ),
     (

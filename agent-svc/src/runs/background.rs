@@ -701,7 +701,7 @@ fn task_outcome(task: &TaskAgent, judged: u32, attempt: TaskAttempt) -> TaskOutc
         // trouble is).
         TaskAttempt::Ended(r)
             if r.failure_kind == pb::FailureKind::Interrupted as i32
-                && task.restarts < MAX_TASK_RESTARTS =>
+                && task.restarts < MAX_RESTARTS =>
         {
             tracing::warn!(task = %task.id, attempt = task.attempts, "task agent's run was stopped by a restart; taken up again now, no try counted");
             return again(r.error, Duration::ZERO, Tally::Restart);
@@ -756,9 +756,10 @@ const TASK_NOT_YET_PATIENCE: Duration = Duration::from_secs(6 * 3600);
 /// as the most retries E-12 allows any error.
 const MAX_TASK_ATTEMPTS: u32 = 5;
 
-/// The most of a task's attempts that a restart may stop without counting as tries: enough for
-/// any run of rolling deploys, few enough that a task cannot be taken up forever.
-const MAX_TASK_RESTARTS: u32 = 20;
+/// The most of a task's (or a schedule occurrence's) attempts that a restart may stop without
+/// counting as tries: enough for any run of rolling deploys, few enough that unattended work
+/// cannot be taken up forever.
+pub(super) const MAX_RESTARTS: u32 = 20;
 
 /// Why such a task failed, as its parent thread is told.
 const TASK_KEPT_STOPPING: &str =
@@ -782,7 +783,7 @@ pub(super) fn retry_backoff(error: &str, attempts: u32) -> Option<Duration> {
     } else if [
         "timed out",
         "stopped responding",
-        // INTERRUPTED_MESSAGE: a restart past a task's free ones, or a schedule's.
+        // INTERRUPTED_MESSAGE: a restart past the free ones of a task or a schedule.
         "the service running it was restarted",
         "connection",
         "cut off",
@@ -858,11 +859,11 @@ mod tests {
         assert!(outcome.report.is_none(), "the parent is told nothing yet");
 
         // Past the bound a restart is a try like any other stop, retried as network trouble.
-        let worn = task(MAX_TASK_RESTARTS + 1, MAX_TASK_RESTARTS);
-        let outcome = task_outcome(&worn, MAX_TASK_RESTARTS + 1, restarted());
+        let worn = task(MAX_RESTARTS + 1, MAX_RESTARTS);
+        let outcome = task_outcome(&worn, MAX_RESTARTS + 1, restarted());
         assert_eq!((outcome.state, outcome.tally), ("queued", Tally::Try));
-        let last = task(MAX_TASK_RESTARTS + 3, MAX_TASK_RESTARTS);
-        let outcome = task_outcome(&last, MAX_TASK_RESTARTS + 3, restarted());
+        let last = task(MAX_RESTARTS + 3, MAX_RESTARTS);
+        let outcome = task_outcome(&last, MAX_RESTARTS + 3, restarted());
         assert_eq!(outcome.state, "failed", "its third try was its last");
     }
 

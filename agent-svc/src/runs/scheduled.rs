@@ -12,7 +12,7 @@
 use super::*;
 use crate::{
     schedule::Recurrence,
-    store::{Occurrence, Schedule, ScheduleKind, ScheduleOutcome, Settle},
+    store::{Occurrence, Schedule, ScheduleKind, ScheduleOutcome, Settle, Tally},
 };
 
 /// Per-user rules for schedules (AGENT_MAX_SCHEDULES_PER_USER, AGENT_SCHEDULE_MIN_INTERVAL).
@@ -250,6 +250,7 @@ impl RunService {
             last_fired_at: None,
             occurrence_at: None,
             attempts: 0,
+            restarts: 0,
             created_at: now,
             updated_at: now,
         };
@@ -655,12 +656,28 @@ impl RunService {
             Ok(r) if r.status == pb::RunState::Cancelled as i32 => {
                 done(ScheduleOutcome::Failed, Some(r.error))
             }
+            // Stopped by a restart of the service running it (a rolling deploy): tried again at
+            // once, under a new request id, spending no try — as a task agent's attempt is.
+            Ok(r)
+                if r.failure_kind == pb::FailureKind::Interrupted as i32
+                    && occurrence.schedule.restarts < background::MAX_RESTARTS =>
+            {
+                tracing::warn!(schedule = %occurrence.schedule.id, attempt = occurrence.attempt, "scheduled run was stopped by a restart; taken up again now, no try counted");
+                Settle::Again {
+                    outcome: ScheduleOutcome::Retrying,
+                    tally: Tally::Restart,
+                    run_id: Some(run_id.clone()),
+                    error: Some(r.error),
+                    at: now,
+                }
+            }
             Ok(r) => failed(occurrence, Some(run_id.clone()), r.error, now),
             // The run could not be followed (the store or the stream failed), not that it
             // failed: the same attempt is taken up again shortly, and its request id finds this
             // very run instead of starting a second one.
             Err(e) => Settle::Again {
                 outcome: ScheduleOutcome::Running,
+                tally: Tally::NotAnAttempt,
                 run_id: Some(run_id.clone()),
                 error: Some(e.to_string()),
                 at: now + POSTPONE,
@@ -700,6 +717,7 @@ fn start_failed(occurrence: &Occurrence, e: &ApiError, now: SystemTime) -> Settl
             Settle::Again {
                 // Postponed, not retrying: this does not count as an attempt.
                 outcome: ScheduleOutcome::Postponed,
+                tally: Tally::NotAnAttempt,
                 run_id: None,
                 error: Some(e.to_string()),
                 at: now + postponed_for(occurrence, now),
@@ -709,6 +727,7 @@ fn start_failed(occurrence: &Occurrence, e: &ApiError, now: SystemTime) -> Settl
             tracing::info!(schedule = %occurrence.schedule.id, %why, "scheduled run postponed");
             Settle::Again {
                 outcome: ScheduleOutcome::Postponed,
+                tally: Tally::NotAnAttempt,
                 run_id: None,
                 error: Some(why.clone()),
                 at: now + postponed_for(occurrence, now),
@@ -740,11 +759,16 @@ fn failed(
     error: String,
     now: SystemTime,
 ) -> Settle {
-    match background::retry_backoff(&error, occurrence.attempt) {
+    // Tries, not attempts: the restarts before this attempt do not count.
+    let tries = occurrence
+        .attempt
+        .saturating_sub(occurrence.schedule.restarts);
+    match background::retry_backoff(&error, tries) {
         Some(backoff) => {
             tracing::warn!(schedule = %occurrence.schedule.id, attempt = occurrence.attempt, %error, "scheduled run failed; retrying later");
             Settle::Again {
                 outcome: ScheduleOutcome::Retrying,
+                tally: Tally::Try,
                 run_id,
                 error: Some(error),
                 at: now + backoff,

@@ -1224,6 +1224,7 @@ impl AgentStore for MemoryStore {
             {
                 r.occurrence_at = None;
                 r.attempts = 0;
+                r.restarts = 0;
                 row.held_until = None;
             }
             touch(&mut r.updated_at);
@@ -1277,6 +1278,7 @@ impl AgentStore for MemoryStore {
                     row.schedule.next_due_at = following;
                     row.schedule.occurrence_at = Some(due);
                     row.schedule.attempts = 1;
+                    row.schedule.restarts = 0;
                     row.schedule.last_outcome = Some(ScheduleOutcome::Running);
                     row.schedule.last_fired_at = Some(now);
                     due
@@ -1313,6 +1315,7 @@ impl AgentStore for MemoryStore {
             }
             row.schedule.occurrence_at = Some(now);
             row.schedule.attempts = 1;
+            row.schedule.restarts = 0;
             row.schedule.last_outcome = Some(ScheduleOutcome::Running);
             row.schedule.last_fired_at = Some(now);
             Ok(Some(row.claim(worker, now, now, hold)))
@@ -1361,13 +1364,13 @@ impl AgentStore for MemoryStore {
                 }
                 Settle::Again {
                     outcome,
+                    tally,
                     run_id,
                     error,
                     at,
                 } => {
-                    if *outcome == ScheduleOutcome::Retrying {
-                        sch.attempts += 1;
-                    }
+                    sch.attempts += u32::from(*tally != Tally::NotAnAttempt);
+                    sch.restarts += u32::from(*tally == Tally::Restart);
                     sch.last_outcome = Some(*outcome);
                     sch.last_run_id = run_id.clone().or(sch.last_run_id.take());
                     sch.last_error = error.clone();
@@ -1384,6 +1387,7 @@ impl AgentStore for MemoryStore {
                     sch.last_error = error.clone();
                     sch.occurrence_at = None;
                     sch.attempts = 0;
+                    sch.restarts = 0;
                     row.holder = None;
                     row.held_until = None;
                 }

@@ -1087,7 +1087,8 @@ pub struct TaskSettle<'a> {
     pub attempt: u32,
 }
 
-/// How a settled attempt counts against a task's tries (E-12).
+/// How a settled attempt of unattended work (a task agent's, a schedule occurrence's) counts
+/// against its tries (E-12).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tally {
     /// A try: its run ended (or could not start) for a reason of its own.
@@ -1265,6 +1266,9 @@ pub struct Schedule {
     pub occurrence_at: Option<SystemTime>,
     /// Attempts of the occurrence in progress (E-12 retries).
     pub attempts: u32,
+    /// Of those, the ones a restart of the service running their run stopped: attempts, each
+    /// with a run of its own, but not tries (see [`Tally::Restart`]).
+    pub restarts: u32,
     pub created_at: SystemTime,
     pub updated_at: SystemTime,
 }
@@ -1309,9 +1313,11 @@ pub struct Occurrence {
 pub enum Settle {
     /// Its run started (or is still going): the hold is extended to `until`.
     Running { run_id: String, until: SystemTime },
-    /// Try it again at `at`: postponed (busy thread) or retrying (the next attempt).
+    /// Try it again at `at`: postponed (busy thread) or retrying (the next attempt); `tally`
+    /// says whether the next try is a new attempt, and whether this one was a try.
     Again {
         outcome: ScheduleOutcome,
+        tally: Tally,
         run_id: Option<String>,
         error: Option<String>,
         at: SystemTime,

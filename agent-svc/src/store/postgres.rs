@@ -1045,6 +1045,7 @@ impl AgentStore for PgStore {
                    next_due_at = CASE WHEN $9 THEN $8 ELSE next_due_at END, \
                    occurrence_at = CASE WHEN waiting.drop THEN NULL ELSE occurrence_at END, \
                    attempts = CASE WHEN waiting.drop THEN 0 ELSE attempts END, \
+                   restarts = CASE WHEN waiting.drop THEN 0 ELSE restarts END, \
                    held_until = CASE WHEN waiting.drop THEN NULL ELSE held_until END, \
                    updated_at = now() FROM waiting WHERE id = $1 AND owner = $2 AND updated_at = $10",
                 &[
@@ -1125,6 +1126,7 @@ impl AgentStore for PgStore {
                 sch.next_due_at = following;
                 sch.occurrence_at = Some(due);
                 sch.attempts = 1;
+                sch.restarts = 0;
                 sch.last_outcome = Some(ScheduleOutcome::Running);
                 sch.last_fired_at = Some(now);
                 due
@@ -1170,6 +1172,7 @@ impl AgentStore for PgStore {
         }
         sch.occurrence_at = Some(now);
         sch.attempts = 1;
+        sch.restarts = 0;
         sch.last_outcome = Some(ScheduleOutcome::Running);
         sch.last_fired_at = Some(now);
         hold_occurrence(&tx, &sch, worker, now + hold).await?;
@@ -1218,15 +1221,19 @@ impl AgentStore for PgStore {
                     )
                     .await
             }
-            Settle::Again { outcome, run_id, error, at } => {
+            Settle::Again { outcome, tally, run_id, error, at } => {
+                let (attempt, restart) = (
+                    i32::from(*tally != Tally::NotAnAttempt),
+                    i32::from(*tally == Tally::Restart),
+                );
                 client
                     .execute(
                         &format!(
-                            "UPDATE agent.schedules SET attempts = attempts + CASE WHEN $4 = 'retrying' THEN 1 ELSE 0 END, \
+                            "UPDATE agent.schedules SET attempts = attempts + $8, restarts = restarts + $9, \
                                last_outcome = $4, last_run_id = COALESCE($5, last_run_id), last_error = $6, \
                                holder = NULL, held_until = $7, updated_at = now() {HELD}"
                         ),
-                        &[key.0, key.1, key.2, &outcome.key(), run_id, error, at],
+                        &[key.0, key.1, key.2, &outcome.key(), run_id, error, at, &attempt, &restart],
                     )
                     .await
             }
@@ -1234,7 +1241,7 @@ impl AgentStore for PgStore {
                 client
                     .execute(
                         &format!(
-                            "UPDATE agent.schedules SET occurrence_at = NULL, attempts = 0, last_outcome = $4, \
+                            "UPDATE agent.schedules SET occurrence_at = NULL, attempts = 0, restarts = 0, last_outcome = $4, \
                                last_run_id = COALESCE($5, last_run_id), last_error = $6, holder = NULL, held_until = NULL, \
                                updated_at = now() {HELD}"
                         ),
@@ -1667,7 +1674,7 @@ const TASK_COLUMNS: &str = "id, owner, parent_thread_id, instructions, goal, sta
     created_at, settled_attempt, time_zone, restarts";
 
 const SCHEDULE_COLUMNS: &str = "id, owner, kind, prompt, cron, every_secs, time_zone, enabled, thread_id, \
-    next_due_at, last_outcome, last_run_id, last_error, last_fired_at, occurrence_at, attempts, created_at, updated_at";
+    next_due_at, last_outcome, last_run_id, last_error, last_fired_at, occurrence_at, attempts, created_at, updated_at, restarts";
 
 fn schedule(r: &Row) -> Result<Schedule, StoreError> {
     Ok(Schedule {
@@ -1694,6 +1701,7 @@ fn schedule(r: &Row) -> Result<Schedule, StoreError> {
         attempts: r.get::<_, i32>(15).max(0) as u32,
         created_at: r.get(16),
         updated_at: r.get(17),
+        restarts: r.get::<_, i32>(18).max(0) as u32,
     })
 }
 
@@ -1705,8 +1713,8 @@ async fn hold_occurrence(
     until: SystemTime,
 ) -> Result<(), StoreError> {
     tx.execute(
-        "UPDATE agent.schedules SET occurrence_at = $2, next_due_at = $3, attempts = $4, last_outcome = 'running', \
-           last_fired_at = $5, holder = $6, held_until = $7, updated_at = now() WHERE id = $1",
+        "UPDATE agent.schedules SET occurrence_at = $2, next_due_at = $3, attempts = $4, restarts = $8, \
+           last_outcome = 'running', last_fired_at = $5, holder = $6, held_until = $7, updated_at = now() WHERE id = $1",
         &[
             &sch.id,
             &sch.occurrence_at,
@@ -1715,6 +1723,7 @@ async fn hold_occurrence(
             &sch.last_fired_at,
             &worker,
             &until,
+            &(sch.restarts as i32),
         ],
     )
     .await

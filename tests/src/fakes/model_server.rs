@@ -50,6 +50,8 @@ pub struct Seen {
 pub struct ModelServerState {
     answers: Mutex<VecDeque<Prepared>>,
     seen: Mutex<Vec<Seen>>,
+    /// Woken with every request recorded.
+    arrivals: tokio::sync::Notify,
 }
 
 #[derive(Clone)]
@@ -64,6 +66,7 @@ impl ModelServer {
         let state = Arc::new(ModelServerState {
             answers: Mutex::new(answers.into()),
             seen: Mutex::default(),
+            arrivals: tokio::sync::Notify::new(),
         });
         let router = Router::new()
             .route(route, post(answer))
@@ -74,6 +77,20 @@ impl ModelServer {
 
     pub fn seen(&self) -> Vec<Seen> {
         self.state.seen.lock().expect("lock").clone()
+    }
+
+    /// Resolves once `n` requests have arrived: a test waits on the model's side, not on time.
+    pub async fn requested(&self, n: usize) {
+        loop {
+            let arrival = self.state.arrivals.notified();
+            tokio::pin!(arrival);
+            // Registered before the count is read, so a request in between still wakes it.
+            arrival.as_mut().enable();
+            if self.state.seen.lock().expect("lock").len() >= n {
+                return;
+            }
+            arrival.await;
+        }
     }
 }
 
@@ -100,6 +117,7 @@ async fn answer(
         headers,
         body,
     });
+    s.arrivals.notify_waiters();
     let mut next = s.answers.lock().expect("lock").pop_front();
     match next {
         Some(Prepared::Delayed(inner, pause)) => {
