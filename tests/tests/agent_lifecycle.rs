@@ -1278,16 +1278,13 @@ async fn a_replica_shutting_down_ends_its_unfinished_run_as_interrupted_and_free
     assert_eq!(run_on(second, next).await.summary, "Back again.");
 }
 
-#[tokio::test]
-async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded() {
+/// Thread `t-crash` of alice's, as a run on a replica that died leaves it: the model asked
+/// for two sends, both recorded as executing; `call_sent` reached Gmail, `call_lost` did not.
+async fn a_thread_whose_run_died_during_two_sends(app: &TestApp) {
     use agent_svc::store::{
         Action, ActionState, Admission, Admitted, AgentStore, RunCommit, action_id,
     };
-    let (app, model, gmail) =
-        gmail_world(vec![Answer::text("One went out, one did not.")], &[]).await;
     let store = app.agent_store().await;
-    // A run on another replica asked for two sends and recorded both as executing; one reached
-    // Gmail, then the replica died.
     store
         .create_thread("t-crash", "alice", "sends")
         .await
@@ -1351,13 +1348,11 @@ async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded
     .await;
     assert!(sent.ok, "{sent:?}");
     store.release_lease(&lease).await.unwrap();
+}
 
-    let mut next = input("did they go out?");
-    next.thread_id = "t-crash".into();
-    let result = run_on(app.agent_addr, next).await;
-    assert_eq!(result.status, pb::RunState::Completed as i32);
-    let request = &model.requests()[0].1;
-    let tool_messages: Vec<(String, String)> = request["messages"]
+/// (call id, content) of each tool result an OpenAI-shaped request carries.
+fn tool_messages(request: &serde_json::Value) -> Vec<(String, String)> {
+    request["messages"]
         .as_array()
         .unwrap()
         .iter()
@@ -1368,7 +1363,13 @@ async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded
                 m["content"].as_str().unwrap().to_owned(),
             )
         })
-        .collect();
+        .collect()
+}
+
+/// The two calls a dead run left open, as the next run's model is told of them: what the
+/// gateway recorded, not a guess.
+fn assert_closed_from_the_record(request: &serde_json::Value) {
+    let tool_messages = tool_messages(request);
     assert_eq!(tool_messages.len(), 2, "{tool_messages:?}");
     assert_eq!(tool_messages[0].0, "call_sent");
     assert!(
@@ -1382,6 +1383,56 @@ async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded
         "{}",
         tool_messages[1].1
     );
+}
+
+#[tokio::test]
+async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded() {
+    let (app, model, gmail) =
+        gmail_world(vec![Answer::text("One went out, one did not.")], &[]).await;
+    a_thread_whose_run_died_during_two_sends(&app).await;
+
+    let mut next = input("did they go out?");
+    next.thread_id = "t-crash".into();
+    let result = run_on(app.agent_addr, next).await;
+    assert_eq!(result.status, pb::RunState::Completed as i32);
+    assert_closed_from_the_record(&model.requests()[0].1);
+    assert_eq!(gmail.sent().len(), 1, "nothing was sent again");
+}
+
+/// P-4, R-3: a run that cannot learn from the gateway what an open send came to fails, saying
+/// so, and writes no answer for it: a guess would join the thread's history for good (here
+/// "outcome unknown" for a send that went out). The thread's next run, with the gateway
+/// answering, closes both calls from the record.
+#[tokio::test]
+async fn a_run_that_cannot_look_up_an_open_send_fails_and_leaves_it_for_the_next_run() {
+    let (mut app, model, gmail) =
+        gmail_world(vec![Answer::text("One went out, one did not.")], &[]).await;
+    a_thread_whose_run_died_during_two_sends(&app).await;
+    let cut_off = app
+        .start_another_agent_with(&[("GATEWAY_URL", "http://127.0.0.1:1")])
+        .await;
+
+    let mut asked = input("did they go out?");
+    asked.thread_id = "t-crash".into();
+    let failed = run_on(cut_off, asked.clone()).await;
+    assert_eq!(
+        (failed.status, failed.failure_kind),
+        (
+            pb::RunState::Failed as i32,
+            pb::FailureKind::GatewayUnavailable as i32
+        ),
+        "{failed:?}"
+    );
+    assert!(
+        failed.error.contains("could not say what it came to"),
+        "{}",
+        failed.error
+    );
+    assert!(model.requests().is_empty(), "the model was not asked");
+
+    let result = run_on(app.agent_addr, asked).await;
+    assert_eq!(result.status, pb::RunState::Completed as i32);
+    assert_closed_from_the_record(&model.requests()[0].1);
     assert_eq!(gmail.sent().len(), 1, "nothing was sent again");
 }
 

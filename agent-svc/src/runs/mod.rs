@@ -688,7 +688,16 @@ impl RunService {
     /// mid-call) get a result now, so the transcript stays valid for every provider. What the
     /// result says comes from the record: a side effect that was executing is looked up at
     /// the gateway (its idempotency record says whether it happened), never assumed.
-    async fn close_open_calls(&self, owner: &str, history: &[Turn]) -> ClosedCalls {
+    ///
+    /// A record that cannot be read now (the store, or the gateway, away) fails the run's
+    /// start instead of answering for it: the answer joins the thread's history for good, so a
+    /// guess written during a blip ("not executed" for a send that went out) would outlive it;
+    /// the thread's next run closes the calls from the records.
+    async fn close_open_calls(
+        &self,
+        owner: &str,
+        history: &[Turn],
+    ) -> Result<ClosedCalls, ApiError> {
         let answered: std::collections::HashSet<&str> = history
             .iter()
             .filter_map(|t| match t {
@@ -706,17 +715,11 @@ impl RunService {
             .collect();
         let mut closed = ClosedCalls::default();
         if open.is_empty() {
-            return closed;
+            return Ok(closed);
         }
         let ids: Vec<String> = open.iter().map(|c| c.id.clone()).collect();
-        let actions = self
-            .store
-            .actions_for_calls(&ids)
-            .await
-            .unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "could not read the actions of open calls");
-                Vec::new()
-            });
+        // Store errors fail the run as the history read above does.
+        let actions = self.store.actions_for_calls(&ids).await?;
         for call in open {
             let action = actions.iter().find(|a| a.call_id == call.id);
             let (content, is_error) = match action {
@@ -724,20 +727,13 @@ impl RunService {
                 // the call queued it is read there (the task carries the call's id).
                 _ if call.name == TASK_AGENT_TOOL => {
                     let id = tools::task_id_for(&call.id);
-                    match self.store.get_task_agent(owner, &id).await {
-                        Ok(Some(task)) => (tools::task_started_as(&task), false),
-                        Ok(None) => (
+                    match self.store.get_task_agent(owner, &id).await? {
+                        Some(task) => (tools::task_started_as(&task), false),
+                        None => (
                             "Not executed: the run that made this call ended before it ran."
                                 .to_owned(),
                             true,
                         ),
-                        Err(e) => {
-                            tracing::warn!(call_id = %call.id, error = %e, "could not look up an open task agent call");
-                            (
-                                "The outcome is unknown: the run that made this call ended while it ran. The task agent may have been started; do not start it again without asking the user.".to_owned(),
-                                true,
-                            )
-                        }
                     }
                 }
                 Some(a) if a.side_effect && a.state == ActionState::Executing => {
@@ -773,11 +769,10 @@ impl RunService {
                                 )
                             }
                             Err(e) => {
-                                tracing::warn!(call_id = %call.id, error = %e, "could not look up an open side-effect call");
-                                (
-                                    "The outcome is unknown: the run that made this call ended while it was running. It may have happened; do not repeat it without asking the user.".to_owned(),
-                                    true,
-                                )
+                                return Err(ApiError::Unavailable(format!(
+                                    "this thread's previous run left a call to {} open, and gateway-svc could not say what it came to ({e}); nothing was run, please try again",
+                                    call.name
+                                )));
                             }
                         },
                         None => (
@@ -806,7 +801,7 @@ impl RunService {
                 is_error,
             });
         }
-        closed
+        Ok(closed)
     }
 
     /// The first segment of a run: prompt assembly, then the loop.
@@ -831,7 +826,7 @@ impl RunService {
         } else {
             self.load_history(&seg.thread_id).await?
         };
-        let closed = self.close_open_calls(&seg.owner, &history).await;
+        let closed = self.close_open_calls(&seg.owner, &history).await?;
         for turn in &closed.turns {
             writer.pending().history.push(to_json(turn)?);
         }
