@@ -154,39 +154,83 @@ pub fn refused_for_good(code: &tokio_postgres::error::SqlState) -> bool {
             .any(|class| code.starts_with(class))
 }
 
-/// Warns at start when pools of this size could open more connections than the server allows:
-/// both services use the same default size, so twice this pool (one replica each) must fit in
-/// `max_connections` less the superuser reserve. Past that PostgreSQL refuses new connections
-/// ("too many clients") under load, long after the start looked fine.
+/// Warns at start when pools of this size could open more connections than the server allows.
+/// Past that PostgreSQL refuses new connections ("too many clients") under load, long after
+/// the start looked fine. See [`pool_warnings`] for the two checks.
 pub async fn warn_if_pools_exceed_server(pool: &Pool, options: &PoolOptions) {
     let limits = async {
         let client = pool.get().await.map_err(|e| checkout_error(e, pool))?;
         let row = client
             .query_one(
                 "SELECT current_setting('max_connections')::int, \
-                        current_setting('superuser_reserved_connections')::int",
+                        current_setting('superuser_reserved_connections')::int, \
+                        (SELECT count(*)::int FROM pg_stat_activity \
+                          WHERE backend_type = 'client backend' AND pid <> pg_backend_pid())",
                 &[],
             )
             .await?;
-        Ok::<_, PgError>((row.get::<_, i32>(0), row.get::<_, i32>(1)))
+        Ok::<_, PgError>(ServerConnections {
+            max: row.get::<_, i32>(0).max(0) as usize,
+            reserved: row.get::<_, i32>(1).max(0) as usize,
+            open_elsewhere: row.get::<_, i32>(2).max(0) as usize,
+        })
     };
     match limits.await {
-        Ok((max, reserved)) => {
-            let usable = (max - reserved).max(0) as usize;
-            let both = 2 * options.max_connections;
-            if both > usable {
+        Ok(server) => {
+            for warning in pool_warnings(&server, options.max_connections) {
                 tracing::warn!(
                     database_max_connections = options.max_connections,
-                    server_max_connections = max,
-                    "DATABASE_MAX_CONNECTIONS={}: agent-svc and gateway-svc with pools this size can open {both} \
-                     connections, more than the {usable} this PostgreSQL allows (max_connections {max} less {reserved} \
-                     reserved); keep replicas × DATABASE_MAX_CONNECTIONS of both services under {usable}",
-                    options.max_connections
+                    server_max_connections = server.max,
+                    server_open_connections = server.open_elsewhere,
+                    "{warning}"
                 );
             }
         }
         Err(e) => tracing::debug!(error = %e, "could not read the server's connection limits"),
     }
+}
+
+/// What the server said of its connections when a service started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerConnections {
+    pub max: usize,
+    pub reserved: usize,
+    /// Client connections open to the server, this one's not counted: other replicas, the
+    /// other service, anything else using the server.
+    pub open_elsewhere: usize,
+}
+
+/// The start-up warnings for a pool of `pool` connections on `server`:
+/// - by rule: both services use the same default size, so twice this pool (one replica each)
+///   must fit in `max_connections` less the superuser reserve;
+/// - by what is open now: the connections already open elsewhere (the replicas and the other
+///   service started before this one) and this pool, once full, must fit too. A start that
+///   comes first cannot see the rest; the one that tips it over can.
+pub fn pool_warnings(server: &ServerConnections, pool: usize) -> Vec<String> {
+    let usable = server.max.saturating_sub(server.reserved);
+    let limit = format!(
+        "the {usable} this PostgreSQL allows (max_connections {} less {} reserved)",
+        server.max, server.reserved
+    );
+    let mut warnings = Vec::new();
+    let both = 2 * pool;
+    if both > usable {
+        warnings.push(format!(
+            "DATABASE_MAX_CONNECTIONS={pool}: agent-svc and gateway-svc with pools this size can open {both} \
+             connections, more than {limit}; keep replicas × DATABASE_MAX_CONNECTIONS of both services under {usable}"
+        ));
+    }
+    let with_this = server.open_elsewhere + pool;
+    if with_this > usable {
+        warnings.push(format!(
+            "DATABASE_MAX_CONNECTIONS={pool}: {} connections are open to this PostgreSQL already (other replicas, \
+             the other service, other clients); with this pool full that is {with_this}, more than {limit}. \
+             Under load new connections will be refused: lower DATABASE_MAX_CONNECTIONS or the replica counts, \
+             raise max_connections, or put a pooler in front",
+            server.open_elsewhere
+        ));
+    }
+    warnings
 }
 
 /// One round trip through the pool: what readiness means for a database-backed service.
@@ -527,7 +571,50 @@ fn waited_too_long_for_a_lock(e: &refinery::Error) -> bool {
 mod tests {
     use tokio_postgres::error::SqlState;
 
-    use super::refused_for_good;
+    use super::{ServerConnections, pool_warnings, refused_for_good};
+
+    const DEFAULT_SERVER: ServerConnections = ServerConnections {
+        max: 100,
+        reserved: 3,
+        open_elsewhere: 0,
+    };
+
+    #[test]
+    fn pools_that_fit_the_server_twice_over_with_nothing_else_open_are_not_warned_about() {
+        assert!(pool_warnings(&DEFAULT_SERVER, 16).is_empty());
+        assert!(pool_warnings(&DEFAULT_SERVER, 48).is_empty());
+    }
+
+    #[test]
+    fn a_pool_whose_double_passes_the_server_is_warned_about_by_rule() {
+        let warnings = pool_warnings(&DEFAULT_SERVER, 49);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("can open 98 connections")
+                && warnings[0].contains("the 97 this PostgreSQL allows"),
+            "{}",
+            warnings[0]
+        );
+    }
+
+    #[test]
+    fn connections_other_replicas_already_hold_count_against_the_server() {
+        // Five replicas of each service with pools of 16 would fit no server by rule; here
+        // five pools' worth are open (80), and a sixth pool passes the 97 allowed.
+        let busy = ServerConnections {
+            open_elsewhere: 5 * 16,
+            ..DEFAULT_SERVER
+        };
+        assert!(pool_warnings(&busy, 17).is_empty(), "80 + 17 fits in 97");
+        let warnings = pool_warnings(&busy, 18);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("80 connections are open to this PostgreSQL already")
+                && warnings[0].contains("with this pool full that is 98"),
+            "{}",
+            warnings[0]
+        );
+    }
 
     #[test]
     fn what_the_server_refused_for_good_is_told_from_what_may_clear_by_waiting() {

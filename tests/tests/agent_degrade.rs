@@ -135,4 +135,13 @@ async fn pools_that_could_exceed_the_servers_connections_are_warned_about_at_sta
         warned.contains(r#""level":"WARN""#) && warned.contains("can open 2000 connections"),
         "{warned}"
     );
+    // And by what the server has open now: whatever else holds connections, this pool full
+    // passes the limit (the count comes from the server, so this also shows it was read).
+    assert!(
+        gateway.log().iter().any(|l| l.contains(r#""level":"WARN""#)
+            && l.contains("connections are open to this PostgreSQL already")
+            && l.contains("DATABASE_MAX_CONNECTIONS=1000")),
+        "{}",
+        gateway.log_tail(20)
+    );
 }
