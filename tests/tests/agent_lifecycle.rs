@@ -1281,6 +1281,24 @@ async fn a_replica_shutting_down_ends_its_unfinished_run_as_interrupted_and_free
 /// Thread `t-crash` of alice's, as a run on a replica that died leaves it: the model asked
 /// for two sends, both recorded as executing; `call_sent` reached Gmail, `call_lost` did not.
 async fn a_thread_whose_run_died_during_two_sends(app: &TestApp) {
+    a_thread_whose_run_died_before_its_sends_were_made(app).await;
+    the_dead_run_sends(app, "call_sent").await;
+}
+
+/// The dead run's call `call_id` made at the gateway, under its idempotency key.
+async fn the_dead_run_sends(app: &TestApp, call_id: &str) {
+    let sent = steward_tests::calls::call_tool_keyed(
+        &mut app.gateway_as("alice").await,
+        "gmail_send",
+        serde_json::from_str(SEND_ARGS).unwrap(),
+        &agent_svc::store::action_id("r-crash", call_id),
+    )
+    .await;
+    assert!(sent.ok, "{sent:?}");
+}
+
+/// Thread `t-crash` with the dead run's two sends recorded as executing, neither made yet.
+async fn a_thread_whose_run_died_before_its_sends_were_made(app: &TestApp) {
     use agent_svc::store::{
         Action, ActionState, Admission, Admitted, AgentStore, RunCommit, action_id,
     };
@@ -1339,14 +1357,6 @@ async fn a_thread_whose_run_died_during_two_sends(app: &TestApp) {
         )
         .await
         .unwrap();
-    let sent = steward_tests::calls::call_tool_keyed(
-        &mut app.gateway_as("alice").await,
-        "gmail_send",
-        serde_json::from_str(SEND_ARGS).unwrap(),
-        &action_id("r-crash", "call_sent"),
-    )
-    .await;
-    assert!(sent.ok, "{sent:?}");
     store.release_lease(&lease).await.unwrap();
 }
 
@@ -1434,6 +1444,49 @@ async fn a_run_that_cannot_look_up_an_open_send_fails_and_leaves_it_for_the_next
     assert_eq!(result.status, pb::RunState::Completed as i32);
     assert_closed_from_the_record(&model.requests()[0].1);
     assert_eq!(gmail.sent().len(), 1, "nothing was sent again");
+}
+
+/// P-4: a send whose record at the gateway is held (the call still at Gmail, or ended without
+/// recording what it did) is answered "outcome unknown": the gateway's own answer, which no
+/// later run would improve on, so the run goes on rather than failing.
+#[tokio::test]
+async fn an_open_send_the_gateway_holds_as_in_progress_is_answered_as_unknown() {
+    let (app, model, gmail) = gmail_world(vec![Answer::text("I cannot tell yet.")], &[]).await;
+    a_thread_whose_run_died_before_its_sends_were_made(&app).await;
+    let gate = gmail.hold_sends();
+    let sending = {
+        let app_gateway = app.gateway_as("alice").await;
+        tokio::spawn(async move {
+            let mut gateway = app_gateway;
+            steward_tests::calls::call_tool_keyed(
+                &mut gateway,
+                "gmail_send",
+                serde_json::from_str(SEND_ARGS).unwrap(),
+                &agent_svc::store::action_id("r-crash", "call_sent"),
+            )
+            .await
+        })
+    };
+    gate.arrived().await;
+
+    let mut next = input("did they go out?");
+    next.thread_id = "t-crash".into();
+    let result = run_on(app.agent_addr, next).await;
+    assert_eq!(result.status, pb::RunState::Completed as i32, "{result:?}");
+    let answered = tool_messages(&model.requests()[0].1);
+    assert_eq!(answered[0].0, "call_sent");
+    assert!(
+        answered[0].1.starts_with("The outcome is unknown"),
+        "{}",
+        answered[0].1
+    );
+    assert!(
+        answered[1].1.starts_with("Not executed"),
+        "{}",
+        answered[1].1
+    );
+    gate.release();
+    assert!(sending.await.unwrap().ok);
 }
 
 #[tokio::test]

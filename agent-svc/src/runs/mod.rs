@@ -69,6 +69,9 @@ pub struct Attached {
     pub meta: serde_json::Value,
 }
 
+/// The answer to an open side-effect call whose outcome no record can tell.
+const OUTCOME_UNKNOWN: &str = "The outcome is unknown: the run that made this call ended while it was running. It may have happened; do not repeat it without asking the user.";
+
 /// What a run found of the calls an earlier run of its thread left open: a result turn for
 /// each, and for a side effect whose outcome the gateway knows, its `side_effect_result`.
 #[derive(Default)]
@@ -692,7 +695,8 @@ impl RunService {
     /// A record that cannot be read now (the store, or the gateway, away) fails the run's
     /// start instead of answering for it: the answer joins the thread's history for good, so a
     /// guess written during a blip ("not executed" for a send that went out) would outlive it;
-    /// the thread's next run closes the calls from the records.
+    /// the thread's next run closes the calls from the records. Only what the records say is
+    /// answered, "unknown" included.
     async fn close_open_calls(
         &self,
         owner: &str,
@@ -768,17 +772,22 @@ impl RunService {
                                     true,
                                 )
                             }
-                            Err(e) => {
+                            // Unreachable for now: asked again by the next run.
+                            Err(e @ crate::gateway_client::GatewayError::Unavailable(_)) => {
                                 return Err(ApiError::Unavailable(format!(
                                     "this thread's previous run left a call to {} open, and gateway-svc could not say what it came to ({e}); nothing was run, please try again",
                                     call.name
                                 )));
                             }
+                            // The gateway's answer: its record of the call is held (the call
+                            // still running, or ended without recording what it did), so the
+                            // outcome is unknown for good.
+                            Err(e) => {
+                                tracing::warn!(call_id = %call.id, error = %e, "an open side-effect call's outcome is unknown");
+                                (OUTCOME_UNKNOWN.to_owned(), true)
+                            }
                         },
-                        None => (
-                            "The outcome is unknown: the run that made this call ended while it was running. It may have happened; do not repeat it without asking the user.".to_owned(),
-                            true,
-                        ),
+                        None => (OUTCOME_UNKNOWN.to_owned(), true),
                     }
                 }
                 Some(a) if a.state == ActionState::Executing => (
