@@ -324,6 +324,11 @@ impl App {
         let mcp_serving = self
             .mcp_endpoint
             .map(|endpoint| endpoint.start(stopping.clone()));
+        let sweeper = crate::retention::Sweeper::start(
+            self.stores.clone(),
+            self.config.retention,
+            stopping.child_token(),
+        );
         let max = self.config.server.max_message_bytes;
         let api = GatewayServiceServer::new(self.api)
             .max_decoding_message_size(max)
@@ -356,6 +361,7 @@ impl App {
         // The MCP endpoint stopped accepting at the signal (or now, if serving gRPC ended
         // another way); its calls in flight get the same deadline as gRPC's.
         stopping.cancel();
+        sweeper.stopped().await;
         if let Some(mcp) = mcp_serving {
             mcp.drain(deadline).await;
         }

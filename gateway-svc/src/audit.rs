@@ -471,6 +471,15 @@ impl AuditLog for AuditTrail {
             .map_err(|e| StoreError::Unavailable(e.to_string()))?;
         self.store.recent(user, limit).await
     }
+
+    /// Only what is written: a record still queued is pruned by a later sweep.
+    async fn prune_audit(
+        &self,
+        older_than: std::time::SystemTime,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        self.store.prune_audit(older_than, limit).await
+    }
 }
 
 /// A record that was not written, logged with every field (an audit record holds no secrets
@@ -794,6 +803,14 @@ mod tests {
                 .cloned()
                 .collect();
             Ok(mine[mine.len().saturating_sub(limit)..].to_vec())
+        }
+
+        async fn prune_audit(
+            &self,
+            _older_than: std::time::SystemTime,
+            _limit: usize,
+        ) -> Result<usize, StoreError> {
+            Ok(0)
         }
     }
 

@@ -61,6 +61,93 @@ impl Default for AuditQueueConfig {
     }
 }
 
+/// How long the gateway keeps what only grows (`crate::retention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionConfig {
+    /// `IDEMPOTENCY_RETENTION`: a settled (or long lapsed) idempotency key is deleted this
+    /// long after it last changed. agent-svc retries a call within minutes (a lease taken
+    /// over, an approval continued), so a week leaves a wide margin.
+    pub idempotency: Duration,
+    /// `AUDIT_RETENTION`: audit records older than this are deleted; `None` (unset or `off`,
+    /// the default) keeps them forever. Deleting audit is the operator's compliance choice.
+    pub audit: Option<Duration>,
+}
+
+impl RetentionConfig {
+    /// Anything shorter could delete a key while a retry of its call may still come.
+    pub const MIN: Duration = Duration::from_secs(3600);
+    /// A bound only so that `now - retention` stays a real time.
+    pub const MAX: Duration = Duration::from_secs(36_500 * 86_400);
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        Self {
+            idempotency: Duration::from_secs(7 * 86_400),
+            audit: None,
+        }
+    }
+}
+
+/// A retention period: the durations every other variable takes (`30m`, `2h`, seconds) and
+/// days (`7d`), which periods this long are written in.
+fn parse_retention(raw: &str) -> Option<Duration> {
+    if let Some(days) = raw.strip_suffix('d') {
+        let days: u64 = days.trim().parse().ok()?;
+        return days.checked_mul(86_400).map(Duration::from_secs);
+    }
+    // svc-kit's parser, so the units are those of every other duration variable.
+    let mut probe = Vars::new(|_| Some(raw.to_owned()));
+    let parsed = probe.duration_in("", Duration::ZERO, Duration::ZERO, Duration::MAX);
+    probe.finish(parsed).ok()
+}
+
+/// `var` as a retention period within [`RetentionConfig::MIN`]..=[`RetentionConfig::MAX`];
+/// `None` when unset. `examples` is what to give instead of a bad value.
+fn retention(vars: &mut Vars<'_>, var: &str, examples: &str) -> Option<Duration> {
+    let raw = vars.raw(var)?;
+    match parse_retention(&raw) {
+        Some(d) if (RetentionConfig::MIN..=RetentionConfig::MAX).contains(&d) => Some(d),
+        Some(d) if d < RetentionConfig::MIN => {
+            vars.error(var, format!("{raw:?} is shorter than 1h; use {examples}"));
+            None
+        }
+        Some(_) => {
+            vars.error(
+                var,
+                format!("{raw:?} is longer than 36500d; use {examples}"),
+            );
+            None
+        }
+        None => {
+            vars.error(
+                var,
+                format!("{raw:?} is not a duration; use {examples} (units d, h, m, s)"),
+            );
+            None
+        }
+    }
+}
+
+fn load_retention(vars: &mut Vars<'_>) -> RetentionConfig {
+    let default = RetentionConfig::default();
+    let idempotency = retention(
+        vars,
+        "IDEMPOTENCY_RETENTION",
+        "a duration of at least 1h, e.g. 7d (the default) or 48h",
+    )
+    .unwrap_or(default.idempotency);
+    let audit = match vars.raw("AUDIT_RETENTION") {
+        Some(raw) if raw.eq_ignore_ascii_case("off") => None,
+        _ => retention(
+            vars,
+            "AUDIT_RETENTION",
+            "a duration of at least 1h, e.g. 90d, or off to keep the audit trail forever",
+        ),
+    };
+    RetentionConfig { idempotency, audit }
+}
+
 /// MCP (issue 15): the servers whose tools join the registry, and where the gateway's own
 /// tools are served over MCP.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -233,6 +320,8 @@ pub struct Config {
     pub bootstrap_cache_ttl: Duration,
     /// `AUDIT_QUEUE_CAPACITY`, `AUDIT_MAX_BATCH`
     pub audit_queue: AuditQueueConfig,
+    /// `IDEMPOTENCY_RETENTION`, `AUDIT_RETENTION`
+    pub retention: RetentionConfig,
     pub mcp: McpConfig,
 }
 
@@ -436,6 +525,7 @@ impl Config {
             max_batch: vars.int_in("AUDIT_MAX_BATCH", audit_default.max_batch, 1, 10_000),
             ..audit_default
         };
+        let retention = load_retention(&mut vars);
 
         let mcp = McpConfig {
             servers: load_mcp_servers(&mut vars),
@@ -506,6 +596,7 @@ impl Config {
             bootstrap_source_timeout,
             bootstrap_cache_ttl,
             audit_queue,
+            retention,
             mcp,
         })
     }
@@ -659,6 +750,52 @@ mod tests {
         .unwrap_err();
         let vars: Vec<_> = err.0.iter().map(|e| e.var.as_str()).collect();
         assert_eq!(vars, ["AUDIT_QUEUE_CAPACITY", "AUDIT_MAX_BATCH"]);
+    }
+
+    #[test]
+    fn retention_keeps_idempotency_keys_a_week_and_audit_forever_unless_told_otherwise() {
+        let dev = DEV_AUTH;
+        let retention = |extra: &[(&str, &str)]| {
+            let mut pairs = dev.to_vec();
+            pairs.extend_from_slice(extra);
+            load(&pairs).map(|c| c.retention)
+        };
+        let day = Duration::from_secs(86_400);
+        assert_eq!(retention(&[]).unwrap(), RetentionConfig::default());
+        assert_eq!(RetentionConfig::default().idempotency, 7 * day);
+        assert_eq!(RetentionConfig::default().audit, None);
+        let set =
+            retention(&[("IDEMPOTENCY_RETENTION", "48h"), ("AUDIT_RETENTION", "90d")]).unwrap();
+        assert_eq!((set.idempotency, set.audit), (2 * day, Some(90 * day)));
+        assert_eq!(
+            retention(&[("AUDIT_RETENTION", "OFF")]).unwrap().audit,
+            None
+        );
+        assert_eq!(
+            retention(&[("IDEMPOTENCY_RETENTION", "3600")])
+                .unwrap()
+                .idempotency,
+            RetentionConfig::MIN,
+            "a bare number is seconds, as for every other duration"
+        );
+        for (var, value, expected) in [
+            ("IDEMPOTENCY_RETENTION", "0", "shorter than 1h"),
+            ("IDEMPOTENCY_RETENTION", "59m", "shorter than 1h"),
+            ("IDEMPOTENCY_RETENTION", "off", "is not a duration"),
+            (
+                "IDEMPOTENCY_RETENTION",
+                "99999999999999999d",
+                "is not a duration",
+            ),
+            ("AUDIT_RETENTION", "0", "or off to keep"),
+            ("AUDIT_RETENTION", "1 week", "is not a duration"),
+            ("AUDIT_RETENTION", "40000d", "longer than 36500d"),
+        ] {
+            let err = retention(&[(var, value)]).unwrap_err();
+            assert_eq!(err.0.len(), 1, "{err}");
+            assert_eq!(err.0[0].var, var, "{err}");
+            assert!(err.0[0].problem.contains(expected), "{var}={value}: {err}");
+        }
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod mcp;
 pub mod metrics;
 pub mod ratelimit;
 pub mod registry;
+pub mod retention;
 pub mod store;
 pub mod time;
 

@@ -64,3 +64,10 @@ pub fn audit_record_rejected() {
 pub fn audit_records_lost(records: usize) {
     metrics::counter!("steward_gateway_audit_records_lost_total").increment(records as u64);
 }
+
+/// A retention sweep deleted `rows` from `table` (`idempotency` or `audit`): what
+/// IDEMPOTENCY_RETENTION and AUDIT_RETENTION keep bounded.
+pub fn retention_pruned(table: &'static str, rows: usize) {
+    metrics::counter!("steward_gateway_retention_pruned_total", "table" => table)
+        .increment(rows as u64);
+}

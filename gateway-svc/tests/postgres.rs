@@ -138,6 +138,14 @@ impl IdempotencyStore for DiesBeforeStoring {
     async fn lookup(&self, user: &UserId, key: &str) -> Result<KeyState, StoreError> {
         self.0.lookup(user, key).await
     }
+
+    async fn prune_idempotency(
+        &self,
+        older_than: std::time::SystemTime,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        self.0.prune_idempotency(older_than, limit).await
+    }
 }
 
 struct Unstored(Box<dyn IdempotencyClaim>);

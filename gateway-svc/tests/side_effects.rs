@@ -341,6 +341,14 @@ impl IdempotencyStore for HangingResults {
     ) -> Result<KeyState, StoreError> {
         Ok(KeyState::Held)
     }
+
+    async fn prune_idempotency(
+        &self,
+        _older_than: std::time::SystemTime,
+        _limit: usize,
+    ) -> Result<usize, StoreError> {
+        Ok(0)
+    }
 }
 
 struct HangingClaim(Arc<Mutex<KeyLog>>);
@@ -433,6 +441,14 @@ impl AuditLog for SlowUpstreamRecords {
 
     async fn recent(&self, user: &UserId, limit: usize) -> Result<Vec<AuditRecord>, StoreError> {
         self.log.recent(user, limit).await
+    }
+
+    async fn prune_audit(
+        &self,
+        older_than: std::time::SystemTime,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        self.log.prune_audit(older_than, limit).await
     }
 }
 

@@ -61,11 +61,11 @@ fn poisoned() -> StoreError {
 pub struct MemoryStore {
     accounts: Arc<SyncMutex<HashMap<AccountKey, StoredAccount>>>,
     account_locks: KeyLocks<AccountKey>,
-    results: Arc<SyncMutex<HashMap<(UserId, String), StoredResult>>>,
+    results: Arc<SyncMutex<HashMap<(UserId, String), Settled>>>,
     result_locks: KeyLocks<(UserId, String)>,
     /// Keys whose claim was abandoned: held until their hold lapses, as PostgreSQL holds them.
     abandoned: Arc<SyncMutex<HashMap<(UserId, String), Abandoned>>>,
-    audit: SyncMutex<VecDeque<AuditRecord>>,
+    audit: SyncMutex<VecDeque<AuditEntry>>,
     tasks: SyncMutex<Vec<(UserId, Task)>>,
     notes: SyncMutex<Vec<(UserId, Note)>>,
     reminders: SyncMutex<Vec<(UserId, Reminder)>>,
@@ -237,8 +237,17 @@ impl AccountLock for MemoryAccountLock {
 #[derive(Debug, Clone, Copy)]
 struct Abandoned {
     until: tokio::time::Instant,
+    /// `until` on the wall clock, which retention is judged by.
+    lapses_at: SystemTime,
     /// Its call had marked a write ([`ActingMark`]).
     acting: bool,
+}
+
+/// A stored result and when it was stored (PostgreSQL's `updated_at`).
+#[derive(Debug, Clone)]
+struct Settled {
+    result: StoredResult,
+    at: SystemTime,
 }
 
 #[async_trait::async_trait]
@@ -262,7 +271,7 @@ impl IdempotencyStore for MemoryStore {
                 .lock()
                 .map_err(|_| poisoned())?
                 .get(&k)
-                .cloned();
+                .map(|settled| settled.result.clone());
             let left = self
                 .abandoned
                 .lock()
@@ -293,6 +302,7 @@ impl IdempotencyStore for MemoryStore {
                 key: k,
                 existing,
                 lapses: tokio::time::Instant::now() + hold,
+                lapses_at: SystemTime::now() + hold,
                 acting: Arc::default(),
                 results: self.results.clone(),
                 abandoned: self.abandoned.clone(),
@@ -303,7 +313,7 @@ impl IdempotencyStore for MemoryStore {
     async fn lookup(&self, user: &UserId, key: &str) -> Result<KeyState, StoreError> {
         let k = (user.clone(), key.to_owned());
         if let Some(done) = self.results.lock().map_err(|_| poisoned())?.get(&k) {
-            return Ok(KeyState::Done(done.clone()));
+            return Ok(KeyState::Done(done.result.clone()));
         }
         let abandoned = self
             .abandoned
@@ -316,6 +326,32 @@ impl IdempotencyStore for MemoryStore {
             KeyState::Free
         })
     }
+
+    /// Settled keys by when they were stored; abandoned ones once their hold lapsed, on the
+    /// tokio clock as `claim` judges it, before `older_than`. A key still held by a running
+    /// claim is in neither map, so is never touched.
+    async fn prune_idempotency(
+        &self,
+        older_than: SystemTime,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        let mut left = limit;
+        let mut take = |old: bool| {
+            let pruned = old && left > 0;
+            left -= usize::from(pruned);
+            !pruned
+        };
+        self.results
+            .lock()
+            .map_err(|_| poisoned())?
+            .retain(|_, settled| take(settled.at < older_than));
+        let now = tokio::time::Instant::now();
+        self.abandoned
+            .lock()
+            .map_err(|_| poisoned())?
+            .retain(|_, a| take(a.lapses_at < older_than && a.until <= now));
+        Ok(limit - left)
+    }
 }
 
 struct MemoryClaim {
@@ -325,9 +361,10 @@ struct MemoryClaim {
     existing: Option<StoredResult>,
     /// When its hold lapses.
     lapses: tokio::time::Instant,
+    lapses_at: SystemTime,
     /// Set once its call marked a write.
     acting: Arc<std::sync::atomic::AtomicBool>,
-    results: Arc<SyncMutex<HashMap<(UserId, String), StoredResult>>>,
+    results: Arc<SyncMutex<HashMap<(UserId, String), Settled>>>,
     abandoned: Arc<SyncMutex<HashMap<(UserId, String), Abandoned>>>,
 }
 
@@ -338,10 +375,13 @@ impl IdempotencyClaim for MemoryClaim {
     }
 
     async fn complete(&mut self, result: &StoredResult) -> Result<(), StoreError> {
-        self.results
-            .lock()
-            .map_err(|_| poisoned())?
-            .insert(self.key.clone(), result.clone());
+        self.results.lock().map_err(|_| poisoned())?.insert(
+            self.key.clone(),
+            Settled {
+                result: result.clone(),
+                at: SystemTime::now(),
+            },
+        );
         self.guard = None;
         Ok(())
     }
@@ -351,6 +391,7 @@ impl IdempotencyClaim for MemoryClaim {
     fn abandon(self: Box<Self>) {
         let left = Abandoned {
             until: self.lapses,
+            lapses_at: self.lapses_at,
             acting: self.acting.load(std::sync::atomic::Ordering::Relaxed),
         };
         match self.abandoned.lock() {
@@ -389,7 +430,7 @@ impl AuditLog for MemoryStore {
             if audit.len() == AUDIT_CAPACITY {
                 audit.pop_front();
             }
-            audit.push_back(entry.record.clone());
+            audit.push_back(entry.clone());
         }
         Ok(())
     }
@@ -399,12 +440,24 @@ impl AuditLog for MemoryStore {
         let mut out: Vec<_> = audit
             .iter()
             .rev()
+            .map(|e| &e.record)
             .filter(|r| r.user == user.as_str())
             .take(limit)
             .cloned()
             .collect();
         out.reverse();
         Ok(out)
+    }
+
+    async fn prune_audit(&self, older_than: SystemTime, limit: usize) -> Result<usize, StoreError> {
+        let mut audit = self.audit.lock().map_err(|_| poisoned())?;
+        let mut left = limit;
+        audit.retain(|e| {
+            let pruned = e.at < older_than && left > 0;
+            left -= usize::from(pruned);
+            !pruned
+        });
+        Ok(limit - left)
     }
 }
 

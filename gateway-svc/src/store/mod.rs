@@ -234,6 +234,15 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     ) -> Result<Box<dyn IdempotencyClaim>, StoreError>;
     /// What is known of `key`, without claiming it.
     async fn lookup(&self, user: &UserId, key: &str) -> Result<KeyState, StoreError>;
+    /// Deletes up to `limit` keys last changed before `older_than` that no call can still be
+    /// waiting on: settled ones, and held ones whose hold lapsed before `older_than` too. A
+    /// key still held (its hold not lapsed by the store's own clock) is never deleted,
+    /// whatever `older_than` says. How many were deleted; the caller repeats while any were.
+    async fn prune_idempotency(
+        &self,
+        older_than: SystemTime,
+        limit: usize,
+    ) -> Result<usize, StoreError>;
 }
 
 /// One audit record (G-9): who called what, against which account, how it went. Never
@@ -289,6 +298,10 @@ pub trait AuditLog: Send + Sync + 'static {
     async fn record_many(&self, entries: &[AuditEntry]) -> Result<(), StoreError>;
     /// The most recent records for a user, newest last (for tests and operators).
     async fn recent(&self, user: &UserId, limit: usize) -> Result<Vec<AuditRecord>, StoreError>;
+    /// Deletes up to `limit` records that happened before `older_than`, oldest written first.
+    /// How many were deleted; the caller repeats while any were (a batch may delete fewer than
+    /// `limit` and still leave older records behind it).
+    async fn prune_audit(&self, older_than: SystemTime, limit: usize) -> Result<usize, StoreError>;
 }
 
 /// Everything the gateway persists, from one backend.

@@ -490,6 +490,31 @@ impl IdempotencyStore for PgStore {
         })
     }
 
+    async fn prune_idempotency(
+        &self,
+        older_than: SystemTime,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        // Found by the updated_at index, deleted by ctid. The condition is repeated on the
+        // DELETE so that a row a takeover changed between the two (a fresh hold) is checked
+        // again as it now is, and kept. A held key's lapse is judged by the database's clock,
+        // which every claim's lease is set by, not by `older_than`.
+        let deleted = self
+            .client()
+            .await?
+            .execute(
+                "DELETE FROM gateway.idempotency WHERE ctid = ANY(ARRAY( \
+                   SELECT ctid FROM gateway.idempotency \
+                   WHERE updated_at < $1 AND (state = 'done' OR lease_until < least($1, clock_timestamp())) \
+                   LIMIT $2)) \
+                 AND updated_at < $1 AND (state = 'done' OR lease_until < least($1, clock_timestamp()))",
+                &[&older_than, &(limit as i64)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(deleted as usize)
+    }
+
     async fn claim(
         &self,
         user: &UserId,
@@ -508,9 +533,10 @@ impl IdempotencyStore for PgStore {
                 .client()
                 .await?
                 .query_opt(
-                    "INSERT INTO gateway.idempotency AS i (user_id, key, tool, args_sha256, state, holder, lease_until) \
-                     VALUES ($1, $2, '', '', 'pending', $3, clock_timestamp() + $4 * interval '1 millisecond') \
-                     ON CONFLICT (user_id, key) DO UPDATE SET holder = EXCLUDED.holder, lease_until = EXCLUDED.lease_until \
+                    "INSERT INTO gateway.idempotency AS i (user_id, key, tool, args_sha256, state, holder, lease_until, updated_at) \
+                     VALUES ($1, $2, '', '', 'pending', $3, clock_timestamp() + $4 * interval '1 millisecond', clock_timestamp()) \
+                     ON CONFLICT (user_id, key) DO UPDATE SET holder = EXCLUDED.holder, lease_until = EXCLUDED.lease_until, \
+                       updated_at = EXCLUDED.updated_at \
                      WHERE i.state = 'pending' AND i.lease_until < clock_timestamp() AND NOT i.acting \
                      RETURNING 1",
                     &[&user.as_str(), &key, &holder, &(hold_ms as f64)],
@@ -595,7 +621,8 @@ impl IdempotencyClaim for PgClaim {
         let stored = client
             .execute(
                 "UPDATE gateway.idempotency SET state = 'done', tool = $4, args_sha256 = $5, outcome = $6, \
-                 holder = NULL, lease_until = NULL WHERE user_id = $1 AND key = $2 AND holder = $3",
+                 holder = NULL, lease_until = NULL, updated_at = clock_timestamp() \
+                 WHERE user_id = $1 AND key = $2 AND holder = $3",
                 &[&self.user.as_str(), &self.key, holder, &result.tool, &result.args_sha256, &pg_json(&result.outcome)],
             )
             .await
@@ -642,7 +669,7 @@ impl ActingMark for PgActing {
             .await
             .map_err(StoreError::unavailable)?
             .execute(
-                "UPDATE gateway.idempotency SET acting = true \
+                "UPDATE gateway.idempotency SET acting = true, updated_at = clock_timestamp() \
                  WHERE user_id = $1 AND key = $2 AND state = 'pending' AND holder = $3",
                 &[&self.user.as_str(), &self.key, &self.holder],
             )
@@ -819,6 +846,26 @@ impl AuditLog for PgStore {
             .collect();
         out.reverse();
         Ok(out)
+    }
+
+    async fn prune_audit(&self, older_than: SystemTime, limit: usize) -> Result<usize, StoreError> {
+        // The `limit` lowest ids, by the primary key, and of those the ones older than the
+        // cut: no index on `at` is kept (it would cost every audit insert), and ids follow the
+        // time of writing, so the oldest records are at the head. A record written late (it
+        // keeps its call's time) or stamped by a fast clock may sit at the head and be kept a
+        // while longer; the records behind it still go, as the caller repeats while any do.
+        let deleted = self
+            .client()
+            .await?
+            .execute(
+                "DELETE FROM gateway.audit WHERE id = ANY(ARRAY( \
+                   SELECT id FROM (SELECT id, at FROM gateway.audit ORDER BY id LIMIT $2) head \
+                   WHERE at < $1))",
+                &[&older_than, &(limit as i64)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(deleted as usize)
     }
 }
 

@@ -1,0 +1,133 @@
+//! Bounded growth of what the gateway only ever adds to: idempotency keys (P-4, R-3) and the
+//! audit trail (G-9). A background sweep on every replica deletes idempotency keys last
+//! changed more than IDEMPOTENCY_RETENTION ago — settled ones, and held ones whose hold lapsed
+//! that long ago; never one still held — and, only when AUDIT_RETENTION is set, audit records
+//! older than it.
+//!
+//! Each delete is a batch of at most [`BATCH`] rows in its own short statement, so a sweep
+//! never holds many row locks or one long transaction. Replicas sweep independently: a row
+//! two of them pick is deleted by one and skipped by the other, so no coordination is needed
+//! beyond each starting at a random point of its interval.
+
+use std::time::{Duration, SystemTime};
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::RetentionConfig,
+    store::{StoreError, Stores},
+};
+
+/// How often each replica sweeps. Retention is at least an hour, so five minutes adds little
+/// to how long a row outlives it, and each sweep finds only about five minutes' worth of rows
+/// to delete; a sweep with nothing to do costs one index probe per table.
+pub const SWEEP_INTERVAL: Duration = Duration::from_secs(300);
+
+/// Rows one statement deletes at most: a few thousand row locks, held for milliseconds.
+pub const BATCH: usize = 5000;
+
+/// The most batches one sweep deletes from a table. A backlog — the first sweep after
+/// AUDIT_RETENTION is set on a trail years long — is worked off a million rows a sweep,
+/// leaving autovacuum time to keep up in between.
+pub const MAX_BATCHES: usize = 200;
+
+/// What one sweep deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Swept {
+    pub idempotency: usize,
+    pub audit: usize,
+}
+
+/// One sweep as of `now`: the background task passes the wall clock, tests a time of their
+/// choosing. A held idempotency key's hold is still judged by the store's own clock, so no
+/// `now` deletes a key a running call holds.
+pub async fn sweep_once(
+    stores: &Stores,
+    retention: &RetentionConfig,
+    now: SystemTime,
+) -> Result<Swept, StoreError> {
+    let mut swept = Swept::default();
+    if let Some(cut) = now.checked_sub(retention.idempotency) {
+        swept.idempotency = drain(|| stores.idempotency.prune_idempotency(cut, BATCH)).await?;
+        crate::metrics::retention_pruned("idempotency", swept.idempotency);
+    }
+    if let Some(cut) = retention.audit.and_then(|keep| now.checked_sub(keep)) {
+        swept.audit = drain(|| stores.audit.prune_audit(cut, BATCH)).await?;
+        crate::metrics::retention_pruned("audit", swept.audit);
+    }
+    Ok(swept)
+}
+
+/// Repeats `batch` while it deletes anything (a batch may delete fewer than [`BATCH`] and
+/// leave more behind it: see `AuditLog::prune_audit`), up to [`MAX_BATCHES`].
+async fn drain<F, Fut>(mut batch: F) -> Result<usize, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<usize, StoreError>>,
+{
+    let mut total = 0;
+    for _ in 0..MAX_BATCHES {
+        let deleted = batch().await?;
+        total += deleted;
+        if deleted == 0 {
+            break;
+        }
+    }
+    Ok(total)
+}
+
+/// The background sweep of one replica.
+pub struct Sweeper {
+    task: JoinHandle<()>,
+}
+
+impl Sweeper {
+    /// Sweeps every [`SWEEP_INTERVAL`] until `stop` is cancelled, the first time at a random
+    /// point of the first interval so replicas started together do not sweep together.
+    pub fn start(stores: Stores, retention: RetentionConfig, stop: CancellationToken) -> Self {
+        let first = SWEEP_INTERVAL.mul_f64(rand::random::<f64>());
+        let task = tokio::spawn(async move {
+            let mut next = tokio::time::Instant::now() + first;
+            loop {
+                let swept = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    swept = async {
+                        tokio::time::sleep_until(next).await;
+                        sweep_once(&stores, &retention, SystemTime::now()).await
+                    } => swept,
+                };
+                // From the end of this sweep: a long one is not followed by another at once.
+                next = tokio::time::Instant::now() + SWEEP_INTERVAL;
+                match swept {
+                    Ok(Swept {
+                        idempotency: 0,
+                        audit: 0,
+                    }) => {}
+                    Ok(swept) => tracing::info!(
+                        idempotency = swept.idempotency,
+                        audit = swept.audit,
+                        "retention: deleted {} idempotency key(s) and {} audit record(s) past their retention",
+                        swept.idempotency,
+                        swept.audit,
+                    ),
+                    // Tried again next interval; meanwhile the rows only wait longer.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "retention sweep failed; retrying next interval")
+                    }
+                }
+            }
+        });
+        Self { task }
+    }
+
+    /// Waits for the sweep to end once its `stop` is cancelled (a delete in flight is
+    /// abandoned; it commits or not as a whole).
+    pub async fn stopped(self) {
+        if let Err(e) = self.task.await
+            && e.is_panic()
+        {
+            tracing::error!("the retention sweep panicked: {e}");
+        }
+    }
+}
