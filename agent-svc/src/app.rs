@@ -15,6 +15,10 @@ use crate::{
     store::{SharedStore, memory::MemoryStore, postgres::PgStore},
 };
 
+/// How often old runs' events are looked for (RUN_EVENTS_RETENTION): a retention is days,
+/// so a minute late costs nothing, and a sweep with nothing due is one index probe.
+const EVENTS_PRUNE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
+
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("cannot listen on {addr}: {source}")]
@@ -157,6 +161,10 @@ impl App {
             .runs
             .spawn_session_archiver(self.config.monitor_interval);
         let notices = self.runs.spawn_notice_router();
+        let pruner = self
+            .config
+            .run_events_retention
+            .map(|keep| self.runs.spawn_events_pruner(keep, EVENTS_PRUNE_INTERVAL));
         // One name for this process's task claims and schedule holds, handed back at shutdown.
         let worker = format!("agent-{}", uuid::Uuid::new_v4());
         let workers = self.config.task_workers.then(|| {
@@ -194,6 +202,9 @@ impl App {
         .await;
         monitor.abort();
         archiver.abort();
+        if let Some(pruner) = pruner {
+            pruner.abort();
+        }
         for w in [workers, schedules].into_iter().flatten() {
             w.abort();
             // Gone once this resolves: they claim nothing more.

@@ -56,6 +56,9 @@ pub struct Config {
     pub schedule_poll_interval: std::time::Duration,
     /// `AGENT_MAX_SCHEDULES_PER_USER`, `AGENT_SCHEDULE_MIN_INTERVAL`.
     pub schedule_rules: crate::runs::scheduled::ScheduleRules,
+    /// `RUN_EVENTS_RETENTION`: how long a finished run keeps every event (`None`: for good);
+    /// past it only its last event, the result, is kept.
+    pub run_events_retention: Option<std::time::Duration>,
 }
 
 impl Config {
@@ -174,6 +177,13 @@ impl Config {
             std::time::Duration::from_secs(60),
             std::time::Duration::from_secs(30 * 24 * 3600),
         );
+        const DAY: std::time::Duration = std::time::Duration::from_secs(86_400);
+        let run_events_retention = vars.duration_or_off(
+            "RUN_EVENTS_RETENTION",
+            Some(30 * DAY),
+            std::time::Duration::from_secs(3600),
+            3650 * DAY,
+        );
         vars.finish(Self {
             server,
             gateway_url,
@@ -197,6 +207,7 @@ impl Config {
             schedule_workers,
             schedule_poll_interval,
             schedule_rules,
+            run_events_retention,
         })
     }
 }
@@ -347,6 +358,19 @@ mod tests {
         assert_eq!(cfg.server.listen_addr.to_string(), DEFAULT_LISTEN);
         assert!(cfg.server.database.is_none());
         assert_eq!(cfg.gateway_url, DEFAULT_GATEWAY_URL);
+    }
+
+    #[test]
+    fn run_events_are_kept_thirty_days_unless_set_or_switched_off() {
+        const DAY: std::time::Duration = std::time::Duration::from_secs(86_400);
+        assert_eq!(load(&[]).unwrap().run_events_retention, Some(30 * DAY));
+        let set = load(&[("RUN_EVENTS_RETENTION", "7d")]).unwrap();
+        assert_eq!(set.run_events_retention, Some(7 * DAY));
+        let off = load(&[("RUN_EVENTS_RETENTION", "off")]).unwrap();
+        assert_eq!(off.run_events_retention, None);
+        let err = load(&[("RUN_EVENTS_RETENTION", "30s")]).unwrap_err();
+        assert_eq!(err.0[0].var, "RUN_EVENTS_RETENTION");
+        assert!(err.to_string().contains("out of range"), "{err}");
     }
 
     #[test]

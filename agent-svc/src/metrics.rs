@@ -53,6 +53,11 @@ pub fn model_fallback(to_provider: &str, to_model: &str) {
         .increment(1);
 }
 
+/// Finished runs whose events were thinned to their result (RUN_EVENTS_RETENTION).
+pub fn run_events_pruned(runs: usize) {
+    metrics::counter!("steward_run_events_pruned_runs_total").increment(runs as u64);
+}
+
 /// A run segment started or ended on this replica: runs executing here now.
 pub fn run_active(delta: f64) {
     metrics::gauge!("steward_runs_active").increment(delta);

@@ -65,6 +65,6 @@ fn migrate_applies_the_schema_once_and_exits() {
             ("STEWARD_DEVELOPMENT", "true"),
         ],
         "agent_schema_history",
-        24,
+        25,
     );
 }

@@ -89,24 +89,11 @@ impl Default for RetentionConfig {
     }
 }
 
-/// A retention period: the durations every other variable takes (`30m`, `2h`, seconds) and
-/// days (`7d`), which periods this long are written in.
-fn parse_retention(raw: &str) -> Option<Duration> {
-    if let Some(days) = raw.strip_suffix('d') {
-        let days: u64 = days.trim().parse().ok()?;
-        return days.checked_mul(86_400).map(Duration::from_secs);
-    }
-    // svc-kit's parser, so the units are those of every other duration variable.
-    let mut probe = Vars::new(|_| Some(raw.to_owned()));
-    let parsed = probe.duration_in("", Duration::ZERO, Duration::ZERO, Duration::MAX);
-    probe.finish(parsed).ok()
-}
-
 /// `var` as a retention period within [`RetentionConfig::MIN`]..=[`RetentionConfig::MAX`];
 /// `None` when unset. `examples` is what to give instead of a bad value.
 fn retention(vars: &mut Vars<'_>, var: &str, examples: &str) -> Option<Duration> {
     let raw = vars.raw(var)?;
-    match parse_retention(&raw) {
+    match svc_kit::config::parse_duration(&raw) {
         Some(d) if (RetentionConfig::MIN..=RetentionConfig::MAX).contains(&d) => Some(d),
         Some(d) if d < RetentionConfig::MIN => {
             vars.error(var, format!("{raw:?} is shorter than 1h; use {examples}"));

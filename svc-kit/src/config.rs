@@ -142,7 +142,8 @@ impl<'a> Vars<'a> {
         value
     }
 
-    /// A duration such as `500ms`, `30s`, `30m`, `2h` or a bare number of seconds, within bounds.
+    /// A duration such as `500ms`, `30s`, `30m`, `2h`, `7d` or a bare number of seconds, within
+    /// bounds.
     pub fn duration_in(
         &mut self,
         var: &str,
@@ -165,10 +166,28 @@ impl<'a> Vars<'a> {
             None => {
                 self.error(
                     var,
-                    format!("{raw:?} is not a duration (use e.g. 500ms, 30s, 30m, 2h or seconds)"),
+                    format!(
+                        "{raw:?} is not a duration (use e.g. 500ms, 30s, 30m, 2h, 7d or seconds)"
+                    ),
                 );
                 default
             }
+        }
+    }
+
+    /// As [`Vars::duration_in`], or `off` for none: a setting that can be switched off (a
+    /// retention, say). Unset gives `default`.
+    pub fn duration_or_off(
+        &mut self,
+        var: &str,
+        default: Option<Duration>,
+        min: Duration,
+        max: Duration,
+    ) -> Option<Duration> {
+        match self.raw(var) {
+            None => default,
+            Some(raw) if raw.trim().eq_ignore_ascii_case("off") => None,
+            Some(_) => Some(self.duration_in(var, default.unwrap_or(min), min, max)),
         }
     }
 
@@ -206,7 +225,8 @@ impl<'a> Vars<'a> {
     }
 }
 
-fn parse_duration(raw: &str) -> Option<Duration> {
+/// `500ms`, `30s`, `30m`, `2h`, `7d` or a bare number of seconds; `None` for anything else.
+pub fn parse_duration(raw: &str) -> Option<Duration> {
     let raw = raw.trim();
     let split = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
     let (num, unit) = raw.split_at(split);
@@ -217,6 +237,7 @@ fn parse_duration(raw: &str) -> Option<Duration> {
         "ms" => Some(Duration::from_millis(n)),
         "m" | "min" => secs(60),
         "h" => secs(3600),
+        "d" => secs(86_400),
         _ => None,
     }
 }
@@ -279,6 +300,7 @@ mod tests {
         assert_eq!(parse_duration("30"), Some(Duration::from_secs(30)));
         assert_eq!(parse_duration("30m"), Some(Duration::from_secs(1800)));
         assert_eq!(parse_duration("2h"), Some(Duration::from_secs(7200)));
+        assert_eq!(parse_duration("7d"), Some(Duration::from_secs(7 * 86_400)));
         assert_eq!(parse_duration("2 weeks"), None);
         assert_eq!(parse_duration("99999999999999999999h"), None);
         assert_eq!(parse_bytes("4MiB"), Some(4 << 20));
@@ -298,5 +320,24 @@ mod tests {
         );
         assert_eq!(d, Duration::from_secs(5));
         assert_eq!(v.finish(()).unwrap_err().0[0].var, "DRAIN");
+    }
+
+    #[test]
+    fn a_duration_that_can_be_switched_off_takes_off_a_duration_or_its_default() {
+        let day = Duration::from_secs(86_400);
+        let (hour, year) = (Duration::from_secs(3600), 365 * day);
+        let map = vars(&[("KEEP", "Off"), ("KEEP_FOR", "30d"), ("TOO_SHORT", "1m")]);
+        let mut v = Vars::from_map(&map);
+        assert_eq!(v.duration_or_off("KEEP", Some(day), hour, year), None);
+        assert_eq!(
+            v.duration_or_off("KEEP_FOR", None, hour, year),
+            Some(30 * day)
+        );
+        assert_eq!(v.duration_or_off("UNSET", Some(day), hour, year), Some(day));
+        assert_eq!(v.duration_or_off("UNSET", None, hour, year), None);
+        v.duration_or_off("TOO_SHORT", Some(day), hour, year);
+        let err = v.finish(()).unwrap_err();
+        assert_eq!(err.0.len(), 1);
+        assert_eq!(err.0[0].var, "TOO_SHORT");
     }
 }

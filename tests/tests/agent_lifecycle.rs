@@ -1489,6 +1489,61 @@ async fn an_open_send_the_gateway_holds_as_in_progress_is_answered_as_unknown() 
     assert!(sending.await.unwrap().ok);
 }
 
+/// RUN_EVENTS_RETENTION: once a run has ended longer ago than the retention, the pruner
+/// thins its events to the result: a watch from the start replays the result alone, under its
+/// own number, and the run and its thread read as before.
+#[tokio::test]
+async fn a_run_past_the_events_retention_replays_its_result_alone() {
+    let (app, _model, _gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_list", "list_tasks", "{}")]),
+            Answer::text("Nothing due."),
+        ],
+        &[],
+    )
+    .await;
+    let done = run_on(app.agent_addr, input("what is due?")).await;
+    assert_eq!(done.status, pb::RunState::Completed as i32);
+    let before = events(&app, &done.run_id, 0).await;
+    assert!(before.len() > 2, "{before:?}");
+
+    let replica = app.agent_replicas()[0].clone();
+    let hour = Duration::from_secs(3600);
+    assert_eq!(
+        replica
+            .prune_run_events(hour, std::time::SystemTime::now())
+            .await
+            .unwrap(),
+        0,
+        "ended just now: within the retention"
+    );
+    let thinned = replica
+        .prune_run_events(hour, std::time::SystemTime::now() + 2 * hour)
+        .await
+        .unwrap();
+    assert_eq!(thinned, 1);
+
+    let after = events(&app, &done.run_id, 0).await;
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_eq!(after[0].seq, before.last().unwrap().seq);
+    match &after[0].kind {
+        Some(pb::run_event::Kind::Result(r)) => assert_eq!(r.summary, "Nothing due."),
+        other => panic!("not the result: {other:?}"),
+    }
+    let run = app
+        .agent_as("alice")
+        .await
+        .get_run(pb::GetRunRequest {
+            run_id: done.run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .run
+        .unwrap();
+    assert_eq!(run.state, pb::RunState::Completed as i32);
+}
+
 #[tokio::test]
 async fn a_caller_gone_mid_admission_leaves_no_run_that_nothing_runs() {
     // On PostgreSQL an admission's COMMIT goes out with its statements, so once a call has

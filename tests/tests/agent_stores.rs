@@ -2505,9 +2505,66 @@ both_backends!(
     of_concurrent_claimers_exactly_one_gets_an_occurrence,
     an_occurrence_is_retried_taken_over_or_run_now_only_by_its_rules,
     e12_a_restart_settles_an_occurrences_attempt_without_spending_a_try,
+    events_of_runs_ended_before_the_cutoff_are_thinned_to_their_result_once,
     switching_a_schedule_off_drops_a_waiting_occurrence_but_not_a_running_one,
     switching_a_schedule_off_keeps_an_occurrence_whose_run_is_going_unheld,
 );
+
+/// Run `id` on its own thread: events 1 (its admission) to 4 (its result), ended `at`.
+async fn a_run_ended_at(s: &Arc<dyn AgentStore>, id: &str, at: SystemTime) {
+    let lease = started(s, id, &format!("thread-of-{id}"), Duration::from_secs(60)).await;
+    let ended = RunCommit {
+        events: vec![
+            (2, b"tool call".to_vec()),
+            (3, b"tool result".to_vec()),
+            (4, b"result".to_vec()),
+        ],
+        patch: RunPatch {
+            state: Some(RunState::Completed),
+            finished_at: Some(at),
+            ..RunPatch::default()
+        },
+        release: true,
+        ..RunCommit::default()
+    };
+    s.commit(&lease, ended).await.unwrap();
+}
+
+/// RUN_EVENTS_RETENTION: the runs that ended before the cutoff keep only their last event,
+/// the result (what a watch of them replays); runs ended since, and runs not ended, keep
+/// every event; each run is thinned once, oldest first, at most `limit` a call.
+async fn events_of_runs_ended_before_the_cutoff_are_thinned_to_their_result_once(b: Backend) {
+    let s = &b.store;
+    let day = Duration::from_secs(86_400);
+    let now = SystemTime::now();
+    a_run_ended_at(s, "r-old", now - 40 * day).await;
+    a_run_ended_at(s, "r-older", now - 50 * day).await;
+    a_run_ended_at(s, "r-recent", now - day).await;
+    let going = started(s, "r-going", "t-going", Duration::from_secs(60)).await;
+    s.commit(&going, events(&[2, 3])).await.unwrap();
+    let cutoff = now - 30 * day;
+
+    assert_eq!(s.prune_run_events(cutoff, 1).await.unwrap(), 1);
+    assert_eq!(seqs(s.as_ref(), "r-older").await, [4], "the oldest first");
+    assert_eq!(
+        seqs(s.as_ref(), "r-old").await,
+        [1, 2, 3, 4],
+        "one run a call"
+    );
+    assert_eq!(s.prune_run_events(cutoff, 500).await.unwrap(), 1);
+    assert_eq!(seqs(s.as_ref(), "r-old").await, [4]);
+    let result = s.events_after("r-old", 0, 10).await.unwrap();
+    assert_eq!(result[0].1, b"result");
+    assert_eq!(seqs(s.as_ref(), "r-recent").await, [1, 2, 3, 4]);
+    assert_eq!(seqs(s.as_ref(), "r-going").await, [1, 2, 3]);
+    assert_eq!(
+        s.prune_run_events(cutoff, 500).await.unwrap(),
+        0,
+        "each run once"
+    );
+    let run = s.get_run("alice", "r-old").await.unwrap().unwrap();
+    assert_eq!(run.state, RunState::Completed, "the run's record is kept");
+}
 
 fn events(seqs: &[u64]) -> RunCommit {
     RunCommit {

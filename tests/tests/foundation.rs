@@ -395,7 +395,7 @@ async fn a_migration_waiting_for_a_lock_gives_way_to_the_replicas_statements() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(applied, 24);
+    assert_eq!(applied, 25);
 }
 
 /// Each shipped migration's checksum as refinery records it. A database that applied a
@@ -429,6 +429,7 @@ const MIGRATION_CHECKSUMS: &[(&str, &[&str])] = &[
             "14619383028808738936", // V22
             "14650989266149762680", // V23
             "15586975895207243026", // V24
+            "1892179349270800231",  // V25
         ],
     ),
     (
@@ -444,6 +445,7 @@ const MIGRATION_CHECKSUMS: &[(&str, &[&str])] = &[
             "10357449365668025505", // V8
             "9234735666995074740",  // V9
             "15737436639101030455", // V10
+            "17499961974739754464", // V11
         ],
     ),
 ];

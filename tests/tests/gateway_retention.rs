@@ -187,6 +187,31 @@ async fn r3_a_key_abandoned_and_lapsed_long_ago_is_deleted(b: Backend) {
     assert_eq!(state(s, "lapsed").await, KeyState::Free);
 }
 
+async fn r3_a_key_whose_call_may_have_acted_is_kept_for_good(b: Backend) {
+    let s = &b.stores;
+    let claim = s
+        .idempotency
+        .claim(&user(), "sent-maybe", Duration::ZERO)
+        .await
+        .unwrap();
+    claim
+        .acting()
+        .expect("a running claim can mark its write")
+        .mark()
+        .await
+        .unwrap();
+    // The call went to Gmail and its replica died: no result, its hold lapsed.
+    claim.abandon();
+    let a_century_on = SystemTime::now() + 36_500 * DAY;
+    let swept = sweep_once(s, &retention(&[]), a_century_on).await.unwrap();
+    assert_eq!(swept.idempotency, 0);
+    assert_eq!(
+        state(s, "sent-maybe").await,
+        KeyState::Held,
+        "still answered as possibly done, never as free"
+    );
+}
+
 fn record(call_id: &str) -> AuditRecord {
     AuditRecord {
         user: "u1".into(),
@@ -266,6 +291,7 @@ both_backends!(
     p4_keys_are_deleted_in_batches_of_at_most_the_limit,
     r3_a_key_a_call_still_holds_is_never_deleted_whatever_its_age,
     r3_a_key_abandoned_and_lapsed_long_ago_is_deleted,
+    r3_a_key_whose_call_may_have_acted_is_kept_for_good,
     g9_audit_records_are_deleted_only_when_audit_retention_is_set,
 );
 

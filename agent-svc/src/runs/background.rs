@@ -387,6 +387,57 @@ impl RunService {
         })
     }
 
+    /// RUN_EVENTS_RETENTION: thins the events of runs that ended more than `retention` before
+    /// `now` to their last, the result; how many runs. Batches of [`PRUNE_BATCH`] runs, each
+    /// one short statement, until the backlog is done or [`PRUNE_BATCHES`] were taken (the
+    /// rest waits for the next sweep), so a first sweep over years of runs holds nothing long.
+    pub async fn prune_run_events(
+        &self,
+        retention: Duration,
+        now: SystemTime,
+    ) -> Result<usize, ApiError> {
+        let ended_before = now.checked_sub(retention).unwrap_or(SystemTime::UNIX_EPOCH);
+        let mut total = 0;
+        for _ in 0..PRUNE_BATCHES {
+            let n = self
+                .store
+                .prune_run_events(ended_before, PRUNE_BATCH)
+                .await?;
+            total += n;
+            if n < PRUNE_BATCH {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    /// The run-events pruner: every `interval`, [`RunService::prune_run_events`]. Any number of
+    /// replicas may run it; their sweeps skip each other's rows.
+    pub fn spawn_events_pruner(
+        self: &Arc<Self>,
+        retention: Duration,
+        interval: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                match this.prune_run_events(retention, SystemTime::now()).await {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        crate::metrics::run_events_pruned(n);
+                        tracing::info!(
+                            runs = n,
+                            "events of runs past RUN_EVENTS_RETENTION thinned to their results"
+                        );
+                    }
+                    Err(e) => tracing::warn!(error = %e, "could not prune old run events"),
+                }
+            }
+        })
+    }
+
     /// The idle-session sweep (B-4), every `interval`, in a task of its own: it waits on the
     /// summary model, up to 70 s a session and 200 sessions a sweep, and the health monitor's
     /// sweep of abandoned runs must not wait behind it.
@@ -764,6 +815,10 @@ pub(super) const MAX_RESTARTS: u32 = 20;
 /// Why such a task failed, as its parent thread is told.
 const TASK_KEPT_STOPPING: &str =
     "its last attempt stopped with the server running it, and it has no tries left";
+
+/// Runs whose events one pruning statement thins, and statements at most per sweep.
+const PRUNE_BATCH: usize = 500;
+const PRUNE_BATCHES: usize = 20;
 
 /// How long a run whose take-up check keeps failing on an unavailable store is left for the
 /// next sweep before it is ended as abandoned.

@@ -115,6 +115,8 @@ struct State {
     history: HashMap<String, Vec<TurnJson>>,
     runs: HashMap<String, Run>,
     events: HashMap<String, BTreeMap<u64, Vec<u8>>>,
+    /// Runs whose events were thinned to their last (RUN_EVENTS_RETENTION).
+    events_pruned: std::collections::HashSet<String>,
     approvals: HashMap<String, Approval>,
     actions: Vec<Action>,
     archives: Vec<(String, Archive, String)>,
@@ -811,6 +813,38 @@ impl AgentStore for MemoryStore {
                 true
             }
             _ => false,
+        })
+    }
+
+    async fn prune_run_events(
+        &self,
+        ended_before: SystemTime,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        self.with(|s| {
+            let State {
+                runs,
+                events,
+                events_pruned,
+                ..
+            } = s;
+            let mut due: Vec<(SystemTime, &String)> = runs
+                .iter()
+                .filter(|(id, run)| run.state.is_terminal() && !events_pruned.contains(*id))
+                .filter_map(|(id, run)| run.finished_at.filter(|t| *t < ended_before).zip(Some(id)))
+                .collect();
+            due.sort();
+            due.truncate(limit);
+            for (_, id) in &due {
+                if let Some(kept) = events.get_mut(*id)
+                    && let Some(last) = kept.pop_last()
+                {
+                    kept.clear();
+                    kept.insert(last.0, last.1);
+                }
+                events_pruned.insert((*id).clone());
+            }
+            due.len()
         })
     }
 

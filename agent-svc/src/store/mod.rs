@@ -723,6 +723,15 @@ pub trait AgentStore: Send + Sync + 'static {
     /// not live (ended or paused).
     async fn request_cancel(&self, run_id: &str, reason: Option<&str>) -> Result<bool, StoreError>;
 
+    /// Thins the events of up to `limit` runs that ended before `ended_before` (completed,
+    /// failed or cancelled) to their last one, the result, each run once; returns how many
+    /// runs were thinned. A watch of such a run replays its result alone.
+    async fn prune_run_events(
+        &self,
+        ended_before: SystemTime,
+        limit: usize,
+    ) -> Result<usize, StoreError>;
+
     /// Events with seq > `after`, in order, at most `limit`.
     async fn events_after(
         &self,

@@ -785,6 +785,38 @@ impl AgentStore for PgStore {
         Ok(n.len() == 1)
     }
 
+    async fn prune_run_events(
+        &self,
+        ended_before: SystemTime,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        // One statement: the runs due, oldest first, by the partial index (rows another
+        // replica's sweep holds are skipped, not waited for); their events below the last
+        // stored one deleted — the stored last, not `last_event_seq`, so the result is kept
+        // whatever the row says —; and the runs marked, so none is read again.
+        let row = self
+            .client()
+            .await?
+            .query_one(
+                "WITH due AS ( \
+                   SELECT id FROM agent.runs \
+                    WHERE finished_at IS NOT NULL AND NOT events_pruned AND finished_at < $1 \
+                      AND state IN ('completed', 'failed', 'cancelled') \
+                    ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+                 gone AS ( \
+                   DELETE FROM agent.run_events e USING due \
+                    WHERE e.run_id = due.id \
+                      AND e.seq < (SELECT max(m.seq) FROM agent.run_events m WHERE m.run_id = due.id)), \
+                 marked AS ( \
+                   UPDATE agent.runs r SET events_pruned = true FROM due WHERE r.id = due.id RETURNING 1) \
+                 SELECT count(*)::bigint FROM marked",
+                &[&ended_before, &(limit as i64)],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.get::<_, i64>(0) as usize)
+    }
+
     async fn events_after(
         &self,
         run_id: &str,

@@ -328,8 +328,9 @@ impl IdempotencyStore for MemoryStore {
     }
 
     /// Settled keys by when they were stored; abandoned ones once their hold lapsed, on the
-    /// tokio clock as `claim` judges it, before `older_than`. A key still held by a running
-    /// claim is in neither map, so is never touched.
+    /// tokio clock as `claim` judges it, before `older_than`, unless their call marked itself
+    /// acting (it may have acted: kept for good, as on PostgreSQL). A key still held by a
+    /// running claim is in neither map, so is never touched.
     async fn prune_idempotency(
         &self,
         older_than: SystemTime,
@@ -349,7 +350,7 @@ impl IdempotencyStore for MemoryStore {
         self.abandoned
             .lock()
             .map_err(|_| poisoned())?
-            .retain(|_, a| take(a.lapses_at < older_than && a.until <= now));
+            .retain(|_, a| take(a.lapses_at < older_than && a.until <= now && !a.acting));
         Ok(limit - left)
     }
 }

@@ -498,16 +498,19 @@ impl IdempotencyStore for PgStore {
         // Found by the updated_at index, deleted by ctid. The condition is repeated on the
         // DELETE so that a row a takeover changed between the two (a fresh hold) is checked
         // again as it now is, and kept. A held key's lapse is judged by the database's clock,
-        // which every claim's lease is set by, not by `older_than`.
+        // which every claim's lease is set by, not by `older_than`. A lapsed key whose call
+        // marked itself acting is kept for good: its call may have acted, and without the
+        // row a retry would act again and a lookup would answer "not executed".
+        const PRUNABLE: &str = "updated_at < $1 AND (state = 'done' OR (lease_until < least($1, clock_timestamp()) AND NOT acting))";
         let deleted = self
             .client()
             .await?
             .execute(
-                "DELETE FROM gateway.idempotency WHERE ctid = ANY(ARRAY( \
-                   SELECT ctid FROM gateway.idempotency \
-                   WHERE updated_at < $1 AND (state = 'done' OR lease_until < least($1, clock_timestamp())) \
-                   LIMIT $2)) \
-                 AND updated_at < $1 AND (state = 'done' OR lease_until < least($1, clock_timestamp()))",
+                &format!(
+                    "DELETE FROM gateway.idempotency WHERE ctid = ANY(ARRAY( \
+                       SELECT ctid FROM gateway.idempotency WHERE {PRUNABLE} LIMIT $2)) \
+                     AND {PRUNABLE}"
+                ),
                 &[&older_than, &(limit as i64)],
             )
             .await
