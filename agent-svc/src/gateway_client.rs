@@ -23,6 +23,17 @@ use crate::{
     llm::{ToolDecl, ToolSet},
 };
 
+/// What the gateway's records say of a side-effect call.
+#[derive(Debug, Clone)]
+pub enum Looked {
+    /// It completed: what it returned.
+    Found(ToolOutcome),
+    /// It never reached upstream.
+    NeverRan,
+    /// It will not be known (the gateway's words why): it may have acted.
+    Unknown(String),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     #[error("gateway-svc is unreachable: {0}")]
@@ -442,13 +453,11 @@ impl GatewayClient {
         }
     }
 
-    /// What became of a side-effect call made with `idempotency_key`: its recorded result, or
-    /// `None` when it never reached upstream. Nothing is executed.
-    pub async fn lookup(
-        &self,
-        user: &str,
-        idempotency_key: &str,
-    ) -> Result<Option<ToolOutcome>, GatewayError> {
+    /// What became of a side-effect call made with `idempotency_key`, as the gateway records
+    /// it. Nothing is executed. An error is one that asking again may clear (the gateway
+    /// away, restarting, or the call still running): `GatewayError::Unavailable`, whatever
+    /// the code; the gateway's answers that will not change are [`Looked::Unknown`].
+    pub async fn lookup(&self, user: &str, idempotency_key: &str) -> Result<Looked, GatewayError> {
         let mut client = GatewayServiceClient::new(self.channel.clone());
         let request = self.request(
             pb::LookupCallRequest {
@@ -456,15 +465,46 @@ impl GatewayClient {
             },
             user,
         )?;
-        let response = tokio::time::timeout(self.call_timeout, client.lookup_call(request))
+        let answer = tokio::time::timeout(self.call_timeout, client.lookup_call(request))
             .await
-            .map_err(|_| GatewayError::Unavailable("the lookup timed out".into()))??
-            .into_inner();
-        Ok(response
-            .found
-            .then_some(response.result)
-            .flatten()
-            .map(outcome))
+            .map_err(|_| GatewayError::Unavailable("the lookup timed out".into()))?;
+        match answer {
+            Ok(response) => {
+                let response = response.into_inner();
+                Ok(match response.found.then_some(response.result).flatten() {
+                    Some(result) => Looked::Found(outcome(result)),
+                    None => Looked::NeverRan,
+                })
+            }
+            // A connection cut mid-answer (UNKNOWN, an h2 reset as INTERNAL), a token the
+            // gateway does not take yet during a rollout, a gateway out of breath: not an
+            // answer about the call.
+            Err(status)
+                if matches!(
+                    status.code(),
+                    tonic::Code::Unavailable
+                        | tonic::Code::DeadlineExceeded
+                        | tonic::Code::Cancelled
+                        | tonic::Code::Unknown
+                        | tonic::Code::Internal
+                        | tonic::Code::Unauthenticated
+                        | tonic::Code::ResourceExhausted
+                ) =>
+            {
+                Err(GatewayError::Unavailable(format!(
+                    "{:?}: {}",
+                    status.code(),
+                    status.message()
+                )))
+            }
+            // ABORTED (ended unrecorded), DATA_LOSS (a record this build cannot read),
+            // UNIMPLEMENTED (a gateway from before LookupCall), and the rest.
+            Err(status) => Ok(Looked::Unknown(format!(
+                "{:?}: {}",
+                status.code(),
+                status.message()
+            ))),
+        }
     }
 
     /// The bootstrap context for a session opening (I-8).

@@ -39,6 +39,22 @@ pub(crate) const CLAIM_MARGIN: Duration = Duration::from_secs(40);
 /// [`CLAIM_MARGIN`]).
 pub(crate) const STORE_BUDGET: Duration = Duration::from_secs(15);
 
+/// What LookupCall finds of a side-effect call by its idempotency key.
+#[derive(Debug)]
+pub enum Recorded {
+    /// No call holds the key or completed with it: the call never ran.
+    None,
+    /// A call holds it and may still answer: ask again once its hold is over.
+    Running,
+    /// Its call ended without recording what it did: it may have acted, and that will not
+    /// be known.
+    MayHaveActed,
+    /// (tool, outcome) of the completed call.
+    Done(String, CallOutcome),
+    /// A stored result this build cannot read (one written by a newer build, say).
+    Unreadable(String),
+}
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub max_result_chars: usize,
@@ -479,28 +495,20 @@ impl Engine {
         })
     }
 
-    /// What a completed side-effect call with this key returned, without running anything:
-    /// (tool, outcome), or `None` when no call holds the key or completed with it. A key a
-    /// call still holds, or one whose call ended without storing its result, is
-    /// `StoreError::InProgress`: that call may have acted.
-    pub async fn recorded(
-        &self,
-        user: &UserId,
-        key: &str,
-    ) -> Result<Option<(String, CallOutcome)>, StoreError> {
+    /// What the side-effect call with this key came to, without running anything (LookupCall).
+    pub async fn recorded(&self, user: &UserId, key: &str) -> Result<Recorded, StoreError> {
         let stored = match self.idempotency.lookup(user, key).await? {
-            KeyState::Free => return Ok(None),
-            KeyState::Held => {
-                return Err(StoreError::InProgress(format!(
-                    "a call with idempotency key {key:?} is still running, or ended without \
-                     recording its result: it may have taken effect"
-                )));
-            }
+            KeyState::Free => return Ok(Recorded::None),
+            KeyState::Running => return Ok(Recorded::Running),
+            KeyState::Held => return Ok(Recorded::MayHaveActed),
             KeyState::Done(stored) => stored,
         };
-        serde_json::from_value::<CallOutcome>(stored.outcome)
-            .map(|o| Some((stored.tool, o)))
-            .map_err(|e| StoreError::Unavailable(format!("stored result unreadable: {e}")))
+        Ok(
+            match serde_json::from_value::<CallOutcome>(stored.outcome) {
+                Ok(outcome) => Recorded::Done(stored.tool, outcome),
+                Err(e) => Recorded::Unreadable(e.to_string()),
+            },
+        )
     }
 
     fn outcome(

@@ -85,7 +85,11 @@ async fn a_lapsed_claim_is_taken_over_only_if_its_call_never_marked_a_write(
         .unwrap();
     marked.abandon();
 
-    assert_eq!(store.lookup(&user, "wrote").await.unwrap(), KeyState::Held);
+    assert_eq!(
+        store.lookup(&user, "wrote").await.unwrap(),
+        KeyState::Running,
+        "held, its hold not lapsed yet"
+    );
     let taken = store
         .claim(&user, "never-wrote", Duration::from_secs(30))
         .await

@@ -195,8 +195,9 @@ pub async fn warn_if_pools_exceed_server(pool: &Pool, options: &PoolOptions) {
 pub struct ServerConnections {
     pub max: usize,
     pub reserved: usize,
-    /// Client connections open to the server, this one's not counted: other replicas, the
-    /// other service, anything else using the server.
+    /// Client connections open to the server that this role can see, this one's not counted:
+    /// other replicas, the other service, anything else using the server. Another role's are
+    /// hidden from a role without `pg_read_all_stats`, so this can count low.
     pub open_elsewhere: usize,
 }
 
@@ -221,10 +222,12 @@ pub fn pool_warnings(server: &ServerConnections, pool: usize) -> Vec<String> {
         ));
     }
     let with_this = server.open_elsewhere + pool;
-    if with_this > usable {
+    // Nothing else open: the rule above has said it (or the pool alone passes the limit,
+    // which it also covers).
+    if server.open_elsewhere > 0 && with_this > usable {
         warnings.push(format!(
-            "DATABASE_MAX_CONNECTIONS={pool}: {} connections are open to this PostgreSQL already (other replicas, \
-             the other service, other clients); with this pool full that is {with_this}, more than {limit}. \
+            "DATABASE_MAX_CONNECTIONS={pool}: {} connections this role can see are open to this PostgreSQL already \
+             (other replicas, the other service, other clients); with this pool full that is {with_this}, more than {limit}. \
              Under load new connections will be refused: lower DATABASE_MAX_CONNECTIONS or the replica counts, \
              raise max_connections, or put a pooler in front",
             server.open_elsewhere
@@ -609,7 +612,8 @@ mod tests {
         let warnings = pool_warnings(&busy, 18);
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(
-            warnings[0].contains("80 connections are open to this PostgreSQL already")
+            warnings[0]
+                .contains("80 connections this role can see are open to this PostgreSQL already")
                 && warnings[0].contains("with this pool full that is 98"),
             "{}",
             warnings[0]

@@ -110,6 +110,11 @@ async fn pools_that_could_exceed_the_servers_connections_are_warned_about_at_sta
     let db = steward_tests::TestDb::create()
         .await
         .expect("a test database");
+    // A connection of the test's own open on the server, so at least one is seen elsewhere.
+    let (_open, connection) = tokio_postgres::connect(db.url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect to the test database");
+    tokio::spawn(connection);
     let gateway = steward_tests::procs::ServiceProc::spawn(
         "gateway-svc",
         vec![
@@ -139,7 +144,7 @@ async fn pools_that_could_exceed_the_servers_connections_are_warned_about_at_sta
     // passes the limit (the count comes from the server, so this also shows it was read).
     assert!(
         gateway.log().iter().any(|l| l.contains(r#""level":"WARN""#)
-            && l.contains("connections are open to this PostgreSQL already")
+            && l.contains("connections this role can see are open to this PostgreSQL already")
             && l.contains("DATABASE_MAX_CONNECTIONS=1000")),
         "{}",
         gateway.log_tail(20)

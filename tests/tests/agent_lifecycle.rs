@@ -1434,7 +1434,7 @@ async fn a_run_that_cannot_look_up_an_open_send_fails_and_leaves_it_for_the_next
         "{failed:?}"
     );
     assert!(
-        failed.error.contains("could not say what it came to"),
+        failed.error.contains("could not say yet what it came to"),
         "{}",
         failed.error
     );
@@ -1446,18 +1446,19 @@ async fn a_run_that_cannot_look_up_an_open_send_fails_and_leaves_it_for_the_next
     assert_eq!(gmail.sent().len(), 1, "nothing was sent again");
 }
 
-/// P-4: a send whose record at the gateway is held (the call still at Gmail, or ended without
-/// recording what it did) is answered "outcome unknown": the gateway's own answer, which no
-/// later run would improve on, so the run goes on rather than failing.
+/// P-4: a send still at Gmail when the thread's next run starts (its run's replica died, the
+/// gateway's call goes on) is not known yet: the run fails, saying so, and writes nothing for
+/// it; once the send has answered, the next run closes it from the record.
 #[tokio::test]
-async fn an_open_send_the_gateway_holds_as_in_progress_is_answered_as_unknown() {
-    let (app, model, gmail) = gmail_world(vec![Answer::text("I cannot tell yet.")], &[]).await;
+async fn an_open_send_still_running_at_the_gateway_fails_the_run_until_its_result_is_recorded() {
+    let (app, model, gmail) =
+        gmail_world(vec![Answer::text("One went out, one did not.")], &[]).await;
     a_thread_whose_run_died_before_its_sends_were_made(&app).await;
     let gate = gmail.hold_sends();
     let sending = {
-        let app_gateway = app.gateway_as("alice").await;
+        let gateway = app.gateway_as("alice").await;
         tokio::spawn(async move {
-            let mut gateway = app_gateway;
+            let mut gateway = gateway;
             steward_tests::calls::call_tool_keyed(
                 &mut gateway,
                 "gmail_send",
@@ -1468,6 +1469,45 @@ async fn an_open_send_the_gateway_holds_as_in_progress_is_answered_as_unknown() 
         })
     };
     gate.arrived().await;
+
+    let mut asked = input("did they go out?");
+    asked.thread_id = "t-crash".into();
+    let early = run_on(app.agent_addr, asked.clone()).await;
+    assert_eq!(
+        (early.status, early.failure_kind),
+        (
+            pb::RunState::Failed as i32,
+            pb::FailureKind::GatewayUnavailable as i32
+        ),
+        "{early:?}"
+    );
+    assert!(early.error.contains("still running"), "{}", early.error);
+    assert!(model.requests().is_empty(), "the model was not asked");
+
+    gate.release();
+    assert!(sending.await.unwrap().ok);
+    let result = run_on(app.agent_addr, asked).await;
+    assert_eq!(result.status, pb::RunState::Completed as i32);
+    assert_closed_from_the_record(&model.requests()[0].1);
+}
+
+/// P-4, R-3: a send whose call ended without recording what it did (its gateway replica died
+/// after the write left, its hold long lapsed) will never be known: the gateway says so, and
+/// the run answers it "outcome unknown" and goes on, rather than failing every run after.
+#[tokio::test]
+async fn an_open_send_that_ended_unrecorded_is_answered_as_unknown_for_good() {
+    let (app, model, _gmail) = gmail_world(vec![Answer::text("I cannot tell.")], &[]).await;
+    a_thread_whose_run_died_before_its_sends_were_made(&app).await;
+    // What a gateway replica that died mid-send leaves: the key held, marked acting, lapsed.
+    app.sql()
+        .await
+        .execute(
+            "INSERT INTO gateway.idempotency (user_id, key, tool, args_sha256, state, holder, lease_until, acting) \
+             VALUES ('alice', $1, '', '', 'pending', 'a-dead-replica', now() - interval '1 minute', true)",
+            &[&agent_svc::store::action_id("r-crash", "call_sent")],
+        )
+        .await
+        .unwrap();
 
     let mut next = input("did they go out?");
     next.thread_id = "t-crash".into();
@@ -1485,8 +1525,6 @@ async fn an_open_send_the_gateway_holds_as_in_progress_is_answered_as_unknown() 
         "{}",
         answered[1].1
     );
-    gate.release();
-    assert!(sending.await.unwrap().ok);
 }
 
 /// RUN_EVENTS_RETENTION: once a run has ended longer ago than the retention, the pruner

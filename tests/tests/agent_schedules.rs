@@ -836,7 +836,7 @@ async fn e12_an_occurrence_stopped_by_a_restart_is_taken_up_again_at_once_withou
     .await;
     let stopping = app.agent_replicas()[0].clone();
     // Ahead of the wall clock for the whole test, so every settle counts from this clock.
-    let now = time(&schedule.next_due_at).max(SystemTime::now()) + Duration::from_secs(60);
+    let now = time(&schedule.next_due_at).max(SystemTime::now()) + Duration::from_secs(3600);
     let fired = stopping
         .fire_due_schedules("replica-0", now)
         .await

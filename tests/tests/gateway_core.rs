@@ -635,7 +635,8 @@ async fn a_repeated_idempotency_key_calls_upstream_once() {
 /// R-3, P-4: a unary ExecuteTool caller that goes away once the send has reached upstream (its
 /// deadline, a dropped connection) cancels the call instead of dropping it mid-flight. The key
 /// then holds "it may have taken effect", so a retry replays that rather than sending again;
-/// while the call runs, LookupCall says it may have acted rather than "not found".
+/// while the call runs, LookupCall says it is still running (UNAVAILABLE: ask again) rather
+/// than "not found".
 async fn a_side_effect_whose_caller_leaves_after_the_send_left_is_never_sent_twice(b: Backend) {
     let w = world(b, &[]).await;
     let mut g = w.app.gateway_as("u1").await;
@@ -659,9 +660,9 @@ async fn a_side_effect_whose_caller_leaves_after_the_send_left_is_never_sent_twi
         })
         .await
         .expect_err("a call in flight is not reported as never run");
-    assert_eq!(looked_up.code(), tonic::Code::Aborted, "{looked_up:?}");
+    assert_eq!(looked_up.code(), tonic::Code::Unavailable, "{looked_up:?}");
     assert!(
-        looked_up.message().contains("may have taken effect"),
+        looked_up.message().contains("still running"),
         "{looked_up:?}"
     );
 

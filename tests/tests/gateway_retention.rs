@@ -157,8 +157,8 @@ async fn r3_a_key_a_call_still_holds_is_never_deleted_whatever_its_age(b: Backen
     let a_century_on = SystemTime::now() + 36_500 * DAY;
     let swept = sweep_once(s, &retention(&[]), a_century_on).await.unwrap();
     assert_eq!(swept.idempotency, 0);
-    assert_eq!(state(s, "running").await, KeyState::Held);
-    assert_eq!(state(s, "abandoned").await, KeyState::Held);
+    assert_eq!(state(s, "running").await, KeyState::Running);
+    assert_eq!(state(s, "abandoned").await, KeyState::Running);
     let result = StoredResult {
         tool: "gmail_send".into(),
         args_sha256: "abc".into(),

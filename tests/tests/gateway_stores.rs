@@ -380,8 +380,8 @@ async fn a_held_key_makes_a_second_claim_wait_for_its_result_and_a_dropped_one_f
     .unwrap();
     assert_eq!(
         answered,
-        KeyState::Held,
-        "a pending call has no result yet, and may be acting"
+        KeyState::Running,
+        "a pending call has no result yet, and may still answer"
     );
     drop(held);
     let waiting = {
@@ -814,7 +814,8 @@ async fn r3_on_postgres_an_abandoned_claim_keeps_its_key_held_until_its_hold_lap
     claim.abandon();
     assert_eq!(
         s.lookup(&user("u1"), "sent-maybe").await.unwrap(),
-        KeyState::Held
+        KeyState::Running,
+        "a hold let go looks like a running one until it lapses"
     );
     let later = s
         .claim(&user("u1"), "sent-maybe", HOLD)

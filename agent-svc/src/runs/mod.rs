@@ -34,7 +34,7 @@ use crate::{
     executor::{
         self, Executor, ModelSetup, RunEvent, RunRequest, Stop, ToolOutcome, ToolRunner, limits,
     },
-    gateway_client::{ExecuteSession, GatewayClient, OnceCall, ToolList},
+    gateway_client::{ExecuteSession, GatewayClient, GatewayError, Looked, OnceCall, ToolList},
     llm::{
         ModelRequest, Turn,
         resilient::{self, ChainEntry, RetryPolicy},
@@ -722,30 +722,50 @@ impl RunService {
             return Ok(closed);
         }
         let ids: Vec<String> = open.iter().map(|c| c.id.clone()).collect();
-        // Store errors fail the run as the history read above does.
-        let actions = self.store.actions_for_calls(&ids).await?;
+        // The database away fails the run (asked again by the next); records it refuses or
+        // this build cannot read will not improve, so those calls are answered as unknown.
+        let actions = match self.store.actions_for_calls(&ids).await {
+            Ok(actions) => Some(actions),
+            Err(e @ StoreError::Unavailable(_)) => return Err(e.into()),
+            Err(e) => {
+                tracing::error!(error = %e, "the actions of open calls cannot be read; they are answered as unknown");
+                None
+            }
+        };
         for call in open {
-            let action = actions.iter().find(|a| a.call_id == call.id);
+            let action = actions
+                .as_ref()
+                .and_then(|all| all.iter().find(|a| a.call_id == call.id));
             let (content, is_error) = match action {
                 // A task agent is queued in the agent's own store, not the gateway's: whether
                 // the call queued it is read there (the task carries the call's id).
                 _ if call.name == TASK_AGENT_TOOL => {
                     let id = tools::task_id_for(&call.id);
-                    match self.store.get_task_agent(owner, &id).await? {
-                        Some(task) => (tools::task_started_as(&task), false),
-                        None => (
+                    match self.store.get_task_agent(owner, &id).await {
+                        Ok(Some(task)) => (tools::task_started_as(&task), false),
+                        Ok(None) => (
                             "Not executed: the run that made this call ended before it ran."
                                 .to_owned(),
                             true,
                         ),
+                        Err(e @ StoreError::Unavailable(_)) => return Err(e.into()),
+                        Err(e) => {
+                            tracing::error!(call_id = %call.id, error = %e, "an open task agent call's task cannot be read");
+                            (
+                                "The outcome is unknown: the run that made this call ended while it ran. The task agent may have been started; do not start it again without asking the user.".to_owned(),
+                                true,
+                            )
+                        }
                     }
                 }
+                // Its record unreadable: whatever it was, it may have happened.
+                None if actions.is_none() => (OUTCOME_UNKNOWN.to_owned(), true),
                 Some(a) if a.side_effect && a.state == ActionState::Executing => {
                     match &self.gateway {
                         // What the gateway knows closes the call's `side_effect` record too
                         // (written by this later run; the call id joins them).
                         Some(g) => match g.lookup(owner, &a.id).await {
-                            Ok(Some(done)) => {
+                            Ok(Looked::Found(done)) => {
                                 closed.audit.push(writer::side_effect_result(
                                     &call.name,
                                     &call.id,
@@ -760,7 +780,7 @@ impl RunService {
                                     !done.ok,
                                 )
                             }
-                            Ok(None) => {
+                            Ok(Looked::NeverRan) => {
                                 closed.audit.push(writer::side_effect_result(
                                     &call.name,
                                     &call.id,
@@ -772,18 +792,21 @@ impl RunService {
                                     true,
                                 )
                             }
-                            // Unreachable for now: asked again by the next run.
-                            Err(e @ crate::gateway_client::GatewayError::Unavailable(_)) => {
+                            // The gateway's answer, for good: its call ended unrecorded.
+                            Ok(Looked::Unknown(why)) => {
+                                tracing::warn!(call_id = %call.id, %why, "an open side-effect call's outcome is unknown");
+                                (OUTCOME_UNKNOWN.to_owned(), true)
+                            }
+                            // Not known yet (the gateway away, or the call still running):
+                            // asked again by the next run.
+                            Err(GatewayError::Unavailable(why)) => {
                                 return Err(ApiError::Unavailable(format!(
-                                    "this thread's previous run left a call to {} open, and gateway-svc could not say what it came to ({e}); nothing was run, please try again",
+                                    "this thread's previous run left a call to {} open, and gateway-svc could not say yet what it came to ({why}); nothing was run, please try again shortly",
                                     call.name
                                 )));
                             }
-                            // The gateway's answer: its record of the call is held (the call
-                            // still running, or ended without recording what it did), so the
-                            // outcome is unknown for good.
                             Err(e) => {
-                                tracing::warn!(call_id = %call.id, error = %e, "an open side-effect call's outcome is unknown");
+                                tracing::warn!(call_id = %call.id, error = %e, "an open side-effect call could not be looked up");
                                 (OUTCOME_UNKNOWN.to_owned(), true)
                             }
                         },

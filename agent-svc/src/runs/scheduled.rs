@@ -759,10 +759,12 @@ fn failed(
     error: String,
     now: SystemTime,
 ) -> Settle {
-    // Tries, not attempts: the restarts before this attempt do not count.
+    // Tries, not attempts: the restarts before this attempt do not count. At least one: a
+    // replica of the build before V24, settling an occurrence, leaves its count behind.
     let tries = occurrence
         .attempt
-        .saturating_sub(occurrence.schedule.restarts);
+        .saturating_sub(occurrence.schedule.restarts)
+        .max(1);
     match background::retry_backoff(&error, tries) {
         Some(backoff) => {
             tracing::warn!(schedule = %occurrence.schedule.id, attempt = occurrence.attempt, %error, "scheduled run failed; retrying later");

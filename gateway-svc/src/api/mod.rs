@@ -23,7 +23,7 @@ use crate::{
     config::CallerAuth,
     credentials::{Credentials, NewAccount},
     domain::{CallOutcome, CallRequest, ErrorKind, UserId},
-    engine::Engine,
+    engine::{Engine, Recorded},
 };
 
 type ResultStream = Pin<Box<dyn Stream<Item = Result<pb::ExecuteResponse, Status>> + Send>>;
@@ -199,14 +199,35 @@ impl GatewayService for GatewayApi {
             .recorded(&user, &key)
             .await
             .map_err(ApiError::Store)?;
-        Ok(Response::new(match recorded {
-            Some((tool, outcome)) => pb::LookupCallResponse {
+        // The codes say what the caller can do (see `status`): UNAVAILABLE, ask again later
+        // (the call may still answer); ABORTED and DATA_LOSS, it will not be known.
+        let found = match recorded {
+            Recorded::Done(tool, outcome) => pb::LookupCallResponse {
                 found: true,
                 result: Some(convert::tool_result(outcome)),
                 tool,
             },
-            None => pb::LookupCallResponse::default(),
-        }))
+            Recorded::None => pb::LookupCallResponse::default(),
+            Recorded::Running => {
+                return Err(ApiError::StillRunning(format!(
+                    "the call with idempotency key {key:?} is still running (or its replica stopped a moment ago); ask again once it has finished"
+                ))
+                .into());
+            }
+            Recorded::MayHaveActed => {
+                return Err(ApiError::Store(crate::store::StoreError::MayHaveActed(format!(
+                    "the call with idempotency key {key:?} ended without recording its result: it may have taken effect"
+                )))
+                .into());
+            }
+            Recorded::Unreadable(why) => {
+                return Err(ApiError::Unreadable(format!(
+                    "the stored result of the call with idempotency key {key:?} cannot be read by this build: {why}"
+                ))
+                .into());
+            }
+        };
+        Ok(Response::new(found))
     }
 
     async fn get_bootstrap_context(

@@ -15,6 +15,12 @@ pub enum ApiError {
     NotFound(String),
     #[error("{0}")]
     FailedPrecondition(String),
+    /// What was asked about is under way and will be known later: ask again.
+    #[error("{0}")]
+    StillRunning(String),
+    /// Stored data this build cannot read (one written by a newer build, say).
+    #[error("{0}")]
+    Unreadable(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -37,6 +43,8 @@ impl From<ApiError> for Status {
             ApiError::InvalidArgument(_) => Status::invalid_argument(message),
             ApiError::NotFound(_) => Status::not_found(message),
             ApiError::FailedPrecondition(_) => Status::failed_precondition(message),
+            ApiError::StillRunning(_) => Status::unavailable(message),
+            ApiError::Unreadable(_) => Status::data_loss(message),
             ApiError::Store(StoreError::Unavailable(_)) => Status::unavailable(message),
             ApiError::Store(StoreError::InProgress(_) | StoreError::MayHaveActed(_)) => {
                 Status::aborted(message)

@@ -319,11 +319,15 @@ impl IdempotencyStore for MemoryStore {
             .abandoned
             .lock()
             .map_err(|_| poisoned())?
-            .contains_key(&k);
-        Ok(if abandoned || self.result_locks.held(&k)? {
-            KeyState::Held
-        } else {
-            KeyState::Free
+            .get(&k)
+            .copied();
+        Ok(match abandoned {
+            // As on PostgreSQL, where a let-go hold cannot be told from a running one until
+            // it lapses.
+            Some(a) if a.until > tokio::time::Instant::now() => KeyState::Running,
+            Some(_) => KeyState::Held,
+            None if self.result_locks.held(&k)? => KeyState::Running,
+            None => KeyState::Free,
         })
     }
 

@@ -214,7 +214,12 @@ pub trait ActingMark: Send + Sync {
 pub enum KeyState {
     /// No call holds it or has completed with it.
     Free,
-    /// A call holds it: running, or ended without storing its result (it may have acted).
+    /// A call holds it and its hold has not lapsed: the call is running (or its holder died a
+    /// moment ago, which a store cannot tell apart until the hold lapses). Its result may
+    /// still come.
+    Running,
+    /// A call held it and ended without storing its result, its hold lapsed or let go: it
+    /// may have acted, and no result will come.
     Held,
     /// A call completed with it; its result.
     Done(StoredResult),

@@ -472,16 +472,23 @@ impl IdempotencyStore for PgStore {
             .client()
             .await?
             .query_opt(
-                "SELECT state, tool, args_sha256, outcome FROM gateway.idempotency \
-                 WHERE user_id = $1 AND key = $2",
+                "SELECT state, tool, args_sha256, outcome, lease_until > clock_timestamp() \
+                 FROM gateway.idempotency WHERE user_id = $1 AND key = $2",
                 &[&user.as_str(), &key],
             )
             .await
             .map_err(db)?;
         Ok(match row {
             None => KeyState::Free,
-            // Pending, whether its hold has lapsed or not: its call may have acted.
-            Some(r) if r.get::<_, &str>(0) != "done" => KeyState::Held,
+            // Pending: its call may still answer while its hold lasts; past it, it may have
+            // acted and never will.
+            Some(r) if r.get::<_, &str>(0) != "done" => {
+                if r.get::<_, Option<bool>>(4).unwrap_or(false) {
+                    KeyState::Running
+                } else {
+                    KeyState::Held
+                }
+            }
             Some(r) => KeyState::Done(StoredResult {
                 tool: r.get(1),
                 args_sha256: r.get(2),
