@@ -890,6 +890,60 @@ async fn e12_an_occurrence_stopped_by_a_restart_is_taken_up_again_at_once_withou
     assert_eq!(interrupted, "interrupted");
 }
 
+/// E-12, O-1: the same restart as a stopping replica usually leaves it: the replica handed the
+/// occurrence back (its hold released) before its follower could record the run's end. The
+/// replica that takes it up finds the stopped run by its request id, settles that attempt as a
+/// restart, and the next attempt runs at once with a run of its own.
+#[tokio::test]
+async fn e12_an_occurrence_handed_back_at_shutdown_is_settled_as_a_restart_by_its_taker() {
+    let never = Arc::new(tokio::sync::Notify::new());
+    let (mut app, (model, _gmail), _alice, schedule) = a_heartbeat(
+        vec![
+            Answer::Held(Box::new(Answer::text("too late")), never),
+            Answer::text("All quiet."),
+        ],
+        &[("SHUTDOWN_DRAIN_TIMEOUT", "0s")],
+    )
+    .await;
+    let stopping = app.agent_replicas()[0].clone();
+    let now = time(&schedule.next_due_at).max(SystemTime::now()) + Duration::from_secs(3600);
+    let _follower = stopping
+        .fire_due_schedules("replica-0", now)
+        .await
+        .expect("fire due schedules");
+    model.server.requested(1).await;
+    app.start_another_agent().await;
+    let taker = app.agent_replicas()[0].clone();
+    // What the stopping replica's hand-back does, here before its follower can settle.
+    let handed_back = app
+        .agent_store()
+        .await
+        .release_schedule_holds("replica-0")
+        .await
+        .unwrap();
+    assert_eq!(handed_back, 1);
+    app.stop_service(app.agent_addr)
+        .await
+        .expect("agent-svc stops cleanly");
+
+    let fired = fire_everywhere(std::slice::from_ref(&taker), now).await;
+    assert_eq!(fired.len(), 1);
+    assert_eq!(
+        fired[0].outcome,
+        ScheduleOutcome::Retrying,
+        "attempt 1 found stopped: {fired:?}"
+    );
+    let fired = fire_everywhere(&[taker], now).await;
+    assert_eq!(fired.len(), 1, "the next attempt is due at once");
+    assert_eq!(fired[0].outcome, ScheduleOutcome::Completed, "{fired:?}");
+    let runs = runs_on(&app, &schedule.thread_id).await;
+    let attempts: Vec<&str> = runs
+        .iter()
+        .map(|(_, request)| request.rsplit(':').next().unwrap())
+        .collect();
+    assert_eq!(attempts, ["1", "2"], "one run each: {runs:?}");
+}
+
 /// E-12: a schedule switched off while its occurrence was in progress (the switch leaves an
 /// occurrence that is held alone) is not retried once that attempt fails.
 #[tokio::test]
