@@ -101,6 +101,8 @@ pub struct OnceCall<'a> {
     pub read_external_from: &'a [String],
     /// The approved preview's binding; the gateway refuses the call if it no longer holds.
     pub expected_binding: &'a str,
+    /// The run's IANA zone (empty: UTC), which the result's dates are shown in.
+    pub time_zone: &'a str,
 }
 
 impl<'a> OnceCall<'a> {
@@ -115,6 +117,7 @@ impl<'a> OnceCall<'a> {
             run_id: self.run_id.to_owned(),
             read_external_from: self.read_external_from.to_vec(),
             expected_binding: self.expected_binding.to_owned(),
+            time_zone: self.time_zone.to_owned(),
         }
     }
 }
@@ -535,12 +538,13 @@ impl GatewayClient {
         )
     }
 
-    /// Opens the Execute stream for one run.
+    /// Opens the Execute stream for one run; its calls carry the run's zone (`None`: UTC).
     pub async fn open(
         &self,
         user: &str,
         run_id: &str,
         channel: pb::Channel,
+        time_zone: Option<&jiff::tz::TimeZone>,
     ) -> Result<ExecuteSession, GatewayError> {
         // Boxed: the channel allocates its slots up front, and by value they were ~9 KiB
         // for the life of every run (issue 13).
@@ -557,6 +561,7 @@ impl GatewayClient {
             ended: AtomicBool::new(false),
             run_id: run_id.to_owned(),
             channel,
+            time_zone: zone_name(time_zone).to_owned(),
             call_timeout: self.call_timeout,
         })
     }
@@ -575,7 +580,15 @@ pub struct ExecuteSession {
     ended: AtomicBool,
     run_id: String,
     channel: pb::Channel,
+    /// The run's IANA zone, or empty for UTC.
+    time_zone: String,
     call_timeout: Duration,
+}
+
+/// A zone as the gateway takes it: its IANA name, or empty (UTC) for none or one without a
+/// name (a fixed offset, which runs never carry).
+pub fn zone_name(zone: Option<&jiff::tz::TimeZone>) -> &str {
+    zone.and_then(|z| z.iana_name()).unwrap_or("")
 }
 
 fn outcome(r: pb::ToolResult) -> ToolOutcome {
@@ -748,6 +761,7 @@ impl ToolRunner for ExecuteSession {
                 run_id: self.run_id.clone(),
                 read_external_from: call.read_external_from,
                 expected_binding: call.expected_binding,
+                time_zone: self.time_zone.clone(),
             })
             .collect();
         self.send(calls).await

@@ -56,6 +56,9 @@ pub struct CallContext {
     /// Where the run had read others' words before this call: the provenance of anything the
     /// call stores (memories). Empty: the user's own words only.
     pub read_external_from: Vec<String>,
+    /// The user's zone: dates and times in results are shown in it, and a date without a
+    /// time is read in it (UTC unless the call named one).
+    pub time_zone: jiff::tz::TimeZone,
     /// Its audit records (upstream calls) are kept here and written once the call is over,
     /// outside its deadline ([`CallContext::take_deferred`]): a read-only call's by the
     /// batching writer, any other's at once, before its outcome is stored. Otherwise (a
@@ -117,6 +120,7 @@ impl CallContext {
             run_id,
             tool,
             read_external_from: Vec::new(),
+            time_zone: jiff::tz::TimeZone::UTC,
             audit_later: false,
             side_effect: false,
             deferred: Mutex::new(Vec::new()),

@@ -433,6 +433,7 @@ impl Engine {
             tool.to_owned(),
         );
         ctx.read_external_from = request.read_external_from.clone();
+        ctx.time_zone = request.time_zone.clone();
         // Written after the call's deadline, never inside it (see `run` and `execute`).
         ctx.audit_later = true;
         ctx

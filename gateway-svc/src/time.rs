@@ -6,8 +6,8 @@ use std::time::{Duration, SystemTime};
 use jiff::{Timestamp, civil::Date, tz::TimeZone};
 
 /// An RFC 3339 date-time (`2026-11-25T17:00:00Z`, `2026-11-25T17:00:00+01:00`) or a date
-/// (`2026-11-25`: due by the end of that day, UTC).
-pub fn parse_when(raw: &str) -> Result<SystemTime, String> {
+/// (`2026-11-25`: due by the end of that day in `tz`, the user's zone).
+pub fn parse_when(raw: &str, tz: &TimeZone) -> Result<SystemTime, String> {
     let raw = raw.trim();
     if let Ok(ts) = raw.parse::<Timestamp>() {
         return Ok(SystemTime::from(ts));
@@ -15,7 +15,7 @@ pub fn parse_when(raw: &str) -> Result<SystemTime, String> {
     if let Ok(date) = raw.parse::<Date>() {
         let end = date
             .at(23, 59, 59, 0)
-            .to_zoned(TimeZone::UTC)
+            .to_zoned(tz.clone())
             .map_err(|e| format!("{raw:?} is out of range ({e})"))?;
         return Ok(SystemTime::from(end.timestamp()));
     }
@@ -43,6 +43,14 @@ pub fn short_date(t: SystemTime, tz: &TimeZone) -> String {
     zoned(t, tz).map_or_else(
         || "(invalid date)".into(),
         |z| z.strftime("%b %-d").to_string(),
+    )
+}
+
+/// "Nov 25 09:30 CET": a time the model passes on, with the zone it is in.
+pub fn short_datetime_zoned(t: SystemTime, tz: &TimeZone) -> String {
+    zoned(t, tz).map_or_else(
+        || "(invalid date)".into(),
+        |z| z.strftime("%b %-d %H:%M %Z").to_string(),
     )
 }
 
@@ -78,17 +86,21 @@ mod tests {
 
     #[test]
     fn both_date_times_and_plain_dates_are_understood() {
-        let t = parse_when("2026-11-25T17:00:00Z").unwrap();
+        let t = parse_when("2026-11-25T17:00:00Z", &TimeZone::UTC).unwrap();
         assert_eq!(short_datetime(t, &TimeZone::UTC), "Nov 25 17:00");
         assert_eq!(short_datetime(t, &zone("Europe/Berlin")), "Nov 25 18:00");
-        let d = parse_when("2026-11-25").unwrap();
+        let d = parse_when("2026-11-25", &TimeZone::UTC).unwrap();
         assert_eq!(short_datetime(d, &TimeZone::UTC), "Nov 25 23:59");
-        assert!(parse_when("next tuesday").unwrap_err().contains("RFC 3339"));
+        assert!(
+            parse_when("next tuesday", &TimeZone::UTC)
+                .unwrap_err()
+                .contains("RFC 3339")
+        );
     }
 
     #[test]
     fn overdue_days_round_up() {
-        let due = parse_when("2026-11-20T10:00:00Z").unwrap();
+        let due = parse_when("2026-11-20T10:00:00Z", &TimeZone::UTC).unwrap();
         assert_eq!(overdue_days(due, due - Duration::from_secs(5)), 0);
         assert_eq!(overdue_days(due, due + Duration::from_secs(3600)), 1);
         assert_eq!(

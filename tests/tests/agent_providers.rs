@@ -482,7 +482,7 @@ async fn a_run_executes_its_tools_on_gateway_svc_over_the_execute_stream() {
         tools.tools.iter().map(|t| t.decl.clone()).collect(),
     ));
     let session = gateway
-        .open("alice", "run-1", pb::Channel::Web)
+        .open("alice", "run-1", pb::Channel::Web, None)
         .await
         .unwrap();
     let exec = executor(vec![ChainEntry {
@@ -829,7 +829,7 @@ async fn results_that_arrive_out_of_order_on_one_execute_stream_reach_their_own_
         GatewayClient::connect_lazy(&format!("http://{}", app.gateway_addr), SERVICE_TOKEN)
             .unwrap();
     let session = gateway
-        .open("alice", "run-1", pb::Channel::Web)
+        .open("alice", "run-1", pb::Channel::Web, None)
         .await
         .unwrap();
     let call = |id: &str, name: &str| ToolInvocation {

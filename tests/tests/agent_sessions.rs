@@ -940,6 +940,46 @@ async fn b1_a_run_prompt_holds_what_memory_knows_about_the_user() {
     );
 }
 
+/// B-1: a run's tool calls carry its time zone, so the times its tools return are in the
+/// user's zone, named — the model is never left to convert UTC itself.
+#[tokio::test]
+async fn a_runs_tools_answer_in_the_users_time_zone() {
+    let (app, model, _gmail) = world(vec![
+        Answer::tool_calls(&[(
+            "call_remind",
+            "create_reminder",
+            r#"{"text": "Call mom", "due_at": "2030-12-01T14:00:00Z"}"#,
+        )]),
+        Answer::text("Set for 3 pm your time."),
+    ])
+    .await;
+    let mut alice = app.agent_as("alice").await;
+    alice
+        .run(pb::RunRequest {
+            input: Some(pb::RunInput {
+                prompt: "remind me to call mom on Dec 1 2030 at 3pm".into(),
+                time_zone: "Europe/Berlin".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap();
+    let requests = model.requests();
+    let answered: Vec<&str> = requests[1].1["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["content"].as_str())
+        .collect();
+    assert!(
+        answered
+            .iter()
+            .any(|t| t.contains("set for Dec 1 15:00 CET")),
+        "{answered:?}"
+    );
+}
+
 /// B-1: the current time is given in the user's time zone — a run's, and a session opening's
 /// (its OpenSession time zone) — and a zone that is not one is refused by name.
 #[tokio::test]

@@ -439,6 +439,7 @@ impl RunService {
                         read_external_from: &approval.tainted_by,
                         // What the user saw must still be what happens (issue 14).
                         expected_binding: &approval.binding,
+                        time_zone: crate::gateway_client::zone_name(seg.time_zone.as_ref()),
                     });
                     // A stop mid-send gives the send the same grace as one of the loop's.
                     match super::writer::unless_stopped(call, stopper, self.cancel_grace()).await {

@@ -1117,7 +1117,7 @@ impl RunService {
         if session.is_none() {
             let opened = tokio::time::timeout(
                 gateway.call_timeout,
-                gateway.open(&seg.owner, &seg.run_id, channel),
+                gateway.open(&seg.owner, &seg.run_id, channel, seg.time_zone.as_ref()),
             )
             .await;
             match opened {
@@ -1144,6 +1144,7 @@ impl RunService {
                 idempotency_key: "",
                 read_external_from: &[],
                 expected_binding: "",
+                time_zone: crate::gateway_client::zone_name(seg.time_zone.as_ref()),
             })
             .await;
         if !outcome.ok {
@@ -1228,7 +1229,7 @@ impl RunService {
             // new one, or fail the run as unable to reach its tools.
             (Some(_), false, Some(open)) if !open.is_closed() => Some(open),
             (Some(g), false, _) => Some(
-                g.open(&seg.owner, &seg.run_id, gw_channel)
+                g.open(&seg.owner, &seg.run_id, gw_channel, seg.time_zone.as_ref())
                     .await
                     .map_err(|e| ApiError::Unavailable(e.to_string()))?,
             ),

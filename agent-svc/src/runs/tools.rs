@@ -287,6 +287,7 @@ impl PolicyRunner<'_> {
                 idempotency_key: "",
                 read_external_from: &call.read_external_from,
                 expected_binding: "",
+                time_zone: self.time_zone.unwrap_or(""),
             })
             .await
     }

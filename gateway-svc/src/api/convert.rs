@@ -196,6 +196,22 @@ pub fn call_request(call: pb::ToolCall) -> Result<CallRequest, Rejected> {
     if !args.is_object() {
         return Err(reject(&call, "the arguments must be a JSON object".into()));
     }
+    let time_zone = if call.time_zone.trim().is_empty() {
+        jiff::tz::TimeZone::UTC
+    } else {
+        match jiff::tz::TimeZone::get(call.time_zone.trim()) {
+            Ok(zone) => zone,
+            Err(_) => {
+                return Err(reject(
+                    &call,
+                    format!(
+                        "time_zone {:?} is not an IANA time zone (e.g. \"Europe/Berlin\"); leave it empty for UTC",
+                        call.time_zone
+                    ),
+                ));
+            }
+        }
+    };
     Ok(CallRequest {
         call_id: call.call_id,
         tool: call.tool,
@@ -206,6 +222,7 @@ pub fn call_request(call: pb::ToolCall) -> Result<CallRequest, Rejected> {
         run_id: Some(call.run_id).filter(|r| !r.is_empty()),
         read_external_from: call.read_external_from,
         expected_binding: Some(call.expected_binding).filter(|b| !b.is_empty()),
+        time_zone,
     })
 }
 

@@ -23,7 +23,7 @@ use crate::{
     enforce::ToolError,
     ratelimit::Window,
     registry::{Preview, Tool, ToolOutput, ToolSpec, digest, first_lines, line, quoted},
-    time::{short_date, zone},
+    time::short_date,
 };
 
 pub const DEFAULT_BASE_URL: &str = "https://gmail.googleapis.com";
@@ -573,7 +573,7 @@ impl Tool for SearchGmail {
             .map(|a| self.0.search_account(ctx, &a.account, &query, max));
         let results = futures_util::future::join_all(searches).await;
 
-        let utc = zone("");
+        let tz = &ctx.time_zone;
         let mut sections = Vec::new();
         let mut display = Vec::new();
         let mut failures = Vec::new();
@@ -596,8 +596,7 @@ impl Tool for SearchGmail {
                     for (i, m) in messages.iter().enumerate() {
                         match m {
                             Ok(m) => {
-                                let date =
-                                    m.date().map(|d| short_date(d, &utc)).unwrap_or_default();
+                                let date = m.date().map(|d| short_date(d, tz)).unwrap_or_default();
                                 section.push_str(&format!(
                                     "\n{}. [{}] \"{}\" — from: {} — {date}",
                                     i + 1,

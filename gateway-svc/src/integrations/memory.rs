@@ -13,7 +13,7 @@ use crate::{
     enforce::ToolError,
     registry::{Preview, Tool, ToolOutput, ToolSpec, clip},
     store::NoteStore,
-    time::{short_date, zone},
+    time::short_date,
 };
 
 pub fn tools(store: Arc<dyn NoteStore>) -> Vec<Arc<dyn Tool>> {
@@ -191,7 +191,6 @@ impl Tool for SearchMemory {
         if notes.is_empty() {
             return Ok(ToolOutput::text(format!("No memories match \"{query}\".")));
         }
-        let utc = zone("");
         let lines: Vec<String> = notes
             .iter()
             .enumerate()
@@ -207,7 +206,7 @@ impl Tool for SearchMemory {
                     i + 1,
                     n.id,
                     n.content,
-                    short_date(n.created_at, &utc)
+                    short_date(n.created_at, &ctx.time_zone)
                 )
             })
             .collect();

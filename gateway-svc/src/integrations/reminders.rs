@@ -11,7 +11,7 @@ use crate::{
     enforce::ToolError,
     registry::{Tool, ToolOutput, ToolSpec},
     store::ReminderStore,
-    time::{parse_when, short_datetime, zone},
+    time::{parse_when, short_datetime_zoned},
 };
 
 pub fn tools(store: Arc<dyn ReminderStore>) -> Vec<Arc<dyn Tool>> {
@@ -46,11 +46,13 @@ impl Tool for CreateReminder {
             detail,
         };
         let text = text_arg(&args, "text").ok_or_else(|| invalid("text is blank".into()))?;
-        let due = parse_when(&text_arg(&args, "due_at").unwrap_or_default()).map_err(invalid)?;
+        let tz = &ctx.time_zone;
+        let due =
+            parse_when(&text_arg(&args, "due_at").unwrap_or_default(), tz).map_err(invalid)?;
         if due < SystemTime::now() {
             return Err(invalid(format!(
                 "{} is in the past; pick a future time",
-                short_datetime(due, &zone(""))
+                short_datetime_zoned(due, tz)
             )));
         }
         let r = self
@@ -59,9 +61,9 @@ impl Tool for CreateReminder {
             .await
             .map_err(store_error)?;
         Ok(ToolOutput::text(format!(
-            "Reminder #{} set for {} UTC: {}.",
+            "Reminder #{} set for {}: {}.",
             r.id,
-            short_datetime(r.due_at, &zone("")),
+            short_datetime_zoned(r.due_at, tz),
             quoted(&r.text)
         )))
     }
@@ -98,14 +100,13 @@ impl Tool for GetReminders {
         if reminders.is_empty() {
             return Ok(ToolOutput::text("No upcoming reminders."));
         }
-        let utc = zone("");
         let lines: Vec<String> = reminders
             .iter()
             .map(|r| {
                 format!(
-                    "#{} {} UTC — {}",
+                    "#{} {} — {}",
                     r.id,
-                    short_datetime(r.due_at, &utc),
+                    short_datetime_zoned(r.due_at, &ctx.time_zone),
                     quoted(&r.text)
                 )
             })

@@ -369,8 +369,12 @@ impl Tool for Read {
                     .as_str()
                     .and_then(|ts| ts.split('.').next()?.parse::<i64>().ok())
                     .and_then(|s| jiff::Timestamp::from_second(s).ok())
-                    // Slack's ts is UTC, and is said to be.
-                    .map(|t| t.strftime("%b %-d %H:%M UTC").to_string())
+                    // In the user's zone, and said to be.
+                    .map(|t| {
+                        t.to_zoned(ctx.time_zone.clone())
+                            .strftime("%b %-d %H:%M %Z")
+                            .to_string()
+                    })
                     .unwrap_or_default();
                 // A bot's or webhook's username is whatever its sender set: one line, so it
                 // cannot end this message and forge another.

@@ -13,10 +13,10 @@ use crate::{
     enforce::ToolError,
     registry::{Tool, ToolOutput, ToolSpec},
     store::{Task, TaskFilter, TaskPatch, TaskStore},
-    time::{overdue_days, parse_when, short_date, zone},
+    time::{overdue_days, parse_when, short_date},
 };
 
-const DUE: &str = "When it is due: RFC 3339 (2026-11-25T17:00:00Z) or a date (2026-11-25, meaning by the end of that day, UTC)";
+const DUE: &str = "When it is due: RFC 3339 (2026-11-25T17:00:00Z) or a date (2026-11-25, meaning by the end of that day in the user's time zone)";
 
 pub fn tools(store: Arc<dyn TaskStore>) -> Vec<Arc<dyn Tool>> {
     vec![
@@ -44,14 +44,14 @@ fn not_found(id: i64) -> ToolError {
     ToolError::NotFound(format!("I couldn't find task #{id}."))
 }
 
-/// `#7 "Call dentist" — due Nov 25 (overdue 2d)` or `#7 "Call dentist" — done`.
-pub fn render_task(t: &Task, now: SystemTime) -> String {
-    let utc = zone("");
+/// `#7 "Call dentist" — due Nov 25 (overdue 2d)` or `#7 "Call dentist" — done`, its date in
+/// the user's zone `tz`.
+pub fn render_task(t: &Task, now: SystemTime, tz: &jiff::tz::TimeZone) -> String {
     let mut line = format!("#{} {}", t.id, quoted(&t.title));
     if t.completed_at.is_some() {
         line.push_str(" — done");
     } else if let Some(due) = t.due_at {
-        line.push_str(&format!(" — due {}", short_date(due, &utc)));
+        line.push_str(&format!(" — due {}", short_date(due, tz)));
         let days = overdue_days(due, now);
         if days > 0 {
             line.push_str(&format!(" (overdue {days}d)"));
@@ -63,10 +63,10 @@ pub fn render_task(t: &Task, now: SystemTime) -> String {
     line
 }
 
-fn due_arg(args: &Value, tool: &str) -> Result<Option<SystemTime>, ToolError> {
+fn due_arg(ctx: &CallContext, args: &Value, tool: &str) -> Result<Option<SystemTime>, ToolError> {
     text_arg(args, "due")
         .map(|raw| {
-            parse_when(&raw).map_err(|detail| ToolError::InvalidArguments {
+            parse_when(&raw, &ctx.time_zone).map_err(|detail| ToolError::InvalidArguments {
                 tool: tool.into(),
                 detail,
             })
@@ -94,7 +94,7 @@ impl Tool for AddTask {
             tool: "add_task".into(),
             detail: "title is blank".into(),
         })?;
-        let due = due_arg(&args, "add_task")?;
+        let due = due_arg(ctx, &args, "add_task")?;
         let description = text_arg(&args, "description");
         let task = self
             .0
@@ -103,7 +103,7 @@ impl Tool for AddTask {
             .map_err(store_error)?;
         Ok(ToolOutput::text(format!(
             "Added task {}.",
-            render_task(&task, SystemTime::now())
+            render_task(&task, SystemTime::now(), &ctx.time_zone)
         )))
     }
 }
@@ -148,7 +148,10 @@ impl Tool for ListTasks {
             return Ok(ToolOutput::text(format!("No {label}.")));
         }
         let now = SystemTime::now();
-        let lines: Vec<String> = tasks.iter().map(|t| render_task(t, now)).collect();
+        let lines: Vec<String> = tasks
+            .iter()
+            .map(|t| render_task(t, now, &ctx.time_zone))
+            .collect();
         Ok(ToolOutput::text(format!(
             "{} ({}):\n{}",
             capitalise(label),
@@ -268,7 +271,7 @@ impl Tool for UpdateTask {
                 .map(|_| text_arg(&args, "description")),
             due_at: match args.get("due") {
                 None => None,
-                Some(_) => Some(due_arg(&args, "update_task")?),
+                Some(_) => Some(due_arg(ctx, &args, "update_task")?),
             },
             completed: args
                 .get("status")
@@ -283,7 +286,7 @@ impl Tool for UpdateTask {
             .ok_or_else(|| not_found(id))?;
         Ok(ToolOutput::text(format!(
             "Updated task {}.",
-            render_task(&task, SystemTime::now())
+            render_task(&task, SystemTime::now(), &ctx.time_zone)
         )))
     }
 }

@@ -153,6 +153,7 @@ impl ServerHandler for GatewayTools {
             run_id: None,
             read_external_from: Vec::new(),
             expected_binding: None,
+            time_zone: jiff::tz::TimeZone::UTC,
         };
         let outcome = self
             .calls

@@ -119,6 +119,7 @@ pub(crate) async fn call(
         run_id: None,
         read_external_from: Vec::new(),
         expected_binding: None,
+        time_zone: jiff::tz::TimeZone::UTC,
     };
     engine
         .execute(&user(), request, CancellationToken::new())
