@@ -460,11 +460,19 @@ impl GatewayClient {
     /// it. Nothing is executed. An error is one that asking again may clear (the gateway
     /// away, restarting, or the call still running): `GatewayError::Unavailable`, whatever
     /// the code; the gateway's answers that will not change are [`Looked::Unknown`].
-    pub async fn lookup(&self, user: &str, idempotency_key: &str) -> Result<Looked, GatewayError> {
+    /// `made_at`: when the call was made (its action's creation), so a record the gateway has
+    /// since swept is not taken for a call that never ran.
+    pub async fn lookup(
+        &self,
+        user: &str,
+        idempotency_key: &str,
+        made_at: std::time::SystemTime,
+    ) -> Result<Looked, GatewayError> {
         let mut client = GatewayServiceClient::new(self.channel.clone());
         let request = self.request(
             pb::LookupCallRequest {
                 idempotency_key: idempotency_key.to_owned(),
+                made_at: Some(made_at.into()),
             },
             user,
         )?;

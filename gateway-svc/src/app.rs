@@ -212,6 +212,7 @@ impl App {
                 max_result_chars: config.max_result_chars,
                 default_timeout: config.call_timeout,
                 max_timeout: config.call_max_timeout,
+                idempotency_retention: config.retention.idempotency,
             },
             in_flight: Arc::default(),
         };

@@ -1180,6 +1180,7 @@ mod tests {
                 max_result_chars: 6000,
                 default_timeout: timeout,
                 max_timeout: timeout,
+                idempotency_retention: Duration::from_secs(7 * 86_400),
             },
             in_flight: Arc::default(),
         };

@@ -8,7 +8,7 @@
 
 use std::{
     sync::Arc,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use serde_json::Value;
@@ -53,6 +53,9 @@ pub enum Recorded {
     Done(String, CallOutcome),
     /// A stored result this build cannot read (one written by a newer build, say).
     Unreadable(String),
+    /// No record, for a call made longer ago than keys are kept: it may have completed and
+    /// its record been swept.
+    Swept,
 }
 
 #[derive(Debug, Clone)]
@@ -60,6 +63,9 @@ pub struct EngineConfig {
     pub max_result_chars: usize,
     pub default_timeout: Duration,
     pub max_timeout: Duration,
+    /// IDEMPOTENCY_RETENTION: how long a key is kept after it settled. A lookup of a key
+    /// that is gone, for a call older than this, cannot say the call never ran.
+    pub idempotency_retention: Duration,
 }
 
 #[derive(Clone)]
@@ -497,8 +503,24 @@ impl Engine {
     }
 
     /// What the side-effect call with this key came to, without running anything (LookupCall).
-    pub async fn recorded(&self, user: &UserId, key: &str) -> Result<Recorded, StoreError> {
+    /// `made_at`: when the call was made, if the caller knows.
+    pub async fn recorded(
+        &self,
+        user: &UserId,
+        key: &str,
+        made_at: Option<SystemTime>,
+    ) -> Result<Recorded, StoreError> {
         let stored = match self.idempotency.lookup(user, key).await? {
+            // A key gone for a call older than the retention may have been swept after it
+            // completed: that it never ran cannot be said. (A margin for clocks apart.)
+            KeyState::Free
+                if made_at.is_some_and(|t| {
+                    t + self.config.idempotency_retention
+                        < SystemTime::now() + Duration::from_secs(3600)
+                }) =>
+            {
+                return Ok(Recorded::Swept);
+            }
             KeyState::Free => return Ok(Recorded::None),
             KeyState::Running => return Ok(Recorded::Running),
             KeyState::Held => return Ok(Recorded::MayHaveActed),

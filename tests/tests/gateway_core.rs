@@ -657,6 +657,7 @@ async fn a_side_effect_whose_caller_leaves_after_the_send_left_is_never_sent_twi
     let looked_up = g
         .lookup_call(pb::LookupCallRequest {
             idempotency_key: "approval-lost-reply".into(),
+            made_at: None,
         })
         .await
         .expect_err("a call in flight is not reported as never run");
@@ -683,11 +684,49 @@ async fn a_side_effect_whose_caller_leaves_after_the_send_left_is_never_sent_twi
     let recorded = g
         .lookup_call(pb::LookupCallRequest {
             idempotency_key: "approval-lost-reply".into(),
+            made_at: None,
         })
         .await
         .unwrap()
         .into_inner();
     assert!(recorded.found);
+}
+
+/// R-3, P-4: a key not found is "never ran" only for a call recent enough that its record
+/// would still be kept; for one made longer ago than IDEMPOTENCY_RETENTION the record may have
+/// been swept after the call completed, so LookupCall says it may have taken effect.
+async fn a_lookup_of_a_call_older_than_the_retention_never_says_it_never_ran(b: Backend) {
+    let w = world(b, &[("IDEMPOTENCY_RETENTION", "2d")]).await;
+    let mut g = w.app.gateway_as("u1").await;
+    let asked = |days: u64| pb::LookupCallRequest {
+        idempotency_key: "run-1/call_1".into(),
+        made_at: Some((std::time::SystemTime::now() - Duration::from_secs(days * 86_400)).into()),
+    };
+    let recent = g.lookup_call(asked(1)).await.unwrap().into_inner();
+    assert!(
+        !recent.found,
+        "made a day ago and not recorded: it never ran"
+    );
+    let old = g
+        .lookup_call(asked(3))
+        .await
+        .expect_err("made three days ago: its record may have been swept");
+    assert_eq!(old.code(), tonic::Code::Aborted, "{old:?}");
+    assert!(
+        old.message().contains("IDEMPOTENCY_RETENTION")
+            && old.message().contains("may have taken effect"),
+        "{old:?}"
+    );
+}
+
+#[tokio::test]
+async fn in_memory_a_lookup_of_a_call_older_than_the_retention_never_says_it_never_ran() {
+    a_lookup_of_a_call_older_than_the_retention_never_says_it_never_ran(Backend::Memory).await;
+}
+
+#[tokio::test]
+async fn on_postgres_a_lookup_of_a_call_older_than_the_retention_never_says_it_never_ran() {
+    a_lookup_of_a_call_older_than_the_retention_never_says_it_never_ran(Backend::Postgres).await;
 }
 
 #[tokio::test]

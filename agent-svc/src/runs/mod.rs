@@ -764,7 +764,7 @@ impl RunService {
                     match &self.gateway {
                         // What the gateway knows closes the call's `side_effect` record too
                         // (written by this later run; the call id joins them).
-                        Some(g) => match g.lookup(owner, &a.id).await {
+                        Some(g) => match g.lookup(owner, &a.id, a.created_at).await {
                             Ok(Looked::Found(done)) => {
                                 closed.audit.push(writer::side_effect_result(
                                     &call.name,

@@ -802,7 +802,7 @@ impl AgentStore for PgStore {
                    SELECT id FROM agent.runs \
                     WHERE finished_at IS NOT NULL AND NOT events_pruned AND finished_at < $1 \
                       AND state IN ('completed', 'failed', 'cancelled') \
-                    ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+                    ORDER BY finished_at LIMIT $2 FOR NO KEY UPDATE SKIP LOCKED), \
                  gone AS ( \
                    DELETE FROM agent.run_events e USING due \
                     WHERE e.run_id = due.id \

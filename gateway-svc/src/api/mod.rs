@@ -187,7 +187,11 @@ impl GatewayService for GatewayApi {
         request: Request<pb::LookupCallRequest>,
     ) -> Result<Response<pb::LookupCallResponse>, Status> {
         let user = self.user(&request)?;
-        let key = request.into_inner().idempotency_key;
+        let request = request.into_inner();
+        let key = request.idempotency_key;
+        let made_at = request
+            .made_at
+            .and_then(|t| std::time::SystemTime::try_from(t).ok());
         if key.is_empty() || key.len() > 256 || key.contains('\0') {
             return Err(ApiError::InvalidArgument(
                 "idempotency_key is required (at most 256 bytes, no NUL)".into(),
@@ -196,7 +200,7 @@ impl GatewayService for GatewayApi {
         }
         let recorded = self
             .engine
-            .recorded(&user, &key)
+            .recorded(&user, &key, made_at)
             .await
             .map_err(ApiError::Store)?;
         // The codes say what the caller can do (see `status`): UNAVAILABLE, ask again later
@@ -217,6 +221,12 @@ impl GatewayService for GatewayApi {
             Recorded::MayHaveActed => {
                 return Err(ApiError::Store(crate::store::StoreError::MayHaveActed(format!(
                     "the call with idempotency key {key:?} ended without recording its result: it may have taken effect"
+                )))
+                .into());
+            }
+            Recorded::Swept => {
+                return Err(ApiError::Store(crate::store::StoreError::MayHaveActed(format!(
+                    "the call with idempotency key {key:?} was made longer ago than this gateway keeps its records (IDEMPOTENCY_RETENTION): it may have taken effect"
                 )))
                 .into());
             }

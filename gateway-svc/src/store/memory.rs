@@ -325,7 +325,9 @@ impl IdempotencyStore for MemoryStore {
             // As on PostgreSQL, where a let-go hold cannot be told from a running one until
             // it lapses.
             Some(a) if a.until > tokio::time::Instant::now() => KeyState::Running,
-            Some(_) => KeyState::Held,
+            // Lapsed: it may have acted only if it marked a write (marked before any leaves).
+            Some(a) if a.acting => KeyState::Held,
+            Some(_) => KeyState::Free,
             None if self.result_locks.held(&k)? => KeyState::Running,
             None => KeyState::Free,
         })

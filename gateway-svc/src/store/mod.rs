@@ -218,8 +218,9 @@ pub enum KeyState {
     /// moment ago, which a store cannot tell apart until the hold lapses). Its result may
     /// still come.
     Running,
-    /// A call held it and ended without storing its result, its hold lapsed or let go: it
-    /// may have acted, and no result will come.
+    /// A call held it, marked that its write was leaving, and ended without storing its
+    /// result, its hold lapsed: it may have acted, and no result will come. (One whose hold
+    /// lapsed before it marked a write did nothing: that key is `Free`.)
     Held,
     /// A call completed with it; its result.
     Done(StoredResult),

@@ -472,7 +472,7 @@ impl IdempotencyStore for PgStore {
             .client()
             .await?
             .query_opt(
-                "SELECT state, tool, args_sha256, outcome, lease_until > clock_timestamp() \
+                "SELECT state, tool, args_sha256, outcome, lease_until > clock_timestamp(), acting \
                  FROM gateway.idempotency WHERE user_id = $1 AND key = $2",
                 &[&user.as_str(), &key],
             )
@@ -481,12 +481,15 @@ impl IdempotencyStore for PgStore {
         Ok(match row {
             None => KeyState::Free,
             // Pending: its call may still answer while its hold lasts; past it, it may have
-            // acted and never will.
+            // acted and never will — unless it never marked a write, which is marked before
+            // any leaves: then it did nothing, and a claim may take the key over.
             Some(r) if r.get::<_, &str>(0) != "done" => {
                 if r.get::<_, Option<bool>>(4).unwrap_or(false) {
                     KeyState::Running
-                } else {
+                } else if r.get::<_, bool>(5) {
                     KeyState::Held
+                } else {
+                    KeyState::Free
                 }
             }
             Some(r) => KeyState::Done(StoredResult {

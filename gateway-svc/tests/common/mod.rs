@@ -96,6 +96,7 @@ pub(crate) fn engine_with_limits(
             max_result_chars: 6000,
             default_timeout: Duration::from_secs(10),
             max_timeout: Duration::from_secs(10),
+            idempotency_retention: Duration::from_secs(7 * 86_400),
         },
         in_flight: Arc::default(),
     }
