@@ -35,3 +35,18 @@ pub fn env(pairs: &[(&str, &str)]) -> std::collections::HashMap<String, String> 
         .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
         .collect()
 }
+
+/// A test for each store backend from one body: `both_backends!(f, g)` makes
+/// `in_memory::f` and `on_postgres::f` (and so on), each calling `f` with the calling file's
+/// own `memory()` or `postgres()` backend.
+#[macro_export]
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod in_memory {
+            $(#[tokio::test] async fn $name() { super::$name(super::memory().await).await })*
+        }
+        mod on_postgres {
+            $(#[tokio::test] async fn $name() { super::$name(super::postgres().await).await })*
+        }
+    };
+}

@@ -2455,18 +2455,7 @@ async fn q2_a_commit_with_nul_characters_from_hostile_content_lands(b: Backend) 
     );
 }
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod in_memory {
-            $(#[tokio::test] async fn $name() { super::$name(super::memory().await).await })*
-        }
-        mod on_postgres {
-            $(#[tokio::test] async fn $name() { super::$name(super::postgres().await).await })*
-        }
-    };
-}
-
-both_backends!(
+steward_tests::both_backends!(
     threads_belong_to_their_owner,
     a_page_of_threads_starts_after_the_last_one_shown,
     b3_the_latest_conversation_is_found_behind_any_number_of_stewards_threads,

@@ -279,18 +279,7 @@ async fn g9_audit_records_are_deleted_only_when_audit_retention_is_set(b: Backen
     assert_eq!(audit_calls(s).await, ["recent"]);
 }
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod in_memory {
-            $(#[tokio::test] async fn $name() { super::$name(super::memory().await).await })*
-        }
-        mod on_postgres {
-            $(#[tokio::test] async fn $name() { super::$name(super::postgres().await).await })*
-        }
-    };
-}
-
-both_backends!(
+steward_tests::both_backends!(
     p4_a_settled_key_past_its_retention_is_deleted_and_a_fresher_one_kept,
     p4_keys_are_deleted_in_batches_of_at_most_the_limit,
     r3_a_key_a_call_still_holds_is_never_deleted_whatever_its_age,

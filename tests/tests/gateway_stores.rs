@@ -771,18 +771,7 @@ async fn g15_mcp_switches_are_per_user_and_turning_on_removes_only_that_switch(b
     assert!(s.disabled_mcp(&user("u1")).await.unwrap().is_empty());
 }
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod in_memory {
-            $(#[tokio::test] async fn $name() { super::$name(super::memory().await).await })*
-        }
-        mod on_postgres {
-            $(#[tokio::test] async fn $name() { super::$name(super::postgres().await).await })*
-        }
-    };
-}
-
-both_backends!(
+steward_tests::both_backends!(
     accounts_are_scoped_to_their_user_and_round_trip,
     an_account_lock_is_exclusive_until_saved,
     accounts_are_sampled_by_when_they_were_saved,
