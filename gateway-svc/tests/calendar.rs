@@ -183,6 +183,25 @@ async fn i4_an_update_giving_only_a_time_zone_or_calendar_is_refused_and_sends_n
     assert_eq!(upstream.seen("PATCH"), 1);
 }
 
+/// B-1, I-4: a search for a day, with no zone of its own, searches the user's day (the call's
+/// zone), not the day in UTC.
+#[tokio::test]
+async fn i4_a_search_for_a_day_searches_the_users_day() {
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"items":[]}"#)).await;
+    let engine = engine(&upstream).await;
+    let new_york = jiff::tz::TimeZone::get("America/New_York").unwrap();
+    let day = json!({"time_min": "2030-12-01", "time_max": "2030-12-01"});
+    let found = common::call_in_zone(&engine, "c1", "calendar_search", day, "", new_york).await;
+    assert!(found.ok(), "{}", found.text);
+    assert_eq!(
+        upstream.seen(&format!(
+            "{EVENTS}timeMin=2030-12-01T05%3A00%3A00Z&timeMax=2030-12-02T05%3A00%3A00Z"
+        )),
+        1,
+        "New York's Dec 1, midnight to midnight"
+    );
+}
+
 #[tokio::test]
 async fn i4_a_write_that_invites_attendees_or_moves_their_event_asks_google_to_email_them() {
     let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"id":"e1"}"#)).await;

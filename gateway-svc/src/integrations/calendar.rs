@@ -252,7 +252,8 @@ fn day_start(d: jiff::civil::Date, tz: &jiff::tz::TimeZone) -> jiff::Timestamp {
         .map_or(jiff::Timestamp::MAX, |z| z.timestamp())
 }
 
-/// The `time_zone` argument: an IANA zone, or none (UTC is then assumed only for plain dates).
+/// The `time_zone` argument: an IANA zone, or none (plain dates are then the user's days, the
+/// call's zone; a local time without one is refused).
 fn zone_arg(args: &Value, tool: &str) -> Result<Option<(String, jiff::tz::TimeZone)>, ToolError> {
     let Some(name) = text_arg(args, "time_zone") else {
         return Ok(None);
@@ -377,7 +378,7 @@ impl Tool for Search {
             json!({"type": "object", "additionalProperties": false, "properties": {
                 "time_min": {"type": "string", "description": "RFC 3339 or a date; default now"},
                 "time_max": {"type": "string", "description": "RFC 3339 or a date (through its end); default 7 days after time_min"},
-                "time_zone": {"type": "string", "description": "IANA zone of dates and local times; default UTC"},
+                "time_zone": {"type": "string", "description": "IANA zone of dates and local times; default: the user's"},
                 "query": {"type": "string", "maxLength": 200},
                 "calendar_id": {"type": "string", "default": "primary"},
                 "max_results": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
@@ -394,7 +395,8 @@ impl Tool for Search {
         let tool = "calendar_search";
         let zone = zone_arg(&args, tool)?;
         let tz = zone.as_ref().map(|(_, tz)| tz);
-        let days_in = tz.cloned().unwrap_or(jiff::tz::TimeZone::UTC);
+        // A whole day is the user's day unless the call names another zone.
+        let days_in = tz.cloned().unwrap_or_else(|| ctx.time_zone.clone());
         let from = when(&args, "time_min", tool, tz)?.map_or(now, |w| w.first_moment(&days_in));
         let until = match when(&args, "time_max", tool, tz)? {
             Some(w) => w.after(&days_in),

@@ -110,6 +110,18 @@ pub(crate) async fn call(
     args: Value,
     key: &str,
 ) -> CallOutcome {
+    call_in_zone(engine, call_id, tool, args, key, jiff::tz::TimeZone::UTC).await
+}
+
+/// As [`call`], made by a run in the user's zone `time_zone`.
+pub(crate) async fn call_in_zone(
+    engine: &Engine,
+    call_id: &str,
+    tool: &str,
+    args: Value,
+    key: &str,
+    time_zone: jiff::tz::TimeZone,
+) -> CallOutcome {
     let request = CallRequest {
         call_id: call_id.into(),
         tool: tool.into(),
@@ -120,7 +132,7 @@ pub(crate) async fn call(
         run_id: None,
         read_external_from: Vec::new(),
         expected_binding: None,
-        time_zone: jiff::tz::TimeZone::UTC,
+        time_zone,
     };
     engine
         .execute(&user(), request, CancellationToken::new())
