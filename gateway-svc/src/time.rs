@@ -48,10 +48,14 @@ pub fn short_date(t: SystemTime, tz: &TimeZone) -> String {
 
 /// "Nov 25 09:30 CET": a time the model passes on, with the zone it is in.
 pub fn short_datetime_zoned(t: SystemTime, tz: &TimeZone) -> String {
-    zoned(t, tz).map_or_else(
-        || "(invalid date)".into(),
-        |z| z.strftime("%b %-d %H:%M %Z").to_string(),
-    )
+    Timestamp::try_from(t).map_or_else(|_| "(invalid date)".into(), |ts| with_zone(ts, tz))
+}
+
+/// As [`short_datetime_zoned`], for an instant read from upstream.
+pub fn with_zone(ts: Timestamp, tz: &TimeZone) -> String {
+    ts.to_zoned(tz.clone())
+        .strftime("%b %-d %H:%M %Z")
+        .to_string()
 }
 
 /// "Nov 25 09:30"

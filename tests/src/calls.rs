@@ -16,12 +16,33 @@ pub async fn call_tool_keyed(
     args: serde_json::Value,
     key: &str,
 ) -> pb::ToolResult {
+    execute(g, tool, args, key, "").await
+}
+
+/// As [`call_tool`], made by a run in the user's zone `time_zone`.
+pub async fn call_tool_in_zone(
+    g: &mut UserGateway,
+    time_zone: &str,
+    tool: &str,
+    args: serde_json::Value,
+) -> pb::ToolResult {
+    execute(g, tool, args, "", time_zone).await
+}
+
+async fn execute(
+    g: &mut UserGateway,
+    tool: &str,
+    args: serde_json::Value,
+    key: &str,
+    time_zone: &str,
+) -> pb::ToolResult {
     g.execute_tool(pb::ExecuteToolRequest {
         call: Some(pb::ToolCall {
             call_id: "c".into(),
             tool: tool.into(),
             arguments: Some(Arguments::ArgsJson(args.to_string())),
             idempotency_key: key.into(),
+            time_zone: time_zone.into(),
             ..Default::default()
         }),
     })

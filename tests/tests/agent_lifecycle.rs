@@ -1395,15 +1395,34 @@ fn assert_closed_from_the_record(request: &serde_json::Value) {
     );
 }
 
+/// Alice asks on `t-crash` what became of the dead run's sends.
+fn asked_about_the_sends() -> pb::RunInput {
+    let mut asked = input("did they go out?");
+    asked.thread_id = "t-crash".into();
+    asked
+}
+
+/// A run that could not learn what an open send came to: failed as the gateway being
+/// unavailable, in words `saying`.
+fn assert_failed_not_knowing_yet(failed: &pb::RunResult, saying: &str) {
+    assert_eq!(
+        (failed.status, failed.failure_kind),
+        (
+            pb::RunState::Failed as i32,
+            pb::FailureKind::GatewayUnavailable as i32
+        ),
+        "{failed:?}"
+    );
+    assert!(failed.error.contains(saying), "{}", failed.error);
+}
+
 #[tokio::test]
 async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded() {
     let (app, model, gmail) =
         gmail_world(vec![Answer::text("One went out, one did not.")], &[]).await;
     a_thread_whose_run_died_during_two_sends(&app).await;
 
-    let mut next = input("did they go out?");
-    next.thread_id = "t-crash".into();
-    let result = run_on(app.agent_addr, next).await;
+    let result = run_on(app.agent_addr, asked_about_the_sends()).await;
     assert_eq!(result.status, pb::RunState::Completed as i32);
     assert_closed_from_the_record(&model.requests()[0].1);
     assert_eq!(gmail.sent().len(), 1, "nothing was sent again");
@@ -1422,22 +1441,9 @@ async fn a_run_that_cannot_look_up_an_open_send_fails_and_leaves_it_for_the_next
         .start_another_agent_with(&[("GATEWAY_URL", "http://127.0.0.1:1")])
         .await;
 
-    let mut asked = input("did they go out?");
-    asked.thread_id = "t-crash".into();
+    let asked = asked_about_the_sends();
     let failed = run_on(cut_off, asked.clone()).await;
-    assert_eq!(
-        (failed.status, failed.failure_kind),
-        (
-            pb::RunState::Failed as i32,
-            pb::FailureKind::GatewayUnavailable as i32
-        ),
-        "{failed:?}"
-    );
-    assert!(
-        failed.error.contains("could not say yet what it came to"),
-        "{}",
-        failed.error
-    );
+    assert_failed_not_knowing_yet(&failed, "could not say yet what it came to");
     assert!(model.requests().is_empty(), "the model was not asked");
 
     let result = run_on(app.agent_addr, asked).await;
@@ -1470,18 +1476,9 @@ async fn an_open_send_still_running_at_the_gateway_fails_the_run_until_its_resul
     };
     gate.arrived().await;
 
-    let mut asked = input("did they go out?");
-    asked.thread_id = "t-crash".into();
+    let asked = asked_about_the_sends();
     let early = run_on(app.agent_addr, asked.clone()).await;
-    assert_eq!(
-        (early.status, early.failure_kind),
-        (
-            pb::RunState::Failed as i32,
-            pb::FailureKind::GatewayUnavailable as i32
-        ),
-        "{early:?}"
-    );
-    assert!(early.error.contains("still running"), "{}", early.error);
+    assert_failed_not_knowing_yet(&early, "still running");
     assert!(model.requests().is_empty(), "the model was not asked");
 
     gate.release();
@@ -1509,9 +1506,7 @@ async fn an_open_send_that_ended_unrecorded_is_answered_as_unknown_for_good() {
         .await
         .unwrap();
 
-    let mut next = input("did they go out?");
-    next.thread_id = "t-crash".into();
-    let result = run_on(app.agent_addr, next).await;
+    let result = run_on(app.agent_addr, asked_about_the_sends()).await;
     assert_eq!(result.status, pb::RunState::Completed as i32, "{result:?}");
     let answered = tool_messages(&model.requests()[0].1);
     assert_eq!(answered[0].0, "call_sent");

@@ -351,29 +351,6 @@ async fn reminders_are_set_for_the_future_and_listed_soonest_first() {
     );
 }
 
-/// `tool` with `args`, called as a run in the user's zone `time_zone` would call it.
-async fn run_in_zone(
-    g: &mut UserGateway,
-    time_zone: &str,
-    tool: &str,
-    args: serde_json::Value,
-) -> pb::ToolResult {
-    g.execute_tool(pb::ExecuteToolRequest {
-        call: Some(pb::ToolCall {
-            call_id: "c".into(),
-            tool: tool.into(),
-            arguments: Some(pb::tool_call::Arguments::ArgsJson(args.to_string())),
-            time_zone: time_zone.into(),
-            ..Default::default()
-        }),
-    })
-    .await
-    .expect("tool failures are results")
-    .into_inner()
-    .result
-    .expect("a result")
-}
-
 /// A call carries the user's zone: times come back in it, named, and a date without a time
 /// ("due 2030-12-01") means the end of that day there, not in UTC. A zone that is not one is
 /// refused, naming the field.
@@ -386,7 +363,7 @@ async fn times_are_shown_and_dates_read_in_the_callers_time_zone() {
     .await;
     let mut g = app.gateway_as("u1").await;
     let new_york = "America/New_York";
-    let set = run_in_zone(
+    let set = steward_tests::calls::call_tool_in_zone(
         &mut g,
         new_york,
         "create_reminder",
@@ -394,7 +371,7 @@ async fn times_are_shown_and_dates_read_in_the_callers_time_zone() {
     )
     .await;
     assert!(set.text.contains("set for Dec 1 09:00 EST"), "{}", set.text);
-    let listed = run_in_zone(
+    let listed = steward_tests::calls::call_tool_in_zone(
         &mut g,
         "Europe/Berlin",
         "get_reminders",
@@ -404,19 +381,25 @@ async fn times_are_shown_and_dates_read_in_the_callers_time_zone() {
     assert!(listed.text.contains("Dec 1 15:00 CET"), "{}", listed.text);
 
     // The end of Dec 1 in New York is early on Dec 2 in UTC.
-    run_in_zone(
+    steward_tests::calls::call_tool_in_zone(
         &mut g,
         new_york,
         "add_task",
         serde_json::json!({"title": "File report", "due": "2030-12-01"}),
     )
     .await;
-    let there = run_in_zone(&mut g, new_york, "list_tasks", serde_json::json!({})).await;
+    let there = steward_tests::calls::call_tool_in_zone(
+        &mut g,
+        new_york,
+        "list_tasks",
+        serde_json::json!({}),
+    )
+    .await;
     assert!(there.text.contains("due Dec 1"), "{}", there.text);
     let in_utc = run(&mut g, "list_tasks", serde_json::json!({})).await;
     assert!(in_utc.text.contains("due Dec 2"), "{}", in_utc.text);
 
-    let refused = run_in_zone(
+    let refused = steward_tests::calls::call_tool_in_zone(
         &mut g,
         "Mars/Olympus",
         "get_reminders",

@@ -102,7 +102,7 @@ impl EventTime {
                                 jiff::tz::TimeZone::fixed(o.to_numeric_offset())
                             }),
                     };
-                    ts.to_zoned(tz).strftime("%b %-d %H:%M %Z").to_string()
+                    crate::time::with_zone(ts, &tz)
                 },
             ),
             (None, Some(d)) => format!("{d} (all day)"),
