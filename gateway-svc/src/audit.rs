@@ -1198,7 +1198,7 @@ mod tests {
             run_id: None,
             read_external_from: Vec::new(),
             expected_binding: None,
-            time_zone: jiff::tz::TimeZone::UTC,
+            time_zone: None,
         }
     }
 

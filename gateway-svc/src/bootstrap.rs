@@ -124,7 +124,7 @@ impl Bootstrap {
         let tz = zone(time_zone);
         let deadline = self.source_timeout;
         let (tasks, reminders, email, notes) = tokio::join!(
-            tokio::time::timeout(deadline, self.tasks_summary(user, now)),
+            tokio::time::timeout(deadline, self.tasks_summary(user, now, &tz)),
             tokio::time::timeout(deadline, self.reminders_summary(user, now, &tz)),
             tokio::time::timeout(deadline, self.email_summary(user)),
             tokio::time::timeout(deadline, self.notes.count_notes(user)),
@@ -156,7 +156,12 @@ impl Bootstrap {
         }
     }
 
-    async fn tasks_summary(&self, user: &UserId, now: SystemTime) -> Option<TasksSummary> {
+    async fn tasks_summary(
+        &self,
+        user: &UserId,
+        now: SystemTime,
+        tz: &TimeZone,
+    ) -> Option<TasksSummary> {
         let all = match self.tasks.list_tasks(user, TaskFilter::All).await {
             Ok(all) => all,
             Err(e) => {
@@ -168,7 +173,7 @@ impl Bootstrap {
             id: t.id,
             title: t.title.clone(),
             due_at: t.due_at,
-            overdue_days: t.due_at.map_or(0, |d| overdue_days(d, now)),
+            overdue_days: t.due_at.map_or(0, |d| overdue_days(d, now, tz)),
         };
         // Listed pending-first by due date, so the first pending task is the most overdue or
         // the soonest due.

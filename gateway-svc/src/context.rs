@@ -56,9 +56,9 @@ pub struct CallContext {
     /// Where the run had read others' words before this call: the provenance of anything the
     /// call stores (memories). Empty: the user's own words only.
     pub read_external_from: Vec<String>,
-    /// The user's zone: dates and times in results are shown in it, and a date without a
-    /// time is read in it (UTC unless the call named one).
-    pub time_zone: jiff::tz::TimeZone,
+    /// The user's zone, when the call named one: dates and times in results are shown in it,
+    /// and dates and local times in arguments read in it ([`CallContext::zone`]).
+    pub time_zone: Option<jiff::tz::TimeZone>,
     /// Its audit records (upstream calls) are kept here and written once the call is over,
     /// outside its deadline ([`CallContext::take_deferred`]): a read-only call's by the
     /// batching writer, any other's at once, before its outcome is stored. Otherwise (a
@@ -104,7 +104,16 @@ impl UpstreamResponse {
     }
 }
 
+/// Where times are shown when the call named no zone.
+static UTC: jiff::tz::TimeZone = jiff::tz::TimeZone::UTC;
+
 impl CallContext {
+    /// The zone results are shown in: the user's, or UTC when the call named none (every time
+    /// shown then says "UTC", so nothing reads as local that is not).
+    pub fn zone(&self) -> &jiff::tz::TimeZone {
+        self.time_zone.as_ref().unwrap_or(&UTC)
+    }
+
     pub fn new(
         services: Arc<Services>,
         user: UserId,
@@ -120,7 +129,7 @@ impl CallContext {
             run_id,
             tool,
             read_external_from: Vec::new(),
-            time_zone: jiff::tz::TimeZone::UTC,
+            time_zone: None,
             audit_later: false,
             side_effect: false,
             deferred: Mutex::new(Vec::new()),

@@ -188,8 +188,9 @@ pub struct CallRequest {
     pub read_external_from: Vec<String>,
     /// The approved preview's binding; when set the call runs only if it still holds.
     pub expected_binding: Option<String>,
-    /// The user's zone: what the result's dates and times are shown in (UTC if none given).
-    pub time_zone: jiff::tz::TimeZone,
+    /// The user's zone, when the run knows it: the result's dates and times are shown in it
+    /// (else in UTC), and a local time the model writes is read in it (else refused).
+    pub time_zone: Option<jiff::tz::TimeZone>,
 }
 
 /// What a tool call produced, success or failure: the model always gets a sentence.

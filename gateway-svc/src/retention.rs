@@ -47,16 +47,25 @@ pub async fn sweep_once(
     retention: &RetentionConfig,
     now: SystemTime,
 ) -> Result<Swept, StoreError> {
-    let mut swept = Swept::default();
-    if let Some(cut) = now.checked_sub(retention.idempotency) {
-        swept.idempotency = drain(|| stores.idempotency.prune_idempotency(cut, BATCH)).await?;
-        crate::metrics::retention_pruned("idempotency", swept.idempotency);
+    // Each table on its own: a failing idempotency prune does not keep the audit trail,
+    // which may be under a compliance deadline, from being pruned.
+    let idempotency = match now.checked_sub(retention.idempotency) {
+        Some(cut) => drain(|| stores.idempotency.prune_idempotency(cut, BATCH)).await,
+        None => Ok(0),
+    };
+    let audit = match retention.audit.and_then(|keep| now.checked_sub(keep)) {
+        Some(cut) => drain(|| stores.audit.prune_audit(cut, BATCH)).await,
+        None => Ok(0),
+    };
+    for (table, deleted) in [("idempotency", &idempotency), ("audit", &audit)] {
+        if let Ok(n) = deleted {
+            crate::metrics::retention_pruned(table, *n);
+        }
     }
-    if let Some(cut) = retention.audit.and_then(|keep| now.checked_sub(keep)) {
-        swept.audit = drain(|| stores.audit.prune_audit(cut, BATCH)).await?;
-        crate::metrics::retention_pruned("audit", swept.audit);
-    }
-    Ok(swept)
+    Ok(Swept {
+        idempotency: idempotency?,
+        audit: audit?,
+    })
 }
 
 /// Repeats `batch` while it deletes anything (a batch may delete fewer than [`BATCH`] and

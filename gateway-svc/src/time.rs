@@ -1,23 +1,41 @@
 //! Dates as users and models write and read them: RFC 3339 or a plain date in, short readable
 //! forms out ("Nov 25", "Nov 25 09:30"), in the user's time zone when known.
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
-use jiff::{Timestamp, civil::Date, tz::TimeZone};
+use jiff::{
+    Timestamp,
+    civil::{Date, DateTime},
+    tz::TimeZone,
+};
 
-/// An RFC 3339 date-time (`2026-11-25T17:00:00Z`, `2026-11-25T17:00:00+01:00`) or a date
-/// (`2026-11-25`: due by the end of that day in `tz`, the user's zone).
-pub fn parse_when(raw: &str, tz: &TimeZone) -> Result<SystemTime, String> {
+/// An RFC 3339 date-time (`2026-11-25T17:00:00Z`, `2026-11-25T17:00:00+01:00`); a date
+/// (`2026-11-25`: by the end of that day in `local`, the user's zone, else UTC's); or a local
+/// date-time (`2026-11-25T17:00`) read in `local`. A local time with no zone to read it in
+/// is refused, never guessed: an hour off is a reminder at the wrong time.
+pub fn parse_when(raw: &str, local: Option<&TimeZone>) -> Result<SystemTime, String> {
     let raw = raw.trim();
     if let Ok(ts) = raw.parse::<Timestamp>() {
         return Ok(SystemTime::from(ts));
     }
-    if let Ok(date) = raw.parse::<Date>() {
-        let end = date
-            .at(23, 59, 59, 0)
-            .to_zoned(tz.clone())
-            .map_err(|e| format!("{raw:?} is out of range ({e})"))?;
-        return Ok(SystemTime::from(end.timestamp()));
+    let in_zone = |t: DateTime, tz: &TimeZone| {
+        t.to_zoned(tz.clone())
+            .map(|z| SystemTime::from(z.timestamp()))
+            .map_err(|e| format!("{raw:?} is out of range ({e})"))
+    };
+    // jiff reads a date out of any text that starts with one: only the bare date is a day.
+    if raw.len() == 10
+        && let Ok(date) = raw.parse::<Date>()
+    {
+        return in_zone(date.at(23, 59, 59, 0), local.unwrap_or(&TimeZone::UTC));
+    }
+    if let Ok(t) = raw.parse::<DateTime>() {
+        return match local {
+            Some(tz) => in_zone(t, tz),
+            None => Err(format!(
+                "{raw:?} has no offset and the user's time zone is not known; add one, like 2026-11-25T17:00:00+01:00 or 2026-11-25T17:00:00Z"
+            )),
+        };
     }
     Err(format!(
         "{raw:?} is not a date-time; use RFC 3339 like 2026-11-25T17:00:00Z or a date like 2026-11-25"
@@ -74,42 +92,72 @@ pub fn time_or_datetime(t: SystemTime, now: SystemTime, tz: &TimeZone) -> String
     }
 }
 
-/// Whole days past due, rounded up (a task due an hour ago is 1 day overdue); 0 if not overdue.
-pub fn overdue_days(due: SystemTime, now: SystemTime) -> u32 {
-    match now.duration_since(due) {
-        Ok(d) if d > Duration::ZERO => {
-            u32::try_from(d.as_secs().div_ceil(86_400)).unwrap_or(u32::MAX)
-        }
-        _ => 0,
+/// Days past due, counted as the user sees them: from the due date to today, both in `tz`
+/// (due Nov 25, it is Nov 27 there: 2). A task due an hour ago, today, is 1 day overdue;
+/// one not yet due is 0.
+pub fn overdue_days(due: SystemTime, now: SystemTime, tz: &TimeZone) -> u32 {
+    if now <= due {
+        return 0;
     }
+    let days = match (zoned(due, tz), zoned(now, tz)) {
+        (Some(due), Some(now)) => (now.date() - due.date()).get_days(),
+        // Past what a calendar holds: a day is as good as any count.
+        _ => 1,
+    };
+    u32::try_from(days).unwrap_or(0).max(1)
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
     fn both_date_times_and_plain_dates_are_understood() {
-        let t = parse_when("2026-11-25T17:00:00Z", &TimeZone::UTC).unwrap();
+        let t = parse_when("2026-11-25T17:00:00Z", None).unwrap();
         assert_eq!(short_datetime(t, &TimeZone::UTC), "Nov 25 17:00");
         assert_eq!(short_datetime(t, &zone("Europe/Berlin")), "Nov 25 18:00");
-        let d = parse_when("2026-11-25", &TimeZone::UTC).unwrap();
+        let d = parse_when("2026-11-25", None).unwrap();
         assert_eq!(short_datetime(d, &TimeZone::UTC), "Nov 25 23:59");
         assert!(
-            parse_when("next tuesday", &TimeZone::UTC)
+            parse_when("next tuesday", None)
                 .unwrap_err()
                 .contains("RFC 3339")
         );
+        assert!(parse_when("2026-11-25 and more", None).is_err());
     }
 
     #[test]
-    fn overdue_days_round_up() {
-        let due = parse_when("2026-11-20T10:00:00Z", &TimeZone::UTC).unwrap();
-        assert_eq!(overdue_days(due, due - Duration::from_secs(5)), 0);
-        assert_eq!(overdue_days(due, due + Duration::from_secs(3600)), 1);
+    fn a_local_time_is_read_in_the_users_zone_and_refused_without_one() {
+        let berlin = zone("Europe/Berlin");
+        let t = parse_when("2026-11-25T17:00", Some(&berlin)).unwrap();
+        assert_eq!(short_datetime(t, &TimeZone::UTC), "Nov 25 16:00");
+        let d = parse_when("2026-11-25", Some(&berlin)).unwrap();
+        assert_eq!(short_datetime(d, &TimeZone::UTC), "Nov 25 22:59");
+        let refused = parse_when("2026-11-25T17:00:00", None).unwrap_err();
+        assert!(refused.contains("no offset"), "{refused}");
+        assert!(refused.contains("time zone is not known"), "{refused}");
+    }
+
+    #[test]
+    fn overdue_days_count_the_users_days() {
+        let utc = TimeZone::UTC;
+        let due = parse_when("2026-11-20T10:00:00Z", None).unwrap();
+        assert_eq!(overdue_days(due, due - Duration::from_secs(5), &utc), 0);
+        // Later the same day: a day overdue, not none.
+        assert_eq!(overdue_days(due, due + Duration::from_secs(3600), &utc), 1);
         assert_eq!(
-            overdue_days(due, due + Duration::from_secs(86_400 * 2 + 1)),
-            3
+            overdue_days(due, due + Duration::from_secs(86_400 * 2 + 1), &utc),
+            2
         );
+        // Due at 18:00 on Nov 20 in New York (23:00 UTC); at 01:00 UTC on the 22nd it is still
+        // the 21st there: the user, shown "due Nov 20", reads one day, where UTC's days say two.
+        let new_york = zone("America/New_York");
+        let due = parse_when("2026-11-20T23:00:00Z", None).unwrap();
+        assert_eq!(short_date(due, &new_york), "Nov 20");
+        let now = parse_when("2026-11-22T01:00:00Z", None).unwrap();
+        assert_eq!(overdue_days(due, now, &new_york), 1);
+        assert_eq!(overdue_days(due, now, &utc), 2);
     }
 }

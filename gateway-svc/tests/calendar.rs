@@ -191,7 +191,8 @@ async fn i4_a_search_for_a_day_searches_the_users_day() {
     let engine = engine(&upstream).await;
     let new_york = jiff::tz::TimeZone::get("America/New_York").unwrap();
     let day = json!({"time_min": "2030-12-01", "time_max": "2030-12-01"});
-    let found = common::call_in_zone(&engine, "c1", "calendar_search", day, "", new_york).await;
+    let found =
+        common::call_in_zone(&engine, "c1", "calendar_search", day, "", Some(new_york)).await;
     assert!(found.ok(), "{}", found.text);
     assert_eq!(
         upstream.seen(&format!(
@@ -200,6 +201,40 @@ async fn i4_a_search_for_a_day_searches_the_users_day() {
         1,
         "New York's Dec 1, midnight to midnight"
     );
+}
+
+/// B-1, I-4: a local time (no offset) in an event the model writes is the user's time, when
+/// the call carries the user's zone; without one it is refused, naming what to add, and
+/// nothing is sent.
+#[tokio::test]
+async fn i4_a_local_event_time_is_the_users_and_refused_when_no_zone_is_known() {
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"id":"e1"}"#)).await;
+    let engine = engine(&upstream).await;
+    let local =
+        json!({"summary": "Review", "start": "2030-12-01T09:00", "end": "2030-12-01T10:00"});
+    let refused = common::call(&engine, "c1", "calendar_event_create", local.clone(), "k1").await;
+    assert_eq!(refused.error_kind, Some(ErrorKind::InvalidArguments));
+    assert!(refused.text.contains("has no offset"), "{}", refused.text);
+    assert_eq!(upstream.seen("POST"), 0);
+    let new_york = jiff::tz::TimeZone::get("America/New_York").unwrap();
+    let made = common::call_in_zone(
+        &engine,
+        "c2",
+        "calendar_event_create",
+        local,
+        "k2",
+        Some(new_york),
+    )
+    .await;
+    assert!(made.ok(), "{}", made.text);
+    let sent: serde_json::Value =
+        serde_json::from_str(&upstream.bodies("POST /calendar/v3/calendars/primary/events")[0])
+            .unwrap();
+    assert_eq!(
+        sent["start"]["dateTime"], "2030-12-01T14:00:00Z",
+        "09:00 in New York"
+    );
+    assert_eq!(sent["end"]["dateTime"], "2030-12-01T15:00:00Z");
 }
 
 #[tokio::test]

@@ -177,7 +177,7 @@ async fn p4_a_bidi_override_in_the_senders_name_never_reaches_the_approver_or_th
         run_id: None,
         read_external_from: Vec::new(),
         expected_binding: None,
-        time_zone: jiff::tz::TimeZone::UTC,
+        time_zone: None,
     };
     let preview = engine.preview(&user(), request).await.unwrap();
     assert!(!preview.text.contains('\u{202e}'), "{}", preview.text);
@@ -245,7 +245,7 @@ async fn i3_a_subject_holding_a_line_break_or_control_character_is_refused_and_n
                 run_id: None,
                 read_external_from: Vec::new(),
                 expected_binding: None,
-                time_zone: jiff::tz::TimeZone::UTC,
+                time_zone: None,
             };
             assert!(
                 engine.preview(&user(), request).await.is_err(),

@@ -481,7 +481,7 @@ async fn g9_p5_a_send_whose_upstream_record_is_slow_to_write_is_done_and_its_rec
         run_id: None,
         read_external_from: Vec::new(),
         expected_binding: None,
-        time_zone: jiff::tz::TimeZone::UTC,
+        time_zone: None,
     };
 
     let sent = engine
@@ -547,7 +547,7 @@ async fn p4_a_side_effect_that_runs_out_of_time_after_its_write_was_accepted_is_
         run_id: None,
         read_external_from: Vec::new(),
         expected_binding: None,
-        time_zone: jiff::tz::TimeZone::UTC,
+        time_zone: None,
     };
 
     let sent = engine

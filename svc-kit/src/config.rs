@@ -184,10 +184,31 @@ impl<'a> Vars<'a> {
         min: Duration,
         max: Duration,
     ) -> Option<Duration> {
-        match self.raw(var) {
-            None => default,
-            Some(raw) if raw.trim().eq_ignore_ascii_case("off") => None,
-            Some(_) => Some(self.duration_in(var, default.unwrap_or(min), min, max)),
+        let Some(raw) = self.raw(var) else {
+            return default;
+        };
+        if raw.trim().eq_ignore_ascii_case("off") {
+            return None;
+        }
+        // Its own messages, not `duration_in`'s: each names `off` as the other choice.
+        match parse_duration(&raw) {
+            Some(d) if d >= min && d <= max => Some(d),
+            Some(_) => {
+                self.error(
+                    var,
+                    format!(
+                        "{raw:?} is out of range: use a duration from {min:?} to {max:?}, or off"
+                    ),
+                );
+                default
+            }
+            None => {
+                self.error(
+                    var,
+                    format!("{raw:?} is not a duration (use e.g. 30m, 2h, 7d or seconds, or off)"),
+                );
+                default
+            }
         }
     }
 
@@ -326,7 +347,12 @@ mod tests {
     fn a_duration_that_can_be_switched_off_takes_off_a_duration_or_its_default() {
         let day = Duration::from_secs(86_400);
         let (hour, year) = (Duration::from_secs(3600), 365 * day);
-        let map = vars(&[("KEEP", "Off"), ("KEEP_FOR", "30d"), ("TOO_SHORT", "1m")]);
+        let map = vars(&[
+            ("KEEP", "Off"),
+            ("KEEP_FOR", "30d"),
+            ("TOO_SHORT", "1m"),
+            ("GARBLED", "soon"),
+        ]);
         let mut v = Vars::from_map(&map);
         assert_eq!(v.duration_or_off("KEEP", Some(day), hour, year), None);
         assert_eq!(
@@ -336,8 +362,14 @@ mod tests {
         assert_eq!(v.duration_or_off("UNSET", Some(day), hour, year), Some(day));
         assert_eq!(v.duration_or_off("UNSET", None, hour, year), None);
         v.duration_or_off("TOO_SHORT", Some(day), hour, year);
+        v.duration_or_off("GARBLED", Some(day), hour, year);
         let err = v.finish(()).unwrap_err();
-        assert_eq!(err.0.len(), 1);
+        assert_eq!(err.0.len(), 2);
         assert_eq!(err.0[0].var, "TOO_SHORT");
+        assert_eq!(err.0[1].var, "GARBLED");
+        // Each says how to switch it off, not only what duration to give.
+        for e in &err.0 {
+            assert!(e.to_string().contains(", or off"), "{e}");
+        }
     }
 }

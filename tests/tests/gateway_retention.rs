@@ -10,8 +10,8 @@ use gateway_svc::{
     domain::UserId,
     retention::{Swept, sweep_once},
     store::{
-        AuditEntry, AuditRecord, KeyState, StoredResult, Stores, memory::MemoryStore,
-        postgres::PgStore,
+        AuditEntry, AuditRecord, IdempotencyClaim, IdempotencyStore, KeyState, StoreError,
+        StoredResult, Stores, memory::MemoryStore, postgres::PgStore,
     },
 };
 use steward_tests::{TestDb, env, start_gateway};
@@ -277,6 +277,51 @@ async fn g9_audit_records_are_deleted_only_when_audit_retention_is_set(b: Backen
         }
     );
     assert_eq!(audit_calls(s).await, ["recent"]);
+}
+
+/// An idempotency store whose prune always fails: the database refuses that table.
+struct PruneFails(std::sync::Arc<dyn IdempotencyStore>);
+
+#[async_trait::async_trait]
+impl IdempotencyStore for PruneFails {
+    async fn claim(
+        &self,
+        user: &UserId,
+        key: &str,
+        hold: Duration,
+    ) -> Result<Box<dyn IdempotencyClaim>, StoreError> {
+        self.0.claim(user, key, hold).await
+    }
+
+    async fn lookup(&self, user: &UserId, key: &str) -> Result<KeyState, StoreError> {
+        self.0.lookup(user, key).await
+    }
+
+    async fn prune_idempotency(&self, _: SystemTime, _: usize) -> Result<usize, StoreError> {
+        Err(StoreError::Unavailable("idempotency is locked".into()))
+    }
+}
+
+/// G-9: the audit trail is pruned on time even while pruning idempotency keys fails; the
+/// sweep still reports the failure, to be retried next interval.
+#[tokio::test]
+async fn g9_audit_is_pruned_even_when_the_idempotency_prune_fails() {
+    let mut stores = MemoryStore::stores();
+    stores.idempotency = std::sync::Arc::new(PruneFails(stores.idempotency.clone()));
+    let now = SystemTime::now();
+    stores
+        .audit
+        .record_many(&[AuditEntry {
+            at: now - 100 * DAY,
+            record: record("old"),
+        }])
+        .await
+        .unwrap();
+    let err = sweep_once(&stores, &retention(&[("AUDIT_RETENTION", "90d")]), now)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("idempotency is locked"), "{err}");
+    assert!(audit_calls(&stores).await.is_empty());
 }
 
 steward_tests::both_backends!(

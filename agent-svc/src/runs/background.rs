@@ -412,15 +412,20 @@ impl RunService {
     }
 
     /// The run-events pruner: every `interval`, [`RunService::prune_run_events`]. Any number of
-    /// replicas may run it; their sweeps skip each other's rows.
+    /// replicas may run it; their sweeps skip each other's rows. The first sweep comes at a
+    /// random point of the first interval: replicas a rollout starts together, each meeting
+    /// the whole backlog of a first start, do not all sweep it at once.
     pub fn spawn_events_pruner(
         self: &Arc<Self>,
         retention: Duration,
         interval: Duration,
     ) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
+        let first = tokio::time::Instant::now() + interval.mul_f64(rand::random::<f64>());
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
+            let mut tick = tokio::time::interval_at(first, interval);
+            // A sweep longer than the interval is followed by the next one, not by a burst.
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
                 match this.prune_run_events(retention, SystemTime::now()).await {

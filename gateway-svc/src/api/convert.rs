@@ -197,10 +197,10 @@ pub fn call_request(call: pb::ToolCall) -> Result<CallRequest, Rejected> {
         return Err(reject(&call, "the arguments must be a JSON object".into()));
     }
     let time_zone = if call.time_zone.trim().is_empty() {
-        jiff::tz::TimeZone::UTC
+        None
     } else {
         match jiff::tz::TimeZone::get(call.time_zone.trim()) {
-            Ok(zone) => zone,
+            Ok(zone) => Some(zone),
             Err(_) => {
                 return Err(reject(
                     &call,

@@ -252,8 +252,8 @@ fn day_start(d: jiff::civil::Date, tz: &jiff::tz::TimeZone) -> jiff::Timestamp {
         .map_or(jiff::Timestamp::MAX, |z| z.timestamp())
 }
 
-/// The `time_zone` argument: an IANA zone, or none (plain dates are then the user's days, the
-/// call's zone; a local time without one is refused).
+/// The `time_zone` argument: an IANA zone, or none (plain dates and local times are then the
+/// user's, in the call's zone; a local time with neither is refused).
 fn zone_arg(args: &Value, tool: &str) -> Result<Option<(String, jiff::tz::TimeZone)>, ToolError> {
     let Some(name) = text_arg(args, "time_zone") else {
         return Ok(None);
@@ -267,9 +267,9 @@ fn zone_arg(args: &Value, tool: &str) -> Result<Option<(String, jiff::tz::TimeZo
     }
 }
 
-/// A time argument: RFC 3339 with an offset; a local date-time (no offset) read in `zone`; or
-/// exactly a date (`YYYY-MM-DD`) for a whole day. A local time with no zone to read it in is
-/// refused, never guessed.
+/// A time argument: RFC 3339 with an offset; a local date-time (no offset) read in `zone` (the
+/// `time_zone` argument's, else the user's); or exactly a date (`YYYY-MM-DD`) for a whole day.
+/// A local time with no zone to read it in is refused, never guessed.
 fn when(
     args: &Value,
     field: &str,
@@ -394,11 +394,11 @@ impl Tool for Search {
             jiff::Timestamp::try_from(SystemTime::now()).unwrap_or(jiff::Timestamp::UNIX_EPOCH);
         let tool = "calendar_search";
         let zone = zone_arg(&args, tool)?;
-        let tz = zone.as_ref().map(|(_, tz)| tz);
-        // A whole day is the user's day unless the call names another zone.
-        let days_in = tz.cloned().unwrap_or_else(|| ctx.time_zone.clone());
-        let from = when(&args, "time_min", tool, tz)?.map_or(now, |w| w.first_moment(&days_in));
-        let until = match when(&args, "time_max", tool, tz)? {
+        // Days and local times are the user's unless the call names another zone.
+        let local = zone.as_ref().map(|(_, tz)| tz).or(ctx.time_zone.as_ref());
+        let days_in = local.unwrap_or(ctx.zone()).clone();
+        let from = when(&args, "time_min", tool, local)?.map_or(now, |w| w.first_moment(&days_in));
+        let until = match when(&args, "time_max", tool, local)? {
             Some(w) => w.after(&days_in),
             None => from
                 .checked_add(jiff::SignedDuration::from_hours(24 * 7))
@@ -562,9 +562,9 @@ impl Tool for Write {
     fn spec(&self) -> ToolSpec {
         let mut properties = json!({
             "summary": {"type": "string", "minLength": 1, "maxLength": 500},
-            "start": {"type": "string", "description": "RFC 3339, e.g. 2026-11-25T09:00:00+01:00; a date for all day"},
-            "end": {"type": "string", "description": "RFC 3339; a date (the last day) for all day"},
-            "time_zone": {"type": "string", "description": "IANA zone for the event, e.g. Europe/Berlin"},
+            "start": {"type": "string", "description": "RFC 3339, e.g. 2026-11-25T09:00:00+01:00; a local time, e.g. 2026-11-25T09:00, in time_zone or else the user's zone; a date for all day"},
+            "end": {"type": "string", "description": "As start; a date (the last day) for all day"},
+            "time_zone": {"type": "string", "description": "IANA zone for the event and its local times, e.g. Europe/Berlin; default: the user's"},
             "description": {"type": "string", "maxLength": 8000},
             "location": {"type": "string", "maxLength": 500},
             "attendees": {"type": "array", "maxItems": 100, "items": {"type": "string"}},
@@ -584,12 +584,12 @@ impl Tool for Write {
     /// now and what changes, bound to its current time and attendees.
     async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
         if !self.update {
-            return Ok(create_preview(args));
+            return Ok(create_preview(args, user_zone(ctx)));
         }
         changes_something(args)?;
         let account = account(ctx, args, "calendar_event_update").await?;
         let current = self.current(ctx, &account, args).await?;
-        Ok(update_preview(&account, &current, args))
+        Ok(update_preview(&account, &current, args, user_zone(ctx)))
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
@@ -603,7 +603,7 @@ impl Tool for Write {
         }
         let account = account(ctx, &args, tool).await?;
         let zone = zone_arg(&args, tool)?;
-        let tz = zone.as_ref().map(|(_, tz)| tz);
+        let local = zone.as_ref().map(|(_, tz)| tz).or(ctx.time_zone.as_ref());
         let mut body = Map::new();
         for (field, key) in [
             ("summary", "summary"),
@@ -615,8 +615,8 @@ impl Tool for Write {
             }
         }
         let [start, end] = event_times(
-            when(&args, "start", tool, tz)?,
-            when(&args, "end", tool, tz)?,
+            when(&args, "start", tool, local)?,
+            when(&args, "end", tool, local)?,
             zone.as_ref().map(|(name, _)| name.as_str()),
             tool,
         )?;
@@ -752,9 +752,28 @@ fn attendees_arg(args: &Value) -> Option<Vec<String>> {
 }
 
 /// "start to end (zone)" from a write's arguments, each part on one clipped line.
-fn when_arg(args: &Value) -> String {
+/// The user's zone by name, as a preview names it: `None` when the call gave none.
+fn user_zone(ctx: &CallContext) -> Option<&str> {
+    ctx.time_zone.as_ref().and_then(|tz| tz.iana_name())
+}
+
+/// The start and end as the model wrote them, with the zone a local one is read in: the
+/// `time_zone` argument, else `user_zone` when either time has no offset. An approver is
+/// never shown "09:00" without knowing whose.
+fn when_arg(args: &Value, user_zone: Option<&str>) -> String {
     let field = |k: &str| text_arg(args, k).unwrap_or_default();
-    let zone = field("time_zone");
+    let local = |k: &str| {
+        let raw = field(k);
+        let raw = raw.trim();
+        raw.parse::<jiff::Timestamp>().is_err() && raw.parse::<jiff::civil::DateTime>().is_ok()
+    };
+    let mut zone = field("time_zone");
+    if zone.is_empty()
+        && (local("start") || local("end"))
+        && let Some(user) = user_zone
+    {
+        zone = user.to_owned();
+    }
     format!(
         "{} to {}{}",
         line(&field("start"), 40),
@@ -768,13 +787,13 @@ fn when_arg(args: &Value) -> String {
 }
 
 /// What `calendar_event_create` will create. Pure, so property tests can feed it anything.
-fn create_preview(args: &Value) -> Preview {
+fn create_preview(args: &Value, user_zone: Option<&str>) -> Preview {
     let field = |k: &str| text_arg(args, k).unwrap_or_default();
     let attendees = attendees_arg(args).unwrap_or_default();
     let mut text = format!(
         "Create event \"{}\"\nWhen: {}\n",
         line(&field("summary"), 200),
-        when_arg(args)
+        when_arg(args, user_zone)
     );
     push_attendees(&mut text, "Attendees (invited)", &attendees);
     push_optional(&mut text, "Location", &field("location"));
@@ -792,7 +811,12 @@ fn create_preview(args: &Value) -> Preview {
 
 /// What `calendar_event_update` will change on `current` (as the calendar has it now), bound
 /// to the event's current time and attendees. Pure, like [`create_preview`].
-fn update_preview(account: &str, current: &Event, args: &Value) -> Preview {
+fn update_preview(
+    account: &str,
+    current: &Event,
+    args: &Value,
+    user_zone: Option<&str>,
+) -> Preview {
     let old_attendees = current.attendee_list();
     let mut text = format!(
         "Update event [{}] \"{}\" in {}\nNow: {}\n",
@@ -813,7 +837,7 @@ fn update_preview(account: &str, current: &Event, args: &Value) -> Preview {
         }
     }
     if args.get("start").is_some() || args.get("end").is_some() {
-        text.push_str(&format!("- Time → {}\n", when_arg(args)));
+        text.push_str(&format!("- Time → {}\n", when_arg(args, user_zone)));
     }
     let mut recipients = old_attendees.clone();
     if let Some(list) = attendees_arg(args) {
@@ -967,12 +991,37 @@ mod tests {
     }
 
     #[test]
+    fn i4_a_preview_names_the_zone_a_local_time_is_read_in() {
+        let local =
+            json!({"summary": "Sync", "start": "2026-11-25T09:00", "end": "2026-11-25T10:00"});
+        let shown = create_preview(&local, Some("America/New_York")).text;
+        assert!(
+            shown.contains("When: 2026-11-25T09:00 to 2026-11-25T10:00 (America/New_York)\n"),
+            "{shown}"
+        );
+        // An instant says its own offset; no zone is added to it.
+        let instant = json!({"summary": "Sync", "start": "2026-11-25T09:00:00Z", "end": "2026-11-25T10:00:00Z"});
+        let shown = create_preview(&instant, Some("America/New_York")).text;
+        assert!(
+            shown.contains("When: 2026-11-25T09:00:00Z to 2026-11-25T10:00:00Z\n"),
+            "{shown}"
+        );
+        // The event's own zone wins over the user's.
+        let zoned = json!({"summary": "Sync", "start": "2026-11-25T09:00", "end": "2026-11-25T10:00", "time_zone": "Asia/Tokyo"});
+        assert!(
+            create_preview(&zoned, Some("America/New_York"))
+                .text
+                .contains("(Asia/Tokyo)")
+        );
+    }
+
+    #[test]
     fn i4_previews_say_attendees_are_invited_or_emailed_exactly_when_google_is_asked_to() {
         let create = json!({"summary": "Sync", "start": "2026-11-25T09:00:00Z",
                             "end": "2026-11-25T10:00:00Z", "attendees": ["bob@example.com"]});
         assert!(sends_updates(&create, false));
         assert!(
-            create_preview(&create)
+            create_preview(&create, None)
                 .text
                 .contains("Attendees (invited): bob@example.com\n")
         );
@@ -988,14 +1037,14 @@ mod tests {
         let emailed = "The attendees are emailed about this change.";
         let moved = json!({"event_id": "e1", "start": "2026-11-25T11:00:00Z"});
         assert!(
-            update_preview("me@example.com", &current, &moved)
+            update_preview("me@example.com", &current, &moved, None)
                 .text
                 .contains(emailed)
         );
         let renamed = json!({"event_id": "e1", "summary": "Sync v2"});
         assert!(!sends_updates(&renamed, true));
         assert!(
-            !update_preview("me@example.com", &current, &renamed)
+            !update_preview("me@example.com", &current, &renamed, None)
                 .text
                 .contains(emailed)
         );
@@ -1099,7 +1148,7 @@ mod tests {
         ) {
             let args = json!({"summary": summary, "start": start, "end": end, "time_zone": zone,
                               "location": location, "description": description, "attendees": attendees});
-            let p = create_preview(&args);
+            let p = create_preview(&args, None);
             prop_assert!(p.text.starts_with("Create event \""));
             prop_assert!(p.text.lines().nth(1).is_some_and(|l| l.starts_with("When: ")));
             assert_lines(&p.text, &["Create event \"", "When: ", "Attendees (invited): ", "Location: ", "Description: "])?;
@@ -1134,7 +1183,7 @@ mod tests {
                 if let Some(v) = value { args[key] = json!(v); }
             }
             if let Some(a) = &attendees { args["attendees"] = json!(a); }
-            let p = update_preview("me@example.com", &current, &args);
+            let p = update_preview("me@example.com", &current, &args, None);
             prop_assert!(p.text.starts_with("Update event ["));
             assert_lines(&p.text, &["Update event [", "Now: ", "Attendees now: ", "Changes:",
                                     "- Title → ", "- Location → ", "- Description → ", "- Time → ",
@@ -1143,7 +1192,7 @@ mod tests {
             prop_assert_eq!(p.binding.len(), 64);
             prop_assert_eq!(&p.recipients, attendees.as_ref().unwrap_or(&current_attendees));
             // The binding follows the current event, not what the call asks to change.
-            let unchanged = update_preview("me@example.com", &current, &json!({"event_id": "e"}));
+            let unchanged = update_preview("me@example.com", &current, &json!({"event_id": "e"}), None);
             prop_assert_eq!(p.binding, unchanged.binding);
         }
     }

@@ -573,7 +573,7 @@ impl Tool for SearchGmail {
             .map(|a| self.0.search_account(ctx, &a.account, &query, max));
         let results = futures_util::future::join_all(searches).await;
 
-        let tz = &ctx.time_zone;
+        let tz = ctx.zone();
         let mut sections = Vec::new();
         let mut display = Vec::new();
         let mut failures = Vec::new();

@@ -206,7 +206,7 @@ impl Tool for SearchMemory {
                     i + 1,
                     n.id,
                     n.content,
-                    short_date(n.created_at, &ctx.time_zone)
+                    short_date(n.created_at, ctx.zone())
                 )
             })
             .collect();

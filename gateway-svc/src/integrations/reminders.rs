@@ -36,7 +36,7 @@ impl Tool for CreateReminder {
             "Set a reminder for the user at a future time.",
             json!({"type": "object", "additionalProperties": false, "required": ["text", "due_at"], "properties": {
                 "text": {"type": "string", "minLength": 1, "maxLength": 1000},
-                "due_at": {"type": "string", "description": "RFC 3339 date-time, e.g. 2026-11-25T09:00:00Z"}}}),
+                "due_at": {"type": "string", "description": "RFC 3339 date-time, e.g. 2026-11-25T09:00:00Z, or a local time in the user's zone, e.g. 2026-11-25T09:00"}}}),
         )
     }
 
@@ -46,9 +46,12 @@ impl Tool for CreateReminder {
             detail,
         };
         let text = text_arg(&args, "text").ok_or_else(|| invalid("text is blank".into()))?;
-        let tz = &ctx.time_zone;
-        let due =
-            parse_when(&text_arg(&args, "due_at").unwrap_or_default(), tz).map_err(invalid)?;
+        let tz = ctx.zone();
+        let due = parse_when(
+            &text_arg(&args, "due_at").unwrap_or_default(),
+            ctx.time_zone.as_ref(),
+        )
+        .map_err(invalid)?;
         if due < SystemTime::now() {
             return Err(invalid(format!(
                 "{} is in the past; pick a future time",
@@ -106,7 +109,7 @@ impl Tool for GetReminders {
                 format!(
                     "#{} {} — {}",
                     r.id,
-                    short_datetime_zoned(r.due_at, &ctx.time_zone),
+                    short_datetime_zoned(r.due_at, ctx.zone()),
                     quoted(&r.text)
                 )
             })

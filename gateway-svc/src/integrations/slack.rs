@@ -370,7 +370,7 @@ impl Tool for Read {
                     .and_then(|ts| ts.split('.').next()?.parse::<i64>().ok())
                     .and_then(|s| jiff::Timestamp::from_second(s).ok())
                     // In the user's zone, and said to be.
-                    .map(|t| crate::time::with_zone(t, &ctx.time_zone))
+                    .map(|t| crate::time::with_zone(t, ctx.zone()))
                     .unwrap_or_default();
                 // A bot's or webhook's username is whatever its sender set: one line, so it
                 // cannot end this message and forge another.

@@ -16,7 +16,7 @@ use crate::{
     time::{overdue_days, parse_when, short_date},
 };
 
-const DUE: &str = "When it is due: RFC 3339 (2026-11-25T17:00:00Z) or a date (2026-11-25, meaning by the end of that day in the user's time zone)";
+const DUE: &str = "When it is due: RFC 3339 (2026-11-25T17:00:00Z), a date (2026-11-25: by the end of that day in the user's time zone), or a local time in the user's zone (2026-11-25T17:00)";
 
 pub fn tools(store: Arc<dyn TaskStore>) -> Vec<Arc<dyn Tool>> {
     vec![
@@ -52,7 +52,7 @@ pub fn render_task(t: &Task, now: SystemTime, tz: &jiff::tz::TimeZone) -> String
         line.push_str(" — done");
     } else if let Some(due) = t.due_at {
         line.push_str(&format!(" — due {}", short_date(due, tz)));
-        let days = overdue_days(due, now);
+        let days = overdue_days(due, now, tz);
         if days > 0 {
             line.push_str(&format!(" (overdue {days}d)"));
         }
@@ -66,7 +66,7 @@ pub fn render_task(t: &Task, now: SystemTime, tz: &jiff::tz::TimeZone) -> String
 fn due_arg(ctx: &CallContext, args: &Value, tool: &str) -> Result<Option<SystemTime>, ToolError> {
     text_arg(args, "due")
         .map(|raw| {
-            parse_when(&raw, &ctx.time_zone).map_err(|detail| ToolError::InvalidArguments {
+            parse_when(&raw, ctx.time_zone.as_ref()).map_err(|detail| ToolError::InvalidArguments {
                 tool: tool.into(),
                 detail,
             })
@@ -103,7 +103,7 @@ impl Tool for AddTask {
             .map_err(store_error)?;
         Ok(ToolOutput::text(format!(
             "Added task {}.",
-            render_task(&task, SystemTime::now(), &ctx.time_zone)
+            render_task(&task, SystemTime::now(), ctx.zone())
         )))
     }
 }
@@ -150,7 +150,7 @@ impl Tool for ListTasks {
         let now = SystemTime::now();
         let lines: Vec<String> = tasks
             .iter()
-            .map(|t| render_task(t, now, &ctx.time_zone))
+            .map(|t| render_task(t, now, ctx.zone()))
             .collect();
         Ok(ToolOutput::text(format!(
             "{} ({}):\n{}",
@@ -286,7 +286,7 @@ impl Tool for UpdateTask {
             .ok_or_else(|| not_found(id))?;
         Ok(ToolOutput::text(format!(
             "Updated task {}.",
-            render_task(&task, SystemTime::now(), &ctx.time_zone)
+            render_task(&task, SystemTime::now(), ctx.zone())
         )))
     }
 }

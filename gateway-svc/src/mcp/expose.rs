@@ -153,7 +153,7 @@ impl ServerHandler for GatewayTools {
             run_id: None,
             read_external_from: Vec::new(),
             expected_binding: None,
-            time_zone: jiff::tz::TimeZone::UTC,
+            time_zone: None,
         };
         let outcome = self
             .calls

@@ -110,7 +110,7 @@ pub(crate) async fn call(
     args: Value,
     key: &str,
 ) -> CallOutcome {
-    call_in_zone(engine, call_id, tool, args, key, jiff::tz::TimeZone::UTC).await
+    call_in_zone(engine, call_id, tool, args, key, None).await
 }
 
 /// As [`call`], made by a run in the user's zone `time_zone`.
@@ -120,7 +120,7 @@ pub(crate) async fn call_in_zone(
     tool: &str,
     args: Value,
     key: &str,
-    time_zone: jiff::tz::TimeZone,
+    time_zone: Option<jiff::tz::TimeZone>,
 ) -> CallOutcome {
     let request = CallRequest {
         call_id: call_id.into(),
