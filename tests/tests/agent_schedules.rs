@@ -854,11 +854,14 @@ async fn e12_an_occurrence_stopped_by_a_restart_is_taken_up_again_at_once_withou
         settled[0].as_ref().unwrap().outcome,
         ScheduleOutcome::Retrying
     );
+    let shown = listed(&mut alice).await[0].last_error.clone();
     assert!(
-        listed(&mut alice).await[0]
-            .last_error
-            .contains("the service running it was restarted"),
-        "the owner sees why"
+        shown.contains("the service running it was restarted"),
+        "the owner sees why: {shown}"
+    );
+    assert!(
+        shown.contains("it is being run again") && !shown.contains("Please try again"),
+        "and that nothing is theirs to do: {shown}"
     );
 
     let fired = fire_everywhere(std::slice::from_ref(&running), now).await;

@@ -760,7 +760,11 @@ fn task_outcome(task: &TaskAgent, judged: u32, attempt: TaskAttempt) -> TaskOutc
                 && task.restarts < MAX_RESTARTS =>
         {
             tracing::warn!(task = %task.id, attempt = task.attempts, "task agent's run was stopped by a restart; taken up again now, no try counted");
-            return again(r.error, Duration::ZERO, Tally::Restart);
+            return again(
+                RESTARTED_RUNNING_AGAIN.into(),
+                Duration::ZERO,
+                Tally::Restart,
+            );
         }
         TaskAttempt::Ended(r) => (r.error, r.status == pb::RunState::Cancelled as i32),
         TaskAttempt::Failed(error) => (error, false),
@@ -915,6 +919,11 @@ mod tests {
         let restarted = || ended(pb::FailureKind::Interrupted, INTERRUPTED_MESSAGE);
         let outcome = task_outcome(&task(3, 2), 3, restarted());
         assert_eq!((outcome.state, outcome.tally), ("queued", Tally::Restart));
+        assert_eq!(
+            outcome.error.as_deref(),
+            Some(RESTARTED_RUNNING_AGAIN),
+            "not the run's own \"please try again\""
+        );
         assert!(outcome.retry_at.unwrap() <= SystemTime::now(), "due now");
         assert!(outcome.report.is_none(), "the parent is told nothing yet");
 

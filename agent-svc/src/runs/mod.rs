@@ -41,9 +41,9 @@ use crate::{
     },
     policy::Policy,
     store::{
-        ActionState, Admission, Admitted, Approval, ApprovalState, Ending, Lease, MessageSource,
-        NewMessage, Run, RunCeiling, RunPatch, RunState, SharedStore, StoreError, TaskAgent,
-        action_id,
+        Action, ActionState, Admission, Admitted, Approval, ApprovalState, Ending, Lease,
+        MessageSource, NewMessage, Run, RunCeiling, RunPatch, RunState, SharedStore, StoreError,
+        TaskAgent, action_id,
     },
 };
 
@@ -139,6 +139,11 @@ const PLANNING_CONVERSATION: usize = 30;
 /// try again, and unattended work takes it up again without counting a try.
 pub(crate) const INTERRUPTED_MESSAGE: &str =
     "This run stopped: the service running it was restarted before it finished. Please try again.";
+/// What a task agent or a schedule shows as its last error while the attempt a restart stopped
+/// is run again: not the run's own "please try again", which its owner need not do.
+pub(crate) const RESTARTED_RUNNING_AGAIN: &str = "Its run stopped when the service running it was restarted; it is being run again, and a restart does not count as a try.";
+/// How many open calls' lookups a run's start makes at once.
+const OPEN_CALL_LOOKUPS: usize = 8;
 /// The monitor's terminal event skips past what a dead writer may have shown live.
 const ABANDONED_SEQ_GAP: u64 = writer::MAX_VOLATILE_EVENTS as u64 + 1;
 
@@ -717,9 +722,8 @@ impl RunService {
             })
             .filter(|c| !answered.contains(c.id.as_str()))
             .collect();
-        let mut closed = ClosedCalls::default();
         if open.is_empty() {
-            return Ok(closed);
+            return Ok(ClosedCalls::default());
         }
         let ids: Vec<String> = open.iter().map(|c| c.id.clone()).collect();
         // The database away fails the run (asked again by the next); records it refuses or
@@ -732,108 +736,134 @@ impl RunService {
                 None
             }
         };
-        for call in open {
-            let action = actions
-                .as_ref()
-                .and_then(|all| all.iter().find(|a| a.call_id == call.id));
-            let (content, is_error) = match action {
-                // A task agent is queued in the agent's own store, not the gateway's: whether
-                // the call queued it is read there (the task carries the call's id).
-                _ if call.name == TASK_AGENT_TOOL => {
-                    let id = tools::task_id_for(&call.id);
-                    match self.store.get_task_agent(owner, &id).await {
-                        Ok(Some(task)) => (tools::task_started_as(&task), false),
-                        Ok(None) => (
-                            "Not executed: the run that made this call ended before it ran."
-                                .to_owned(),
+        // Looked up side by side, a few at a time, answered in the calls' order: a batch of
+        // sends cut off together waits for its slowest lookups, not for the sum of them (each
+        // may take the gateway's whole call timeout).
+        let mut closed = ClosedCalls::default();
+        for some in open.chunks(OPEN_CALL_LOOKUPS) {
+            let answers = futures_util::future::try_join_all(
+                some.iter()
+                    .map(|call| self.answer_open_call(owner, call, actions.as_deref())),
+            )
+            .await?;
+            for (turn, audit) in answers {
+                closed.turns.push(turn);
+                closed.audit.extend(audit);
+            }
+        }
+        Ok(closed)
+    }
+
+    /// The result an open call gets, from its record (`actions`: the open calls' actions,
+    /// `None` when unreadable for good), and the `side_effect` audit record it closes, if any.
+    /// An error is a record that asking again may read: the run's start fails on it.
+    async fn answer_open_call(
+        &self,
+        owner: &str,
+        call: &crate::llm::ToolCall,
+        actions: Option<&[Action]>,
+    ) -> Result<(Turn, Option<(String, serde_json::Value)>), ApiError> {
+        let action = actions.and_then(|all| all.iter().find(|a| a.call_id == call.id));
+        let mut audit = None;
+        let (content, is_error) = match action {
+            // A task agent is queued in the agent's own store, not the gateway's: whether
+            // the call queued it is read there (the task carries the call's id).
+            _ if call.name == TASK_AGENT_TOOL => {
+                let id = tools::task_id_for(&call.id);
+                match self.store.get_task_agent(owner, &id).await {
+                    Ok(Some(task)) => (tools::task_started_as(&task), false),
+                    Ok(None) => (
+                        "Not executed: the run that made this call ended before it ran."
+                            .to_owned(),
+                        true,
+                    ),
+                    Err(e @ StoreError::Unavailable(_)) => return Err(e.into()),
+                    Err(e) => {
+                        tracing::error!(call_id = %call.id, error = %e, "an open task agent call's task cannot be read");
+                        (
+                            "The outcome is unknown: the run that made this call ended while it ran. The task agent may have been started; do not start it again without asking the user.".to_owned(),
                             true,
-                        ),
-                        Err(e @ StoreError::Unavailable(_)) => return Err(e.into()),
-                        Err(e) => {
-                            tracing::error!(call_id = %call.id, error = %e, "an open task agent call's task cannot be read");
+                        )
+                    }
+                }
+            }
+            // Its record unreadable: whatever it was, it may have happened.
+            None if actions.is_none() => (OUTCOME_UNKNOWN.to_owned(), true),
+            Some(a) if a.side_effect && a.state == ActionState::Executing => {
+                match &self.gateway {
+                    // What the gateway knows closes the call's `side_effect` record too
+                    // (written by this later run; the call id joins them).
+                    Some(g) => match g.lookup(owner, &a.id, a.created_at).await {
+                        Ok(Looked::Found(done)) => {
+                            audit = Some(writer::side_effect_result(
+                                &call.name,
+                                &call.id,
+                                done.ok,
+                                &done.error_kind,
+                            ));
                             (
-                                "The outcome is unknown: the run that made this call ended while it ran. The task agent may have been started; do not start it again without asking the user.".to_owned(),
+                                format!(
+                                    "This call completed, but its run ended before it recorded the result. Result:\n{}",
+                                    executor::result_content(&call.name, &done)
+                                ),
+                                !done.ok,
+                            )
+                        }
+                        Ok(Looked::NeverRan) => {
+                            audit = Some(writer::side_effect_result(
+                                &call.name,
+                                &call.id,
+                                false,
+                                "NOT_EXECUTED",
+                            ));
+                            (
+                                "Not executed: the run that made this call ended before it ran.".to_owned(),
                                 true,
                             )
                         }
-                    }
+                        // The gateway's answer, for good: its call ended unrecorded.
+                        Ok(Looked::Unknown(why)) => {
+                            tracing::warn!(call_id = %call.id, %why, "an open side-effect call's outcome is unknown");
+                            (OUTCOME_UNKNOWN.to_owned(), true)
+                        }
+                        // Not known yet (the gateway away, or the call still running):
+                        // asked again by the next run.
+                        Err(GatewayError::Unavailable(why)) => {
+                            return Err(ApiError::Unavailable(format!(
+                                "this thread's previous run left a call to {} open, and gateway-svc could not say yet what it came to ({why}); nothing was run, please try again shortly",
+                                call.name
+                            )));
+                        }
+                        Err(e) => {
+                            tracing::warn!(call_id = %call.id, error = %e, "an open side-effect call could not be looked up");
+                            (OUTCOME_UNKNOWN.to_owned(), true)
+                        }
+                    },
+                    None => (OUTCOME_UNKNOWN.to_owned(), true),
                 }
-                // Its record unreadable: whatever it was, it may have happened.
-                None if actions.is_none() => (OUTCOME_UNKNOWN.to_owned(), true),
-                Some(a) if a.side_effect && a.state == ActionState::Executing => {
-                    match &self.gateway {
-                        // What the gateway knows closes the call's `side_effect` record too
-                        // (written by this later run; the call id joins them).
-                        Some(g) => match g.lookup(owner, &a.id, a.created_at).await {
-                            Ok(Looked::Found(done)) => {
-                                closed.audit.push(writer::side_effect_result(
-                                    &call.name,
-                                    &call.id,
-                                    done.ok,
-                                    &done.error_kind,
-                                ));
-                                (
-                                    format!(
-                                        "This call completed, but its run ended before it recorded the result. Result:\n{}",
-                                        executor::result_content(&call.name, &done)
-                                    ),
-                                    !done.ok,
-                                )
-                            }
-                            Ok(Looked::NeverRan) => {
-                                closed.audit.push(writer::side_effect_result(
-                                    &call.name,
-                                    &call.id,
-                                    false,
-                                    "NOT_EXECUTED",
-                                ));
-                                (
-                                    "Not executed: the run that made this call ended before it ran.".to_owned(),
-                                    true,
-                                )
-                            }
-                            // The gateway's answer, for good: its call ended unrecorded.
-                            Ok(Looked::Unknown(why)) => {
-                                tracing::warn!(call_id = %call.id, %why, "an open side-effect call's outcome is unknown");
-                                (OUTCOME_UNKNOWN.to_owned(), true)
-                            }
-                            // Not known yet (the gateway away, or the call still running):
-                            // asked again by the next run.
-                            Err(GatewayError::Unavailable(why)) => {
-                                return Err(ApiError::Unavailable(format!(
-                                    "this thread's previous run left a call to {} open, and gateway-svc could not say yet what it came to ({why}); nothing was run, please try again shortly",
-                                    call.name
-                                )));
-                            }
-                            Err(e) => {
-                                tracing::warn!(call_id = %call.id, error = %e, "an open side-effect call could not be looked up");
-                                (OUTCOME_UNKNOWN.to_owned(), true)
-                            }
-                        },
-                        None => (OUTCOME_UNKNOWN.to_owned(), true),
-                    }
-                }
-                Some(a) if a.state == ActionState::Executing => (
-                    "Not completed: the run that made this call ended first. It only read data; call it again if you still need it.".to_owned(),
-                    true,
-                ),
-                Some(a) if a.state == ActionState::AwaitingConfirmation => (
-                    "Not executed: the user moved on without approving it.".to_owned(),
-                    true,
-                ),
-                _ => (
-                    "Not executed: the run that made this call ended before it ran.".to_owned(),
-                    true,
-                ),
-            };
-            closed.turns.push(Turn::ToolResult {
+            }
+            Some(a) if a.state == ActionState::Executing => (
+                "Not completed: the run that made this call ended first. It only read data; call it again if you still need it.".to_owned(),
+                true,
+            ),
+            Some(a) if a.state == ActionState::AwaitingConfirmation => (
+                "Not executed: the user moved on without approving it.".to_owned(),
+                true,
+            ),
+            _ => (
+                "Not executed: the run that made this call ended before it ran.".to_owned(),
+                true,
+            ),
+        };
+        Ok((
+            Turn::ToolResult {
                 call_id: call.id.clone(),
                 name: call.name.clone(),
                 content,
                 is_error,
-            });
-        }
-        Ok(closed)
+            },
+            audit,
+        ))
     }
 
     /// The first segment of a run: prompt assembly, then the loop.

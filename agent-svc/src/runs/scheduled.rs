@@ -667,7 +667,7 @@ impl RunService {
                     outcome: ScheduleOutcome::Retrying,
                     tally: Tally::Restart,
                     run_id: Some(run_id.clone()),
-                    error: Some(r.error),
+                    error: Some(RESTARTED_RUNNING_AGAIN.into()),
                     at: now,
                 }
             }
