@@ -101,7 +101,8 @@ pub struct OnceCall<'a> {
     pub read_external_from: &'a [String],
     /// The approved preview's binding; the gateway refuses the call if it no longer holds.
     pub expected_binding: &'a str,
-    /// The run's IANA zone (empty: UTC), which the result's dates are shown in.
+    /// The run's IANA zone (empty: not known), which the result's dates are shown in and local
+    /// times in the arguments are read in.
     pub time_zone: &'a str,
 }
 
@@ -546,7 +547,7 @@ impl GatewayClient {
         )
     }
 
-    /// Opens the Execute stream for one run; its calls carry the run's zone (`None`: UTC).
+    /// Opens the Execute stream for one run; its calls carry the run's zone (`None`: not known).
     pub async fn open(
         &self,
         user: &str,
@@ -588,12 +589,12 @@ pub struct ExecuteSession {
     ended: AtomicBool,
     run_id: String,
     channel: pb::Channel,
-    /// The run's IANA zone, or empty for UTC.
+    /// The run's IANA zone, or empty when not known.
     time_zone: String,
     call_timeout: Duration,
 }
 
-/// A zone as the gateway takes it: its IANA name, or empty (UTC) for none or one without a
+/// A zone as the gateway takes it: its IANA name, or empty (not known) for none or one without a
 /// name (a fixed offset, which runs never carry).
 pub fn zone_name(zone: Option<&jiff::tz::TimeZone>) -> &str {
     zone.and_then(|z| z.iana_name()).unwrap_or("")

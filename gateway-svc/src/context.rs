@@ -108,8 +108,8 @@ impl UpstreamResponse {
 static UTC: jiff::tz::TimeZone = jiff::tz::TimeZone::UTC;
 
 impl CallContext {
-    /// The zone results are shown in: the user's, or UTC when the call named none (every time
-    /// shown then says "UTC", so nothing reads as local that is not).
+    /// The zone results are shown in: the user's, or UTC when the call named none (the times
+    /// Steward shows with a clock say "UTC" then; bare dates are UTC's days).
     pub fn zone(&self) -> &jiff::tz::TimeZone {
         self.time_zone.as_ref().unwrap_or(&UTC)
     }

@@ -58,8 +58,10 @@ pub async fn sweep_once(
         None => Ok(0),
     };
     for (table, deleted) in [("idempotency", &idempotency), ("audit", &audit)] {
-        if let Ok(n) = deleted {
-            crate::metrics::retention_pruned(table, *n);
+        match deleted {
+            Ok(n) => crate::metrics::retention_pruned(table, *n),
+            // The caller hears of the first failure only; each is logged here.
+            Err(e) => tracing::warn!(table, error = %e, "retention prune failed"),
         }
     }
     Ok(Swept {

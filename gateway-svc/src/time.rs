@@ -1,13 +1,56 @@
-//! Dates as users and models write and read them: RFC 3339 or a plain date in, short readable
-//! forms out ("Nov 25", "Nov 25 09:30"), in the user's time zone when known.
+//! Dates as users and models write and read them: RFC 3339, a plain date or a local time in
+//! (the last read in the user's zone), short readable forms out ("Nov 25", "Nov 25 09:30"), in
+//! the user's time zone when known.
 
 use std::time::SystemTime;
 
 use jiff::{
-    Timestamp,
+    Timestamp, Zoned,
     civil::{Date, DateTime},
+    fmt::temporal::Pieces,
     tz::TimeZone,
 };
+
+/// How a time argument is written: an instant (an offset, or a zone in brackets), a whole
+/// day (a date alone, `2026-11-25` or `20261125`), or a local date-time to be read in some
+/// zone (`2026-11-25T17:00`). Read by its parts, so no form is taken for another: a date-time
+/// is never cut to its date, nor a date stretched to its midnight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    At(Timestamp),
+    Day(Date),
+    Local(DateTime),
+}
+
+impl Written {
+    /// `None`: not a date or time at all.
+    pub fn read(raw: &str) -> Option<Self> {
+        let raw = raw.trim();
+        let pieces = Pieces::parse(raw).ok()?;
+        if pieces.time_zone_annotation().is_some() {
+            // "2026-11-25T09:00[Asia/Tokyo]": in the zone it names, not the user's. An offset
+            // that zone never had there is refused (jiff's rejection), not guessed between.
+            return raw.parse::<Zoned>().ok().map(|z| Self::At(z.timestamp()));
+        }
+        if pieces.offset().is_some() {
+            return raw.parse::<Timestamp>().ok().map(Self::At);
+        }
+        Some(match pieces.time() {
+            None => Self::Day(pieces.date()),
+            Some(t) => Self::Local(pieces.date().to_datetime(t)),
+        })
+    }
+}
+
+/// `local` in `tz`. A time a daylight-saving change skips is taken as the same length of time
+/// after the change (02:30 on a spring-forward night is 03:30), one it repeats as the first
+/// of the two, as calendars do.
+pub fn local_in(local: DateTime, tz: &TimeZone) -> Result<Timestamp, String> {
+    local
+        .to_zoned(tz.clone())
+        .map(|z| z.timestamp())
+        .map_err(|e| format!("{local} is out of range ({e})"))
+}
 
 /// An RFC 3339 date-time (`2026-11-25T17:00:00Z`, `2026-11-25T17:00:00+01:00`); a date
 /// (`2026-11-25`: by the end of that day in `local`, the user's zone, else UTC's); or a local
@@ -15,31 +58,26 @@ use jiff::{
 /// is refused, never guessed: an hour off is a reminder at the wrong time.
 pub fn parse_when(raw: &str, local: Option<&TimeZone>) -> Result<SystemTime, String> {
     let raw = raw.trim();
-    if let Ok(ts) = raw.parse::<Timestamp>() {
-        return Ok(SystemTime::from(ts));
-    }
-    let in_zone = |t: DateTime, tz: &TimeZone| {
-        t.to_zoned(tz.clone())
-            .map(|z| SystemTime::from(z.timestamp()))
-            .map_err(|e| format!("{raw:?} is out of range ({e})"))
+    let at = match Written::read(raw) {
+        Some(Written::At(ts)) => ts,
+        Some(Written::Day(date)) => {
+            local_in(date.at(23, 59, 59, 0), local.unwrap_or(&TimeZone::UTC))?
+        }
+        Some(Written::Local(t)) => match local {
+            Some(tz) => local_in(t, tz)?,
+            None => {
+                return Err(format!(
+                    "{raw:?} has no offset and the user's time zone is not known; add one, like 2026-11-25T17:00:00+01:00 or 2026-11-25T17:00:00Z"
+                ));
+            }
+        },
+        None => {
+            return Err(format!(
+                "{raw:?} is not a date-time; use RFC 3339 like 2026-11-25T17:00:00Z or a date like 2026-11-25"
+            ));
+        }
     };
-    // jiff reads a date out of any text that starts with one: only the bare date is a day.
-    if raw.len() == 10
-        && let Ok(date) = raw.parse::<Date>()
-    {
-        return in_zone(date.at(23, 59, 59, 0), local.unwrap_or(&TimeZone::UTC));
-    }
-    if let Ok(t) = raw.parse::<DateTime>() {
-        return match local {
-            Some(tz) => in_zone(t, tz),
-            None => Err(format!(
-                "{raw:?} has no offset and the user's time zone is not known; add one, like 2026-11-25T17:00:00+01:00 or 2026-11-25T17:00:00Z"
-            )),
-        };
-    }
-    Err(format!(
-        "{raw:?} is not a date-time; use RFC 3339 like 2026-11-25T17:00:00Z or a date like 2026-11-25"
-    ))
+    Ok(SystemTime::from(at))
 }
 
 /// The named IANA zone, or UTC when empty or unknown.

@@ -9,7 +9,8 @@ mod common;
 
 use common::upstream::{Answer, Upstream};
 use gateway_svc::{
-    domain::{ErrorKind, Integration},
+    domain::{CallRequest, Channel, ErrorKind, Integration},
+    enforce::ToolError,
     engine::Engine,
     integrations::calendar::{self, CalendarApi},
     ratelimit::{Limits, Window},
@@ -235,6 +236,48 @@ async fn i4_a_local_event_time_is_the_users_and_refused_when_no_zone_is_known() 
         "09:00 in New York"
     );
     assert_eq!(sent["end"]["dateTime"], "2030-12-01T15:00:00Z");
+}
+
+/// P-4, I-4: a write whose times the call would refuse is refused at its preview, before
+/// anyone approves it; one it takes shows the approver what its local times become.
+#[tokio::test]
+async fn i4_a_preview_refuses_a_local_time_no_zone_can_read_and_resolves_one_it_can() {
+    let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"id":"e1"}"#)).await;
+    let engine = engine(&upstream).await;
+    let preview = |time_zone: Option<jiff::tz::TimeZone>| CallRequest {
+        call_id: "p1".into(),
+        tool: "calendar_event_create".into(),
+        args: json!({"summary": "Review", "start": "2030-12-01T09:00", "end": "2030-12-01T10:00"}),
+        idempotency_key: Some("k1".into()),
+        channel: Channel::Web,
+        timeout: None,
+        run_id: None,
+        read_external_from: Vec::new(),
+        expected_binding: None,
+        time_zone,
+    };
+    let refused = engine
+        .preview(&common::user(), preview(None))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, ToolError::InvalidArguments { .. }),
+        "{refused}"
+    );
+    assert!(refused.to_string().contains("has no offset"), "{refused}");
+    let new_york = jiff::tz::TimeZone::get("America/New_York").unwrap();
+    let shown = engine
+        .preview(&common::user(), preview(Some(new_york)))
+        .await
+        .unwrap();
+    assert!(
+        shown
+            .text
+            .contains("(America/New_York: Dec 1 09:00 EST to Dec 1 10:00 EST)"),
+        "{}",
+        shown.text
+    );
+    assert_eq!(upstream.seen("POST"), 0, "a preview sends nothing");
 }
 
 #[tokio::test]

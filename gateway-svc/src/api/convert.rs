@@ -205,7 +205,7 @@ pub fn call_request(call: pb::ToolCall) -> Result<CallRequest, Rejected> {
                 return Err(reject(
                     &call,
                     format!(
-                        "time_zone {:?} is not an IANA time zone (e.g. \"Europe/Berlin\"); leave it empty for UTC",
+                        "time_zone {:?} is not an IANA time zone (e.g. \"Europe/Berlin\"); leave it empty if the user's zone is not known",
                         call.time_zone
                     ),
                 ));

@@ -12,6 +12,7 @@ use crate::{
     domain::Integration,
     enforce::ToolError,
     registry::{Preview, Tool, ToolOutput, ToolSpec, digest, first_lines, line},
+    time::{self, Written},
 };
 
 pub const DEFAULT_BASE_URL: &str = "https://www.googleapis.com";
@@ -284,29 +285,23 @@ fn when(
         tool: tool.into(),
         detail: format!("{field}: {detail}"),
     };
-    if let Ok(t) = raw.parse::<jiff::Timestamp>() {
-        return Ok(Some(When::At(t)));
+    match Written::read(raw) {
+        Some(Written::At(t)) => Ok(Some(When::At(t))),
+        Some(Written::Day(d)) => Ok(Some(When::Day(d))),
+        Some(Written::Local(local)) => {
+            let Some(tz) = zone else {
+                return Err(invalid(format!(
+                    "{raw:?} has no offset; add one (2026-11-25T09:00:00+01:00 or Z) or give time_zone"
+                )));
+            };
+            time::local_in(local, tz)
+                .map(|t| Some(When::At(t)))
+                .map_err(invalid)
+        }
+        None => Err(invalid(format!(
+            "{raw:?} is not a time; use RFC 3339 like 2026-11-25T09:00:00+01:00, or a date like 2026-11-25 for a whole day"
+        ))),
     }
-    // jiff reads a date out of any text that starts with one: only the bare date is a day.
-    if raw.len() == 10
-        && let Ok(d) = raw.parse::<jiff::civil::Date>()
-    {
-        return Ok(Some(When::Day(d)));
-    }
-    if let Ok(local) = raw.parse::<jiff::civil::DateTime>() {
-        let Some(tz) = zone else {
-            return Err(invalid(format!(
-                "{raw:?} has no offset; add one (2026-11-25T09:00:00+01:00 or Z) or give time_zone"
-            )));
-        };
-        return local
-            .to_zoned(tz.clone())
-            .map(|z| Some(When::At(z.timestamp())))
-            .map_err(|e| invalid(format!("{raw:?} is not a time in that zone ({e})")));
-    }
-    Err(invalid(format!(
-        "{raw:?} is not a time; use RFC 3339 like 2026-11-25T09:00:00+01:00, or a date like 2026-11-25 for a whole day"
-    )))
 }
 
 /// An event's `start` and `end` as Google Calendar takes them: both instants (`dateTime`, in
@@ -337,7 +332,7 @@ fn event_times(
             ])
         }
         (Some(When::Day(_)), _) | (_, Some(When::Day(_))) => Err(invalid(
-            "an all-day event needs both start and end as dates (YYYY-MM-DD); a timed one needs both as RFC 3339 date-times",
+            "an all-day event needs both start and end as dates (YYYY-MM-DD); a timed one needs both as date-times (RFC 3339, or local like 2026-11-25T09:00)",
         )),
         (start, end) => {
             if let (Some(When::At(s)), Some(When::At(e))) = (start, end)
@@ -376,8 +371,8 @@ impl Tool for Search {
             "calendar_search",
             "Find events in the user's calendar between two times (default: the next 7 days), optionally matching text.",
             json!({"type": "object", "additionalProperties": false, "properties": {
-                "time_min": {"type": "string", "description": "RFC 3339 or a date; default now"},
-                "time_max": {"type": "string", "description": "RFC 3339 or a date (through its end); default 7 days after time_min"},
+                "time_min": {"type": "string", "description": "RFC 3339, a local time (in time_zone, else the user's) or a date; default now"},
+                "time_max": {"type": "string", "description": "RFC 3339, a local time or a date (through its end); default 7 days after time_min"},
                 "time_zone": {"type": "string", "description": "IANA zone of dates and local times; default: the user's"},
                 "query": {"type": "string", "maxLength": 200},
                 "calendar_id": {"type": "string", "default": "primary"},
@@ -583,56 +578,25 @@ impl Tool for Write {
     /// Title, time, attendees and place as they will be; for an update, the event as it is
     /// now and what changes, bound to its current time and attendees.
     async fn preview(&self, ctx: &CallContext, args: &Value) -> Result<Preview, ToolError> {
+        // Times the call would refuse are refused here, before anyone approves them.
+        self.event_body(ctx, args)?;
+        let zone = ctx.time_zone.as_ref();
         if !self.update {
-            return Ok(create_preview(args, user_zone(ctx)));
+            return Ok(create_preview(args, zone));
         }
         changes_something(args)?;
         let account = account(ctx, args, "calendar_event_update").await?;
         let current = self.current(ctx, &account, args).await?;
-        Ok(update_preview(&account, &current, args, user_zone(ctx)))
+        Ok(update_preview(&account, &current, args, zone))
     }
 
     async fn call(&self, ctx: &CallContext, args: Value) -> Result<ToolOutput, ToolError> {
-        let tool = if self.update {
-            "calendar_event_update"
-        } else {
-            "calendar_event_create"
-        };
+        let tool = self.tool();
         if self.update {
             changes_something(&args)?;
         }
         let account = account(ctx, &args, tool).await?;
-        let zone = zone_arg(&args, tool)?;
-        let local = zone.as_ref().map(|(_, tz)| tz).or(ctx.time_zone.as_ref());
-        let mut body = Map::new();
-        for (field, key) in [
-            ("summary", "summary"),
-            ("description", "description"),
-            ("location", "location"),
-        ] {
-            if let Some(v) = text_arg(&args, field) {
-                body.insert(key.into(), json!(v));
-            }
-        }
-        let [start, end] = event_times(
-            when(&args, "start", tool, local)?,
-            when(&args, "end", tool, local)?,
-            zone.as_ref().map(|(name, _)| name.as_str()),
-            tool,
-        )?;
-        for (key, value) in [("start", start), ("end", end)] {
-            if let Some(t) = value {
-                body.insert(key.into(), t);
-            }
-        }
-        if let Some(list) = args.get("attendees").and_then(Value::as_array) {
-            let attendees: Vec<Value> = list
-                .iter()
-                .filter_map(Value::as_str)
-                .map(|a| json!({ "email": a }))
-                .collect();
-            body.insert("attendees".into(), Value::Array(attendees));
-        }
+        let body = self.event_body(ctx, &args)?;
         let (calendar, base) = self.api.events_url(&args, tool)?;
         // Checked before the charge: a bad id costs the user nothing.
         let event_url = match self.update {
@@ -751,43 +715,49 @@ fn attendees_arg(args: &Value) -> Option<Vec<String>> {
     })
 }
 
-/// "start to end (zone)" from a write's arguments, each part on one clipped line.
-/// The user's zone by name, as a preview names it: `None` when the call gave none.
-fn user_zone(ctx: &CallContext) -> Option<&str> {
-    ctx.time_zone.as_ref().and_then(|tz| tz.iana_name())
-}
-
-/// The start and end as the model wrote them, with the zone a local one is read in: the
-/// `time_zone` argument, else `user_zone` when either time has no offset. An approver is
-/// never shown "09:00" without knowing whose.
-fn when_arg(args: &Value, user_zone: Option<&str>) -> String {
+/// "start to end (zone)" from a write's arguments, each part on one clipped line. The zone is
+/// the `time_zone` argument, else the user's when either time is local (an approver is never
+/// shown "09:00" without knowing whose). With a local time, what each time is there follows
+/// ("Mar 10 03:30 EDT"): a time a daylight-saving change moves is seen moved before approval.
+fn when_arg(args: &Value, user_zone: Option<&jiff::tz::TimeZone>) -> String {
     let field = |k: &str| text_arg(args, k).unwrap_or_default();
-    let local = |k: &str| {
-        let raw = field(k);
-        let raw = raw.trim();
-        raw.parse::<jiff::Timestamp>().is_err() && raw.parse::<jiff::civil::DateTime>().is_ok()
+    let raw = [field("start"), field("end")];
+    let written = raw.clone().map(|r| Written::read(&r));
+    let any_local = written.iter().any(|w| matches!(w, Some(Written::Local(_))));
+    let named = field("time_zone");
+    let (label, tz) = match user_zone {
+        _ if !named.is_empty() => (named.clone(), jiff::tz::TimeZone::get(&named).ok()),
+        Some(tz) if any_local => (
+            tz.iana_name().unwrap_or("the user's zone").to_owned(),
+            Some(tz.clone()),
+        ),
+        _ => (String::new(), None),
     };
-    let mut zone = field("time_zone");
-    if zone.is_empty()
-        && (local("start") || local("end"))
-        && let Some(user) = user_zone
-    {
-        zone = user.to_owned();
+    let text = format!("{} to {}", line(&raw[0], 40), line(&raw[1], 40));
+    if label.is_empty() {
+        return text;
     }
-    format!(
-        "{} to {}{}",
-        line(&field("start"), 40),
-        line(&field("end"), 40),
-        if zone.is_empty() {
-            String::new()
-        } else {
-            format!(" ({})", line(&zone, 40))
-        }
-    )
+    let label = line(&label, 40);
+    let Some(tz) = tz.filter(|_| any_local) else {
+        return format!("{text} ({label})");
+    };
+    let shown: Vec<String> = written
+        .iter()
+        .zip(&raw)
+        .filter(|(_, r)| !r.is_empty())
+        .map(|(w, r)| match w {
+            Some(Written::Local(t)) => {
+                time::local_in(*t, &tz).map_or_else(|_| line(r, 40), |at| time::with_zone(at, &tz))
+            }
+            Some(Written::At(at)) => time::with_zone(*at, &tz),
+            _ => line(r, 40),
+        })
+        .collect();
+    format!("{text} ({label}: {})", shown.join(" to "))
 }
 
 /// What `calendar_event_create` will create. Pure, so property tests can feed it anything.
-fn create_preview(args: &Value, user_zone: Option<&str>) -> Preview {
+fn create_preview(args: &Value, user_zone: Option<&jiff::tz::TimeZone>) -> Preview {
     let field = |k: &str| text_arg(args, k).unwrap_or_default();
     let attendees = attendees_arg(args).unwrap_or_default();
     let mut text = format!(
@@ -815,7 +785,7 @@ fn update_preview(
     account: &str,
     current: &Event,
     args: &Value,
-    user_zone: Option<&str>,
+    user_zone: Option<&jiff::tz::TimeZone>,
 ) -> Preview {
     let old_attendees = current.attendee_list();
     let mut text = format!(
@@ -886,6 +856,52 @@ fn push_optional(text: &mut String, label: &str, value: &str) {
 }
 
 impl Write {
+    fn tool(&self) -> &'static str {
+        if self.update {
+            "calendar_event_update"
+        } else {
+            "calendar_event_create"
+        }
+    }
+
+    /// What the call sends Google: the fields given, the times read (`time_zone`'s zone, else
+    /// the user's) and checked. Pure, so the preview refuses exactly what the call would.
+    fn event_body(&self, ctx: &CallContext, args: &Value) -> Result<Map<String, Value>, ToolError> {
+        let tool = self.tool();
+        let zone = zone_arg(args, tool)?;
+        let local = zone.as_ref().map(|(_, tz)| tz).or(ctx.time_zone.as_ref());
+        let mut body = Map::new();
+        for (field, key) in [
+            ("summary", "summary"),
+            ("description", "description"),
+            ("location", "location"),
+        ] {
+            if let Some(v) = text_arg(args, field) {
+                body.insert(key.into(), json!(v));
+            }
+        }
+        let [start, end] = event_times(
+            when(args, "start", tool, local)?,
+            when(args, "end", tool, local)?,
+            zone.as_ref().map(|(name, _)| name.as_str()),
+            tool,
+        )?;
+        for (key, value) in [("start", start), ("end", end)] {
+            if let Some(t) = value {
+                body.insert(key.into(), t);
+            }
+        }
+        if let Some(list) = args.get("attendees").and_then(Value::as_array) {
+            let attendees: Vec<Value> = list
+                .iter()
+                .filter_map(Value::as_str)
+                .map(|a| json!({ "email": a }))
+                .collect();
+            body.insert("attendees".into(), Value::Array(attendees));
+        }
+        Ok(body)
+    }
+
     /// The event an update would change, as it is now.
     async fn current(
         &self,
@@ -994,25 +1010,91 @@ mod tests {
     fn i4_a_preview_names_the_zone_a_local_time_is_read_in() {
         let local =
             json!({"summary": "Sync", "start": "2026-11-25T09:00", "end": "2026-11-25T10:00"});
-        let shown = create_preview(&local, Some("America/New_York")).text;
+        let new_york = time::zone("America/New_York");
+        let shown = create_preview(&local, Some(&new_york)).text;
         assert!(
-            shown.contains("When: 2026-11-25T09:00 to 2026-11-25T10:00 (America/New_York)\n"),
+            shown.contains(
+                "When: 2026-11-25T09:00 to 2026-11-25T10:00 (America/New_York: Nov 25 09:00 EST to Nov 25 10:00 EST)\n"
+            ),
             "{shown}"
         );
         // An instant says its own offset; no zone is added to it.
         let instant = json!({"summary": "Sync", "start": "2026-11-25T09:00:00Z", "end": "2026-11-25T10:00:00Z"});
-        let shown = create_preview(&instant, Some("America/New_York")).text;
+        let shown = create_preview(&instant, Some(&new_york)).text;
         assert!(
             shown.contains("When: 2026-11-25T09:00:00Z to 2026-11-25T10:00:00Z\n"),
             "{shown}"
         );
         // The event's own zone wins over the user's.
         let zoned = json!({"summary": "Sync", "start": "2026-11-25T09:00", "end": "2026-11-25T10:00", "time_zone": "Asia/Tokyo"});
+        let shown = create_preview(&zoned, Some(&new_york)).text;
         assert!(
-            create_preview(&zoned, Some("America/New_York"))
-                .text
-                .contains("(Asia/Tokyo)")
+            shown.contains("(Asia/Tokyo: Nov 25 09:00 JST to Nov 25 10:00 JST)"),
+            "{shown}"
         );
+        // A whole day has no zone; none is named.
+        let day = json!({"summary": "Off", "start": "2026-11-25", "end": "2026-11-25"});
+        let shown = create_preview(&day, Some(&new_york)).text;
+        assert!(
+            shown.contains("When: 2026-11-25 to 2026-11-25\n"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn i4_a_local_time_a_clock_change_skips_is_read_after_it_and_shown_moved() {
+        let new_york = time::zone("America/New_York");
+        // 02:30 does not happen in New York on 2030-03-10: the clocks go from 02:00 to 03:00.
+        let args =
+            json!({"summary": "Sync", "start": "2030-03-10T02:30", "end": "2030-03-10T04:00"});
+        let Some(When::At(start)) = when(&args, "start", "t", Some(&new_york)).unwrap() else {
+            panic!("a local time is an instant");
+        };
+        assert_eq!(start.to_string(), "2030-03-10T07:30:00Z", "03:30 EDT");
+        let shown = create_preview(&args, Some(&new_york)).text;
+        assert!(
+            shown.contains("(America/New_York: Mar 10 03:30 EDT to Mar 10 04:00 EDT)"),
+            "{shown}"
+        );
+        // A time repeated when the clocks go back is the first of the two (EDT, not EST).
+        let args = json!({"start": "2030-11-03T01:30"});
+        let Some(When::At(start)) = when(&args, "start", "t", Some(&new_york)).unwrap() else {
+            panic!("a local time is an instant");
+        };
+        assert_eq!(start.to_string(), "2030-11-03T05:30:00Z");
+    }
+
+    #[test]
+    fn i4_every_form_of_a_time_is_read_as_what_it_is() {
+        let new_york = time::zone("America/New_York");
+        let read = |raw: &str| {
+            when(&json!({"t": raw}), "t", "t", Some(&new_york))
+                .unwrap()
+                .unwrap()
+        };
+        let day = jiff::civil::date(2026, 11, 25);
+        assert_eq!(read("2026-11-25"), When::Day(day));
+        assert_eq!(
+            read("20261125"),
+            When::Day(day),
+            "a compact date is a day, not its midnight"
+        );
+        // A zone in brackets is that zone's time, not the user's.
+        assert_eq!(
+            read("2026-11-25T09:00[Asia/Tokyo]"),
+            When::At("2026-11-25T00:00:00Z".parse().unwrap())
+        );
+        assert_eq!(
+            read("2026-11-25T09:00"),
+            When::At("2026-11-25T14:00:00Z".parse().unwrap())
+        );
+        let mangled = when(
+            &json!({"t": "2026-11-25 and then some"}),
+            "t",
+            "t",
+            Some(&new_york),
+        );
+        assert!(mangled.unwrap_err().to_string().contains("is not a time"));
     }
 
     #[test]
