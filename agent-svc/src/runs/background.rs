@@ -350,17 +350,17 @@ impl RunService {
             .filter(|a| matches!(a.state, ApprovalState::Approved | ApprovalState::Rejected)))
     }
 
-    /// Runs the sweep every `interval` until the process ends.
+    /// Runs the sweep every `interval` until the process ends, the first at once: runs a
+    /// crash left behind are ended as soon as a replica is up.
     pub fn spawn_monitor(
         self: &Arc<Self>,
         interval: Duration,
         grace: Duration,
     ) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            loop {
-                tick.tick().await;
+        spawn_every(interval, FirstSweep::AtOnce, move || {
+            let this = this.clone();
+            async move {
                 if let Err(e) = this.sweep_stale_runs(grace).await {
                     tracing::warn!(error = %e, "health monitor sweep failed");
                 }
@@ -421,13 +421,9 @@ impl RunService {
         interval: Duration,
     ) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
-        let first = tokio::time::Instant::now() + interval.mul_f64(rand::random::<f64>());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval_at(first, interval);
-            // A sweep longer than the interval is followed by the next one, not by a burst.
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
+        spawn_every(interval, FirstSweep::Spread, move || {
+            let this = this.clone();
+            async move {
                 match this.prune_run_events(retention, SystemTime::now()).await {
                     Ok(0) => {}
                     Ok(n) => {
@@ -451,12 +447,9 @@ impl RunService {
         interval: Duration,
     ) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            // A sweep longer than the interval is followed by the next one, not by a burst.
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
+        spawn_every(interval, FirstSweep::AtOnce, move || {
+            let this = this.clone();
+            async move {
                 if let Err(e) = this.sweep_idle_sessions().await {
                     tracing::warn!(error = %e, "session archiving sweep failed");
                 }
@@ -838,6 +831,43 @@ const TAKE_UP_PATIENCE: Duration = Duration::from_secs(24 * 3600);
 /// worker that dies leaves the task to be taken again after this.
 const TASK_CLAIM: Duration = Duration::from_secs(600 + 60 + 60 + 180);
 
+/// When a periodic sweep first runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum FirstSweep {
+    /// As the replica starts.
+    AtOnce,
+    /// At a random point of the first interval: replicas a rollout starts together do not
+    /// all meet the same backlog at once.
+    Spread,
+}
+
+/// Runs `sweep` every `interval` until the process ends, each after the one before it has
+/// finished: a sweep longer than the interval is followed by the next, not by a burst of
+/// the ones it overran.
+pub(super) fn spawn_every<F, Fut>(
+    interval: Duration,
+    first: FirstSweep,
+    mut sweep: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let delay = match first {
+        FirstSweep::AtOnce => Duration::ZERO,
+        FirstSweep::Spread => interval.mul_f64(rand::random::<f64>()),
+    };
+    let start = tokio::time::Instant::now() + delay;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval_at(start, interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            sweep().await;
+        }
+    })
+}
+
 /// E-12's retry schedule for unattended work that failed after `attempts` tries: rate limits get
 /// 5 tries, network trouble (and a server that stopped mid-run) 3, anything else 2, with
 /// exponential backoff from 10 s and up to 25% jitter. `None`: give up.
@@ -912,6 +942,43 @@ mod tests {
             failure_kind: kind as i32,
             ..Default::default()
         }))
+    }
+
+    /// The times, on tokio's paused clock, of the first `n` sweeps of a `spawn_every` whose
+    /// sweeps each take `takes`.
+    async fn sweep_times(first: FirstSweep, takes: Duration, n: usize) -> Vec<Duration> {
+        let start = tokio::time::Instant::now();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let task = spawn_every(Duration::from_secs(10), first, move || {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(start.elapsed());
+                tokio::time::sleep(takes).await;
+            }
+        });
+        let mut times = Vec::new();
+        while times.len() < n {
+            times.push(rx.recv().await.unwrap());
+        }
+        task.abort();
+        times
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_periodic_sweep_starts_at_once_and_never_bursts_after_a_long_one() {
+        let secs = |t: &[Duration]| t.iter().map(Duration::as_secs).collect::<Vec<_>>();
+        let quick = sweep_times(FirstSweep::AtOnce, Duration::from_secs(1), 3).await;
+        assert_eq!(secs(&quick), [0, 10, 20]);
+        // Each sweep takes 25 s: the next follows it, not the two ticks it overran.
+        let slow = sweep_times(FirstSweep::AtOnce, Duration::from_secs(25), 3).await;
+        assert_eq!(secs(&slow), [0, 25, 50]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spread_sweep_starts_within_its_first_interval() {
+        let times = sweep_times(FirstSweep::Spread, Duration::ZERO, 2).await;
+        assert!(times[0] < Duration::from_secs(10), "{times:?}");
+        assert_eq!(times[1] - times[0], Duration::from_secs(10));
     }
 
     #[test]

@@ -426,10 +426,9 @@ impl RunService {
         worker: String,
     ) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            loop {
-                tick.tick().await;
+        background::spawn_every(interval, background::FirstSweep::AtOnce, move || {
+            let (this, worker) = (this.clone(), worker.clone());
+            async move {
                 if let Err(e) = this.fire_due_schedules(&worker, SystemTime::now()).await {
                     tracing::warn!(error = %e, "schedules unavailable");
                 }
