@@ -940,15 +940,13 @@ async fn b1_a_run_prompt_holds_what_memory_knows_about_the_user() {
     );
 }
 
-/// B-1: a run's tool calls carry its time zone, so the times its tools return are in the
-/// user's zone, named — the model is never left to convert UTC itself.
-#[tokio::test]
-async fn a_runs_tools_answer_in_the_users_time_zone() {
+/// What the tools answered a run in `time_zone` whose model set a reminder due `due_at`.
+async fn reminder_set_in(time_zone: &str, due_at: &str) -> Vec<String> {
     let (app, model, _gmail) = world(vec![
         Answer::tool_calls(&[(
             "call_remind",
             "create_reminder",
-            r#"{"text": "Call mom", "due_at": "2030-12-01T14:00:00Z"}"#,
+            &format!(r#"{{"text": "Call mom", "due_at": "{due_at}"}}"#),
         )]),
         Answer::text("Set for 3 pm your time."),
     ])
@@ -958,24 +956,51 @@ async fn a_runs_tools_answer_in_the_users_time_zone() {
         .run(pb::RunRequest {
             input: Some(pb::RunInput {
                 prompt: "remind me to call mom on Dec 1 2030 at 3pm".into(),
-                time_zone: "Europe/Berlin".into(),
+                time_zone: time_zone.into(),
                 ..Default::default()
             }),
         })
         .await
         .unwrap();
     let requests = model.requests();
-    let answered: Vec<&str> = requests[1].1["messages"]
+    requests[1].1["messages"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|m| m["role"] == "tool")
-        .filter_map(|m| m["content"].as_str())
-        .collect();
+        .filter_map(|m| m["content"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// B-1: a run's tool calls carry its time zone, so the times its tools return are in the
+/// user's zone, named — the model is never left to convert UTC itself.
+#[tokio::test]
+async fn a_runs_tools_answer_in_the_users_time_zone() {
+    let answered = reminder_set_in("Europe/Berlin", "2030-12-01T14:00:00Z").await;
     assert!(
         answered
             .iter()
             .any(|t| t.contains("set for Dec 1 15:00 CET")),
+        "{answered:?}"
+    );
+}
+
+/// B-1: a time the model writes without an offset is the user's local time, read in the
+/// run's zone; a run with no zone has it refused, naming the offset to add.
+#[tokio::test]
+async fn a_local_time_the_model_writes_is_the_users_and_refused_when_the_run_has_no_zone() {
+    let answered = reminder_set_in("Europe/Berlin", "2030-12-01T15:00").await;
+    assert!(
+        answered
+            .iter()
+            .any(|t| t.contains("set for Dec 1 15:00 CET")),
+        "{answered:?}"
+    );
+    let answered = reminder_set_in("", "2030-12-01T15:00").await;
+    assert!(
+        answered
+            .iter()
+            .any(|t| t.contains("has no offset") && t.contains("time zone is not known")),
         "{answered:?}"
     );
 }
