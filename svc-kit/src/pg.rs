@@ -163,7 +163,8 @@ pub async fn warn_if_pools_exceed_server(pool: &Pool, options: &PoolOptions) {
         let row = client
             .query_one(
                 "SELECT current_setting('max_connections')::int, \
-                        current_setting('superuser_reserved_connections')::int, \
+                        current_setting('superuser_reserved_connections')::int \
+                          + COALESCE(current_setting('reserved_connections', true)::int, 0), \
                         (SELECT count(*)::int FROM pg_stat_activity \
                           WHERE backend_type = 'client backend' AND pid <> pg_backend_pid())",
                 &[],
@@ -194,6 +195,8 @@ pub async fn warn_if_pools_exceed_server(pool: &Pool, options: &PoolOptions) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServerConnections {
     pub max: usize,
+    /// Slots an ordinary role cannot take: `superuser_reserved_connections`, and on
+    /// PostgreSQL 16+ `reserved_connections` too.
     pub reserved: usize,
     /// Client connections open to the server that this role can see, this one's not counted:
     /// other replicas, the other service, anything else using the server. Another role's are

@@ -2112,6 +2112,83 @@ async fn a_shutdown_during_a_send_records_what_it_came_to_before_the_run_is_hand
     assert_eq!(outcome["ok"], true, "{outcome}");
 }
 
+/// A shutdown that stops a run in the middle of a batch (a read answered, a send at Gmail)
+/// records both calls as they came out before handing the run back: the thread's next run, on
+/// another replica, shows the model both results from the records, neither "not executed",
+/// and nothing is sent twice.
+#[tokio::test]
+async fn a_shutdown_mid_batch_records_every_call_of_the_batch_for_the_threads_next_run() {
+    let (mut app, model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[
+                ("call_list", "list_tasks", "{}"),
+                ("call_send", "gmail_send", SEND_ARGS),
+            ]),
+            // The next run's: the stopped one asks the model nothing more.
+            Answer::text("Both done."),
+        ],
+        &[
+            ("AGENT_DEFAULT_TRUST_LEVEL", "autonomous"),
+            ("SHUTDOWN_DRAIN_TIMEOUT", "0s"),
+        ],
+    )
+    .await;
+    let second = app.start_another_agent().await;
+    let gate = gmail.hold_sends();
+    let (_stream, first) = start_streaming(&app, "list my tasks and send the budget").await;
+    gate.arrived().await;
+    // Answered inside the stop's 3 s grace, after the drain (0 s) has given up.
+    gmail.delay_sends(Duration::from_secs(1));
+    gate.release();
+    app.stop_service(app.agent_addr)
+        .await
+        .expect("agent-svc stops cleanly");
+    assert_eq!(model.requests().len(), 1, "the stop came mid-batch");
+
+    let sql = app.sql().await;
+    let states: Vec<(String, String)> = sql
+        .query(
+            "SELECT tool, state FROM agent.actions WHERE run_id = $1 ORDER BY tool",
+            &[&first.run_id],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ("gmail_send".to_owned(), "completed".to_owned()),
+            ("list_tasks".to_owned(), "completed".to_owned())
+        ]
+    );
+    let next = run_on(
+        second,
+        pb::RunInput {
+            thread_id: first.thread_id.clone(),
+            ..input("did both happen?")
+        },
+    )
+    .await;
+    assert_eq!(
+        next.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        next.error
+    );
+    let (_, asked) = model.requests().pop().unwrap();
+    let results = tool_messages(&asked);
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert!(
+        results
+            .iter()
+            .all(|(_, text)| !text.contains("Not executed")),
+        "{results:?}"
+    );
+    assert_eq!(gmail.sent().len(), 1, "nothing was sent again");
+}
+
 /// A shutdown while an approved send is at Gmail gives the send the stop's grace (3 s), not
 /// the call's whole deadline: the replica ends the run INTERRUPTED and hands its thread back
 /// inside its 5 s, and the send, which left with no word of what it came to, stays `executing`
