@@ -27,6 +27,10 @@ impl Written {
     pub fn read(raw: &str) -> Option<Self> {
         let raw = raw.trim();
         let pieces = Pieces::parse(raw).ok()?;
+        let Some(time) = pieces.time() else {
+            // A date alone is a whole day, whatever zone is written beside it.
+            return Some(Self::Day(pieces.date()));
+        };
         if pieces.time_zone_annotation().is_some() {
             // "2026-11-25T09:00[Asia/Tokyo]": in the zone it names, not the user's. An offset
             // that zone never had there is refused (jiff's rejection), not guessed between.
@@ -35,10 +39,7 @@ impl Written {
         if pieces.offset().is_some() {
             return raw.parse::<Timestamp>().ok().map(Self::At);
         }
-        Some(match pieces.time() {
-            None => Self::Day(pieces.date()),
-            Some(t) => Self::Local(pieces.date().to_datetime(t)),
-        })
+        Some(Self::Local(pieces.date().to_datetime(time)))
     }
 }
 

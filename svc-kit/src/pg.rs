@@ -206,7 +206,7 @@ pub struct ServerConnections {
 
 /// The start-up warnings for a pool of `pool` connections on `server`:
 /// - by rule: both services use the same default size, so twice this pool (one replica each)
-///   must fit in `max_connections` less the superuser reserve;
+///   must fit in `max_connections` less the reserved slots;
 /// - by what is open now: the connections already open elsewhere (the replicas and the other
 ///   service started before this one) and this pool, once full, must fit too. A start that
 ///   comes first cannot see the rest; the one that tips it over can.

@@ -2114,8 +2114,8 @@ async fn a_shutdown_during_a_send_records_what_it_came_to_before_the_run_is_hand
 
 /// A shutdown that stops a run in the middle of a batch (a read answered, a send at Gmail)
 /// records both calls as they came out before handing the run back: the thread's next run, on
-/// another replica, shows the model both results from the records, neither "not executed",
-/// and nothing is sent twice.
+/// another replica, shows the model both results as the stopped run wrote them — the send as
+/// sent, neither "not executed" nor unknown — and nothing is sent twice.
 #[tokio::test]
 async fn a_shutdown_mid_batch_records_every_call_of_the_batch_for_the_threads_next_run() {
     let (mut app, model, gmail) = gmail_world(
@@ -2183,8 +2183,12 @@ async fn a_shutdown_mid_batch_records_every_call_of_the_batch_for_the_threads_ne
     assert!(
         results
             .iter()
-            .all(|(_, text)| !text.contains("Not executed")),
+            .all(|(_, text)| !text.contains("Not executed") && !text.contains("unknown")),
         "{results:?}"
+    );
+    assert!(
+        results.iter().any(|(_, text)| text.contains("Sent")),
+        "the send's own result: {results:?}"
     );
     assert_eq!(gmail.sent().len(), 1, "nothing was sent again");
 }

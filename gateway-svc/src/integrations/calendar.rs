@@ -1079,6 +1079,7 @@ mod tests {
             When::Day(day),
             "a compact date is a day, not its midnight"
         );
+        assert_eq!(read("2026-11-25[Asia/Tokyo]"), When::Day(day));
         // A zone in brackets is that zone's time, not the user's.
         assert_eq!(
             read("2026-11-25T09:00[Asia/Tokyo]"),
