@@ -60,8 +60,12 @@ pub async fn sweep_once(
     for (table, deleted) in [("idempotency", &idempotency), ("audit", &audit)] {
         match deleted {
             Ok(n) => crate::metrics::retention_pruned(table, *n),
-            // The caller hears of the first failure only; each is logged here.
-            Err(e) => tracing::warn!(table, error = %e, "retention prune failed"),
+            // The caller hears of the first failure only; each is logged here, once.
+            Err(e) => tracing::warn!(
+                table,
+                error = %e,
+                "retention prune failed; its rows wait for the next sweep"
+            ),
         }
     }
     Ok(Swept {
@@ -122,10 +126,9 @@ impl Sweeper {
                         swept.idempotency,
                         swept.audit,
                     ),
-                    // Tried again next interval; meanwhile the rows only wait longer.
-                    Err(e) => {
-                        tracing::warn!(error = %e, "retention sweep failed; retrying next interval")
-                    }
+                    // Logged by the sweep, table by table; tried again next interval, and
+                    // meanwhile the rows only wait longer.
+                    Err(_) => {}
                 }
             }
         });

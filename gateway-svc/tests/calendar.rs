@@ -9,7 +9,7 @@ mod common;
 
 use common::upstream::{Answer, Upstream};
 use gateway_svc::{
-    domain::{CallRequest, Channel, ErrorKind, Integration},
+    domain::{ErrorKind, Integration},
     enforce::ToolError,
     engine::Engine,
     integrations::calendar::{self, CalendarApi},
@@ -244,17 +244,10 @@ async fn i4_a_local_event_time_is_the_users_and_refused_when_no_zone_is_known() 
 async fn i4_a_preview_refuses_a_local_time_no_zone_can_read_and_resolves_one_it_can() {
     let upstream = Upstream::start(|_, _| Answer::Status(200, r#"{"id":"e1"}"#)).await;
     let engine = engine(&upstream).await;
-    let preview = |time_zone: Option<jiff::tz::TimeZone>| CallRequest {
-        call_id: "p1".into(),
-        tool: "calendar_event_create".into(),
-        args: json!({"summary": "Review", "start": "2030-12-01T09:00", "end": "2030-12-01T10:00"}),
-        idempotency_key: Some("k1".into()),
-        channel: Channel::Web,
-        timeout: None,
-        run_id: None,
-        read_external_from: Vec::new(),
-        expected_binding: None,
-        time_zone,
+    let preview = |time_zone| {
+        let args =
+            json!({"summary": "Review", "start": "2030-12-01T09:00", "end": "2030-12-01T10:00"});
+        common::request("p1", "calendar_event_create", args, "k1", time_zone)
     };
     let refused = engine
         .preview(&common::user(), preview(None))

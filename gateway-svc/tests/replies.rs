@@ -11,7 +11,7 @@ use common::{
     user,
 };
 use gateway_svc::{
-    domain::{CallRequest, Channel, ErrorKind, Integration},
+    domain::{ErrorKind, Integration},
     engine::Engine,
     integrations::gmail::{self, GmailApi},
     store::memory::MemoryStore,
@@ -167,18 +167,7 @@ async fn i3_a_reply_to_all_whose_cc_holds_a_bidi_override_is_refused_and_points_
 async fn p4_a_bidi_override_in_the_senders_name_never_reaches_the_approver_or_the_reply() {
     let upstream = Upstream::start(gmail).await;
     let engine = engine(&upstream).await;
-    let request = CallRequest {
-        call_id: "p1".into(),
-        tool: "gmail_reply".into(),
-        args: reply("name", false),
-        idempotency_key: Some("k1".into()),
-        channel: Channel::Web,
-        timeout: None,
-        run_id: None,
-        read_external_from: Vec::new(),
-        expected_binding: None,
-        time_zone: None,
-    };
+    let request = common::request("p1", "gmail_reply", reply("name", false), "k1", None);
     let preview = engine.preview(&user(), request).await.unwrap();
     assert!(!preview.text.contains('\u{202e}'), "{}", preview.text);
     assert!(
@@ -235,18 +224,7 @@ async fn i3_a_subject_holding_a_line_break_or_control_character_is_refused_and_n
                 "{}",
                 refused.text
             );
-            let request = CallRequest {
-                call_id: "p1".into(),
-                tool: tool.into(),
-                args,
-                idempotency_key: Some(key),
-                channel: Channel::Web,
-                timeout: None,
-                run_id: None,
-                read_external_from: Vec::new(),
-                expected_binding: None,
-                time_zone: None,
-            };
+            let request = common::request("p1", tool, args, &key, None);
             assert!(
                 engine.preview(&user(), request).await.is_err(),
                 "{subject:?}"

@@ -122,7 +122,25 @@ pub(crate) async fn call_in_zone(
     key: &str,
     time_zone: Option<jiff::tz::TimeZone>,
 ) -> CallOutcome {
-    let request = CallRequest {
+    engine
+        .execute(
+            &user(),
+            request(call_id, tool, args, key, time_zone),
+            CancellationToken::new(),
+        )
+        .await
+}
+
+/// A web call of `tool` by a run in `time_zone` (none: not known), as the Execute stream
+/// would bring it: to execute, or to preview.
+pub(crate) fn request(
+    call_id: &str,
+    tool: &str,
+    args: Value,
+    key: &str,
+    time_zone: Option<jiff::tz::TimeZone>,
+) -> CallRequest {
+    CallRequest {
         call_id: call_id.into(),
         tool: tool.into(),
         args,
@@ -133,8 +151,5 @@ pub(crate) async fn call_in_zone(
         read_external_from: Vec::new(),
         expected_binding: None,
         time_zone,
-    };
-    engine
-        .execute(&user(), request, CancellationToken::new())
-        .await
+    }
 }
