@@ -145,3 +145,57 @@ impl Sweeper {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        domain::UserId,
+        store::{AuditEntry, AuditRecord, memory::MemoryStore},
+    };
+
+    const DAY: Duration = Duration::from_secs(86_400);
+
+    fn old_record() -> AuditEntry {
+        AuditEntry {
+            at: SystemTime::now() - 100 * DAY,
+            record: AuditRecord {
+                user: "u1".into(),
+                kind: "tool_call".into(),
+                tool: "gmail_send".into(),
+                integration: None,
+                account: None,
+                call_id: "old".into(),
+                run_id: None,
+                status: "ok".into(),
+                latency_ms: 1,
+                bytes: 1,
+                upstream_calls: 1,
+            },
+        }
+    }
+
+    /// G-9: the background sweep itself prunes, within its first interval, and ends when told.
+    /// On tokio's paused clock: the interval passes at once, and the sweep's random start with
+    /// it.
+    #[tokio::test(start_paused = true)]
+    async fn g9_the_background_sweep_prunes_within_its_first_interval_and_stops_when_told() {
+        let stores = MemoryStore::stores();
+        stores.audit.record_many(&[old_record()]).await.unwrap();
+        let user = UserId::parse("u1").unwrap();
+        assert_eq!(stores.audit.recent(&user, 10).await.unwrap().len(), 1);
+        let stop = CancellationToken::new();
+        let retention = RetentionConfig {
+            audit: Some(90 * DAY),
+            ..RetentionConfig::default()
+        };
+        let sweeper = Sweeper::start(stores.clone(), retention, stop.clone());
+        tokio::time::sleep(SWEEP_INTERVAL).await;
+        assert!(
+            stores.audit.recent(&user, 10).await.unwrap().is_empty(),
+            "pruned by the first sweep"
+        );
+        stop.cancel();
+        sweeper.stopped().await;
+    }
+}
