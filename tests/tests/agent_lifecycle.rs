@@ -1428,6 +1428,50 @@ async fn calls_left_open_by_a_dead_run_are_closed_with_what_the_gateway_recorded
     assert_eq!(gmail.sent().len(), 1, "nothing was sent again");
 }
 
+/// P-4: a dead run's open sends are looked up side by side, not one after another: with the
+/// gateway's idempotency table locked, both lookups wait on the lock at once (one after
+/// another, only the first would). Once it is released the run answers both from the record.
+#[tokio::test]
+async fn p4_the_open_sends_of_a_dead_run_are_looked_up_side_by_side() {
+    let (app, model, _gmail) =
+        gmail_world(vec![Answer::text("One went out, one did not.")], &[]).await;
+    a_thread_whose_run_died_during_two_sends(&app).await;
+    let lock = app.sql().await;
+    lock.batch_execute("BEGIN; LOCK TABLE gateway.idempotency IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let run = tokio::spawn(run_on(app.agent_addr, asked_about_the_sends()));
+    let watch = app.sql().await;
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let waiting: i64 = watch
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                       AND query LIKE 'SELECT state, tool, args_sha256%'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting >= 2 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("both lookups wait on the locked table at once");
+    lock.batch_execute("COMMIT").await.unwrap();
+    let result = run.await.unwrap();
+    assert_eq!(
+        result.status,
+        pb::RunState::Completed as i32,
+        "{}",
+        result.error
+    );
+    assert_closed_from_the_record(&model.requests()[0].1);
+}
+
 /// P-4, R-3: a run that cannot learn from the gateway what an open send came to fails, saying
 /// so, and writes no answer for it: a guess would join the thread's history for good (here
 /// "outcome unknown" for a send that went out). The thread's next run, with the gateway
