@@ -11,7 +11,7 @@ use steward_tests::{
     agent_calls::{get_run, messages},
     fakes::{
         gmail::FakeGmail,
-        openai::{Answer, FakeOpenAi},
+        openai::{Answer, FakeOpenAi, tool_messages},
     },
     spawn::spawn,
     worlds::gmail_world,
@@ -1360,22 +1360,6 @@ async fn a_thread_whose_run_died_before_its_sends_were_made(app: &TestApp) {
     store.release_lease(&lease).await.unwrap();
 }
 
-/// (call id, content) of each tool result an OpenAI-shaped request carries.
-fn tool_messages(request: &serde_json::Value) -> Vec<(String, String)> {
-    request["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|m| m["role"] == "tool")
-        .map(|m| {
-            (
-                m["tool_call_id"].as_str().unwrap().to_owned(),
-                m["content"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect()
-}
-
 /// The two calls a dead run left open, as the next run's model is told of them: what the
 /// gateway recorded, not a guess.
 fn assert_closed_from_the_record(request: &serde_json::Value) {
@@ -1847,12 +1831,9 @@ async fn tool_results_the_next_run_sends(
         next.error
     );
     let (_, sent) = model.requests().pop().unwrap();
-    sent["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|m| m["role"] == "tool")
-        .filter_map(|m| m["content"].as_str().map(str::to_owned))
+    tool_messages(&sent)
+        .into_iter()
+        .map(|(_, content)| content)
         .collect()
 }
 

@@ -9,7 +9,7 @@ use steward_tests::{
     calls::call_tool,
     fakes::{
         gmail::FakeGmail,
-        openai::{Answer, FakeOpenAi},
+        openai::{Answer, FakeOpenAi, tool_messages},
     },
     spawn::spawn,
 };
@@ -962,13 +962,9 @@ async fn reminder_set_in(time_zone: &str, due_at: &str) -> Vec<String> {
         })
         .await
         .unwrap();
-    let requests = model.requests();
-    requests[1].1["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|m| m["role"] == "tool")
-        .filter_map(|m| m["content"].as_str().map(str::to_owned))
+    tool_messages(&model.requests()[1].1)
+        .into_iter()
+        .map(|(_, content)| content)
         .collect()
 }
 

@@ -110,6 +110,23 @@ impl FakeOpenAi {
     }
 }
 
+/// (call id, content) of each tool result an OpenAI-shaped request carries, in order: the
+/// thread's transcript of tool calls as the model was shown it.
+pub fn tool_messages(request: &Value) -> Vec<(String, String)> {
+    request["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| {
+            (
+                m["tool_call_id"].as_str().unwrap().to_owned(),
+                m["content"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
 fn sse(events: &[Value], done: bool) -> String {
     let mut out = frames(&events.iter().map(|e| (None, e.clone())).collect::<Vec<_>>());
     if done {
