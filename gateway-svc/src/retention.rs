@@ -11,6 +11,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use svc_kit::periodic::{FirstSweep, spawn_every};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -95,26 +96,17 @@ where
 /// The background sweep of one replica.
 pub struct Sweeper {
     task: JoinHandle<()>,
+    stop: CancellationToken,
 }
 
 impl Sweeper {
     /// Sweeps every [`SWEEP_INTERVAL`] until `stop` is cancelled, the first time at a random
     /// point of the first interval so replicas started together do not sweep together.
     pub fn start(stores: Stores, retention: RetentionConfig, stop: CancellationToken) -> Self {
-        let first = SWEEP_INTERVAL.mul_f64(rand::random::<f64>());
-        let task = tokio::spawn(async move {
-            let mut next = tokio::time::Instant::now() + first;
-            loop {
-                let swept = tokio::select! {
-                    _ = stop.cancelled() => return,
-                    swept = async {
-                        tokio::time::sleep_until(next).await;
-                        sweep_once(&stores, &retention, SystemTime::now()).await
-                    } => swept,
-                };
-                // From the end of this sweep: a long one is not followed by another at once.
-                next = tokio::time::Instant::now() + SWEEP_INTERVAL;
-                match swept {
+        let task = spawn_every(SWEEP_INTERVAL, FirstSweep::Spread, move || {
+            let stores = stores.clone();
+            async move {
+                match sweep_once(&stores, &retention, SystemTime::now()).await {
                     Ok(Swept {
                         idempotency: 0,
                         audit: 0,
@@ -132,12 +124,14 @@ impl Sweeper {
                 }
             }
         });
-        Self { task }
+        Self { task, stop }
     }
 
-    /// Waits for the sweep to end once its `stop` is cancelled (a delete in flight is
-    /// abandoned; it commits or not as a whole).
+    /// Ends the sweep once its `stop` is cancelled (a delete in flight is abandoned; it
+    /// commits or not as a whole) and waits for it to be gone.
     pub async fn stopped(self) {
+        self.stop.cancelled().await;
+        self.task.abort();
         if let Err(e) = self.task.await
             && e.is_panic()
         {

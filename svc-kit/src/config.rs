@@ -156,11 +156,8 @@ impl<'a> Vars<'a> {
         };
         match parse_duration(&raw) {
             Some(d) if d >= min && d <= max => d,
-            Some(_) => {
-                self.error(
-                    var,
-                    format!("{raw:?} is out of range: use a duration from {min:?} to {max:?}"),
-                );
+            Some(d) => {
+                self.error(var, out_of_range(&raw, d, min, max));
                 default
             }
             None => {
@@ -193,13 +190,8 @@ impl<'a> Vars<'a> {
         // Its own messages, not `duration_in`'s: each names `off` as the other choice.
         match parse_duration(&raw) {
             Some(d) if d >= min && d <= max => Some(d),
-            Some(_) => {
-                self.error(
-                    var,
-                    format!(
-                        "{raw:?} is out of range: use a duration from {min:?} to {max:?}, or off"
-                    ),
-                );
+            Some(d) => {
+                self.error(var, out_of_range(&raw, d, min, max) + ", or off");
                 default
             }
             None => {
@@ -243,6 +235,39 @@ impl<'a> Vars<'a> {
         } else {
             Err(ConfigErrors(self.errors))
         }
+    }
+}
+
+/// Why a duration outside `min..=max` is refused, in the units it is written in.
+fn out_of_range(raw: &str, d: Duration, min: Duration, max: Duration) -> String {
+    let side = if d < min {
+        format!("shorter than {}", format_duration(min))
+    } else {
+        format!("longer than {}", format_duration(max))
+    };
+    format!(
+        "{raw:?} is {side}: use a duration from {} to {}",
+        format_duration(min),
+        format_duration(max)
+    )
+}
+
+/// `d` as [`parse_duration`] reads it back, in its largest whole unit: `36500d`, `1h`,
+/// `90s`, `500ms` (not `Debug`'s `3153600000s`).
+pub fn format_duration(d: Duration) -> String {
+    if !d.subsec_nanos().is_multiple_of(1_000_000) {
+        return format!("{d:?}");
+    }
+    if d.subsec_millis() != 0 || d.is_zero() {
+        return format!("{}ms", d.as_millis());
+    }
+    let secs = d.as_secs();
+    match [(86_400, "d"), (3600, "h"), (60, "m")]
+        .into_iter()
+        .find(|(unit, _)| secs.is_multiple_of(*unit))
+    {
+        Some((unit, name)) => format!("{}{name}", secs / unit),
+        None => format!("{secs}s"),
     }
 }
 
@@ -370,6 +395,32 @@ mod tests {
         // Each says how to switch it off, not only what duration to give.
         for e in &err.0 {
             assert!(e.to_string().contains(", or off"), "{e}");
+        }
+        assert!(
+            err.0[0]
+                .problem
+                .contains("is shorter than 1h: use a duration from 1h to 365d, or off"),
+            "{}",
+            err.0[0]
+        );
+    }
+
+    #[test]
+    fn a_duration_is_shown_in_the_units_it_is_written_in() {
+        for (d, shown) in [
+            (Duration::ZERO, "0ms"),
+            (Duration::from_millis(500), "500ms"),
+            (Duration::from_millis(1500), "1500ms"),
+            (Duration::from_secs(90), "90s"),
+            (Duration::from_secs(1800), "30m"),
+            (Duration::from_secs(7200), "2h"),
+            (Duration::from_secs(36_500 * 86_400), "36500d"),
+            (Duration::from_nanos(1500), "1.5µs"),
+        ] {
+            assert_eq!(format_duration(d), shown);
+            if d.subsec_nanos().is_multiple_of(1_000_000) {
+                assert_eq!(parse_duration(&format_duration(d)), Some(d), "{shown}");
+            }
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod grpc;
 pub mod health;
 pub mod json_log;
 pub mod metrics;
+pub mod periodic;
 pub mod pg;
 pub mod pg_tls;
 pub mod process;

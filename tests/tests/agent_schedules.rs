@@ -789,7 +789,13 @@ async fn e12_a_failed_scheduled_run_is_retried_on_its_schedule_then_recorded_as_
     assert_eq!(fired[0].outcome, ScheduleOutcome::Retrying, "{fired:?}");
     let shown = listed(&mut alice).await;
     assert_eq!(shown[0].last_outcome, pb::ScheduleOutcome::Retrying as i32);
-    assert!(!shown[0].last_error.is_empty());
+    assert!(
+        shown[0]
+            .last_error
+            .ends_with("It is tried again automatically."),
+        "why it failed, and that nobody need try again: {}",
+        shown[0].last_error
+    );
     assert!(
         fire_everywhere(&replicas, now + Duration::from_secs(5))
             .await

@@ -1571,6 +1571,56 @@ async fn b5_a_restart_settles_an_attempt_without_spending_a_try(b: Backend) {
     );
 }
 
+/// B-5: a task that completes after an attempt that did not shows no error: the note its
+/// restart left ("being run again") is not a task's last word once it has finished.
+async fn b5_a_task_completed_after_a_restart_shows_no_error(b: Backend) {
+    let s = &b.store;
+    queue_alices_task_k1(s).await;
+    let hold = Duration::from_secs(60);
+    let claimed = s.claim_task_agent("w", hold, 2).await.unwrap().unwrap();
+    let restarted = TaskSettle {
+        state: "queued",
+        result: None,
+        error: Some("the service was restarted; it is being run again"),
+        retry_at: Some(SystemTime::now()),
+        report: None,
+        tally: Tally::Restart,
+        attempt: claimed.attempts,
+    };
+    assert!(
+        s.settle_task_agent(&claimed, "w", &restarted)
+            .await
+            .unwrap()
+    );
+    let shown = s.get_task_agent("alice", "k1").await.unwrap().unwrap();
+    assert_eq!(shown.last_error.as_deref(), restarted.error);
+
+    let claimed = s.claim_task_agent("w", hold, 2).await.unwrap().unwrap();
+    let completed = TaskSettle {
+        state: "completed",
+        result: Some("done"),
+        error: None,
+        retry_at: None,
+        report: None,
+        tally: Tally::Try,
+        attempt: claimed.attempts,
+    };
+    assert!(
+        s.settle_task_agent(&claimed, "w", &completed)
+            .await
+            .unwrap()
+    );
+    let shown = s.get_task_agent("alice", "k1").await.unwrap().unwrap();
+    assert_eq!(
+        (
+            shown.state.as_str(),
+            shown.result.as_deref(),
+            shown.last_error
+        ),
+        ("completed", Some("done"), None)
+    );
+}
+
 /// A stopping worker hands back the occurrences its holders (`worker/claim`) hold, and only
 /// those: another worker takes them over at once, and the old holder can no longer settle.
 async fn a_stopping_workers_occurrences_are_handed_back(b: Backend) {
@@ -2483,6 +2533,7 @@ steward_tests::both_backends!(
     the_task_queue_caps_open_tasks_per_user_and_settles_each_attempt_once,
     task_claims_are_kept_handed_back_or_ended_by_their_rules,
     b5_a_restart_settles_an_attempt_without_spending_a_try,
+    b5_a_task_completed_after_a_restart_shows_no_error,
     b5_a_task_agent_is_queued_only_under_its_runs_live_lease,
     b5_a_task_handed_back_on_its_last_attempt_is_taken_up_not_failed,
     e12_a_takeover_that_settles_an_earlier_attempts_run_spends_no_try,

@@ -6,6 +6,7 @@ use crate::{
     executor::CallRecord,
     store::{LockOutcome, RunUsage, Tally},
 };
+use svc_kit::periodic::{FirstSweep, spawn_every};
 
 /// How much of a session's transcript its summary model reads: the opening (who, what was
 /// asked) and the end (what was decided, what is still open), which a long session's first
@@ -767,7 +768,7 @@ fn task_outcome(task: &TaskAgent, judged: u32, attempt: TaskAttempt) -> TaskOutc
     match retry_backoff(&error, tries).filter(|_| !cancelled) {
         Some(backoff) => {
             tracing::warn!(task = %task.id, attempt = task.attempts, %error, "task agent failed; retrying later");
-            again(error, backoff, Tally::Try)
+            again(retried(&error), backoff, Tally::Try)
         }
         None => TaskOutcome {
             state: "failed",
@@ -831,41 +832,14 @@ const TAKE_UP_PATIENCE: Duration = Duration::from_secs(24 * 3600);
 /// worker that dies leaves the task to be taken again after this.
 const TASK_CLAIM: Duration = Duration::from_secs(600 + 60 + 60 + 180);
 
-/// When a periodic sweep first runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum FirstSweep {
-    /// As the replica starts.
-    AtOnce,
-    /// At a random point of the first interval: replicas a rollout starts together do not
-    /// all meet the same backlog at once.
-    Spread,
-}
-
-/// Runs `sweep` every `interval` until the process ends, each after the one before it has
-/// finished: a sweep longer than the interval is followed by the next, not by a burst of
-/// the ones it overran.
-pub(super) fn spawn_every<F, Fut>(
-    interval: Duration,
-    first: FirstSweep,
-    mut sweep: F,
-) -> tokio::task::JoinHandle<()>
-where
-    F: FnMut() -> Fut + Send + 'static,
-    Fut: Future<Output = ()> + Send + 'static,
-{
-    let delay = match first {
-        FirstSweep::AtOnce => Duration::ZERO,
-        FirstSweep::Spread => interval.mul_f64(rand::random::<f64>()),
-    };
-    let start = tokio::time::Instant::now() + delay;
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval_at(start, interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            sweep().await;
-        }
-    })
+/// What unattended work shows of a failure it will retry by itself: the run's own words, less
+/// the "Please try again" they end with for a person at the other end, who need not.
+pub(super) fn retried(error: &str) -> String {
+    let own = error.trim_end();
+    let own = own
+        .strip_suffix("Please try again.")
+        .map_or(own, str::trim_end);
+    format!("{own} It is tried again automatically.")
 }
 
 /// E-12's retry schedule for unattended work that failed after `attempts` tries: rate limits get
@@ -944,52 +918,6 @@ mod tests {
         }))
     }
 
-    /// The times, on tokio's paused clock, of the first `n` sweeps of a `spawn_every` every
-    /// 10 s whose first sweep takes `first_takes` and every later one a second.
-    async fn sweep_times(first: FirstSweep, first_takes: Duration, n: usize) -> Vec<Duration> {
-        let start = tokio::time::Instant::now();
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut swept = 0;
-        let task = spawn_every(Duration::from_secs(10), first, move || {
-            let tx = tx.clone();
-            let takes = match swept {
-                0 => first_takes,
-                _ => Duration::from_secs(1),
-            };
-            swept += 1;
-            async move {
-                let _ = tx.send(start.elapsed());
-                tokio::time::sleep(takes).await;
-            }
-        });
-        let mut times = Vec::new();
-        while times.len() < n {
-            times.push(rx.recv().await.unwrap());
-        }
-        task.abort();
-        times
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_periodic_sweep_starts_at_once_and_never_bursts_after_a_long_one() {
-        let secs = |t: &[Duration]| t.iter().map(Duration::as_secs).collect::<Vec<_>>();
-        let quick = sweep_times(FirstSweep::AtOnce, Duration::from_secs(1), 3).await;
-        assert_eq!(secs(&quick), [0, 10, 20]);
-        // The first sweep takes 25 s, overrunning two ticks: the next sweep follows it, and
-        // the one after comes a whole interval later (a burst would bring it at 26 s, a
-        // skip to the old beat at 30 s).
-        let slow = sweep_times(FirstSweep::AtOnce, Duration::from_secs(25), 3).await;
-        assert_eq!(secs(&slow), [0, 25, 35]);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_spread_sweep_starts_within_its_first_interval() {
-        let times = sweep_times(FirstSweep::Spread, Duration::ZERO, 2).await;
-        // Within the interval; the paused clock rounds up to the millisecond.
-        assert!(times[0] <= Duration::from_secs(10), "{times:?}");
-        assert_eq!(times[1] - times[0], Duration::from_secs(10));
-    }
-
     #[test]
     fn e12_a_task_run_stopped_by_a_restart_is_taken_up_again_at_once_without_a_try() {
         let restarted = || ended(pb::FailureKind::Interrupted, INTERRUPTED_MESSAGE);
@@ -1007,6 +935,14 @@ mod tests {
         let worn = task(MAX_RESTARTS + 1, MAX_RESTARTS);
         let outcome = task_outcome(&worn, MAX_RESTARTS + 1, restarted());
         assert_eq!((outcome.state, outcome.tally), ("queued", Tally::Try));
+        assert_eq!(
+            outcome.error.as_deref(),
+            Some(
+                "This run stopped: the service running it was restarted before it finished. \
+                 It is tried again automatically."
+            ),
+            "retried, so not \"please try again\""
+        );
         let last = task(MAX_RESTARTS + 3, MAX_RESTARTS);
         let outcome = task_outcome(&last, MAX_RESTARTS + 3, restarted());
         assert_eq!(outcome.state, "failed", "its third try was its last");

@@ -426,7 +426,7 @@ impl RunService {
         worker: String,
     ) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
-        background::spawn_every(interval, background::FirstSweep::AtOnce, move || {
+        svc_kit::periodic::spawn_every(interval, svc_kit::periodic::FirstSweep::AtOnce, move || {
             let (this, worker) = (this.clone(), worker.clone());
             async move {
                 if let Err(e) = this.fire_due_schedules(&worker, SystemTime::now()).await {
@@ -771,7 +771,7 @@ fn failed(
                 outcome: ScheduleOutcome::Retrying,
                 tally: Tally::Try,
                 run_id,
-                error: Some(error),
+                error: Some(background::retried(&error)),
                 at: now + backoff,
             }
         }

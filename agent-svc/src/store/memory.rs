@@ -1146,7 +1146,7 @@ impl AgentStore for MemoryStore {
                 held.restarts += u32::from(settle.tally == Tally::Restart);
             }
             held.result = settle.result.map(str::to_owned).or(held.result.take());
-            held.last_error = settle.error.map(str::to_owned).or(held.last_error.take());
+            held.last_error = settle.error.map(str::to_owned);
             if let Some(at) = settle.retry_at {
                 *next = at;
             }

@@ -1084,6 +1084,8 @@ pub struct TaskSettle<'a> {
     /// completed | failed | queued (again, at `retry_at`)
     pub state: &'a str,
     pub result: Option<&'a str>,
+    /// The task's last error from now on: `None` clears it (a completed task has none, whatever
+    /// an earlier attempt left).
     pub error: Option<&'a str>,
     pub retry_at: Option<SystemTime>,
     /// (source, text) posted to the parent thread with the settle.

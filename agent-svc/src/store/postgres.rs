@@ -1329,7 +1329,7 @@ impl AgentStore for PgStore {
             .await?
             .query_opt(
                 "WITH settled AS (UPDATE agent.task_agents SET state = $2, result = COALESCE($3::text, result), \
-                   last_error = COALESCE($4::text, last_error), \
+                   last_error = $4::text, \
                    next_attempt_at = COALESCE($5::timestamptz, next_attempt_at), claimed_by = NULL, claimed_until = NULL, \
                    attempts = CASE WHEN $10 = 'not_an_attempt' THEN attempts - 1 ELSE $11 END, \
                    settled_attempt = CASE WHEN $10 = 'not_an_attempt' THEN settled_attempt ELSE $11 END, \

@@ -1,0 +1,98 @@
+//! Background sweeps that repeat on an interval, as both services run them (health monitor,
+//! archiver, pruners, workers, the gateway's retention): one loop, so each keeps the same two
+//! promises — a sweep never overlaps the one before it, and a sweep longer than the interval
+//! is followed by the next one, not by a burst of the ticks it overran.
+
+use std::time::Duration;
+
+/// When a periodic sweep first runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstSweep {
+    /// As the replica starts.
+    AtOnce,
+    /// At a random point of the first interval: replicas a rollout starts together do not
+    /// all meet the same backlog at once.
+    Spread,
+}
+
+/// Runs `sweep` every `interval` until the task is aborted (or the runtime ends), each after
+/// the one before it has finished. Aborting it mid-sweep drops that sweep's future: a sweep
+/// must leave nothing half-done that a drop would lose (a statement in flight commits or
+/// not as a whole).
+pub fn spawn_every<F, Fut>(
+    interval: Duration,
+    first: FirstSweep,
+    mut sweep: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let delay = match first {
+        FirstSweep::AtOnce => Duration::ZERO,
+        FirstSweep::Spread => interval.mul_f64(rand::random::<f64>()),
+    };
+    let start = tokio::time::Instant::now() + delay;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval_at(start, interval);
+        // `Delay`: after an overrun the missed tick fires at once and the beat restarts from
+        // there, rather than firing every missed tick (`Burst`, the default) or waiting for
+        // the old beat (`Skip`).
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            sweep().await;
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The times, on tokio's paused clock, of the first `n` sweeps of a `spawn_every` every
+    /// 10 s whose first sweep takes `first_takes` and every later one a second.
+    async fn sweep_times(first: FirstSweep, first_takes: Duration, n: usize) -> Vec<Duration> {
+        let start = tokio::time::Instant::now();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut swept = 0;
+        let task = spawn_every(Duration::from_secs(10), first, move || {
+            let tx = tx.clone();
+            let takes = match swept {
+                0 => first_takes,
+                _ => Duration::from_secs(1),
+            };
+            swept += 1;
+            async move {
+                let _ = tx.send(start.elapsed());
+                tokio::time::sleep(takes).await;
+            }
+        });
+        let mut times = Vec::new();
+        while times.len() < n {
+            times.push(rx.recv().await.unwrap());
+        }
+        task.abort();
+        times
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_periodic_sweep_starts_at_once_and_never_bursts_after_a_long_one() {
+        let secs = |t: &[Duration]| t.iter().map(Duration::as_secs).collect::<Vec<_>>();
+        let quick = sweep_times(FirstSweep::AtOnce, Duration::from_secs(1), 3).await;
+        assert_eq!(secs(&quick), [0, 10, 20]);
+        // The first sweep takes 25 s, overrunning two ticks: the next sweep follows it, and
+        // the one after comes a whole interval later (a burst would bring it at 26 s, a
+        // skip to the old beat at 30 s).
+        let slow = sweep_times(FirstSweep::AtOnce, Duration::from_secs(25), 3).await;
+        assert_eq!(secs(&slow), [0, 25, 35]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spread_sweep_starts_within_its_first_interval() {
+        let times = sweep_times(FirstSweep::Spread, Duration::ZERO, 2).await;
+        // Within the interval; the paused clock rounds up to the millisecond.
+        assert!(times[0] <= Duration::from_secs(10), "{times:?}");
+        assert_eq!(times[1] - times[0], Duration::from_secs(10));
+    }
+}
