@@ -89,50 +89,13 @@ impl Default for RetentionConfig {
     }
 }
 
-/// `var` as a retention period within [`RetentionConfig::MIN`]..=[`RetentionConfig::MAX`];
-/// `None` when unset. `examples` is what to give instead of a bad value.
-fn retention(vars: &mut Vars<'_>, var: &str, examples: &str) -> Option<Duration> {
-    let raw = vars.raw(var)?;
-    match svc_kit::config::parse_duration(&raw) {
-        Some(d) if (RetentionConfig::MIN..=RetentionConfig::MAX).contains(&d) => Some(d),
-        Some(d) if d < RetentionConfig::MIN => {
-            vars.error(var, format!("{raw:?} is shorter than 1h; use {examples}"));
-            None
-        }
-        Some(_) => {
-            vars.error(
-                var,
-                format!("{raw:?} is longer than 36500d; use {examples}"),
-            );
-            None
-        }
-        None => {
-            vars.error(
-                var,
-                format!("{raw:?} is not a duration; use {examples} (units d, h, m, s)"),
-            );
-            None
-        }
-    }
-}
-
 fn load_retention(vars: &mut Vars<'_>) -> RetentionConfig {
     let default = RetentionConfig::default();
-    let idempotency = retention(
-        vars,
-        "IDEMPOTENCY_RETENTION",
-        "a duration of at least 1h, e.g. 7d (the default) or 48h",
-    )
-    .unwrap_or(default.idempotency);
-    let audit = match vars.raw("AUDIT_RETENTION") {
-        Some(raw) if raw.eq_ignore_ascii_case("off") => None,
-        _ => retention(
-            vars,
-            "AUDIT_RETENTION",
-            "a duration of at least 1h, e.g. 90d, or off to keep the audit trail forever",
-        ),
-    };
-    RetentionConfig { idempotency, audit }
+    let (min, max) = (RetentionConfig::MIN, RetentionConfig::MAX);
+    RetentionConfig {
+        idempotency: vars.duration_in("IDEMPOTENCY_RETENTION", default.idempotency, min, max),
+        audit: vars.duration_or_off("AUDIT_RETENTION", default.audit, min, max),
+    }
 }
 
 /// MCP (issue 15): the servers whose tools join the registry, and where the gateway's own
@@ -766,7 +729,11 @@ mod tests {
             "a bare number is seconds, as for every other duration"
         );
         for (var, value, expected) in [
-            ("IDEMPOTENCY_RETENTION", "0", "shorter than 1h"),
+            (
+                "IDEMPOTENCY_RETENTION",
+                "0",
+                "shorter than 1h: use a duration from 1h to 36500d",
+            ),
             ("IDEMPOTENCY_RETENTION", "59m", "shorter than 1h"),
             ("IDEMPOTENCY_RETENTION", "off", "is not a duration"),
             (
@@ -774,8 +741,10 @@ mod tests {
                 "99999999999999999d",
                 "is not a duration",
             ),
-            ("AUDIT_RETENTION", "0", "or off to keep"),
+            ("AUDIT_RETENTION", "0", "shorter than 1h"),
+            ("AUDIT_RETENTION", "0", "or off"),
             ("AUDIT_RETENTION", "1 week", "is not a duration"),
+            ("AUDIT_RETENTION", "1 week", "or off"),
             ("AUDIT_RETENTION", "40000d", "longer than 36500d"),
         ] {
             let err = retention(&[(var, value)]).unwrap_err();
