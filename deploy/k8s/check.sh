@@ -38,6 +38,15 @@ for d in docs:
             if grace <= seconds(drain):
                 sys.exit(f"{sys.argv[2]}: {d['metadata']['name']} terminationGracePeriodSeconds {grace} "
                          f"must exceed SHUTDOWN_DRAIN_TIMEOUT {drain}")
+# Production admits no caller by default: no ingress rule there is open to every namespace.
+if sys.argv[2] == "prod":
+    for d in docs:
+        if d["kind"] != "NetworkPolicy":
+            continue
+        for rule in d["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                if peer.get("namespaceSelector") == {}:
+                    sys.exit(f"prod: {d['metadata']['name']} admits every namespace")
 print(f"{sys.argv[2]}: {len(docs)} objects valid")
 PY
 done
