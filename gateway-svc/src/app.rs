@@ -96,7 +96,8 @@ async fn check_credentials_key(stores: &Stores, key: &TokenCipher) -> Result<(),
             sampled = oldest.sampled,
             previous = oldest.previous,
             "{} of the {} least recently saved accounts still need CREDENTIALS_KEY_PREVIOUS; each moves to \
-             CREDENTIALS_KEY when next saved, and once this reads 0 CREDENTIALS_KEY_PREVIOUS can be unset",
+             CREDENTIALS_KEY when next saved or when the background walk reaches it, and once this reads 0 \
+             CREDENTIALS_KEY_PREVIOUS can be unset",
             oldest.previous,
             oldest.sampled,
         );
@@ -114,6 +115,8 @@ pub struct App {
     mcp_hub: Arc<McpHub>,
     mcp_endpoint: Option<McpEndpoint>,
     in_flight: Arc<crate::engine::InFlight>,
+    /// The key stored tokens are read and written with, when one is set.
+    cipher: Option<TokenCipher>,
 }
 
 impl App {
@@ -158,6 +161,7 @@ impl App {
         };
         let http = crate::context::upstream_client(config.upstream_timeout)
             .map_err(|e| StartError::Http(e.to_string()))?;
+        let config_cipher = cipher.clone();
         let credentials = Credentials::new(
             stores.accounts.clone(),
             cipher,
@@ -275,6 +279,7 @@ impl App {
             mcp_hub,
             mcp_endpoint,
             in_flight,
+            cipher: config_cipher,
         })
     }
 
@@ -330,6 +335,10 @@ impl App {
             self.config.retention,
             stopping.child_token(),
         );
+        // During a key rotation: stored tokens moved to the new key in the background.
+        let rekeying = self
+            .cipher
+            .and_then(|cipher| credentials::rekey::spawn(self.stores.accounts.clone(), cipher));
         let max = self.config.server.max_message_bytes;
         let api = GatewayServiceServer::new(self.api)
             .max_decoding_message_size(max)
@@ -363,6 +372,9 @@ impl App {
         // another way); its calls in flight get the same deadline as gRPC's.
         stopping.cancel();
         sweeper.stopped().await;
+        if let Some(rekeying) = rekeying {
+            rekeying.abort();
+        }
         if let Some(mcp) = mcp_serving {
             mcp.drain(deadline).await;
         }

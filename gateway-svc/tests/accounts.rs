@@ -21,7 +21,9 @@ use gateway_svc::{
         gmail::{self, GmailApi},
         slack::{self, SlackApi},
     },
-    store::{AccountLock, AccountStore, StoreError, StoredAccount, memory::MemoryStore},
+    store::{
+        AccountCursor, AccountLock, AccountStore, StoreError, StoredAccount, memory::MemoryStore,
+    },
 };
 use serde_json::json;
 
@@ -313,6 +315,13 @@ impl AccountStore for RefreshingElsewhere {
         newest_first: bool,
     ) -> Result<Vec<StoredAccount>, StoreError> {
         self.0.sample_accounts(limit, newest_first).await
+    }
+    async fn accounts_after(
+        &self,
+        after: Option<&AccountCursor>,
+        limit: usize,
+    ) -> Result<Vec<StoredAccount>, StoreError> {
+        self.0.accounts_after(after, limit).await
     }
     async fn lock_account(
         &self,

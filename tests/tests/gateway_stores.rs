@@ -4,11 +4,15 @@
 use std::{sync::Arc, time::SystemTime};
 
 use gateway_svc::{
+    credentials::{
+        cipher::TokenCipher,
+        rekey::{self, Walk},
+    },
     domain::{Integration, McpSwitch, UserId},
     ratelimit::{Decision, LimitKey, Limits, RateLimitBackend, Window, memory::MemoryRateLimits},
     store::{
-        AccountStatus, AuditRecord, KeyState, StoredAccount, StoredResult, Stores, TaskFilter,
-        TaskPatch, memory::MemoryStore, postgres::PgStore,
+        AccountCursor, AccountStatus, AuditRecord, KeyState, StoredAccount, StoredResult, Stores,
+        TaskFilter, TaskPatch, memory::MemoryStore, postgres::PgStore,
     },
 };
 use steward_tests::TestDb;
@@ -119,6 +123,128 @@ async fn accounts_are_sampled_by_when_they_were_saved(b: Backend) {
         names(s.sample_accounts(1, false).await.unwrap()),
         ["old@x.com"]
     );
+}
+
+/// A walk over every account, a page at a time, meets each once, in key order (user,
+/// integration, account), and a save meanwhile does not move one it has passed back ahead.
+async fn every_account_is_walked_once_a_page_at_a_time(b: Backend) {
+    let s = &b.stores.accounts;
+    let mut calendar = account("u1", "a@x.com");
+    calendar.integration = Integration::GoogleCalendar;
+    for a in [
+        account("u2", "a@x.com"),
+        account("u1", "b@x.com"),
+        calendar,
+        account("u1", "a@x.com"),
+        account("u3", "z@x.com"),
+    ] {
+        s.upsert_account(a).await.unwrap();
+    }
+    let mut walked = Vec::new();
+    let mut after: Option<AccountCursor> = None;
+    loop {
+        let page = s.accounts_after(after.as_ref(), 2).await.unwrap();
+        assert!(page.len() <= 2);
+        let Some(last) = page.last() else { break };
+        after = Some(AccountCursor::of(last));
+        // Saved while the walk is under way: it keeps its place in the order.
+        if walked.is_empty() {
+            let lock = s
+                .lock_account(&last.user, last.integration, &last.account)
+                .await
+                .unwrap();
+            let mut saved = lock.current().unwrap().clone();
+            saved.access_token = vec![7];
+            lock.save(saved).await.unwrap();
+        }
+        walked.extend(page.iter().map(|a| {
+            let c = AccountCursor::of(a);
+            let (u, i, n) = c.key();
+            format!("{u}/{i}/{n}")
+        }));
+    }
+    assert_eq!(
+        walked,
+        [
+            "u1/gmail/a@x.com",
+            "u1/gmail/b@x.com",
+            "u1/google_calendar/a@x.com",
+            "u2/gmail/a@x.com",
+            "u3/gmail/z@x.com",
+        ]
+    );
+}
+
+/// G-8: while CREDENTIALS_KEY_PREVIOUS is set, a walk re-encrypts under CREDENTIALS_KEY every
+/// token still under the previous key — access and refresh tokens alike — so the previous key
+/// can go; a token under neither key is left as it is, and a second walk finds nothing to do.
+async fn g8_a_rotation_walk_moves_every_token_under_the_previous_key_to_the_current_one(
+    b: Backend,
+) {
+    const OLD: &str = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
+    const NEW: &str = "YWJjZGVmMDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODk=";
+    const OTHER: &str = "Wlp6enl5eHh3d3Z2dXV0dHNzcnJxcXBwb29ubm1tbGw=";
+    let cipher = |key: &str| TokenCipher::from_base64(key).unwrap();
+    let s = &b.stores.accounts;
+    let row = |name: &str| format!("u1/gmail/{name}");
+    let stored = |name: &str, key: &str, refresh: bool| {
+        let c = cipher(key);
+        StoredAccount {
+            access_token: c.encrypt(&format!("access-{name}"), &row(name)).unwrap(),
+            refresh_token: refresh
+                .then(|| c.encrypt(&format!("refresh-{name}"), &row(name)).unwrap()),
+            ..account("u1", name)
+        }
+    };
+    let foreign = stored("d@x.com", OTHER, true);
+    for a in [
+        stored("a@x.com", OLD, true),
+        stored("b@x.com", NEW, true),
+        stored("c@x.com", OLD, false),
+        foreign.clone(),
+    ] {
+        s.upsert_account(a).await.unwrap();
+    }
+    let rotating = cipher(NEW).with_previous(cipher(OLD));
+
+    let first = rekey::walk(&**s, &rotating, 3).await.unwrap();
+    assert_eq!(
+        first,
+        Walk {
+            read: 4,
+            moved: 2,
+            left: 0,
+            unreadable: 1
+        }
+    );
+    // Every readable token now reads with the new key alone, as it was.
+    let new_only = cipher(NEW);
+    for name in ["a@x.com", "b@x.com", "c@x.com"] {
+        let a = s
+            .get_account(&user("u1"), Integration::Gmail, name)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            new_only.decrypt(&a.access_token, &row(name)).unwrap(),
+            format!("access-{name}")
+        );
+        let refresh = a
+            .refresh_token
+            .map(|t| new_only.decrypt(&t, &row(name)).unwrap());
+        let expected = (name != "c@x.com").then(|| format!("refresh-{name}"));
+        assert_eq!(refresh, expected, "{name}");
+    }
+    let left = s
+        .get_account(&user("u1"), Integration::Gmail, "d@x.com")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(left, foreign, "a token under neither key is left as stored");
+
+    let second = rekey::walk(&**s, &rotating, 3).await.unwrap();
+    assert!(second.found_none(), "{second:?}");
+    assert_eq!((second.read, second.unreadable), (4, 1));
 }
 
 async fn an_account_lock_is_exclusive_until_saved(b: Backend) {
@@ -775,6 +901,8 @@ steward_tests::both_backends!(
     accounts_are_scoped_to_their_user_and_round_trip,
     an_account_lock_is_exclusive_until_saved,
     accounts_are_sampled_by_when_they_were_saved,
+    every_account_is_walked_once_a_page_at_a_time,
+    g8_a_rotation_walk_moves_every_token_under_the_previous_key_to_the_current_one,
     a_dropped_lock_releases_without_writing,
     a_refresh_saved_after_a_reconnect_or_a_disconnect_changes_nothing,
     account_locks_held_during_refreshes_pin_no_connection,

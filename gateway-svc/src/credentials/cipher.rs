@@ -123,7 +123,7 @@ impl TokenCipher {
         if used == KeyUsed::Previous && !self.read_previous.swap(true, Ordering::Relaxed) {
             tracing::info!(
                 "a stored token was read with CREDENTIALS_KEY_PREVIOUS (logged once per process): \
-                 rotation is under way; each account moves to CREDENTIALS_KEY when it is next saved"
+                 rotation is under way; each account moves to CREDENTIALS_KEY when it is next saved or the background walk reaches it"
             );
         }
         Ok(plain)

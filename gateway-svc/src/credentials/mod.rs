@@ -5,6 +5,7 @@
 
 pub mod cipher;
 pub mod oauth;
+pub mod rekey;
 
 use std::{
     collections::HashMap,

@@ -9,9 +9,10 @@ use std::{
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::{
-    AccountLock, AccountStore, ActingMark, AuditEntry, AuditLog, AuditRecord, IdempotencyClaim,
-    IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore, Ping, Reminder, ReminderStore,
-    StoreError, StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch, TaskStore, words,
+    AccountCursor, AccountLock, AccountStore, ActingMark, AuditEntry, AuditLog, AuditRecord,
+    IdempotencyClaim, IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore, Ping, Reminder,
+    ReminderStore, StoreError, StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch,
+    TaskStore, words,
 };
 use crate::domain::{Integration, McpSwitch, UserId};
 
@@ -184,6 +185,24 @@ impl AccountStore for MemoryStore {
         }
         all.truncate(limit);
         Ok(all)
+    }
+
+    async fn accounts_after(
+        &self,
+        after: Option<&AccountCursor>,
+        limit: usize,
+    ) -> Result<Vec<StoredAccount>, StoreError> {
+        let mut page: Vec<StoredAccount> = self
+            .accounts
+            .lock()
+            .map_err(|_| poisoned())?
+            .values()
+            .filter(|a| after.is_none_or(|c| AccountCursor::of(a).key() > c.key()))
+            .cloned()
+            .collect();
+        page.sort_by(|a, b| AccountCursor::of(a).key().cmp(&AccountCursor::of(b).key()));
+        page.truncate(limit);
+        Ok(page)
     }
 
     async fn lock_account(

@@ -148,12 +148,43 @@ pub trait AccountStore: Send + Sync + 'static {
         limit: usize,
         newest_first: bool,
     ) -> Result<Vec<StoredAccount>, StoreError>;
+    /// Up to `limit` accounts of anyone in key order (user, integration, account), those after
+    /// `after` when given: a walk over every stored account a page at a time, which saves
+    /// meanwhile do not reorder (moving tokens to a new CREDENTIALS_KEY).
+    async fn accounts_after(
+        &self,
+        after: Option<&AccountCursor>,
+        limit: usize,
+    ) -> Result<Vec<StoredAccount>, StoreError>;
     async fn lock_account(
         &self,
         user: &UserId,
         integration: Integration,
         account: &str,
     ) -> Result<Box<dyn AccountLock>, StoreError>;
+}
+
+/// Where a walk over every stored account stands: the key of the last account it read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccountCursor {
+    pub user: UserId,
+    pub integration: Integration,
+    pub account: String,
+}
+
+impl AccountCursor {
+    pub fn of(a: &StoredAccount) -> Self {
+        Self {
+            user: a.user.clone(),
+            integration: a.integration,
+            account: a.account.clone(),
+        }
+    }
+
+    /// The key as both stores order it: the columns' text, compared in turn.
+    pub fn key(&self) -> (&str, &str, &str) {
+        (self.user.as_str(), self.integration.key(), &self.account)
+    }
 }
 
 /// What a call waiting for another call with its idempotency key is told when that one is

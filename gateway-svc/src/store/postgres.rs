@@ -15,10 +15,10 @@ use svc_kit::{pg, server_config::DatabaseConfig};
 use tokio_postgres::Row;
 
 use super::{
-    AccountLock, AccountStatus, AccountStore, ActingMark, AuditEntry, AuditLog, AuditRecord,
-    IdempotencyClaim, IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore, Ping, Reminder,
-    ReminderStore, StoreError, StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch,
-    TaskStore,
+    AccountCursor, AccountLock, AccountStatus, AccountStore, ActingMark, AuditEntry, AuditLog,
+    AuditRecord, IdempotencyClaim, IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore,
+    Ping, Reminder, ReminderStore, StoreError, StoredAccount, StoredResult, Stores, Task,
+    TaskFilter, TaskPatch, TaskStore,
 };
 use crate::{
     domain::{Integration, McpSwitch, UserId},
@@ -247,6 +247,44 @@ impl AccountStore for PgStore {
             )
             .await
             .map_err(db)?;
+        rows.iter().map(account_from_row).collect()
+    }
+
+    async fn accounts_after(
+        &self,
+        after: Option<&AccountCursor>,
+        limit: usize,
+    ) -> Result<Vec<StoredAccount>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let client = self.client().await?;
+        // By the primary key's index, a page at a time: a row comparison against the last
+        // key read, in the columns' own collation, as ORDER BY sorts them.
+        let rows = match after.map(AccountCursor::key) {
+            None => {
+                client
+                    .query(
+                        &format!(
+                            "SELECT {ACCOUNT_COLUMNS} FROM gateway.accounts \
+                         ORDER BY user_id, integration, account LIMIT $1"
+                        ),
+                        &[&limit],
+                    )
+                    .await
+            }
+            Some((user, integration, account)) => {
+                client
+                    .query(
+                        &format!(
+                            "SELECT {ACCOUNT_COLUMNS} FROM gateway.accounts \
+                         WHERE (user_id, integration, account) > ($1, $2, $3) \
+                         ORDER BY user_id, integration, account LIMIT $4"
+                        ),
+                        &[&user, &integration, &account, &limit],
+                    )
+                    .await
+            }
+        }
+        .map_err(db)?;
         rows.iter().map(account_from_row).collect()
     }
 

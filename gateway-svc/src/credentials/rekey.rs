@@ -1,0 +1,263 @@
+//! Moving stored tokens to a new CREDENTIALS_KEY (G-8). While CREDENTIALS_KEY_PREVIOUS is set,
+//! each replica walks every stored account in key order and re-encrypts, under the current
+//! key, the tokens still under the previous one — so a rotation ends without waiting for
+//! every account to be refreshed or reconnected, and the old key can go.
+//!
+//! Each account is moved under its refresh lock and saved as a compare-and-swap on the
+//! tokens the lock read, as a refresh is: a refresh or reconnect meanwhile wins, and nothing
+//! is re-encrypted twice over. Replicas walking at once skip what another has moved.
+//! Walking repeats every [`INTERVAL`] until one whole walk finds nothing under the previous
+//! key (a replica of the rollout before may still have written one meanwhile), then stops.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use svc_kit::periodic::{FirstSweep, spawn_every};
+use tokio::task::JoinHandle;
+
+use super::{
+    cipher::{KeyUsed, TokenCipher},
+    row_id,
+};
+use crate::store::{AccountCursor, AccountStore, StoreError, StoredAccount};
+
+/// How often a replica walks while there may be tokens to move; the first walk comes at a
+/// random point of the first interval, so replicas a rollout starts together do not walk
+/// together, and a rollout is usually over before the first walk begins.
+pub const INTERVAL: Duration = Duration::from_secs(300);
+
+/// Accounts read per page of a walk.
+pub const PAGE: usize = 200;
+
+/// What one walk over every stored account found and did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Walk {
+    /// Accounts read.
+    pub read: usize,
+    /// Moved to the current key by this walk.
+    pub moved: usize,
+    /// Under the previous key and not moved: another replica was refreshing the account, or
+    /// it changed under the walk. The next walk tries again.
+    pub left: usize,
+    /// Read with neither key (stored under another key, or damaged): only a reconnect mends
+    /// them, and they do not keep the previous key needed.
+    pub unreadable: usize,
+}
+
+impl Walk {
+    /// Nothing under the previous key was met: every readable token is under the current one.
+    pub fn found_none(&self) -> bool {
+        self.moved == 0 && self.left == 0
+    }
+}
+
+/// How one account fared.
+enum Fared {
+    Already,
+    Moved,
+    Left,
+    Unreadable,
+}
+
+/// One walk over every stored account, `page` at a time. A store error ends the walk: the
+/// next one starts again from the first account (what was moved stays moved).
+pub async fn walk(
+    store: &dyn AccountStore,
+    cipher: &TokenCipher,
+    page: usize,
+) -> Result<Walk, StoreError> {
+    let mut walk = Walk::default();
+    let mut after: Option<AccountCursor> = None;
+    loop {
+        let accounts = store.accounts_after(after.as_ref(), page).await?;
+        for listed in &accounts {
+            walk.read += 1;
+            match move_one(store, cipher, listed).await? {
+                Fared::Already => {}
+                Fared::Moved => walk.moved += 1,
+                Fared::Left => walk.left += 1,
+                Fared::Unreadable => walk.unreadable += 1,
+            }
+        }
+        match accounts.last() {
+            Some(last) if accounts.len() == page => after = Some(AccountCursor::of(last)),
+            _ => return Ok(walk),
+        }
+    }
+}
+
+/// `a`'s tokens as read, with the key each was under; `None` when one reads with neither.
+struct Read {
+    access: (String, KeyUsed),
+    refresh: Option<(String, KeyUsed)>,
+}
+
+impl Read {
+    fn of(cipher: &TokenCipher, a: &StoredAccount) -> Option<Self> {
+        let row = row_id(&a.user, a.integration, &a.account);
+        let read = |t: &[u8]| cipher.decrypt_which(t, &row).ok();
+        Some(Self {
+            access: read(&a.access_token)?,
+            refresh: match &a.refresh_token {
+                Some(t) => Some(read(t)?),
+                None => None,
+            },
+        })
+    }
+
+    fn all_current(&self) -> bool {
+        std::iter::once(&self.access)
+            .chain(self.refresh.as_ref())
+            .all(|(_, key)| *key == KeyUsed::Current)
+    }
+}
+
+async fn move_one(
+    store: &dyn AccountStore,
+    cipher: &TokenCipher,
+    listed: &StoredAccount,
+) -> Result<Fared, StoreError> {
+    // Read unlocked first: most accounts need nothing, and take no lock.
+    match Read::of(cipher, listed) {
+        None => return Ok(Fared::Unreadable),
+        Some(read) if read.all_current() => return Ok(Fared::Already),
+        Some(_) => {}
+    }
+    let lock = match store
+        .lock_account(&listed.user, listed.integration, &listed.account)
+        .await
+    {
+        Ok(lock) => lock,
+        // Being refreshed elsewhere: that refresh writes it under the current key anyway.
+        Err(StoreError::InProgress(_)) => return Ok(Fared::Left),
+        Err(e) => return Err(e),
+    };
+    // As it is now, under the lock: a refresh or reconnect may have moved it already.
+    let Some(current) = lock.current().cloned() else {
+        return Ok(Fared::Already);
+    };
+    let read = match Read::of(cipher, &current) {
+        None => return Ok(Fared::Unreadable),
+        Some(read) if read.all_current() => return Ok(Fared::Already),
+        Some(read) => read,
+    };
+    let row = row_id(&current.user, current.integration, &current.account);
+    let encrypt = |plain: &str| {
+        cipher
+            .encrypt(plain, &row)
+            .map_err(|e| StoreError::Unavailable(format!("could not re-encrypt a token: {e}")))
+    };
+    let mut updated = current;
+    updated.access_token = encrypt(&read.access.0)?;
+    updated.refresh_token = read.refresh.map(|(plain, _)| encrypt(&plain)).transpose()?;
+    lock.save(updated).await?;
+    Ok(Fared::Moved)
+}
+
+/// Walks every [`INTERVAL`] while `cipher` holds a previous key, until a walk finds nothing
+/// under it; logs what each walk did. The task is aborted at shutdown (a save in flight
+/// lands whole or not at all).
+pub fn spawn(store: Arc<dyn AccountStore>, cipher: TokenCipher) -> Option<JoinHandle<()>> {
+    if !cipher.has_previous() {
+        return None;
+    }
+    let done = Arc::new(AtomicBool::new(false));
+    Some(spawn_every(INTERVAL, FirstSweep::Spread, move || {
+        let (store, cipher, done) = (store.clone(), cipher.clone(), done.clone());
+        async move {
+            if done.load(Ordering::Relaxed) {
+                return;
+            }
+            match walk(&*store, &cipher, PAGE).await {
+                Ok(w) if w.found_none() => {
+                    done.store(true, Ordering::Relaxed);
+                    tracing::info!(
+                        read = w.read,
+                        unreadable = w.unreadable,
+                        "every stored account token readable here is under CREDENTIALS_KEY: \
+                         CREDENTIALS_KEY_PREVIOUS can be unset once every replica says so"
+                    );
+                }
+                Ok(w) => tracing::info!(
+                    read = w.read,
+                    moved = w.moved,
+                    left = w.left,
+                    unreadable = w.unreadable,
+                    "moved {} stored account(s) from CREDENTIALS_KEY_PREVIOUS to CREDENTIALS_KEY; \
+                     {} left for the next walk",
+                    w.moved,
+                    w.left,
+                ),
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    "could not finish moving stored tokens to CREDENTIALS_KEY; the next walk starts over"
+                ),
+            }
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        domain::{Integration, UserId},
+        store::{AccountStatus, memory::MemoryStore},
+    };
+
+    const OLD: &str = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
+    const NEW: &str = "YWJjZGVmMDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODk=";
+
+    fn cipher(key: &str) -> TokenCipher {
+        TokenCipher::from_base64(key).unwrap()
+    }
+
+    /// G-8: a replica given a previous key moves the tokens under it in the background, within
+    /// its first interval; one given no previous key has nothing to move and starts no walk.
+    /// On tokio's paused clock: the interval passes at once, and the walk's random start too.
+    #[tokio::test(start_paused = true)]
+    async fn g8_a_rotating_replica_moves_stored_tokens_to_the_new_key_within_its_first_interval() {
+        let stores = MemoryStore::stores();
+        let user = UserId::parse("u1").unwrap();
+        let row = row_id(&user, Integration::Gmail, "a@x.com");
+        stores
+            .accounts
+            .upsert_account(StoredAccount {
+                user: user.clone(),
+                integration: Integration::Gmail,
+                account: "a@x.com".into(),
+                access_token: cipher(OLD).encrypt("access", &row).unwrap(),
+                refresh_token: None,
+                expires_at: None,
+                scopes: vec![],
+                status: AccountStatus::Connected,
+                connected_at: std::time::SystemTime::UNIX_EPOCH,
+            })
+            .await
+            .unwrap();
+        assert!(spawn(stores.accounts.clone(), cipher(NEW)).is_none());
+
+        let walking = spawn(
+            stores.accounts.clone(),
+            cipher(NEW).with_previous(cipher(OLD)),
+        )
+        .expect("a previous key: a walk to make");
+        tokio::time::sleep(INTERVAL).await;
+        let stored = stores
+            .accounts
+            .get_account(&user, Integration::Gmail, "a@x.com")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            cipher(NEW).decrypt(&stored.access_token, &row).unwrap(),
+            "access"
+        );
+        walking.abort();
+    }
+}
