@@ -2582,6 +2582,31 @@ async fn events_of_runs_ended_before_the_cutoff_are_thinned_to_their_result_once
     a_run_ended_at(s, "r-recent", now - day).await;
     let going = started(s, "r-going", "t-going", Duration::from_secs(60)).await;
     s.commit(&going, events(&[2, 3])).await.unwrap();
+    // Paused for an approval, with a finish time from an earlier segment: not ended, so its
+    // events are what its continuation and watchers replay.
+    let paused = started(s, "r-paused", "t-paused", Duration::from_secs(60)).await;
+    let pause = RunCommit {
+        patch: RunPatch {
+            state: Some(RunState::AwaitingConfirmation),
+            finished_at: Some(now - 60 * day),
+            ..RunPatch::default()
+        },
+        ..events(&[2, 3])
+    };
+    s.commit(&paused, pause).await.unwrap();
+    // Ended by the health monitor past a gap in its numbering: its result is the event with
+    // the highest seq, not the one at the run's count of events.
+    let gapped = started(s, "r-gapped", "t-gapped", Duration::from_secs(60)).await;
+    let ended = RunCommit {
+        patch: RunPatch {
+            state: Some(RunState::Failed),
+            finished_at: Some(now - 45 * day),
+            ..RunPatch::default()
+        },
+        release: true,
+        ..events(&[2, 1002])
+    };
+    s.commit(&gapped, ended).await.unwrap();
     let cutoff = now - 30 * day;
 
     assert_eq!(s.prune_run_events(cutoff, 1).await.unwrap(), 1);
@@ -2591,8 +2616,10 @@ async fn events_of_runs_ended_before_the_cutoff_are_thinned_to_their_result_once
         [1, 2, 3, 4],
         "one run a call"
     );
-    assert_eq!(s.prune_run_events(cutoff, 500).await.unwrap(), 1);
+    assert_eq!(s.prune_run_events(cutoff, 500).await.unwrap(), 2);
     assert_eq!(seqs(s.as_ref(), "r-old").await, [4]);
+    assert_eq!(seqs(s.as_ref(), "r-gapped").await, [1002]);
+    assert_eq!(seqs(s.as_ref(), "r-paused").await, [1, 2, 3], "not ended");
     let result = s.events_after("r-old", 0, 10).await.unwrap();
     assert_eq!(result[0].1, b"result");
     assert_eq!(seqs(s.as_ref(), "r-recent").await, [1, 2, 3, 4]);
