@@ -1278,6 +1278,45 @@ async fn a_replica_shutting_down_ends_its_unfinished_run_as_interrupted_and_free
     assert_eq!(run_on(second, next).await.summary, "Back again.");
 }
 
+/// O-1: a run that starts on a replica after its shutdown began (the request arrived as the
+/// drain started) is not left running past it: the `shutting_down` flag stops it as the runs
+/// already going were stopped, so it ends INTERRUPTED and hands its thread back at once.
+#[tokio::test]
+async fn a_run_started_after_its_replicas_shutdown_began_ends_interrupted_and_frees_its_thread() {
+    let (mut app, _model, _gmail) = gmail_world(
+        vec![Answer::text("Back again."), Answer::text("Back again.")],
+        &[("RUN_LEASE", "60s")],
+    )
+    .await;
+    let stopping = app.agent_replicas();
+    assert_eq!(stopping.len(), 1);
+    // Nothing runs yet: it only marks the replica as shutting down.
+    stopping[0].release_all(Duration::from_secs(1)).await;
+
+    let late = run_on(app.agent_addr, input("hello?")).await;
+    assert_eq!(
+        (late.status, late.failure_kind),
+        (
+            pb::RunState::Failed as i32,
+            pb::FailureKind::Interrupted as i32
+        ),
+        "{late:?}"
+    );
+    assert!(
+        late.error.contains("the service running it was restarted"),
+        "{}",
+        late.error
+    );
+    let other = app.start_another_agent().await;
+    let mut next = input("hello again?");
+    next.thread_id = late.thread_id;
+    assert_eq!(
+        run_on(other, next).await.summary,
+        "Back again.",
+        "the thread was handed back, not held for RUN_LEASE"
+    );
+}
+
 /// Thread `t-crash` of alice's, as a run on a replica that died leaves it: the model asked
 /// for two sends, both recorded as executing; `call_sent` reached Gmail, `call_lost` did not.
 async fn a_thread_whose_run_died_during_two_sends(app: &TestApp) {
