@@ -124,6 +124,14 @@ impl Sweeper {
                 }
             }
         });
+        // Ended at the stop itself, not when `stopped` is awaited: no sweep starts during the
+        // drain.
+        let abort = task.abort_handle();
+        let ending = stop.clone();
+        tokio::spawn(async move {
+            ending.cancelled().await;
+            abort.abort();
+        });
         Self { task, stop }
     }
 
@@ -131,7 +139,6 @@ impl Sweeper {
     /// commits or not as a whole) and waits for it to be gone.
     pub async fn stopped(self) {
         self.stop.cancelled().await;
-        self.task.abort();
         if let Err(e) = self.task.await
             && e.is_panic()
         {
