@@ -44,8 +44,11 @@ if sys.argv[2] == "prod":
         if d["kind"] != "NetworkPolicy":
             continue
         for rule in d["spec"].get("ingress", []):
-            for peer in rule.get("from", []):
-                if peer.get("namespaceSelector") == {}:
+            if not rule.get("from"):
+                sys.exit(f"prod: {d['metadata']['name']} has an ingress rule open to every source")
+            for peer in rule["from"]:
+                selector = peer.get("namespaceSelector")
+                if selector is not None and not any(selector.values()):
                     sys.exit(f"prod: {d['metadata']['name']} admits every namespace")
 print(f"{sys.argv[2]}: {len(docs)} objects valid")
 PY

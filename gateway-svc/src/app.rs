@@ -335,10 +335,18 @@ impl App {
             self.config.retention,
             stopping.child_token(),
         );
-        // During a key rotation: stored tokens moved to the new key in the background.
+        // The last step of a key rotation: stored tokens moved to the new key in the
+        // background, until the stop.
         let rekeying = self
             .cipher
-            .and_then(|cipher| credentials::rekey::spawn(self.stores.accounts.clone(), cipher));
+            .filter(|_| self.config.credentials_rekey)
+            .and_then(|cipher| {
+                credentials::rekey::spawn(
+                    self.stores.accounts.clone(),
+                    cipher,
+                    stopping.child_token(),
+                )
+            });
         let max = self.config.server.max_message_bytes;
         let api = GatewayServiceServer::new(self.api)
             .max_decoding_message_size(max)
@@ -373,7 +381,8 @@ impl App {
         stopping.cancel();
         sweeper.stopped().await;
         if let Some(rekeying) = rekeying {
-            rekeying.abort();
+            // Aborted at the stop; a save in flight lands whole or not at all.
+            let _ = rekeying.await;
         }
         if let Some(mcp) = mcp_serving {
             mcp.drain(deadline).await;

@@ -256,6 +256,11 @@ pub struct Config {
     pub rate_limits: Vec<(Integration, Limits)>,
     /// `CREDENTIALS_KEY`, holding `CREDENTIALS_KEY_PREVIOUS` too when set.
     pub credentials_key: Option<TokenCipher>,
+    /// `CREDENTIALS_REKEY`: move stored tokens from CREDENTIALS_KEY_PREVIOUS to
+    /// CREDENTIALS_KEY in the background. Off unless set, and only with a previous key: in a
+    /// rotation's first step (the old key current, the new one previous) it would move tokens
+    /// the wrong way, so it is set in the last step alone.
+    pub credentials_rekey: bool,
     /// `GOOGLE_OAUTH_TOKEN_URL`, `GOOGLE_CLIENT_ID`, `GOOGLE_CLIENT_SECRET`
     pub google_oauth: Option<OAuthClient>,
     /// `GMAIL_API_BASE_URL`
@@ -417,6 +422,15 @@ impl Config {
             (Some(current), Some(previous)) => Some(current.with_previous(previous)),
             (current, _) => current,
         };
+        let credentials_rekey = vars.bool("CREDENTIALS_REKEY", false);
+        if credentials_rekey && vars.raw("CREDENTIALS_KEY_PREVIOUS").is_none() {
+            vars.error(
+                "CREDENTIALS_REKEY",
+                "is on but CREDENTIALS_KEY_PREVIOUS is not set, so there is no key to move \
+                 tokens from; set CREDENTIALS_KEY_PREVIOUS to the key being replaced, or unset \
+                 CREDENTIALS_REKEY",
+            );
+        }
         let google_oauth = match (
             vars.optional_string("GOOGLE_CLIENT_ID"),
             vars.optional_string("GOOGLE_CLIENT_SECRET"),
@@ -539,6 +553,7 @@ impl Config {
             rate_limit_backend,
             rate_limits,
             credentials_key,
+            credentials_rekey,
             google_oauth,
             gmail_base_url,
             calendar_base_url,
@@ -838,5 +853,26 @@ mod tests {
         ])
         .unwrap();
         assert!(config.credentials_key.unwrap().has_previous());
+        assert!(
+            !config.credentials_rekey,
+            "moving tokens is asked for, never assumed"
+        );
+    }
+
+    #[test]
+    fn moving_tokens_to_the_new_key_needs_a_previous_key_to_move_them_from() {
+        const KEY: &str = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
+        const OTHER: &str = "YWJjZGVmMDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODk=";
+        let mut pairs = DEV_AUTH.to_vec();
+        pairs.extend_from_slice(&[("CREDENTIALS_KEY", KEY), ("CREDENTIALS_REKEY", "true")]);
+        let err = load(&pairs).unwrap_err();
+        assert_eq!(err.0[0].var, "CREDENTIALS_REKEY", "{err}");
+        assert!(
+            err.to_string()
+                .contains("CREDENTIALS_KEY_PREVIOUS is not set"),
+            "{err}"
+        );
+        pairs.push(("CREDENTIALS_KEY_PREVIOUS", OTHER));
+        assert!(load(&pairs).unwrap().credentials_rekey);
     }
 }

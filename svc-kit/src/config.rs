@@ -161,12 +161,7 @@ impl<'a> Vars<'a> {
                 default
             }
             None => {
-                self.error(
-                    var,
-                    format!(
-                        "{raw:?} is not a duration (use e.g. 500ms, 30s, 30m, 2h, 7d or seconds)"
-                    ),
-                );
+                self.error(var, not_a_duration(&raw, min, max));
                 default
             }
         }
@@ -195,10 +190,7 @@ impl<'a> Vars<'a> {
                 default
             }
             None => {
-                self.error(
-                    var,
-                    format!("{raw:?} is not a duration (use e.g. 30m, 2h, 7d or seconds, or off)"),
-                );
+                self.error(var, not_a_duration(&raw, min, max) + ", or off");
                 default
             }
         }
@@ -236,6 +228,16 @@ impl<'a> Vars<'a> {
             Err(ConfigErrors(self.errors))
         }
     }
+}
+
+/// Why text that is no duration is refused: what one looks like, and the range allowed.
+fn not_a_duration(raw: &str, min: Duration, max: Duration) -> String {
+    format!(
+        "{raw:?} is not a duration: use one from {} to {}, written as a number and a unit \
+         (ms, s, m, h or d; seconds without one)",
+        format_duration(min),
+        format_duration(max)
+    )
 }
 
 /// Why a duration outside `min..=max` is refused, in the units it is written in.

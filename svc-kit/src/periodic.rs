@@ -1,7 +1,8 @@
 //! Background sweeps that repeat on an interval, as both services run them (health monitor,
 //! archiver, pruners, workers, the gateway's retention): one loop, so each keeps the same two
-//! promises — a sweep never overlaps the one before it, and a sweep longer than the interval
-//! is followed by the next one, not by a burst of the ticks it overran.
+//! promises — a sweep never overlaps the one before it, and each starts a whole interval after
+//! the last one ended, so a long sweep (a backlog worked off) is followed by a rest, never by
+//! the next at once nor a burst of the ticks it overran.
 
 use std::time::Duration;
 
@@ -15,8 +16,8 @@ pub enum FirstSweep {
     Spread,
 }
 
-/// Runs `sweep` every `interval` until the task is aborted (or the runtime ends), each after
-/// the one before it has finished. Aborting it mid-sweep drops that sweep's future: a sweep
+/// Runs `sweep` until the task is aborted (or the runtime ends), each `interval` after the one
+/// before it ended. Aborting it mid-sweep drops that sweep's future: a sweep
 /// must leave nothing half-done that a drop would lose (a statement in flight commits or
 /// not as a whole).
 pub fn spawn_every<F, Fut>(
@@ -32,16 +33,12 @@ where
         FirstSweep::AtOnce => Duration::ZERO,
         FirstSweep::Spread => interval.mul_f64(rand::random::<f64>()),
     };
-    let start = tokio::time::Instant::now() + delay;
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval_at(start, interval);
-        // `Delay`: after an overrun the missed tick fires at once and the beat restarts from
-        // there, rather than firing every missed tick (`Burst`, the default) or waiting for
-        // the old beat (`Skip`).
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut next = tokio::time::Instant::now() + delay;
         loop {
-            tick.tick().await;
+            tokio::time::sleep_until(next).await;
             sweep().await;
+            next = tokio::time::Instant::now() + interval;
         }
     })
 }
@@ -77,15 +74,14 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_periodic_sweep_starts_at_once_and_never_bursts_after_a_long_one() {
+    async fn a_periodic_sweep_starts_at_once_and_rests_a_whole_interval_after_each() {
         let secs = |t: &[Duration]| t.iter().map(Duration::as_secs).collect::<Vec<_>>();
         let quick = sweep_times(FirstSweep::AtOnce, Duration::from_secs(1), 3).await;
-        assert_eq!(secs(&quick), [0, 10, 20]);
-        // The first sweep takes 25 s, overrunning two ticks: the next sweep follows it, and
-        // the one after comes a whole interval later (a burst would bring it at 26 s, a
-        // skip to the old beat at 30 s).
+        assert_eq!(secs(&quick), [0, 11, 22]);
+        // The first sweep takes 25 s, past two intervals: the next comes 10 s after it ended
+        // (tokio's `Delay` would bring it at 25 s, `Burst` at 25 and 26 s, `Skip` at 30 s).
         let slow = sweep_times(FirstSweep::AtOnce, Duration::from_secs(25), 3).await;
-        assert_eq!(secs(&slow), [0, 25, 35]);
+        assert_eq!(secs(&slow), [0, 35, 46]);
     }
 
     #[tokio::test(start_paused = true)]
@@ -93,6 +89,10 @@ mod tests {
         let times = sweep_times(FirstSweep::Spread, Duration::ZERO, 2).await;
         // Within the interval; the paused clock rounds up to the millisecond.
         assert!(times[0] <= Duration::from_secs(10), "{times:?}");
-        assert_eq!(times[1] - times[0], Duration::from_secs(10));
+        assert_eq!(
+            times[1] - times[0],
+            Duration::from_secs(10),
+            "it took no time"
+        );
     }
 }

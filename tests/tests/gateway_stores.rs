@@ -126,7 +126,7 @@ async fn accounts_are_sampled_by_when_they_were_saved(b: Backend) {
 }
 
 /// A walk over every account, a page at a time, meets each once, in key order (user,
-/// integration, account), and a save meanwhile does not move one it has passed back ahead.
+/// integration, account), whatever is saved meanwhile.
 async fn every_account_is_walked_once_a_page_at_a_time(b: Backend) {
     let s = &b.stores.accounts;
     let mut calendar = account("u1", "a@x.com");
@@ -147,7 +147,8 @@ async fn every_account_is_walked_once_a_page_at_a_time(b: Backend) {
         assert!(page.len() <= 2);
         let Some(last) = page.last() else { break };
         after = Some(AccountCursor::of(last));
-        // Saved while the walk is under way: it keeps its place in the order.
+        // Saved while the walk is under way, which makes it the most recently saved: a walk
+        // ordered by when accounts were saved (as `sample_accounts` is) would meet it twice.
         if walked.is_empty() {
             let lock = s
                 .lock_account(&last.user, last.integration, &last.account)

@@ -833,13 +833,38 @@ const TAKE_UP_PATIENCE: Duration = Duration::from_secs(24 * 3600);
 const TASK_CLAIM: Duration = Duration::from_secs(600 + 60 + 60 + 180);
 
 /// What unattended work shows of a failure it will retry by itself: the run's own words, less
-/// the "Please try again" they end with for a person at the other end, who need not.
+/// a closing "Please try again" (or "try again shortly", "Try again later") meant for a person
+/// at the other end, who need not.
 pub(super) fn retried(error: &str) -> String {
     let own = error.trim_end();
-    let own = own
-        .strip_suffix("Please try again.")
-        .map_or(own, str::trim_end);
-    format!("{own} It is tried again automatically.")
+    let lower = own.to_ascii_lowercase();
+    // The last sentence or clause that asks for another try, and what joins it on.
+    let cut = ["please try again", "try again"]
+        .iter()
+        .filter_map(|ask| lower.rfind(ask))
+        .min()
+        .filter(|&at| {
+            let tail = lower[at..].trim_end_matches(['.', '!']);
+            [
+                "please try again",
+                "try again",
+                "please try again shortly",
+                "try again shortly",
+                "try again later",
+                "please try again later",
+            ]
+            .contains(&tail)
+        });
+    let own = match cut {
+        Some(at) => own[..at].trim_end_matches([' ', ',', ';']),
+        None => own,
+    };
+    let stop = if own.ends_with(['.', '!', '?']) {
+        ""
+    } else {
+        "."
+    };
+    format!("{own}{stop} It is tried again automatically.")
 }
 
 /// E-12's retry schedule for unattended work that failed after `attempts` tries: rate limits get
@@ -946,6 +971,30 @@ mod tests {
         let last = task(MAX_RESTARTS + 3, MAX_RESTARTS);
         let outcome = task_outcome(&last, MAX_RESTARTS + 3, restarted());
         assert_eq!(outcome.state, "failed", "its third try was its last");
+    }
+
+    #[test]
+    fn e12_a_retried_failure_drops_only_a_closing_ask_to_try_again() {
+        for (error, shown) in [
+            (
+                "This run stopped: the server running it stopped responding. Please try again.",
+                "This run stopped: the server running it stopped responding. It is tried again automatically.",
+            ),
+            (
+                "gateway-svc could not say yet (timed out); nothing was run, please try again shortly",
+                "gateway-svc could not say yet (timed out); nothing was run. It is tried again automatically.",
+            ),
+            (
+                "the database is unavailable: connection refused",
+                "the database is unavailable: connection refused. It is tried again automatically.",
+            ),
+            (
+                "Try again later? No: the model said no.",
+                "Try again later? No: the model said no. It is tried again automatically.",
+            ),
+        ] {
+            assert_eq!(retried(error), shown);
+        }
     }
 
     #[test]

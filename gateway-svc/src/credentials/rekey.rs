@@ -19,6 +19,7 @@ use std::{
 
 use svc_kit::periodic::{FirstSweep, spawn_every};
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use super::{
     cipher::{KeyUsed, TokenCipher},
@@ -39,10 +40,12 @@ pub const PAGE: usize = 200;
 pub struct Walk {
     /// Accounts read.
     pub read: usize,
-    /// Moved to the current key by this walk.
+    /// Saved under the current key by this walk — or, when the account changed between the
+    /// walk's lock and its save (a reconnect, a disconnect), left as that change made it: the
+    /// save is a compare-and-swap that does not say which. The next walk checks again.
     pub moved: usize,
-    /// Under the previous key and not moved: another replica was refreshing the account, or
-    /// it changed under the walk. The next walk tries again.
+    /// Under the previous key and not moved: another replica was refreshing the account past
+    /// the wait for its lock. The next walk tries again.
     pub left: usize,
     /// Read with neither key (stored under another key, or damaged): only a reconnect mends
     /// them, and they do not keep the previous key needed.
@@ -133,7 +136,7 @@ async fn move_one(
         .await
     {
         Ok(lock) => lock,
-        // Being refreshed elsewhere: that refresh writes it under the current key anyway.
+        // Being refreshed elsewhere for longer than the lock's wait: the next walk looks again.
         Err(StoreError::InProgress(_)) => return Ok(Fared::Left),
         Err(e) => return Err(e),
     };
@@ -160,14 +163,18 @@ async fn move_one(
 }
 
 /// Walks every [`INTERVAL`] while `cipher` holds a previous key, until a walk finds nothing
-/// under it; logs what each walk did. The task is aborted at shutdown (a save in flight
-/// lands whole or not at all).
-pub fn spawn(store: Arc<dyn AccountStore>, cipher: TokenCipher) -> Option<JoinHandle<()>> {
+/// under it or `stop` is cancelled, which aborts the task (a save in flight lands whole or
+/// not at all); logs what each walk did.
+pub fn spawn(
+    store: Arc<dyn AccountStore>,
+    cipher: TokenCipher,
+    stop: CancellationToken,
+) -> Option<JoinHandle<()>> {
     if !cipher.has_previous() {
         return None;
     }
     let done = Arc::new(AtomicBool::new(false));
-    Some(spawn_every(INTERVAL, FirstSweep::Spread, move || {
+    let task = spawn_every(INTERVAL, FirstSweep::Spread, move || {
         let (store, cipher, done) = (store.clone(), cipher.clone(), done.clone());
         async move {
             if done.load(Ordering::Relaxed) {
@@ -179,8 +186,8 @@ pub fn spawn(store: Arc<dyn AccountStore>, cipher: TokenCipher) -> Option<JoinHa
                     tracing::info!(
                         read = w.read,
                         unreadable = w.unreadable,
-                        "every stored account token readable here is under CREDENTIALS_KEY: \
-                         CREDENTIALS_KEY_PREVIOUS can be unset once every replica says so"
+                        "a walk over every stored account found no token under CREDENTIALS_KEY_PREVIOUS: \
+                         once every replica has said so, CREDENTIALS_KEY_PREVIOUS and CREDENTIALS_REKEY can be unset"
                     );
                 }
                 Ok(w) => tracing::info!(
@@ -199,7 +206,13 @@ pub fn spawn(store: Arc<dyn AccountStore>, cipher: TokenCipher) -> Option<JoinHa
                 ),
             }
         }
-    }))
+    });
+    let abort = task.abort_handle();
+    tokio::spawn(async move {
+        stop.cancelled().await;
+        abort.abort();
+    });
+    Some(task)
 }
 
 #[cfg(test)]
@@ -240,11 +253,13 @@ mod tests {
             })
             .await
             .unwrap();
-        assert!(spawn(stores.accounts.clone(), cipher(NEW)).is_none());
+        let stop = CancellationToken::new();
+        assert!(spawn(stores.accounts.clone(), cipher(NEW), stop.clone()).is_none());
 
         let walking = spawn(
             stores.accounts.clone(),
             cipher(NEW).with_previous(cipher(OLD)),
+            stop.clone(),
         )
         .expect("a previous key: a walk to make");
         tokio::time::sleep(INTERVAL).await;
@@ -258,6 +273,10 @@ mod tests {
             cipher(NEW).decrypt(&stored.access_token, &row).unwrap(),
             "access"
         );
-        walking.abort();
+        stop.cancel();
+        assert!(
+            walking.await.unwrap_err().is_cancelled(),
+            "ended at the stop"
+        );
     }
 }

@@ -181,7 +181,8 @@ impl AccountCursor {
         }
     }
 
-    /// The key as both stores order it: the columns' text, compared in turn.
+    /// The key a walk is ordered by: the columns' text, compared in turn (each store in its
+    /// own collation, PostgreSQL's for its rows, bytes for the memory store's).
     pub fn key(&self) -> (&str, &str, &str) {
         (self.user.as_str(), self.integration.key(), &self.account)
     }

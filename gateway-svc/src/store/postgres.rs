@@ -463,7 +463,7 @@ impl AccountLock for PgAccountLock {
                 user = %a.user,
                 integration = a.integration.key(),
                 account = %a.account,
-                "a token refresh was not saved: the account changed while it ran (reconnected, disconnected, or another replica saved newer tokens), and that stays"
+                "an account save (a token refresh, or tokens moved to a new CREDENTIALS_KEY) was not applied: the account changed meanwhile (reconnected, disconnected, or newer tokens saved elsewhere), and that stays"
             );
         }
         self.holder = None;
