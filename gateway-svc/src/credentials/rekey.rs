@@ -1,13 +1,16 @@
-//! Moving stored tokens to a new CREDENTIALS_KEY (G-8). While CREDENTIALS_KEY_PREVIOUS is set,
-//! each replica walks every stored account in key order and re-encrypts, under the current
-//! key, the tokens still under the previous one — so a rotation ends without waiting for
-//! every account to be refreshed or reconnected, and the old key can go.
+//! Moving stored tokens to a new CREDENTIALS_KEY (G-8). With CREDENTIALS_REKEY on (a
+//! rotation's last step, CREDENTIALS_KEY_PREVIOUS the old key), each replica walks every
+//! stored account in key order and re-encrypts, under the current key, the tokens still under
+//! the previous one — so a rotation ends without waiting for every account to be refreshed or
+//! reconnected, and the old key can go. Never in the first step: there the previous key is the
+//! new one, and a walk would move tokens back.
 //!
 //! Each account is moved under its refresh lock and saved as a compare-and-swap on the
 //! tokens the lock read, as a refresh is: a refresh or reconnect meanwhile wins, and nothing
 //! is re-encrypted twice over. Replicas walking at once skip what another has moved.
 //! Walking repeats every [`INTERVAL`] until one whole walk finds nothing under the previous
-//! key (a replica of the rollout before may still have written one meanwhile), then stops.
+//! key (a replica of the rollout before may still have written one meanwhile), then does
+//! nothing more.
 
 use std::{
     sync::{
