@@ -115,8 +115,6 @@ pub struct App {
     mcp_hub: Arc<McpHub>,
     mcp_endpoint: Option<McpEndpoint>,
     in_flight: Arc<crate::engine::InFlight>,
-    /// The key stored tokens are read and written with, when one is set.
-    cipher: Option<TokenCipher>,
 }
 
 impl App {
@@ -161,7 +159,6 @@ impl App {
         };
         let http = crate::context::upstream_client(config.upstream_timeout)
             .map_err(|e| StartError::Http(e.to_string()))?;
-        let config_cipher = cipher.clone();
         let credentials = Credentials::new(
             stores.accounts.clone(),
             cipher,
@@ -279,7 +276,6 @@ impl App {
             mcp_hub,
             mcp_endpoint,
             in_flight,
-            cipher: config_cipher,
         })
     }
 
@@ -337,8 +333,11 @@ impl App {
         );
         // The last step of a key rotation: stored tokens moved to the new key in the
         // background, until the stop.
+        // Only CREDENTIALS_KEY holds a previous key (the memory store's random one never does).
         let rekeying = self
-            .cipher
+            .config
+            .credentials_key
+            .clone()
             .filter(|_| self.config.credentials_rekey)
             .and_then(|cipher| {
                 credentials::rekey::spawn(

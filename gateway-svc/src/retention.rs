@@ -11,7 +11,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use svc_kit::periodic::{FirstSweep, spawn_every};
+use svc_kit::periodic::{FirstSweep, abort_at, spawn_every};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -126,12 +126,7 @@ impl Sweeper {
         });
         // Ended at the stop itself, not when `stopped` is awaited: no sweep starts during the
         // drain.
-        let abort = task.abort_handle();
-        let ending = stop.clone();
-        tokio::spawn(async move {
-            ending.cancelled().await;
-            abort.abort();
-        });
+        abort_at(&task, stop.clone().cancelled_owned());
         Self { task, stop }
     }
 

@@ -43,6 +43,19 @@ where
     })
 }
 
+/// Aborts `task` once `stop` completes (a cancellation token's `cancelled_owned()`, say): a
+/// loop of [`spawn_every`] ended at a service's stop itself, not when the stop is next awaited.
+pub fn abort_at<T: Send + 'static>(
+    task: &tokio::task::JoinHandle<T>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
+    let abort = task.abort_handle();
+    tokio::spawn(async move {
+        stop.await;
+        abort.abort();
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

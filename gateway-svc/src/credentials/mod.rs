@@ -507,20 +507,42 @@ pub async fn check_key(
         previous: 0,
     };
     for a in &sample {
-        let row = row_id(&a.user, a.integration, &a.account);
-        // Both tokens: an account whose refresh token is still under the previous key needs
-        // it as much as one whose access token is.
-        let keys: Result<Vec<KeyUsed>, _> = std::iter::once(&a.access_token)
-            .chain(a.refresh_token.as_ref())
-            .map(|t| cipher.decrypt_which(t, &row).map(|(_, used)| used))
-            .collect();
-        match keys {
-            Ok(used) if used.contains(&KeyUsed::Previous) => check.previous += 1,
-            Ok(_) => check.current += 1,
-            Err(_) => {}
+        match TokensRead::of(cipher, a) {
+            Some(read) if read.all_current() => check.current += 1,
+            Some(_) => check.previous += 1,
+            None => {}
         }
     }
     Ok(check)
+}
+
+/// An account's stored tokens as read, with the key each was under (the start-up key check
+/// and the rotation walk); `None` from [`TokensRead::of`] when one reads with neither key.
+struct TokensRead {
+    access: (String, KeyUsed),
+    refresh: Option<(String, KeyUsed)>,
+}
+
+impl TokensRead {
+    fn of(cipher: &TokenCipher, a: &StoredAccount) -> Option<Self> {
+        let row = row_id(&a.user, a.integration, &a.account);
+        let read = |t: &[u8]| cipher.decrypt_which(t, &row).ok();
+        Some(Self {
+            access: read(&a.access_token)?,
+            refresh: match &a.refresh_token {
+                Some(t) => Some(read(t)?),
+                None => None,
+            },
+        })
+    }
+
+    /// Both tokens under the current key: an account whose refresh token is still under the
+    /// previous key needs it as much as one whose access token is.
+    fn all_current(&self) -> bool {
+        std::iter::once(&self.access)
+            .chain(self.refresh.as_ref())
+            .all(|(_, key)| *key == KeyUsed::Current)
+    }
 }
 
 /// The stored access token if it can be used as is.

@@ -20,14 +20,11 @@ use std::{
     time::Duration,
 };
 
-use svc_kit::periodic::{FirstSweep, spawn_every};
+use svc_kit::periodic::{FirstSweep, abort_at, spawn_every};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::{
-    cipher::{KeyUsed, TokenCipher},
-    row_id,
-};
+use super::{TokensRead, cipher::TokenCipher, row_id};
 use crate::store::{AccountCursor, AccountStore, StoreError, StoredAccount};
 
 /// How often a replica walks while there may be tokens to move; the first walk comes at a
@@ -97,39 +94,13 @@ pub async fn walk(
     }
 }
 
-/// `a`'s tokens as read, with the key each was under; `None` when one reads with neither.
-struct Read {
-    access: (String, KeyUsed),
-    refresh: Option<(String, KeyUsed)>,
-}
-
-impl Read {
-    fn of(cipher: &TokenCipher, a: &StoredAccount) -> Option<Self> {
-        let row = row_id(&a.user, a.integration, &a.account);
-        let read = |t: &[u8]| cipher.decrypt_which(t, &row).ok();
-        Some(Self {
-            access: read(&a.access_token)?,
-            refresh: match &a.refresh_token {
-                Some(t) => Some(read(t)?),
-                None => None,
-            },
-        })
-    }
-
-    fn all_current(&self) -> bool {
-        std::iter::once(&self.access)
-            .chain(self.refresh.as_ref())
-            .all(|(_, key)| *key == KeyUsed::Current)
-    }
-}
-
 async fn move_one(
     store: &dyn AccountStore,
     cipher: &TokenCipher,
     listed: &StoredAccount,
 ) -> Result<Fared, StoreError> {
     // Read unlocked first: most accounts need nothing, and take no lock.
-    match Read::of(cipher, listed) {
+    match TokensRead::of(cipher, listed) {
         None => return Ok(Fared::Unreadable),
         Some(read) if read.all_current() => return Ok(Fared::Already),
         Some(_) => {}
@@ -147,7 +118,7 @@ async fn move_one(
     let Some(current) = lock.current().cloned() else {
         return Ok(Fared::Already);
     };
-    let read = match Read::of(cipher, &current) {
+    let read = match TokensRead::of(cipher, &current) {
         None => return Ok(Fared::Unreadable),
         Some(read) if read.all_current() => return Ok(Fared::Already),
         Some(read) => read,
@@ -210,11 +181,7 @@ pub fn spawn(
             }
         }
     });
-    let abort = task.abort_handle();
-    tokio::spawn(async move {
-        stop.cancelled().await;
-        abort.abort();
-    });
+    abort_at(&task, stop.cancelled_owned());
     Some(task)
 }
 

@@ -197,10 +197,10 @@ impl AccountStore for MemoryStore {
             .lock()
             .map_err(|_| poisoned())?
             .values()
-            .filter(|a| after.is_none_or(|c| AccountCursor::of(a).key() > c.key()))
+            .filter(|a| after.is_none_or(|c| a.walk_key() > c.key()))
             .cloned()
             .collect();
-        page.sort_by(|a, b| AccountCursor::of(a).key().cmp(&AccountCursor::of(b).key()));
+        page.sort_by(|a, b| a.walk_key().cmp(&b.walk_key()));
         page.truncate(limit);
         Ok(page)
     }

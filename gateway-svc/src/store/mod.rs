@@ -188,6 +188,13 @@ impl AccountCursor {
     }
 }
 
+impl StoredAccount {
+    /// Its [`AccountCursor::key`], without making a cursor of it.
+    pub fn walk_key(&self) -> (&str, &str, &str) {
+        (self.user.as_str(), self.integration.key(), &self.account)
+    }
+}
+
 /// What a call waiting for another call with its idempotency key is told when that one is
 /// still running after `waited`.
 pub fn in_progress(waited: std::time::Duration) -> String {
