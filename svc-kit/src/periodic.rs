@@ -16,6 +16,14 @@ pub enum FirstSweep {
     Spread,
 }
 
+/// What a sweep of [`spawn_every_until`] says of the next one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Then {
+    Again,
+    /// The work is done for good: the loop ends, its task with it.
+    Done,
+}
+
 /// Runs `sweep` until the task is aborted (or the runtime ends), each `interval` after the one
 /// before it ended. Aborting it mid-sweep drops that sweep's future: a sweep
 /// must leave nothing half-done that a drop would lose (a statement in flight commits or
@@ -29,6 +37,26 @@ where
     F: FnMut() -> Fut + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
+    spawn_every_until(interval, first, move || {
+        let swept = sweep();
+        async move {
+            swept.await;
+            Then::Again
+        }
+    })
+}
+
+/// As [`spawn_every`], for work that can end: the loop stops after a sweep that says
+/// [`Then::Done`].
+pub fn spawn_every_until<F, Fut>(
+    interval: Duration,
+    first: FirstSweep,
+    mut sweep: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: Future<Output = Then> + Send + 'static,
+{
     let delay = match first {
         FirstSweep::AtOnce => Duration::ZERO,
         FirstSweep::Spread => interval.mul_f64(rand::random::<f64>()),
@@ -37,7 +65,9 @@ where
         let mut next = tokio::time::Instant::now() + delay;
         loop {
             tokio::time::sleep_until(next).await;
-            sweep().await;
+            if sweep().await == Then::Done {
+                return;
+            }
             next = tokio::time::Instant::now() + interval;
         }
     })
@@ -95,6 +125,23 @@ mod tests {
         // (tokio's `Delay` would bring it at 25 s, `Burst` at 25 and 26 s, `Skip` at 30 s).
         let slow = sweep_times(FirstSweep::AtOnce, Duration::from_secs(25), 3).await;
         assert_eq!(secs(&slow), [0, 35, 46]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sweep_that_says_it_is_done_ends_its_loop() {
+        let start = tokio::time::Instant::now();
+        let mut swept = 0;
+        let task = spawn_every_until(Duration::from_secs(10), FirstSweep::AtOnce, move || {
+            swept += 1;
+            let then = if swept == 3 { Then::Done } else { Then::Again };
+            async move { then }
+        });
+        task.await.expect("the loop ends by itself");
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_secs(20),
+            "after its third sweep"
+        );
     }
 
     #[tokio::test(start_paused = true)]

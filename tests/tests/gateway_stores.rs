@@ -5,17 +5,19 @@ use std::{sync::Arc, time::SystemTime};
 
 use gateway_svc::{
     credentials::{
+        Credentials,
         cipher::TokenCipher,
+        oauth::OAuthClient,
         rekey::{self, Walk},
     },
     domain::{Integration, McpSwitch, UserId},
     ratelimit::{Decision, LimitKey, Limits, RateLimitBackend, Window, memory::MemoryRateLimits},
     store::{
-        AccountCursor, AccountStatus, AuditRecord, KeyState, StoredAccount, StoredResult, Stores,
-        TaskFilter, TaskPatch, memory::MemoryStore, postgres::PgStore,
+        AccountCursor, AccountStatus, AuditRecord, KeyState, Saved, StoredAccount, StoredResult,
+        Stores, TaskFilter, TaskPatch, memory::MemoryStore, postgres::PgStore,
     },
 };
-use steward_tests::TestDb;
+use steward_tests::{TestDb, fakes::oauth::FakeOAuth};
 use svc_kit::{pg::PoolOptions, server_config::DatabaseConfig};
 
 struct Backend {
@@ -156,7 +158,7 @@ async fn every_account_is_walked_once_a_page_at_a_time(b: Backend) {
                 .unwrap();
             let mut saved = lock.current().unwrap().clone();
             saved.access_token = vec![7];
-            lock.save(saved).await.unwrap();
+            assert_eq!(lock.save(saved).await.unwrap(), Saved::Applied);
         }
         walked.extend(page.iter().map(|a| {
             let c = AccountCursor::of(a);
@@ -268,7 +270,7 @@ async fn an_account_lock_is_exclusive_until_saved(b: Backend) {
     assert!(!second.is_finished());
     let mut updated = first.current().unwrap().clone();
     updated.access_token = vec![9, 9];
-    first.save(updated).await.unwrap();
+    assert_eq!(first.save(updated).await.unwrap(), Saved::Applied);
     assert_eq!(
         second.await.unwrap(),
         vec![9, 9],
@@ -290,7 +292,11 @@ async fn a_refresh_saved_after_a_reconnect_or_a_disconnect_changes_nothing(b: Ba
     s.upsert_account(reconnected).await.unwrap();
     let mut refreshed = refreshing.current().unwrap().clone();
     refreshed.access_token = vec![9, 9];
-    refreshing.save(refreshed.clone()).await.unwrap();
+    assert_eq!(
+        refreshing.save(refreshed.clone()).await.unwrap(),
+        Saved::Superseded,
+        "the save says it lost"
+    );
     let now = s
         .get_account(&user("u1"), Integration::Gmail, "a@x.com")
         .await
@@ -399,7 +405,7 @@ async fn g8_on_postgres_a_refresh_whose_lease_lapsed_still_saves_and_the_takers_
     let mut rotated = slow.current().unwrap().clone();
     rotated.access_token = vec![9, 9];
     rotated.refresh_token = Some(vec![6, 6]);
-    slow.save(rotated).await.unwrap();
+    assert_eq!(slow.save(rotated).await.unwrap(), Saved::Applied);
     let stored = || async {
         s.get_account(&user("u1"), Integration::Gmail, "a@x.com")
             .await
@@ -414,7 +420,7 @@ async fn g8_on_postgres_a_refresh_whose_lease_lapsed_still_saves_and_the_takers_
 
     let mut stale = taker.current().unwrap().clone();
     stale.access_token = vec![8, 8];
-    taker.save(stale).await.unwrap();
+    assert_eq!(taker.save(stale).await.unwrap(), Saved::Superseded);
     assert_eq!(
         stored().await.access_token,
         vec![9, 9],
@@ -428,6 +434,91 @@ async fn g8_on_postgres_a_refresh_whose_lease_lapsed_still_saves_and_the_takers_
     .expect("the taker let go of its lease")
     .unwrap();
     assert_eq!(next.current().unwrap().refresh_token, Some(vec![6, 6]));
+}
+
+/// G-8: a refresh that outlives its lease while a key rotation's walk takes the account over
+/// and moves its tokens to the new key is still saved: the walk changed nothing but the key,
+/// so the fresh access token, and the refresh token the provider rotated, are not lost to it.
+#[tokio::test]
+async fn g8_on_postgres_a_refresh_outlived_by_a_rotation_walk_still_saves_its_rotated_tokens() {
+    const OLD: &str = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
+    const NEW: &str = "YWJjZGVmMDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODk=";
+    let cipher = |key: &str| TokenCipher::from_base64(key).unwrap();
+    let b = postgres().await;
+    let s = b.stores.accounts.clone();
+    let row = "u1/gmail/a@x.com";
+    s.upsert_account(StoredAccount {
+        access_token: cipher(OLD).encrypt("expired-access", row).unwrap(),
+        refresh_token: Some(cipher(OLD).encrypt("first-refresh", row).unwrap()),
+        expires_at: Some(SystemTime::now()),
+        ..account("u1", "a@x.com")
+    })
+    .await
+    .unwrap();
+    let oauth = FakeOAuth::start().await;
+    oauth
+        .state
+        .rotate
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let rotating = cipher(NEW).with_previous(cipher(OLD));
+    let credentials = Credentials::new(
+        s.clone(),
+        Some(rotating.clone()),
+        Some(OAuthClient {
+            token_url: oauth.url.clone(),
+            client_id: "client-id".into(),
+            client_secret: "client-secret".to_owned().into(),
+        }),
+        reqwest::Client::new(),
+    );
+
+    let mut held = oauth.hold_next_refresh();
+    let refreshing = tokio::spawn(async move {
+        credentials
+            .access_token(&user("u1"), Integration::Gmail, "a@x.com", None)
+            .await
+    });
+    held.arrived().await;
+    // The refresh has held the account past its lease, and the walk takes it over.
+    let (sql, conn) = tokio_postgres::connect(b._db.as_ref().unwrap().url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    sql.execute(
+        "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second'",
+        &[],
+    )
+    .await
+    .unwrap();
+    let walk = rekey::walk(&*s, &rotating, 10).await.unwrap();
+    assert_eq!((walk.moved, walk.left), (1, 0), "{walk:?}");
+
+    held.release();
+    assert_eq!(
+        refreshing.await.unwrap().unwrap(),
+        "fresh-access-1",
+        "the call has its fresh token"
+    );
+    let stored = s
+        .get_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap()
+        .unwrap();
+    let new_only = cipher(NEW);
+    assert_eq!(
+        (
+            new_only.decrypt(&stored.access_token, row).unwrap(),
+            new_only
+                .decrypt(stored.refresh_token.as_deref().unwrap(), row)
+                .unwrap(),
+        ),
+        ("fresh-access-1".to_owned(), "rotated-refresh-1".to_owned()),
+        "the refresh's tokens are stored, under the new key"
+    );
+    assert!(
+        rekey::walk(&*s, &rotating, 10).await.unwrap().found_none(),
+        "nothing is left under the old key"
+    );
 }
 
 async fn account_locks_held_during_refreshes_pin_no_connection(b: Backend) {

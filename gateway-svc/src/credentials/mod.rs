@@ -19,7 +19,7 @@ use oauth::{OAuthClient, RefreshError};
 use crate::{
     domain::{Integration, Provider, UserId},
     enforce::ToolError,
-    store::{AccountLock, AccountStatus, AccountStore, StoreError, StoredAccount},
+    store::{AccountLock, AccountStatus, AccountStore, Saved, StoreError, StoredAccount},
 };
 
 /// Refresh this long before expiry, so a token does not die in flight.
@@ -340,7 +340,7 @@ impl Credentials {
         tracing::info!(user = %user, integration = integration.key(), account, "refreshing access token");
         match oauth.refresh(&self.http, &refresh_token).await {
             Ok(fresh) => {
-                let mut updated = current;
+                let mut updated = current.clone();
                 updated.access_token = cipher
                     .encrypt(&fresh.access_token, &row)
                     .map_err(|e| internal(&e))?;
@@ -349,14 +349,22 @@ impl Credentials {
                 let kept = fresh.refresh_token.as_deref().unwrap_or(&refresh_token);
                 updated.refresh_token = Some(cipher.encrypt(kept, &row).map_err(|e| internal(&e))?);
                 updated.expires_at = fresh.expires_in.map(|d| SystemTime::now() + d);
-                lock.save(updated).await.map_err(|e| internal(&e))?;
+                let saved = match lock.save(updated.clone()).await.map_err(|e| internal(&e))? {
+                    Saved::Applied => Saved::Applied,
+                    Saved::Superseded => self.save_over_moved(cipher, &current, updated).await,
+                };
+                if saved == Saved::Superseded {
+                    not_saved(&current, "the refreshed tokens were");
+                }
                 Ok(fresh.access_token)
             }
             Err(RefreshError::Revoked) => {
                 tracing::warn!(user = %user, integration = integration.key(), account, "refresh token revoked; account needs reconnecting");
-                let mut updated = current;
+                let mut updated = current.clone();
                 updated.status = AccountStatus::NeedsReconnect;
-                lock.save(updated).await.map_err(|e| internal(&e))?;
+                if lock.save(updated).await.map_err(|e| internal(&e))? == Saved::Superseded {
+                    not_saved(&current, "the needs-reconnecting mark was");
+                }
                 Err(revoked(integration, account))
             }
             Err(RefreshError::Failed(detail)) => Err(ToolError::UpstreamUnavailable {
@@ -370,6 +378,45 @@ impl Credentials {
 }
 
 impl Credentials {
+    /// A refresh whose save was superseded, from `read` (the account as its lock read it) to
+    /// `updated`. When what superseded it is only `read`'s tokens under CREDENTIALS_KEY — the
+    /// rotation walk took over the lease this refresh outlived (a slow token endpoint, a slow
+    /// save) and moved them — the refresh is saved over them after all: otherwise its fresh
+    /// tokens, and a refresh token the provider rotated, would be lost to a change that meant
+    /// nothing. Any other change (a reconnect, a disconnect, newer tokens) stays. A store
+    /// error is logged: the call has its token either way.
+    async fn save_over_moved(
+        &self,
+        cipher: &TokenCipher,
+        read: &StoredAccount,
+        updated: StoredAccount,
+    ) -> Saved {
+        let plain = |a: &StoredAccount| {
+            TokensRead::of(cipher, a).map(|t| (t.access.0, t.refresh.map(|(token, _)| token)))
+        };
+        let retried = async {
+            let lock = self
+                .store
+                .lock_account(&read.user, read.integration, &read.account)
+                .await?;
+            let moved_only = lock.current().is_some_and(|now| {
+                now.status == read.status
+                    && now.expires_at == read.expires_at
+                    && now.scopes == read.scopes
+                    && now.connected_at == read.connected_at
+                    && plain(now).is_some_and(|tokens| Some(tokens) == plain(read))
+            });
+            match moved_only {
+                true => lock.save(updated).await,
+                false => Ok(Saved::Superseded),
+            }
+        };
+        retried.await.unwrap_or_else(|e| {
+            tracing::error!(user = %read.user, integration = read.integration.key(), account = %read.account, error = %e, "could not save refreshed tokens over the same tokens moved to CREDENTIALS_KEY");
+            Saved::Superseded
+        })
+    }
+
     /// The upstream refused `token` for good (although it had just been refreshed or
     /// replaced, or in words such as Slack's `token_revoked`): the grant no longer gives
     /// access (scopes withdrawn, the account disabled, the app uninstalled), and only
@@ -398,8 +445,7 @@ impl Credentials {
             }
             let mut updated = current;
             updated.status = AccountStatus::NeedsReconnect;
-            lock.save(updated).await?;
-            Ok::<_, CredentialError>(true)
+            Ok::<_, CredentialError>(lock.save(updated).await? == Saved::Applied)
         };
         match marked.await {
             Ok(true) => {
@@ -419,22 +465,29 @@ impl Credentials {
 /// is logged: the call's answer is the same.
 async fn cannot_renew(lock: Box<dyn AccountLock>, current: StoredAccount) -> ToolError {
     let error = revoked(current.integration, &current.account);
-    let (user, integration, account) = (
-        current.user.clone(),
-        current.integration,
-        current.account.clone(),
-    );
-    let mut updated = current;
+    let mut updated = current.clone();
     updated.status = AccountStatus::NeedsReconnect;
+    let (user, integration, account) = (&current.user, current.integration.key(), &current.account);
     match lock.save(updated).await {
-        Ok(()) => {
-            tracing::warn!(user = %user, integration = integration.key(), account, "a token that cannot be renewed expired or was refused; account needs reconnecting");
+        Ok(Saved::Applied) => {
+            tracing::warn!(user = %user, integration, account = %account, "a token that cannot be renewed expired or was refused; account needs reconnecting");
         }
+        Ok(Saved::Superseded) => not_saved(&current, "the needs-reconnecting mark was"),
         Err(e) => {
-            tracing::error!(user = %user, integration = integration.key(), account, error = %e, "could not mark the account as needing reconnection");
+            tracing::error!(user = %user, integration, account = %account, error = %e, "could not mark the account as needing reconnection");
         }
     }
     error
+}
+
+/// A save of `account` lost to a change made meanwhile, which stays.
+fn not_saved(account: &StoredAccount, what: &str) {
+    tracing::warn!(
+        user = %account.user,
+        integration = account.integration.key(),
+        account = %account.account,
+        "{what} not saved: the account changed meanwhile (reconnected, disconnected, or newer tokens saved elsewhere), and that stays"
+    );
 }
 
 fn revoked(integration: Integration, account: &str) -> ToolError {

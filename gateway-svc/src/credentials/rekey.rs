@@ -9,23 +9,16 @@
 //! tokens the lock read, as a refresh is: a refresh or reconnect meanwhile wins, and nothing
 //! is re-encrypted twice over. Replicas walking at once skip what another has moved.
 //! Walking repeats every [`INTERVAL`] until one whole walk finds nothing under the previous
-//! key (a replica of the rollout before may still have written one meanwhile), then does
-//! nothing more.
+//! key (a replica of the rollout before may still have written one meanwhile), then ends.
 
-use std::{
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
-use svc_kit::periodic::{FirstSweep, abort_at, spawn_every};
+use svc_kit::periodic::{FirstSweep, Then, abort_at, spawn_every_until};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{TokensRead, cipher::TokenCipher, row_id};
-use crate::store::{AccountCursor, AccountStore, StoreError, StoredAccount};
+use crate::store::{AccountCursor, AccountStore, Saved, StoreError, StoredAccount};
 
 /// How often a replica walks while there may be tokens to move; the first walk comes at a
 /// random point of the first interval, so replicas a rollout starts together do not walk
@@ -40,12 +33,12 @@ pub const PAGE: usize = 200;
 pub struct Walk {
     /// Accounts read.
     pub read: usize,
-    /// Saved under the current key by this walk — or, when the account changed between the
-    /// walk's lock and its save (a reconnect, a disconnect), left as that change made it: the
-    /// save is a compare-and-swap that does not say which. The next walk checks again.
+    /// Saved under the current key by this walk.
     pub moved: usize,
     /// Under the previous key and not moved: another replica was refreshing the account past
-    /// the wait for its lock. The next walk tries again.
+    /// the wait for its lock, or the account changed between the walk's lock and its save (a
+    /// reconnect, say, whose tokens a replica of the rollout before may have written under
+    /// the previous key). The next walk looks again.
     pub left: usize,
     /// Read with neither key (stored under another key, or damaged): only a reconnect mends
     /// them, and they do not keep the previous key needed.
@@ -132,13 +125,15 @@ async fn move_one(
     let mut updated = current;
     updated.access_token = encrypt(&read.access.0)?;
     updated.refresh_token = read.refresh.map(|(plain, _)| encrypt(&plain)).transpose()?;
-    lock.save(updated).await?;
-    Ok(Fared::Moved)
+    Ok(match lock.save(updated).await? {
+        Saved::Applied => Fared::Moved,
+        Saved::Superseded => Fared::Left,
+    })
 }
 
 /// Walks every [`INTERVAL`] while `cipher` holds a previous key, until a walk finds nothing
-/// under it or `stop` is cancelled, which aborts the task (a save in flight lands whole or
-/// not at all); logs what each walk did.
+/// under it (the task then ends) or `stop` is cancelled, which aborts the task (a save in
+/// flight lands whole or not at all); logs what each walk did.
 pub fn spawn(
     store: Arc<dyn AccountStore>,
     cipher: TokenCipher,
@@ -147,22 +142,18 @@ pub fn spawn(
     if !cipher.has_previous() {
         return None;
     }
-    let done = Arc::new(AtomicBool::new(false));
-    let task = spawn_every(INTERVAL, FirstSweep::Spread, move || {
-        let (store, cipher, done) = (store.clone(), cipher.clone(), done.clone());
+    let task = spawn_every_until(INTERVAL, FirstSweep::Spread, move || {
+        let (store, cipher) = (store.clone(), cipher.clone());
         async move {
-            if done.load(Ordering::Relaxed) {
-                return;
-            }
             match walk(&*store, &cipher, PAGE).await {
                 Ok(w) if w.found_none() => {
-                    done.store(true, Ordering::Relaxed);
                     tracing::info!(
                         read = w.read,
                         unreadable = w.unreadable,
                         "a walk over every stored account found no token under CREDENTIALS_KEY_PREVIOUS: \
                          once every replica has said so, CREDENTIALS_KEY_PREVIOUS and CREDENTIALS_REKEY can be unset"
                     );
+                    return Then::Done;
                 }
                 Ok(w) => tracing::info!(
                     read = w.read,
@@ -179,6 +170,7 @@ pub fn spawn(
                     "could not finish moving stored tokens to CREDENTIALS_KEY; the next walk starts over"
                 ),
             }
+            Then::Again
         }
     });
     abort_at(&task, stop.cancelled_owned());
@@ -204,7 +196,8 @@ mod tests {
     /// its first interval; one given no previous key has nothing to move and starts no walk.
     /// On tokio's paused clock: the interval passes at once, and the walk's random start too.
     #[tokio::test(start_paused = true)]
-    async fn g8_a_rotating_replica_moves_stored_tokens_to_the_new_key_within_its_first_interval() {
+    async fn g8_a_rotating_replica_moves_stored_tokens_to_the_new_key_within_its_first_interval_and_ends_once_none_are_left()
+     {
         let stores = MemoryStore::stores();
         let user = UserId::parse("u1").unwrap();
         let row = row_id(&user, Integration::Gmail, "a@x.com");
@@ -248,5 +241,17 @@ mod tests {
             walking.await.unwrap_err().is_cancelled(),
             "ended at the stop"
         );
+
+        // Restarted with nothing left under the old key: its first walk says so, and it ends.
+        let walking = spawn(
+            stores.accounts.clone(),
+            cipher(NEW).with_previous(cipher(OLD)),
+            CancellationToken::new(),
+        )
+        .expect("a previous key: a walk to make");
+        tokio::time::timeout(INTERVAL, walking)
+            .await
+            .expect("ended within its first interval")
+            .expect("ended by itself");
     }
 }

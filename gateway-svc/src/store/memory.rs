@@ -11,8 +11,8 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use super::{
     AccountCursor, AccountLock, AccountStore, ActingMark, AuditEntry, AuditLog, AuditRecord,
     IdempotencyClaim, IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore, Ping, Reminder,
-    ReminderStore, StoreError, StoredAccount, StoredResult, Stores, Task, TaskFilter, TaskPatch,
-    TaskStore, words,
+    ReminderStore, Saved, StoreError, StoredAccount, StoredResult, Stores, Task, TaskFilter,
+    TaskPatch, TaskStore, words,
 };
 use crate::domain::{Integration, McpSwitch, UserId};
 
@@ -234,7 +234,7 @@ impl AccountLock for MemoryAccountLock {
         self.current.as_ref()
     }
 
-    async fn save(self: Box<Self>, updated: StoredAccount) -> Result<(), StoreError> {
+    async fn save(self: Box<Self>, updated: StoredAccount) -> Result<Saved, StoreError> {
         let Some(locked) = &self.current else {
             return Err(StoreError::Unavailable(format!(
                 "the account {} is gone; nothing to save",
@@ -245,10 +245,11 @@ impl AccountLock for MemoryAccountLock {
         let mut accounts = self.accounts.lock().map_err(|_| poisoned())?;
         // Only over the account as it was locked, as PostgreSQL's lease does: a reconnect or a
         // disconnect while the refresh ran wins, and a disconnected account does not come back.
-        if accounts.get(&key) == Some(locked) {
-            accounts.insert(key, updated);
+        if accounts.get(&key) != Some(locked) {
+            return Ok(Saved::Superseded);
         }
-        Ok(())
+        accounts.insert(key, updated);
+        Ok(Saved::Applied)
     }
 }
 

@@ -117,8 +117,19 @@ pub struct StoredAccount {
 pub trait AccountLock: Send {
     /// The row as it is now, under the lock; `None` if it was deleted.
     fn current(&self) -> Option<&StoredAccount>;
-    /// Writes `updated` and releases the lock.
-    async fn save(self: Box<Self>, updated: StoredAccount) -> Result<(), StoreError>;
+    /// Writes `updated` over the account as this lock read it, and releases the lock.
+    async fn save(self: Box<Self>, updated: StoredAccount) -> Result<Saved, StoreError>;
+}
+
+/// What an [`AccountLock::save`] did. A save is a compare-and-swap on the account as its lock
+/// read it, so a change made meanwhile (a reconnect, a disconnect, tokens saved by a taker of
+/// a lease this lock outlived) wins; the caller says what that means for its own save.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Saved {
+    Applied,
+    /// Not written: the account changed, or went, after the lock read it.
+    Superseded,
 }
 
 #[async_trait::async_trait]

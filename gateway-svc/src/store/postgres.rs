@@ -17,7 +17,7 @@ use tokio_postgres::Row;
 use super::{
     AccountCursor, AccountLock, AccountStatus, AccountStore, ActingMark, AuditEntry, AuditLog,
     AuditRecord, IdempotencyClaim, IdempotencyStore, KeyState, McpSwitchStore, Note, NoteStore,
-    Ping, Reminder, ReminderStore, StoreError, StoredAccount, StoredResult, Stores, Task,
+    Ping, Reminder, ReminderStore, Saved, StoreError, StoredAccount, StoredResult, Stores, Task,
     TaskFilter, TaskPatch, TaskStore,
 };
 use crate::{
@@ -404,7 +404,7 @@ impl AccountLock for PgAccountLock {
         self.current.as_ref()
     }
 
-    async fn save(mut self: Box<Self>, a: StoredAccount) -> Result<(), StoreError> {
+    async fn save(mut self: Box<Self>, a: StoredAccount) -> Result<Saved, StoreError> {
         // Kept until the UPDATE lands: a save that fails or is cancelled still frees the lease
         // on drop, instead of leaving every caller of the account waiting out its hold.
         let Some(holder) = self.holder.clone() else {
@@ -458,16 +458,11 @@ impl AccountLock for PgAccountLock {
             )
             .await
             .map_err(db)?;
-        if !row.is_some_and(|r| r.get::<_, bool>(0)) {
-            tracing::warn!(
-                user = %a.user,
-                integration = a.integration.key(),
-                account = %a.account,
-                "an account save (a token refresh, or tokens moved to a new CREDENTIALS_KEY) was not applied: the account changed meanwhile (reconnected, disconnected, or newer tokens saved elsewhere), and that stays"
-            );
-        }
         self.holder = None;
-        Ok(())
+        Ok(match row.is_some_and(|r| r.get::<_, bool>(0)) {
+            true => Saved::Applied,
+            false => Saved::Superseded,
+        })
     }
 }
 

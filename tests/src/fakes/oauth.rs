@@ -10,6 +10,7 @@ use axum::{
     Form, Json, Router, extract::State, http::StatusCode, response::IntoResponse, routing::post,
 };
 use serde_json::json;
+use tokio::sync::oneshot;
 
 #[derive(Default)]
 pub struct OAuthState {
@@ -17,6 +18,30 @@ pub struct OAuthState {
     pub revoked: AtomicBool,
     /// Refresh tokens presented, to check the gateway decrypted the right one.
     pub seen_refresh_tokens: std::sync::Mutex<Vec<String>>,
+    /// Answers with a new refresh token too, as providers that rotate them do.
+    pub rotate: AtomicBool,
+    /// The next refresh's hold (see [`FakeOAuth::hold_next_refresh`]).
+    hold: std::sync::Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>,
+}
+
+/// A refresh held at the token endpoint until let go: a slow endpoint, on cue.
+pub struct HeldRefresh {
+    arrived: oneshot::Receiver<()>,
+    release: oneshot::Sender<()>,
+}
+
+impl HeldRefresh {
+    /// Returns once the held refresh has reached the endpoint.
+    pub async fn arrived(&mut self) {
+        (&mut self.arrived)
+            .await
+            .expect("the token endpoint is up while a refresh is held");
+    }
+
+    /// Lets the held refresh be answered.
+    pub fn release(self) {
+        let _ = self.release.send(());
+    }
 }
 
 #[derive(Clone)]
@@ -42,6 +67,14 @@ impl FakeOAuth {
             url: format!("{base}/token"),
             state,
         }
+    }
+
+    /// The next refresh, once it arrives, is answered only when the returned hold is let go.
+    pub fn hold_next_refresh(&self) -> HeldRefresh {
+        let (arrived_tx, arrived) = oneshot::channel();
+        let (release, release_rx) = oneshot::channel();
+        *self.state.hold.lock().expect("lock") = Some((arrived_tx, release_rx));
+        HeldRefresh { arrived, release }
     }
 
     pub fn refreshes(&self) -> usize {
@@ -79,13 +112,23 @@ async fn token(
             .into_response();
     }
     let n = state.refreshes.fetch_add(1, Ordering::SeqCst) + 1;
-    // Slow enough that concurrent callers pile up behind the first refresh.
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    Json(json!({
+    let held = state.hold.lock().expect("lock").take();
+    match held {
+        Some((arrived, release)) => {
+            let _ = arrived.send(());
+            let _ = release.await;
+        }
+        // Slow enough that concurrent callers pile up behind the first refresh.
+        None => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+    }
+    let mut answer = json!({
         "access_token": format!("fresh-access-{n}"),
         "expires_in": 3599,
         "scope": "https://www.googleapis.com/auth/gmail.readonly",
         "token_type": "Bearer"
-    }))
-    .into_response()
+    });
+    if state.rotate.load(Ordering::SeqCst) {
+        answer["refresh_token"] = json!(format!("rotated-refresh-{n}"));
+    }
+    Json(answer).into_response()
 }
