@@ -8,7 +8,7 @@ use jiff::{
     Timestamp, Zoned,
     civil::{Date, DateTime},
     fmt::temporal::Pieces,
-    tz::TimeZone,
+    tz::{AmbiguousOffset, Offset, TimeZone},
 };
 
 /// How a time argument is written: an instant (an offset, or a zone in brackets), a whole
@@ -53,19 +53,88 @@ pub fn local_in(local: DateTime, tz: &TimeZone) -> Result<Timestamp, String> {
         .map_err(|e| format!("{local} is out of range ({e})"))
 }
 
+/// What the clocks of `tz` do to `local` when it is not simply read: a time they skip (read
+/// as [`local_in`] does, later than written) or one they repeat (read as the first of two) —
+/// said so that whoever set it is told, not shown a time they did not write or left to
+/// guess which of two was meant. `None` for an ordinary time.
+pub fn local_note(local: DateTime, tz: &TimeZone) -> Option<String> {
+    let zone = tz.iana_name().unwrap_or("the user's time zone");
+    let written = local.strftime("%H:%M on %b %-d");
+    match tz.to_ambiguous_timestamp(local).offset() {
+        AmbiguousOffset::Unambiguous { .. } => None,
+        AmbiguousOffset::Gap { before, after } => Some(format!(
+            "{written} does not exist in {zone} (the clocks go forward {} then), so it was read as {}",
+            shift(before, after),
+            with_zone(local_in(local, tz).ok()?, tz),
+        )),
+        AmbiguousOffset::Fold { before, after } => {
+            let second = after.to_timestamp(local).ok()?;
+            Some(format!(
+                "{written} happens twice in {zone} (the clocks go back {} then): it was read as the first, {}; for the second, {}, write {}{}",
+                shift(after, before),
+                with_zone(before.to_timestamp(local).ok()?, tz),
+                with_zone(second, tz),
+                local.strftime("%Y-%m-%dT%H:%M:%S"),
+                rfc3339_offset(after),
+            ))
+        }
+    }
+}
+
+/// How far the clocks move between two offsets: "an hour", "30 minutes".
+fn shift(from: Offset, to: Offset) -> String {
+    match (to.seconds() - from.seconds()).unsigned_abs() / 60 {
+        60 => "an hour".into(),
+        m if m.is_multiple_of(60) => format!("{} hours", m / 60),
+        m => format!("{m} minutes"),
+    }
+}
+
+/// "-05:00", as RFC 3339 writes an offset.
+fn rfc3339_offset(o: Offset) -> String {
+    let secs = o.seconds();
+    let sign = if secs < 0 { '-' } else { '+' };
+    let mins = secs.unsigned_abs() / 60;
+    format!("{sign}{:02}:{:02}", mins / 60, mins % 60)
+}
+
+/// A time argument as read: the instant, and what its writer must be told about how it was
+/// read (see [`local_note`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved {
+    pub at: SystemTime,
+    pub note: Option<String>,
+}
+
+impl Resolved {
+    /// `said` with the note after it, when there is one: "Reminder #3 set for Mar 8 03:30 EDT.
+    /// (02:30 on Mar 8 does not exist …)".
+    pub fn noted(&self, said: String) -> String {
+        match &self.note {
+            Some(note) => format!("{said} ({note}.)"),
+            None => said,
+        }
+    }
+}
+
 /// An RFC 3339 date-time (`2026-11-25T17:00:00Z`, `2026-11-25T17:00:00+01:00`); a date
 /// (`2026-11-25`: by the end of that day in `local`, the user's zone, else UTC's); or a local
-/// date-time (`2026-11-25T17:00`) read in `local`. A local time with no zone to read it in
-/// is refused, never guessed: an hour off is a reminder at the wrong time.
-pub fn parse_when(raw: &str, local: Option<&TimeZone>) -> Result<SystemTime, String> {
+/// date-time (`2026-11-25T17:00`) read in `local`, noted when that zone's clocks skip or
+/// repeat it. A local time with no zone to read it in is refused, never guessed: an hour off
+/// is a reminder at the wrong time.
+pub fn parse_when(raw: &str, local: Option<&TimeZone>) -> Result<Resolved, String> {
     let raw = raw.trim();
+    let mut note = None;
     let at = match Written::read(raw) {
         Some(Written::At(ts)) => ts,
         Some(Written::Day(date)) => {
             local_in(date.at(23, 59, 59, 0), local.unwrap_or(&TimeZone::UTC))?
         }
         Some(Written::Local(t)) => match local {
-            Some(tz) => local_in(t, tz)?,
+            Some(tz) => {
+                note = local_note(t, tz);
+                local_in(t, tz)?
+            }
             None => {
                 return Err(format!(
                     "{raw:?} has no offset and the user's time zone is not known; add one, like 2026-11-25T17:00:00+01:00 or 2026-11-25T17:00:00Z"
@@ -78,7 +147,10 @@ pub fn parse_when(raw: &str, local: Option<&TimeZone>) -> Result<SystemTime, Str
             ));
         }
     };
-    Ok(SystemTime::from(at))
+    Ok(Resolved {
+        at: SystemTime::from(at),
+        note,
+    })
 }
 
 /// The named IANA zone, or UTC when empty or unknown.
@@ -154,10 +226,10 @@ mod tests {
 
     #[test]
     fn both_date_times_and_plain_dates_are_understood() {
-        let t = parse_when("2026-11-25T17:00:00Z", None).unwrap();
+        let t = parse_when("2026-11-25T17:00:00Z", None).unwrap().at;
         assert_eq!(short_datetime(t, &TimeZone::UTC), "Nov 25 17:00");
         assert_eq!(short_datetime(t, &zone("Europe/Berlin")), "Nov 25 18:00");
-        let d = parse_when("2026-11-25", None).unwrap();
+        let d = parse_when("2026-11-25", None).unwrap().at;
         assert_eq!(short_datetime(d, &TimeZone::UTC), "Nov 25 23:59");
         assert!(
             parse_when("next tuesday", None)
@@ -170,9 +242,9 @@ mod tests {
     #[test]
     fn a_local_time_is_read_in_the_users_zone_and_refused_without_one() {
         let berlin = zone("Europe/Berlin");
-        let t = parse_when("2026-11-25T17:00", Some(&berlin)).unwrap();
+        let t = parse_when("2026-11-25T17:00", Some(&berlin)).unwrap().at;
         assert_eq!(short_datetime(t, &TimeZone::UTC), "Nov 25 16:00");
-        let d = parse_when("2026-11-25", Some(&berlin)).unwrap();
+        let d = parse_when("2026-11-25", Some(&berlin)).unwrap().at;
         assert_eq!(short_datetime(d, &TimeZone::UTC), "Nov 25 22:59");
         let refused = parse_when("2026-11-25T17:00:00", None).unwrap_err();
         assert!(refused.contains("no offset"), "{refused}");
@@ -180,9 +252,58 @@ mod tests {
     }
 
     #[test]
+    fn a_local_time_the_clocks_skip_is_read_later_and_says_so() {
+        let new_york = zone("America/New_York");
+        let read = parse_when("2026-03-08T02:30", Some(&new_york)).unwrap();
+        assert_eq!(short_datetime_zoned(read.at, &new_york), "Mar 8 03:30 EDT");
+        assert_eq!(
+            read.note.as_deref(),
+            Some(
+                "02:30 on Mar 8 does not exist in America/New_York (the clocks go forward an hour then), so it was read as Mar 8 03:30 EDT"
+            )
+        );
+    }
+
+    #[test]
+    fn a_local_time_the_clocks_repeat_is_read_as_the_first_and_says_how_to_write_the_second() {
+        let new_york = zone("America/New_York");
+        let read = parse_when("2026-11-01T01:30", Some(&new_york)).unwrap();
+        assert_eq!(short_datetime_zoned(read.at, &new_york), "Nov 1 01:30 EDT");
+        let note = read.note.expect("a repeated time is noted");
+        assert_eq!(
+            note,
+            "01:30 on Nov 1 happens twice in America/New_York (the clocks go back an hour then): it was read as the first, Nov 1 01:30 EDT; for the second, Nov 1 01:30 EST, write 2026-11-01T01:30:00-05:00"
+        );
+        let second = parse_when("2026-11-01T01:30:00-05:00", Some(&new_york)).unwrap();
+        assert_eq!(
+            short_datetime_zoned(second.at, &new_york),
+            "Nov 1 01:30 EST"
+        );
+        assert_eq!(second.note, None, "an offset says which: nothing to note");
+    }
+
+    #[test]
+    fn an_ordinary_local_time_and_a_half_hour_shift_are_noted_as_they_are() {
+        let new_york = zone("America/New_York");
+        assert_eq!(
+            parse_when("2026-03-08T04:30", Some(&new_york))
+                .unwrap()
+                .note,
+            None
+        );
+        // Lord Howe Island moves its clocks by half an hour.
+        let lord_howe = zone("Australia/Lord_Howe");
+        let note = parse_when("2026-10-04T02:15", Some(&lord_howe))
+            .unwrap()
+            .note
+            .expect("skipped");
+        assert!(note.contains("forward 30 minutes"), "{note}");
+    }
+
+    #[test]
     fn overdue_days_count_the_users_days() {
         let utc = TimeZone::UTC;
-        let due = parse_when("2026-11-20T10:00:00Z", None).unwrap();
+        let due = parse_when("2026-11-20T10:00:00Z", None).unwrap().at;
         assert_eq!(overdue_days(due, due - Duration::from_secs(5), &utc), 0);
         // Later the same day: a day overdue, not none.
         assert_eq!(overdue_days(due, due + Duration::from_secs(3600), &utc), 1);
@@ -193,9 +314,9 @@ mod tests {
         // Due at 18:00 on Nov 20 in New York (23:00 UTC); at 01:00 UTC on the 22nd it is still
         // the 21st there: the user, shown "due Nov 20", reads one day, where UTC's days say two.
         let new_york = zone("America/New_York");
-        let due = parse_when("2026-11-20T23:00:00Z", None).unwrap();
+        let due = parse_when("2026-11-20T23:00:00Z", None).unwrap().at;
         assert_eq!(short_date(due, &new_york), "Nov 20");
-        let now = parse_when("2026-11-22T01:00:00Z", None).unwrap();
+        let now = parse_when("2026-11-22T01:00:00Z", None).unwrap().at;
         assert_eq!(overdue_days(due, now, &new_york), 1);
         assert_eq!(overdue_days(due, now, &utc), 2);
     }

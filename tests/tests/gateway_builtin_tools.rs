@@ -416,6 +416,61 @@ async fn times_are_shown_and_dates_read_in_the_callers_time_zone() {
     );
 }
 
+/// A local time the user's clocks skip or repeat is set all the same, and the result says how
+/// it was read — so the model does not confirm a time the reminder is not at, nor guess which
+/// of two was meant.
+#[tokio::test]
+async fn a_time_a_clock_change_skips_or_repeats_is_set_and_the_result_says_how_it_was_read() {
+    let app = spawn(Options {
+        backend: Some(Backend::Memory),
+        ..Options::default()
+    })
+    .await;
+    let mut g = app.gateway_as("u1").await;
+    let new_york = "America/New_York";
+    let skipped = steward_tests::calls::call_tool_in_zone(
+        &mut g,
+        new_york,
+        "create_reminder",
+        serde_json::json!({"text": "Water plants", "due_at": "2030-03-10T02:30"}),
+    )
+    .await;
+    assert!(skipped.ok, "{}", skipped.text);
+    assert!(
+        skipped.text.contains("set for Mar 10 03:30 EDT")
+            && skipped
+                .text
+                .contains("(02:30 on Mar 10 does not exist in America/New_York"),
+        "{}",
+        skipped.text
+    );
+
+    let repeated = steward_tests::calls::call_tool_in_zone(
+        &mut g,
+        new_york,
+        "add_task",
+        serde_json::json!({"title": "Night shift handover", "due": "2030-11-03T01:30"}),
+    )
+    .await;
+    assert!(repeated.ok, "{}", repeated.text);
+    assert!(
+        repeated
+            .text
+            .contains("for the second, Nov 3 01:30 EST, write 2030-11-03T01:30:00-05:00"),
+        "{}",
+        repeated.text
+    );
+
+    let plain = steward_tests::calls::call_tool_in_zone(
+        &mut g,
+        new_york,
+        "create_reminder",
+        serde_json::json!({"text": "Stretch", "due_at": "2030-03-10T09:00"}),
+    )
+    .await;
+    assert!(!plain.text.contains("("), "nothing to say: {}", plain.text);
+}
+
 async fn bootstrap(g: &mut UserGateway) -> pb::GetBootstrapContextResponse {
     g.get_bootstrap_context(pb::GetBootstrapContextRequest {
         channel: pb::Channel::SessionOpen as i32,

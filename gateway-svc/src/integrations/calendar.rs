@@ -647,10 +647,13 @@ impl Tool for Write {
                 )));
             }
         };
-        Ok(ToolOutput::text(format!(
-            "{verb} event {} in {account}.",
-            render(&event)
-        )))
+        let said = format!("{verb} event {} in {account}.", render(&event));
+        let zone = zone_arg(&args, tool).ok().flatten().map(|(_, tz)| tz);
+        let notes = local_notes(&args, zone.as_ref().or(ctx.time_zone.as_ref()));
+        Ok(ToolOutput::text(match notes.is_empty() {
+            true => said,
+            false => format!("{said} ({}.)", notes.join("; ")),
+        }))
     }
 }
 
@@ -753,7 +756,31 @@ fn when_arg(args: &Value, user_zone: Option<&jiff::tz::TimeZone>) -> String {
             _ => line(r, 40),
         })
         .collect();
-    format!("{text} ({label}: {})", shown.join(" to "))
+    let notes = local_notes(args, Some(&tz));
+    match notes.is_empty() {
+        true => format!("{text} ({label}: {})", shown.join(" to ")),
+        false => format!(
+            "{text} ({label}: {} — {})",
+            shown.join(" to "),
+            notes.join("; ")
+        ),
+    }
+}
+
+/// What the clocks of `zone` do to a write's local `start` and `end` when they skip or
+/// repeat them ([`time::local_note`]): said with the preview and the result, so the time
+/// the event gets is never a surprise.
+fn local_notes(args: &Value, zone: Option<&jiff::tz::TimeZone>) -> Vec<String> {
+    let Some(tz) = zone else {
+        return Vec::new();
+    };
+    ["start", "end"]
+        .into_iter()
+        .filter_map(|field| match Written::read(&text_arg(args, field)?) {
+            Some(Written::Local(t)) => time::local_note(t, tz),
+            _ => None,
+        })
+        .collect()
 }
 
 /// What `calendar_event_create` will create. Pure, so property tests can feed it anything.
@@ -1042,7 +1069,7 @@ mod tests {
     }
 
     #[test]
-    fn i4_a_local_time_a_clock_change_skips_is_read_after_it_and_shown_moved() {
+    fn i4_a_local_time_a_clock_change_skips_is_read_after_it_and_shown_moved_and_said() {
         let new_york = time::zone("America/New_York");
         // 02:30 does not happen in New York on 2030-03-10: the clocks go from 02:00 to 03:00.
         let args =
@@ -1053,15 +1080,24 @@ mod tests {
         assert_eq!(start.to_string(), "2030-03-10T07:30:00Z", "03:30 EDT");
         let shown = create_preview(&args, Some(&new_york)).text;
         assert!(
-            shown.contains("(America/New_York: Mar 10 03:30 EDT to Mar 10 04:00 EDT)"),
+            shown.contains("(America/New_York: Mar 10 03:30 EDT to Mar 10 04:00 EDT — 02:30 on Mar 10 does not exist in America/New_York (the clocks go forward an hour then), so it was read as Mar 10 03:30 EDT)"),
             "{shown}"
         );
-        // A time repeated when the clocks go back is the first of the two (EDT, not EST).
-        let args = json!({"start": "2030-11-03T01:30"});
+        // A time repeated when the clocks go back is the first of the two (EDT, not EST), and
+        // the approver is told how the other would be written.
+        let args =
+            json!({"summary": "Sync", "start": "2030-11-03T01:30", "end": "2030-11-03T03:00"});
         let Some(When::At(start)) = when(&args, "start", "t", Some(&new_york)).unwrap() else {
             panic!("a local time is an instant");
         };
         assert_eq!(start.to_string(), "2030-11-03T05:30:00Z");
+        let shown = create_preview(&args, Some(&new_york)).text;
+        assert!(
+            shown.contains("it was read as the first, Nov 3 01:30 EDT; for the second, Nov 3 01:30 EST, write 2030-11-03T01:30:00-05:00"),
+            "{shown}"
+        );
+        // Ordinary times: nothing to say.
+        assert!(local_notes(&json!({"start": "2030-11-03T03:00"}), Some(&new_york)).is_empty());
     }
 
     #[test]

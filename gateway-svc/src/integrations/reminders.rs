@@ -52,23 +52,23 @@ impl Tool for CreateReminder {
             ctx.time_zone.as_ref(),
         )
         .map_err(invalid)?;
-        if due < SystemTime::now() {
+        if due.at < SystemTime::now() {
             return Err(invalid(format!(
                 "{} is in the past; pick a future time",
-                short_datetime_zoned(due, tz)
+                short_datetime_zoned(due.at, tz)
             )));
         }
         let r = self
             .0
-            .add_reminder(&ctx.user, &text, due)
+            .add_reminder(&ctx.user, &text, due.at)
             .await
             .map_err(store_error)?;
-        Ok(ToolOutput::text(format!(
+        Ok(ToolOutput::text(due.noted(format!(
             "Reminder #{} set for {}: {}.",
             r.id,
             short_datetime_zoned(r.due_at, tz),
             quoted(&r.text)
-        )))
+        ))))
     }
 }
 

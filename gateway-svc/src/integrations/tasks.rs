@@ -13,7 +13,7 @@ use crate::{
     enforce::ToolError,
     registry::{Tool, ToolOutput, ToolSpec},
     store::{Task, TaskFilter, TaskPatch, TaskStore},
-    time::{overdue_days, parse_when, short_date},
+    time::{Resolved, overdue_days, parse_when, short_date},
 };
 
 const DUE: &str = "When it is due: RFC 3339 (2026-11-25T17:00:00Z), a date (2026-11-25: by the end of that day in the user's time zone), or a local time in the user's zone (2026-11-25T17:00)";
@@ -63,7 +63,7 @@ pub fn render_task(t: &Task, now: SystemTime, tz: &jiff::tz::TimeZone) -> String
     line
 }
 
-fn due_arg(ctx: &CallContext, args: &Value, tool: &str) -> Result<Option<SystemTime>, ToolError> {
+fn due_arg(ctx: &CallContext, args: &Value, tool: &str) -> Result<Option<Resolved>, ToolError> {
     text_arg(args, "due")
         .map(|raw| {
             parse_when(&raw, ctx.time_zone.as_ref()).map_err(|detail| ToolError::InvalidArguments {
@@ -98,13 +98,22 @@ impl Tool for AddTask {
         let description = text_arg(&args, "description");
         let task = self
             .0
-            .add_task(&ctx.user, &title, description.as_deref(), due)
+            .add_task(
+                &ctx.user,
+                &title,
+                description.as_deref(),
+                due.as_ref().map(|d| d.at),
+            )
             .await
             .map_err(store_error)?;
-        Ok(ToolOutput::text(format!(
+        let said = format!(
             "Added task {}.",
             render_task(&task, SystemTime::now(), ctx.zone())
-        )))
+        );
+        Ok(ToolOutput::text(match &due {
+            Some(due) => due.noted(said),
+            None => said,
+        }))
     }
 }
 
@@ -264,15 +273,16 @@ impl Tool for UpdateTask {
                 )
             }
         };
+        let due = match args.get("due") {
+            None => None,
+            Some(_) => Some(due_arg(ctx, &args, "update_task")?),
+        };
         let patch = TaskPatch {
             title,
             description: args
                 .get("description")
                 .map(|_| text_arg(&args, "description")),
-            due_at: match args.get("due") {
-                None => None,
-                Some(_) => Some(due_arg(ctx, &args, "update_task")?),
-            },
+            due_at: due.as_ref().map(|d| d.as_ref().map(|d| d.at)),
             completed: args
                 .get("status")
                 .and_then(Value::as_str)
@@ -284,9 +294,13 @@ impl Tool for UpdateTask {
             .await
             .map_err(store_error)?
             .ok_or_else(|| not_found(id))?;
-        Ok(ToolOutput::text(format!(
+        let said = format!(
             "Updated task {}.",
             render_task(&task, SystemTime::now(), ctx.zone())
-        )))
+        );
+        Ok(ToolOutput::text(match due.flatten() {
+            Some(due) => due.noted(said),
+            None => said,
+        }))
     }
 }
