@@ -216,6 +216,49 @@ async fn r3_a_key_whose_call_may_have_acted_is_kept_for_good(b: Backend) {
     );
 }
 
+/// R-3, P-4: the keys kept for good are not where the sweep looks. With thousands of them,
+/// older than everything else, the planner reads the sweep's rows by V12's index of prunable
+/// rows, which holds none of them, so no batch reads past them again.
+#[tokio::test]
+async fn r3_on_postgres_the_sweep_finds_its_rows_by_an_index_that_leaves_out_the_keys_kept_for_good()
+ {
+    let b = postgres().await;
+    let (sql, conn) = tokio_postgres::connect(b._db.as_ref().unwrap().url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    sql.batch_execute(
+        "INSERT INTO gateway.idempotency (user_id, key, tool, args_sha256, outcome, state, lease_until, acting, updated_at) \
+           SELECT 'u1', 'kept-' || g, 'gmail_send', 'x', '{}', 'pending', now() - interval '30 days', true, \
+                  now() - interval '60 days' + g * interval '1 second' FROM generate_series(1, 5000) g; \
+         INSERT INTO gateway.idempotency (user_id, key, tool, args_sha256, outcome, state, updated_at) \
+           SELECT 'u1', 'done-' || g, 'gmail_send', 'x', '{}', 'done', now() - interval '10 days' FROM generate_series(1, 20) g; \
+         ANALYZE gateway.idempotency; SET enable_seqscan = off; SET enable_bitmapscan = off;",
+    )
+    .await
+    .unwrap();
+    let cut = gateway_svc::store::postgres::IDEMPOTENCY_PRUNABLE
+        .replace("$1", "(now() - interval '7 days')");
+    let plan: Vec<String> = sql
+        .query(
+            &format!("EXPLAIN SELECT ctid FROM gateway.idempotency WHERE {cut} LIMIT 1000"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(
+        plan.iter().any(|l| l.contains("idempotency_prunable")),
+        "{plan:#?}"
+    );
+    let swept = sweep_once(&b.stores, &retention(&[]), SystemTime::now())
+        .await
+        .unwrap();
+    assert_eq!(swept.idempotency, 20, "the settled keys go, the kept stay");
+}
+
 fn record(call_id: &str) -> AuditRecord {
     AuditRecord {
         user: "u1".into(),

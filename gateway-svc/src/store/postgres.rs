@@ -498,6 +498,11 @@ impl Drop for PgAccountLock {
     }
 }
 
+/// The idempotency rows the retention sweep deletes, `$1` its cut-off. It implies the
+/// predicate of V12's `idempotency_prunable` index, so the sweep reads that index, which
+/// holds none of the rows kept for good (a test checks the planner's choice).
+pub const IDEMPOTENCY_PRUNABLE: &str = "updated_at < $1 AND (state = 'done' OR (lease_until < least($1, clock_timestamp()) AND NOT acting))";
+
 #[async_trait::async_trait]
 impl IdempotencyStore for PgStore {
     async fn lookup(&self, user: &UserId, key: &str) -> Result<KeyState, StoreError> {
@@ -538,21 +543,20 @@ impl IdempotencyStore for PgStore {
         older_than: SystemTime,
         limit: usize,
     ) -> Result<usize, StoreError> {
-        // Found by the updated_at index, deleted by ctid. The condition is repeated on the
+        // Found by the index of prunable rows (V12), deleted by ctid. The condition is repeated on the
         // DELETE so that a row a takeover changed between the two (a fresh hold) is checked
         // again as it now is, and kept. A held key's lapse is judged by the database's clock,
         // which every claim's lease is set by, not by `older_than`. A lapsed key whose call
         // marked itself acting is kept for good: its call may have acted, and without the
         // row a retry would act again and a lookup would answer "not executed".
-        const PRUNABLE: &str = "updated_at < $1 AND (state = 'done' OR (lease_until < least($1, clock_timestamp()) AND NOT acting))";
         let deleted = self
             .client()
             .await?
             .execute(
                 &format!(
                     "DELETE FROM gateway.idempotency WHERE ctid = ANY(ARRAY( \
-                       SELECT ctid FROM gateway.idempotency WHERE {PRUNABLE} LIMIT $2)) \
-                     AND {PRUNABLE}"
+                       SELECT ctid FROM gateway.idempotency WHERE {IDEMPOTENCY_PRUNABLE} LIMIT $2)) \
+                     AND {IDEMPOTENCY_PRUNABLE}"
                 ),
                 &[&older_than, &(limit as i64)],
             )
