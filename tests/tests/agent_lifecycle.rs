@@ -1317,6 +1317,108 @@ async fn a_run_started_after_its_replicas_shutdown_began_ends_interrupted_and_fr
     );
 }
 
+/// O-1, P-5: a shutdown that comes while an approved send's intent is being committed does not
+/// undo the user's decision: once the intent is durable the send goes, once, within the
+/// stop's grace, as one the loop had begun would; its action is completed, and the run ends
+/// interrupted with the send's result kept for the thread's next run.
+#[tokio::test]
+async fn a_shutdown_during_an_approved_sends_intent_commit_still_sends_it_once() {
+    let (mut app, model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::text("Anything else?"),
+        ],
+        // The held commit waits for the test's lock, however slow the machine, and does not fail.
+        &[("DATABASE_LOCK_TIMEOUT", "60s")],
+    )
+    .await;
+    let (paused, approval) = paused_send(&app).await;
+    // The decision itself writes no action; the intent commit (the action `executing`, its
+    // `side_effect` record) does, and waits here.
+    let mut holder = app.sql().await;
+    let lock = holder.transaction().await.unwrap();
+    lock.execute("LOCK TABLE agent.actions IN SHARE MODE", &[])
+        .await
+        .unwrap();
+    let (addr, id) = (app.agent_addr, approval.id.clone());
+    let deciding = tokio::spawn(async move {
+        agent_as(addr, "alice")
+            .await
+            .decide_approval(approve(&id))
+            .await
+    });
+    let watcher = app.sql().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE relation = 'agent.actions'::regclass AND NOT granted",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the intent was never committed"
+        );
+        tokio::task::yield_now().await;
+    }
+    let replica = app.agent_replicas().remove(0);
+    let mut stopping = Box::pin(replica.release_all(Duration::from_secs(20)));
+    // Its first poll marks the replica as shutting down and stops its runs; then it waits
+    // for them, which it does once the intent lands.
+    assert!(
+        tokio::time::timeout(Duration::ZERO, &mut stopping)
+            .await
+            .is_err()
+    );
+    lock.rollback().await.unwrap();
+    stopping.await;
+
+    let decided = deciding
+        .await
+        .unwrap()
+        .expect("the decision was taken")
+        .into_inner();
+    assert_eq!(
+        decided.approval.unwrap().state,
+        pb::ApprovalState::Approved as i32
+    );
+    let ended = decided.result.unwrap();
+    assert_eq!(
+        (ended.status, ended.failure_kind),
+        (
+            pb::RunState::Failed as i32,
+            pb::FailureKind::Interrupted as i32
+        ),
+        "{ended:?}"
+    );
+    assert_eq!(gmail.sent().len(), 1, "the approved send went, once");
+    let action: String = watcher
+        .query_one(
+            "SELECT state FROM agent.actions WHERE run_id = $1 AND tool = 'gmail_send'",
+            &[&paused.run_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(action, "completed");
+
+    let other = app.start_another_agent().await;
+    let mut next = input("thanks");
+    next.thread_id = paused.thread_id;
+    assert_eq!(run_on(other, next).await.summary, "Anything else?");
+    let sent = tool_messages(&model.requests().last().unwrap().1);
+    assert!(
+        sent.len() == 1 && !sent[0].1.contains("Not executed"),
+        "the next run reads what the send came to: {sent:?}"
+    );
+}
+
 /// Thread `t-crash` of alice's, as a run on a replica that died leaves it: the model asked
 /// for two sends, both recorded as executing; `call_sent` reached Gmail, `call_lost` did not.
 async fn a_thread_whose_run_died_during_two_sends(app: &TestApp) {
