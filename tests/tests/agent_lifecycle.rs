@@ -1419,6 +1419,72 @@ async fn a_shutdown_during_an_approved_sends_intent_commit_still_sends_it_once()
     );
 }
 
+/// O-1, E-12: an approval decided on a replica whose shutdown has begun is recorded, and its
+/// continuation stops before it touches the call, leaving the run live with its lease let go:
+/// another replica's monitor carries the decision out, the mail goes once, and the decider,
+/// still following on the stopping replica, sees the run complete.
+#[tokio::test]
+async fn a_decision_taken_as_its_replica_shuts_down_is_carried_out_by_another_replica_once() {
+    let (mut app, _model, gmail) = gmail_world(
+        vec![
+            Answer::tool_calls(&[("call_send", "gmail_send", SEND_ARGS)]),
+            Answer::text("Sent it."),
+        ],
+        // The test sweeps by hand.
+        &[("HEALTH_MONITOR_INTERVAL", "3600s")],
+    )
+    .await;
+    let (paused, approval) = paused_send(&app).await;
+    app.start_another_agent().await;
+    // The replica started last comes first; the first one serves `app.agent_addr`.
+    let [other, stopping] = <[_; 2]>::try_from(app.agent_replicas()).ok().unwrap();
+    // Nothing runs: it only marks the replica as shutting down.
+    stopping.release_all(Duration::from_secs(1)).await;
+
+    let (addr, id) = (app.agent_addr, approval.id.clone());
+    let deciding = tokio::spawn(async move {
+        agent_as(addr, "alice")
+            .await
+            .decide_approval(approve(&id))
+            .await
+    });
+    // Once the stopped continuation has let go of the run, the other replica's monitor takes
+    // it up.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while other.sweep_stale_runs(Duration::ZERO).await.unwrap() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the decided run was never handed over"
+        );
+        tokio::task::yield_now().await;
+    }
+    let decided = deciding
+        .await
+        .unwrap()
+        .expect("the decision was taken")
+        .into_inner();
+    assert_eq!(
+        decided.approval.unwrap().state,
+        pb::ApprovalState::Approved as i32
+    );
+    let ended = decided.result.unwrap();
+    assert_eq!(
+        (ended.status, ended.summary.as_str()),
+        (pb::RunState::Completed as i32, "Sent it."),
+        "{ended:?}"
+    );
+    assert_eq!(gmail.sent().len(), 1, "sent once");
+    assert_eq!(
+        sql_count(
+            &app,
+            "SELECT count(*) FROM agent.actions WHERE run_id = $1 AND state = 'completed'",
+            &paused.run_id
+        )
+        .await,
+        1
+    );
+}
+
 /// Thread `t-crash` of alice's, as a run on a replica that died leaves it: the model asked
 /// for two sends, both recorded as executing; `call_sent` reached Gmail, `call_lost` did not.
 async fn a_thread_whose_run_died_during_two_sends(app: &TestApp) {
