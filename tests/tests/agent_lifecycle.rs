@@ -1485,6 +1485,78 @@ async fn a_decision_taken_as_its_replica_shuts_down_is_carried_out_by_another_re
     );
 }
 
+/// O-1: a shutdown that comes while a run is still being prepared — its tool list and memory
+/// asked of a gateway that does not answer — does not wait for the gateway (nothing it asked
+/// needs undoing): the run ends interrupted at once, long before the gateway's timeouts, and
+/// its thread is handed back.
+#[tokio::test]
+async fn a_run_stopped_while_its_gateway_does_not_answer_ends_interrupted_at_once() {
+    let (mut app, _model, _gmail) =
+        gmail_world(vec![Answer::text("Back again.")], &[("RUN_LEASE", "60s")]).await;
+    // A gateway that takes connections and never answers; each byte it is sent is counted.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_url = format!("http://{}", silent.local_addr().unwrap());
+    let (asked, mut asking) = tokio::sync::watch::channel(0usize);
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = silent.accept().await {
+            let asked = asked.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                while let Ok(n @ 1..) = tokio::io::AsyncReadExt::read(&mut socket, &mut buf).await {
+                    asked.send_modify(|total| *total += n);
+                }
+            });
+        }
+    });
+    let stuck = app
+        .start_another_agent_with(&[("GATEWAY_URL", silent_url.as_str())])
+        .await;
+    // The replica started last comes first.
+    let replica = app.agent_replicas().remove(0);
+    let before = *asking.borrow_and_update();
+    let mut stream = agent_as(stuck, "alice")
+        .await
+        .run_stream(pb::RunStreamRequest {
+            input: Some(input("what is on today?")),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap().event.unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        asking.wait_for(|total| *total > before),
+    )
+    .await
+    .expect("the run asked the gateway")
+    .unwrap();
+
+    let stopping = std::time::Instant::now();
+    replica.release_all(Duration::from_secs(20)).await;
+    let mut last = None;
+    while let Some(Ok(r)) = stream.next().await {
+        last = r.event;
+    }
+    let waited = stopping.elapsed();
+    match last.and_then(|e| e.kind) {
+        Some(pb::run_event::Kind::Error(e)) => {
+            assert_eq!(e.kind, pb::FailureKind::Interrupted as i32, "{e:?}");
+        }
+        other => panic!("not ended as interrupted: {other:?}"),
+    }
+    assert!(
+        waited < Duration::from_secs(5),
+        "ended without waiting for the gateway's timeouts: {waited:?}"
+    );
+    let mut next = input("hello again?");
+    next.thread_id = first.thread_id;
+    assert_eq!(
+        run_on(app.agent_addr, next).await.summary,
+        "Back again.",
+        "the thread was handed back, not held for RUN_LEASE"
+    );
+}
+
 /// Thread `t-crash` of alice's, as a run on a replica that died leaves it: the model asked
 /// for two sends, both recorded as executing; `call_sent` reached Gmail, `call_lost` did not.
 async fn a_thread_whose_run_died_during_two_sends(app: &TestApp) {
