@@ -145,7 +145,11 @@ pub fn spawn(
     let task = spawn_every_until(INTERVAL, FirstSweep::Spread, move || {
         let (store, cipher) = (store.clone(), cipher.clone());
         async move {
-            match walk(&*store, &cipher, PAGE).await {
+            let walked = walk(&*store, &cipher, PAGE).await;
+            if let Ok(w) = &walked {
+                crate::metrics::rekey_walked(w.moved, w.left, w.unreadable);
+            }
+            match walked {
                 Ok(w) if w.found_none() => {
                     tracing::info!(
                         read = w.read,
