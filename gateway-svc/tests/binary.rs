@@ -61,6 +61,6 @@ fn migrate_applies_the_schema_once_and_exits() {
         BIN,
         &[("GATEWAY_SERVICE_TOKEN", "binary-test-token-0123456789")],
         "gateway_schema_history",
-        11,
+        12,
     );
 }
