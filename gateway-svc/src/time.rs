@@ -59,7 +59,11 @@ pub fn local_in(local: DateTime, tz: &TimeZone) -> Result<Timestamp, String> {
 /// guess which of two was meant. `None` for an ordinary time.
 pub fn local_note(local: DateTime, tz: &TimeZone) -> Option<String> {
     let zone = tz.iana_name().unwrap_or("the user's time zone");
-    let written = local.strftime("%H:%M on %b %-d");
+    // As written: to the second when it has seconds.
+    let written = match local.second() {
+        0 => local.strftime("%H:%M on %b %-d"),
+        _ => local.strftime("%H:%M:%S on %b %-d"),
+    };
     match tz.to_ambiguous_timestamp(local).offset() {
         AmbiguousOffset::Unambiguous { .. } => None,
         AmbiguousOffset::Gap { before, after } => Some(format!(
@@ -107,8 +111,8 @@ pub struct Resolved {
 }
 
 impl Resolved {
-    /// `said` with the note after it, when there is one: "Reminder #3 set for Mar 8 03:30 EDT.
-    /// (02:30 on Mar 8 does not exist …)".
+    /// `said` with the note after it, when there is one: `Reminder #3 set for Mar 8 03:30 EDT:
+    /// "Water plants". (02:30 on Mar 8 does not exist …)`.
     pub fn noted(&self, said: String) -> String {
         match &self.note {
             Some(note) => format!("{said} ({note}.)"),

@@ -333,6 +333,15 @@ impl AccountStore for RefreshingElsewhere {
             "the account {account} is still being refreshed by another replica"
         )))
     }
+    async fn lock_account_if_idle(
+        &self,
+        _user: &UserId,
+        _integration: Integration,
+        _account: &str,
+        _lapsed_for: std::time::Duration,
+    ) -> Result<Option<Box<dyn AccountLock>>, StoreError> {
+        Ok(None)
+    }
 }
 
 #[tokio::test]

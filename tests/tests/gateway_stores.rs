@@ -313,7 +313,11 @@ async fn a_refresh_saved_after_a_reconnect_or_a_disconnect_changes_nothing(b: Ba
             .await
             .unwrap()
     );
-    let _ = refreshing.save(refreshed).await;
+    assert_eq!(
+        refreshing.save(refreshed).await.unwrap(),
+        Saved::Superseded,
+        "a disconnected account is not brought back"
+    );
     assert!(
         s.get_account(&user("u1"), Integration::Gmail, "a@x.com")
             .await
@@ -436,25 +440,28 @@ async fn g8_on_postgres_a_refresh_whose_lease_lapsed_still_saves_and_the_takers_
     assert_eq!(next.current().unwrap().refresh_token, Some(vec![6, 6]));
 }
 
-/// G-8: a refresh that outlives its lease while a key rotation's walk takes the account over
-/// and moves its tokens to the new key is still saved: the walk changed nothing but the key,
-/// so the fresh access token, and the refresh token the provider rotated, are not lost to it.
+/// G-8: a key rotation's walk never supersedes a refresh. An account being refreshed — even
+/// one whose lease has just lapsed, its refresh still about to save — is left for the next
+/// walk, so the refresh's fresh tokens, and the refresh token the provider rotated, are saved
+/// (under the new key). Only a lease a dead replica left long ago is taken over.
 #[tokio::test]
-async fn g8_on_postgres_a_refresh_outlived_by_a_rotation_walk_still_saves_its_rotated_tokens() {
+async fn g8_on_postgres_a_rotation_walk_leaves_an_account_being_refreshed_to_its_refresh() {
     const OLD: &str = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
     const NEW: &str = "YWJjZGVmMDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODk=";
     let cipher = |key: &str| TokenCipher::from_base64(key).unwrap();
     let b = postgres().await;
     let s = b.stores.accounts.clone();
-    let row = "u1/gmail/a@x.com";
-    s.upsert_account(StoredAccount {
-        access_token: cipher(OLD).encrypt("expired-access", row).unwrap(),
-        refresh_token: Some(cipher(OLD).encrypt("first-refresh", row).unwrap()),
-        expires_at: Some(SystemTime::now()),
-        ..account("u1", "a@x.com")
-    })
-    .await
-    .unwrap();
+    let row = |name: &str| format!("u1/gmail/{name}");
+    for name in ["a@x.com", "dead@x.com"] {
+        s.upsert_account(StoredAccount {
+            access_token: cipher(OLD).encrypt("expired-access", &row(name)).unwrap(),
+            refresh_token: Some(cipher(OLD).encrypt("first-refresh", &row(name)).unwrap()),
+            expires_at: Some(SystemTime::now()),
+            ..account("u1", name)
+        })
+        .await
+        .unwrap();
+    }
     let oauth = FakeOAuth::start().await;
     oauth
         .state
@@ -479,19 +486,24 @@ async fn g8_on_postgres_a_refresh_outlived_by_a_rotation_walk_still_saves_its_ro
             .await
     });
     held.arrived().await;
-    // The refresh has held the account past its lease, and the walk takes it over.
+    // The refresh has held a@ past its lease; dead@'s lease was left by a replica that died
+    // minutes ago.
     let (sql, conn) = tokio_postgres::connect(b._db.as_ref().unwrap().url(), tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(conn);
-    sql.execute(
-        "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second'",
-        &[],
+    sql.batch_execute(
+        "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second' WHERE account = 'a@x.com'; \
+         UPDATE gateway.accounts SET refresh_holder = 'dead', refresh_until = now() - interval '3 minutes' WHERE account = 'dead@x.com';",
     )
     .await
     .unwrap();
     let walk = rekey::walk(&*s, &rotating, 10).await.unwrap();
-    assert_eq!((walk.moved, walk.left), (1, 0), "{walk:?}");
+    assert_eq!(
+        (walk.moved, walk.left),
+        (1, 1),
+        "the dead replica's account moved, the one being refreshed left: {walk:?}"
+    );
 
     held.release();
     assert_eq!(
@@ -507,9 +519,11 @@ async fn g8_on_postgres_a_refresh_outlived_by_a_rotation_walk_still_saves_its_ro
     let new_only = cipher(NEW);
     assert_eq!(
         (
-            new_only.decrypt(&stored.access_token, row).unwrap(),
             new_only
-                .decrypt(stored.refresh_token.as_deref().unwrap(), row)
+                .decrypt(&stored.access_token, &row("a@x.com"))
+                .unwrap(),
+            new_only
+                .decrypt(stored.refresh_token.as_deref().unwrap(), &row("a@x.com"))
                 .unwrap(),
         ),
         ("fresh-access-1".to_owned(), "rotated-refresh-1".to_owned()),
@@ -519,6 +533,38 @@ async fn g8_on_postgres_a_refresh_outlived_by_a_rotation_walk_still_saves_its_ro
         rekey::walk(&*s, &rotating, 10).await.unwrap().found_none(),
         "nothing is left under the old key"
     );
+}
+
+/// G-8: background work takes an account only when nobody is refreshing it, and never waits.
+async fn an_account_being_refreshed_is_not_locked_for_background_work(b: Backend) {
+    let s = &b.stores.accounts;
+    s.upsert_account(account("u1", "a@x.com")).await.unwrap();
+    let u1 = user("u1");
+    let idle = || {
+        s.lock_account_if_idle(
+            &u1,
+            Integration::Gmail,
+            "a@x.com",
+            std::time::Duration::from_secs(120),
+        )
+    };
+    let refreshing = s
+        .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap();
+    assert!(idle().await.unwrap().is_none(), "being refreshed: left");
+    drop(refreshing);
+    // The memory lock frees at once; PostgreSQL's lease is freed by a task the drop spawns.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    let taken = loop {
+        if let Some(lock) = idle().await.unwrap() {
+            break lock;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never let go");
+        tokio::task::yield_now().await;
+    };
+    assert_eq!(taken.current().unwrap().account, "a@x.com");
+    assert!(idle().await.unwrap().is_none(), "held by the walk now");
 }
 
 async fn account_locks_held_during_refreshes_pin_no_connection(b: Backend) {
@@ -992,6 +1038,7 @@ async fn g15_mcp_switches_are_per_user_and_turning_on_removes_only_that_switch(b
 steward_tests::both_backends!(
     accounts_are_scoped_to_their_user_and_round_trip,
     an_account_lock_is_exclusive_until_saved,
+    an_account_being_refreshed_is_not_locked_for_background_work,
     accounts_are_sampled_by_when_they_were_saved,
     every_account_is_walked_once_a_page_at_a_time,
     g8_a_rotation_walk_moves_every_token_under_the_previous_key_to_the_current_one,

@@ -349,11 +349,7 @@ impl Credentials {
                 let kept = fresh.refresh_token.as_deref().unwrap_or(&refresh_token);
                 updated.refresh_token = Some(cipher.encrypt(kept, &row).map_err(|e| internal(&e))?);
                 updated.expires_at = fresh.expires_in.map(|d| SystemTime::now() + d);
-                let saved = match lock.save(updated.clone()).await.map_err(|e| internal(&e))? {
-                    Saved::Applied => Saved::Applied,
-                    Saved::Superseded => self.save_over_moved(cipher, &current, updated).await,
-                };
-                if saved == Saved::Superseded {
+                if lock.save(updated).await.map_err(|e| internal(&e))? == Saved::Superseded {
                     not_saved(&current, "the refreshed tokens were");
                 }
                 Ok(fresh.access_token)
@@ -378,45 +374,6 @@ impl Credentials {
 }
 
 impl Credentials {
-    /// A refresh whose save was superseded, from `read` (the account as its lock read it) to
-    /// `updated`. When what superseded it is only `read`'s tokens under CREDENTIALS_KEY — the
-    /// rotation walk took over the lease this refresh outlived (a slow token endpoint, a slow
-    /// save) and moved them — the refresh is saved over them after all: otherwise its fresh
-    /// tokens, and a refresh token the provider rotated, would be lost to a change that meant
-    /// nothing. Any other change (a reconnect, a disconnect, newer tokens) stays. A store
-    /// error is logged: the call has its token either way.
-    async fn save_over_moved(
-        &self,
-        cipher: &TokenCipher,
-        read: &StoredAccount,
-        updated: StoredAccount,
-    ) -> Saved {
-        let plain = |a: &StoredAccount| {
-            TokensRead::of(cipher, a).map(|t| (t.access.0, t.refresh.map(|(token, _)| token)))
-        };
-        let retried = async {
-            let lock = self
-                .store
-                .lock_account(&read.user, read.integration, &read.account)
-                .await?;
-            let moved_only = lock.current().is_some_and(|now| {
-                now.status == read.status
-                    && now.expires_at == read.expires_at
-                    && now.scopes == read.scopes
-                    && now.connected_at == read.connected_at
-                    && plain(now).is_some_and(|tokens| Some(tokens) == plain(read))
-            });
-            match moved_only {
-                true => lock.save(updated).await,
-                false => Ok(Saved::Superseded),
-            }
-        };
-        retried.await.unwrap_or_else(|e| {
-            tracing::error!(user = %read.user, integration = read.integration.key(), account = %read.account, error = %e, "could not save refreshed tokens over the same tokens moved to CREDENTIALS_KEY");
-            Saved::Superseded
-        })
-    }
-
     /// The upstream refused `token` for good (although it had just been refreshed or
     /// replaced, or in words such as Slack's `token_revoked`): the grant no longer gives
     /// access (scopes withdrawn, the account disabled, the app uninstalled), and only

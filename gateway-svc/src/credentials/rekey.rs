@@ -6,8 +6,10 @@
 //! new one, and a walk would move tokens back.
 //!
 //! Each account is moved under its refresh lock and saved as a compare-and-swap on the
-//! tokens the lock read, as a refresh is: a refresh or reconnect meanwhile wins, and nothing
-//! is re-encrypted twice over. Replicas walking at once skip what another has moved.
+//! tokens the lock read, as a refresh is: a reconnect meanwhile wins, and nothing is
+//! re-encrypted twice over. An account being refreshed is left for the next walk, never
+//! waited for or taken over (unless its lease was left by a dead replica), so a walk never
+//! supersedes a refresh. Replicas walking at once skip what another has moved.
 //! Walking repeats every [`INTERVAL`] until one whole walk finds nothing under the previous
 //! key (a replica of the rollout before may still have written one meanwhile), then ends.
 
@@ -28,6 +30,13 @@ pub const INTERVAL: Duration = Duration::from_secs(300);
 /// Accounts read per page of a walk.
 pub const PAGE: usize = 200;
 
+/// How long past its lapse a refresh's lease is taken over by a walk: longer than any refresh
+/// can still be saving after its lease lapsed (its token request is bounded by the lease, its
+/// save by the pool's wait and the statement timeout), so a walk only ever takes an account a
+/// dead replica left, never one whose refresh is about to save — which the walk's save would
+/// supersede, losing the fresh tokens and a refresh token the provider rotated.
+pub const ABANDONED_AFTER: Duration = Duration::from_secs(120);
+
 /// What one walk over every stored account found and did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Walk {
@@ -35,10 +44,9 @@ pub struct Walk {
     pub read: usize,
     /// Saved under the current key by this walk.
     pub moved: usize,
-    /// Under the previous key and not moved: another replica was refreshing the account past
-    /// the wait for its lock, or the account changed between the walk's lock and its save (a
-    /// reconnect, say, whose tokens a replica of the rollout before may have written under
-    /// the previous key). The next walk looks again.
+    /// Under the previous key and not moved: the account was being refreshed, or it changed
+    /// between the walk's lock and its save (a reconnect, say, whose tokens a replica of the
+    /// rollout before may have written under the previous key). The next walk looks again.
     pub left: usize,
     /// Read with neither key (stored under another key, or damaged): only a reconnect mends
     /// them, and they do not keep the previous key needed.
@@ -98,14 +106,17 @@ async fn move_one(
         Some(read) if read.all_current() => return Ok(Fared::Already),
         Some(_) => {}
     }
-    let lock = match store
-        .lock_account(&listed.user, listed.integration, &listed.account)
-        .await
-    {
-        Ok(lock) => lock,
-        // Being refreshed elsewhere for longer than the lock's wait: the next walk looks again.
-        Err(StoreError::InProgress(_)) => return Ok(Fared::Left),
-        Err(e) => return Err(e),
+    let Some(lock) = store
+        .lock_account_if_idle(
+            &listed.user,
+            listed.integration,
+            &listed.account,
+            ABANDONED_AFTER,
+        )
+        .await?
+    else {
+        // Being refreshed: the next walk looks again.
+        return Ok(Fared::Left);
     };
     // As it is now, under the lock: a refresh or reconnect may have moved it already.
     let Some(current) = lock.current().cloned() else {

@@ -642,18 +642,22 @@ impl Tool for Write {
             Ok(event) => event,
             Err(e) => {
                 tracing::warn!(error = %e, "Calendar accepted a write but its answer could not be read");
-                return Ok(ToolOutput::text(format!(
-                    "{verb} the event in {account} (Calendar's answer could not be read, so its id is unknown)."
+                return Ok(ToolOutput::text(with_local_notes(
+                    format!(
+                        "{verb} the event in {account} (Calendar's answer could not be read, so its id is unknown)."
+                    ),
+                    ctx,
+                    &args,
+                    tool,
                 )));
             }
         };
-        let said = format!("{verb} event {} in {account}.", render(&event));
-        let zone = zone_arg(&args, tool).ok().flatten().map(|(_, tz)| tz);
-        let notes = local_notes(&args, zone.as_ref().or(ctx.time_zone.as_ref()));
-        Ok(ToolOutput::text(match notes.is_empty() {
-            true => said,
-            false => format!("{said} ({}.)", notes.join("; ")),
-        }))
+        Ok(ToolOutput::text(with_local_notes(
+            format!("{verb} event {} in {account}.", render(&event)),
+            ctx,
+            &args,
+            tool,
+        )))
     }
 }
 
@@ -764,6 +768,17 @@ fn when_arg(args: &Value, user_zone: Option<&jiff::tz::TimeZone>) -> String {
             shown.join(" to "),
             notes.join("; ")
         ),
+    }
+}
+
+/// A write's result with what the clocks did to its local times, read in the zone its times
+/// were read in (the `time_zone` argument's, else the user's).
+fn with_local_notes(said: String, ctx: &CallContext, args: &Value, tool: &str) -> String {
+    let zone = zone_arg(args, tool).ok().flatten().map(|(_, tz)| tz);
+    let notes = local_notes(args, zone.as_ref().or(ctx.time_zone.as_ref()));
+    match notes.is_empty() {
+        true => said,
+        false => format!("{said} ({}.)", notes.join("; ")),
     }
 }
 

@@ -47,6 +47,18 @@ impl<K: std::hash::Hash + Eq + Clone> KeyLocks<K> {
         Ok(lock.lock_owned().await)
     }
 
+    /// The lock of `key` if nobody holds it now, without waiting.
+    fn try_lock(&self, key: &K) -> Result<Option<OwnedMutexGuard<()>>, StoreError> {
+        let lock = self
+            .locks
+            .lock()
+            .map_err(|_| poisoned())?
+            .entry(key.clone())
+            .or_default()
+            .clone();
+        Ok(lock.try_lock_owned().ok())
+    }
+
     /// Whether someone holds `key` right now.
     fn held(&self, key: &K) -> Result<bool, StoreError> {
         let locks = self.locks.lock().map_err(|_| poisoned())?;
@@ -219,6 +231,26 @@ impl AccountStore for MemoryStore {
             current,
             accounts: self.accounts.clone(),
         }))
+    }
+
+    /// A held lock here is a live refresh (nothing in one process outlives its holder).
+    async fn lock_account_if_idle(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+        _lapsed_for: std::time::Duration,
+    ) -> Result<Option<Box<dyn AccountLock>>, StoreError> {
+        let key = account_key(user, integration, account);
+        let Some(guard) = self.account_locks.try_lock(&key)? else {
+            return Ok(None);
+        };
+        let current = self.get_account(user, integration, account).await?;
+        Ok(Some(Box::new(MemoryAccountLock {
+            _guard: guard,
+            current,
+            accounts: self.accounts.clone(),
+        })))
     }
 }
 

@@ -173,6 +173,18 @@ pub trait AccountStore: Send + Sync + 'static {
         integration: Integration,
         account: &str,
     ) -> Result<Box<dyn AccountLock>, StoreError>;
+    /// As [`AccountStore::lock_account`] for background work that must never supersede a
+    /// refresh: the lock at once if nobody holds the account, and on PostgreSQL if a lease on
+    /// it lapsed more than `lapsed_for` ago (a replica that died holding it); `None`, without
+    /// waiting, otherwise — including a lease only just lapsed, whose refresh may still be
+    /// about to save.
+    async fn lock_account_if_idle(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+        lapsed_for: std::time::Duration,
+    ) -> Result<Option<Box<dyn AccountLock>>, StoreError>;
 }
 
 /// Where a walk over every stored account stands: the key of the last account it read.

@@ -355,6 +355,51 @@ impl AccountStore for PgStore {
             }
         }
     }
+
+    async fn lock_account_if_idle(
+        &self,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+        lapsed_for: Duration,
+    ) -> Result<Option<Box<dyn AccountLock>>, StoreError> {
+        // One UPDATE: the lease if it is free or lapsed more than `lapsed_for` ago.
+        let holder = format!("{:032x}", rand::random::<u128>());
+        let hold_ms = REFRESH_HOLD.as_millis() as f64;
+        let lapsed_ms = lapsed_for.as_millis() as f64;
+        let taken = self
+            .client()
+            .await?
+            .query_opt(
+                &format!(
+                    "UPDATE gateway.accounts SET refresh_holder = $4, \
+                       refresh_until = clock_timestamp() + $5 * interval '1 millisecond' \
+                     WHERE user_id = $1 AND integration = $2 AND account = $3 \
+                       AND (refresh_until IS NULL \
+                            OR refresh_until < clock_timestamp() - $6 * interval '1 millisecond') \
+                     RETURNING {ACCOUNT_COLUMNS}"
+                ),
+                &[
+                    &user.as_str(),
+                    &integration.key(),
+                    &account,
+                    &holder,
+                    &hold_ms,
+                    &lapsed_ms,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        taken
+            .map(|row| {
+                Ok(Box::new(PgAccountLock {
+                    pool: self.pool.clone(),
+                    holder: Some(holder),
+                    current: Some(account_from_row(&row)?),
+                }) as Box<dyn AccountLock>)
+            })
+            .transpose()
+    }
 }
 
 /// Waiting for another holder's lease (a claim, a refresh) to end: pauses from 25 ms doubling
