@@ -294,41 +294,17 @@ impl AccountStore for PgStore {
         integration: Integration,
         account: &str,
     ) -> Result<Box<dyn AccountLock>, StoreError> {
-        // A committed lease on the row, not a row lock in an open transaction: the token
-        // endpoint is called while nothing of the pool is held.
-        let holder = format!("{:032x}", rand::random::<u128>());
-        let hold_ms = REFRESH_HOLD.as_millis() as f64;
         // A waiter outlasts a crashed holder's lease by a moment, so it takes the account
         // over when that lease lapses instead of giving up right then (the call's own
         // deadline, usually shorter, still bounds the wait).
         let mut wait = Patience::new(REFRESH_HOLD + Duration::from_secs(2));
         loop {
             let client = self.client().await?;
-            let taken = client
-                .query_opt(
-                    &format!(
-                        "UPDATE gateway.accounts SET refresh_holder = $4, \
-                           refresh_until = clock_timestamp() + $5 * interval '1 millisecond' \
-                         WHERE user_id = $1 AND integration = $2 AND account = $3 \
-                           AND (refresh_until IS NULL OR refresh_until < clock_timestamp()) \
-                         RETURNING {ACCOUNT_COLUMNS}"
-                    ),
-                    &[
-                        &user.as_str(),
-                        &integration.key(),
-                        &account,
-                        &holder,
-                        &hold_ms,
-                    ],
-                )
-                .await
-                .map_err(db)?;
-            if let Some(row) = taken {
-                return Ok(Box::new(PgAccountLock {
-                    pool: self.pool.clone(),
-                    holder: Some(holder),
-                    current: Some(account_from_row(&row)?),
-                }));
+            if let Some(lock) = self
+                .take_lease(&client, user, integration, account, Duration::ZERO)
+                .await?
+            {
+                return Ok(Box::new(lock));
             }
             let exists = client
                 .query_opt(
@@ -363,13 +339,30 @@ impl AccountStore for PgStore {
         account: &str,
         lapsed_for: Duration,
     ) -> Result<Option<Box<dyn AccountLock>>, StoreError> {
-        // One UPDATE: the lease if it is free or lapsed more than `lapsed_for` ago.
+        let client = self.client().await?;
+        Ok(self
+            .take_lease(&client, user, integration, account, lapsed_for)
+            .await?
+            .map(|lock| Box::new(lock) as Box<dyn AccountLock>))
+    }
+}
+
+impl PgStore {
+    /// `account`'s refresh lease, if it is free or lapsed more than `lapsed_for` ago: a
+    /// committed lease on the row, not a row lock in an open transaction, so the token
+    /// endpoint is called while nothing of the pool is held.
+    async fn take_lease(
+        &self,
+        client: &Pooled,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+        lapsed_for: Duration,
+    ) -> Result<Option<PgAccountLock>, StoreError> {
         let holder = format!("{:032x}", rand::random::<u128>());
         let hold_ms = REFRESH_HOLD.as_millis() as f64;
         let lapsed_ms = lapsed_for.as_millis() as f64;
-        let taken = self
-            .client()
-            .await?
+        let taken = client
             .query_opt(
                 &format!(
                     "UPDATE gateway.accounts SET refresh_holder = $4, \
@@ -392,11 +385,11 @@ impl AccountStore for PgStore {
             .map_err(db)?;
         taken
             .map(|row| {
-                Ok(Box::new(PgAccountLock {
+                Ok(PgAccountLock {
                     pool: self.pool.clone(),
                     holder: Some(holder),
                     current: Some(account_from_row(&row)?),
-                }) as Box<dyn AccountLock>)
+                })
             })
             .transpose()
     }
