@@ -487,14 +487,14 @@ async fn g8_on_postgres_a_rotation_walk_leaves_an_account_being_refreshed_to_its
     });
     held.arrived().await;
     // The refresh has held a@ past its lease; dead@'s lease was left by a replica that died
-    // minutes ago.
+    // twenty minutes ago.
     let (sql, conn) = tokio_postgres::connect(b._db.as_ref().unwrap().url(), tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(conn);
     sql.batch_execute(
         "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second' WHERE account = 'a@x.com'; \
-         UPDATE gateway.accounts SET refresh_holder = 'dead', refresh_until = now() - interval '3 minutes' WHERE account = 'dead@x.com';",
+         UPDATE gateway.accounts SET refresh_holder = 'dead', refresh_until = now() - interval '20 minutes' WHERE account = 'dead@x.com';",
     )
     .await
     .unwrap();
@@ -540,14 +540,8 @@ async fn an_account_being_refreshed_is_not_locked_for_background_work(b: Backend
     let s = &b.stores.accounts;
     s.upsert_account(account("u1", "a@x.com")).await.unwrap();
     let u1 = user("u1");
-    let idle = || {
-        s.lock_account_if_idle(
-            &u1,
-            Integration::Gmail,
-            "a@x.com",
-            std::time::Duration::from_secs(120),
-        )
-    };
+    let idle =
+        || s.lock_account_if_idle(&u1, Integration::Gmail, "a@x.com", rekey::ABANDONED_AFTER);
     let refreshing = s
         .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
         .await

@@ -31,11 +31,12 @@ pub const INTERVAL: Duration = Duration::from_secs(300);
 pub const PAGE: usize = 200;
 
 /// How long past its lapse a refresh's lease is taken over by a walk: longer than any refresh
-/// can still be saving after its lease lapsed (its token request is bounded by the lease, its
-/// save by the pool's wait and the statement timeout), so a walk only ever takes an account a
-/// dead replica left, never one whose refresh is about to save — which the walk's save would
-/// supersede, losing the fresh tokens and a refresh token the provider rotated.
-pub const ABANDONED_AFTER: Duration = Duration::from_secs(120);
+/// can still be saving after its lease lapsed — its token request is bounded by the lease, its
+/// save by the pool's wait and the lock wait (DATABASE_ACQUIRE_TIMEOUT and
+/// DATABASE_LOCK_TIMEOUT, 5 s each by default, at most 300 s each) — so a walk only ever takes
+/// an account a dead replica left, never one whose refresh is about to save, which the walk's
+/// save would supersede, losing the fresh tokens and a refresh token the provider rotated.
+pub const ABANDONED_AFTER: Duration = Duration::from_secs(15 * 60);
 
 /// What one walk over every stored account found and did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
