@@ -113,6 +113,31 @@ async fn start_streaming(
     (stream, first)
 }
 
+/// Returns once a statement waits for a lock on `table` (the test's own lock holds it), or
+/// fails saying `never` at `deadline`.
+async fn until_a_write_waits_on(
+    watcher: &tokio_postgres::Client,
+    table: &str,
+    deadline: tokio::time::Instant,
+    never: &str,
+) {
+    loop {
+        let waiting: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE relation = $1::text::regclass AND NOT granted",
+                &[&table],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{never}");
+        tokio::task::yield_now().await;
+    }
+}
+
 async fn sql_count(app: &TestApp, query: &str, run_id: &str) -> i64 {
     let client = app.sql().await;
     client.query_one(query, &[&run_id]).await.unwrap().get(0)
@@ -413,24 +438,13 @@ async fn a_cancel_that_lands_while_the_pause_commits_ends_the_paused_run() {
         .unwrap();
     gate.notify_one();
     let watcher = app.sql().await;
-    loop {
-        let waiting: i64 = watcher
-            .query_one(
-                "SELECT count(*) FROM pg_locks WHERE relation = 'agent.audit'::regclass AND NOT granted",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the pause was never committed"
-        );
-        tokio::task::yield_now().await;
-    }
+    until_a_write_waits_on(
+        &watcher,
+        "agent.audit",
+        deadline,
+        "the pause was never committed",
+    )
+    .await;
     let mut alice = app.agent_as("alice").await;
     let answered = alice
         .cancel_run(pb::CancelRunRequest {
@@ -1349,24 +1363,13 @@ async fn a_shutdown_during_an_approved_sends_intent_commit_still_sends_it_once()
     });
     let watcher = app.sql().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let waiting: i64 = watcher
-            .query_one(
-                "SELECT count(*) FROM pg_locks WHERE relation = 'agent.actions'::regclass AND NOT granted",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the intent was never committed"
-        );
-        tokio::task::yield_now().await;
-    }
+    until_a_write_waits_on(
+        &watcher,
+        "agent.actions",
+        deadline,
+        "the intent was never committed",
+    )
+    .await;
     let replica = app.agent_replicas().remove(0);
     let mut stopping = Box::pin(replica.release_all(Duration::from_secs(20)));
     // Its first poll marks the replica as shutting down and stops its runs; then it waits
