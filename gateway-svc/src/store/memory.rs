@@ -35,28 +35,23 @@ impl<K> Default for KeyLocks<K> {
 }
 
 impl<K: std::hash::Hash + Eq + Clone> KeyLocks<K> {
+    /// The mutex of `key`.
+    fn mutex(&self, key: &K) -> Result<Arc<Mutex<()>>, StoreError> {
+        let mut locks = self.locks.lock().map_err(|_| poisoned())?;
+        // Forget locks nobody holds, so the map does not grow with every key ever seen.
+        if locks.len() > 1024 {
+            locks.retain(|_, l| Arc::strong_count(l) > 1);
+        }
+        Ok(locks.entry(key.clone()).or_default().clone())
+    }
+
     async fn lock(&self, key: &K) -> Result<OwnedMutexGuard<()>, StoreError> {
-        let lock = {
-            let mut locks = self.locks.lock().map_err(|_| poisoned())?;
-            // Forget locks nobody holds, so the map does not grow with every key ever seen.
-            if locks.len() > 1024 {
-                locks.retain(|_, l| Arc::strong_count(l) > 1);
-            }
-            locks.entry(key.clone()).or_default().clone()
-        };
-        Ok(lock.lock_owned().await)
+        Ok(self.mutex(key)?.lock_owned().await)
     }
 
     /// The lock of `key` if nobody holds it now, without waiting.
     fn try_lock(&self, key: &K) -> Result<Option<OwnedMutexGuard<()>>, StoreError> {
-        let lock = self
-            .locks
-            .lock()
-            .map_err(|_| poisoned())?
-            .entry(key.clone())
-            .or_default()
-            .clone();
-        Ok(lock.try_lock_owned().ok())
+        Ok(self.mutex(key)?.try_lock_owned().ok())
     }
 
     /// Whether someone holds `key` right now.
@@ -225,12 +220,7 @@ impl AccountStore for MemoryStore {
     ) -> Result<Box<dyn AccountLock>, StoreError> {
         let key = account_key(user, integration, account);
         let guard = self.account_locks.lock(&key).await?;
-        let current = self.get_account(user, integration, account).await?;
-        Ok(Box::new(MemoryAccountLock {
-            _guard: guard,
-            current,
-            accounts: self.accounts.clone(),
-        }))
+        self.locked(guard, user, integration, account).await
     }
 
     /// A held lock here is a live refresh (nothing in one process outlives its holder).
@@ -245,12 +235,25 @@ impl AccountStore for MemoryStore {
         let Some(guard) = self.account_locks.try_lock(&key)? else {
             return Ok(None);
         };
+        Ok(Some(self.locked(guard, user, integration, account).await?))
+    }
+}
+
+impl MemoryStore {
+    /// The account as it is now, held by `guard`.
+    async fn locked(
+        &self,
+        guard: OwnedMutexGuard<()>,
+        user: &UserId,
+        integration: Integration,
+        account: &str,
+    ) -> Result<Box<dyn AccountLock>, StoreError> {
         let current = self.get_account(user, integration, account).await?;
-        Ok(Some(Box::new(MemoryAccountLock {
+        Ok(Box::new(MemoryAccountLock {
             _guard: guard,
             current,
             accounts: self.accounts.clone(),
-        })))
+        }))
     }
 }
 
