@@ -180,7 +180,8 @@ async fn every_account_is_walked_once_a_page_at_a_time(b: Backend) {
 
 /// G-8: while CREDENTIALS_KEY_PREVIOUS is set, a walk re-encrypts under CREDENTIALS_KEY every
 /// token still under the previous key — access and refresh tokens alike — so the previous key
-/// can go; a token under neither key is left as it is, and a second walk finds nothing to do.
+/// can go; a token under neither key is left as it is — beside a token of the same account
+/// that does move — and a second walk finds nothing to do.
 async fn g8_a_rotation_walk_moves_every_token_under_the_previous_key_to_the_current_one(
     b: Backend,
 ) {
@@ -200,11 +201,17 @@ async fn g8_a_rotation_walk_moves_every_token_under_the_previous_key_to_the_curr
         }
     };
     let foreign = stored("d@x.com", OTHER, true);
+    // Its access token still serves until it expires, so it must not stay under the old key.
+    let half_foreign = StoredAccount {
+        refresh_token: foreign.refresh_token.clone(),
+        ..stored("e@x.com", OLD, false)
+    };
     for a in [
         stored("a@x.com", OLD, true),
         stored("b@x.com", NEW, true),
         stored("c@x.com", OLD, false),
         foreign.clone(),
+        half_foreign.clone(),
     ] {
         s.upsert_account(a).await.unwrap();
     }
@@ -214,8 +221,8 @@ async fn g8_a_rotation_walk_moves_every_token_under_the_previous_key_to_the_curr
     assert_eq!(
         first,
         Walk {
-            read: 4,
-            moved: 2,
+            read: 5,
+            moved: 3,
             left: 0,
             unreadable: 1
         }
@@ -244,10 +251,25 @@ async fn g8_a_rotation_walk_moves_every_token_under_the_previous_key_to_the_curr
         .unwrap()
         .unwrap();
     assert_eq!(left, foreign, "a token under neither key is left as stored");
+    let half = s
+        .get_account(&user("u1"), Integration::Gmail, "e@x.com")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        new_only
+            .decrypt(&half.access_token, &row("e@x.com"))
+            .unwrap(),
+        "access-e@x.com"
+    );
+    assert_eq!(
+        half.refresh_token, half_foreign.refresh_token,
+        "the token under neither key is left as stored beside the one moved"
+    );
 
     let second = rekey::walk(&**s, &rotating, 3).await.unwrap();
     assert!(second.found_none(), "{second:?}");
-    assert_eq!((second.read, second.unreadable), (4, 1));
+    assert_eq!((second.read, second.unreadable), (5, 2));
 }
 
 async fn an_account_lock_is_exclusive_until_saved(b: Backend) {

@@ -483,9 +483,10 @@ pub const KEY_CHECK_SAMPLE: usize = 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyCheck {
     pub sampled: usize,
-    /// Read with the current key.
+    /// Every token read with the current key.
     pub current: usize,
-    /// Read with the previous key (CREDENTIALS_KEY_PREVIOUS): not yet saved since rotation.
+    /// Some token read with the previous key (CREDENTIALS_KEY_PREVIOUS): not yet saved since
+    /// rotation.
     pub previous: usize,
 }
 
@@ -517,41 +518,60 @@ pub async fn check_key(
         previous: 0,
     };
     for a in &sample {
-        match TokensRead::of(cipher, a) {
-            Some(read) if read.all_current() => check.current += 1,
-            Some(_) => check.previous += 1,
-            None => {}
+        let read = TokensRead::of(cipher, a);
+        if read.any_previous() {
+            check.previous += 1;
+        } else if read.all_current() {
+            check.current += 1;
         }
     }
     Ok(check)
 }
 
 /// An account's stored tokens as read, with the key each was under (the start-up key check
-/// and the rotation walk); `None` from [`TokensRead::of`] when one reads with neither key.
+/// and the rotation walk).
 struct TokensRead {
-    access: (String, KeyUsed),
-    refresh: Option<(String, KeyUsed)>,
+    access: TokenRead,
+    refresh: Option<TokenRead>,
+}
+
+/// One stored token as read: with one of the keys, or with neither (stored under another key,
+/// or damaged).
+enum TokenRead {
+    Under(String, KeyUsed),
+    Unreadable,
 }
 
 impl TokensRead {
-    fn of(cipher: &TokenCipher, a: &StoredAccount) -> Option<Self> {
+    fn of(cipher: &TokenCipher, a: &StoredAccount) -> Self {
         let row = row_id(&a.user, a.integration, &a.account);
-        let read = |t: &[u8]| cipher.decrypt_which(t, &row).ok();
-        Some(Self {
-            access: read(&a.access_token)?,
-            refresh: match &a.refresh_token {
-                Some(t) => Some(read(t)?),
-                None => None,
-            },
-        })
+        let read = |t: &[u8]| match cipher.decrypt_which(t, &row) {
+            Ok((plain, key)) => TokenRead::Under(plain, key),
+            Err(_) => TokenRead::Unreadable,
+        };
+        Self {
+            access: read(&a.access_token),
+            refresh: a.refresh_token.as_deref().map(read),
+        }
     }
 
-    /// Both tokens under the current key: an account whose refresh token is still under the
-    /// previous key needs it as much as one whose access token is.
+    fn each(&self) -> impl Iterator<Item = &TokenRead> {
+        std::iter::once(&self.access).chain(self.refresh.as_ref())
+    }
+
+    /// Every token read, and under the current key.
     fn all_current(&self) -> bool {
-        std::iter::once(&self.access)
-            .chain(self.refresh.as_ref())
-            .all(|(_, key)| *key == KeyUsed::Current)
+        self.each()
+            .all(|t| matches!(t, TokenRead::Under(_, KeyUsed::Current)))
+    }
+
+    /// Some token still needs the previous key: an account whose refresh token is under it
+    /// needs it as much as one whose access token is, and one whose other token reads with
+    /// neither key still needs it for the one that reads (its access token serves until it
+    /// expires).
+    fn any_previous(&self) -> bool {
+        self.each()
+            .any(|t| matches!(t, TokenRead::Under(_, KeyUsed::Previous)))
     }
 }
 

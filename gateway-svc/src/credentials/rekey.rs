@@ -19,7 +19,11 @@ use svc_kit::periodic::{FirstSweep, Then, abort_at, spawn_every_until};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::{TokensRead, cipher::TokenCipher, row_id};
+use super::{
+    TokenRead, TokensRead,
+    cipher::{KeyUsed, TokenCipher},
+    row_id,
+};
 use crate::store::{AccountCursor, AccountStore, Saved, StoreError, StoredAccount};
 
 /// How often a replica walks while there may be tokens to move; the first walk comes at a
@@ -102,10 +106,8 @@ async fn move_one(
     listed: &StoredAccount,
 ) -> Result<Fared, StoreError> {
     // Read unlocked first: most accounts need nothing, and take no lock.
-    match TokensRead::of(cipher, listed) {
-        None => return Ok(Fared::Unreadable),
-        Some(read) if read.all_current() => return Ok(Fared::Already),
-        Some(_) => {}
+    if let Some(fared) = nothing_to_move(&TokensRead::of(cipher, listed)) {
+        return Ok(fared);
     }
     let Some(lock) = store
         .lock_account_if_idle(
@@ -123,24 +125,41 @@ async fn move_one(
     let Some(current) = lock.current().cloned() else {
         return Ok(Fared::Already);
     };
-    let read = match TokensRead::of(cipher, &current) {
-        None => return Ok(Fared::Unreadable),
-        Some(read) if read.all_current() => return Ok(Fared::Already),
-        Some(read) => read,
-    };
+    let read = TokensRead::of(cipher, &current);
+    if let Some(fared) = nothing_to_move(&read) {
+        return Ok(fared);
+    }
     let row = row_id(&current.user, current.integration, &current.account);
-    let encrypt = |plain: &str| {
-        cipher
+    // A token under the previous key is re-encrypted; any other is kept as stored, one that
+    // reads with neither key included (only a reconnect mends it).
+    let moved = |read: &TokenRead, stored: &[u8]| match read {
+        TokenRead::Under(plain, KeyUsed::Previous) => cipher
             .encrypt(plain, &row)
-            .map_err(|e| StoreError::Unavailable(format!("could not re-encrypt a token: {e}")))
+            .map_err(|e| StoreError::Unavailable(format!("could not re-encrypt a token: {e}"))),
+        _ => Ok(stored.to_vec()),
     };
-    let mut updated = current;
-    updated.access_token = encrypt(&read.access.0)?;
-    updated.refresh_token = read.refresh.map(|(plain, _)| encrypt(&plain)).transpose()?;
+    let mut updated = current.clone();
+    updated.access_token = moved(&read.access, &current.access_token)?;
+    updated.refresh_token = match (&read.refresh, &current.refresh_token) {
+        (Some(read), Some(stored)) => Some(moved(read, stored)?),
+        _ => current.refresh_token.clone(),
+    };
     Ok(match lock.save(updated).await? {
         Saved::Applied => Fared::Moved,
         Saved::Superseded => Fared::Left,
     })
+}
+
+/// How an account fares without a save: every token under the current key already, or none
+/// under the previous one and some read with neither key. `None` when a token is to move.
+fn nothing_to_move(read: &TokensRead) -> Option<Fared> {
+    if read.any_previous() {
+        None
+    } else if read.all_current() {
+        Some(Fared::Already)
+    } else {
+        Some(Fared::Unreadable)
+    }
 }
 
 /// Walks every [`INTERVAL`] while `cipher` holds a previous key, until a walk finds nothing
