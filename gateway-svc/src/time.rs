@@ -85,6 +85,20 @@ pub fn local_note(local: DateTime, tz: &TimeZone) -> Option<String> {
     }
 }
 
+/// [`local_note`] for a time written with a zone in brackets and no offset
+/// (`2030-03-10T02:30[America/New_York]`), which [`Written::read`] takes as an instant: jiff
+/// reads a time that zone skips or repeats as [`local_in`] does, and the writer is told so
+/// as for a local time. `None` for every other form (an offset says which of two it is).
+pub fn zone_note(raw: &str) -> Option<String> {
+    let pieces = Pieces::parse(raw.trim()).ok()?;
+    let time = pieces.time()?;
+    if pieces.offset().is_some() {
+        return None;
+    }
+    let tz = pieces.to_time_zone().ok()??;
+    local_note(pieces.date().to_datetime(time), &tz)
+}
+
 /// How far the clocks move between two offsets: "an hour", "30 minutes".
 fn shift(from: Offset, to: Offset) -> String {
     match (to.seconds() - from.seconds()).unsigned_abs() / 60 {
@@ -130,10 +144,11 @@ pub fn parse_when(raw: &str, local: Option<&TimeZone>) -> Result<Resolved, Strin
     let raw = raw.trim();
     let mut note = None;
     let at = match Written::read(raw) {
-        Some(Written::At(ts)) => ts,
-        Some(Written::Day(date)) => {
-            local_in(date.at(23, 59, 59, 0), local.unwrap_or(&TimeZone::UTC))?
+        Some(Written::At(ts)) => {
+            note = zone_note(raw);
+            ts
         }
+        Some(Written::Day(date)) => day_end(date, local.unwrap_or(&TimeZone::UTC))?,
         Some(Written::Local(t)) => match local {
             Some(tz) => {
                 note = local_note(t, tz);
@@ -155,6 +170,15 @@ pub fn parse_when(raw: &str, local: Option<&TimeZone>) -> Result<Resolved, Strin
         at: SystemTime::from(at),
         note,
     })
+}
+
+/// The end of `date` in `tz`, as a deadline "by" that day means: 23:59:59, and the later of
+/// the two where the clocks go back at midnight and repeat the day's last hour
+/// (America/Santiago), so the deadline is not an hour before the day ends.
+fn day_end(date: Date, tz: &TimeZone) -> Result<Timestamp, String> {
+    tz.to_ambiguous_timestamp(date.at(23, 59, 59, 0))
+        .later()
+        .map_err(|e| format!("{date} is out of range ({e})"))
 }
 
 /// The named IANA zone, or UTC when empty or unknown.
@@ -302,6 +326,66 @@ mod tests {
             .note
             .expect("skipped");
         assert!(note.contains("forward 30 minutes"), "{note}");
+    }
+
+    #[test]
+    fn a_time_with_its_zone_in_brackets_and_no_offset_is_noted_as_a_local_time_is() {
+        let new_york = zone("America/New_York");
+        // Read in the zone it names, whatever the user's.
+        let skipped = parse_when("2030-03-10T02:30[America/New_York]", None).unwrap();
+        assert_eq!(
+            short_datetime_zoned(skipped.at, &new_york),
+            "Mar 10 03:30 EDT"
+        );
+        assert_eq!(
+            skipped.note.as_deref(),
+            Some(
+                "02:30 on Mar 10 does not exist in America/New_York (the clocks go forward an hour then), so it was read as Mar 10 03:30 EDT"
+            )
+        );
+        let repeated =
+            parse_when("2030-11-03T01:30[America/New_York]", Some(&TimeZone::UTC)).unwrap();
+        assert_eq!(
+            short_datetime_zoned(repeated.at, &new_york),
+            "Nov 3 01:30 EDT"
+        );
+        assert!(
+            repeated
+                .note
+                .is_some_and(|n| n.contains("write 2030-11-03T01:30:00-05:00")),
+        );
+        // An offset beside the zone says which of the two: nothing to note.
+        let second = parse_when("2030-11-03T01:30-05:00[America/New_York]", None).unwrap();
+        assert_eq!(
+            short_datetime_zoned(second.at, &new_york),
+            "Nov 3 01:30 EST"
+        );
+        assert_eq!(second.note, None);
+        assert_eq!(
+            parse_when("2030-11-03T09:00[America/New_York]", None)
+                .unwrap()
+                .note,
+            None
+        );
+    }
+
+    #[test]
+    fn a_day_ends_at_its_last_second_where_the_clocks_go_back_at_midnight() {
+        // Chile's clocks go back from Apr 5 00:00 to Apr 4 23:00 in 2026: 23:59:59 on Apr 4
+        // happens twice, and the day ends at the second.
+        let santiago = zone("America/Santiago");
+        let due = parse_when("2026-04-04", Some(&santiago)).unwrap();
+        assert_eq!(
+            Timestamp::try_from(due.at).unwrap().to_string(),
+            "2026-04-05T03:59:59Z"
+        );
+        assert_eq!(due.note, None, "the end of the day is what was meant");
+        // Elsewhere, the day's 23:59:59.
+        let new_york = parse_when("2026-11-01", Some(&zone("America/New_York"))).unwrap();
+        assert_eq!(
+            Timestamp::try_from(new_york.at).unwrap().to_string(),
+            "2026-11-02T04:59:59Z"
+        );
     }
 
     #[test]

@@ -741,12 +741,22 @@ fn when_arg(args: &Value, user_zone: Option<&jiff::tz::TimeZone>) -> String {
         _ => (String::new(), None),
     };
     let text = format!("{} to {}", line(&raw[0], 40), line(&raw[1], 40));
+    let notes = local_notes(args, tz.as_ref()).join("; ");
+    // A time with its zone in brackets can be noted with no zone to name.
+    let or_notes = |before: String| match (before.is_empty(), notes.is_empty()) {
+        (_, true) => before,
+        (true, false) => notes.clone(),
+        (false, false) => format!("{before} — {notes}"),
+    };
     if label.is_empty() {
-        return text;
+        return match notes.is_empty() {
+            true => text,
+            false => format!("{text} ({notes})"),
+        };
     }
     let label = line(&label, 40);
     let Some(tz) = tz.filter(|_| any_local) else {
-        return format!("{text} ({label})");
+        return format!("{text} ({})", or_notes(label));
     };
     let shown: Vec<String> = written
         .iter()
@@ -760,15 +770,10 @@ fn when_arg(args: &Value, user_zone: Option<&jiff::tz::TimeZone>) -> String {
             _ => line(r, 40),
         })
         .collect();
-    let notes = local_notes(args, Some(&tz));
-    match notes.is_empty() {
-        true => format!("{text} ({label}: {})", shown.join(" to ")),
-        false => format!(
-            "{text} ({label}: {} — {})",
-            shown.join(" to "),
-            notes.join("; ")
-        ),
-    }
+    format!(
+        "{text} ({})",
+        or_notes(format!("{label}: {}", shown.join(" to ")))
+    )
 }
 
 /// A write's result with what the clocks did to its local times, read in the zone its times
@@ -782,18 +787,20 @@ fn with_local_notes(said: String, ctx: &CallContext, args: &Value, tool: &str) -
     }
 }
 
-/// What the clocks of `zone` do to a write's local `start` and `end` when they skip or
-/// repeat them ([`time::local_note`]): said with the preview and the result, so the time
-/// the event gets is never a surprise.
+/// What the clocks do to a write's `start` and `end` when they skip or repeat them: a local
+/// time's in `zone` ([`time::local_note`]), one with its zone in brackets in that zone
+/// ([`time::zone_note`]). Said with the preview and the result, so the time the event gets
+/// is never a surprise.
 fn local_notes(args: &Value, zone: Option<&jiff::tz::TimeZone>) -> Vec<String> {
-    let Some(tz) = zone else {
-        return Vec::new();
-    };
     ["start", "end"]
         .into_iter()
-        .filter_map(|field| match Written::read(&text_arg(args, field)?) {
-            Some(Written::Local(t)) => time::local_note(t, tz),
-            _ => None,
+        .filter_map(|field| {
+            let raw = text_arg(args, field)?;
+            match Written::read(&raw)? {
+                Written::Local(t) => time::local_note(t, zone?),
+                Written::At(_) => time::zone_note(&raw),
+                Written::Day(_) => None,
+            }
         })
         .collect()
 }
@@ -1116,6 +1123,29 @@ mod tests {
     }
 
     #[test]
+    fn i4_a_time_with_its_zone_in_brackets_a_clock_change_skips_is_said_with_no_zone_given() {
+        let args = json!({"summary": "Sync", "start": "2030-03-10T02:30[America/New_York]", "end": "2030-03-10T04:00[America/New_York]"});
+        let shown = create_preview(&args, None).text;
+        assert!(
+            shown.contains("When: 2030-03-10T02:30[America/New_York] to 2030-03-10T04:00[America/New_York] (02:30 on Mar 10 does not exist in America/New_York (the clocks go forward an hour then), so it was read as Mar 10 03:30 EDT)\n"),
+            "{shown}"
+        );
+        // Beside a zone argument, after its name.
+        let named = json!({"summary": "Sync", "start": "2030-03-10T02:30[America/New_York]", "end": "2030-03-10T04:00-04:00", "time_zone": "Europe/Paris"});
+        let shown = create_preview(&named, None).text;
+        assert!(
+            shown.contains("(Europe/Paris — 02:30 on Mar 10 does not exist in America/New_York"),
+            "{shown}"
+        );
+        // The zone's own, whatever the user's.
+        assert_eq!(
+            local_notes(&args, Some(&time::zone("Asia/Tokyo"))).len(),
+            1,
+            "the start alone is skipped"
+        );
+    }
+
+    #[test]
     fn i4_every_form_of_a_time_is_read_as_what_it_is() {
         let new_york = time::zone("America/New_York");
         let read = |raw: &str| {
@@ -1248,6 +1278,24 @@ mod tests {
         ]
     }
 
+    /// A time a clock change skips or repeats, local or with its zone in brackets: each is
+    /// noted in the preview's "When:" line, the longest line it can make.
+    fn changed_time() -> impl Strategy<Value = String> {
+        let at = prop_oneof![
+            Just("2030-03-10T02:30"),
+            Just("2030-11-03T01:30:59"),
+            Just("2026-10-04T02:15"),
+            Just("2026-04-04T23:30"),
+        ];
+        let zone = prop_oneof![
+            Just(""),
+            Just("[America/New_York]"),
+            Just("[Australia/Lord_Howe]"),
+            Just("[America/Santiago]"),
+        ];
+        (at, zone).prop_map(|(at, zone)| format!("{at}{zone}"))
+    }
+
     /// An optional text argument: absent, or anything.
     fn maybe(max: usize) -> impl Strategy<Value = Option<String>> {
         proptest::option::of(proptest::string::string_regex(&format!("(?s).{{0,{max}}}")).unwrap())
@@ -1273,21 +1321,30 @@ mod tests {
         #[test]
         fn create_previews_never_panic_and_keep_their_lines(
             summary in "(?s).{0,300}",
-            start in "(?s).{0,60}",
-            end in "(?s).{0,60}",
-            zone in "(?s).{0,60}",
+            start in prop_oneof!["(?s).{0,60}", changed_time()],
+            end in prop_oneof!["(?s).{0,60}", changed_time()],
+            zone in prop_oneof![
+                "(?s).{0,60}",
+                Just(String::new()),
+                Just("America/Argentina/ComodRivadavia".to_owned()),
+            ],
+            user_zone in proptest::option::of(Just(time::zone("America/New_York"))),
             location in "(?s).{0,400}",
             description in "(?s).{0,2000}",
             attendees in proptest::collection::vec("(?s).{0,80}", 0..30),
         ) {
             let args = json!({"summary": summary, "start": start, "end": end, "time_zone": zone,
                               "location": location, "description": description, "attendees": attendees});
-            let p = create_preview(&args, None);
+            let p = create_preview(&args, user_zone.as_ref());
             prop_assert!(p.text.starts_with("Create event \""));
-            prop_assert!(p.text.lines().nth(1).is_some_and(|l| l.starts_with("When: ")));
+            let when = p.text.lines().nth(1).unwrap_or_default();
+            prop_assert!(when.starts_with("When: "));
             assert_lines(&p.text, &["Create event \"", "When: ", "Attendees (invited): ", "Location: ", "Description: "])?;
             prop_assert_eq!(p.recipients, attendees);
-            prop_assert!(p.text.chars().count() <= 230 + 150 + 530 + 330 + 330);
+            // Two times and their zone, each shown at most 40 characters, and a note for each
+            // time a clock change skips or repeats (a note names its zone, which must exist).
+            prop_assert!(when.chars().count() <= 700, "{} characters: {}", when.chars().count(), when);
+            prop_assert!(p.text.chars().count() <= 230 + 700 + 530 + 330 + 330);
         }
 
         // The same for an update, whose current event comes from the calendar (other people's
