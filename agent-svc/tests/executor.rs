@@ -199,8 +199,27 @@ async fn malformed_tool_json_goes_back_to_the_model_which_corrects_it() {
         Step::Reply("Added.".into()),
     ]));
     let tools = Tools::default();
-    let (out, _) = run(&model, &request(&["add_task"]), &tools).await;
+    let (out, events) = run(&model, &request(&["add_task"]), &tools).await;
     assert_eq!(out.stop, Stop::Completed);
+    // A-5: the malformed call is a call all the same, shown with what the model sent and
+    // answered as failed, so its action is recorded.
+    let calls: Vec<(&str, &serde_json::Value)> = events
+        .iter()
+        .filter_map(|e| match e {
+            RunEvent::ToolCall { call_id, args, .. } => Some((call_id.as_str(), args)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(calls.len(), 2, "{events:?}");
+    assert_eq!(calls[0].1, &serde_json::json!(r#"{"title":""/Users/x"}"#));
+    let failed = events.iter().position(|e| {
+        matches!(e, RunEvent::ToolResult { call_id, ok: false, error_kind, .. }
+            if call_id == calls[0].0 && error_kind == "INVALID_ARGUMENTS")
+    });
+    let called = events
+        .iter()
+        .position(|e| matches!(e, RunEvent::ToolCall { call_id, .. } if call_id == calls[0].0));
+    assert!(called < failed && failed.is_some(), "{events:?}");
     let first_result = out.new_turns.iter().find_map(|t| match t {
         Turn::ToolResult {
             content,

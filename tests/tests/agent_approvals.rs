@@ -380,6 +380,57 @@ async fn two_concurrent_runs_on_one_thread_leave_exactly_one_aborted() {
     assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
 }
 
+/// A-5: a call whose arguments are not a JSON object is an action all the same — failed, with
+/// what the model sent — beside the corrected call that ran.
+#[tokio::test]
+async fn a5_a_call_with_malformed_arguments_is_recorded_as_a_failed_action_with_what_was_sent() {
+    let (app, _gmail) = world(
+        vec![
+            Answer::tool_calls(&[("call_bad", "list_tasks", r#"{"status": "#)]),
+            Answer::tool_calls(&[("call_good", "list_tasks", "{}")]),
+            Answer::text("No tasks."),
+        ],
+        &[],
+    )
+    .await;
+    let done = run(&app, "what tasks do I have?").await;
+    assert_eq!(done.status, pb::RunState::Completed as i32, "{done:?}");
+    let actions = app
+        .agent_as("alice")
+        .await
+        .get_run(pb::GetRunRequest {
+            run_id: done.run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .actions;
+    let seen: Vec<(i32, &str, &str)> = actions
+        .iter()
+        .map(|a| (a.state, a.error_kind.as_str(), a.arguments_text.as_str()))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (
+                pb::ActionState::Failed as i32,
+                "INVALID_ARGUMENTS",
+                r#"{"status": "#
+            ),
+            (pb::ActionState::Completed as i32, "", "")
+        ]
+    );
+    assert_eq!(actions[0].arguments, None, "not an object: text only");
+    assert!(
+        actions[0]
+            .result_text
+            .starts_with("Your arguments for list_tasks were not valid JSON"),
+        "{}",
+        actions[0].result_text
+    );
+    assert!(actions[1].arguments.is_some());
+}
+
 #[tokio::test]
 async fn every_action_transition_is_recorded_on_the_run() {
     let (app, _gmail) = world(

@@ -310,6 +310,10 @@ pub fn action(a: &crate::store::Action) -> pb::Action {
         call_id: a.call_id.clone(),
         tool: a.tool.clone(),
         arguments: json_to_struct(&a.arguments),
+        arguments_text: match &a.arguments {
+            serde_json::Value::String(sent) => sent.clone(),
+            _ => String::new(),
+        },
         state: match a.state {
             ActionState::Planned => pb::ActionState::Planned,
             ActionState::AwaitingConfirmation => pb::ActionState::AwaitingConfirmation,

@@ -101,6 +101,7 @@ pub enum RunEvent {
         call_id: String,
         name: String,
         preview: String,
+        /// As parsed: an object, or (arguments that were not one) the text the model sent.
         args: Value,
     },
     ToolResult {
@@ -623,6 +624,14 @@ impl Run<'_> {
                         Err(e) => format!("were not valid JSON ({e})"),
                         Ok(_) => "were not a JSON object".to_owned(),
                     };
+                    // A call all the same: watchers see it before its failed result, and
+                    // the run's actions keep what the model sent, as text, failed.
+                    self.sink.emit(RunEvent::ToolCall {
+                        call_id: call.id.clone(),
+                        name: call.name.clone(),
+                        preview: preview(raw, PREVIEW_CHARS),
+                        args: Value::String(raw.to_owned()),
+                    });
                     outcomes[i] = Some(ToolOutcome {
                         ok: false,
                         text: format!(
