@@ -80,6 +80,60 @@ async fn a_new_user_is_greeted_with_one_sentence_and_one_question_and_no_data_ga
     assert!(!system.to_lowercase().contains("connect your email"));
 }
 
+/// I-4, B-1: a returning user's bootstrap context counts a task's overdue days in the zone the
+/// session was opened in, not UTC's: 30 hours past due is one day where it is 06:00 or later
+/// now, and two where it is still before 06:00 (the due time fell two dates back).
+#[tokio::test]
+async fn i4_the_bootstrap_context_counts_overdue_days_in_the_zone_the_session_opened_in() {
+    let (app, model, _gmail) =
+        world(vec![Answer::text("Morning."), Answer::text("Morning.")]).await;
+    let now = jiff::Timestamp::now();
+    let due = now - jiff::SignedDuration::from_hours(30);
+    let mut g = app.gateway_as("alice").await;
+    let added = call_tool(
+        &mut g,
+        "add_task",
+        serde_json::json!({"title": "File taxes", "due": due.to_string()}),
+    )
+    .await;
+    assert!(added.ok, "{}", added.text);
+    // Fixed-offset zones whose clock reads 12:00 and 03:00 now ("Etc/GMT-3" is UTC+3). One
+    // test run falls within an hour, so either zone's local hour cannot cross 06:00 in it.
+    let utc_hour = i64::from(now.to_zoned(jiff::tz::TimeZone::UTC).hour());
+    let zone_at = |local_hour: i64| {
+        // The offset in -12..=14 that makes `local_hour` of `utc_hour`.
+        match (local_hour - utc_hour + 36).rem_euclid(24) - 12 {
+            0 => "Etc/GMT".to_owned(),
+            o if o > 0 => format!("Etc/GMT-{o}"),
+            o => format!("Etc/GMT+{}", -o),
+        }
+    };
+    let mut overdue = Vec::new();
+    for zone in [zone_at(12), zone_at(3)] {
+        let mut alice = app.agent_as("alice").await;
+        alice
+            .open_session(pb::OpenSessionRequest {
+                time_zone: zone.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let requests = model.requests();
+        let system = requests.last().unwrap().1["messages"][0]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert!(system.contains("[BOOTSTRAP CONTEXT]"), "{system}");
+        overdue.push(
+            ["(overdue 1d)", "(overdue 2d)"]
+                .into_iter()
+                .find(|days| system.contains(&format!("Top: 'File taxes' {days}")))
+                .unwrap_or_else(|| panic!("in {zone}: {system}")),
+        );
+    }
+    assert_eq!(overdue, ["(overdue 1d)", "(overdue 2d)"]);
+}
+
 #[tokio::test]
 async fn the_incident_replayed_one_call_no_tools_a_small_prompt_and_the_unread_counts() {
     let (app, model, gmail) = world(vec![Answer::text(
