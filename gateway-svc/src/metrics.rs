@@ -72,12 +72,16 @@ pub fn retention_pruned(table: &'static str, rows: usize) {
         .increment(rows as u64);
 }
 
-/// A key rotation's walk over every stored account ended: `moved` accounts re-encrypted under
-/// CREDENTIALS_KEY by this replica (a counter), and what the walk left — still under
-/// CREDENTIALS_KEY_PREVIOUS (`left`, 0 once the previous key can go) or read with neither key
-/// (`unreadable`, only a reconnect mends them) — as gauges.
-pub fn rekey_walked(moved: usize, left: usize, unreadable: usize) {
-    metrics::counter!("steward_gateway_credentials_moved_total").increment(moved as u64);
+/// A key rotation's walk re-encrypted one account under CREDENTIALS_KEY.
+pub fn credentials_moved() {
+    metrics::counter!("steward_gateway_credentials_moved_total").increment(1);
+}
+
+/// A key rotation's walk over every stored account ended, leaving accounts still under
+/// CREDENTIALS_KEY_PREVIOUS (`left`: being refreshed or walked elsewhere as it passed; 0 once
+/// the previous key can go) and accounts read with neither key (`unreadable`, only a reconnect
+/// mends them).
+pub fn rekey_walked(left: usize, unreadable: usize) {
     metrics::gauge!("steward_gateway_credentials_accounts", "key" => "previous").set(left as f64);
     metrics::gauge!("steward_gateway_credentials_accounts", "key" => "neither")
         .set(unreadable as f64);

@@ -462,6 +462,134 @@ async fn g8_on_postgres_a_refresh_whose_lease_lapsed_still_saves_and_the_takers_
     assert_eq!(next.current().unwrap().refresh_token, Some(vec![6, 6]));
 }
 
+/// G-8: a walk whose own lease lapsed before it saved (its save held up) and was taken over by
+/// a refresh saves nothing: the refresh's tokens, saved after, are the account's.
+#[tokio::test]
+async fn g8_on_postgres_a_walks_save_after_a_refresh_took_over_its_lease_does_not_land() {
+    let b = postgres().await;
+    let s = b.stores.accounts.clone();
+    s.upsert_account(account("u1", "a@x.com")).await.unwrap();
+    let walk = s
+        .lock_account_if_idle(
+            &user("u1"),
+            Integration::Gmail,
+            "a@x.com",
+            rekey::ABANDONED_AFTER,
+        )
+        .await
+        .unwrap()
+        .expect("idle");
+    let sql = connect(&b).await;
+    sql.execute(
+        "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second'",
+        &[],
+    )
+    .await
+    .unwrap();
+    let refresh = s
+        .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap();
+
+    let mut moved = walk.current().unwrap().clone();
+    moved.access_token = vec![7, 7];
+    assert_eq!(walk.save(moved).await.unwrap(), Saved::Superseded);
+    let mut fresh = refresh.current().unwrap().clone();
+    fresh.access_token = vec![9, 9];
+    fresh.refresh_token = Some(vec![6, 6]);
+    assert_eq!(refresh.save(fresh).await.unwrap(), Saved::Applied);
+    let stored = s
+        .get_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (stored.access_token, stored.refresh_token),
+        (vec![9, 9], Some(vec![6, 6]))
+    );
+}
+
+/// G-8: a caller that took over a lapsed lease and let it go unsaved (its call cancelled, its
+/// refresh failed) gives the lease back to the lapse it took over, not free: background work
+/// still leaves the account to the refresh that may yet save, while callers take it at once.
+#[tokio::test]
+async fn g8_on_postgres_a_lease_taken_over_and_let_go_keeps_background_work_off_the_first_refresh()
+{
+    let b = postgres().await;
+    let s = b.stores.accounts.clone();
+    s.upsert_account(account("u1", "a@x.com")).await.unwrap();
+    let slow = s
+        .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap();
+    let sql = connect(&b).await;
+    sql.execute(
+        "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second'",
+        &[],
+    )
+    .await
+    .unwrap();
+    let lapse: SystemTime = sql
+        .query_one("SELECT refresh_until FROM gateway.accounts", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let taker = s
+        .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
+        .await
+        .unwrap();
+    drop(taker);
+    // The drop's release is a task it spawns: wait for the lease to have no holder.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    let given_back: Option<SystemTime> = loop {
+        let row = sql
+            .query_one(
+                "SELECT refresh_holder, refresh_until FROM gateway.accounts",
+                &[],
+            )
+            .await
+            .unwrap();
+        if row.get::<_, Option<String>>(0).is_none() {
+            break row.get(1);
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never let go");
+        tokio::task::yield_now().await;
+    };
+    assert_eq!(given_back, Some(lapse), "back to the lapse it took over");
+    assert!(
+        s.lock_account_if_idle(
+            &user("u1"),
+            Integration::Gmail,
+            "a@x.com",
+            rekey::ABANDONED_AFTER
+        )
+        .await
+        .unwrap()
+        .is_none(),
+        "background work leaves it to the refresh that may still save"
+    );
+    let caller = tokio::time::timeout(
+        std::time::Duration::from_secs(1),
+        s.lock_account(&user("u1"), Integration::Gmail, "a@x.com"),
+    )
+    .await
+    .expect("a caller takes a lapsed lease at once, as before")
+    .unwrap();
+    drop(caller);
+
+    let mut fresh = slow.current().unwrap().clone();
+    fresh.access_token = vec![9, 9];
+    assert_eq!(slow.save(fresh).await.unwrap(), Saved::Applied);
+}
+
+async fn connect(b: &Backend) -> tokio_postgres::Client {
+    let (sql, conn) = tokio_postgres::connect(b._db.as_ref().unwrap().url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    sql
+}
+
 /// G-8: a key rotation's walk never supersedes a refresh. An account being refreshed — even
 /// one whose lease has just lapsed, its refresh still about to save — is left for the next
 /// walk, so the refresh's fresh tokens, and the refresh token the provider rotated, are saved
@@ -509,14 +637,14 @@ async fn g8_on_postgres_a_rotation_walk_leaves_an_account_being_refreshed_to_its
     });
     held.arrived().await;
     // The refresh has held a@ past its lease; dead@'s lease was left by a replica that died
-    // twenty minutes ago.
+    // two hours ago.
     let (sql, conn) = tokio_postgres::connect(b._db.as_ref().unwrap().url(), tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(conn);
     sql.batch_execute(
         "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second' WHERE account = 'a@x.com'; \
-         UPDATE gateway.accounts SET refresh_holder = 'dead', refresh_until = now() - interval '20 minutes' WHERE account = 'dead@x.com';",
+         UPDATE gateway.accounts SET refresh_holder = 'dead', refresh_until = now() - interval '2 hours' WHERE account = 'dead@x.com';",
     )
     .await
     .unwrap();
@@ -568,7 +696,10 @@ async fn an_account_being_refreshed_is_not_locked_for_background_work(b: Backend
         .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
         .await
         .unwrap();
-    assert!(idle().await.unwrap().is_none(), "being refreshed: left");
+    let left = tokio::time::timeout(std::time::Duration::from_secs(1), idle())
+        .await
+        .expect("left at once, never waited for");
+    assert!(left.unwrap().is_none(), "being refreshed: left");
     drop(refreshing);
     // The memory lock frees at once; PostgreSQL's lease is freed by a task the drop spawns.
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
@@ -581,6 +712,20 @@ async fn an_account_being_refreshed_is_not_locked_for_background_work(b: Backend
     };
     assert_eq!(taken.current().unwrap().account, "a@x.com");
     assert!(idle().await.unwrap().is_none(), "held by the walk now");
+
+    // An account gone since it was listed is a lock on nothing, as `lock_account` gives: not
+    // one left for the next walk.
+    let gone = s
+        .lock_account_if_idle(
+            &u1,
+            Integration::Gmail,
+            "gone@x.com",
+            rekey::ABANDONED_AFTER,
+        )
+        .await
+        .unwrap()
+        .expect("nobody holds what does not exist");
+    assert!(gone.current().is_none());
 }
 
 async fn account_locks_held_during_refreshes_pin_no_connection(b: Backend) {

@@ -7,8 +7,9 @@
 //!
 //! Each account is moved under its refresh lock and saved as a compare-and-swap on the
 //! tokens the lock read, as a refresh is: a reconnect meanwhile wins, and nothing is
-//! re-encrypted twice over. An account being refreshed is left for the next walk, never
-//! waited for or taken over (unless its lease was left by a dead replica), so a walk never
+//! re-encrypted twice over. An account being refreshed (or walked by another replica) is left
+//! for the next walk, never waited for or taken over (unless its lease was left by a dead
+//! replica), and a walk's save lands only while it still holds the lease, so a walk never
 //! supersedes a refresh. Replicas walking at once skip what another has moved.
 //! Walking repeats every [`INTERVAL`] until one whole walk finds nothing under the previous
 //! key (a replica of the rollout before may still have written one meanwhile), then ends.
@@ -34,13 +35,15 @@ pub const INTERVAL: Duration = Duration::from_secs(300);
 /// Accounts read per page of a walk.
 pub const PAGE: usize = 200;
 
-/// How long past its lapse a refresh's lease is taken over by a walk: longer than any refresh
-/// can still be saving after its lease lapsed — its token request is bounded by the lease, its
-/// save by the pool's wait and the lock wait (DATABASE_ACQUIRE_TIMEOUT and
-/// DATABASE_LOCK_TIMEOUT, 5 s each by default, at most 300 s each) — so a walk only ever takes
-/// an account a dead replica left, never one whose refresh is about to save, which the walk's
-/// save would supersede, losing the fresh tokens and a refresh token the provider rotated.
-pub const ABANDONED_AFTER: Duration = Duration::from_secs(15 * 60);
+/// How long past its lapse a refresh's lease is taken over by a walk, so that a walk only
+/// ever takes an account a dead replica left, never one whose refresh is about to save (which
+/// the walk's save would supersede, losing the fresh tokens and a refresh token the provider
+/// rotated). A refresh's token request is bounded by its lease; its save by a checkout (the
+/// pool's wait, a recycle and a connect, each up to DATABASE_ACQUIRE_TIMEOUT) and the row
+/// lock's wait (DATABASE_LOCK_TIMEOUT): 20 minutes at those settings' 300 s maxima, 20 s at
+/// their defaults. An hour is well past both; the cost is an account a replica died
+/// refreshing, and nobody has called since, moved by a walk an hour later.
+pub const ABANDONED_AFTER: Duration = Duration::from_secs(60 * 60);
 
 /// What one walk over every stored account found and did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -49,9 +52,10 @@ pub struct Walk {
     pub read: usize,
     /// Saved under the current key by this walk.
     pub moved: usize,
-    /// Under the previous key and not moved: the account was being refreshed, or it changed
-    /// between the walk's lock and its save (a reconnect, say, whose tokens a replica of the
-    /// rollout before may have written under the previous key). The next walk looks again.
+    /// Under the previous key and not moved: the account was being refreshed or walked by
+    /// another replica, or it changed between the walk's lock and its save and is still
+    /// under the previous key (a reconnect by a replica of the rollout before, say). The next
+    /// walk looks again.
     pub left: usize,
     /// Read with neither key (stored under another key, or damaged): only a reconnect mends
     /// them, and they do not keep the previous key needed.
@@ -88,7 +92,11 @@ pub async fn walk(
             walk.read += 1;
             match move_one(store, cipher, listed).await? {
                 Fared::Already => {}
-                Fared::Moved => walk.moved += 1,
+                Fared::Moved => {
+                    // Counted as it lands: a walk that fails later has still moved it.
+                    crate::metrics::credentials_moved();
+                    walk.moved += 1;
+                }
                 Fared::Left => walk.left += 1,
                 Fared::Unreadable => walk.unreadable += 1,
             }
@@ -144,10 +152,19 @@ async fn move_one(
         (Some(read), Some(stored)) => Some(moved(read, stored)?),
         _ => current.refresh_token.clone(),
     };
-    Ok(match lock.save(updated).await? {
-        Saved::Applied => Fared::Moved,
-        Saved::Superseded => Fared::Left,
-    })
+    if lock.save(updated).await? == Saved::Applied {
+        return Ok(Fared::Moved);
+    }
+    // Changed meanwhile (a reconnect, a refresh that took over the lease): as it is now.
+    Ok(
+        match store
+            .get_account(&listed.user, listed.integration, &listed.account)
+            .await?
+        {
+            None => Fared::Already,
+            Some(now) => nothing_to_move(&TokensRead::of(cipher, &now)).unwrap_or(Fared::Left),
+        },
+    )
 }
 
 /// How an account fares without a save: every token under the current key already, or none
@@ -178,7 +195,7 @@ pub fn spawn(
         async move {
             let walked = walk(&*store, &cipher, PAGE).await;
             if let Ok(w) = &walked {
-                crate::metrics::rekey_walked(w.moved, w.left, w.unreadable);
+                crate::metrics::rekey_walked(w.left, w.unreadable);
             }
             match walked {
                 Ok(w) if w.found_none() => {

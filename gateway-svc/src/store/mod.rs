@@ -174,10 +174,12 @@ pub trait AccountStore: Send + Sync + 'static {
         account: &str,
     ) -> Result<Box<dyn AccountLock>, StoreError>;
     /// As [`AccountStore::lock_account`] for background work that must never supersede a
-    /// refresh: the lock at once if nobody holds the account, and on PostgreSQL if a lease on
-    /// it lapsed more than `lapsed_for` ago (a replica that died holding it); `None`, without
-    /// waiting, otherwise — including a lease only just lapsed, whose refresh may still be
-    /// about to save.
+    /// refresh: the lock at once if nobody holds the account (a lock on nothing if it is
+    /// gone), and on PostgreSQL if a lease on it lapsed more than `lapsed_for` ago (a replica
+    /// that died holding it); `None`, without waiting, otherwise — including a lease only just
+    /// lapsed, whose refresh may still be about to save, and one given back by a caller that
+    /// took it over, judged by the lapse it took over. Its save lands only while it still
+    /// holds the lease: a refresh that took over its own lapsed lease is never superseded.
     async fn lock_account_if_idle(
         &self,
         user: &UserId,

@@ -306,21 +306,10 @@ impl AccountStore for PgStore {
             {
                 return Ok(Box::new(lock));
             }
-            let exists = client
-                .query_opt(
-                    "SELECT 1 FROM gateway.accounts WHERE user_id = $1 AND integration = $2 AND account = $3",
-                    &[&user.as_str(), &integration.key(), &account],
-                )
-                .await
-                .map_err(db)?
-                .is_some();
+            let exists = account_exists(&client, user, integration, account).await?;
             drop(client);
             if !exists {
-                return Ok(Box::new(PgAccountLock {
-                    pool: self.pool.clone(),
-                    holder: None,
-                    current: None,
-                }));
+                return Ok(Box::new(PgAccountLock::on_nothing(&self.pool)));
             }
             // Another replica is refreshing this account: wait for it to finish (its token is
             // then usable) or for its lease to lapse.
@@ -340,17 +329,41 @@ impl AccountStore for PgStore {
         lapsed_for: Duration,
     ) -> Result<Option<Box<dyn AccountLock>>, StoreError> {
         let client = self.client().await?;
-        Ok(self
+        if let Some(mut lock) = self
             .take_lease(&client, user, integration, account, lapsed_for)
             .await?
-            .map(|lock| Box::new(lock) as Box<dyn AccountLock>))
+        {
+            lock.only_while_held = true;
+            return Ok(Some(Box::new(lock)));
+        }
+        // Not taken: held, or gone — which, as for `lock_account`, is a lock on nothing.
+        let exists = account_exists(&client, user, integration, account).await?;
+        Ok((!exists)
+            .then(|| Box::new(PgAccountLock::on_nothing(&self.pool)) as Box<dyn AccountLock>))
     }
+}
+
+async fn account_exists(
+    client: &Pooled,
+    user: &UserId,
+    integration: Integration,
+    account: &str,
+) -> Result<bool, StoreError> {
+    Ok(client
+        .query_opt(
+            "SELECT 1 FROM gateway.accounts WHERE user_id = $1 AND integration = $2 AND account = $3",
+            &[&user.as_str(), &integration.key(), &account],
+        )
+        .await
+        .map_err(db)?
+        .is_some())
 }
 
 impl PgStore {
     /// `account`'s refresh lease, if it is free or lapsed more than `lapsed_for` ago: a
     /// committed lease on the row, not a row lock in an open transaction, so the token
-    /// endpoint is called while nothing of the pool is held.
+    /// endpoint is called while nothing of the pool is held. A lapsed lease taken over is
+    /// remembered, to be given back on release (see [`PgAccountLock::took_over`]).
     async fn take_lease(
         &self,
         client: &Pooled,
@@ -365,12 +378,14 @@ impl PgStore {
         let taken = client
             .query_opt(
                 &format!(
-                    "UPDATE gateway.accounts SET refresh_holder = $4, \
+                    "WITH was AS (SELECT refresh_until AS lapse FROM gateway.accounts \
+                       WHERE user_id = $1 AND integration = $2 AND account = $3 FOR UPDATE) \
+                     UPDATE gateway.accounts SET refresh_holder = $4, \
                        refresh_until = clock_timestamp() + $5 * interval '1 millisecond' \
-                     WHERE user_id = $1 AND integration = $2 AND account = $3 \
-                       AND (refresh_until IS NULL \
-                            OR refresh_until < clock_timestamp() - $6 * interval '1 millisecond') \
-                     RETURNING {ACCOUNT_COLUMNS}"
+                     FROM was WHERE user_id = $1 AND integration = $2 AND account = $3 \
+                       AND (was.lapse IS NULL \
+                            OR was.lapse < clock_timestamp() - $6 * interval '1 millisecond') \
+                     RETURNING {ACCOUNT_COLUMNS}, was.lapse"
                 ),
                 &[
                     &user.as_str(),
@@ -389,6 +404,8 @@ impl PgStore {
                     pool: self.pool.clone(),
                     holder: Some(holder),
                     current: Some(account_from_row(&row)?),
+                    took_over: row.try_get("lapse").map_err(db)?,
+                    only_while_held: false,
                 })
             })
             .transpose()
@@ -434,6 +451,30 @@ struct PgAccountLock {
     /// Set while this lock holds the account's lease.
     holder: Option<String>,
     current: Option<StoredAccount>,
+    /// When the lease this lock took over had lapsed; `None` when it took a free one. Given
+    /// back on release instead of freeing the lease, unless this lock's save landed: the
+    /// holder it took over from may still be saving, and background work must go on judging
+    /// the account by that lapse, not take it the moment this lock lets go — its save would
+    /// then supersede that holder's (fresh tokens lost, and a refresh token Google rotated).
+    /// Callers take such a lease at once as before: it has lapsed.
+    took_over: Option<SystemTime>,
+    /// Background work's lock ([`AccountStore::lock_account_if_idle`]): its save lands only
+    /// while it still holds the lease, so a refresh that took over its lapsed lease is never
+    /// superseded by it.
+    only_while_held: bool,
+}
+
+impl PgAccountLock {
+    /// A lock on an account that does not exist.
+    fn on_nothing(pool: &pg::PgPool) -> Self {
+        Self {
+            pool: pool.clone(),
+            holder: None,
+            current: None,
+            took_over: None,
+            only_while_held: false,
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -458,27 +499,32 @@ impl AccountLock for PgAccountLock {
         // Written only over the tokens (and status) this lock read — a compare-and-swap, not a
         // test of the lease: a reconnect or a needs-reconnect mark meanwhile wins, and a
         // refresh whose lease lapsed mid-call and was taken over still lands if the taker has
-        // saved nothing yet, so a refresh token Google rotated is not lost. The lease is let go
-        // if it is still ours, saved or not, so nobody waits out its hold.
+        // saved nothing yet, so a refresh token Google rotated is not lost. Background work's
+        // save also needs the lease still its own ($13). The lease is let go if it is still
+        // ours, saved or not, so nobody waits out its hold: freed when the save landed (a
+        // holder taken over from can land nothing after it), else given back to the lapse it
+        // was taken over from ($14, see `took_over`).
         let row = pg::checkout(&self.pool, "gateway")
             .await
             .map_err(StoreError::unavailable)?
             .query_opt(
-                "WITH held AS (SELECT access_token = $10 AND refresh_token IS NOT DISTINCT FROM $11 AND status = $12 AS fresh, \
+                "WITH held AS (SELECT access_token = $10 AND refresh_token IS NOT DISTINCT FROM $11 AND status = $12 \
+                     AND (COALESCE(refresh_holder = $4, false) OR NOT $13) AS lands, \
                    COALESCE(refresh_holder = $4, false) AS ours FROM gateway.accounts \
                    WHERE user_id = $1 AND integration = $2 AND account = $3 FOR UPDATE) \
                  UPDATE gateway.accounts a SET \
-                   access_token = CASE WHEN held.fresh THEN $5 ELSE a.access_token END, \
-                   refresh_token = CASE WHEN held.fresh THEN $6 ELSE a.refresh_token END, \
-                   expires_at = CASE WHEN held.fresh THEN $7 ELSE a.expires_at END, \
-                   scopes = CASE WHEN held.fresh THEN $8 ELSE a.scopes END, \
-                   status = CASE WHEN held.fresh THEN $9 ELSE a.status END, \
-                   updated_at = CASE WHEN held.fresh THEN now() ELSE a.updated_at END, \
+                   access_token = CASE WHEN held.lands THEN $5 ELSE a.access_token END, \
+                   refresh_token = CASE WHEN held.lands THEN $6 ELSE a.refresh_token END, \
+                   expires_at = CASE WHEN held.lands THEN $7 ELSE a.expires_at END, \
+                   scopes = CASE WHEN held.lands THEN $8 ELSE a.scopes END, \
+                   status = CASE WHEN held.lands THEN $9 ELSE a.status END, \
+                   updated_at = CASE WHEN held.lands THEN now() ELSE a.updated_at END, \
                    refresh_holder = CASE WHEN held.ours THEN NULL ELSE a.refresh_holder END, \
-                   refresh_until = CASE WHEN held.ours THEN NULL ELSE a.refresh_until END \
+                   refresh_until = CASE WHEN NOT held.ours THEN a.refresh_until \
+                                        WHEN held.lands THEN NULL ELSE $14 END \
                  FROM held WHERE a.user_id = $1 AND a.integration = $2 AND a.account = $3 \
-                   AND (held.fresh OR held.ours) \
-                 RETURNING held.fresh",
+                   AND (held.lands OR held.ours) \
+                 RETURNING held.lands",
                 &[
                     &a.user.as_str(),
                     &a.integration.key(),
@@ -492,6 +538,8 @@ impl AccountLock for PgAccountLock {
                     &read.map(|(access, ..)| access.as_slice()),
                     &read.and_then(|(_, refresh, _)| refresh.as_deref()),
                     &read.map(|(.., status)| status),
+                    &self.only_while_held,
+                    &self.took_over,
                 ],
             )
             .await
@@ -505,7 +553,8 @@ impl AccountLock for PgAccountLock {
 }
 
 impl Drop for PgAccountLock {
-    /// A lock let go without saving (the refresh failed) frees the account at once.
+    /// A lock let go without saving (the refresh failed) frees the account at once: its lease
+    /// freed, or given back to the lapse it took over (`took_over`), which callers take at once.
     fn drop(&mut self) {
         let Some(holder) = self.holder.take() else {
             return;
@@ -513,7 +562,7 @@ impl Drop for PgAccountLock {
         let Some(a) = self.current.take() else {
             return;
         };
-        let pool = self.pool.clone();
+        let (pool, lapse) = (self.pool.clone(), self.took_over);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
                 let freed = async {
@@ -521,9 +570,9 @@ impl Drop for PgAccountLock {
                         .await
                         .map_err(StoreError::unavailable)?
                         .execute(
-                            "UPDATE gateway.accounts SET refresh_holder = NULL, refresh_until = NULL \
+                            "UPDATE gateway.accounts SET refresh_holder = NULL, refresh_until = $5 \
                              WHERE user_id = $1 AND integration = $2 AND account = $3 AND refresh_holder = $4",
-                            &[&a.user.as_str(), &a.integration.key(), &a.account, &holder],
+                            &[&a.user.as_str(), &a.integration.key(), &a.account, &holder, &lapse],
                         )
                         .await
                         .map_err(db)
@@ -538,7 +587,7 @@ impl Drop for PgAccountLock {
 
 /// The idempotency rows the retention sweep deletes, `$1` its cut-off. It implies the
 /// predicate of V12's `idempotency_prunable` index, so the sweep reads that index, which
-/// holds none of the rows kept for good (a test checks the planner's choice).
+/// holds none of the rows kept for good (a test checks that the planner can use it for the sweep, with the other scans turned off).
 pub const IDEMPOTENCY_PRUNABLE: &str = "updated_at < $1 AND (state = 'done' OR (lease_until < least($1, clock_timestamp()) AND NOT acting))";
 
 #[async_trait::async_trait]
