@@ -59,10 +59,10 @@ pub fn local_in(local: DateTime, tz: &TimeZone) -> Result<Timestamp, String> {
 /// guess which of two was meant. `None` for an ordinary time.
 pub fn local_note(local: DateTime, tz: &TimeZone) -> Option<String> {
     let zone = tz.iana_name().unwrap_or("the user's time zone");
-    // As written: to the second when it has seconds.
-    let written = match local.second() {
-        0 => local.strftime("%H:%M on %b %-d"),
-        _ => local.strftime("%H:%M:%S on %b %-d"),
+    // As written: to the second, and its fraction, when it has them.
+    let written = match (local.second(), local.subsec_nanosecond()) {
+        (0, 0) => local.strftime("%H:%M on %b %-d"),
+        _ => local.strftime("%H:%M:%S%.f on %b %-d"),
     };
     match tz.to_ambiguous_timestamp(local).offset() {
         AmbiguousOffset::Unambiguous { .. } => None,
@@ -78,7 +78,7 @@ pub fn local_note(local: DateTime, tz: &TimeZone) -> Option<String> {
                 shift(after, before),
                 with_zone(before.to_timestamp(local).ok()?, tz),
                 with_zone(second, tz),
-                local.strftime("%Y-%m-%dT%H:%M:%S"),
+                local.strftime("%Y-%m-%dT%H:%M:%S%.f"),
                 rfc3339_offset(after),
             ))
         }
@@ -301,6 +301,16 @@ mod tests {
         assert_eq!(
             note,
             "01:30 on Nov 1 happens twice in America/New_York (the clocks go back an hour then): it was read as the first, Nov 1 01:30 EDT; for the second, Nov 1 01:30 EST, write 2026-11-01T01:30:00-05:00"
+        );
+        // A fraction of a second is kept in both.
+        let exact = parse_when("2026-11-01T01:30:00.25", Some(&new_york))
+            .unwrap()
+            .note
+            .unwrap();
+        assert!(
+            exact.starts_with("01:30:00.25 on Nov 1 happens twice")
+                && exact.ends_with("write 2026-11-01T01:30:00.25-05:00"),
+            "{exact}"
         );
         let second = parse_when("2026-11-01T01:30:00-05:00", Some(&new_york)).unwrap();
         assert_eq!(

@@ -113,19 +113,27 @@ async fn start_streaming(
     (stream, first)
 }
 
-/// Returns once a statement waits for a lock on `table` (the test's own lock holds it), or
-/// fails saying `never` at `deadline`.
+/// Returns once a statement waits for a lock on `table` that the test's own lock, held by
+/// the backend `holder`, blocks (not any other wait on it), or fails saying `never` at
+/// `deadline`.
 async fn until_a_write_waits_on(
     watcher: &tokio_postgres::Client,
     table: &str,
+    holder: &tokio_postgres::Transaction<'_>,
     deadline: tokio::time::Instant,
     never: &str,
 ) {
+    let holder: i32 = holder
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
     loop {
         let waiting: i64 = watcher
             .query_one(
-                "SELECT count(*) FROM pg_locks WHERE relation = $1::text::regclass AND NOT granted",
-                &[&table],
+                "SELECT count(*) FROM pg_locks WHERE relation = $1::text::regclass AND NOT granted \
+                 AND $2 = ANY(pg_blocking_pids(pid))",
+                &[&table, &holder],
             )
             .await
             .unwrap()
@@ -441,6 +449,7 @@ async fn a_cancel_that_lands_while_the_pause_commits_ends_the_paused_run() {
     until_a_write_waits_on(
         &watcher,
         "agent.audit",
+        &lock,
         deadline,
         "the pause was never committed",
     )
@@ -1366,6 +1375,7 @@ async fn a_shutdown_during_an_approved_sends_intent_commit_still_sends_it_once()
     until_a_write_waits_on(
         &watcher,
         "agent.actions",
+        &lock,
         deadline,
         "the intent was never committed",
     )
@@ -1380,7 +1390,9 @@ async fn a_shutdown_during_an_approved_sends_intent_commit_still_sends_it_once()
             .is_err()
     );
     lock.rollback().await.unwrap();
-    stopping.await;
+    tokio::time::timeout(Duration::from_secs(10), stopping)
+        .await
+        .expect("the stop ended well within its 20 s grace, the send done");
 
     let decided = deciding
         .await
