@@ -343,6 +343,7 @@ impl App {
                 credentials::rekey::spawn(
                     self.stores.accounts.clone(),
                     cipher,
+                    self.config.credentials_rekey_interval,
                     stopping.child_token(),
                 )
             });

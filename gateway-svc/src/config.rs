@@ -261,6 +261,9 @@ pub struct Config {
     /// rotation's first step (the old key current, the new one previous) it would move tokens
     /// the wrong way, so it is set in the last step alone.
     pub credentials_rekey: bool,
+    /// `CREDENTIALS_REKEY_INTERVAL`: how often a replica walks while tokens may be left to
+    /// move (its first walk at a random point of the first interval).
+    pub credentials_rekey_interval: Duration,
     /// `GOOGLE_OAUTH_TOKEN_URL`, `GOOGLE_CLIENT_ID`, `GOOGLE_CLIENT_SECRET`
     pub google_oauth: Option<OAuthClient>,
     /// `GMAIL_API_BASE_URL`
@@ -423,6 +426,12 @@ impl Config {
             (current, _) => current,
         };
         let credentials_rekey = vars.bool("CREDENTIALS_REKEY", false);
+        let credentials_rekey_interval = vars.duration_in(
+            "CREDENTIALS_REKEY_INTERVAL",
+            crate::credentials::rekey::DEFAULT_INTERVAL,
+            Duration::from_secs(1),
+            Duration::from_secs(24 * 3600),
+        );
         if credentials_rekey && vars.raw("CREDENTIALS_KEY_PREVIOUS").is_none() {
             vars.error(
                 "CREDENTIALS_REKEY",
@@ -554,6 +563,7 @@ impl Config {
             rate_limits,
             credentials_key,
             credentials_rekey,
+            credentials_rekey_interval,
             google_oauth,
             gmail_base_url,
             calendar_base_url,

@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 
+use gateway_svc::credentials::cipher::TokenCipher;
 use steward_proto::gateway::v1 as pb;
 use steward_tests::{
     RunningService, TestDb,
@@ -43,6 +44,16 @@ impl World {
     /// Starts gateway-svc with CREDENTIALS_KEY = `key` and, if given,
     /// CREDENTIALS_KEY_PREVIOUS = `previous`; the error is what start-up reported.
     async fn start(&self, key: &str, previous: Option<&str>) -> Result<RunningService, String> {
+        self.start_with(key, previous, &[]).await
+    }
+
+    /// As [`World::start`], with `more` settings.
+    async fn start_with(
+        &self,
+        key: &str,
+        previous: Option<&str>,
+        more: &[(&str, &str)],
+    ) -> Result<RunningService, String> {
         let mut env: HashMap<String, String> = HashMap::from([
             ("DATABASE_URL".into(), self.db.url().to_owned()),
             ("GATEWAY_LISTEN_ADDR".into(), "127.0.0.1:0".into()),
@@ -54,6 +65,7 @@ impl World {
         if let Some(previous) = previous {
             env.insert("CREDENTIALS_KEY_PREVIOUS".into(), previous.into());
         }
+        env.extend(more.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
         start_gateway_with(&env, probe_tools::all(&self.probe.url)).await
     }
 
@@ -246,5 +258,81 @@ async fn a_token_refreshed_while_rotating_is_stored_whole_under_the_new_key() {
         .start(KEY_B, None)
         .await
         .expect("key B alone reads the refreshed account, refresh token included");
+    rotated.stop().await.expect("the gateway stops cleanly");
+}
+
+/// G-8, a rotation's last step: with CREDENTIALS_REKEY the gateway moves every stored token
+/// under CREDENTIALS_KEY_PREVIOUS to CREDENTIALS_KEY by itself, in the background, with no
+/// call made — so the previous key can go, and a gateway given the new key alone serves the
+/// account as before.
+#[tokio::test]
+async fn g8_with_credentials_rekey_the_stored_tokens_move_to_the_new_key_by_themselves() {
+    // The process's metrics, which the in-process gateway records to.
+    let metrics = svc_kit::metrics::recorder();
+    let w = World::stored_under_key_a().await;
+    let mut rekeying = w
+        .start_with(
+            KEY_B,
+            Some(KEY_A),
+            &[
+                ("CREDENTIALS_REKEY", "true"),
+                ("CREDENTIALS_REKEY_INTERVAL", "1s"),
+            ],
+        )
+        .await
+        .expect("starts in a rotation's last step");
+    let (sql, conn) = tokio_postgres::connect(w.db.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let new_key_alone = TokenCipher::from_base64(KEY_B).unwrap();
+    let row = format!("u1/gmail/{ACCOUNT}");
+    // The walk's first run comes within its first interval (1 s here).
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let stored: Vec<u8> = sql
+            .query_one("SELECT access_token FROM gateway.accounts", &[])
+            .await
+            .unwrap()
+            .get(0);
+        if let Ok(token) = new_key_alone.decrypt(&stored, &row) {
+            assert_eq!(token, TOKEN);
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the token never moved to the new key"
+        );
+        tokio::task::yield_now().await;
+    }
+    assert!(w.probe.tokens_seen().is_empty(), "moved with no call made");
+    // The walk's end sets the gauges just after its last save.
+    let shown = loop {
+        let shown = metrics.render();
+        if shown.contains("steward_gateway_credentials_accounts{key=\"previous\"}") {
+            break shown;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the walk never ended: {shown}"
+        );
+        tokio::task::yield_now().await;
+    };
+    for line in [
+        "steward_gateway_credentials_moved_total 1",
+        "steward_gateway_credentials_accounts{key=\"previous\"} 0",
+        "steward_gateway_credentials_accounts{key=\"neither\"} 0",
+    ] {
+        assert!(shown.lines().any(|l| l == line), "{line} in {shown}");
+    }
+    rekeying.stop().await.expect("the gateway stops cleanly");
+
+    let mut rotated = w
+        .start(KEY_B, None)
+        .await
+        .expect("key B alone reads every stored token");
+    let result = w.fetch(&rotated, "u1").await;
+    assert!(result.ok, "{}", result.text);
+    assert_eq!(w.probe.tokens_seen(), [TOKEN]);
     rotated.stop().await.expect("the gateway stops cleanly");
 }

@@ -11,8 +11,8 @@
 //! for the next walk, never waited for or taken over (unless its lease was left by a dead
 //! replica), and a walk's save lands only while it still holds the lease, so a walk never
 //! supersedes a refresh. Replicas walking at once skip what another has moved.
-//! Walking repeats every [`INTERVAL`] until one whole walk finds nothing under the previous
-//! key (a replica of the rollout before may still have written one meanwhile), then ends.
+//! Walking repeats every CREDENTIALS_REKEY_INTERVAL ([`DEFAULT_INTERVAL`]) until one whole
+//! walk finds nothing under the previous key (a replica of the rollout before may still have written one meanwhile), then ends.
 
 use std::{sync::Arc, time::Duration};
 
@@ -27,10 +27,11 @@ use super::{
 };
 use crate::store::{AccountCursor, AccountStore, Saved, StoreError, StoredAccount};
 
-/// How often a replica walks while there may be tokens to move; the first walk comes at a
-/// random point of the first interval, so replicas a rollout starts together do not walk
-/// together, and a rollout is usually over before the first walk begins.
-pub const INTERVAL: Duration = Duration::from_secs(300);
+/// How often a replica walks while there may be tokens to move, unless
+/// CREDENTIALS_REKEY_INTERVAL says otherwise; the first walk comes at a random point of the
+/// first interval, so replicas a rollout starts together do not walk together, and a rollout
+/// is usually over before the first walk begins.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(300);
 
 /// Accounts read per page of a walk.
 pub const PAGE: usize = 200;
@@ -179,18 +180,19 @@ fn nothing_to_move(read: &TokensRead) -> Option<Fared> {
     }
 }
 
-/// Walks every [`INTERVAL`] while `cipher` holds a previous key, until a walk finds nothing
+/// Walks every `interval` while `cipher` holds a previous key, until a walk finds nothing
 /// under it (the task then ends) or `stop` is cancelled, which aborts the task (a save in
 /// flight lands whole or not at all); logs what each walk did.
 pub fn spawn(
     store: Arc<dyn AccountStore>,
     cipher: TokenCipher,
+    interval: Duration,
     stop: CancellationToken,
 ) -> Option<JoinHandle<()>> {
     if !cipher.has_previous() {
         return None;
     }
-    let task = spawn_every_until(INTERVAL, FirstSweep::Spread, move || {
+    let task = spawn_every_until(interval, FirstSweep::Spread, move || {
         let (store, cipher) = (store.clone(), cipher.clone());
         async move {
             let walked = walk(&*store, &cipher, PAGE).await;
@@ -269,15 +271,24 @@ mod tests {
             .await
             .unwrap();
         let stop = CancellationToken::new();
-        assert!(spawn(stores.accounts.clone(), cipher(NEW), stop.clone()).is_none());
+        assert!(
+            spawn(
+                stores.accounts.clone(),
+                cipher(NEW),
+                DEFAULT_INTERVAL,
+                stop.clone()
+            )
+            .is_none()
+        );
 
         let walking = spawn(
             stores.accounts.clone(),
             cipher(NEW).with_previous(cipher(OLD)),
+            DEFAULT_INTERVAL,
             stop.clone(),
         )
         .expect("a previous key: a walk to make");
-        tokio::time::sleep(INTERVAL).await;
+        tokio::time::sleep(DEFAULT_INTERVAL).await;
         let stored = stores
             .accounts
             .get_account(&user, Integration::Gmail, "a@x.com")
@@ -298,10 +309,11 @@ mod tests {
         let walking = spawn(
             stores.accounts.clone(),
             cipher(NEW).with_previous(cipher(OLD)),
+            DEFAULT_INTERVAL,
             CancellationToken::new(),
         )
         .expect("a previous key: a walk to make");
-        tokio::time::timeout(INTERVAL, walking)
+        tokio::time::timeout(DEFAULT_INTERVAL, walking)
             .await
             .expect("ended within its first interval")
             .expect("ended by itself");
