@@ -395,16 +395,11 @@ async fn a5_a_call_with_malformed_arguments_is_recorded_as_a_failed_action_with_
     .await;
     let done = run(&app, "what tasks do I have?").await;
     assert_eq!(done.status, pb::RunState::Completed as i32, "{done:?}");
-    let actions = app
-        .agent_as("alice")
-        .await
-        .get_run(pb::GetRunRequest {
-            run_id: done.run_id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .actions;
+    let actions =
+        steward_tests::agent_calls::get_run(&mut app.agent_as("alice").await, &done.run_id)
+            .await
+            .unwrap()
+            .actions;
     let seen: Vec<(i32, &str, &str)> = actions
         .iter()
         .map(|a| (a.state, a.error_kind.as_str(), a.arguments_text.as_str()))

@@ -410,16 +410,8 @@ async fn g8_on_postgres_a_refresh_whose_lease_lapsed_still_saves_and_the_takers_
         .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
         .await
         .unwrap();
-    let (sql, conn) = tokio_postgres::connect(b._db.as_ref().unwrap().url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    sql.execute(
-        "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second'",
-        &[],
-    )
-    .await
-    .unwrap();
+    let sql = connect(&b).await;
+    lapse_every_lease(&sql).await;
     let taker = tokio::time::timeout(
         std::time::Duration::from_secs(5),
         s.lock_account(&user("u1"), Integration::Gmail, "a@x.com"),
@@ -480,12 +472,7 @@ async fn g8_on_postgres_a_walks_save_after_a_refresh_took_over_its_lease_does_no
         .unwrap()
         .expect("idle");
     let sql = connect(&b).await;
-    sql.execute(
-        "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second'",
-        &[],
-    )
-    .await
-    .unwrap();
+    lapse_every_lease(&sql).await;
     let refresh = s
         .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
         .await
@@ -523,12 +510,7 @@ async fn g8_on_postgres_a_lease_taken_over_and_let_go_keeps_background_work_off_
         .await
         .unwrap();
     let sql = connect(&b).await;
-    sql.execute(
-        "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second'",
-        &[],
-    )
-    .await
-    .unwrap();
+    lapse_every_lease(&sql).await;
     let lapse: SystemTime = sql
         .query_one("SELECT refresh_until FROM gateway.accounts", &[])
         .await
@@ -580,6 +562,16 @@ async fn g8_on_postgres_a_lease_taken_over_and_let_go_keeps_background_work_off_
     let mut fresh = slow.current().unwrap().clone();
     fresh.access_token = vec![9, 9];
     assert_eq!(slow.save(fresh).await.unwrap(), Saved::Applied);
+}
+
+/// Every account's refresh lease lapsed a second ago, as if its refresh had outlived it.
+async fn lapse_every_lease(sql: &tokio_postgres::Client) {
+    sql.execute(
+        "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second'",
+        &[],
+    )
+    .await
+    .unwrap();
 }
 
 async fn connect(b: &Backend) -> tokio_postgres::Client {
@@ -638,10 +630,7 @@ async fn g8_on_postgres_a_rotation_walk_leaves_an_account_being_refreshed_to_its
     held.arrived().await;
     // The refresh has held a@ past its lease; dead@'s lease was left by a replica that died
     // two hours ago.
-    let (sql, conn) = tokio_postgres::connect(b._db.as_ref().unwrap().url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let sql = connect(&b).await;
     sql.batch_execute(
         "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second' WHERE account = 'a@x.com'; \
          UPDATE gateway.accounts SET refresh_holder = 'dead', refresh_until = now() - interval '2 hours' WHERE account = 'dead@x.com';",
