@@ -101,7 +101,7 @@ async fn i4_the_bootstrap_context_counts_overdue_days_in_the_zone_the_session_op
     // test run falls within an hour, so either zone's local hour cannot cross 06:00 in it.
     let utc_hour = i64::from(now.to_zoned(jiff::tz::TimeZone::UTC).hour());
     let zone_at = |local_hour: i64| {
-        // The offset in -12..=14 that makes `local_hour` of `utc_hour`.
+        // The offset in -12..=11 that makes `local_hour` of `utc_hour`.
         match (local_hour - utc_hour + 36).rem_euclid(24) - 12 {
             0 => "Etc/GMT".to_owned(),
             o if o > 0 => format!("Etc/GMT-{o}"),

@@ -632,6 +632,8 @@ impl Run<'_> {
                         preview: preview(raw, PREVIEW_CHARS),
                         args: Value::String(raw.to_owned()),
                     });
+                    self.last_tool = Some((call.name.clone(), Value::String(raw.to_owned())));
+                    self.last_tool_call = Some(call.id.clone());
                     outcomes[i] = Some(ToolOutcome {
                         ok: false,
                         text: format!(

@@ -42,7 +42,8 @@ pub const PAGE: usize = 200;
 /// rotated). A refresh's token request is bounded by its lease; its save by a checkout (the
 /// pool's wait, a recycle and a connect, each up to DATABASE_ACQUIRE_TIMEOUT) and the row
 /// lock's wait (DATABASE_LOCK_TIMEOUT): 20 minutes at those settings' 300 s maxima, 20 s at
-/// their defaults. An hour is well past both; the cost is an account a replica died
+/// their defaults (a statement stalled on the network after it was sent is not bounded: no
+/// statement timeout is set). An hour is well past both; the cost is an account a replica died
 /// refreshing, and nobody has called since, moved by a walk an hour later.
 pub const ABANDONED_AFTER: Duration = Duration::from_secs(60 * 60);
 
@@ -58,8 +59,9 @@ pub struct Walk {
     /// under the previous key (a reconnect by a replica of the rollout before, say). The next
     /// walk looks again.
     pub left: usize,
-    /// Read with neither key (stored under another key, or damaged): only a reconnect mends
-    /// them, and they do not keep the previous key needed.
+    /// Some token read with neither key (stored under another key, or damaged) and none under
+    /// the previous one: only a reconnect mends them, and they do not keep the previous key
+    /// needed.
     pub unreadable: usize,
 }
 
@@ -156,14 +158,16 @@ async fn move_one(
     if lock.save(updated).await? == Saved::Applied {
         return Ok(Fared::Moved);
     }
-    // Changed meanwhile (a reconnect, a refresh that took over the lease): as it is now.
+    // Changed meanwhile (a reconnect, a refresh that took over the lease): as it is now. A
+    // read that fails leaves it for the next walk rather than ending this one.
     Ok(
         match store
             .get_account(&listed.user, listed.integration, &listed.account)
-            .await?
+            .await
         {
-            None => Fared::Already,
-            Some(now) => nothing_to_move(&TokensRead::of(cipher, &now)).unwrap_or(Fared::Left),
+            Ok(None) => Fared::Already,
+            Ok(Some(now)) => nothing_to_move(&TokensRead::of(cipher, &now)).unwrap_or(Fared::Left),
+            Err(_) => Fared::Left,
         },
     )
 }

@@ -406,6 +406,7 @@ impl PgStore {
                     current: Some(account_from_row(&row)?),
                     took_over: row.try_get("lapse").map_err(db)?,
                     only_while_held: false,
+                    saving: false,
                 })
             })
             .transpose()
@@ -462,6 +463,10 @@ struct PgAccountLock {
     /// while it still holds the lease, so a refresh that took over its lapsed lease is never
     /// superseded by it.
     only_while_held: bool,
+    /// Its save was sent: dropped now (the caller cancelled, the connection lost), that save
+    /// may still land, so the lease is let go as lapsed now, not freed — background work
+    /// keeps off the account for `ABANDONED_AFTER`, callers take it at once.
+    saving: bool,
 }
 
 impl PgAccountLock {
@@ -473,6 +478,7 @@ impl PgAccountLock {
             current: None,
             took_over: None,
             only_while_held: false,
+            saving: false,
         }
     }
 }
@@ -504,9 +510,11 @@ impl AccountLock for PgAccountLock {
         // ours, saved or not, so nobody waits out its hold: freed when the save landed (a
         // holder taken over from can land nothing after it), else given back to the lapse it
         // was taken over from ($14, see `took_over`).
-        let row = pg::checkout(&self.pool, "gateway")
+        let client = pg::checkout(&self.pool, "gateway")
             .await
-            .map_err(StoreError::unavailable)?
+            .map_err(StoreError::unavailable)?;
+        self.saving = true;
+        let row = client
             .query_opt(
                 "WITH held AS (SELECT access_token = $10 AND refresh_token IS NOT DISTINCT FROM $11 AND status = $12 \
                      AND (COALESCE(refresh_holder = $4, false) OR NOT $13) AS lands, \
@@ -554,7 +562,8 @@ impl AccountLock for PgAccountLock {
 
 impl Drop for PgAccountLock {
     /// A lock let go without saving (the refresh failed) frees the account at once: its lease
-    /// freed, or given back to the lapse it took over (`took_over`), which callers take at once.
+    /// freed, or given back to the lapse it took over (`took_over`), which callers take at
+    /// once — or, when its save was already sent (`saving`), lapsed now.
     fn drop(&mut self) {
         let Some(holder) = self.holder.take() else {
             return;
@@ -562,7 +571,7 @@ impl Drop for PgAccountLock {
         let Some(a) = self.current.take() else {
             return;
         };
-        let (pool, lapse) = (self.pool.clone(), self.took_over);
+        let (pool, lapse, saving) = (self.pool.clone(), self.took_over, self.saving);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
                 let freed = async {
@@ -570,9 +579,10 @@ impl Drop for PgAccountLock {
                         .await
                         .map_err(StoreError::unavailable)?
                         .execute(
-                            "UPDATE gateway.accounts SET refresh_holder = NULL, refresh_until = $5 \
+                            "UPDATE gateway.accounts SET refresh_holder = NULL, \
+                               refresh_until = CASE WHEN $6 THEN greatest($5, clock_timestamp()) ELSE $5 END \
                              WHERE user_id = $1 AND integration = $2 AND account = $3 AND refresh_holder = $4",
-                            &[&a.user.as_str(), &a.integration.key(), &a.account, &holder, &lapse],
+                            &[&a.user.as_str(), &a.integration.key(), &a.account, &holder, &lapse, &saving],
                         )
                         .await
                         .map_err(db)
