@@ -82,7 +82,19 @@ pub fn credentials_moved() {
 /// the previous key can go) and accounts read with neither key (`unreadable`, only a reconnect
 /// mends them).
 pub fn rekey_walked(left: usize, unreadable: usize) {
+    rekey_walk_ended("finished");
     metrics::gauge!("steward_gateway_credentials_accounts", "key" => "previous").set(left as f64);
     metrics::gauge!("steward_gateway_credentials_accounts", "key" => "neither")
         .set(unreadable as f64);
+}
+
+/// A key rotation's walk failed on a store error before it had read every account: the
+/// gauges above still show the last walk that finished, which this counter's `failed` outcome
+/// rising while `finished` stands still says.
+pub fn rekey_walk_failed() {
+    rekey_walk_ended("failed");
+}
+
+fn rekey_walk_ended(outcome: &'static str) {
+    metrics::counter!("steward_gateway_credentials_walks_total", "outcome" => outcome).increment(1);
 }

@@ -325,6 +325,11 @@ async fn g8_with_credentials_rekey_the_stored_tokens_move_to_the_new_key_by_them
     ] {
         assert!(shown.lines().any(|l| l == line), "{line} in {shown}");
     }
+    assert!(
+        shown.contains("steward_gateway_credentials_walks_total{outcome=\"finished\"}")
+            && !shown.contains("outcome=\"failed\""),
+        "{shown}"
+    );
     rekeying.stop().await.expect("the gateway stops cleanly");
 
     let mut rotated = w

@@ -410,8 +410,7 @@ async fn g8_on_postgres_a_refresh_whose_lease_lapsed_still_saves_and_the_takers_
         .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
         .await
         .unwrap();
-    let sql = connect(&b).await;
-    lapse_every_lease(&sql).await;
+    lapse_every_lease(&b).await;
     let taker = tokio::time::timeout(
         std::time::Duration::from_secs(5),
         s.lock_account(&user("u1"), Integration::Gmail, "a@x.com"),
@@ -471,8 +470,7 @@ async fn g8_on_postgres_a_walks_save_after_a_refresh_took_over_its_lease_does_no
         .await
         .unwrap()
         .expect("idle");
-    let sql = connect(&b).await;
-    lapse_every_lease(&sql).await;
+    lapse_every_lease(&b).await;
     let refresh = s
         .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
         .await
@@ -509,8 +507,7 @@ async fn g8_on_postgres_a_lease_taken_over_and_let_go_keeps_background_work_off_
         .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
         .await
         .unwrap();
-    let sql = connect(&b).await;
-    lapse_every_lease(&sql).await;
+    let sql = lapse_every_lease(&b).await;
     let lapse: SystemTime = sql
         .query_one("SELECT refresh_until FROM gateway.accounts", &[])
         .await
@@ -564,14 +561,17 @@ async fn g8_on_postgres_a_lease_taken_over_and_let_go_keeps_background_work_off_
     assert_eq!(slow.save(fresh).await.unwrap(), Saved::Applied);
 }
 
-/// Every account's refresh lease lapsed a second ago, as if its refresh had outlived it.
-async fn lapse_every_lease(sql: &tokio_postgres::Client) {
+/// Every account's refresh lease lapsed a second ago, as if its refresh had outlived it; the
+/// connection that lapsed them is returned for the test's own reads.
+async fn lapse_every_lease(b: &Backend) -> tokio_postgres::Client {
+    let sql = connect(b).await;
     sql.execute(
         "UPDATE gateway.accounts SET refresh_until = now() - interval '1 second'",
         &[],
     )
     .await
     .unwrap();
+    sql
 }
 
 async fn connect(b: &Backend) -> tokio_postgres::Client {

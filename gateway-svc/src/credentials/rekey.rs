@@ -200,8 +200,9 @@ pub fn spawn(
         let (store, cipher) = (store.clone(), cipher.clone());
         async move {
             let walked = walk(&*store, &cipher, PAGE).await;
-            if let Ok(w) = &walked {
-                crate::metrics::rekey_walked(w.left, w.unreadable);
+            match &walked {
+                Ok(w) => crate::metrics::rekey_walked(w.left, w.unreadable),
+                Err(_) => crate::metrics::rekey_walk_failed(),
             }
             match walked {
                 Ok(w) if w.found_none() => {
@@ -321,5 +322,99 @@ mod tests {
             .await
             .expect("ended within its first interval")
             .expect("ended by itself");
+    }
+
+    /// A store whose walks fail at their first page (the database gone, say).
+    struct Unlistable;
+
+    #[async_trait::async_trait]
+    impl AccountStore for Unlistable {
+        async fn accounts_after(
+            &self,
+            _: Option<&AccountCursor>,
+            _: usize,
+        ) -> Result<Vec<StoredAccount>, StoreError> {
+            Err(StoreError::Unavailable("the database is gone".into()))
+        }
+        // A walk that cannot list reads and writes nothing else.
+        async fn upsert_account(&self, _: StoredAccount) -> Result<(), StoreError> {
+            unreachable!()
+        }
+        async fn list_accounts(&self, _: &UserId) -> Result<Vec<StoredAccount>, StoreError> {
+            unreachable!()
+        }
+        async fn get_account(
+            &self,
+            _: &UserId,
+            _: Integration,
+            _: &str,
+        ) -> Result<Option<StoredAccount>, StoreError> {
+            unreachable!()
+        }
+        async fn delete_account(
+            &self,
+            _: &UserId,
+            _: Integration,
+            _: &str,
+        ) -> Result<bool, StoreError> {
+            unreachable!()
+        }
+        async fn count_accounts(&self) -> Result<u64, StoreError> {
+            unreachable!()
+        }
+        async fn sample_accounts(
+            &self,
+            _: usize,
+            _: bool,
+        ) -> Result<Vec<StoredAccount>, StoreError> {
+            unreachable!()
+        }
+        async fn lock_account(
+            &self,
+            _: &UserId,
+            _: Integration,
+            _: &str,
+        ) -> Result<Box<dyn crate::store::AccountLock>, StoreError> {
+            unreachable!()
+        }
+        async fn lock_account_if_idle(
+            &self,
+            _: &UserId,
+            _: Integration,
+            _: &str,
+            _: Duration,
+        ) -> Result<Option<Box<dyn crate::store::AccountLock>>, StoreError> {
+            unreachable!()
+        }
+    }
+
+    /// G-8: a walk that fails is counted as failed, and walking goes on: the gauges, set only
+    /// by a walk that finishes, are not taken for this one's.
+    #[tokio::test(start_paused = true)]
+    async fn g8_a_failed_walk_is_counted_as_failed_and_the_next_one_still_comes() {
+        let metrics = svc_kit::metrics::recorder();
+        let failed = || {
+            metrics
+                .render()
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("steward_gateway_credentials_walks_total{outcome=\"failed\"} ")
+                        .map(|n| n.parse::<u64>().unwrap())
+                })
+                .unwrap_or(0)
+        };
+        let before = failed();
+        let walking = spawn(
+            Arc::new(Unlistable),
+            cipher(NEW).with_previous(cipher(OLD)),
+            DEFAULT_INTERVAL,
+            CancellationToken::new(),
+        )
+        .expect("a previous key: a walk to make");
+        // The first walk comes within the first interval, the second one interval later.
+        tokio::time::sleep(DEFAULT_INTERVAL * 2).await;
+        assert!(!walking.is_finished(), "a failed walk does not end walking");
+        assert!(failed() >= before + 2, "each failed walk counted");
+        walking.abort();
     }
 }
