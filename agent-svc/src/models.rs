@@ -9,7 +9,7 @@ use svc_kit::config::Vars;
 use crate::{
     executor::{ModelSetup, Price},
     llm::{
-        ModelProvider,
+        BaseUrl, ModelProvider,
         anthropic::Anthropic,
         gemini::Gemini,
         openai::OpenAi,
@@ -29,7 +29,7 @@ pub const DEFAULT_CONTEXT_WINDOW: usize = 128_000;
 /// One provider's settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProviderConfig {
-    pub base_url: String,
+    pub base_url: BaseUrl,
     pub api_key: Option<svc_kit::secret::Secret>,
 }
 
@@ -70,11 +70,23 @@ fn parse_pair(entry: &str) -> Option<(String, String)> {
 
 impl ModelsConfig {
     pub fn load(vars: &mut Vars<'_>) -> Self {
-        let provider = |vars: &mut Vars<'_>, prefix: &str, default: &str| ProviderConfig {
-            base_url: vars.string(&format!("{prefix}_BASE_URL"), default),
-            api_key: vars
-                .optional_string(&format!("{prefix}_API_KEY"))
-                .map(svc_kit::secret::Secret::from),
+        let provider = |vars: &mut Vars<'_>, prefix: &str, default: &str| {
+            let var = format!("{prefix}_BASE_URL");
+            let default = BaseUrl::parse(default).expect("the default base URLs are valid");
+            let base_url = match vars.raw(&var).map(|raw| BaseUrl::parse(&raw)) {
+                None => default,
+                Some(Ok(url)) => url,
+                Some(Err(problem)) => {
+                    vars.error(&var, problem);
+                    default
+                }
+            };
+            ProviderConfig {
+                base_url,
+                api_key: vars
+                    .optional_string(&format!("{prefix}_API_KEY"))
+                    .map(svc_kit::secret::Secret::from),
+            }
         };
         let openai = provider(vars, "OPENAI", DEFAULT_OPENAI_BASE_URL);
         let anthropic = provider(vars, "ANTHROPIC", DEFAULT_ANTHROPIC_BASE_URL);
@@ -193,22 +205,21 @@ impl ModelsConfig {
         offline: &Arc<ScriptedModel>,
     ) -> Arc<dyn ModelProvider> {
         match name {
-            "openai" => Arc::new(OpenAi {
-                name: "openai".into(),
-                base_url: self.openai.base_url.clone(),
-                api_key: self.openai.api_key.as_ref().map(|k| k.expose().to_owned()),
-                http: http.clone(),
-            }),
-            "anthropic" => Arc::new(Anthropic {
-                base_url: self.anthropic.base_url.clone(),
-                api_key: self
-                    .anthropic
+            "openai" => Arc::new(OpenAi::new(
+                "openai",
+                &self.openai.base_url,
+                self.openai.api_key.as_ref().map(|k| k.expose().to_owned()),
+                http.clone(),
+            )),
+            "anthropic" => Arc::new(Anthropic::new(
+                &self.anthropic.base_url,
+                self.anthropic
                     .api_key
                     .as_ref()
                     .map(|k| k.expose().to_owned()),
-                http: http.clone(),
-                prompt_cache: self.anthropic_prompt_cache,
-            }),
+                http.clone(),
+                self.anthropic_prompt_cache,
+            )),
             "gemini" => Arc::new(Gemini {
                 base_url: self.gemini.base_url.clone(),
                 api_key: self.gemini.api_key.as_ref().map(|k| k.expose().to_owned()),
@@ -375,5 +386,38 @@ mod tests {
         assert_eq!(vars, ["MODEL_CHAIN", "MODEL_PRICES"]);
         let err = load(&[("MODEL_CHAIN", "gemini/gemini-2.5-flash")]).unwrap_err();
         assert_eq!(err.0[0].var, "GEMINI_API_KEY");
+    }
+
+    /// A mistyped provider URL is named at start, not met as a failed model call on every
+    /// run; a good one keeps its own path, the way the calls use it.
+    #[test]
+    fn base_urls_that_are_not_http_urls_are_named_at_start() {
+        let err = load(&[
+            ("OPENAI_BASE_URL", "localhost:11434/v1"),
+            ("ANTHROPIC_BASE_URL", "api.anthropic.com"),
+            ("GEMINI_BASE_URL", "https://"),
+        ])
+        .unwrap_err();
+        let named: Vec<_> = err
+            .0
+            .iter()
+            .map(|e| (e.var.as_str(), e.problem.as_str()))
+            .collect();
+        assert_eq!(named.len(), 3, "{named:?}");
+        assert_eq!(named[0].0, "OPENAI_BASE_URL");
+        assert!(named[0].1.contains("not http: or https:"), "{named:?}");
+        assert_eq!(named[1].0, "ANTHROPIC_BASE_URL");
+        assert!(named[1].1.contains("is not a URL"), "{named:?}");
+        assert_eq!(named[2].0, "GEMINI_BASE_URL");
+
+        let cfg = load(&[("OPENAI_BASE_URL", " http://127.0.0.1:11434/v1/ ")]).unwrap();
+        assert_eq!(
+            cfg.openai.base_url.join("/chat/completions").as_str(),
+            "http://127.0.0.1:11434/v1/chat/completions"
+        );
+        assert_eq!(
+            cfg.anthropic.base_url.join("/v1/messages").as_str(),
+            "https://api.anthropic.com/v1/messages"
+        );
     }
 }

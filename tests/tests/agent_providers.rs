@@ -16,7 +16,7 @@ use agent_svc::{
     },
     gateway_client::GatewayClient,
     llm::{
-        ModelProvider, ToolDecl, ToolSet,
+        BaseUrl, ModelProvider, ToolDecl, ToolSet,
         openai::OpenAi,
         resilient::{ChainEntry, RetryPolicy},
     },
@@ -57,12 +57,12 @@ impl ToolRunner for EchoTools {
 }
 
 fn openai(url: &str) -> Arc<dyn ModelProvider> {
-    Arc::new(OpenAi {
-        name: "openai".into(),
-        base_url: url.into(),
-        api_key: Some("sk-test".into()),
-        http: reqwest::Client::new(),
-    })
+    Arc::new(OpenAi::new(
+        "openai",
+        &BaseUrl::parse(url).unwrap(),
+        Some("sk-test".into()),
+        reqwest::Client::new(),
+    ))
 }
 
 fn executor(chain: Vec<ChainEntry>) -> Executor {
@@ -536,17 +536,17 @@ mod anthropic_and_gemini {
     use super::*;
 
     fn anthropic_at(base: &str) -> Arc<dyn ModelProvider> {
-        Arc::new(Anthropic {
-            base_url: base.into(),
-            api_key: Some("sk-ant-test".into()),
-            http: reqwest::Client::new(),
-            prompt_cache: true,
-        })
+        Arc::new(Anthropic::new(
+            &BaseUrl::parse(base).unwrap(),
+            Some("sk-ant-test".into()),
+            reqwest::Client::new(),
+            true,
+        ))
     }
 
     fn gemini_at(base: &str) -> Arc<dyn ModelProvider> {
         Arc::new(Gemini {
-            base_url: base.into(),
+            base_url: BaseUrl::parse(base).unwrap(),
             api_key: Some("gm-test".into()),
             http: reqwest::Client::new(),
         })

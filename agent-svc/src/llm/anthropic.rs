@@ -7,20 +7,36 @@ use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 use super::{
-    Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse, TokenUsage, ToolCall,
-    Turn, sse,
+    BaseUrl, Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse, TokenUsage,
+    ToolCall, Turn, sse,
 };
 
 pub const API_VERSION: &str = "2023-06-01";
 
 #[derive(Clone)]
 pub struct Anthropic {
-    /// e.g. `https://api.anthropic.com`
-    pub base_url: String,
+    /// The Messages URL under a base such as `https://api.anthropic.com`.
+    pub endpoint: reqwest::Url,
     pub api_key: Option<String>,
     pub http: reqwest::Client,
     /// `ANTHROPIC_PROMPT_CACHE`: mark the stable prefix for Anthropic's prompt cache.
     pub prompt_cache: bool,
+}
+
+impl Anthropic {
+    pub fn new(
+        base: &BaseUrl,
+        api_key: Option<String>,
+        http: reqwest::Client,
+        prompt_cache: bool,
+    ) -> Self {
+        Self {
+            endpoint: base.join("/v1/messages"),
+            api_key,
+            http,
+            prompt_cache,
+        }
+    }
 }
 
 /// Tool arguments as the object Anthropic requires; a malformed call replays as `{}` (its
@@ -164,10 +180,7 @@ impl ModelProvider for Anthropic {
             .ok_or_else(|| ModelError::NotConfigured("ANTHROPIC_API_KEY is not set".into()))?;
         let response = self
             .http
-            .post(format!(
-                "{}/v1/messages",
-                self.base_url.trim_end_matches('/')
-            ))
+            .post(self.endpoint.clone())
             .header("x-api-key", key)
             .header("anthropic-version", API_VERSION)
             .header(reqwest::header::CONTENT_TYPE, "application/json")

@@ -5,14 +5,14 @@ use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 use super::{
-    Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse, TokenUsage, ToolCall,
-    Turn, sse,
+    BaseUrl, Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse, TokenUsage,
+    ToolCall, Turn, sse,
 };
 
 #[derive(Clone)]
 pub struct Gemini {
     /// e.g. `https://generativelanguage.googleapis.com`
-    pub base_url: String,
+    pub base_url: BaseUrl,
     pub api_key: Option<String>,
     pub http: reqwest::Client,
 }
@@ -121,7 +121,7 @@ impl ModelProvider for Gemini {
             .collect();
         let url = format!(
             "{}/v1beta/models/{model}:streamGenerateContent",
-            self.base_url.trim_end_matches('/')
+            self.base_url.as_str().trim_end_matches('/')
         );
         let response = self
             .http

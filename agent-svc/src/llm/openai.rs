@@ -8,25 +8,37 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize, Serializer};
 
 use super::{
-    Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse, TokenUsage, ToolCall,
-    Turn, sse,
+    BaseUrl, Delta, DeltaSink, ModelError, ModelProvider, ModelRequest, ModelResponse, TokenUsage,
+    ToolCall, Turn, sse,
 };
 
 #[derive(Clone)]
 pub struct OpenAi {
     /// Provider name in logs and usage ("openai", "ollama", ...).
     pub name: String,
-    /// Including the version path, e.g. `https://api.openai.com/v1` or `http://localhost:11434/v1`.
-    pub base_url: String,
+    /// The chat completions URL under a base that includes the version path, e.g.
+    /// `https://api.openai.com/v1` or `http://localhost:11434/v1`.
+    pub endpoint: reqwest::Url,
     pub api_key: Option<String>,
     pub http: reqwest::Client,
+}
+
+impl OpenAi {
+    pub fn new(name: &str, base: &BaseUrl, api_key: Option<String>, http: reqwest::Client) -> Self {
+        Self {
+            name: name.to_owned(),
+            endpoint: base.join("/chat/completions"),
+            api_key,
+            http,
+        }
+    }
 }
 
 impl std::fmt::Debug for OpenAi {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OpenAi")
             .field("name", &self.name)
-            .field("base_url", &self.base_url)
+            .field("endpoint", &self.endpoint.as_str())
             .finish_non_exhaustive()
     }
 }
@@ -277,10 +289,9 @@ impl ModelProvider for OpenAi {
         request: &ModelRequest,
         deltas: &DeltaSink,
     ) -> Result<ModelResponse, ModelError> {
-        let url = format!("{}/chat/completions", self.base_url.trim_end_matches('/'));
         let mut http = self
             .http
-            .post(&url)
+            .post(self.endpoint.clone())
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(encode(request));
         if let Some(key) = &self.api_key {
