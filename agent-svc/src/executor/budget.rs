@@ -2,8 +2,9 @@
 //! tokenizer where there is one (tiktoken for OpenAI models) and calibrated characters-per-token
 //! ratios otherwise; tool definitions measured from the serialized schemas of each request; the
 //! oldest history evicted first, never splitting a tool call from its results and never touching
-//! the current turn. Tool declarations are counted once per tool set and turns once each as
-//! they join the transcript (issue 13): fitting a call adds numbers, it encodes nothing.
+//! the current turn. Tool declarations are counted once per tool set, and turns at most once
+//! each, only when their bytes could be over a limit ([`TurnSizes`], issue 13): fitting a call
+//! adds numbers, it encodes nothing again.
 
 use std::sync::OnceLock;
 
@@ -140,6 +141,97 @@ created or changed something.]"
 /// An upper bound of [`elided_result`]'s tokens as a turn, under every counter.
 const ELIDED_RESULT_TOKENS: usize = PER_TURN_OVERHEAD + 110;
 
+/// Each transcript turn's tokens, counted only when a fit needs them. A turn's bytes and its
+/// framing bound its tokens from above under every counter (a BPE token is at least one byte;
+/// the ratios divide characters), so a transcript whose bytes fit every limit is fitted
+/// without counting, exactly as its counts would have fitted it: nothing left out. Counting
+/// each turn as it joined the transcript cost a run ~3% of its instructions (issue 13).
+#[derive(Debug, Default)]
+pub struct TurnSizes {
+    /// Each turn's upper bound.
+    bounds: Vec<usize>,
+    /// The exact counts of the first `counted.len()` turns: turns are only ever appended.
+    counted: Vec<usize>,
+}
+
+impl TurnSizes {
+    pub fn of(turns: &[Turn]) -> Self {
+        let mut sizes = Self::default();
+        for t in turns {
+            sizes.push(t);
+        }
+        sizes
+    }
+
+    /// A turn joined the transcript.
+    pub fn push(&mut self, t: &Turn) {
+        self.bounds.push(
+            PER_TURN_OVERHEAD
+                + match t {
+                    Turn::User(s) => s.len(),
+                    Turn::Assistant { text, tool_calls } => {
+                        text.len()
+                            + tool_calls
+                                .iter()
+                                .map(|c| c.name.len() + c.arguments.len())
+                                .sum::<usize>()
+                    }
+                    Turn::ToolResult { content, .. } => content.len(),
+                },
+        );
+    }
+
+    fn counted(&mut self, turns: &[Turn], counter: TokenCounter) -> &[usize] {
+        debug_assert_eq!(turns.len(), self.bounds.len());
+        let from = self.counted.len();
+        self.counted
+            .extend(turns[from..].iter().map(|t| counter.turn(t)));
+        &self.counted
+    }
+
+    /// [`fit`] for `turns` (the transcript these sizes were pushed for), counting only when the
+    /// bounds cannot settle it. `estimated_input_tokens` is `None` when nothing was counted:
+    /// [`TurnSizes::input_tokens`] gives it when it is needed.
+    pub fn fit(
+        &mut self,
+        turns: &[Turn],
+        counter: TokenCounter,
+        fixed: usize,
+        budget: Budget,
+    ) -> Fit {
+        let current_start = current_start(turns);
+        let history: usize = self.bounds[..current_start].iter().sum();
+        let total = fixed + budget.reserve_output + self.bounds.iter().sum::<usize>();
+        // `fit` keeps everything when the history and the whole are within their limits and
+        // the transcript opens with the user (or with the current turn).
+        if total <= budget.window
+            && (budget.history == 0 || history <= budget.history)
+            && (current_start == 0 || matches!(turns.first(), Some(Turn::User(_))))
+        {
+            return Fit {
+                evicted_turns: 0,
+                elided_results: Vec::new(),
+                window_full: false,
+                estimated_input_tokens: None,
+            };
+        }
+        fit(turns, self.counted(turns, counter), fixed, budget)
+    }
+
+    /// The input tokens a call sends when its fit left nothing out: the whole transcript's
+    /// counts and `fixed`.
+    pub fn input_tokens(&mut self, turns: &[Turn], counter: TokenCounter, fixed: usize) -> usize {
+        fixed + self.counted(turns, counter).iter().sum::<usize>()
+    }
+}
+
+fn current_start(turns: &[Turn]) -> usize {
+    turns
+        .iter()
+        .rposition(|t| matches!(t, Turn::User(_)))
+        .unwrap_or(0)
+}
+
 /// What fitting the transcript did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fit {
@@ -150,7 +242,9 @@ pub struct Fit {
     pub elided_results: Vec<usize>,
     /// Some of them went because the context window was full, not for the history limit.
     pub window_full: bool,
-    pub estimated_input_tokens: usize,
+    /// What the call's input counts to; `None` from [`TurnSizes::fit`] when nothing was left
+    /// out and nothing counted.
+    pub estimated_input_tokens: Option<usize>,
 }
 
 /// The limits a call's input is fitted to.
@@ -180,10 +274,7 @@ pub struct Budget {
 /// provider's prompt cache can serve.
 pub fn fit(turns: &[Turn], sizes: &[usize], fixed: usize, budget: Budget) -> Fit {
     debug_assert_eq!(turns.len(), sizes.len());
-    let current_start = turns
-        .iter()
-        .rposition(|t| matches!(t, Turn::User(_)))
-        .unwrap_or(0);
+    let current_start = current_start(turns);
     let history: usize = sizes[..current_start].iter().sum();
     let must_drop = if budget.history > 0 && history > budget.history {
         let step = (budget.history / 2).max(1);
@@ -246,7 +337,7 @@ pub fn fit(turns: &[Turn], sizes: &[usize], fixed: usize, budget: Budget) -> Fit
     Fit {
         evicted_turns: cut,
         elided_results,
-        estimated_input_tokens: total.saturating_sub(budget.reserve_output),
+        estimated_input_tokens: Some(total.saturating_sub(budget.reserve_output)),
         window_full,
     }
 }
@@ -436,7 +527,7 @@ mod tests {
         );
         assert_eq!(fit.elided_results, [4], "only the oldest result had to go");
         assert!(fit.window_full);
-        assert!(fit.estimated_input_tokens + budget.reserve_output <= budget.window);
+        assert!(fit.estimated_input_tokens.unwrap() + budget.reserve_output <= budget.window);
 
         // Too tight for even that: every older result goes, the latest round stays whole.
         let tighter = Budget {
@@ -457,5 +548,58 @@ mod tests {
         }
         let fit = super::fit(&failed, &sizes, 100, tighter);
         assert_eq!(fit.elided_results, [6]);
+    }
+
+    /// A transcript of units: a user turn, an answer, or a call with its results; sizes as
+    /// text lengths, some past any limit below.
+    fn transcript() -> impl Strategy<Value = Vec<Turn>> {
+        let unit = prop_oneof![
+            (0usize..3000).prop_map(|n| vec![Turn::User("word ".repeat(n / 5))]),
+            (0usize..3000).prop_map(|n| vec![Turn::Assistant {
+                text: "said ".repeat(n / 5),
+                tool_calls: vec![],
+            }]),
+            (0usize..6000, any::<bool>()).prop_map(|(n, failed)| {
+                let mut p = pair("c", n);
+                if let Turn::ToolResult { is_error, .. } = &mut p[1] {
+                    *is_error = failed;
+                }
+                p
+            }),
+        ];
+        prop::collection::vec(unit, 1..12).prop_map(|units| units.concat())
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Fitting by bounds first leaves out exactly what fitting by counts does, under
+        /// either kind of counter, and when it counted nothing the input it reports on asking
+        /// is the counted one.
+        #[test]
+        fn fitting_by_bounds_first_fits_as_counting_every_turn_does(
+            turns in transcript(),
+            window in 200usize..20_000,
+            reserve in 0usize..2_000,
+            history in prop_oneof![Just(0usize), 1usize..10_000],
+            fixed in 0usize..1_000,
+            tiktoken in any::<bool>(),
+        ) {
+            let counter = if tiktoken { TokenCounter::for_model("gpt-4o") } else { TokenCounter::Ratio };
+            let budget = Budget { window, reserve_output: reserve, history };
+            let sizes: Vec<usize> = turns.iter().map(|t| counter.turn(t)).collect();
+            let counted = fit(&turns, &sizes, fixed, budget);
+            let mut lazily = TurnSizes::of(&turns);
+            let bounded = lazily.fit(&turns, counter, fixed, budget);
+            prop_assert_eq!(bounded.evicted_turns, counted.evicted_turns);
+            prop_assert_eq!(&bounded.elided_results, &counted.elided_results);
+            prop_assert_eq!(bounded.window_full, counted.window_full);
+            let reported = bounded
+                .estimated_input_tokens
+                .unwrap_or_else(|| lazily.input_tokens(&turns, counter, fixed));
+            prop_assert_eq!(Some(reported), counted.estimated_input_tokens);
+        }
     }
 }

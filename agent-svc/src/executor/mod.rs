@@ -378,8 +378,8 @@ struct Run<'a> {
     sink: &'a dyn EventSink,
     started: Instant,
     turns: Vec<Turn>,
-    /// Tokens of each turn, counted once as it joins `turns`.
-    sizes: Vec<usize>,
+    /// Each turn's bound as it joins `turns`, and its tokens once a fit needs them.
+    sizes: budget::TurnSizes,
     counter: TokenCounter,
     system_tokens: usize,
     history_len: usize,
@@ -404,7 +404,7 @@ impl Executor {
         }
         let first_model = self.models.chain.first().map_or("", |e| e.model.as_str());
         let counter = TokenCounter::for_model(first_model);
-        let sizes = turns.iter().map(|t| counter.turn(t)).collect();
+        let sizes = budget::TurnSizes::of(&turns);
         let mut run = Run {
             models: &self.models,
             max_tool_result_chars: self.max_tool_result_chars,
@@ -736,10 +736,11 @@ impl Run<'_> {
                 "assembled system prompt is over 50K estimated tokens"
             );
         }
-        let fit = budget::fit(
+        let fixed = system_tokens + counter.tools(tools);
+        let fit = self.sizes.fit(
             &self.turns,
-            &self.sizes,
-            system_tokens + counter.tools(tools),
+            counter,
+            fixed,
             budget::Budget {
                 window: models.context_window,
                 reserve_output: models.max_output_tokens as usize,
@@ -818,8 +819,18 @@ impl Run<'_> {
             Ok(Err(failed)) => failed.cut.as_slice(),
             Err(_) => &[],
         };
+        // What the call's input counts to, counted only where the fit did not, and only for
+        // what needs it: a try cut short, or an answer that did not report its usage.
+        let unreported = |d: &resilient::Completed| d.response.usage.input_tokens == 0;
+        let needed = !cut.is_empty()
+            || matches!(&timed, Ok(Ok(done)) if unreported(done) || done.passed_over.iter().any(unreported));
+        let input_tokens = match fit.estimated_input_tokens {
+            Some(n) => n,
+            None if needed => self.sizes.input_tokens(&self.turns, counter, fixed),
+            None => 0,
+        };
         for cut in cut {
-            let record = CallRecord::cut(cut, fit.estimated_input_tokens as u64, &models.prices);
+            let record = CallRecord::cut(cut, input_tokens as u64, &models.prices);
             self.sink.emit(RunEvent::ModelCall(record.clone()));
             self.calls.push(record);
         }
@@ -830,10 +841,10 @@ impl Run<'_> {
             Ok(Err(failed)) if failed.out_of_time => Ok(None),
             Ok(Err(failed)) => Err(failed.to_string()),
             Ok(Ok(mut done)) => {
-                estimate_unreported(&mut done, fit.estimated_input_tokens, counter);
+                estimate_unreported(&mut done, input_tokens, counter);
                 // Answers passed over for the next model were billed all the same.
                 for mut passed in std::mem::take(&mut done.passed_over) {
-                    estimate_unreported(&mut passed, fit.estimated_input_tokens, counter);
+                    estimate_unreported(&mut passed, input_tokens, counter);
                     let record = CallRecord::answered(&passed, &models.prices);
                     self.sink.emit(RunEvent::ModelCall(record.clone()));
                     self.calls.push(record);
@@ -916,7 +927,7 @@ impl Run<'_> {
 
     fn push(&mut self, turn: Turn) {
         self.sink.emit(RunEvent::Turn(turn.clone()));
-        self.sizes.push(self.counter.turn(&turn));
+        self.sizes.push(&turn);
         self.turns.push(turn);
     }
 
