@@ -77,7 +77,7 @@ impl ModelsConfig {
                 None => default,
                 Some(Ok(url)) => url,
                 Some(Err(problem)) => {
-                    vars.error(&var, problem);
+                    vars.error(&var, format!("{problem}, e.g. {}", default.as_str()));
                     default
                 }
             };
@@ -395,7 +395,7 @@ mod tests {
         let err = load(&[
             ("OPENAI_BASE_URL", "localhost:11434/v1"),
             ("ANTHROPIC_BASE_URL", "api.anthropic.com"),
-            ("GEMINI_BASE_URL", "https://"),
+            ("GEMINI_BASE_URL", "https://x/v1beta?key=sk-secret"),
         ])
         .unwrap_err();
         let named: Vec<_> = err
@@ -408,7 +408,16 @@ mod tests {
         assert!(named[0].1.contains("not http: or https:"), "{named:?}");
         assert_eq!(named[1].0, "ANTHROPIC_BASE_URL");
         assert!(named[1].1.contains("is not a URL"), "{named:?}");
+        assert!(
+            named[1].1.ends_with("e.g. https://api.anthropic.com/"),
+            "the provider's own default as the example: {named:?}"
+        );
         assert_eq!(named[2].0, "GEMINI_BASE_URL");
+        assert!(named[2].1.contains("query"), "{named:?}");
+        assert!(
+            !format!("{named:?}").contains("sk-secret"),
+            "the value is never repeated"
+        );
 
         let cfg = load(&[("OPENAI_BASE_URL", " http://127.0.0.1:11434/v1/ ")]).unwrap();
         assert_eq!(

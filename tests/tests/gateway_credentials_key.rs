@@ -327,7 +327,7 @@ async fn g8_with_credentials_rekey_the_stored_tokens_move_to_the_new_key_by_them
     }
     assert!(
         shown.contains("steward_gateway_credentials_walks_total{outcome=\"finished\"}")
-            && !shown.contains("outcome=\"failed\""),
+            && !shown.contains("steward_gateway_credentials_walks_total{outcome=\"failed\"}"),
         "{shown}"
     );
     rekeying.stop().await.expect("the gateway stops cleanly");

@@ -20,20 +20,26 @@ pub use error::ModelError;
 pub use tool_set::ToolSet;
 
 /// A provider's base URL (`OPENAI_BASE_URL` and the like), checked when the settings are read:
-/// absolute, http or https, with a host. A mistyped one is named at start, not met as a
-/// failed call on every run.
+/// absolute, http or https, with a host, and no query or fragment (paths are appended to it).
+/// A mistyped one is named at start, not met as a failed call on every run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BaseUrl(reqwest::Url);
 
 impl BaseUrl {
+    /// The problem, when there is one, never repeats the value: a mistyped URL may carry a key.
     pub fn parse(raw: &str) -> Result<Self, String> {
-        let url = reqwest::Url::parse(raw.trim())
-            .map_err(|e| format!("{raw:?} is not a URL ({e}), e.g. https://api.openai.com/v1"))?;
+        let url = reqwest::Url::parse(raw.trim()).map_err(|e| format!("is not a URL ({e})"))?;
         match url.scheme() {
-            "http" | "https" if url.has_host() => Ok(Self(url)),
-            "http" | "https" => Err(format!("{raw:?} has no host")),
-            other => Err(format!("{raw:?} is {other}:, not http: or https:")),
+            "http" | "https" => {}
+            other => return Err(format!("is {other}:, not http: or https:")),
         }
+        if !url.has_host() {
+            return Err("has no host".into());
+        }
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err("has a query or fragment, which the request paths would follow".into());
+        }
+        Ok(Self(url))
     }
 
     /// The URL of `path` under this base, its own path kept (`/v1` + `/chat/completions`).
