@@ -282,6 +282,12 @@ impl CallRecord {
     }
 }
 
+/// Whether a call answered without reporting its input usage: what [`estimate_unreported`]
+/// counts, and so what a call's input must be counted for.
+fn unreported(done: &resilient::Completed) -> bool {
+    done.response.usage.input_tokens == 0
+}
+
 /// A call that answered without reporting its usage (a compatible server that ignores
 /// stream_options, a stream cut after its answer) was billed all the same, and the run's
 /// budget must still see it: counted with the tokenizer instead, what the provider did not
@@ -291,10 +297,10 @@ pub fn estimate_unreported(
     input_tokens: usize,
     counter: TokenCounter,
 ) {
-    let response = &mut done.response;
-    if response.usage.input_tokens != 0 {
+    if !unreported(done) {
         return;
     }
+    let response = &mut done.response;
     response.usage.input_tokens = input_tokens as u64;
     if response.usage.output_tokens == 0 {
         let output = counter.text(&response.text)
@@ -821,7 +827,6 @@ impl Run<'_> {
         };
         // What the call's input counts to, counted only where the fit did not, and only for
         // what needs it: a try cut short, or an answer that did not report its usage.
-        let unreported = |d: &resilient::Completed| d.response.usage.input_tokens == 0;
         let needed = !cut.is_empty()
             || matches!(&timed, Ok(Ok(done)) if unreported(done) || done.passed_over.iter().any(unreported));
         let input_tokens = match fit.estimated_input_tokens {
