@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# agent-svc's instructions per run (or gateway-svc's: SERVICE=gateway-svc), counted by callgrind through one wave of the load bench.
+# agent-svc's instructions per run (or gateway-svc's: SERVICE=gateway-svc), counted by callgrind through the load bench's waves.
 #   bench/agent-instructions.sh [DIR]       (default DIR: target/release, after
 #                                           `cargo bench --no-run -p steward-tests --bench load`
 #                                           and `cargo build --release -p agent-svc -p gateway-svc`)
 # DIR holds agent-svc, gateway-svc and the load bench as deps/load-* (or deps/load), so two
 # builds compare by copying each into its own DIR. Instructions are repeatable where wall-clock
 # CPU moves 2x between machines of one kind, so an A/B of code reads the same on any of them.
-# LOAD_RUNS (default 100) runs, one wave, the model's turns 1 s as in the load bench; LOAD_BACKEND
+# LOAD_RUNS (default 100) runs per wave, LOAD_WAVES (default 1) waves of them in one process (a
+# second wave shows the steady state: pools and caches warm), the model's turns 1 s as in the
+# load bench; LOAD_BACKEND
 # memory (default) or postgres (the test PostgreSQL, as the load bench uses it).
 # Prints the instructions per run (the wave's agent-svc minus the start-up-only one the bench
 # launches before it) and the top functions, inclusive, per run: agent-svc's own, or those whose
@@ -15,6 +17,7 @@
 set -euo pipefail
 dir=$(cd "${1:-$(dirname "$0")/../target/release}" && pwd)
 runs=${LOAD_RUNS:-100}
+waves=${LOAD_WAVES:-1}
 backend=${LOAD_BACKEND:-memory}
 service=${SERVICE:-agent-svc}
 case $service in
@@ -46,7 +49,7 @@ exec valgrind --tool=callgrind --callgrind-out-file=$work/out/cg.%p $work/$servi
 EOF
 chmod +x "$work/$service"
 
-(cd "$work" && STEWARD_SKIP_BINARY_BUILD=1 LOAD_BACKENDS="$backend" LOAD_RUNS="$runs" LOAD_WAVES=1 \
+(cd "$work" && STEWARD_SKIP_BINARY_BUILD=1 LOAD_BACKENDS="$backend" LOAD_RUNS="$runs" LOAD_WAVES="$waves" \
   ./deps/load --bench >"$work/load.log" 2>&1) || { cat "$work/load.log" >&2; exit 1; }
 
 # In order of process id, the last dot-separated part of each name.
@@ -56,10 +59,11 @@ mapfile -t files < <(ls "$work"/out/cg.* | awk -F. '{ print $NF, $0 }' | sort -n
 # PostgreSQL after a migrating one).
 start=${files[-2]} wave=${files[-1]}
 total() { awk '/^summary:/ { print $2 }' "$1"; }
-echo "$service instructions per run, $runs runs, $backend: $(( ($(total "$wave") - $(total "$start")) / runs ))"
+all=$(( runs * waves ))
+echo "$service instructions per run, $waves x $runs runs, $backend: $(( ($(total "$wave") - $(total "$start")) / all ))"
 echo
 echo "top functions, inclusive, instructions per run (start-up subtracted):"
-python3 - "$start" "$wave" "$runs" "${TOP_PREFIX:-${service//-/_}}" <<'EOF'
+python3 - "$start" "$wave" "$all" "${TOP_PREFIX:-${service//-/_}}" <<'EOF'
 import re, subprocess, sys
 def inclusive(path):
     out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", path],

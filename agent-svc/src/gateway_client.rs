@@ -193,14 +193,32 @@ impl ToolList {
     }
 }
 
-/// One copy of each distinct tool list, by a hash of what the gateway sent.
+/// One copy of each distinct tool list, by a hash of what the gateway sent; and the lists the
+/// gateway fingerprinted, by fingerprint. Each ListTools names the newest of those, and one the
+/// gateway answers "unchanged" neither encodes nor parses the list again (issue 13).
 #[derive(Default)]
-struct ToolLists(Mutex<HashMap<u64, Arc<ToolList>>>);
+struct ToolLists(Mutex<Interned>);
+
+#[derive(Default)]
+struct Interned {
+    by_hash: HashMap<u64, Arc<ToolList>>,
+    by_fingerprint: HashMap<String, Arc<ToolList>>,
+    /// The fingerprints of `by_fingerprint`, the most recently answered last.
+    recent: std::collections::VecDeque<String>,
+}
 
 /// Distinct lists kept; past that the interner starts over (lists still in use stay alive).
 const DISTINCT_LISTS: usize = 256;
 
+/// Fingerprints named per ListTools (the gateway takes up to 16): users with the same
+/// integrations share a list, so a few cover most runs.
+const KNOWN_FINGERPRINTS: usize = 8;
+
 impl ToolLists {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Interned> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn intern(&self, specs: Vec<pb::ToolSpec>) -> Arc<ToolList> {
         // A fast unkeyed hash: a collision only costs a comparison (`same_as`), and SipHash
         // over every description and schema was 2.6% of a run's instructions (issue 13).
@@ -217,18 +235,53 @@ impl ToolLists {
                 .hash(&mut h);
         }
         let key = h.finish();
-        if let Some(list) = self.0.lock().unwrap_or_else(|e| e.into_inner()).get(&key)
+        if let Some(list) = self.lock().by_hash.get(&key)
             && list.same_as(&specs)
         {
             return list.clone();
         }
         // Parsed outside the lock: another run may parse the same list meanwhile; one wins.
         let list = Arc::new(ToolList::new(specs));
-        let mut lists = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if lists.len() >= DISTINCT_LISTS {
-            lists.clear();
+        let mut lists = self.lock();
+        if lists.by_hash.len() >= DISTINCT_LISTS {
+            lists.by_hash.clear();
         }
-        lists.insert(key, list.clone());
+        lists.by_hash.insert(key, list.clone());
+        list
+    }
+
+    /// The fingerprints to name in a ListTools.
+    fn known(&self) -> Vec<String> {
+        self.lock().recent.iter().rev().cloned().collect()
+    }
+
+    /// Records that the gateway's list `fingerprint` is `list`, as the newest.
+    fn remember(&self, fingerprint: String, list: &Arc<ToolList>) {
+        let mut lists = self.lock();
+        lists.recent.retain(|f| *f != fingerprint);
+        lists.recent.push_back(fingerprint.clone());
+        lists.by_fingerprint.insert(fingerprint, list.clone());
+        while lists.recent.len() > KNOWN_FINGERPRINTS {
+            if let Some(oldest) = lists.recent.pop_front() {
+                lists.by_fingerprint.remove(&oldest);
+            }
+        }
+    }
+
+    /// The list the gateway answered "unchanged" for, unless forgotten since it was named.
+    fn fingerprinted(&self, fingerprint: &str) -> Option<Arc<ToolList>> {
+        let list = self.lock().by_fingerprint.get(fingerprint).cloned()?;
+        self.remember(fingerprint.to_owned(), &list);
+        Some(list)
+    }
+
+    /// A ListTools answer that sent the list.
+    fn sent(&self, response: pb::ListToolsResponse) -> Arc<ToolList> {
+        let list = self.intern(response.tools);
+        // An older gateway sends no fingerprint.
+        if !response.fingerprint.is_empty() {
+            self.remember(response.fingerprint, &list);
+        }
         list
     }
 }
@@ -368,22 +421,47 @@ impl GatewayClient {
         }
     }
 
-    /// ListTools once; equal lists come back as one shared copy.
+    /// ListTools once; equal lists come back as one shared copy. The request names the lists
+    /// this replica holds, so a user whose list is one of them gets only its fingerprint back.
     pub async fn list_tools(
         &self,
         user: &str,
         channel: pb::Channel,
     ) -> Result<Arc<ToolList>, GatewayError> {
+        let answer = self.ask_list(user, channel, self.lists.known()).await?;
+        if !answer.unchanged {
+            return Ok(self.lists.sent(answer));
+        }
+        if let Some(list) = self.lists.fingerprinted(&answer.fingerprint) {
+            return Ok(list);
+        }
+        // Forgotten since the request named it (newer lists pushed it out): ask for the list.
+        let answer = self.ask_list(user, channel, Vec::new()).await?;
+        if answer.unchanged {
+            return Err(GatewayError::Unavailable(
+                "ListTools answered \"unchanged\" to a request that named no list".into(),
+            ));
+        }
+        Ok(self.lists.sent(answer))
+    }
+
+    async fn ask_list(
+        &self,
+        user: &str,
+        channel: pb::Channel,
+        known_fingerprints: Vec<String>,
+    ) -> Result<pb::ListToolsResponse, GatewayError> {
         let mut client = GatewayServiceClient::new(self.channel.clone());
         let response = client
             .list_tools(self.request(
                 pb::ListToolsRequest {
                     channel: channel as i32,
+                    known_fingerprints,
                 },
                 user,
             )?)
             .await?;
-        Ok(self.lists.intern(response.into_inner().tools))
+        Ok(response.into_inner())
     }
 
     /// What `call` would do (PreviewCall): the text a person approves, the recipients policy
@@ -820,6 +898,59 @@ mod tests {
         assert!(!Arc::ptr_eq(&first, &other_schema));
         assert!(!Arc::ptr_eq(&first, &other_flags));
         assert!(other_flags.external_readers.contains("list_tasks"));
+    }
+
+    fn sent(tools: Vec<pb::ToolSpec>, fingerprint: &str) -> pb::ListToolsResponse {
+        pb::ListToolsResponse {
+            tools,
+            fingerprint: fingerprint.into(),
+            unchanged: false,
+        }
+    }
+
+    #[test]
+    fn a_fingerprinted_list_is_named_in_the_next_request_and_found_by_its_fingerprint() {
+        let lists = ToolLists::default();
+        assert!(lists.known().is_empty(), "nothing held, nothing named");
+        let first = lists.sent(sent(list(r#"{"type":"object"}"#), "aa"));
+        let second = lists.sent(sent(list(r#"{"type":"string"}"#), "bb"));
+        assert_eq!(lists.known(), ["bb", "aa"], "the newest first");
+        assert!(Arc::ptr_eq(&lists.fingerprinted("aa").unwrap(), &first));
+        assert!(Arc::ptr_eq(&lists.fingerprinted("bb").unwrap(), &second));
+        assert!(lists.fingerprinted("cc").is_none());
+    }
+
+    #[test]
+    fn a_list_from_a_gateway_without_fingerprints_is_interned_and_never_named() {
+        let lists = ToolLists::default();
+        let held = lists.sent(sent(list(r#"{"type":"object"}"#), ""));
+        assert!(lists.known().is_empty());
+        assert!(Arc::ptr_eq(
+            &lists.intern(list(r#"{"type":"object"}"#)),
+            &held
+        ));
+    }
+
+    #[test]
+    fn only_the_newest_fingerprints_are_named_and_kept() {
+        let lists = ToolLists::default();
+        for i in 0..=KNOWN_FINGERPRINTS {
+            lists.sent(sent(
+                list(&format!(r#"{{"title":"{i}"}}"#)),
+                &format!("f{i}"),
+            ));
+        }
+        let known = lists.known();
+        assert_eq!(known.len(), KNOWN_FINGERPRINTS);
+        assert_eq!(known[0], format!("f{KNOWN_FINGERPRINTS}"));
+        assert!(!known.contains(&"f0".to_owned()));
+        assert!(
+            lists.fingerprinted("f0").is_none(),
+            "the oldest is forgotten"
+        );
+        // Answered "unchanged", a list is the newest again.
+        lists.fingerprinted("f1").unwrap();
+        assert_eq!(lists.known()[0], "f1");
     }
 
     #[test]

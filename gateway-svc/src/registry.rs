@@ -235,6 +235,32 @@ pub fn digest(parts: &[&str]) -> String {
         .collect()
 }
 
+/// Every part of `spec` ListTools sends, each prefixed by its length (no two specs hash the
+/// same parts), with the schema as sent.
+fn listing_digest(spec: &ToolSpec, schema_json: &str) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    let mut part = |bytes: &[u8]| {
+        hash.update((bytes.len() as u64).to_le_bytes());
+        hash.update(bytes);
+    };
+    part(spec.name.as_bytes());
+    part(&(spec.aliases.len() as u64).to_le_bytes());
+    for alias in &spec.aliases {
+        part(alias.as_bytes());
+    }
+    part(spec.description.as_bytes());
+    part(schema_json.as_bytes());
+    part(format!("{:?}", spec.integration).as_bytes());
+    part(&spec.upstream_cost.to_le_bytes());
+    part(&[
+        u8::from(spec.side_effect),
+        u8::from(spec.reads_external_content),
+        u8::from(spec.writes_memory),
+    ]);
+    hash.finalize().into()
+}
+
 pub struct RegisteredTool {
     pub spec: ToolSpec,
     pub tool: Arc<dyn Tool>,
@@ -245,6 +271,9 @@ pub struct RegisteredTool {
     /// The schema as JSON text, serialised once: every ListTools (one per run) sends it, and
     /// serialising every tool's schema per call was a fifth of the gateway's CPU per run.
     pub schema_json: String,
+    /// SHA-256 of what ListTools sends of the tool, taken once: a list's fingerprint hashes
+    /// these, not every description and schema per call (see `catalog::fingerprint`).
+    pub listing_digest: [u8; 32],
     validator: jsonschema::Validator,
 }
 
@@ -261,9 +290,11 @@ impl RegisteredTool {
         if read_only && (spec.side_effect || spec.writes_memory) {
             return Err(RegistryError::ReadOnlyWrites(spec.name.clone()));
         }
+        let schema_json = spec.schema.to_string();
         Ok(Self {
             service: tool.service(),
-            schema_json: spec.schema.to_string(),
+            listing_digest: listing_digest(&spec, &schema_json),
+            schema_json,
             spec,
             tool,
             read_only,

@@ -24,9 +24,9 @@ use agent_svc::{
 use steward_proto::gateway::v1 as pb;
 use steward_tests::{
     Backend, Options, SERVICE_TOKEN,
-    calls::call_tool,
+    calls::{call_tool, connect_account},
     fakes::openai::{Answer, FakeOpenAi},
-    spawn::spawn,
+    spawn::{gateway_as, spawn},
 };
 
 #[derive(Default)]
@@ -450,6 +450,28 @@ async fn the_part_of_an_answer_that_streamed_before_it_failed_is_withdrawn() {
             .any(|e| matches!(e, RunEvent::DeltaReset)),
         "{seen:?}"
     );
+}
+
+/// Issue 13: each ListTools names the lists this replica holds, so users with the same
+/// integrations share one copy the gateway sends once; a user whose list changed (an account
+/// connected) is never handed the list held before.
+#[tokio::test]
+async fn equal_tool_lists_are_sent_once_and_a_changed_list_is_never_stale() {
+    let app = spawn(Options::default()).await;
+    let gateway =
+        GatewayClient::connect_lazy(&format!("http://{}", app.gateway_addr), SERVICE_TOKEN)
+            .unwrap();
+    let alice = gateway.list_tools("alice", pb::Channel::Web).await.unwrap();
+    let bob = gateway.list_tools("bob", pb::Channel::Web).await.unwrap();
+    assert!(Arc::ptr_eq(&alice, &bob), "one copy for both");
+    assert!(!alice.tools.iter().any(|t| t.decl.name == "search_gmail"));
+
+    let mut bobs = gateway_as(app.gateway_addr, "bob").await;
+    connect_account(&mut bobs, pb::Integration::Gmail, "bob@example.com", "t").await;
+    let bob = gateway.list_tools("bob", pb::Channel::Web).await.unwrap();
+    assert!(bob.tools.iter().any(|t| t.decl.name == "search_gmail"));
+    let alice_again = gateway.list_tools("alice", pb::Channel::Web).await.unwrap();
+    assert!(Arc::ptr_eq(&alice, &alice_again), "both lists held now");
 }
 
 #[tokio::test]

@@ -587,6 +587,58 @@ async fn no_connected_account_is_a_clear_result_and_the_tool_is_not_offered() {
     assert!(send.parameters_json_schema.contains("\"required\""));
 }
 
+fn list_request(known: &[&str]) -> pb::ListToolsRequest {
+    pb::ListToolsRequest {
+        known_fingerprints: known.iter().map(|f| f.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+/// Issue 13: a caller that holds the user's list gets its fingerprint back, not the list; a
+/// list that changed (an account connected) is sent whole whatever the caller names.
+#[tokio::test]
+async fn list_tools_answers_unchanged_only_for_a_list_the_caller_holds() {
+    let w = world(Backend::Memory, &[]).await;
+    let mut u1 = w.app.gateway_as("u1").await;
+    let mut u2 = w.app.gateway_as("u2").await;
+    let first = u1.list_tools(list_request(&[])).await.unwrap().into_inner();
+    assert!(!first.unchanged && !first.tools.is_empty());
+    assert_eq!(first.fingerprint.len(), 32, "{}", first.fingerprint);
+
+    // Another user with the same integrations has the same list.
+    let held = u2
+        .list_tools(list_request(&["0123", &first.fingerprint]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(held.unchanged && held.tools.is_empty());
+    assert_eq!(held.fingerprint, first.fingerprint);
+
+    connect(&mut u1, "a", 3600).await;
+    let changed = u1
+        .list_tools(list_request(&[&first.fingerprint]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!changed.unchanged);
+    assert_eq!(changed.tools.len(), first.tools.len() + 3 + 6);
+    assert_ne!(changed.fingerprint, first.fingerprint);
+
+    let too_many: Vec<String> = (0..17).map(|i| format!("f{i}")).collect();
+    let refused = u1
+        .list_tools(list_request(
+            &too_many.iter().map(String::as_str).collect::<Vec<_>>(),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().contains("at most 16"),
+        "{}",
+        refused.message()
+    );
+}
+
 #[tokio::test]
 async fn a_repeated_idempotency_key_calls_upstream_once() {
     let w = world(Backend::Postgres, &[]).await;

@@ -98,6 +98,9 @@ fn failed_outcome(call_id: String, tool: String, kind: ErrorKind, text: String) 
     }
 }
 
+/// ListToolsRequest.known_fingerprints holds at most this many.
+const MAX_KNOWN_FINGERPRINTS: usize = 16;
+
 #[tonic::async_trait]
 impl GatewayService for GatewayApi {
     type ExecuteStream = ResultStream;
@@ -107,9 +110,27 @@ impl GatewayService for GatewayApi {
         request: Request<pb::ListToolsRequest>,
     ) -> Result<Response<pb::ListToolsResponse>, Status> {
         let user = self.user(&request)?;
-        let tools = crate::catalog::tools_for(&self.engine.registry, &self.credentials, &user)
+        let known = request.into_inner().known_fingerprints;
+        if known.len() > MAX_KNOWN_FINGERPRINTS {
+            return Err(ApiError::InvalidArgument(format!(
+                "known_fingerprints holds {} fingerprints; send at most {MAX_KNOWN_FINGERPRINTS}",
+                known.len()
+            ))
+            .into());
+        }
+        let listed = crate::catalog::tools_for(&self.engine.registry, &self.credentials, &user)
             .await
-            .map_err(ApiError::from)?
+            .map_err(ApiError::from)?;
+        let fingerprint = crate::catalog::fingerprint(&listed);
+        if known.contains(&fingerprint) {
+            // The caller holds this very list: neither side encodes or decodes it again.
+            return Ok(Response::new(pb::ListToolsResponse {
+                tools: Vec::new(),
+                fingerprint,
+                unchanged: true,
+            }));
+        }
+        let tools = listed
             .iter()
             .map(|listed| {
                 let availability = if listed.available {
@@ -120,7 +141,11 @@ impl GatewayService for GatewayApi {
                 convert::tool_spec(&listed.tool, availability)
             })
             .collect();
-        Ok(Response::new(pb::ListToolsResponse { tools }))
+        Ok(Response::new(pb::ListToolsResponse {
+            tools,
+            fingerprint,
+            unchanged: false,
+        }))
     }
 
     async fn execute(
