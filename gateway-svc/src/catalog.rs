@@ -75,3 +75,37 @@ pub fn fingerprint(listed: &[Listed]) -> String {
         half(0x5374_6577_6172_6432)
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::integrations::gmail::{self, GmailApi};
+
+    /// Gmail's tools, registered afresh as another replica would, each available or not.
+    fn listed(available: &[bool]) -> Vec<Listed> {
+        let api = GmailApi {
+            base_url: "http://127.0.0.1:9".into(),
+        };
+        gmail::tools(api)
+            .into_iter()
+            .zip(available)
+            .map(|(tool, &available)| Listed {
+                tool: Arc::new(RegisteredTool::new(tool).unwrap()),
+                available,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn equal_lists_registered_apart_share_a_fingerprint_and_any_difference_changes_it() {
+        let list = listed(&[true, true, true]);
+        assert_eq!(fingerprint(&list), fingerprint(&listed(&[true; 3])));
+        assert_eq!(fingerprint(&list).len(), 32);
+        let one_unavailable = listed(&[true, false, true]);
+        assert_ne!(fingerprint(&list), fingerprint(&one_unavailable));
+        assert_ne!(fingerprint(&list), fingerprint(&list[..2]));
+        let mut reordered = listed(&[true; 3]);
+        reordered.swap(0, 1);
+        assert_ne!(fingerprint(&list), fingerprint(&reordered));
+    }
+}

@@ -160,11 +160,19 @@ impl Services {
 
 /// User + system CPU time of a process so far.
 fn cpu(pid: u32) -> Duration {
+    let (user, system) = cpu_split(pid);
+    user + system
+}
+
+/// User and system (kernel: system calls, page faults, waking threads) CPU time of a process
+/// so far.
+fn cpu_split(pid: u32) -> (Duration, Duration) {
     let fields = proc_stat(pid).expect("/proc/<pid>/stat");
     // utime and stime are fields 14 and 15.
-    let ticks: u64 =
-        fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime");
-    Duration::from_millis(ticks * 1000 / clock_ticks())
+    let ticks = |i: usize, name: &str| {
+        Duration::from_millis(fields[i].parse::<u64>().expect(name) * 1000 / clock_ticks())
+    };
+    (ticks(11, "utime"), ticks(12, "stime"))
 }
 
 /// Peak resident set of a process, in MiB.
@@ -275,6 +283,8 @@ struct Wave {
     phases: [(Duration, Duration); 3],
     wall: Duration,
     agent_cpu_per_run: Duration,
+    /// Of `agent_cpu_per_run`, what the kernel spent for agent-svc.
+    agent_system_cpu_per_run: Duration,
     gateway_cpu_per_run: Duration,
     agent_peak_rss_mib: f64,
     /// Log lines each service wrote per run (what RUST_LOG costs, beside its CPU).
@@ -306,6 +316,7 @@ async fn wave(
         })
         .collect();
     let cpu_before = (cpu(services.agent.pid), cpu(services.gateway.pid));
+    let agent_system_before = cpu_split(services.agent.pid).1;
     let logged_before = (services.agent.log().len(), services.gateway.log().len());
     let harness_before = cpu(std::process::id());
     let started = Instant::now();
@@ -329,6 +340,7 @@ async fn wave(
     let wall = started.elapsed();
     let harness_cpu = cpu(std::process::id()) - harness_before;
     let cpu_after = (cpu(services.agent.pid), cpu(services.gateway.pid));
+    let agent_system = cpu_split(services.agent.pid).1 - agent_system_before;
     let logged_after = (services.agent.log().len(), services.gateway.log().len());
     assert!(
         failures.is_empty(),
@@ -363,6 +375,7 @@ async fn wave(
         phases,
         wall,
         agent_cpu_per_run: (cpu_after.0 - cpu_before.0) / runs as u32,
+        agent_system_cpu_per_run: agent_system / runs as u32,
         gateway_cpu_per_run: (cpu_after.1 - cpu_before.1) / runs as u32,
         agent_peak_rss_mib: peak_rss_mib(services.agent.pid),
         log_lines_per_run: (
@@ -542,8 +555,10 @@ async fn main() {
             .map(|(p50, p99)| format!("{} / {}", ms(p50), ms(p99)));
         println!(
             "{backend}, wave {n}: the model's first requests arrived at p50 / p99 {first} from the start, \
-             its second at {second}; the bench's own CPU per run (callers, fake model) {:.2} ms",
-            w.harness_cpu_per_run.as_secs_f64() * 1000.0
+             its second at {second}; the bench's own CPU per run (callers, fake model) {:.2} ms; \
+             of agent-svc's CPU per run, the kernel's {:.2} ms",
+            w.harness_cpu_per_run.as_secs_f64() * 1000.0,
+            w.agent_system_cpu_per_run.as_secs_f64() * 1000.0
         );
     }
     if let Some(cpu) = database_cpu_per_run {

@@ -368,8 +368,10 @@ async fn a_dropped_lock_releases_without_writing(b: Backend) {
 }
 
 /// G-8: a refresh whose save fails (here PostgreSQL refuses a NUL in a scope) frees the
-/// account at once: the next caller does not wait out the refresh hold, and finds the row as
-/// it was.
+/// account at once for callers: the next one does not wait out the refresh hold, and finds
+/// the row as it was. The save had been sent, and a lock cannot tell a refused save from one
+/// whose answer was lost and may still land, so its lease is left lapsed as of the failure,
+/// not freed: background work keeps off the account as it does after any lapse.
 #[tokio::test]
 async fn g8_on_postgres_a_refresh_whose_save_fails_frees_the_account_at_once() {
     let b = postgres().await;
@@ -382,9 +384,29 @@ async fn g8_on_postgres_a_refresh_whose_save_fails_frees_the_account_at_once() {
     let mut refreshed = lock.current().unwrap().clone();
     refreshed.access_token = vec![9, 9, 9];
     refreshed.scopes = vec!["gmail\0readonly".into()];
+    let before_the_save = SystemTime::now();
     assert!(
         lock.save(refreshed).await.is_err(),
         "the database refused it"
+    );
+    let lapsed = let_go(&connect(&b).await)
+        .await
+        .expect("a save that was sent leaves its lease lapsed, not freed");
+    assert!(
+        lapsed >= before_the_save && lapsed <= SystemTime::now(),
+        "lapsed as of the failure: {lapsed:?}"
+    );
+    assert!(
+        s.lock_account_if_idle(
+            &user("u1"),
+            Integration::Gmail,
+            "a@x.com",
+            rekey::ABANDONED_AFTER
+        )
+        .await
+        .unwrap()
+        .is_none(),
+        "background work keeps off an account whose save may still land"
     );
     let again = tokio::time::timeout(
         std::time::Duration::from_secs(5),
@@ -518,22 +540,7 @@ async fn g8_on_postgres_a_lease_taken_over_and_let_go_keeps_background_work_off_
         .await
         .unwrap();
     drop(taker);
-    // The drop's release is a task it spawns: wait for the lease to have no holder.
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-    let given_back: Option<SystemTime> = loop {
-        let row = sql
-            .query_one(
-                "SELECT refresh_holder, refresh_until FROM gateway.accounts",
-                &[],
-            )
-            .await
-            .unwrap();
-        if row.get::<_, Option<String>>(0).is_none() {
-            break row.get(1);
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never let go");
-        tokio::task::yield_now().await;
-    };
+    let given_back = let_go(&sql).await;
     assert_eq!(given_back, Some(lapse), "back to the lapse it took over");
     assert!(
         s.lock_account_if_idle(
@@ -559,6 +566,26 @@ async fn g8_on_postgres_a_lease_taken_over_and_let_go_keeps_background_work_off_
     let mut fresh = slow.current().unwrap().clone();
     fresh.access_token = vec![9, 9];
     assert_eq!(slow.save(fresh).await.unwrap(), Saved::Applied);
+}
+
+/// The lone account's `refresh_until` once its lease has no holder: a dropped lock lets go in
+/// a task it spawns, so this waits for that task's write.
+async fn let_go(sql: &tokio_postgres::Client) -> Option<SystemTime> {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let row = sql
+            .query_one(
+                "SELECT refresh_holder, refresh_until FROM gateway.accounts",
+                &[],
+            )
+            .await
+            .unwrap();
+        if row.get::<_, Option<String>>(0).is_none() {
+            return row.get(1);
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never let go");
+        tokio::task::yield_now().await;
+    }
 }
 
 /// Every account's refresh lease lapsed a second ago, as if its refresh had outlived it; the
