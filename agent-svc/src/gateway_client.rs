@@ -205,6 +205,8 @@ struct Interned {
     by_fingerprint: HashMap<String, Arc<ToolList>>,
     /// The fingerprints of `by_fingerprint`, the most recently answered last.
     recent: std::collections::VecDeque<String>,
+    /// ListTools answers that carried a whole list (the others said "unchanged").
+    sent: u64,
 }
 
 /// Distinct lists kept; past that the interner starts over (lists still in use stay alive).
@@ -277,6 +279,7 @@ impl ToolLists {
 
     /// A ListTools answer that sent the list.
     fn sent(&self, response: pb::ListToolsResponse) -> Arc<ToolList> {
+        self.lock().sent += 1;
         let list = self.intern(response.tools);
         // An older gateway sends no fingerprint.
         if !response.fingerprint.is_empty() {
@@ -421,6 +424,12 @@ impl GatewayClient {
         }
     }
 
+    /// How many ListTools answers carried a whole list, the others having said "unchanged"
+    /// (what the fingerprints save, for tests and investigation).
+    pub fn whole_lists_received(&self) -> u64 {
+        self.lists.lock().sent
+    }
+
     /// ListTools once; equal lists come back as one shared copy. The request names the lists
     /// this replica holds, so a user whose list is one of them gets only its fingerprint back.
     pub async fn list_tools(
@@ -438,7 +447,8 @@ impl GatewayClient {
         // Forgotten since the request named it (newer lists pushed it out): ask for the list.
         let answer = self.ask_list(user, channel, Vec::new()).await?;
         if answer.unchanged {
-            return Err(GatewayError::Unavailable(
+            // The gateway broke the contract: asking again would get the same answer.
+            return Err(GatewayError::Refused(
                 "ListTools answered \"unchanged\" to a request that named no list".into(),
             ));
         }

@@ -55,10 +55,12 @@ pub async fn tools_for(
 
 /// The list's fingerprint (ListToolsResponse.fingerprint): each tool's listing digest (a
 /// SHA-256 taken once, at registration), in order, with whether it is available — everything
-/// ListTools sends — hashed per call into 128 bits, as hex. The per-call hash is two seeded
+/// ListTools sends — hashed per call into 32 hex digits. The per-call hash is two seeded
 /// foldhash passes, not another SHA-256: that cost a tenth of the gateway's instructions per
-/// run, more than encoding the list. Equal on every replica of one build; a list that differs
-/// in any digest differs here but with chance 2^-128.
+/// run, more than encoding the list. Equal on every replica of one build. foldhash resists no
+/// chosen collision and its two passes are not independent, so this is not a 128-bit bound;
+/// but what it hashes are SHA-256 digests, which nobody can steer, and two different lists
+/// share a fingerprint only by chance (about 2^-64 or less).
 pub fn fingerprint(listed: &[Listed]) -> String {
     use std::hash::{BuildHasher, Hasher};
     let half = |seed: u64| {

@@ -472,6 +472,11 @@ async fn equal_tool_lists_are_sent_once_and_a_changed_list_is_never_stale() {
     assert!(bob.tools.iter().any(|t| t.decl.name == "search_gmail"));
     let alice_again = gateway.list_tools("alice", pb::Channel::Web).await.unwrap();
     assert!(Arc::ptr_eq(&alice, &alice_again), "both lists held now");
+    assert_eq!(
+        gateway.whole_lists_received(),
+        2,
+        "alice's first list and bob's changed one; the other two answers said \"unchanged\""
+    );
 }
 
 #[tokio::test]

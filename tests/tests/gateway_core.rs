@@ -624,6 +624,22 @@ async fn list_tools_answers_unchanged_only_for_a_list_the_caller_holds() {
     assert_eq!(changed.tools.len(), first.tools.len() + 3 + 6);
     assert_ne!(changed.fingerprint, first.fingerprint);
 
+    let sixteen: Vec<String> = (0..16).map(|i| format!("f{i}")).collect();
+    let named = u1
+        .list_tools(list_request(
+            &sixteen.iter().map(String::as_str).collect::<Vec<_>>(),
+        ))
+        .await
+        .expect("sixteen are accepted");
+    assert!(!named.into_inner().unchanged);
+    let long = "f".repeat(65);
+    let refused = u1.list_tools(list_request(&[&long])).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().contains("at most 64"),
+        "{}",
+        refused.message()
+    );
     let too_many: Vec<String> = (0..17).map(|i| format!("f{i}")).collect();
     let refused = u1
         .list_tools(list_request(

@@ -100,6 +100,8 @@ fn failed_outcome(call_id: String, tool: String, kind: ErrorKind, text: String) 
 
 /// ListToolsRequest.known_fingerprints holds at most this many.
 const MAX_KNOWN_FINGERPRINTS: usize = 16;
+/// The longest fingerprint a caller may name (ListTools returns 32 hex digits).
+const MAX_FINGERPRINT_LEN: usize = 64;
 
 #[tonic::async_trait]
 impl GatewayService for GatewayApi {
@@ -115,6 +117,14 @@ impl GatewayService for GatewayApi {
             return Err(ApiError::InvalidArgument(format!(
                 "known_fingerprints holds {} fingerprints; send at most {MAX_KNOWN_FINGERPRINTS}",
                 known.len()
+            ))
+            .into());
+        }
+        if let Some(long) = known.iter().find(|f| f.len() > MAX_FINGERPRINT_LEN) {
+            return Err(ApiError::InvalidArgument(format!(
+                "known_fingerprints holds one of {} bytes; a fingerprint is at most \
+                 {MAX_FINGERPRINT_LEN} (send them as ListTools returned them)",
+                long.len()
             ))
             .into());
         }
