@@ -397,15 +397,7 @@ async fn g8_on_postgres_a_refresh_whose_save_fails_frees_the_account_at_once() {
         "lapsed as of the failure: {lapsed:?}"
     );
     assert!(
-        s.lock_account_if_idle(
-            &user("u1"),
-            Integration::Gmail,
-            "a@x.com",
-            rekey::ABANDONED_AFTER
-        )
-        .await
-        .unwrap()
-        .is_none(),
+        walk_lock(&s).await.is_none(),
         "background work keeps off an account whose save may still land"
     );
     let again = tokio::time::timeout(
@@ -482,16 +474,7 @@ async fn g8_on_postgres_a_walks_save_after_a_refresh_took_over_its_lease_does_no
     let b = postgres().await;
     let s = b.stores.accounts.clone();
     s.upsert_account(account("u1", "a@x.com")).await.unwrap();
-    let walk = s
-        .lock_account_if_idle(
-            &user("u1"),
-            Integration::Gmail,
-            "a@x.com",
-            rekey::ABANDONED_AFTER,
-        )
-        .await
-        .unwrap()
-        .expect("idle");
+    let walk = walk_lock(&s).await.expect("idle");
     lapse_every_lease(&b).await;
     let refresh = s
         .lock_account(&user("u1"), Integration::Gmail, "a@x.com")
@@ -543,15 +526,7 @@ async fn g8_on_postgres_a_lease_taken_over_and_let_go_keeps_background_work_off_
     let given_back = let_go(&sql).await;
     assert_eq!(given_back, Some(lapse), "back to the lapse it took over");
     assert!(
-        s.lock_account_if_idle(
-            &user("u1"),
-            Integration::Gmail,
-            "a@x.com",
-            rekey::ABANDONED_AFTER
-        )
-        .await
-        .unwrap()
-        .is_none(),
+        walk_lock(&s).await.is_none(),
         "background work leaves it to the refresh that may still save"
     );
     let caller = tokio::time::timeout(
@@ -566,6 +541,20 @@ async fn g8_on_postgres_a_lease_taken_over_and_let_go_keeps_background_work_off_
     let mut fresh = slow.current().unwrap().clone();
     fresh.access_token = vec![9, 9];
     assert_eq!(slow.save(fresh).await.unwrap(), Saved::Applied);
+}
+
+/// u1's account as background work (a rotation walk) takes it: `None` while it keeps off.
+async fn walk_lock(
+    s: &Arc<dyn gateway_svc::store::AccountStore>,
+) -> Option<Box<dyn gateway_svc::store::AccountLock>> {
+    s.lock_account_if_idle(
+        &user("u1"),
+        Integration::Gmail,
+        "a@x.com",
+        rekey::ABANDONED_AFTER,
+    )
+    .await
+    .unwrap()
 }
 
 /// The lone account's `refresh_until` once its lease has no holder: a dropped lock lets go in
