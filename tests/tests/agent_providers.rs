@@ -888,3 +888,163 @@ async fn results_that_arrive_out_of_order_on_one_execute_stream_reach_their_own_
         assert!(!session.is_closed(), "the stream stays open between rounds");
     }
 }
+
+/// A gateway whose ListTools answers are scripted, one per request, and which keeps every
+/// request's fingerprints; its other RPCs are not used here.
+struct ScriptedLists {
+    answers: Mutex<std::collections::VecDeque<pb::ListToolsResponse>>,
+    named: Arc<Mutex<Vec<Vec<String>>>>,
+}
+
+fn whole_list(fingerprint: &str) -> pb::ListToolsResponse {
+    pb::ListToolsResponse {
+        tools: vec![pb::ToolSpec {
+            name: "list_tasks".into(),
+            parameters_json_schema: r#"{"type":"object"}"#.into(),
+            ..Default::default()
+        }],
+        fingerprint: fingerprint.into(),
+        unchanged: false,
+    }
+}
+
+fn unchanged(fingerprint: &str) -> pb::ListToolsResponse {
+    pb::ListToolsResponse {
+        tools: vec![],
+        fingerprint: fingerprint.into(),
+        unchanged: true,
+    }
+}
+
+type Unused<T> = Result<tonic::Response<T>, tonic::Status>;
+
+fn unused<T>() -> Unused<T> {
+    Err(tonic::Status::unimplemented("not scripted"))
+}
+
+#[tonic::async_trait]
+impl pb::gateway_service_server::GatewayService for ScriptedLists {
+    type ExecuteStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<pb::ExecuteResponse, tonic::Status>> + Send>,
+    >;
+
+    async fn list_tools(
+        &self,
+        request: tonic::Request<pb::ListToolsRequest>,
+    ) -> Unused<pb::ListToolsResponse> {
+        self.named
+            .lock()
+            .unwrap()
+            .push(request.into_inner().known_fingerprints);
+        let answer = self.answers.lock().unwrap().pop_front().expect("scripted");
+        Ok(tonic::Response::new(answer))
+    }
+    async fn execute(
+        &self,
+        _: tonic::Request<tonic::Streaming<pb::ExecuteRequest>>,
+    ) -> Unused<Self::ExecuteStream> {
+        unused()
+    }
+    async fn execute_tool(
+        &self,
+        _: tonic::Request<pb::ExecuteToolRequest>,
+    ) -> Unused<pb::ExecuteToolResponse> {
+        unused()
+    }
+    async fn get_bootstrap_context(
+        &self,
+        _: tonic::Request<pb::GetBootstrapContextRequest>,
+    ) -> Unused<pb::GetBootstrapContextResponse> {
+        unused()
+    }
+    async fn connect_account(
+        &self,
+        _: tonic::Request<pb::ConnectAccountRequest>,
+    ) -> Unused<pb::ConnectAccountResponse> {
+        unused()
+    }
+    async fn list_accounts(
+        &self,
+        _: tonic::Request<pb::ListAccountsRequest>,
+    ) -> Unused<pb::ListAccountsResponse> {
+        unused()
+    }
+    async fn disconnect_account(
+        &self,
+        _: tonic::Request<pb::DisconnectAccountRequest>,
+    ) -> Unused<pb::DisconnectAccountResponse> {
+        unused()
+    }
+    async fn lookup_call(
+        &self,
+        _: tonic::Request<pb::LookupCallRequest>,
+    ) -> Unused<pb::LookupCallResponse> {
+        unused()
+    }
+    async fn preview_call(
+        &self,
+        _: tonic::Request<pb::PreviewCallRequest>,
+    ) -> Unused<pb::PreviewCallResponse> {
+        unused()
+    }
+    async fn set_mcp_enabled(
+        &self,
+        _: tonic::Request<pb::SetMcpEnabledRequest>,
+    ) -> Unused<pb::SetMcpEnabledResponse> {
+        unused()
+    }
+}
+
+/// Serves `answers` on loopback; the client, and what each request named.
+async fn scripted_lists(
+    answers: Vec<pb::ListToolsResponse>,
+) -> (GatewayClient, Arc<Mutex<Vec<Vec<String>>>>) {
+    let named = Arc::new(Mutex::new(Vec::new()));
+    let gateway = ScriptedLists {
+        answers: Mutex::new(answers.into()),
+        named: named.clone(),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::gateway_service_server::GatewayServiceServer::new(
+                gateway,
+            ))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let client = GatewayClient::connect_lazy(&format!("http://{addr}"), SERVICE_TOKEN).unwrap();
+    (client, named)
+}
+
+/// Issue 13: a list the gateway calls unchanged but this replica has forgotten since naming it
+/// (newer lists pushed it out) is asked for again, naming nothing; and "unchanged" to a
+/// request that named nothing is refused, never taken for some list.
+#[tokio::test]
+async fn a_forgotten_list_answered_unchanged_is_asked_for_again() {
+    let mut answers: Vec<_> = (0..=8).map(|i| whole_list(&format!("f{i}"))).collect();
+    answers.push(unchanged("f0"));
+    answers.push(whole_list("f0"));
+    let (gateway, named) = scripted_lists(answers).await;
+    for _ in 0..=8 {
+        gateway.list_tools("alice", pb::Channel::Web).await.unwrap();
+    }
+    let list = gateway.list_tools("alice", pb::Channel::Web).await.unwrap();
+    assert_eq!(list.tools[0].decl.name, "list_tasks");
+    let named = named.lock().unwrap().clone();
+    assert_eq!(named.len(), 11);
+    assert!(
+        !named[9].contains(&"f0".to_owned()),
+        "f0 was pushed out: {:?}",
+        named[9]
+    );
+    assert!(named[10].is_empty(), "asked again naming nothing");
+    assert_eq!(gateway.whole_lists_received(), 10);
+
+    let (gateway, _) = scripted_lists(vec![unchanged("f0"), unchanged("f0")]).await;
+    let refused = gateway
+        .list_tools("alice", pb::Channel::Web)
+        .await
+        .unwrap_err();
+    assert!(refused.to_string().contains("named no list"), "{refused}");
+}
