@@ -935,16 +935,19 @@ async fn e12_an_occurrence_handed_back_at_shutdown_is_settled_as_a_restart_by_it
         .await
         .expect("agent-svc stops cleanly");
 
-    let fired = fire_everywhere(std::slice::from_ref(&taker), now).await;
-    assert_eq!(fired.len(), 1);
+    // Attempt 1 is settled as a restart and attempt 2 is due at once: the same sweep takes it
+    // when attempt 1 settles before the sweep's next claim (a busy machine), else the next.
+    let mut fired = fire_everywhere(std::slice::from_ref(&taker), now).await;
     assert_eq!(
-        fired[0].outcome,
-        ScheduleOutcome::Retrying,
+        fired.first().map(|f| f.outcome),
+        Some(ScheduleOutcome::Retrying),
         "attempt 1 found stopped: {fired:?}"
     );
-    let fired = fire_everywhere(&[taker], now).await;
-    assert_eq!(fired.len(), 1, "the next attempt is due at once");
-    assert_eq!(fired[0].outcome, ScheduleOutcome::Completed, "{fired:?}");
+    if fired.len() == 1 {
+        fired.extend(fire_everywhere(&[taker], now).await);
+    }
+    assert_eq!(fired.len(), 2, "the next attempt is due at once: {fired:?}");
+    assert_eq!(fired[1].outcome, ScheduleOutcome::Completed, "{fired:?}");
     let runs = runs_on(&app, &schedule.thread_id).await;
     let attempts: Vec<&str> = runs
         .iter()
