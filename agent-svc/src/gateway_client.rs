@@ -257,23 +257,11 @@ impl ToolLists {
         self.lock().recent.iter().rev().cloned().collect()
     }
 
-    /// Records that the gateway's list `fingerprint` is `list`, as the newest.
-    fn remember(&self, fingerprint: String, list: &Arc<ToolList>) {
-        let mut lists = self.lock();
-        lists.recent.retain(|f| *f != fingerprint);
-        lists.recent.push_back(fingerprint.clone());
-        lists.by_fingerprint.insert(fingerprint, list.clone());
-        while lists.recent.len() > KNOWN_FINGERPRINTS {
-            if let Some(oldest) = lists.recent.pop_front() {
-                lists.by_fingerprint.remove(&oldest);
-            }
-        }
-    }
-
     /// The list the gateway answered "unchanged" for, unless forgotten since it was named.
     fn fingerprinted(&self, fingerprint: &str) -> Option<Arc<ToolList>> {
-        let list = self.lock().by_fingerprint.get(fingerprint).cloned()?;
-        self.remember(fingerprint.to_owned(), &list);
+        let mut lists = self.lock();
+        let list = lists.by_fingerprint.get(fingerprint).cloned()?;
+        lists.remember(fingerprint.to_owned(), &list);
         Some(list)
     }
 
@@ -283,9 +271,23 @@ impl ToolLists {
         let list = self.intern(response.tools);
         // An older gateway sends no fingerprint.
         if !response.fingerprint.is_empty() {
-            self.remember(response.fingerprint, &list);
+            self.lock().remember(response.fingerprint, &list);
         }
         list
+    }
+}
+
+impl Interned {
+    /// Records that the gateway's list `fingerprint` is `list`, as the newest.
+    fn remember(&mut self, fingerprint: String, list: &Arc<ToolList>) {
+        self.recent.retain(|f| *f != fingerprint);
+        self.recent.push_back(fingerprint.clone());
+        self.by_fingerprint.insert(fingerprint, list.clone());
+        while self.recent.len() > KNOWN_FINGERPRINTS {
+            if let Some(oldest) = self.recent.pop_front() {
+                self.by_fingerprint.remove(&oldest);
+            }
+        }
     }
 }
 

@@ -587,9 +587,9 @@ async fn no_connected_account_is_a_clear_result_and_the_tool_is_not_offered() {
     assert!(send.parameters_json_schema.contains("\"required\""));
 }
 
-fn list_request(known: &[&str]) -> pb::ListToolsRequest {
+fn list_request(known: impl IntoIterator<Item = impl Into<String>>) -> pb::ListToolsRequest {
     pb::ListToolsRequest {
-        known_fingerprints: known.iter().map(|f| f.to_string()).collect(),
+        known_fingerprints: known.into_iter().map(Into::into).collect(),
         ..Default::default()
     }
 }
@@ -601,13 +601,17 @@ async fn list_tools_answers_unchanged_only_for_a_list_the_caller_holds() {
     let w = world(Backend::Memory, &[]).await;
     let mut u1 = w.app.gateway_as("u1").await;
     let mut u2 = w.app.gateway_as("u2").await;
-    let first = u1.list_tools(list_request(&[])).await.unwrap().into_inner();
+    let first = u1
+        .list_tools(pb::ListToolsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!first.unchanged && !first.tools.is_empty());
     assert_eq!(first.fingerprint.len(), 32, "{}", first.fingerprint);
 
     // Another user with the same integrations has the same list.
     let held = u2
-        .list_tools(list_request(&["0123", &first.fingerprint]))
+        .list_tools(list_request(["0123", first.fingerprint.as_str()]))
         .await
         .unwrap()
         .into_inner();
@@ -616,7 +620,7 @@ async fn list_tools_answers_unchanged_only_for_a_list_the_caller_holds() {
 
     connect(&mut u1, "a", 3600).await;
     let changed = u1
-        .list_tools(list_request(&[&first.fingerprint]))
+        .list_tools(list_request([first.fingerprint.as_str()]))
         .await
         .unwrap()
         .into_inner();
@@ -624,27 +628,21 @@ async fn list_tools_answers_unchanged_only_for_a_list_the_caller_holds() {
     assert_eq!(changed.tools.len(), first.tools.len() + 3 + 6);
     assert_ne!(changed.fingerprint, first.fingerprint);
 
-    let sixteen: Vec<String> = (0..16).map(|i| format!("f{i}")).collect();
     let named = u1
-        .list_tools(list_request(
-            &sixteen.iter().map(String::as_str).collect::<Vec<_>>(),
-        ))
+        .list_tools(list_request((0..16).map(|i| format!("f{i}"))))
         .await
         .expect("sixteen are accepted");
     assert!(!named.into_inner().unchanged);
     let long = "f".repeat(65);
-    let refused = u1.list_tools(list_request(&[&long])).await.unwrap_err();
+    let refused = u1.list_tools(list_request([long])).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);
     assert!(
         refused.message().contains("at most 64"),
         "{}",
         refused.message()
     );
-    let too_many: Vec<String> = (0..17).map(|i| format!("f{i}")).collect();
     let refused = u1
-        .list_tools(list_request(
-            &too_many.iter().map(String::as_str).collect::<Vec<_>>(),
-        ))
+        .list_tools(list_request((0..17).map(|i| format!("f{i}"))))
         .await
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);
